@@ -1,0 +1,52 @@
+"""distcache: fetch each kernel artifact once per job, map each IPC pool once.
+
+Public names are re-exported here and loaded on first use, so ``import distcache``
+stays cheap and never imports torch or mpi4py.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Artifact": "distcache.artifact",
+    "parse_checksums": "distcache.artifact",
+    "ArtifactPool": "distcache.pool",
+    "HttpOrigin": "distcache.origin",
+    "DirOrigin": "distcache.origin",
+    "OriginChain": "distcache.origin",
+    "prefetch": "distcache.prefetch",
+    "sync": "distcache.prefetch",
+    "PrefetchReport": "distcache.prefetch",
+    "init": "distcache.session",
+    "Session": "distcache.session",
+}
+_SUBMODULES = ("comm", "errors", "ipc", "integrations", "config")
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
+
+if TYPE_CHECKING:
+    from distcache import comm, config, errors, integrations, ipc
+    from distcache.artifact import Artifact, parse_checksums
+    from distcache.origin import DirOrigin, HttpOrigin, OriginChain
+    from distcache.pool import ArtifactPool
+    from distcache.prefetch import PrefetchReport, prefetch, sync
+    from distcache.session import Session, init
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"distcache.{name}")
+    else:
+        raise AttributeError(f"module 'distcache' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

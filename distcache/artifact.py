@@ -1,0 +1,199 @@
+"""Artifacts: a name (an untrusted label) and the SHA-256 of its bytes.
+
+Names come from manifests, engines and the network, so they are validated as hostile
+input before they touch a filesystem: see :func:`validate_name`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import unicodedata
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from distcache.errors import ArtifactNameError, IntegrityError, ManifestError
+
+__all__ = [
+    "MAX_NAME_BYTES",
+    "MAX_SEGMENT_BYTES",
+    "Artifact",
+    "check_sha256",
+    "parse_checksums",
+    "path_under",
+    "sha256_hex",
+    "validate_name",
+    "manifest_text",
+    "verify_bytes",
+]
+
+MAX_NAME_BYTES = 1024
+MAX_SEGMENT_BYTES = 255
+_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+# Control, format (zero-width, bidi overrides), surrogate and private-use characters
+# have no place in a kernel's file name and are the usual material of spoofing.
+_BAD_CATEGORIES = {"Cc", "Cf", "Cs", "Co", "Cn"}
+
+
+def sha256_hex(data: bytes | bytearray | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def check_sha256(sha256: object) -> str:
+    """Return ``sha256`` if it is 64 lowercase hex characters.
+
+    Raises:
+        ValueError: it is not.
+    """
+    if not isinstance(sha256, str) or not _SHA_RE.match(sha256):
+        raise ValueError(f"sha256 must be 64 lowercase hex characters, got {sha256!r}")
+    return sha256
+
+
+def validate_name(name: object) -> str:
+    """Return the normalised name, or raise.
+
+    Rejected: non-strings, empty names, absolute paths, ``.``/``..`` segments,
+    backslashes, NUL and other control or format characters, empty segments (a
+    trailing ``/``), names over 1024 bytes or with a segment over 255 bytes.
+    Runs of ``/`` inside a name (FlashInfer joins paths with ``//``) collapse to one.
+
+    Raises:
+        ArtifactNameError: the name is unsafe; ``reason`` says why.
+    """
+
+    def reject(reason: str) -> ArtifactNameError:
+        return ArtifactNameError(
+            f"artifact name {name!r} rejected: {reason}", name=name, reason=reason
+        )
+
+    if not isinstance(name, str):
+        raise reject("not a string")
+    if not name:
+        raise reject("empty")
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise reject(f"longer than {MAX_NAME_BYTES} bytes")
+    if name.startswith("/"):
+        raise reject("absolute path")
+    if "\\" in name:
+        raise reject("backslash")
+    for ch in name:
+        if unicodedata.category(ch) in _BAD_CATEGORIES:
+            raise reject(f"control or format character U+{ord(ch):04X}")
+    normalised = re.sub(r"/{2,}", "/", name)
+    segments = normalised.split("/")
+    for segment in segments:
+        if segment == "":
+            raise reject("empty path segment")
+        if segment in (".", ".."):
+            raise reject(f"'{segment}' segment")
+        if len(segment.encode("utf-8")) > MAX_SEGMENT_BYTES:
+            raise reject(f"a segment is longer than {MAX_SEGMENT_BYTES} bytes")
+    return normalised
+
+
+def path_under(root: Path, name: str) -> Path:
+    """``root / name`` for a validated name, checked to stay under ``root``.
+
+    Raises:
+        ArtifactNameError: the name is unsafe.
+    """
+    clean = validate_name(name)
+    path = root.joinpath(*clean.split("/"))
+    # Validation already forbids escapes; this is the belt to its braces.
+    if not path.is_relative_to(root):
+        raise ArtifactNameError(
+            f"artifact name {name!r} escapes {root}", name=name, reason="escapes root"
+        )
+    return path
+
+
+@dataclass(frozen=True, slots=True)
+class Artifact:
+    """A named blob identified by its SHA-256.
+
+    ``name`` is normalised (doubled ``//`` collapse); ``size`` is optional and, when
+    given, checked on every transfer.
+
+    Raises:
+        ArtifactNameError: the name is unsafe.
+        ValueError: the sha256 is not 64 lowercase hex characters, or size < 0.
+    """
+
+    name: str
+    sha256: str
+    size: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", validate_name(self.name))
+        check_sha256(self.sha256)
+        if self.size is not None and (not isinstance(self.size, int) or self.size < 0):
+            raise ValueError(f"size of {self.name} must be a non-negative int, got {self.size!r}")
+
+
+def verify_bytes(data: bytes | bytearray | memoryview, sha256: str, *, source: str = "") -> None:
+    """Check ``data`` against ``sha256``.
+
+    Raises:
+        IntegrityError: the digest differs.
+    """
+    actual = sha256_hex(data)
+    if actual != sha256:
+        where = f" from {source}" if source else ""
+        raise IntegrityError(
+            f"sha256 mismatch{where}: expected {sha256}, got {actual}",
+            sha256=sha256,
+            actual=actual,
+            source=source,
+        )
+
+
+def parse_checksums(text: str, prefix: str = "") -> list[Artifact]:
+    """Parse ``sha256sum`` output (``<sha>  <name>`` or ``<sha> *<name>`` per line).
+
+    Blank lines and ``#`` comments are skipped. ``prefix`` is joined in front of every
+    name. The same name listed twice with the same digest is kept once.
+
+    Raises:
+        ManifestError: a malformed line, or one name with two digests (with the line
+            number).
+        ArtifactNameError: an unsafe name (with the line number in the message).
+    """
+    out: dict[str, Artifact] = {}
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split(None, 1)
+        if len(parts) != 2 or not _SHA_RE.match(parts[0].lower()):
+            raise ManifestError(
+                f"line {lineno}: expected '<64 hex sha256>  <name>', got {raw[:120]!r}",
+                line=lineno,
+                text=raw,
+            )
+        digest, name = parts[0].lower(), parts[1].strip()
+        if name.startswith("*"):
+            name = name[1:]
+        full = f"{prefix.rstrip('/')}/{name}" if prefix else name
+        try:
+            artifact = Artifact(full, digest)
+        except ArtifactNameError as exc:
+            raise ArtifactNameError(
+                f"line {lineno}: {exc.message}", name=full, reason=exc.reason, line=lineno
+            ) from None
+        previous = out.get(artifact.name)
+        if previous is not None and previous.sha256 != digest:
+            raise ManifestError(
+                f"line {lineno}: {artifact.name} is listed with two digests "
+                f"({previous.sha256} and {digest})",
+                line=lineno,
+                text=raw,
+            )
+        out[artifact.name] = artifact
+    return list(out.values())
+
+
+def manifest_text(artifacts: Iterable[Artifact]) -> str:
+    """The ``sha256sum``-format text of ``artifacts`` (inverse of parse_checksums)."""
+    return "".join(f"{a.sha256}  {a.name}\n" for a in artifacts)

@@ -1,0 +1,65 @@
+"""Communicators: the seam between distcache's collectives and a process group.
+
+``auto()`` adopts what the process already has (an initialised torch.distributed
+group, else an MPI world when a launcher variable says MPI is in use), else returns a
+world-size-1 :class:`LocalCommunicator`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distcache.comm.base import MAX_MESSAGE_BYTES, Communicator, agree_on_error
+from distcache.comm.local import LocalCommunicator, ThreadCommunicator, ThreadGroup
+
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "Communicator",
+    "LocalCommunicator",
+    "ThreadCommunicator",
+    "ThreadGroup",
+    "agree_on_error",
+    "auto",
+    "from_mpi",
+    "from_torch",
+    "local",
+]
+
+
+def local(node_id: str | None = None) -> Communicator:
+    """A world-size-1 communicator."""
+    return LocalCommunicator(node_id)
+
+
+def from_mpi(mpi_comm: Any = None, **kwargs: Any) -> Communicator:
+    """Wrap an mpi4py communicator (default: ``COMM_WORLD``).
+
+    Raises:
+        CommError: mpi4py is not importable.
+    """
+    from distcache.comm.mpi import MpiCommunicator
+
+    return MpiCommunicator(mpi_comm, **kwargs)
+
+
+def from_torch(group: Any = None, **kwargs: Any) -> Communicator:
+    """Wrap an initialised torch.distributed process group (default: the world).
+
+    Raises:
+        CommError: torch.distributed is not initialised.
+    """
+    from distcache.comm.torch_dist import TorchCommunicator
+
+    return TorchCommunicator(group, **kwargs)
+
+
+def auto(**kwargs: Any) -> Communicator:
+    """Adopt torch.distributed if initialised, else MPI when launched under MPI,
+    else a local communicator.
+
+    Raises:
+        CommError: a backend was detected but cannot be used.
+    """
+    from distcache.comm.select import auto as _auto
+
+    return _auto(**kwargs)

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The whole test suite: lint, types, unit + multi-node + launcher tests, then the MPI
+# suite under a real `mpirun -n 4`. Every multi-process step runs in its own process
+# group under a hard timeout that kills the whole group, so one failing rank fails
+# the run instead of hanging it.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PATH="$PWD/.venv/bin:$PATH"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_rmaps_base_oversubscribe=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
+export PYTHONDONTWRITEBYTECODE=1
+
+# group_timeout SECONDS CMD...: run CMD in a new session; kill the session on timeout.
+group_timeout() {
+  local secs=$1; shift
+  setsid "$@" &
+  local pid=$!
+  ( sleep "$secs"; echo "test.sh: '$*' exceeded ${secs}s; killing its process group" >&2
+    kill -KILL -- "-$pid" 2>/dev/null ) &
+  local watchdog=$!
+  wait "$pid"; local rc=$?
+  kill "$watchdog" 2>/dev/null; wait "$watchdog" 2>/dev/null
+  return "$rc"
+}
+
+failed=()
+step() {
+  local name=$1; shift
+  echo
+  echo "=== $name"
+  if ! "$@"; then failed+=("$name"); fi
+}
+
+step "ruff" ruff check distcache launch tests scripts
+step "mypy" mypy
+step "pytest (unit, multinode, launchers)" group_timeout 1500 \
+  python -m pytest -q -rs -p no:cacheprovider tests/unit tests/multinode tests/launchers
+for backend in mpi torch; do
+  step "pytest under mpirun -n 4 (communicator: $backend)" group_timeout 600 \
+    env DISTCACHE_TEST_COMM="$backend" mpirun -n 4 --oversubscribe \
+      python -m pytest -q -rs -p no:cacheprovider --with-mpi tests/mpi
+done
+
+echo
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "FAILED steps: ${failed[*]}"
+  exit 1
+fi
+echo "all test steps passed"
