@@ -8,6 +8,7 @@ the shared-memory pools, and rank 0 writes a JSON report of what happened.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import time
@@ -48,23 +49,22 @@ def main() -> int:
 
     # The burst: every rank produces features; every other rank resolves all of them.
     t1 = time.perf_counter()
-    sent: list[bytes] = []
+    sent: list[tuple[int, bytes]] = []
     copies = 0
     for i in range(args.features):
         ref = producer.put(_feature(comm.rank, i))
         if ref is None:  # pool full: an engine would send a copy instead
             copies += 1
             continue
-        sent.append(ref.pack())
+        sent.append((i, ref.pack()))
     everyone = comm.allgather_object(sent)
     resolved = checked = 0
     for owner, packed_refs in enumerate(everyone):
         if owner == comm.rank:
             continue
-        for packed in packed_refs:
+        for index, packed in packed_refs:
             ref = FeatureRef.unpack(packed)
             view = registry.resolve(ref)
-            index = sent_index(packed_refs, packed)
             expect = _feature(owner, index)
             if zlib.crc32(view.numpy().tobytes()) == zlib.crc32(expect.numpy().tobytes()):
                 checked += 1
@@ -94,7 +94,7 @@ def main() -> int:
         out = {
             "world_size": comm.size,
             "backend": comm.backend,
-            "prefetch": report.as_dict(),
+            "prefetch": dataclasses.asdict(report),
             "phases": session.phases,
             "ranks": ranks,
         }
@@ -102,10 +102,6 @@ def main() -> int:
     session.close()
     producer.close()
     return 0
-
-
-def sent_index(refs: list[bytes], packed: bytes) -> int:
-    return refs.index(packed)
 
 
 if __name__ == "__main__":

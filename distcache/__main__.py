@@ -1,0 +1,5 @@
+"""``python -m distcache``: the ``distcache`` command."""
+
+from distcache.cli import main
+
+raise SystemExit(main())

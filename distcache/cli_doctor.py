@@ -1,0 +1,188 @@
+"""``distcache doctor``: what this machine offers distcache, one fact per line.
+
+Reports the launcher (``launch.detect()``), the pool directory, the filesystem it is
+on (kernel locks are only as good as the filesystem: some NFS and Lustre mounts
+accept ``flock`` without excluding anyone, which costs duplicate downloads, never
+correctness), whether locks really exclude there, free space, ``/dev/shm`` (the CPU
+IPC pools live there; containers often cap it at 64 MiB), and CUDA IPC. torch is
+imported only when it is installed *and* an NVIDIA device node exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import fcntl
+import importlib.util
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+__all__ = ["check_locks", "filesystem_of", "setup_doctor"]
+
+# Filesystems where flock may be node-local or advisory only (DESIGN.md, pool).
+_NETWORK_FS = ("nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "beegfs", "ceph", "fuse")
+
+
+def setup_doctor(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(run=run_doctor)
+
+
+def _human(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if nbytes < 1024 or unit == "TiB":
+            return f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} TiB"
+
+
+def _existing(path: Path) -> Path:
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _unescape(field: str) -> str:
+    # /proc/mounts writes space, tab, newline and backslash as octal escapes.
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def filesystem_of(path: Path, mounts: str | None = None) -> tuple[str, str, str] | None:
+    """``(fstype, mount point, device)`` of the longest mount point holding ``path``,
+    from ``/proc/mounts`` (or the given text); ``None`` when unknown."""
+    if mounts is None:
+        try:
+            mounts = Path("/proc/mounts").read_text()
+        except OSError:
+            return None
+    real = os.path.realpath(_existing(path))
+    best: tuple[str, str, str] | None = None
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        device, mount, fstype = _unescape(fields[0]), _unescape(fields[1]), fields[2]
+        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+        if inside and (best is None or len(mount) >= len(best[1])):
+            best = (fstype, mount, device)
+    return best
+
+
+def check_locks(directory: Path) -> str:
+    """Whether ``flock`` excludes a second open file description in ``directory``."""
+    try:
+        fd, name = tempfile.mkstemp(dir=directory, prefix=".doctor-lock-")
+    except OSError as exc:
+        return f"cannot test: no temporary file in {directory} ({exc.strerror})"
+    try:
+        with open(fd, "rb") as first, open(name, "rb") as second:
+            return _exclusion(directory, first.fileno(), second.fileno())
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+
+
+def _exclusion(directory: Path, first: int, second: int) -> str:
+    try:
+        fcntl.flock(first, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        return (f"do not work in {directory} ({errno.errorcode.get(exc.errno or 0, exc)}); "
+                "concurrent processes may download the same artifact twice")
+    try:
+        fcntl.flock(second, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return "work (flock excludes a second holder)"
+    except OSError as exc:
+        return f"unclear in {directory}: second flock failed with {exc}"
+    return (f"do not exclude in {directory}; concurrent processes may download the same "
+            "artifact twice (correctness is unaffected)")
+
+
+def _launcher() -> str:
+    try:
+        from launch import detect
+    except ImportError as exc:
+        return f"unknown (the launch package is not importable: {exc})"
+    try:
+        info = detect()
+    except Exception as exc:  # a LaunchError, or any bug: doctor reports, never dies
+        return f"inconsistent environment: {' '.join(str(exc).split())}"
+    where = f"rank {info.rank} of {info.world_size}, node {info.node_id}"
+    if info.local_rank is not None:
+        where += f", local rank {info.local_rank}"
+    used = f" (from {', '.join(info.source)})" if info.source else ""
+    return f"{info.launcher}: {where}{used}"
+
+
+def _gpu_device_present() -> bool:
+    return Path("/dev/nvidia0").exists() or any(Path("/proc/driver/nvidia/gpus").glob("*"))
+
+
+def _cuda_ipc() -> str:
+    if importlib.util.find_spec("torch") is None:
+        return "not checked (torch is not installed)"
+    if not _gpu_device_present():
+        return "not checked (no NVIDIA GPU device on this machine)"
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"unavailable (torch {torch.__version__} sees no CUDA device)"
+    count = torch.cuda.device_count()
+    try:
+        tensor = torch.empty(1, device="cuda")
+        tensor.untyped_storage()._share_cuda_()
+    except Exception as exc:  # the driver's refusal is what the user needs to see
+        return f"unavailable on {count} GPU(s): {' '.join(str(exc).split())}"
+    name = torch.cuda.get_device_name(0)
+    return f"supported ({count} x {name}, torch {torch.__version__}, CUDA {torch.version.cuda})"
+
+
+def doctor_lines(pool_root: Path) -> list[tuple[str, str]]:
+    """Every fact ``doctor`` prints, as ``(label, text)``."""
+    from distcache import __version__
+    from distcache.config import settings
+
+    resolved = settings()
+    lines = [("distcache", f"{__version__} (python {sys.version.split()[0]})"),
+             ("launcher", _launcher())]
+    exists = (pool_root / "objects").is_dir()
+    lines.append(("pool", f"{pool_root} ({'exists' if exists else 'not created yet'})"))
+    probe = _existing(pool_root)
+    fs = filesystem_of(probe)
+    if fs is None:
+        lines.append(("filesystem", "unknown (/proc/mounts unreadable)"))
+    else:
+        fstype, mount, device = fs
+        note = ("; a network filesystem: locks may not exclude across nodes"
+                if fstype.startswith(_NETWORK_FS) else "")
+        lines.append(("filesystem", f"{fstype} on {mount} ({device}){note}"))
+    lines.append(("kernel locks", check_locks(probe)))
+    usage = shutil.disk_usage(probe)
+    lines.append(("free space", f"{_human(usage.free)} of {_human(usage.total)} at {probe}"))
+    shm = Path("/dev/shm")
+    if shm.is_dir():
+        shm_usage = shutil.disk_usage(shm)
+        lines.append(("/dev/shm", f"{_human(shm_usage.total)} total, "
+                                  f"{_human(shm_usage.free)} free"))
+    else:
+        lines.append(("/dev/shm", "missing (CPU IPC pools need POSIX shared memory)"))
+    origins = ", ".join(resolved.origins) if resolved.origins else "unset (DISTCACHE_ORIGIN)"
+    lines.append(("origins", origins))
+    lines.append(("cuda ipc", _cuda_ipc()))
+    return lines
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    from distcache.config import settings
+
+    root = Path(args.pool) if args.pool is not None else settings().pool_dir
+    lines = doctor_lines(root)
+    width = max(len(label) for label, _ in lines)
+    for label, text in lines:
+        print(f"{label + ':':<{width + 1}} {text}")
+    return 0

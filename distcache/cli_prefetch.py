@@ -1,0 +1,120 @@
+"""``distcache prefetch``: warm every rank's pool collectively before serving.
+
+Run it on every rank of the job (``mpirun -n N distcache prefetch ...``, ``srun``,
+``torchrun``): the ranks agree on the list, each missing artifact is fetched once
+per job and broadcast to the pools that lack it.
+
+    distcache prefetch --manifest FILE [--manifest FILE ...] [--origin URL]
+    distcache prefetch --flashinfer [--record DIR] [--family NAME ...] [--origin URL]
+
+Register with ``add_parser(subparsers)``; the parser's ``func`` default is the
+handler, which returns the exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from distcache.errors import ConfigError, DistcacheError
+
+__all__ = ["add_parser", "run"]
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``prefetch`` subcommand to an ``argparse`` subparsers object."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "prefetch",
+        help="collectively fetch artifacts once per job into every rank's pool",
+        description=(
+            "Collective: run on every rank. Each artifact missing from some pool is "
+            "fetched from the origin by one rank and broadcast to the pools that lack it."
+        ),
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--manifest", action="append", metavar="FILE",
+                        help="a sha256sum-format manifest (repeatable)")
+    source.add_argument("--flashinfer", action="store_true",
+                        help="FlashInfer artifacts: the usage record and/or whole families")
+    parser.add_argument("--record", metavar="DIR",
+                        help="FlashInfer usage-record directory written by earlier runs")
+    parser.add_argument("--family", action="append", default=[], metavar="NAME",
+                        help="a whole FlashInfer artifact family, e.g. TRTLLM_GEN_FMHA "
+                             "(repeatable; verified against FlashInfer's pinned hash)")
+    parser.add_argument("--origin", metavar="URL",
+                        help="origin URL or directory (default: DISTCACHE_ORIGIN, then "
+                             "FlashInfer's FLASHINFER_CUBINS_REPOSITORY with --flashinfer)")
+    parser.add_argument("--pool", metavar="DIR", help="pool directory (default: DISTCACHE_POOL)")
+    parser.add_argument("--timeout", type=float, metavar="SECONDS",
+                        help="collective timeout (default: DISTCACHE_TIMEOUT)")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Handle ``distcache prefetch``; returns the exit status (0 ok, 1 failed, 2 usage)."""
+    if not args.flashinfer and (args.record or args.family):
+        print("distcache prefetch: --record and --family need --flashinfer", file=sys.stderr)
+        return 2
+    if args.flashinfer and not (args.record or args.family):
+        print("distcache prefetch: --flashinfer needs --record DIR and/or --family NAME",
+              file=sys.stderr)
+        return 2
+    try:
+        report, rank = _prefetch(args)
+    except DistcacheError as exc:
+        print(f"distcache prefetch: {exc}", file=sys.stderr)
+        return 1
+    if rank == 0:
+        summary = getattr(report, "summary", None)
+        print(summary() if callable(summary) else report)
+    return 0
+
+
+def _prefetch(args: argparse.Namespace) -> tuple[Any, int]:
+    from distcache.artifact import parse_checksums
+    from distcache.comm import agree_on_error, auto
+    from distcache.config import settings
+    from distcache.integrations.flashinfer_record import merge_entries
+    from distcache.origin import open_origin
+    from distcache.pool import ArtifactPool
+
+    conf = settings(timeout=args.timeout)
+    origin_spec: Any = args.origin if args.origin else (list(conf.origins) or None)
+    origin = open_origin(origin_spec) if origin_spec else None
+    comm = auto()
+    pool = ArtifactPool(Path(args.pool) if args.pool else conf.pool_dir,
+                        max_bytes=conf.pool_max_bytes)
+    if args.flashinfer:
+        from distcache.integrations.flashinfer_warm import prefetch as fi_prefetch
+
+        report = fi_prefetch(comm=comm, pool=pool, record=args.record, origin=origin,
+                             families=tuple(args.family), timeout=conf.timeout)
+        return report, comm.rank
+    if origin is None:
+        raise ConfigError("no origin: pass --origin URL or set DISTCACHE_ORIGIN",
+                          variable="DISTCACHE_ORIGIN", value=None)
+    parts = []
+    error: BaseException | None = None
+    try:
+        for manifest in args.manifest:
+            try:
+                text = Path(manifest).read_text(encoding="utf-8")
+            except OSError as exc:
+                raise ConfigError(f"cannot read manifest {manifest}: {exc.strerror}",
+                                  variable="--manifest", value=manifest) from exc
+            parts.append((manifest, {a.name: a.sha256 for a in parse_checksums(text)}))
+        artifacts = merge_entries(parts)
+    except DistcacheError as exc:
+        error = exc
+    # A rank that cannot read its manifest must not leave the others waiting.
+    agree_on_error(comm, error, timeout=conf.timeout)
+    from distcache.prefetch import prefetch
+
+    report = prefetch(artifacts, comm=comm, pool=pool, origin=origin, timeout=conf.timeout)
+    return report, comm.rank

@@ -1,0 +1,360 @@
+"""HTTP(S) origin: stream, hash, retry, and never trust a redirect or a body.
+
+A CDN under load (the cubin repository when a thousand ranks start at once) answers
+429 and 5xx, drops connections mid-body and occasionally serves the wrong bytes.
+:class:`HttpOrigin` retries those with jittered exponential backoff under a total cap,
+honours ``Retry-After``, verifies every byte against the artifact's SHA-256 while
+streaming, and follows redirects only to the same scheme and host (or hosts the
+caller allowed), so a bearer token never leaves for another server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import io
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable, Mapping
+from email.utils import parsedate_to_datetime
+from typing import BinaryIO
+from urllib.parse import quote, urljoin, urlsplit, urlunsplit
+
+import requests
+import urllib3.exceptions
+from requests.adapters import HTTPAdapter
+
+from distcache import __version__
+from distcache.artifact import Artifact
+from distcache.config import settings
+from distcache.errors import ConfigError, IntegrityError, OriginError
+
+__all__ = ["HttpOrigin", "redact_url"]
+
+logger = logging.getLogger(__name__)
+
+_CHUNK = 256 * 1024
+_REDIRECTS = {301, 302, 303, 307, 308}
+_MAX_REDIRECTS = 5
+# Statuses worth another try: the server is overloaded or a proxy timed out.
+_RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
+_TRANSIENT = (
+    requests.ConnectionError,
+    requests.Timeout,
+    requests.exceptions.ChunkedEncodingError,
+    requests.exceptions.ContentDecodingError,
+    urllib3.exceptions.ProtocolError,
+    urllib3.exceptions.ReadTimeoutError,
+    http.client.IncompleteRead,
+)
+
+
+def redact_url(url: str) -> str:
+    """``url`` without user-info and query (signed URLs carry secrets there)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+class _Retry(Exception):
+    """One failed attempt that another attempt may fix."""
+
+    def __init__(self, reason: str, *, status: int | None = None, delay: float | None = None,
+                 integrity: tuple[str, str] | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+        self.delay = delay
+        self.integrity = integrity  # (expected, actual) on a digest/size mismatch
+
+
+class _Fatal(Exception):
+    """A failed attempt that retrying cannot fix."""
+
+    def __init__(self, reason: str, *, status: int | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+
+
+def _retry_after(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value.strip()))
+    except ValueError:
+        pass
+    # An HTTP-date (RFC 9110 10.2.3).
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+class HttpOrigin:
+    """Artifacts at ``base_url + "/" + name`` over HTTP(S).
+
+    ``timeout`` (seconds per connect/read) and ``retries`` (extra attempts per
+    artifact) resolve as: argument > ``DISTCACHE_HTTP_TIMEOUT`` /
+    ``DISTCACHE_HTTP_RETRIES`` > 30 s / 4. A bearer token is read from
+    ``DISTCACHE_ORIGIN_TOKEN`` at construction and sent only to ``base_url``'s host;
+    it never appears in :meth:`describe`, ``repr``, logs or errors.
+
+    Redirects are followed (at most 5) only to the same scheme and host, or to a
+    host in ``allow_redirect_hosts`` with the same scheme.
+
+    Backoff between attempts is ``backoff_base * 2**n`` seconds with full jitter,
+    each at most ``backoff_max``; ``Retry-After`` is honoured up to
+    ``retry_after_max``; all waits for one artifact together stay under
+    ``backoff_total``. ``sleep`` is the function that waits (tests pass a recorder).
+
+    Raises:
+        ConfigError: a scheme other than http/https, no host, or a bad timeout/retries.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float | None = None,
+        retries: int | None = None,
+        headers: Mapping[str, str] | None = None,
+        allow_redirect_hosts: Iterable[str] = (),
+        pool_size: int = 16,
+        backoff_base: float = 0.5,
+        backoff_max: float = 10.0,
+        retry_after_max: float = 30.0,
+        backoff_total: float = 60.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(
+                f"origin URL {redact_url(base_url)!r} is not an http:// or https:// URL "
+                "with a host; pass e.g. https://mirror.example/cubins, or a directory "
+                "path for a local mirror",
+                variable="base_url",
+                value=redact_url(base_url),
+            )
+        if timeout is not None and not timeout > 0:
+            raise ConfigError(f"timeout must be > 0 seconds, got {timeout}",
+                              variable="timeout", value=timeout)
+        if retries is not None and retries < 0:
+            raise ConfigError(f"retries must be >= 0, got {retries}",
+                              variable="retries", value=retries)
+        resolved = settings(http_timeout=timeout, http_retries=retries)
+        self.base_url = base_url.rstrip("/")
+        self.timeout: float = resolved.http_timeout
+        self.retries: int = resolved.http_retries
+        self._scheme = parts.scheme
+        self._origin_host = self._host_key(base_url)
+        self._allowed_hosts = {h.lower() for h in allow_redirect_hosts}
+        self._backoff = (backoff_base, backoff_max, retry_after_max, backoff_total)
+        self._sleep = sleep
+        self._rng = random.Random()
+        self._headers = {
+            "User-Agent": f"distcache/{__version__}",
+            # Identity encoding makes Content-Length the body length we check.
+            "Accept-Encoding": "identity",
+        }
+        self._headers.update(headers or {})
+        self._token = resolved.origin_token
+        self._session = requests.Session()
+        adapter = HTTPAdapter(pool_connections=4, pool_maxsize=pool_size, max_retries=0)
+        self._session.mount("http://", adapter)
+        self._session.mount("https://", adapter)
+
+    # -- Origin protocol ----------------------------------------------------------
+
+    def describe(self) -> str:
+        return redact_url(self.base_url)
+
+    def __repr__(self) -> str:
+        return f"HttpOrigin({self.describe()!r}, timeout={self.timeout}, retries={self.retries})"
+
+    def url_for(self, artifact: Artifact) -> str:
+        return f"{self.base_url}/{quote(artifact.name, safe='/')}"
+
+    def fetch(self, artifact: Artifact) -> bytes:
+        """The artifact's verified bytes.
+
+        Raises:
+            IntegrityError: every attempt delivered bytes with the wrong digest or size.
+            OriginError: the origin cannot deliver it (``status`` is set when the
+                server answered, 404 is never retried).
+        """
+        buffer = io.BytesIO()
+        self.fetch_into(artifact, buffer)
+        return buffer.getvalue()
+
+    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
+        """Stream the artifact into ``out`` while hashing it; return the byte count.
+
+        A failed attempt's bytes are truncated away before the next one when ``out``
+        is seekable; when it is not, the first failure after bytes were written ends
+        the fetch (the caller discards ``out``).
+
+        Raises:
+            IntegrityError: every attempt delivered bytes with the wrong digest or size.
+            OriginError: the origin cannot deliver it.
+        """
+        url = self.url_for(artifact)
+        where = redact_url(url)
+        start = out.tell() if out.seekable() else None
+        attempts = self.retries + 1
+        base, cap, retry_after_cap, total_cap = self._backoff
+        waited = 0.0
+        last: _Retry | None = None
+        for attempt in range(1, attempts + 1):
+            written = [0]
+            try:
+                return self._attempt(url, artifact, out, written)
+            except _Fatal as exc:
+                raise OriginError(
+                    f"GET {where} failed: {exc.reason}; {self._advice(exc.status)}",
+                    url=where, status=exc.status, name=artifact.name,
+                ) from exc
+            except _Retry as exc:
+                last = exc
+                if written[0]:
+                    if start is None:
+                        break
+                    out.seek(start)
+                    out.truncate()
+            if attempt == attempts:
+                break
+            if last.delay is not None:
+                delay = min(last.delay, retry_after_cap)
+            else:
+                delay = self._rng.uniform(0, min(cap, base * 2 ** (attempt - 1)))
+            remaining = total_cap - waited
+            if remaining <= 0 and waited > 0:
+                break  # the waiting budget for this artifact is spent
+            delay = max(0.0, min(delay, remaining))
+            logger.warning("GET %s: %s; retry %d/%d in %.2fs", where, last.reason,
+                           attempt, self.retries, delay)
+            self._sleep(delay)
+            waited += delay
+        assert last is not None  # the loop ran at least once and did not return
+        tried = f"{attempt} attempt{'s' if attempt > 1 else ''}"
+        if last.integrity is not None:
+            expected, actual = last.integrity
+            raise IntegrityError(
+                f"{last.reason} for {artifact.name} from {where} after {tried}: "
+                f"expected {expected}, got {actual}; check the mirror or set DISTCACHE_ORIGIN",
+                sha256=artifact.sha256, actual=actual, source=where,
+            )
+        raise OriginError(
+            f"GET {where} failed after {tried}: {last.reason}; {self._advice(last.status)}",
+            url=where, status=last.status, name=artifact.name,
+        )
+
+    def close(self) -> None:
+        """Close pooled connections (idempotent)."""
+        self._session.close()
+
+    def __enter__(self) -> HttpOrigin:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- one attempt ---------------------------------------------------------------
+
+    @staticmethod
+    def _host_key(url: str) -> tuple[str, str, int | None]:
+        parts = urlsplit(url)
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+        return (parts.scheme, (parts.hostname or "").lower(), port)
+
+    @staticmethod
+    def _advice(status: int | None) -> str:
+        if status == 404:
+            return "the origin does not have it; check the name, the pin or DISTCACHE_ORIGIN"
+        if status in (401, 403):
+            return "the origin refused access; check DISTCACHE_ORIGIN_TOKEN"
+        return "check the network and the origin, or set DISTCACHE_ORIGIN to a mirror"
+
+    def _headers_for(self, url: str) -> dict[str, str]:
+        if self._host_key(url) != self._origin_host:
+            # Credentials are for the origin only, never for a host it redirects to.
+            return {k: v for k, v in self._headers.items()
+                    if k.lower() not in ("authorization", "cookie", "proxy-authorization")}
+        headers = dict(self._headers)
+        if self._token is not None:
+            headers["Authorization"] = f"Bearer {self._token}"
+        return headers
+
+    def _get(self, url: str) -> requests.Response:
+        current = url
+        for _ in range(_MAX_REDIRECTS + 1):
+            try:
+                response = self._session.get(
+                    current, headers=self._headers_for(current), stream=True,
+                    timeout=self.timeout, allow_redirects=False,
+                )
+            except _TRANSIENT as exc:
+                raise _Retry(f"{type(exc).__name__}: {self._scrub(exc)}") from exc
+            except requests.RequestException as exc:
+                raise _Fatal(f"{type(exc).__name__}: {self._scrub(exc)}") from exc
+            if response.status_code not in _REDIRECTS:
+                return response
+            location = response.headers.get("Location")
+            response.close()
+            if not location:
+                raise _Fatal(f"redirect {response.status_code} without a Location",
+                             status=response.status_code)
+            target = urljoin(current, location)
+            scheme, host, _port = self._host_key(target)
+            if scheme != self._scheme:
+                raise _Fatal(
+                    f"refused redirect to another scheme ({redact_url(target)}); "
+                    "only same-scheme redirects are followed", status=response.status_code)
+            if (scheme, host, _port) != self._origin_host and host not in self._allowed_hosts:
+                raise _Fatal(
+                    f"refused redirect to another host ({redact_url(target)}); allow it "
+                    "with allow_redirect_hosts", status=response.status_code)
+            current = target
+        raise _Fatal(f"more than {_MAX_REDIRECTS} redirects")
+
+    @staticmethod
+    def _scrub(exc: BaseException) -> str:
+        # urllib3 messages name the pool and the URL path; keep the first line short.
+        return str(exc).splitlines()[0][:300] if str(exc) else ""
+
+    def _attempt(self, url: str, artifact: Artifact, out: BinaryIO, written: list[int]) -> int:
+        response = self._get(url)
+        with response:
+            status = response.status_code
+            if status in _RETRY_STATUS or status >= 500:
+                raise _Retry(f"HTTP {status}", status=status,
+                             delay=_retry_after(response.headers.get("Retry-After")))
+            if status != 200:
+                raise _Fatal(f"HTTP {status}", status=status)
+            length_header = response.headers.get("Content-Length")
+            expected_len = int(length_header) if length_header and length_header.isdigit() else None
+            limit = artifact.size
+            digest = hashlib.sha256()
+            try:
+                for chunk in response.iter_content(chunk_size=_CHUNK):
+                    digest.update(chunk)
+                    out.write(chunk)
+                    written[0] += len(chunk)
+                    if limit is not None and written[0] > limit:
+                        raise _Retry("body longer than the artifact's size",
+                                     integrity=(f"{limit} bytes", f"more than {limit}"))
+            except _TRANSIENT as exc:
+                raise _Retry(f"body cut short after {written[0]} bytes "
+                             f"({type(exc).__name__})") from exc
+        if expected_len is not None and written[0] != expected_len:
+            raise _Retry(f"body cut short: {written[0]} of {expected_len} bytes")
+        if limit is not None and written[0] != limit:
+            raise _Retry("size mismatch", integrity=(f"{limit} bytes", f"{written[0]} bytes"))
+        actual = digest.hexdigest()
+        if actual != artifact.sha256:
+            raise _Retry("sha256 mismatch", integrity=(artifact.sha256, actual))
+        return written[0]

@@ -1,0 +1,345 @@
+"""The consumer side: every peer pool mapped exactly once, refs resolved to views.
+
+:meth:`PoolRegistry.exchange` is the one collective, run at init: ranks agree on the
+backend (a CUDA IPC capability probe on every rank; if any rank cannot use it, the
+whole group uses shared memory), bind each pool to its consumers, all-gather the pool
+descriptors, map every peer pool once, meet at a barrier, and then each owner unlinks
+its segment names. Serving after that is local: :meth:`resolve` is a dictionary look-up,
+bounds and generation checks, and a strided view; :meth:`ack` is one word written to
+shared memory. Mapping per message instead costs milliseconds per feature on GPUs
+(SGLang's traces: 32 opens = 293 ms, 32 closes = 220 ms).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from distcache.comm.base import Communicator, agree_on_error
+from distcache.errors import IpcError, StaleHandleError
+from distcache.ipc.allocator import ALIGNMENT, ControlWords, ProducerPool
+from distcache.ipc.ref import FeatureRef, PoolDescriptor
+
+__all__ = ["PoolRegistry"]
+
+log = logging.getLogger(__name__)
+
+
+class Mapping(Protocol):
+    descriptor: PoolDescriptor
+
+    @property
+    def words(self) -> ControlWords: ...
+
+    def view(self, offset: int, nbytes: int) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class _Entry:
+    mapping: Mapping
+    descriptor: PoolDescriptor
+    index: int  # this rank's consumer index (its ack word)
+    stride: int
+
+
+def _open(descriptor: PoolDescriptor, device: int | None) -> Mapping:
+    if descriptor.backend == "shm":
+        from distcache.ipc.shm import ShmMapping
+
+        return ShmMapping(descriptor)
+    from distcache.ipc.cuda import CudaMapping
+
+    return CudaMapping(descriptor, device)
+
+
+def _close_all(entries: dict[str, _Entry]) -> None:
+    for entry in entries.values():
+        entry.mapping.close()
+    entries.clear()
+
+
+def _consumers_of(owner: int, nodes: Sequence[str]) -> list[int]:
+    # Both backends are node-local: a pool is consumed by the other ranks of its node.
+    return [r for r, node in enumerate(nodes) if r != owner and node == nodes[owner]]
+
+
+class PoolRegistry:
+    """One process's mappings of its peers' pools, keyed by pool id.
+
+    Build it with :meth:`exchange` (collective). ``PoolRegistry(rank)`` plus
+    :meth:`add` maps descriptors obtained some other way.
+    """
+
+    def __init__(self, rank: int, *, device: int | None = None, backend: str = "shm") -> None:
+        self.rank = rank
+        self.device = device
+        #: The transport the group agreed on at exchange: ``"cuda"`` or ``"shm"``.
+        self.backend = backend
+        #: pool id -> number of times this process mapped it (1, or more after a
+        #: producer restart was followed).
+        self.opens: dict[str, int] = {}
+        self.own: dict[str, ProducerPool] = {}
+        self._entries: dict[str, _Entry] = {}
+        self._retired: dict[str, set[int]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _close_all, self._entries)
+
+    # -- set-up ---------------------------------------------------------------------
+    @classmethod
+    def exchange(
+        cls,
+        comm: Communicator,
+        pools: Sequence[ProducerPool],
+        timeout: float | None = None,
+        *,
+        device: int | None = None,
+    ) -> PoolRegistry:
+        """Collective: share every rank's pool descriptors and map each peer pool once.
+
+        Every rank must call it (with its own pools, possibly none). No rank ever maps
+        its own pool. When it returns, every consumer has mapped every pool of its node,
+        and every shared-memory name has been unlinked.
+
+        Raises:
+            IpcError: a pool could not be bound or mapped on some rank (raised on every
+                rank).
+            CollectiveTimeout: a rank did not arrive within ``timeout``.
+        """
+        from distcache.ipc.cuda import CudaPool, probe_cuda_ipc
+
+        has_cuda = any(isinstance(p, CudaPool) for p in pools)
+        probe = probe_cuda_ipc(device)
+        votes = comm.allgather_object((comm.node_id, has_cuda, probe), timeout=timeout)
+        nodes = [node for node, _, _ in votes]
+        backend = "shm"
+        if any(wants for _, wants, _ in votes):
+            failures = [(r, p[1]) for r, (_, _, p) in enumerate(votes) if not p[0]]
+            if failures:
+                log.warning(
+                    "CUDA IPC is unusable on rank(s) %s; the group shares features "
+                    "through host shared memory instead",
+                    failures,
+                )
+            else:
+                backend = "cuda"
+        registry = cls(comm.rank, device=device, backend=backend)
+        error: BaseException | None = None
+        try:
+            for pool in pools:
+                if isinstance(pool, CudaPool) and backend == "shm":
+                    pool.fall_back_to_host()
+                pool.bind(comm.rank, _consumers_of(comm.rank, nodes), comm.node_id)
+                registry.own[pool.pool_id] = pool
+            mine = [pool.descriptor().pack() for pool in pools]
+        except Exception as exc:
+            error, mine = exc, []
+        agree_on_error(comm, error, timeout=timeout)
+        gathered = comm.allgather_object(mine, timeout=timeout)
+        try:
+            seen: dict[str, int] = {}
+            descriptors = []
+            for rank, packed in enumerate(gathered):
+                for blob in packed:
+                    desc = PoolDescriptor.unpack(blob)
+                    if seen.setdefault(desc.pool_id, rank) != rank or desc.owner != rank:
+                        raise IpcError(
+                            f"pool id {desc.pool_id} is claimed by ranks "
+                            f"{seen[desc.pool_id]} and {rank}",
+                            pool_id=desc.pool_id,
+                        )
+                    descriptors.append(desc)
+            for desc in descriptors:
+                if desc.owner != comm.rank and comm.rank in desc.consumers:
+                    registry.add(desc)
+        except Exception as exc:
+            error = exc
+        # This round is the barrier: when it returns, every consumer holds its mappings.
+        try:
+            agree_on_error(comm, error, timeout=timeout)
+        except BaseException:
+            registry.close()
+            raise
+        for pool in pools:
+            pool.unlink()
+        log.info("rank %d mapped %d peer pool(s) over %s", comm.rank, len(registry.opens), backend)
+        return registry
+
+    def add(self, descriptor: PoolDescriptor) -> None:
+        """Map a peer pool (once; a later epoch of the same pool replaces the mapping).
+
+        Raises:
+            IpcError: the pool is this rank's own, this rank is not one of its
+                consumers, or mapping failed.
+            StaleHandleError: the descriptor names an epoch older than the mapped one.
+        """
+        self._check_open()
+        if descriptor.owner == self.rank or descriptor.pool_id in self.own:
+            raise IpcError(
+                f"pool {descriptor.pool_id} is owned by this rank; it is never mapped",
+                pool_id=descriptor.pool_id,
+            )
+        if self.rank not in descriptor.consumers:
+            raise IpcError(
+                f"rank {self.rank} is not a consumer of pool {descriptor.pool_id} "
+                f"(consumers: {list(descriptor.consumers)})",
+                pool_id=descriptor.pool_id,
+            )
+        with self._lock:
+            old = self._entries.get(descriptor.pool_id)
+            if old is not None and descriptor.epoch <= old.descriptor.epoch:
+                if descriptor.epoch == old.descriptor.epoch:
+                    return
+                raise StaleHandleError(
+                    f"pool {descriptor.pool_id}: epoch {descriptor.epoch} is "
+                    f"older than mapped {old.descriptor.epoch}",
+                    pool_id=descriptor.pool_id,
+                )
+            if descriptor.epoch in self._retired.get(descriptor.pool_id, ()):
+                raise StaleHandleError(
+                    f"pool {descriptor.pool_id}: epoch {descriptor.epoch} was retired",
+                    pool_id=descriptor.pool_id,
+                )
+            mapping = _open(descriptor, self.device)
+            self.opens[descriptor.pool_id] = self.opens.get(descriptor.pool_id, 0) + 1
+            self._entries[descriptor.pool_id] = _Entry(
+                mapping, descriptor, descriptor.consumers.index(self.rank), 1 + descriptor.ack_words
+            )
+            if old is not None:
+                log.info(
+                    "pool %s restarted (epoch %d -> %d); remapped",
+                    descriptor.pool_id,
+                    old.descriptor.epoch,
+                    descriptor.epoch,
+                )
+                self._retired.setdefault(descriptor.pool_id, set()).add(old.descriptor.epoch)
+                old.mapping.close()
+
+    # -- serving --------------------------------------------------------------------
+    def resolve(self, ref: FeatureRef) -> Any:
+        """A zero-copy tensor view of the feature ``ref`` names.
+
+        Raises:
+            StaleHandleError: ``ref`` names an epoch that is not mapped and carries no
+                descriptor of a newer one.
+            IpcError: unknown pool, out-of-bounds offset or size, a slot or generation
+                that is not ready, or the registry is closed.
+        """
+        entry = self._entry(ref)
+        self._check_ready(ref, entry)
+        import torch
+
+        raw = entry.mapping.view(ref.offset, ref.nbytes)
+        return raw.view(getattr(torch, ref.dtype)).as_strided(ref.shape, ref.strides)
+
+    def ack(self, ref: FeatureRef) -> None:
+        """Tell the producer this rank is done with ``ref`` (writes this rank's ack word).
+
+        Raises:
+            StaleHandleError / IpcError: as for :meth:`resolve`.
+        """
+        entry = self._entry(ref)
+        self._check_ready(ref, entry)
+        entry.mapping.words.set(ref.slot * entry.stride + 1 + entry.index, ref.generation)
+
+    @contextmanager
+    def view(self, ref: FeatureRef) -> Iterator[Any]:
+        """``with registry.view(ref) as t:`` resolves, and acks on exit.
+
+        Raises:
+            StaleHandleError / IpcError: as for :meth:`resolve`.
+        """
+        tensor = self.resolve(ref)
+        try:
+            yield tensor
+        finally:
+            self.ack(ref)
+
+    def close(self) -> None:
+        """Unmap every peer pool exactly once (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._finalizer()
+
+    def __enter__(self) -> PoolRegistry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- checks ---------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise IpcError("the pool registry is closed")
+
+    def _entry(self, ref: FeatureRef) -> _Entry:
+        self._check_open()
+        entry = self._entries.get(ref.pool_id)
+        if entry is not None and entry.descriptor.epoch == ref.epoch:
+            return entry
+        if ref.pool_id in self.own:
+            raise IpcError(
+                f"ref names this rank's own pool {ref.pool_id}; use the tensor directly",
+                pool_id=ref.pool_id,
+            )
+        retired = ref.epoch in self._retired.get(ref.pool_id, ())
+        if ref.descriptor is not None and not retired:
+            # Invalidate-and-retry, once: the producer restarted and the ref tells us
+            # how to map its new epoch. The old mapping is never used for this ref.
+            try:
+                self.add(ref.descriptor)
+            except StaleHandleError:
+                raise
+            except IpcError as exc:
+                raise StaleHandleError(
+                    f"pool {ref.pool_id} epoch {ref.epoch} could not be mapped: {exc}",
+                    pool_id=ref.pool_id,
+                ) from exc
+            entry = self._entries.get(ref.pool_id)
+            if entry is not None and entry.descriptor.epoch == ref.epoch:
+                return entry
+        if entry is None and not retired:
+            raise IpcError(
+                f"pool {ref.pool_id} is not mapped by rank {self.rank} (mapped: "
+                f"{sorted(self._entries)})",
+                pool_id=ref.pool_id,
+            )
+        mapped = entry.descriptor.epoch if entry is not None else None
+        raise StaleHandleError(
+            f"ref names epoch {ref.epoch} of pool {ref.pool_id}, but epoch {mapped} is mapped; "
+            "the producer restarted; resend the feature",
+            pool_id=ref.pool_id,
+        )
+
+    @staticmethod
+    def _check_ready(ref: FeatureRef, entry: _Entry) -> None:
+        desc = entry.descriptor
+        end = desc.data_start + desc.capacity
+        if (
+            ref.slot >= desc.slots
+            or ref.offset < desc.data_start
+            or ref.offset % ALIGNMENT
+            or ref.offset + ref.nbytes > end
+        ):
+            raise IpcError(
+                f"ref (slot {ref.slot}, bytes [{ref.offset}, {ref.offset + ref.nbytes})) is "
+                f"outside pool {ref.pool_id} (slots {desc.slots}, data [{desc.data_start}, "
+                f"{end}))",
+                pool_id=ref.pool_id,
+            )
+        ready = entry.mapping.words.get(ref.slot * entry.stride)
+        if ready != ref.generation:
+            raise IpcError(
+                f"slot {ref.slot} of pool {ref.pool_id} holds generation {ready}, not "
+                f"{ref.generation}: the feature was released, cancelled or never published",
+                pool_id=ref.pool_id,
+            )

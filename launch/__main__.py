@@ -1,0 +1,222 @@
+"""``python -m launch [options] -- PROGRAM [ARGS...]``: run a program as torchrun would.
+
+Under any launcher (mpirun, srun, torchrun, or none) each rank's program gets the
+``env://`` variables ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+``MASTER_ADDR`` and ``MASTER_PORT``, so an unmodified
+``torch.distributed.init_process_group("gloo")`` works. Under MPI, rank 0 picks a free
+port and the address and port travel over MPI; elsewhere they come from
+:func:`launch.detect`.
+
+The program runs as a child in its own process group; SIGINT, SIGTERM, SIGHUP,
+SIGQUIT, SIGUSR1 and SIGUSR2 are forwarded to it, the child is killed if this process
+dies, and its exit status (or the signal that killed it) becomes ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import NoReturn
+
+from distcache.errors import DistcacheError
+from launch.detect import LaunchInfo, detect
+from launch.workspace import WorkspaceSlot, acquire_slot
+
+log = logging.getLogger("launch")
+
+PROG = "python -m launch"
+FORWARDED = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+_PR_SET_PDEATHSIG = 1
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, not argparse's usage block: this runs once per rank.
+        raise _UsageError(message)
+
+
+def _parser() -> _Parser:
+    parser = _Parser(
+        prog=PROG,
+        description="Run PROGRAM with torchrun's environment under mpirun, srun, "
+        "torchrun or alone.",
+        epilog="Exported to PROGRAM: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, "
+        "MASTER_ADDR, MASTER_PORT, and DISTCACHE_POOL / DISTCACHE_WORKSPACE / "
+        "DISTCACHE_PREFETCH_MANIFEST when the matching option is given.",
+    )
+    parser.add_argument("--pool", metavar="DIR", help="artifact pool directory (exported as DISTCACHE_POOL)")
+    parser.add_argument(
+        "--workspace",
+        metavar="DIR",
+        help="give each rank a persistent slot DIR/rank-N, locked while PROGRAM runs; a "
+        "busy slot moves on to the next free N (exported as DISTCACHE_WORKSPACE)",
+    )
+    parser.add_argument(
+        "--prefetch",
+        metavar="MANIFEST",
+        help="checksums manifest to prefetch; currently only passed on to PROGRAM as "
+        "DISTCACHE_PREFETCH_MANIFEST (nothing is fetched by the launcher itself)",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what is exported")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- PROGRAM [ARGS...]")
+    return parser
+
+
+def _free_port(host: str) -> int:
+    # Closed again before PROGRAM binds it: a small window another process could use,
+    # the price of PROGRAM owning the port (engines bind MASTER_PORT themselves).
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _rendezvous(info: LaunchInfo) -> LaunchInfo:
+    if info.master_addr is not None and info.master_port is not None:
+        return info
+    if info.is_mpi and info.world_size > 1:
+        from launch.dist import mpi_publish, rendezvous_address
+
+        def choose(hosts: list[str]) -> tuple[str, int]:
+            host = info.master_addr or rendezvous_address(hosts)
+            return host, info.master_port or _free_port(host)
+
+        host, port = mpi_publish(info, choose)
+        return dataclasses.replace(info, master_addr=host, master_port=port)
+    if info.world_size == 1:
+        host = info.master_addr or "127.0.0.1"
+        return dataclasses.replace(info, master_addr=host, master_port=info.master_port or _free_port(host))
+    raise _UsageError(
+        f"{info.launcher} launch of {info.world_size} ranks gives no rendezvous address; "
+        "set MASTER_ADDR and MASTER_PORT"
+    )
+
+
+def child_environment(
+    info: LaunchInfo, base: dict[str, str], extra: dict[str, str]
+) -> dict[str, str]:
+    """The environment PROGRAM runs with: ``base`` plus the torchrun variables."""
+    env = dict(base)
+    values = {
+        "RANK": info.rank,
+        "WORLD_SIZE": info.world_size,
+        "LOCAL_RANK": info.local_rank,
+        "LOCAL_WORLD_SIZE": info.local_world_size,
+        "MASTER_ADDR": info.master_addr,
+        "MASTER_PORT": info.master_port,
+    }
+    for name, value in {**values, **extra}.items():
+        if value is None:
+            continue
+        if env.get(name) != str(value):
+            log.info("rank %d: exporting %s=%s", info.rank, name, value)
+        env[name] = str(value)
+    return env
+
+
+def _child_setup() -> None:
+    os.setpgid(0, 0)
+    # Die with the launcher: a killed launcher must not leave PROGRAM running.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+
+def run(command: Sequence[str], env: dict[str, str]) -> int:
+    """Run ``command`` with signals forwarded; returns its exit status, or ``-SIG``."""
+    child: list[subprocess.Popen[bytes]] = []
+    pending: list[int] = []
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        if not child:
+            pending.append(signum)  # arrived while starting: delivered right after
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child[0].pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    try:
+        child.append(subprocess.Popen(list(command), env=env, preexec_fn=_child_setup))
+        for signum in pending:
+            forward(signum, None)
+        return child[0].wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _exit_like(status: int) -> NoReturn:
+    if status < 0:
+        # Die of the same signal, so that our parent (mpirun, srun) sees what happened.
+        sig = -status
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+        sys.exit(128 + sig)
+    sys.exit(status)
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    slot: WorkspaceSlot | None = None
+    try:
+        args = _parser().parse_args(args_in)
+        logging.basicConfig(
+            level=logging.INFO if args.verbose else logging.WARNING,
+            format="%(name)s: %(message)s",
+        )
+        command = list(args.command)
+        if command[:1] == ["--"]:
+            command = command[1:]
+        if not command:
+            raise _UsageError("no PROGRAM given; usage: python -m launch [options] -- PROGRAM [ARGS...]")
+        extra: dict[str, str] = {}
+        if args.pool is not None:
+            extra["DISTCACHE_POOL"] = str(Path(args.pool).absolute())
+        if args.prefetch is not None:
+            manifest = Path(args.prefetch)
+            if not manifest.is_file():
+                raise _UsageError(f"--prefetch {args.prefetch}: no such file")
+            extra["DISTCACHE_PREFETCH_MANIFEST"] = str(manifest.absolute())
+        info = _rendezvous(detect())
+        if args.workspace is not None:
+            slot = acquire_slot(args.workspace, start=info.rank)
+            extra["DISTCACHE_WORKSPACE"] = str(slot.path)
+        env = child_environment(info, dict(os.environ), extra)
+    except (_UsageError, DistcacheError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        status = run(command, env)
+    except OSError as exc:
+        print(f"{PROG}: error: cannot run {command[0]!r}: {exc.strerror or exc}", file=sys.stderr)
+        sys.exit(127 if isinstance(exc, FileNotFoundError) else 126)
+    finally:
+        if slot is not None:
+            slot.release()
+    _exit_like(status)
+
+
+if __name__ == "__main__":
+    main()

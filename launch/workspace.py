@@ -1,0 +1,127 @@
+"""Persistent per-rank workspace slots: ``<root>/rank-N``, one holder at a time.
+
+A slot is held through a kernel lock (``flock``) on ``<root>/rank-N/.lock``. The
+kernel drops the lock when the holder's file descriptor closes, including when the
+holder is killed, so a crashed job never leaves a slot blocked. A busy slot is skipped
+and the next index tried, as engines do with their per-rank scratch directories; a
+slot keeps its contents between runs (compiled kernels, caches), which is the point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import socket
+import weakref
+from pathlib import Path
+from types import TracebackType
+
+from distcache.errors import DistcacheError
+
+__all__ = ["LOCK_NAME", "WorkspaceError", "WorkspaceSlot", "acquire_slot"]
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = ".lock"
+MAX_SLOTS = 4096
+
+
+class WorkspaceError(DistcacheError, OSError):
+    """A workspace slot could not be created or locked. Attributes: ``path``."""
+
+
+def _close(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)  # closing the descriptor releases the flock
+
+
+class WorkspaceSlot:
+    """A held slot. Release with :meth:`release` or by leaving the ``with`` block;
+    the lock is also released when the object is collected or the process exits."""
+
+    def __init__(self, path: Path, index: int, fd: int) -> None:
+        self.path = path
+        self.index = index
+        self._fd: int | None = fd
+        self._finalizer = weakref.finalize(self, _close, fd)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        """Release the slot; idempotent. Its contents stay for the next holder."""
+        if self._fd is not None:
+            self._fd = None
+            self._finalizer()
+
+    def __enter__(self) -> WorkspaceSlot:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "held" if self.held else "released"
+        return f"WorkspaceSlot({str(self.path)!r}, index={self.index}, {state})"
+
+
+def _try_lock(slot: Path) -> int | None:
+    try:
+        slot.mkdir(parents=True, exist_ok=True)
+        fd = os.open(slot / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise WorkspaceError(
+            f"cannot create workspace slot {slot}: {exc}", path=str(slot)
+        ) from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return None
+        # ENOLCK/EOPNOTSUPP: a filesystem without locks cannot keep slots exclusive.
+        raise WorkspaceError(
+            f"cannot lock workspace slot {slot} ({exc}); put the workspace on a "
+            "filesystem that supports flock (a node-local disk)",
+            path=str(slot),
+        ) from exc
+    # Who holds it, for a person looking at a busy slot; never read for correctness.
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+    return fd
+
+
+def acquire_slot(root: str | os.PathLike[str], start: int = 0) -> WorkspaceSlot:
+    """Hold the first free slot ``<root>/rank-N`` with ``N >= start``.
+
+    Pass the rank as ``start``, so that each rank finds its own slot again on the next
+    launch unless another process holds it.
+
+    Raises:
+        WorkspaceError: the slot cannot be created or locked, or ``MAX_SLOTS`` slots
+            from ``start`` on are all busy.
+        ValueError: ``start`` is negative.
+    """
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
+    base = Path(root).absolute()
+    for index in range(start, start + MAX_SLOTS):
+        slot = base / f"rank-{index}"
+        fd = _try_lock(slot)
+        if fd is not None:
+            if index != start:
+                log.info("workspace slot rank-%d is busy; using %s", start, slot)
+            return WorkspaceSlot(slot, index, fd)
+    raise WorkspaceError(
+        f"all {MAX_SLOTS} workspace slots from {base}/rank-{start} on are busy",
+        path=str(base),
+    )

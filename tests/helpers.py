@@ -1,0 +1,99 @@
+"""Helpers shared by the test suites: run a command tree under a hard timeout.
+
+Every multi-process test starts its children in a new session (so they form one
+process group) and kills the whole group when the time is up, so a rank that hangs
+fails the test instead of the run. Output goes to files rather than pipes: a
+grandchild that outlives its parent can hold a pipe open and block the reader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["mpi_env", "mpirun", "run_group"]
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def run_group(
+    cmd: Sequence[str | os.PathLike[str]],
+    *,
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    input: bytes | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in a new session; on timeout SIGKILL its whole process group.
+
+    The group is also killed after a normal exit, so stragglers (daemons a launcher
+    left behind) never outlive the test.
+
+    Returns:
+        The completed process, with ``stdout`` and ``stderr`` as text.
+
+    Raises:
+        subprocess.TimeoutExpired: the command ran past ``timeout``; its output so
+            far is attached as ``output`` and ``stderr``.
+    """
+    args = [os.fspath(c) for c in cmd]
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(
+            args,
+            stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            env=dict(env) if env is not None else None,
+            cwd=cwd,
+            start_new_session=True,
+        )
+        timed_out = False
+        try:
+            if input is not None and proc.stdin is not None:
+                proc.stdin.write(input)
+                proc.stdin.close()
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            _kill_group(proc.pid)
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout = out.read().decode(errors="replace")
+        stderr = err.read().decode(errors="replace")
+    if timed_out:
+        raise subprocess.TimeoutExpired(args, timeout, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
+
+
+def mpi_env(base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """An environment in which ``mpirun`` may run as root and oversubscribe cores."""
+    env = dict(os.environ if base is None else base)
+    env.update(
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        OMPI_MCA_rmaps_base_oversubscribe="1",
+        PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
+        PYTHONDONTWRITEBYTECODE="1",
+    )
+    # Children must import this checkout, whatever the caller's working directory.
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    env.update(extra)
+    return env
+
+
+def mpirun() -> str:
+    """The ``mpirun`` that belongs to this interpreter's environment, else the one on PATH."""
+    beside = Path(sys.executable).with_name("mpirun")
+    return str(beside) if beside.exists() else "mpirun"

@@ -1,0 +1,163 @@
+"""The Communicator protocol on a real backend, under ``mpirun -n N``.
+
+Every body runs unchanged on MPI and on torch.distributed (``DISTCACHE_TEST_COMM``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import pytest
+
+from distcache.comm import Communicator, agree_on_error
+from distcache.errors import CollectiveTimeout, CommError, IntegrityError, RemoteError
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+MiB = 1 << 20
+
+
+def _payload(root: int, size: int) -> bytes:
+    return bytes((root * 7 + i) % 251 for i in range(256)) * (size // 256) + bytes(size % 256)
+
+
+def test_communicator_implements_the_protocol_for_the_selected_backend(comm: Communicator) -> None:
+    assert isinstance(comm, Communicator)
+    assert comm.backend == os.environ.get("DISTCACHE_TEST_COMM", "mpi")
+    assert comm.allgather_object(comm.rank) == list(range(comm.size))
+
+
+def test_broadcast_delivers_root_bytes_from_every_root(comm: Communicator) -> None:
+    for root in range(comm.size):
+        sent = _payload(root, 1000 + root)
+        got = comm.broadcast_bytes(sent if comm.rank == root else None, root)
+        assert got == sent
+
+
+def test_broadcast_of_empty_payload_returns_empty_bytes(comm: Communicator) -> None:
+    got = comm.broadcast_bytes(b"" if comm.rank == 0 else None, 0)
+    assert got == b""
+
+
+def test_broadcast_larger_than_chunk_is_split_into_chunk_messages(
+    comm_factory: Callable[..., Communicator],
+) -> None:
+    small = comm_factory(chunk_bytes=1 * MiB)
+    root = small.size - 1
+    sent = _payload(root, 5 * MiB + 3)
+    before = small.chunk_messages  # type: ignore[attr-defined]
+    got = small.broadcast_bytes(sent if small.rank == root else None, root)
+    assert got == sent
+    assert small.chunk_messages - before == 6  # type: ignore[attr-defined]
+
+
+def test_broadcast_of_exact_multiple_of_chunk_sends_no_empty_tail(
+    comm_factory: Callable[..., Communicator],
+) -> None:
+    small = comm_factory(chunk_bytes=1 * MiB)
+    sent = _payload(0, 2 * MiB)
+    before = small.chunk_messages  # type: ignore[attr-defined]
+    assert small.broadcast_bytes(sent if small.rank == 0 else None, 0) == sent
+    assert small.chunk_messages - before == 2  # type: ignore[attr-defined]
+
+
+def test_broadcast_rejects_bad_root_and_missing_data_before_communicating(
+    comm: Communicator,
+) -> None:
+    with pytest.raises(ValueError, match="out of range"):
+        comm.broadcast_bytes(b"x", comm.size)
+    if comm.rank == 0:
+        with pytest.raises(ValueError, match="root rank must pass data"):
+            comm.broadcast_bytes(None, 0)
+    comm.barrier()
+
+
+def test_allgather_object_returns_every_rank_object_in_rank_order(comm: Communicator) -> None:
+    mine = {"rank": comm.rank, "blob": b"x" * (comm.rank * 10_000), "none": None}
+    gathered = comm.allgather_object(mine)
+    assert [g["rank"] for g in gathered] == list(range(comm.size))
+    assert [len(g["blob"]) for g in gathered] == [r * 10_000 for r in range(comm.size)]
+
+
+def test_split_by_parity_gives_each_parity_its_own_communicator(comm: Communicator) -> None:
+    sub = comm.split(comm.rank % 2)
+    members = [r for r in range(comm.size) if r % 2 == comm.rank % 2]
+    assert sub.size == len(members)
+    assert sub.rank == members.index(comm.rank)
+    assert sub.node_id == comm.node_id
+    assert sub.allgather_object(comm.rank) == members
+    sent = f"parity {comm.rank % 2}".encode()
+    assert sub.broadcast_bytes(sent if sub.rank == 0 else None, 0) == sent
+
+
+def test_split_by_node_groups_ranks_that_share_a_node(comm: Communicator) -> None:
+    nodes = comm.allgather_object(comm.node_id)
+    color = sorted(set(nodes)).index(comm.node_id)
+    sub = comm.split(color)
+    assert sub.size == nodes.count(comm.node_id)
+    assert set(sub.allgather_object(sub.node_id)) == {comm.node_id}
+
+
+def test_split_accepts_negative_colors_and_nests(comm: Communicator) -> None:
+    half = comm.split(-1 if comm.rank < comm.size // 2 else 5)
+    single = half.split(half.rank)
+    assert single.size == 1
+    assert single.broadcast_bytes(b"alone", 0) == b"alone"
+    assert half.allgather_object(half.rank) == list(range(half.size))
+
+
+def test_agree_on_error_returns_when_no_rank_failed(comm: Communicator) -> None:
+    agree_on_error(comm, None)
+
+
+def test_distcache_error_on_one_rank_is_raised_on_every_rank(comm: Communicator) -> None:
+    failing = comm.size - 1
+    error = (
+        IntegrityError("digest mismatch for x.cubin", sha256="ab" * 32, actual="cd" * 32)
+        if comm.rank == failing
+        else None
+    )
+    with pytest.raises(IntegrityError, match="digest mismatch") as info:
+        agree_on_error(comm, error)
+    assert info.value.sha256 == "ab" * 32  # type: ignore[attr-defined]
+    if comm.rank == failing:
+        assert info.value is error
+
+
+def test_foreign_error_on_one_rank_reaches_others_as_remote_error(comm: Communicator) -> None:
+    nodes = comm.allgather_object(comm.node_id)
+    if comm.rank == 1:
+        with pytest.raises(KeyError):
+            agree_on_error(comm, KeyError("missing-key"))
+        return
+    with pytest.raises(RemoteError, match=r"rank 1/\d+ on .* failed with KeyError") as info:
+        agree_on_error(comm, None)
+    assert info.value.rank == 1  # type: ignore[attr-defined]
+    assert info.value.host == nodes[1]  # type: ignore[attr-defined]
+    assert info.value.remote_type == "KeyError"  # type: ignore[attr-defined]
+
+
+def test_barrier_times_out_when_a_rank_never_arrives_and_world_recovers(
+    comm: Communicator,
+) -> None:
+    # A fresh sub-communicator takes the damage: a timed-out collective cannot be
+    # cancelled, so the communicator it ran on is retired.
+    doomed = comm.split(0)
+    late = comm.size - 1
+    if comm.rank != late:
+        with pytest.raises(CollectiveTimeout) as info:
+            doomed.barrier(timeout=0.5)
+        assert isinstance(info.value, TimeoutError)
+        assert info.value.op == "barrier"  # type: ignore[attr-defined]
+        assert info.value.timeout == 0.5  # type: ignore[attr-defined]
+        assert info.value.rank == comm.rank  # type: ignore[attr-defined]
+        with pytest.raises(CommError, match="unusable"):
+            doomed.barrier(timeout=0.5)
+    comm.barrier()
+    if comm.rank == late:
+        # Arriving late completes the collective its peers abandoned, so nothing is
+        # left pending in the backend.
+        doomed.barrier(timeout=60)
+    comm.barrier()
+    assert comm.allgather_object(comm.rank) == list(range(comm.size))

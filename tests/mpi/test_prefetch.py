@@ -1,0 +1,109 @@
+"""The collective prefetch over real processes (MPI or torch gloo, per
+``DISTCACHE_TEST_COMM``), against a real loopback HTTP origin run by rank 0."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from distcache.artifact import Artifact, parse_checksums
+from distcache.comm.base import Communicator
+from distcache.errors import PrefetchError
+from distcache.origin import HttpOrigin
+from distcache.pool import ArtifactPool
+from distcache.prefetch import SyncState, prefetch, sync
+
+K = 12
+
+LAYOUTS: dict[str, Callable[[Communicator], str]] = {
+    # node-local pools by node id (one pool when every rank runs on this host)
+    "node": lambda c: f"node-{c.node_id}",
+    # two simulated nodes of two ranks each
+    "pairs": lambda c: f"pair{c.rank // 2}",
+    "rank": lambda c: f"rank{c.rank}",
+}
+
+
+def stats(url: str) -> dict[str, int]:
+    with urllib.request.urlopen(f"{url}/_stats", timeout=10) as answer:
+        return dict(json.load(answer))
+
+
+@pytest.fixture
+def origin_url(comm: Communicator, shared_tmp: Path) -> Iterator[tuple[str, list[Artifact]]]:
+    """Rank 0 writes K artifacts and serves them; every rank gets the URL and the list."""
+    mirror = shared_tmp / "mirror"
+    server = None
+    if comm.rank == 0:
+        from distcache.testing import LoopbackOrigin, make_artifacts
+
+        make_artifacts(mirror, K, min_size=1000, max_size=40_000)
+        server = LoopbackOrigin(mirror)
+    sent = server.url.encode() if server is not None else None
+    url = comm.broadcast_bytes(sent, 0).decode()
+    artifacts = parse_checksums((mirror / "checksums.txt").read_text())
+    try:
+        yield url, artifacts
+    finally:
+        comm.barrier()
+        if server is not None:
+            server.stop()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_each_artifact_is_fetched_once_per_job_and_every_pool_is_identical(
+    comm: Communicator, shared_tmp: Path, origin_url: tuple[str, list[Artifact]], layout: str
+) -> None:
+    url, artifacts = origin_url
+    pool = ArtifactPool(shared_tmp / "pools" / LAYOUTS[layout](comm))
+    origin = HttpOrigin(url, retries=0)
+
+    report = prefetch(artifacts, comm=comm, pool=pool, origin=origin, bucket_bytes=64_000)
+    assert stats(url)["total_requests"] == K
+    assert report.downloads == K and report.pool_hits == 0
+    contents = comm.allgather_object((sorted(pool.objects()), pool.names()))
+    assert all(c == contents[0] for c in contents)
+    assert contents[0][0] == sorted(a.sha256 for a in artifacts)
+    reports = comm.allgather_object(report)
+    assert all(r == reports[0] for r in reports)
+    if report.pools > 1:
+        assert report.broadcasts > 0 and len(report.downloaders) > 1
+
+    again = prefetch(artifacts, comm=comm, pool=pool, origin=origin)
+    assert stats(url)["total_requests"] == K
+    assert again.downloads == 0 and again.broadcast_bytes == 0 and again.pool_hits == K
+
+
+@pytest.mark.mpi(min_size=2)
+def test_origin_failure_is_the_same_prefetch_error_on_every_rank(
+    comm: Communicator, shared_tmp: Path, origin_url: tuple[str, list[Artifact]]
+) -> None:
+    url, artifacts = origin_url
+    pool = ArtifactPool(shared_tmp / "pools" / f"rank{comm.rank}")
+    bad = Artifact("cubins/absent.cubin", "0" * 64)  # the origin has no such file
+    with pytest.raises(PrefetchError) as caught:
+        prefetch([*artifacts, bad], comm=comm, pool=pool, origin=HttpOrigin(url, retries=0))
+    err = caught.value
+    assert err.artifact == bad.name and bad.name in str(err) and err.host in str(err)
+    seen = comm.allgather_object((err.artifact, err.rank, err.host, str(err)))
+    assert all(s == seen[0] for s in seen)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_sync_spreads_what_one_rank_fetched_lazily(comm: Communicator, shared_tmp: Path) -> None:
+    pool = ArtifactPool(shared_tmp / "pools" / f"rank{comm.rank}")
+    data = b"warm-up kernel " * 1000
+    from distcache.artifact import sha256_hex
+
+    art = Artifact("cubins/warm.cubin", sha256_hex(data))
+    if comm.rank == comm.size - 1:
+        pool.put(data, art.sha256)
+        pool.remember([art])
+    report = sync(comm=comm, pool=pool, state=SyncState())
+    assert pool.get(art.sha256) == data and pool.names() == {art.name: art.sha256}
+    assert report.downloads == 0 and report.objects_published == comm.size - 1

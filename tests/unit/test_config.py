@@ -1,0 +1,132 @@
+"""Settings: explicit > DISTCACHE_* > default, typed errors, nothing read at import."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distcache.config import (
+    ENV_VARS,
+    Settings,
+    env_bool,
+    env_bytes,
+    env_float,
+    env_int,
+    env_str,
+    parse_bytes,
+    settings,
+)
+from distcache.errors import ConfigError
+from tests.helpers import run_group
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_explicit_argument_beats_environment_beats_default() -> None:
+    env = {"DISTCACHE_TIMEOUT": "42", "DISTCACHE_HTTP_RETRIES": "7"}
+    assert settings({}).timeout == 600.0
+    assert settings(env).timeout == 42.0
+    assert settings(env, timeout=5.0).timeout == 5.0
+    assert settings(env, timeout=None).timeout == 42.0  # None counts as not given
+    assert settings(env).http_retries == 7
+
+
+def test_zero_and_empty_are_real_values_not_defaults() -> None:
+    assert settings({"DISTCACHE_HTTP_RETRIES": "0"}).http_retries == 0
+    assert settings({}, http_retries=0).http_retries == 0
+    assert (
+        settings(
+            {"DISTCACHE_DISABLE": "0"},
+        ).disable
+        is False
+    )
+    assert settings({}, disable=False).disable is False
+    assert env_str("DISTCACHE_X", "default", {"DISTCACHE_X": ""}) == ""
+    assert env_int("DISTCACHE_X", 9, {"DISTCACHE_X": "0"}) == 0
+    assert settings({"DISTCACHE_ORIGIN": ""}).origins == ()
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("DISTCACHE_TIMEOUT", "soon"),
+        ("DISTCACHE_TIMEOUT", "-1"),
+        ("DISTCACHE_HTTP_RETRIES", "many"),
+        ("DISTCACHE_DOWNLOADS_PER_RANK", "0"),
+        ("DISTCACHE_DISABLE", "maybe"),
+        ("DISTCACHE_BUCKET_BYTES", "64 parsecs"),
+        ("DISTCACHE_CHUNK_BYTES", "2G"),
+        ("DISTCACHE_CHUNK_BYTES", "0"),
+    ],
+)
+def test_bad_value_raises_config_error_naming_the_variable(variable: str, value: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        settings({variable: value})
+    assert info.value.variable == variable  # type: ignore[attr-defined]
+    assert variable in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_unknown_keyword_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="unknown setting"):
+        settings({}, colour="blue")
+
+
+def test_sizes_accept_units_and_reject_nonsense() -> None:
+    assert parse_bytes("512") == 512
+    assert parse_bytes("64M") == 64 << 20
+    assert parse_bytes("1GiB") == 1 << 30
+    assert parse_bytes("2kb") == 2048
+    assert env_bytes("S", None, {"S": "1g"}) == 1 << 30
+    with pytest.raises(ConfigError, match="SIZE_VAR='-3'"):
+        parse_bytes("-3", variable="SIZE_VAR")
+
+
+def test_booleans_and_numbers_parse_their_spellings() -> None:
+    assert env_bool("B", False, {"B": "yes"}) is True
+    assert env_bool("B", True, {"B": "off"}) is False
+    assert env_bool("B", True, {}) is True
+    assert env_float("F", None, {"F": "2.5"}) == 2.5
+    assert env_int("I", None, {}) is None
+
+
+def test_settings_are_frozen_and_replace_returns_a_copy() -> None:
+    base = settings({})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        base.timeout = 1.0  # type: ignore[misc]
+    changed = base.replace(timeout=1.0)
+    assert (base.timeout, changed.timeout) == (600.0, 1.0)
+    assert isinstance(changed, Settings)
+
+
+def test_pool_directory_follows_xdg_then_home() -> None:
+    assert settings({"XDG_CACHE_HOME": "/x"}).pool_dir == Path("/x/distcache")
+    assert settings({"HOME": "/h"}).pool_dir == Path("/h/.cache/distcache")
+    assert settings({"DISTCACHE_POOL": "/p"}).pool_dir == Path("/p")
+
+
+def test_every_variable_settings_reads_is_documented() -> None:
+    source = (ROOT / "distcache" / "config.py").read_text()
+    read = set(__import__("re").findall(r'env_\w+\(\s*"(DISTCACHE_\w+)"', source))
+    assert read <= set(ENV_VARS)
+
+
+def test_nothing_is_read_at_import() -> None:
+    code = (
+        "import distcache, distcache.config, distcache.comm\n"
+        "from distcache.config import settings\n"
+        "from distcache.errors import ConfigError\n"
+        "try:\n"
+        "    settings()\n"
+        "except ConfigError as exc:\n"
+        "    print(exc.variable)\n"
+    )
+    env = {"PYTHONPATH": str(ROOT), "DISTCACHE_TIMEOUT": "not-a-number", "PATH": "/usr/bin:/bin"}
+    proc = run_group([sys.executable, "-c", code], timeout=60, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "DISTCACHE_TIMEOUT"
+    assert isinstance(proc, subprocess.CompletedProcess)

@@ -1,0 +1,540 @@
+"""The collective prefetch and sync at world size N, as N thread-ranks.
+
+Fakes keep these tests offline and exact: a dict-backed pool (one shared store per
+pool id, as ranks on one filesystem would see) and a counting origin.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from distcache.artifact import Artifact, sha256_hex, verify_bytes
+from distcache.comm import LocalCommunicator, ThreadGroup
+from distcache.errors import (
+    ManifestMismatchError,
+    OriginError,
+    PoolError,
+    PrefetchError,
+)
+from distcache.prefetch import PHASES, PrefetchReport, SyncState, prefetch, sync
+
+# -- fakes -------------------------------------------------------------------------
+
+
+class Store:
+    """The bytes on one 'filesystem'; every FakePool with the same id shares it."""
+
+    def __init__(self, pool_id: str) -> None:
+        self.pool_id = pool_id
+        self.objects: dict[str, bytes] = {}
+        self.labels: dict[str, str] = {}
+        self.journal: list[str] = []
+        self.lock = threading.Lock()
+        self.fail_put: type[Exception] | None = None
+
+
+class FakePool:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    @property
+    def pool_id(self) -> str:
+        return self.store.pool_id
+
+    def has(self, sha256: str) -> bool:
+        return sha256 in self.store.objects
+
+    def get(self, sha256: str) -> bytes | None:
+        return self.store.objects.get(sha256)
+
+    def put(self, data: bytes | bytearray | memoryview, sha256: str | None = None) -> str:
+        sha = sha256_hex(data)
+        if sha256 is not None:
+            verify_bytes(data, sha256)
+        if self.store.fail_put is not None:
+            raise self.store.fail_put(f"no space left on {self.pool_id}")
+        with self.store.lock:
+            if sha not in self.store.objects:
+                self.store.objects[sha] = bytes(data)
+                self.store.journal.append(sha)
+        return sha
+
+    def remember(self, artifacts: Iterable[Artifact]) -> None:
+        with self.store.lock:
+            for a in artifacts:
+                self.store.labels[a.name] = a.sha256
+
+    def names(self) -> dict[str, str]:
+        return dict(self.store.labels)
+
+    def journal_since(self, cursor: int = 0) -> tuple[list[str], int]:
+        with self.store.lock:
+            return list(self.store.journal[cursor:]), len(self.store.journal)
+
+
+class FakeOrigin:
+    def __init__(self, blobs: dict[str, bytes]) -> None:
+        self.blobs = blobs
+        self.requests: Counter[str] = Counter()
+        self.by_thread: Counter[str] = Counter()
+        self.fail: set[str] = set()
+        self._lock = threading.Lock()
+
+    def describe(self) -> str:
+        return "fake://origin"
+
+    def fetch(self, artifact: Artifact) -> bytes:
+        with self._lock:
+            self.requests[artifact.name] += 1
+            self.by_thread[threading.current_thread().name] += 1
+        if artifact.name in self.fail:
+            raise OriginError(f"500 from fake://origin/{artifact.name}", status=500)
+        return self.blobs[artifact.sha256]
+
+    @property
+    def total(self) -> int:
+        return sum(self.requests.values())
+
+
+def make_blobs(
+    count: int, *, seed: int = 0, low: int = 100, high: int = 3000
+) -> tuple[list[Artifact], dict[str, bytes]]:
+    rng = random.Random(seed)
+    arts, blobs = [], {}
+    for i in range(count):
+        data = rng.randbytes(rng.randrange(low, high))
+        sha = sha256_hex(data)
+        arts.append(Artifact(f"cubins/k{i:03d}.cubin", sha, len(data)))
+        blobs[sha] = data
+    return arts, blobs
+
+
+LAYOUTS = {
+    # 8 ranks over 4 nodes, in the three pool layouts that must work without config.
+    "node-local": lambda r: f"node{r // 2}",
+    "per-rank": lambda r: f"rank{r}",
+    "shared": lambda r: "nfs",
+}
+
+
+def make_pools(size: int, layout: Callable[[int], str]) -> tuple[list[FakePool], dict[str, Store]]:
+    stores: dict[str, Store] = {}
+    pools = []
+    for r in range(size):
+        pid = layout(r)
+        stores.setdefault(pid, Store(pid))
+        pools.append(FakePool(stores[pid]))
+    return pools, stores
+
+
+def run_ranks(
+    group: ThreadGroup,
+    fn: Callable[[int], Any],
+    ranks: Sequence[int] | None = None,
+    join: float = 30,
+) -> list[Any]:
+    """Run ``fn(rank)`` on each rank's thread; return results or raised exceptions."""
+    out: list[Any] = [None] * group.size
+    todo = range(group.size) if ranks is None else ranks
+
+    def target(r: int) -> None:
+        try:
+            out[r] = fn(r)
+        except BaseException as exc:
+            out[r] = exc
+
+    threads = [threading.Thread(target=target, args=(r,), name=f"rank{r}") for r in todo]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join)
+        assert not t.is_alive(), "a rank hung"
+    return out
+
+
+def group8() -> ThreadGroup:
+    return ThreadGroup(8, [f"node{r // 2}" for r in range(8)], timeout=20)
+
+
+def ok(results: list[Any]) -> list[PrefetchReport]:
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+# -- behaviour ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_each_missing_artifact_is_downloaded_once_and_reaches_every_pool(layout: str) -> None:
+    arts, blobs = make_blobs(24)
+    origin = FakeOrigin(blobs)
+    pools, stores = make_pools(8, LAYOUTS[layout])
+    group = group8()
+    reports = ok(
+        run_ranks(
+            group,
+            lambda r: prefetch(
+                arts, comm=group.comm(r), pool=pools[r], origin=origin, bucket_bytes=8000
+            ),
+        )
+    )
+
+    assert origin.total == 24 and max(origin.requests.values()) == 1
+    for store in stores.values():
+        assert store.objects == blobs
+        assert store.labels == {a.name: a.sha256 for a in arts}
+    first = reports[0]
+    assert all(r == first for r in reports), "the report is identical on every rank"
+    assert first.downloads == 24 and first.origin_bytes == sum(map(len, blobs.values()))
+    assert len(first.downloaders) > 1, "downloads are spread over ranks"
+    assert first.pools == len(stores)
+    assert first.objects_published == 24 * len(stores)
+    assert first.pool_hits == 0
+    assert set(first.seconds) == set(PHASES)
+    if layout == "shared":
+        assert first.broadcasts == 0 and first.writers == (0,)
+        assert len(first.downloaders) == 8
+    else:
+        assert first.broadcast_bytes >= first.origin_bytes
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_second_prefetch_touches_neither_origin_nor_communicator_bytes(layout: str) -> None:
+    arts, blobs = make_blobs(10)
+    origin = FakeOrigin(blobs)
+    pools, _ = make_pools(8, LAYOUTS[layout])
+    group = group8()
+    ok(run_ranks(group, lambda r: prefetch(arts, comm=group.comm(r), pool=pools[r], origin=origin)))
+    calls_before = list(group.calls)
+    reports = ok(
+        run_ranks(group, lambda r: prefetch(arts, comm=group.comm(r), pool=pools[r], origin=origin))
+    )
+    assert origin.total == 10
+    assert reports[0].downloads == 0 and reports[0].broadcast_bytes == 0
+    assert reports[0].pool_hits == 10 and reports[0].objects_published == 0
+    # agree, discover, report: three all-gathers and nothing else
+    assert [a - b for a, b in zip(group.calls, calls_before, strict=True)] == [3] * 8
+
+
+def test_partial_pools_get_only_what_they_lack_and_nothing_is_downloaded() -> None:
+    arts, blobs = make_blobs(6)
+    origin = FakeOrigin(blobs)
+    pools, stores = make_pools(8, LAYOUTS["node-local"])
+    for i, a in enumerate(arts):  # each artifact already on one node
+        stores[f"node{i % 4}"].objects[a.sha256] = blobs[a.sha256]
+    group = group8()
+    reports = ok(
+        run_ranks(group, lambda r: prefetch(arts, comm=group.comm(r), pool=pools[r], origin=origin))
+    )
+    assert origin.total == 0
+    assert all(s.objects == blobs for s in stores.values())
+    assert reports[0].objects_published == 6 * 3
+
+
+def test_many_small_artifacts_travel_in_few_broadcasts() -> None:
+    arts, blobs = make_blobs(200, low=100, high=200)
+    origin = FakeOrigin(blobs)
+    pools, stores = make_pools(4, lambda r: f"rank{r}")
+    group = ThreadGroup(4, timeout=20)
+    total = sum(map(len, blobs.values()))
+    reports = ok(
+        run_ranks(
+            group,
+            lambda r: prefetch(
+                arts, comm=group.comm(r), pool=pools[r], origin=origin, bucket_bytes=total
+            ),
+        )
+    )
+    # Each of the 4 sources sends its ~50 downloads in one bucket.
+    assert reports[0].broadcasts == 4
+    assert all(s.objects == blobs for s in stores.values())
+    # 3 all-gathers + fetch check + writers' rank map + 4 broadcasts + move check.
+    assert group.calls == [3 + 1 + 1 + 4 + 1] * 4
+
+
+def test_memory_in_flight_is_bounded_by_one_bucket_plus_the_largest_artifact() -> None:
+    arts, blobs = make_blobs(60, low=1000, high=20_000, seed=3)
+    origin = FakeOrigin(blobs)
+    pools, stores = make_pools(4, lambda r: f"rank{r}")
+    group = ThreadGroup(4, timeout=20)
+    bucket = 30_000
+    reports = ok(
+        run_ranks(
+            group,
+            lambda r: prefetch(
+                arts, comm=group.comm(r), pool=pools[r], origin=origin, bucket_bytes=bucket
+            ),
+        )
+    )
+    largest = max(map(len, blobs.values()))
+    overhead = 16 * len(arts) + 16  # bucket tables and trailer
+    report = reports[0]
+    assert 0 < report.peak_bytes <= bucket + largest + overhead
+    assert report.broadcasts >= sum(map(len, blobs.values())) // (bucket + largest)
+    assert all(s.objects == blobs for s in stores.values())
+
+
+def test_artifact_larger_than_a_bucket_travels_alone() -> None:
+    arts, blobs = make_blobs(5, low=5000, high=6000)
+    origin = FakeOrigin(blobs)
+    pools, stores = make_pools(2, lambda r: f"rank{r}")
+    group = ThreadGroup(2, timeout=20)
+    reports = ok(
+        run_ranks(
+            group,
+            lambda r: prefetch(
+                arts, comm=group.comm(r), pool=pools[r], origin=origin, bucket_bytes=1000
+            ),
+        )
+    )
+    assert reports[0].broadcasts == 5
+    assert all(s.objects == blobs for s in stores.values())
+
+
+def test_manifest_mismatch_raises_the_same_error_on_every_rank() -> None:
+    arts, blobs = make_blobs(5)
+    origin = FakeOrigin(blobs)
+    pools, _ = make_pools(4, lambda r: f"rank{r}")
+    group = ThreadGroup(4, timeout=20)
+    lists = [arts, arts, arts[:4], list(reversed(arts))]  # order does not matter
+    results = run_ranks(
+        group, lambda r: prefetch(lists[r], comm=group.comm(r), pool=pools[r], origin=origin)
+    )
+    assert all(isinstance(e, ManifestMismatchError) for e in results)
+    assert len({str(e) for e in results}) == 1
+    groups = results[0].groups
+    assert sorted(groups.values()) == [[0, 1, 3], [2]]
+    assert origin.total == 0
+
+
+def test_origin_failure_on_one_rank_raises_the_same_prefetch_error_everywhere() -> None:
+    arts, blobs = make_blobs(16)
+    origin = FakeOrigin(blobs)
+    origin.fail = {arts[5].name}
+    pools, stores = make_pools(8, LAYOUTS["node-local"])
+    group = group8()
+    results = run_ranks(
+        group, lambda r: prefetch(arts, comm=group.comm(r), pool=pools[r], origin=origin)
+    )
+    assert all(isinstance(e, PrefetchError) for e in results), results
+    assert len({(e.artifact, e.rank, e.host, e.cause, str(e)) for e in results}) == 1
+    err = results[0]
+    assert err.artifact == arts[5].name
+    assert err.host == f"node{err.rank // 2}"
+    assert arts[5].name in str(err) and f"rank {err.rank}" in str(err) and err.host in str(err)
+    assert "OriginError" in err.cause
+    assert origin.requests[arts[5].name] == 1
+    # Nothing partial: what is in a pool is whole; a later prefetch resumes from it.
+    origin.fail = set()
+    before = origin.total
+    fresh = group8()  # a failed group's barrier may be broken; a new job gets a new one
+    report = ok(
+        run_ranks(fresh, lambda r: prefetch(arts, comm=fresh.comm(r), pool=pools[r], origin=origin))
+    )[0]
+    assert all(s.objects == blobs for s in stores.values())
+    assert origin.total - before == report.downloads < 16 + 1
+    assert origin.requests[arts[5].name] == 2
+
+
+def test_full_disk_on_a_receiving_writer_fails_every_rank_alike() -> None:
+    arts, blobs = make_blobs(8)
+    origin = FakeOrigin(blobs)
+    pools, stores = make_pools(4, lambda r: f"rank{r}")
+    stores["rank2"].fail_put = PoolError
+    group = ThreadGroup(4, timeout=20)
+    results = run_ranks(
+        group, lambda r: prefetch(arts, comm=group.comm(r), pool=pools[r], origin=origin)
+    )
+    assert all(isinstance(e, PrefetchError) for e in results), results
+    assert {e.rank for e in results} == {2}
+    assert len({str(e) for e in results}) == 1
+    assert "PoolError" in results[0].cause and "no space" in str(results[0])
+
+
+def test_a_rank_that_never_arrives_makes_the_others_fail_within_the_timeout() -> None:
+    arts, blobs = make_blobs(4)
+    origin = FakeOrigin(blobs)
+    pools, _ = make_pools(4, lambda r: f"rank{r}")
+    group = ThreadGroup(4, timeout=0.5)
+    results = run_ranks(
+        group,
+        lambda r: prefetch(arts, comm=group.comm(r), pool=pools[r], origin=origin, timeout=0.5),
+        ranks=[0, 1, 2],
+        join=10,
+    )
+    for r in (0, 1, 2):
+        assert isinstance(results[r], PrefetchError), results[r]
+        assert "CollectiveTimeout" in results[r].cause
+    assert origin.total == 0
+
+
+def test_world_size_one_prefetch_downloads_into_the_local_pool() -> None:
+    arts, blobs = make_blobs(3)
+    origin = FakeOrigin(blobs)
+    pools, stores = make_pools(1, lambda r: "only")
+    report = prefetch(arts + arts[:1], comm=LocalCommunicator("here"), pool=pools[0], origin=origin)
+    assert report.downloads == 3 and report.artifacts == 3 and report.broadcasts == 0
+    assert stores["only"].objects == blobs
+    assert "3 downloads" in report.summary()
+
+
+def test_two_names_for_the_same_bytes_are_one_object() -> None:
+    arts, blobs = make_blobs(2)
+    alias = Artifact("other/alias.cubin", arts[0].sha256)
+    origin = FakeOrigin(blobs)
+    pools, stores = make_pools(2, lambda r: f"rank{r}")
+    group = ThreadGroup(2, timeout=20)
+    reports = ok(
+        run_ranks(
+            group,
+            lambda r: prefetch([*arts, alias], comm=group.comm(r), pool=pools[r], origin=origin),
+        )
+    )
+    assert origin.total == 2 and reports[0].artifacts == 3 and reports[0].objects == 2
+    assert stores["rank1"].labels["other/alias.cubin"] == arts[0].sha256
+
+
+def test_sync_repairs_a_warm_up_that_ran_on_one_rank_only() -> None:
+    arts, blobs = make_blobs(5)
+    pools, stores = make_pools(8, LAYOUTS["node-local"])
+    # Warm-up on rank 3 only: lazily fetched into its node's pool.
+    for a in arts:
+        pools[3].put(blobs[a.sha256], a.sha256)
+    pools[3].remember(arts)
+    group = group8()
+    state = [SyncState() for _ in range(8)]
+    reports = ok(
+        run_ranks(group, lambda r: sync(comm=group.comm(r), pool=pools[r], state=state[r]))
+    )
+    assert all(s.objects == blobs for s in stores.values())
+    assert all(s.labels == {a.name: a.sha256 for a in arts} for s in stores.values())
+    assert reports[0].downloads == 0 and reports[0].objects_published == 5 * 3
+    assert all(r == reports[0] for r in reports)
+    # Nothing new since: the next sync moves nothing and sends no object ids.
+    again = ok(run_ranks(group, lambda r: sync(comm=group.comm(r), pool=pools[r], state=state[r])))
+    assert again[0].broadcasts == 0 and again[0].objects <= 5
+
+
+def test_sync_without_state_compares_whole_journals() -> None:
+    arts, blobs = make_blobs(3)
+    pools, stores = make_pools(4, lambda r: f"rank{r}")
+    pools[0].put(blobs[arts[0].sha256])
+    pools[2].put(blobs[arts[1].sha256])
+    group = ThreadGroup(4, timeout=20)
+    ok(run_ranks(group, lambda r: sync(comm=group.comm(r), pool=pools[r])))
+    expected = {a.sha256: blobs[a.sha256] for a in arts[:2]}
+    assert all(s.objects == expected for s in stores.values())
+    reports = ok(run_ranks(group, lambda r: sync(comm=group.comm(r), pool=pools[r])))
+    assert reports[0].objects == 2 and reports[0].broadcasts == 0
+
+
+_MPI_ONLY = """
+import sys
+from pathlib import Path
+from distcache.comm import from_mpi
+from distcache.origin import DirOrigin
+from distcache.pool import ArtifactPool
+from distcache.prefetch import prefetch
+from distcache.artifact import parse_checksums
+
+root = Path(sys.argv[1])
+comm = from_mpi()
+arts = parse_checksums((root / "mirror" / "checksums.txt").read_text())
+pool = ArtifactPool(root / f"pool{comm.rank}")
+report = prefetch(arts, comm=comm, pool=pool, origin=DirOrigin(root / "mirror"), timeout=60)
+assert report.downloads == len(arts) and report.pools == comm.size, report
+assert sorted(pool.objects()) == sorted(a.sha256 for a in arts)
+assert "torch" not in sys.modules, "an MPI-only prefetch imported torch"
+print("ok", comm.rank, flush=True)
+"""
+
+
+def test_mpi_only_prefetch_never_imports_torch(tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+
+    from distcache.testing import make_artifacts
+
+    mpirun = Path(sys.executable).with_name("mpirun")
+    if not mpirun.exists():
+        pytest.fail(f"{mpirun} is missing; the test environment installs Open MPI")
+    make_artifacts(tmp_path / "mirror", 6, min_size=500, max_size=5000)
+    script = tmp_path / "mpi_only.py"
+    script.write_text(_MPI_ONLY)
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = [str(mpirun), "-n", "2", "--oversubscribe", sys.executable, str(script), str(tmp_path)]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("mpirun did not finish within 120 s")
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text
+    assert "ok 0" in text and "ok 1" in text
+
+
+# -- with the real pool and the loopback HTTP origin -------------------------------
+
+
+def test_real_pools_and_loopback_origin_fetch_each_artifact_once(tmp_path: Path) -> None:
+    from distcache.origin import HttpOrigin
+    from distcache.pool import ArtifactPool
+    from distcache.testing import LoopbackOrigin, make_artifacts
+
+    arts = make_artifacts(tmp_path / "mirror", 12, min_size=2000, max_size=20_000)
+    roots = [tmp_path / f"node{r // 2}" for r in range(8)]
+    group = group8()
+    with LoopbackOrigin(tmp_path / "mirror") as server:
+        origin = HttpOrigin(server.url, retries=0)
+        pools = [ArtifactPool(root) for root in roots]
+
+        def run(r: int) -> PrefetchReport:
+            return prefetch(
+                arts, comm=group.comm(r), pool=pools[r], origin=origin, bucket_bytes=50_000
+            )
+
+        first = ok(run_ranks(group, run))[0]
+        assert server.total_requests == 12 and max(server.requests.values()) == 1
+        assert len(first.downloaders) > 1 and first.pools == 4
+        for root in set(roots):
+            pool = ArtifactPool(root)
+            assert sorted(pool.objects()) == sorted(a.sha256 for a in arts)
+            assert pool.names() == {a.name: a.sha256 for a in arts}
+        second = ok(run_ranks(group, run))[0]
+        assert server.total_requests == 12
+        assert second.downloads == 0 and second.broadcast_bytes == 0 and second.pool_hits == 12
+
+
+def test_real_pools_sync_spreads_a_lazy_fetch(tmp_path: Path) -> None:
+    from distcache.pool import ArtifactPool
+
+    data = b"lazily fetched kernel" * 100
+    art = Artifact("cubins/lazy.cubin", sha256_hex(data))
+    pools = [ArtifactPool(tmp_path / f"rank{r}") for r in range(3)]
+    pools[1].put(data, art.sha256)
+    pools[1].remember([art])
+    group = ThreadGroup(3, timeout=20)
+    states = [SyncState() for _ in range(3)]
+    ok(run_ranks(group, lambda r: sync(comm=group.comm(r), pool=pools[r], state=states[r])))
+    for pool in pools:
+        assert pool.get(art.sha256) == data and pool.names() == {art.name: art.sha256}

@@ -1,0 +1,102 @@
+"""distcache.init at world size 1: the hook composes pool, prefetch, IPC and is idempotent."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import distcache
+from distcache.artifact import manifest_text
+from distcache.errors import ConfigError
+from distcache.testing import LoopbackOrigin, make_artifacts
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    for var in ("DISTCACHE_DISABLE", "DISTCACHE_ORIGIN", "DISTCACHE_POOL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    yield
+    from distcache.session import current as current_session
+
+    current = current_session()
+    if current is not None:
+        current.close()
+
+
+@pytest.fixture
+def origin_and_manifest(tmp_path: Path) -> Iterator[tuple[LoopbackOrigin, Path, int]]:
+    artifacts = make_artifacts(tmp_path / "origin", 6, min_size=1000, max_size=5000)
+    manifest = tmp_path / "manifest.txt"
+    manifest.write_text(manifest_text(artifacts))
+    with LoopbackOrigin(tmp_path / "origin") as srv:
+        yield srv, manifest, len(artifacts)
+
+
+def test_init_prefetches_then_a_second_launch_downloads_nothing(
+    tmp_path: Path, origin_and_manifest: tuple[LoopbackOrigin, Path, int]
+) -> None:
+    srv, manifest, k = origin_and_manifest
+    with distcache.init(
+        pool=tmp_path / "pool", origin=srv.url, manifests=[manifest], flashinfer=False
+    ) as session:
+        assert session.report is not None
+        assert session.report.downloads == k
+        assert session.comm.size == 1
+    assert srv.total_requests == k
+    with distcache.init(
+        pool=tmp_path / "pool", origin=srv.url, manifests=[manifest], flashinfer=False
+    ) as session:
+        assert session.report is not None
+        assert session.report.downloads == 0
+    assert srv.total_requests == k
+
+
+def test_second_init_returns_the_same_session(tmp_path: Path) -> None:
+    first = distcache.init(pool=tmp_path / "pool", flashinfer=False)
+    second = distcache.init(pool=tmp_path / "other", flashinfer=False)
+    assert first is second
+    first.close()
+    third = distcache.init(pool=tmp_path / "pool", flashinfer=False)
+    assert third is not first
+    third.close()
+
+
+def test_disable_makes_init_a_usable_no_op(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("DISTCACHE_DISABLE", "1")
+    session = distcache.init(pool=tmp_path / "pool", manifests=[tmp_path / "missing.txt"])
+    assert session.disabled
+    assert session.pool is None
+    assert session.sync() is None
+    assert session.comm.size == 1
+    assert not (tmp_path / "pool").exists()
+    session.close()
+    session.close()
+
+
+def test_manifest_without_origin_is_a_config_error(
+    tmp_path: Path, origin_and_manifest: tuple[LoopbackOrigin, Path, int]
+) -> None:
+    _, manifest, _ = origin_and_manifest
+    with pytest.raises(ConfigError, match="DISTCACHE_ORIGIN"):
+        distcache.init(pool=tmp_path / "pool", manifests=[manifest], flashinfer=False)
+
+
+def test_init_exchanges_ipc_pools_and_closes_them(tmp_path: Path) -> None:
+    from distcache.ipc import ShmPool
+
+    producer = ShmPool(1 << 20)
+    with distcache.init(pool=tmp_path / "pool", ipc_pools=[producer], flashinfer=False) as session:
+        assert session.registry is not None
+        assert dict(session.registry.opens) == {}
+    assert session.closed
+    producer.close()
+
+
+def test_sync_on_a_closed_session_is_an_error(tmp_path: Path) -> None:
+    session = distcache.init(pool=tmp_path / "pool", flashinfer=False)
+    session.close()
+    with pytest.raises(distcache.errors.DistcacheError, match="closed"):
+        session.sync()
