@@ -7,7 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from conftest import base_env, run_group
+from tests.launchers.procs import base_env, run_group
 
 PY = sys.executable
 LAUNCH = [PY, "-m", "launch"]

@@ -6,7 +6,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from conftest import BIN, PROGRAM, base_env, run_group
+from tests.launchers.procs import BIN, PROGRAM, base_env, run_group
 
 PY = sys.executable
 EXPECTED_SUM = 1 + 2 + 3 + 4

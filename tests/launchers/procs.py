@@ -1,0 +1,85 @@
+"""Run real launchers (mpirun, torchrun, srun) in their own sessions, under hard timeouts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+PROGRAM = Path(__file__).with_name("allreduce_prog.py")
+
+
+@dataclass
+class Result:
+    returncode: int
+    output: str
+
+    def results(self) -> list[tuple[str, int, int, int]]:
+        """The ``RESULT launcher rank world sum`` lines, sorted by rank."""
+        rows = []
+        for line in self.output.splitlines():
+            if line.startswith("RESULT "):
+                _, launcher, rank, world, total = line.split()
+                rows.append((launcher, int(rank), int(world), int(total)))
+        return sorted(rows, key=lambda row: row[1])
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    for name in list(env):
+        # The test process may itself run under a launcher; its variables must not leak.
+        if name.startswith(
+            ("OMPI_", "PMIX_", "PMI_", "SLURM_", "TORCHELASTIC_", "PRTE_")
+        ) or name in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "GROUP_RANK",
+            "DISTCACHE_NODE_ID",
+        ):
+            del env[name]
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        PATH=os.pathsep.join([str(BIN), env.get("PATH", "")]),
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        PYTHONDONTWRITEBYTECODE="1",
+        OMP_NUM_THREADS="1",
+    )
+    env.update(extra)
+    return env
+
+
+def run_group(cmd: Sequence[str], env: dict[str, str], timeout: float = 120) -> Result:
+    """Run ``cmd`` in a new session; on timeout kill the whole process group and fail."""
+    proc = subprocess.Popen(
+        list(cmd),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        cwd=REPO,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} exceeded {timeout}s and was killed; output:\n{out}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return Result(proc.returncode, out)
