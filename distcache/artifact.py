@@ -20,11 +20,11 @@ __all__ = [
     "MAX_SEGMENT_BYTES",
     "Artifact",
     "check_sha256",
+    "manifest_text",
     "parse_checksums",
     "path_under",
     "sha256_hex",
     "validate_name",
-    "manifest_text",
     "verify_bytes",
 ]
 
@@ -180,7 +180,8 @@ def parse_checksums(text: str, prefix: str = "") -> list[Artifact]:
             artifact = Artifact(full, digest)
         except ArtifactNameError as exc:
             raise ArtifactNameError(
-                f"line {lineno}: {exc.message}", name=full, reason=exc.reason, line=lineno
+                f"line {lineno}: {exc.message}", name=full, reason=getattr(exc, "reason", ""),
+                line=lineno,
             ) from None
         previous = out.get(artifact.name)
         if previous is not None and previous.sha256 != digest:

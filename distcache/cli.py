@@ -3,6 +3,7 @@
     distcache [--pool DIR] [--verbose] pool ls|stats|verify|gc|import DIR|export DIR
     distcache [--pool DIR] fetch --manifest FILE [--origin URL ...] [--jobs N]
     distcache [--pool DIR] doctor
+    distcache [--pool DIR] prefetch --manifest FILE | --flashinfer [--record DIR]  (every rank)
 
 The pool is ``--pool``, else ``DISTCACHE_POOL``, else ``$XDG_CACHE_HOME/distcache``.
 
@@ -79,6 +80,8 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                "distcache.cli:setup_fetch"),
     Subcommand("doctor", "report launcher, pool filesystem, locks, shared memory, GPU IPC",
                "distcache.cli_doctor:setup_doctor"),
+    Subcommand("prefetch", "collective (run on every rank): fetch each artifact once per job",
+               "distcache.cli_prefetch:setup"),
 )
 
 

@@ -7,8 +7,8 @@ per job and broadcast to the pools that lack it.
     distcache prefetch --manifest FILE [--manifest FILE ...] [--origin URL]
     distcache prefetch --flashinfer [--record DIR] [--family NAME ...] [--origin URL]
 
-Register with ``add_parser(subparsers)``; the parser's ``func`` default is the
-handler, which returns the exit status.
+The ``distcache`` command registers :func:`setup`; :func:`add_parser` builds a
+stand-alone parser. The handler :func:`run` returns the exit status.
 """
 
 from __future__ import annotations
@@ -21,21 +21,33 @@ from typing import Any
 
 from distcache.errors import ConfigError, DistcacheError
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "run", "setup"]
 
 log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``prefetch`` subcommand to an ``argparse`` subparsers object."""
+    """Add a stand-alone ``prefetch`` subcommand (with its own ``--pool``) to an
+    ``argparse`` subparsers object; its ``func`` default is :func:`run`."""
     parser: argparse.ArgumentParser = subparsers.add_parser(
-        "prefetch",
-        help="collectively fetch artifacts once per job into every rank's pool",
-        description=(
-            "Collective: run on every rank. Each artifact missing from some pool is "
-            "fetched from the origin by one rank and broadcast to the pools that lack it."
-        ),
+        "prefetch", help=HELP, description=DESCRIPTION
     )
+    parser.add_argument("--pool", metavar="DIR", help="pool directory (default: DISTCACHE_POOL)")
+    setup(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+HELP = "collectively fetch artifacts once per job into every rank's pool"
+DESCRIPTION = (
+    "Collective: run on every rank. Each artifact missing from some pool is "
+    "fetched from the origin by one rank and broadcast to the pools that lack it."
+)
+
+
+def setup(parser: argparse.ArgumentParser) -> None:
+    """Add the ``prefetch`` options to ``parser`` (the ``distcache`` command supplies
+    ``--pool``)."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--manifest", action="append", metavar="FILE",
                         help="a sha256sum-format manifest (repeatable)")
@@ -49,11 +61,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--origin", metavar="URL",
                         help="origin URL or directory (default: DISTCACHE_ORIGIN, then "
                              "FlashInfer's FLASHINFER_CUBINS_REPOSITORY with --flashinfer)")
-    parser.add_argument("--pool", metavar="DIR", help="pool directory (default: DISTCACHE_POOL)")
     parser.add_argument("--timeout", type=float, metavar="SECONDS",
                         help="collective timeout (default: DISTCACHE_TIMEOUT)")
-    parser.set_defaults(func=run)
-    return parser
+    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

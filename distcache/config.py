@@ -164,6 +164,10 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "DISTCACHE_DOWNLOADS_PER_RANK": ("4", "concurrent origin downloads per rank"),
     "DISTCACHE_NODE_ID": ("hostname", "node identity used to group ranks"),
     "DISTCACHE_FLASHINFER": ("1", "0 disables the FlashInfer integration"),
+    "DISTCACHE_FLASHINFER_FAMILIES": (
+        "*.cubin,*.so,*.h,*/checksums.txt,*.json",
+        "comma-separated globs of the FlashInfer artifact names that are pooled",
+    ),
 }
 
 _TWO_GIB = 2 << 30

@@ -72,6 +72,7 @@ class Session:
     settings: Settings | None = None
     _flashinfer_installed: bool = False
     _closed: bool = False
+    _sync_state: Any = None
 
     def sync(self, *, timeout: float | None = None) -> PrefetchReport | None:
         """Collective: artifacts any rank fetched lazily since the last sync reach every
@@ -84,9 +85,11 @@ class Session:
         self._check_open()
         if self.disabled or self.pool is None:
             return None
-        from distcache.prefetch import sync
+        from distcache.prefetch import SyncState, sync
 
-        report = sync(comm=self.comm, pool=self.pool, timeout=timeout)
+        if self._sync_state is None:
+            self._sync_state = SyncState()
+        report = sync(comm=self.comm, pool=self.pool, timeout=timeout, state=self._sync_state)
         _log_rank0(self.comm, "sync: %s", report.summary())
         return report
 

@@ -138,6 +138,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # socketserver's default backlog of 5 drops the connects of a burst of ranks,
+    # which then retry after ~1 s and distort every count-per-second figure.
+    request_queue_size = 256
     owner: LoopbackOrigin
 
     def handle_error(self, request: Any, client_address: Any) -> None:
