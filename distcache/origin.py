@@ -87,11 +87,11 @@ class DirOrigin:
 
     Symlinks inside the mirror are followed only while they stay inside it.
 
-    Raises (from fetch):
-        OriginError: missing file (``status=404``), a symlink leaving the mirror, or
-            an unreadable file.
-        IntegrityError: the file's bytes do not match the artifact.
-        ArtifactNameError: the name is unsafe.
+    Raises:
+        OriginError: (from ``fetch``) missing file (``status=404``), a symlink leaving
+            the mirror, or an unreadable file.
+        IntegrityError: (from ``fetch``) the file's bytes do not match the artifact.
+        ArtifactNameError: (from ``fetch``) the name is unsafe.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:

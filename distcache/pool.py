@@ -27,6 +27,10 @@ directories the root's group and set-gid bit, and the pool re-adds the bit where
 platform does not. Recency for LRU collection is the object's mtime, refreshed by
 reads at most once per ``stamp_interval`` seconds (atime is useless on ``noatime``
 mounts); a reader that may not touch another user's object simply skips the stamp.
+
+The two logs live in :mod:`distcache.pool_log` and the whole-pool maintenance
+(``gc``, ``verify``, ``stats``, ``sweep``) in :mod:`distcache.pool_maintenance`;
+:class:`ArtifactPool` is the one public entry point to all of it.
 """
 
 from __future__ import annotations
@@ -41,29 +45,26 @@ import socket
 import stat
 import threading
 import time
-import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+from distcache import pool_maintenance
 from distcache.artifact import Artifact, check_sha256, path_under, validate_name
 from distcache.config import settings
 from distcache.errors import ConfigError, IntegrityError, PoolError
-from distcache.locking import FileLock, flock_fd
+from distcache.locking import FileLock
+from distcache.pool_log import READ_FLAGS, Journal, NamesIndex, is_hex, is_sha, pool_error
+from distcache.pool_maintenance import STALE_TMP_SECONDS
 from distcache.pool_report import GcReport, PoolStats, VerifyReport
 
 __all__ = ["ArtifactPool", "GcReport", "PoolStats", "SupportsFetchInto", "VerifyReport"]
 
 logger = logging.getLogger(__name__)
 
-_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _CREATE = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 # link(2) is not offered everywhere (some FUSE, SMB); rename is the fallback there.
 _NO_LINK = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS})
-_HEX = frozenset("0123456789abcdef")
-_APPEND_LOCK_WAIT = 5.0
-STALE_TMP_SECONDS = 3600.0
 
 
 class SupportsFetchInto(Protocol):
@@ -87,10 +88,6 @@ def _process_umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
-
-
-def _is_sha(text: str) -> bool:
-    return len(text) == 64 and _HEX.issuperset(text)
 
 
 def _read_fd(fd: int, size: int) -> bytes:
@@ -121,82 +118,6 @@ def _fsync_dir(path: str) -> None:
         pass  # some filesystems refuse fsync on directories; rename is still atomic
     finally:
         os.close(fd)
-
-
-def _pool_error(what: str, path: str | os.PathLike[str], exc: OSError) -> PoolError:
-    return PoolError(
-        f"{what} {os.fspath(path)}: {exc.strerror or exc}", path=os.fspath(path), errno=exc.errno
-    )
-
-
-class _AppendLog:
-    """An append-only file of newline-framed records.
-
-    Each append is one ``O_APPEND`` write of ``"\\n<record>\\n"`` under a briefly
-    held ``flock`` (O_APPEND alone is not atomic across NFS clients). The leading
-    newline isolates the torn tail a crashed writer may have left, so a torn record
-    costs that record only; readers consume complete lines only.
-    """
-
-    def __init__(self, path: Path, mode: int) -> None:
-        self.path = path
-        self.mode = mode
-
-    def append(self, records: Iterable[str]) -> None:
-        data = "".join(f"\n{r}\n" for r in records).encode("utf-8")
-        if not data:
-            return
-        try:
-            fd = os.open(self.path, _APPEND, self.mode)
-        except OSError as exc:
-            raise _pool_error("cannot open", self.path, exc) from exc
-        try:
-            flock_fd(fd, _APPEND_LOCK_WAIT, path=str(self.path))
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        except OSError as exc:
-            raise _pool_error("cannot append to", self.path, exc) from exc
-        finally:
-            os.close(fd)
-
-    def read_from(self, offset: int) -> tuple[list[str], int]:
-        """Complete records after byte ``offset``, and the offset after them. An offset
-        past the end (the file was replaced) restarts from the beginning."""
-        try:
-            fd = os.open(self.path, _READ)
-        except FileNotFoundError:
-            return [], 0
-        except OSError as exc:
-            raise _pool_error("cannot read", self.path, exc) from exc
-        try:
-            size = os.fstat(fd).st_size
-            if offset > size:
-                offset = 0
-            data = os.pread(fd, size - offset, offset)
-        finally:
-            os.close(fd)
-        end = data.rfind(b"\n") + 1
-        lines = data[:end].decode("utf-8", "replace").split("\n")
-        return [line for line in lines if line], offset + end
-
-
-def _name_record(name: str, sha: str) -> str:
-    body = f"{sha} {name}"
-    return f"{sha} {zlib.crc32(body.encode()):08x} {name}"
-
-
-def _parse_name_record(line: str) -> tuple[str, str] | None:
-    parts = line.split(" ", 2)
-    if len(parts) != 3 or not _is_sha(parts[0]):
-        return None
-    sha, crc, name = parts
-    if f"{zlib.crc32(f'{sha} {name}'.encode()):08x}" != crc:
-        return None  # torn or damaged
-    try:
-        return validate_name(name), sha
-    except ValueError:
-        return None
 
 
 class ArtifactPool:
@@ -240,15 +161,13 @@ class ArtifactPool:
         umask = _process_umask()
         self._file_mode = 0o444 & ~umask
         self._guard = threading.Lock()
-        self._names: dict[str, str] = {}
-        self._names_offset = 0
         self._approx_bytes: int | None = None
         self._host = "".join(c if c.isalnum() or c in "-." else "_" for c in socket.gethostname())
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             self._setgid = bool(os.stat(self.root).st_mode & stat.S_ISGID)
         except OSError as exc:
-            raise _pool_error("cannot create pool root", self.root, exc) from exc
+            raise pool_error("cannot create pool root", self.root, exc) from exc
         self._objects = self.root / "objects"
         self._tmp = self.root / "tmp"
         self._quarantine = self.root / "quarantine"
@@ -256,8 +175,8 @@ class ArtifactPool:
         for directory in (self._objects, self._tmp, self._quarantine, self._locks):
             self._make_dir(directory)
         self._objects_prefix = f"{self._objects}{os.sep}"
-        self._names_log = _AppendLog(self.root / "names.log", 0o666)
-        self._journal = _AppendLog(self.root / "journal.log", 0o666)
+        self._names_index = NamesIndex(self.root / "names.log", 0o666)
+        self._journal = Journal(self.root / "journal.log", 0o666)
         self.pool_id = self._load_pool_id()
         self.sweep()
 
@@ -276,11 +195,11 @@ class ArtifactPool:
         except FileExistsError:
             pass
         except OSError as exc:
-            raise _pool_error("cannot create directory", path, exc) from exc
+            raise pool_error("cannot create directory", path, exc) from exc
         try:
             st = os.lstat(path)
         except OSError as exc:
-            raise _pool_error("cannot stat", path, exc) from exc
+            raise pool_error("cannot stat", path, exc) from exc
         if not stat.S_ISDIR(st.st_mode):
             raise PoolError(
                 f"{path} is not a directory (a symlink or file?); the pool will not "
@@ -295,17 +214,17 @@ class ArtifactPool:
         path = self.root / "pool_id"
         for _ in range(50):
             try:
-                fd = os.open(path, _READ)
+                fd = os.open(path, READ_FLAGS)
             except FileNotFoundError:
                 self._create_pool_id(path)
                 continue
             except OSError as exc:
-                raise _pool_error("cannot read pool id", path, exc) from exc
+                raise pool_error("cannot read pool id", path, exc) from exc
             try:
                 text = os.read(fd, 256).decode("ascii", "replace").strip()
             finally:
                 os.close(fd)
-            if len(text) == 32 and _HEX.issuperset(text):
+            if is_hex(text, 32):
                 return text
             if text:
                 raise PoolError(
@@ -344,7 +263,7 @@ class ArtifactPool:
                     os.fsync(out.fileno())
             _fsync_dir(str(self.root))
         except OSError as exc:
-            raise _pool_error("cannot create pool id", path, exc) from exc
+            raise pool_error("cannot create pool id", path, exc) from exc
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -356,7 +275,7 @@ class ArtifactPool:
         try:
             return os.open(path, _CREATE, 0o600), path
         except OSError as exc:
-            raise _pool_error("cannot create temporary file", path, exc) from exc
+            raise pool_error("cannot create temporary file", path, exc) from exc
 
     @staticmethod
     def _unlink_quietly(path: str | os.PathLike[str]) -> None:
@@ -395,14 +314,14 @@ class ArtifactPool:
     def _read(self, sha: str, *, stamp: bool) -> bytes | None:
         path = self._object_path(sha)
         try:
-            fd = os.open(path, _READ)
+            fd = os.open(path, READ_FLAGS)
         except FileNotFoundError:
             return None
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 self._quarantine_path(path, sha, "is a symlink", None)
                 return None
-            raise _pool_error("cannot open object", path, exc) from exc
+            raise pool_error("cannot open object", path, exc) from exc
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -414,7 +333,7 @@ class ArtifactPool:
                 with contextlib.suppress(OSError):
                     os.utime(fd)
         except OSError as exc:
-            raise _pool_error("cannot read object", path, exc) from exc
+            raise pool_error("cannot read object", path, exc) from exc
         finally:
             os.close(fd)
         if len(data) != st.st_size or hashlib.sha256(data).hexdigest() != sha:
@@ -452,14 +371,14 @@ class ArtifactPool:
             prefixes = sorted(e.name for e in os.scandir(self._objects)
                               if e.is_dir(follow_symlinks=False))
         except OSError as exc:
-            raise _pool_error("cannot list", self._objects, exc) from exc
+            raise pool_error("cannot list", self._objects, exc) from exc
         for prefix in prefixes:
             try:
                 entries = list(os.scandir(self._objects / prefix))
             except OSError:
                 continue
             for entry in entries:
-                if not (_is_sha(entry.name) and entry.name[:2] == prefix):
+                if not (is_sha(entry.name) and entry.name[:2] == prefix):
                     continue
                 try:
                     st = entry.stat(follow_symlinks=False)
@@ -494,7 +413,7 @@ class ArtifactPool:
                 while view:
                     view = view[os.write(fd, view) :]
             except OSError as exc:
-                raise _pool_error("cannot write", tmp, exc) from exc
+                raise pool_error("cannot write", tmp, exc) from exc
             self._publish(fd, tmp, actual, len(data))
         finally:
             os.close(fd)
@@ -524,11 +443,11 @@ class ArtifactPool:
                     published = True
                 break
         except OSError as exc:
-            raise _pool_error("cannot publish", final, exc) from exc
+            raise pool_error("cannot publish", final, exc) from exc
         if not published:
             return
         _fsync_dir(str(directory))
-        self._journal.append([sha])
+        self._journal.append(sha)
         self._account(size)
 
     def _account(self, size: int) -> None:
@@ -540,10 +459,14 @@ class ArtifactPool:
             current = self._approx_bytes
         if current is None:
             current = sum(st.st_size for _p, _s, st in self._scan())
-            with self._guard:
-                self._approx_bytes = current
+            self._set_approx_bytes(current)
         if current > self.max_bytes:
             self.gc()
+
+    def _set_approx_bytes(self, size: int) -> None:
+        # An exact measure (a scan or gc()); later publishes count up from there.
+        with self._guard:
+            self._approx_bytes = size
 
     def fetch(self, artifact: Artifact, origin: SupportsFetchInto) -> bytes:
         """The verified bytes of ``artifact``: from the pool, else from ``origin``.
@@ -636,7 +559,7 @@ class ArtifactPool:
         except OSError as exc:
             if isinstance(exc, PoolError):
                 raise
-            raise _pool_error("cannot materialize", target, exc) from exc
+            raise pool_error("cannot materialize", target, exc) from exc
         self.remember([artifact])
         return target
 
@@ -693,7 +616,7 @@ class ArtifactPool:
     @staticmethod
     def _file_matches(path: Path, sha: str) -> bool:
         try:
-            fd = os.open(path, _READ)
+            fd = os.open(path, READ_FLAGS)
         except OSError:
             return False
         try:
@@ -715,18 +638,9 @@ class ArtifactPool:
             ValueError: a sha256 is malformed.
             PoolError: the index cannot be written.
         """
-        wanted = [(validate_name(a.name), check_sha256(a.sha256)) for a in artifacts]
-        with self._guard:
-            # Labels this process already knows cost no I/O: fetch() calls this on
-            # every hit, and a hit must stay a few syscalls.
-            if all(self._names.get(name) == sha for name, sha in wanted):
-                return
-        current = self._refresh_names()
-        new = [_name_record(name, sha) for name, sha in dict(wanted).items()
-               if current.get(name) != sha]
-        if new:
-            self._names_log.append(new)
-            self._refresh_names()
+        self._names_index.record(
+            [(validate_name(a.name), check_sha256(a.sha256)) for a in artifacts]
+        )
 
     def names(self) -> dict[str, str]:
         """Every recorded name and the sha it maps to (the last record wins).
@@ -734,19 +648,7 @@ class ArtifactPool:
         Raises:
             PoolError: the index cannot be read.
         """
-        return dict(self._refresh_names())
-
-    def _refresh_names(self) -> dict[str, str]:
-        with self._guard:
-            records, offset = self._names_log.read_from(self._names_offset)
-            if offset < self._names_offset:
-                self._names.clear()
-            for line in records:
-                parsed = _parse_name_record(line)
-                if parsed is not None:
-                    self._names[parsed[0]] = parsed[1]
-            self._names_offset = offset
-            return self._names
+        return self._names_index.snapshot()
 
     def journal_since(self, cursor: int = 0) -> tuple[list[str], int]:
         """Shas published into this pool (by any process) after ``cursor``, oldest
@@ -756,14 +658,9 @@ class ArtifactPool:
         Raises:
             PoolError: the journal cannot be read.
         """
-        records, offset = self._journal.read_from(cursor)
-        seen: dict[str, None] = {}
-        for line in records:
-            if _is_sha(line):
-                seen[line] = None
-        return list(seen), offset
+        return self._journal.since(cursor)
 
-    # -- maintenance --------------------------------------------------------------
+    # -- maintenance (distcache.pool_maintenance) ----------------------------------
 
     def gc(self, max_bytes: int | None = None) -> GcReport:
         """Remove least recently used objects until at most ``max_bytes`` remain
@@ -774,29 +671,7 @@ class ArtifactPool:
         Raises:
             PoolError: the objects directory cannot be listed.
         """
-        cap = self.max_bytes if max_bytes is None else max_bytes
-        entries = sorted(((st.st_mtime_ns, path, st.st_size) for path, _sha, st in self._scan()))
-        total = sum(size for _m, _p, size in entries)
-        removed = freed = 0
-        if cap is not None:
-            for _mtime, path, size in entries:
-                if total - freed <= cap:
-                    break
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:
-                    logger.warning("cannot remove %s during gc: %s", path, exc)
-                    continue
-                removed += 1
-                freed += size
-        with self._guard:
-            self._approx_bytes = total - freed
-        if removed:
-            logger.info("gc removed %d objects (%d bytes) from %s", removed, freed, self.root)
-        return GcReport(max_bytes=cap, removed=removed, freed_bytes=freed,
-                        kept=len(entries) - removed, kept_bytes=total - freed)
+        return pool_maintenance.gc(self, max_bytes)
 
     def verify(self) -> VerifyReport:
         """Hash every object; quarantine the corrupt ones.
@@ -804,16 +679,7 @@ class ArtifactPool:
         Raises:
             PoolError: the pool cannot be listed or an object cannot be read.
         """
-        ok = corrupt = ok_bytes = 0
-        for _path, sha, _st in list(self._scan()):
-            data = self._read(sha, stamp=False)
-            if data is None:
-                corrupt += 1
-            else:
-                ok += 1
-                ok_bytes += len(data)
-        return VerifyReport(ok=ok, corrupt=corrupt, quarantined=self._count(self._quarantine),
-                            ok_bytes=ok_bytes)
+        return pool_maintenance.verify(self)
 
     def stats(self) -> PoolStats:
         """Counts from a directory scan (no hashing).
@@ -821,51 +687,11 @@ class ArtifactPool:
         Raises:
             PoolError: the pool cannot be listed.
         """
-        count = size = 0
-        for _path, _sha, st in self._scan():
-            count += 1
-            size += st.st_size
-        return PoolStats(root=self.root, pool_id=self.pool_id, objects=count, bytes=size,
-                         quarantined=self._count(self._quarantine),
-                         tmp_files=self._count(self._tmp), names=len(self.names()),
-                         max_bytes=self.max_bytes)
-
-    @staticmethod
-    def _count(directory: Path) -> int:
-        try:
-            with os.scandir(directory) as it:
-                return sum(1 for _ in it)
-        except OSError:
-            return 0
+        return pool_maintenance.stats(self)
 
     def sweep(self, max_age: float = STALE_TMP_SECONDS) -> int:
         """Remove temporary files untouched for ``max_age`` seconds (left by crashed
         writers; a live download keeps its file's mtime fresh) and lock files nobody
         holds. Runs when the pool is opened. Returns the number of files removed.
         """
-        removed = 0
-        cutoff = time.time() - max_age
-        try:
-            with os.scandir(self._tmp) as it:
-                stale = [e.path for e in it if e.stat(follow_symlinks=False).st_mtime <= cutoff]
-        except OSError:
-            stale = []
-        for path in stale:
-            try:
-                os.unlink(path)
-                removed += 1
-            except OSError:
-                pass
-        try:
-            with os.scandir(self._locks) as it:
-                locks = [e.path for e in it if e.stat(follow_symlinks=False).st_mtime <= cutoff]
-        except OSError:
-            locks = []
-        for path in locks:
-            lock = FileLock(path, timeout=0, remove_on_release=True)
-            if lock.acquire() and lock.held:
-                lock.release()
-                removed += 1
-        if removed:
-            logger.info("swept %d stale temporary/lock files from %s", removed, self.root)
-        return removed
+        return pool_maintenance.sweep(self, max_age)

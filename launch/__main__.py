@@ -76,8 +76,9 @@ def _parser() -> _Parser:
     parser.add_argument(
         "--prefetch",
         metavar="MANIFEST",
-        help="checksums manifest to prefetch; currently only passed on to PROGRAM as "
-        "DISTCACHE_PREFETCH_MANIFEST (nothing is fetched by the launcher itself)",
+        help="run distcache's collective prefetch of this sha256sum manifest on every rank "
+        "before PROGRAM starts (origin: DISTCACHE_ORIGIN), so PROGRAM's own loads hit the "
+        "warm pool; also exported as DISTCACHE_PREFETCH_MANIFEST",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what is exported")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- PROGRAM [ARGS...]")
@@ -165,6 +166,39 @@ def run(command: Sequence[str], env: dict[str, str]) -> int:
             signal.signal(sig, handler)
 
 
+def _prefetch(info: LaunchInfo, manifest: Path, pool: str | None) -> None:
+    """Run the start-up hook (prefetch only) before PROGRAM, on every rank.
+
+    Under MPI the ranks already share the MPI world that carried the rendezvous; under
+    torchrun or srun a gloo group is brought up on the exported rendezvous and torn
+    down again before PROGRAM starts, so PROGRAM can create its own.
+    """
+    import distcache
+    from distcache.comm import Communicator, from_mpi, from_torch, local
+
+    comm: Communicator
+    torch_group = False
+    if info.world_size == 1:
+        comm = local()
+    elif info.is_mpi:
+        comm = from_mpi()
+    else:
+        from launch.dist import init_process_group
+
+        init_process_group(info)
+        comm, torch_group = from_torch(), True
+    try:
+        session = distcache.init(comm=comm, pool=pool, manifests=[manifest], flashinfer=False)
+        if comm.rank == 0 and session.report is not None:
+            print(f"{PROG}: prefetch: {session.report.summary()}", file=sys.stderr, flush=True)
+        session.close()
+    finally:
+        if torch_group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
 def _exit_like(status: int) -> NoReturn:
     if status < 0:
         # Die of the same signal, so that our parent (mpirun, srun) sees what happened.
@@ -204,6 +238,8 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
             slot = acquire_slot(args.workspace, start=info.rank)
             extra["DISTCACHE_WORKSPACE"] = str(slot.path)
         env = child_environment(info, dict(os.environ), extra)
+        if args.prefetch is not None:
+            _prefetch(info, Path(extra["DISTCACHE_PREFETCH_MANIFEST"]), extra.get("DISTCACHE_POOL"))
     except (_UsageError, DistcacheError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from distcache.errors import IpcError
-from distcache.ipc.allocator import DEFAULT_SLOTS, ProducerPool
+from distcache.ipc.producer import DEFAULT_SLOTS, ProducerPool
 from distcache.ipc.ref import FeatureRef, PoolDescriptor
 
 __all__ = ["CudaMapping", "CudaPool", "probe_cuda_ipc"]

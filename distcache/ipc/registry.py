@@ -22,7 +22,8 @@ from typing import Any, Protocol
 
 from distcache.comm.base import Communicator, agree_on_error
 from distcache.errors import IpcError, StaleHandleError
-from distcache.ipc.allocator import ALIGNMENT, ControlWords, ProducerPool
+from distcache.ipc.allocator import ALIGNMENT, ControlWords
+from distcache.ipc.producer import ProducerPool
 from distcache.ipc.ref import FeatureRef, PoolDescriptor
 
 __all__ = ["PoolRegistry"]

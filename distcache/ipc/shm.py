@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from distcache.errors import IpcError, PoolError
-from distcache.ipc.allocator import DEFAULT_SLOTS, ProducerPool, WordArray
+from distcache.ipc.allocator import WordArray
+from distcache.ipc.producer import DEFAULT_SLOTS, ProducerPool
 from distcache.ipc.ref import PoolDescriptor
 
 __all__ = ["SHM_DIR", "ShmMapping", "ShmPool"]

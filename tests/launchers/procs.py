@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,9 @@ BIN = Path(sys.executable).parent
 PROGRAM = Path(__file__).with_name("allreduce_prog.py")
 
 
+_RESULT = re.compile(r"RESULT (\S+?) (\d+) (\d+) (\d+)(?=RESULT|\s|$)")
+
+
 @dataclass
 class Result:
     returncode: int
@@ -24,11 +28,11 @@ class Result:
 
     def results(self) -> list[tuple[str, int, int, int]]:
         """The ``RESULT launcher rank world sum`` lines, sorted by rank."""
-        rows = []
-        for line in self.output.splitlines():
-            if line.startswith("RESULT "):
-                _, launcher, rank, world, total = line.split()
-                rows.append((launcher, int(rank), int(world), int(total)))
+        # Ranks share one pipe, so a line may be glued to another rank's line.
+        rows = [
+            (launcher, int(rank), int(world), int(total))
+            for launcher, rank, world, total in _RESULT.findall(self.output)
+        ]
         return sorted(rows, key=lambda row: row[1])
 
 

@@ -16,7 +16,7 @@ import torch
 from distcache.comm import Communicator
 from distcache.errors import IpcError, StaleHandleError
 from distcache.ipc import CudaPool, FeatureRef, PoolRegistry, ShmPool
-from distcache.ipc.allocator import ProducerPool
+from distcache.ipc.producer import ProducerPool
 from distcache.ipc.shm import SHM_DIR
 
 pytestmark = pytest.mark.mpi(min_size=2)

@@ -1,0 +1,206 @@
+"""The pool's append-only logs: ``names.log`` (name -> sha labels) and ``journal.log``
+(shas published into the pool).
+
+Both are files of newline-framed records that any number of processes append to and
+read without coordination beyond a briefly held ``flock``. A crashed writer can leave
+a torn last line; the framing confines the damage to that record, readers consume
+complete lines only, and name records carry a CRC so a torn or damaged label is
+skipped rather than misread. They live apart from :mod:`distcache.pool` because the
+store's correctness never depends on them: they label and list objects, they do not
+hold them.
+
+The store and the logs open files the same way and report failures the same way, so
+the few low-level pieces both need (the no-follow read flags, the sha shape check and
+the ``OSError`` -> :class:`~distcache.errors.PoolError` translation) are defined here,
+once, and imported by :mod:`distcache.pool`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+
+from distcache.artifact import validate_name
+from distcache.errors import PoolError
+from distcache.locking import flock_fd
+
+__all__ = ["READ_FLAGS", "AppendLog", "Journal", "NamesIndex", "is_hex", "is_sha", "pool_error"]
+
+#: How the pool opens files to read them: never through a symlink, never blocking.
+READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+_HEX = frozenset("0123456789abcdef")
+_APPEND_LOCK_WAIT = 5.0
+
+
+def is_hex(text: str, length: int) -> bool:
+    """Whether ``text`` is ``length`` lowercase hex digits (no exception, for scans)."""
+    return len(text) == length and _HEX.issuperset(text)
+
+
+def is_sha(text: str) -> bool:
+    """Whether ``text`` has the shape of a sha256 hex digest."""
+    return is_hex(text, 64)
+
+
+def pool_error(what: str, path: str | os.PathLike[str], exc: OSError) -> PoolError:
+    """``exc`` as a :class:`PoolError` saying what failed and where."""
+    return PoolError(
+        f"{what} {os.fspath(path)}: {exc.strerror or exc}", path=os.fspath(path), errno=exc.errno
+    )
+
+
+class AppendLog:
+    """An append-only file of newline-framed records.
+
+    Each append is one ``O_APPEND`` write of ``"\\n<record>\\n"`` under a briefly
+    held ``flock`` (O_APPEND alone is not atomic across NFS clients). The leading
+    newline isolates the torn tail a crashed writer may have left, so a torn record
+    costs that record only; readers consume complete lines only.
+    """
+
+    def __init__(self, path: Path, mode: int) -> None:
+        self.path = path
+        self.mode = mode
+
+    def append(self, records: Iterable[str]) -> None:
+        data = "".join(f"\n{r}\n" for r in records).encode("utf-8")
+        if not data:
+            return
+        try:
+            fd = os.open(self.path, _APPEND, self.mode)
+        except OSError as exc:
+            raise pool_error("cannot open", self.path, exc) from exc
+        try:
+            flock_fd(fd, _APPEND_LOCK_WAIT, path=str(self.path))
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        except OSError as exc:
+            raise pool_error("cannot append to", self.path, exc) from exc
+        finally:
+            os.close(fd)
+
+    def read_from(self, offset: int) -> tuple[list[str], int]:
+        """Complete records after byte ``offset``, and the offset after them. An offset
+        past the end (the file was replaced) restarts from the beginning."""
+        try:
+            fd = os.open(self.path, READ_FLAGS)
+        except FileNotFoundError:
+            return [], 0
+        except OSError as exc:
+            raise pool_error("cannot read", self.path, exc) from exc
+        try:
+            size = os.fstat(fd).st_size
+            if offset > size:
+                offset = 0
+            data = os.pread(fd, size - offset, offset)
+        finally:
+            os.close(fd)
+        end = data.rfind(b"\n") + 1
+        lines = data[:end].decode("utf-8", "replace").split("\n")
+        return [line for line in lines if line], offset + end
+
+
+def _name_record(name: str, sha: str) -> str:
+    body = f"{sha} {name}"
+    return f"{sha} {zlib.crc32(body.encode()):08x} {name}"
+
+
+def _parse_name_record(line: str) -> tuple[str, str] | None:
+    parts = line.split(" ", 2)
+    if len(parts) != 3 or not is_sha(parts[0]):
+        return None
+    sha, crc, name = parts
+    if f"{zlib.crc32(f'{sha} {name}'.encode()):08x}" != crc:
+        return None  # torn or damaged
+    try:
+        return validate_name(name), sha
+    except ValueError:
+        return None
+
+
+class NamesIndex:
+    """``name -> sha`` labels in an :class:`AppendLog`; the last record for a name wins.
+
+    The labels read so far are cached with the log offset they were read up to, so
+    a refresh reads only what other processes appended since.
+    """
+
+    def __init__(self, path: Path, mode: int) -> None:
+        self._log = AppendLog(path, mode)
+        self._guard = threading.Lock()
+        self._names: dict[str, str] = {}
+        self._offset = 0
+
+    def record(self, wanted: Iterable[tuple[str, str]]) -> None:
+        """Append a record for each already validated ``(name, sha)`` whose label
+        differs from the current one.
+
+        Raises:
+            PoolError: the log cannot be read or written.
+        """
+        pairs = list(wanted)
+        with self._guard:
+            # Labels this process already knows cost no I/O: fetch() records on
+            # every hit, and a hit must stay a few syscalls.
+            if all(self._names.get(name) == sha for name, sha in pairs):
+                return
+        current = self._refresh()
+        new = [_name_record(name, sha) for name, sha in dict(pairs).items()
+               if current.get(name) != sha]
+        if new:
+            self._log.append(new)
+            self._refresh()
+
+    def snapshot(self) -> dict[str, str]:
+        """A copy of every label, read up to the end of the log.
+
+        Raises:
+            PoolError: the log cannot be read.
+        """
+        return dict(self._refresh())
+
+    def _refresh(self) -> dict[str, str]:
+        with self._guard:
+            records, offset = self._log.read_from(self._offset)
+            if offset < self._offset:
+                self._names.clear()
+            for line in records:
+                parsed = _parse_name_record(line)
+                if parsed is not None:
+                    self._names[parsed[0]] = parsed[1]
+            self._offset = offset
+            return self._names
+
+
+class Journal:
+    """The shas published into a pool, one per record, in publication order."""
+
+    def __init__(self, path: Path, mode: int) -> None:
+        self._log = AppendLog(path, mode)
+
+    def append(self, sha: str) -> None:
+        """Record that ``sha`` was published.
+
+        Raises:
+            PoolError: the journal cannot be written.
+        """
+        self._log.append([sha])
+
+    def since(self, cursor: int = 0) -> tuple[list[str], int]:
+        """Shas recorded after ``cursor``, oldest first and without repeats (torn or
+        foreign lines are skipped), and the cursor to pass next time.
+
+        Raises:
+            PoolError: the journal cannot be read.
+        """
+        records, offset = self._log.read_from(cursor)
+        seen: dict[str, None] = {}
+        for line in records:
+            if is_sha(line):
+                seen[line] = None
+        return list(seen), offset

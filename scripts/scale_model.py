@@ -1,0 +1,139 @@
+"""Scale model: predicted cold start and origin requests from 1 to 4,096 nodes.
+
+A model on paper, driven by the cost parameters that ``scripts/bench_prefetch.py``
+measured (per-request latency, per-connection origin bandwidth, broadcast latency
+alpha and per-byte cost beta) and the artifact set it used. For each strategy of that
+benchmark it predicts the cold-start time of a job and the requests the origin sees:
+
+every      each rank downloads every artifact itself (FlashInfer's own behaviour)
+rank0      rank 0 downloads everything, then broadcasts it to every rank
+distcache  downloads spread over ranks, then a bucketed broadcast to one writer per
+           node (node-local pools; the node's other ranks read the same pool)
+
+Assumptions (stated, not measured here): ``--gpus-per-node`` ranks per node; the origin
+(a CDN) serves at most ``--origin-aggregate`` bytes/s and ``--origin-rps`` requests/s in
+total, beyond which requests queue; a broadcast is a binomial tree, costing
+ceil(log2 P) * (alpha + m * beta) per message of m bytes over P participants.
+
+    python scripts/scale_model.py --bench bench-results/bench_prefetch.json --out bench-results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+
+def fetch_time(k: float, nbytes: float, latency: float, bandwidth: float, conc: int) -> float:
+    """One rank fetching k artifacts (nbytes in all) with conc concurrent requests."""
+    return math.ceil(k / conc) * latency + nbytes / (conc * bandwidth) if k else 0.0
+
+
+def bcast_time(nbytes: float, participants: int, alpha: float, beta: float, bucket: float) -> float:
+    if participants <= 1 or nbytes <= 0:
+        return 0.0
+    messages = math.ceil(nbytes / bucket)
+    return math.ceil(math.log2(participants)) * (messages * alpha + nbytes * beta)
+
+
+def predict(nodes: int, p: dict[str, float]) -> dict[str, dict[str, float]]:
+    ranks = nodes * int(p["gpus_per_node"])
+    k, size = p["artifacts"], p["artifact_bytes"]
+    lat, bw, conc = p["request_latency_s"], p["origin_bandwidth_Bps"], int(p["downloads_per_rank"])
+    agg, rps = p["origin_aggregate_Bps"], p["origin_rps"]
+    alpha, beta, bucket = p["bcast_alpha_s"], p["bcast_beta_s_per_byte"], p["bucket_bytes"]
+
+    def origin_floor(requests: float, nbytes: float) -> float:
+        return max(nbytes / agg, requests / rps)
+
+    every_req = ranks * k
+    every = max(fetch_time(k, size, lat, bw, conc), origin_floor(every_req, ranks * size))
+    rank0 = max(fetch_time(k, size, lat, bw, conc), origin_floor(k, size)) + bcast_time(
+        size, ranks, alpha, beta, bucket)
+    downloaders = max(1, min(ranks, int(k)))
+    spread = max(fetch_time(k / downloaders, size / downloaders, lat, bw, conc),
+                 origin_floor(k, size))
+    dist = spread + bcast_time(size, nodes, alpha, beta, bucket)
+    return {
+        "every": {"seconds": every, "origin_requests": every_req},
+        "rank0": {"seconds": rank0, "origin_requests": k},
+        "distcache": {"seconds": dist, "origin_requests": k},
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bench", type=Path, default=Path("bench-results/bench_prefetch.json"),
+                        help="JSON written by scripts/bench_prefetch.py")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--artifacts", type=int, default=None,
+                        help="artifacts per job (default: the benchmark's)")
+    parser.add_argument("--origin-aggregate", type=float, default=10e9 / 8,
+                        help="origin total bytes/s (default 10 Gbit/s)")
+    parser.add_argument("--origin-rps", type=float, default=1000.0,
+                        help="origin total requests/s before it queues or refuses")
+    parser.add_argument("--bucket-bytes", type=float, default=64 << 20)
+    args = parser.parse_args()
+
+    bench = json.loads(args.bench.read_text())
+    cfg, measured = bench["config"], bench["measured"]
+    k = float(args.artifacts if args.artifacts is not None else cfg["artifacts"])
+    params = {
+        "gpus_per_node": args.gpus_per_node,
+        "artifacts": k,
+        "artifact_bytes": cfg["artifact_bytes"] * k / cfg["artifacts"],
+        "downloads_per_rank": cfg["downloads_per_rank"],
+        "origin_aggregate_Bps": args.origin_aggregate,
+        "origin_rps": args.origin_rps,
+        "bucket_bytes": args.bucket_bytes,
+        **{key: float(v) for key, v in measured.items()},
+    }
+    nodes_axis = [2**i for i in range(13)]
+    table = {n: predict(n, params) for n in nodes_axis}
+
+    print(f"scale model from {args.bench}: {int(k)} artifacts, "
+          f"{params['artifact_bytes'] / 1e6:.1f} MB, {args.gpus_per_node} GPUs/node")
+    print("measured: " + ", ".join(f"{key}={measured[key]:.3g}" for key in measured))
+    print(f"{'nodes':>6} | {'every s':>9} {'requests':>10} | {'rank0 s':>8} | "
+          f"{'distcache s':>11} {'requests':>8}")
+    for n, row in table.items():
+        print(f"{n:>6} | {row['every']['seconds']:>9.1f} {row['every']['origin_requests']:>10.0f}"
+              f" | {row['rank0']['seconds']:>8.1f} | {row['distcache']['seconds']:>11.2f} "
+              f"{row['distcache']['origin_requests']:>8.0f}")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"parameters": params, "nodes": nodes_axis,
+              "predictions": {str(n): row for n, row in table.items()}}
+    (args.out / "scale_model.json").write_text(json.dumps(result, indent=2) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return 0
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=90)
+    for strategy, style in (("every", "o-"), ("rank0", "s-"), ("distcache", "^-")):
+        left.plot(nodes_axis, [table[n][strategy]["seconds"] for n in nodes_axis], style,
+                  label=strategy, markersize=3)
+        right.plot(nodes_axis, [table[n][strategy]["origin_requests"] for n in nodes_axis],
+                   style, label=strategy, markersize=3)
+    for ax, title in ((left, "predicted cold start (s)"), (right, "origin requests")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(f"nodes ({args.gpus_per_node} ranks each)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, alpha=0.3)
+    left.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.out / "scale_model.png")
+    print(f"wrote {args.out / 'scale_model.json'} and {args.out / 'scale_model.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
