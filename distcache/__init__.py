@@ -18,9 +18,9 @@ _EXPORTS = {
     "HttpOrigin": "distcache.origin",
     "DirOrigin": "distcache.origin",
     "OriginChain": "distcache.origin",
-    "prefetch": "distcache.prefetch",
-    "sync": "distcache.prefetch",
-    "PrefetchReport": "distcache.prefetch",
+    "prefetch": "distcache.collective",
+    "sync": "distcache.collective",
+    "PrefetchReport": "distcache.collective",
     "init": "distcache.session",
     "Session": "distcache.session",
 }
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from distcache.artifact import Artifact, parse_checksums
     from distcache.origin import DirOrigin, HttpOrigin, OriginChain
     from distcache.pool import ArtifactPool
-    from distcache.prefetch import PrefetchReport, prefetch, sync
+    from distcache.collective import PrefetchReport, prefetch, sync
     from distcache.session import Session, init
 
 

@@ -124,7 +124,7 @@ def _prefetch(args: argparse.Namespace) -> tuple[Any, int]:
         error = exc
     # A rank that cannot read its manifest must not leave the others waiting.
     agree_on_error(comm, error, timeout=conf.timeout)
-    from distcache.prefetch import prefetch
+    from distcache.collective import prefetch
 
     report = prefetch(artifacts, comm=comm, pool=pool, origin=origin, timeout=conf.timeout)
     return report, comm.rank

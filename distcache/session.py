@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from distcache.ipc import PoolRegistry
     from distcache.origin import Origin
     from distcache.pool import ArtifactPool
-    from distcache.prefetch import PrefetchReport
+    from distcache.collective import PrefetchReport
 
 __all__ = ["Session", "current", "init"]
 
@@ -85,7 +85,7 @@ class Session:
         self._check_open()
         if self.disabled or self.pool is None:
             return None
-        from distcache.prefetch import SyncState, sync
+        from distcache.collective import SyncState, sync
 
         if self._sync_state is None:
             self._sync_state = SyncState()
@@ -337,6 +337,6 @@ def _prefetch(
             "a manifest was given but no origin: pass origin=... or set DISTCACHE_ORIGIN",
             variable="DISTCACHE_ORIGIN", value=None,
         )
-    from distcache.prefetch import prefetch
+    from distcache.collective import prefetch
 
     return prefetch(artifacts, comm=comm, pool=pool, origin=origin, timeout=conf.timeout)

@@ -35,7 +35,7 @@ from distcache.artifact import Artifact, parse_checksums
 from distcache.comm.base import Communicator
 from distcache.origin import HttpOrigin
 from distcache.pool import ArtifactPool
-from distcache.prefetch import prefetch
+from distcache.collective import prefetch
 
 STRATEGIES = ("every", "rank0", "distcache")
 

@@ -48,7 +48,7 @@ from distcache.integrations.flashinfer_record import Recorder
 if TYPE_CHECKING:
     from distcache.origin import Origin
     from distcache.pool import ArtifactPool
-    from distcache.prefetch import PrefetchReport
+    from distcache.collective import PrefetchReport
 
 __all__ = [
     "DEFAULT_MATERIALIZED",

@@ -2,7 +2,7 @@
 
 :func:`prefetch` merges what every rank recorded in earlier runs (see
 :mod:`distcache.integrations.flashinfer_record`), plus any manifest and any whole
-artifact family, and hands the union to :func:`distcache.prefetch.prefetch`, so each
+artifact family, and hands the union to :func:`distcache.collective.prefetch`, so each
 missing artifact is fetched once per job and broadcast to the pools that lack it.
 
 A family is one of FlashInfer's artifact pins (``ArtifactPath``). Its
@@ -29,7 +29,7 @@ from distcache.integrations.flashinfer_record import merge_entries, read_record
 if TYPE_CHECKING:
     from distcache.origin import Origin
     from distcache.pool import ArtifactPool
-    from distcache.prefetch import PrefetchReport
+    from distcache.collective import PrefetchReport
 
 __all__ = ["family_checksums", "family_manifest", "family_names", "prefetch"]
 
@@ -221,7 +221,7 @@ def prefetch(
         PrefetchError: the collective fetch failed (on every rank).
         CollectiveTimeout: not every rank arrived in time.
     """
-    from distcache.prefetch import prefetch as collective_prefetch
+    from distcache.collective import prefetch as collective_prefetch
 
     entries: dict[str, str] = {}
     pinned: list[Artifact] = []

@@ -15,7 +15,7 @@ from distcache.comm.base import Communicator
 from distcache.errors import PrefetchError
 from distcache.origin import HttpOrigin
 from distcache.pool import ArtifactPool
-from distcache.prefetch import SyncState, prefetch, sync
+from distcache.collective import SyncState, prefetch, sync
 
 K = 12
 

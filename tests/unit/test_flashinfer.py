@@ -410,10 +410,10 @@ def test_missing_record_directory_is_empty(tmp_path: Path) -> None:
 
 @pytest.fixture
 def fake_collective(monkeypatch: pytest.MonkeyPatch) -> list[list[Artifact]]:
-    """Stands in for distcache.prefetch.prefetch: records what each call was given and
+    """Stands in for distcache.collective.prefetch: records what each call was given and
     puts the bytes into the pool, as the real collective would."""
     calls: list[list[Artifact]] = []
-    module = types.ModuleType("distcache.prefetch")
+    module = types.ModuleType("distcache.collective")
 
     def prefetch(
         artifacts: list[Artifact],
@@ -430,7 +430,7 @@ def fake_collective(monkeypatch: pytest.MonkeyPatch) -> list[list[Artifact]]:
         return f"report:{len(artifacts)}"
 
     module.prefetch = prefetch  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "distcache.prefetch", module)
+    monkeypatch.setitem(sys.modules, "distcache.collective", module)
     return calls
 
 

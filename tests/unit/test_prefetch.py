@@ -24,7 +24,7 @@ from distcache.errors import (
     PoolError,
     PrefetchError,
 )
-from distcache.prefetch import PHASES, PrefetchReport, SyncState, prefetch, sync
+from distcache.collective import PHASES, PrefetchReport, SyncState, prefetch, sync
 
 # -- fakes -------------------------------------------------------------------------
 
@@ -444,7 +444,7 @@ from pathlib import Path
 from distcache.comm import from_mpi
 from distcache.origin import DirOrigin
 from distcache.pool import ArtifactPool
-from distcache.prefetch import prefetch
+from distcache.collective import prefetch
 from distcache.artifact import parse_checksums
 
 root = Path(sys.argv[1])

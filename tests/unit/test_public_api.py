@@ -70,7 +70,7 @@ def test_unknown_attribute_is_an_attribute_error() -> None:
 def test_importing_the_packages_imports_neither_torch_nor_mpi4py() -> None:
     code = (
         "import sys, distcache, launch, distcache.comm, distcache.ipc, distcache.pool, "
-        "distcache.origin, distcache.prefetch, distcache.session, distcache.cli, "
+        "distcache.origin, distcache.collective, distcache.session, distcache.cli, "
         "distcache.integrations.flashinfer\n"
         "bad = [m for m in ('torch', 'mpi4py', 'flashinfer') if m in sys.modules]\n"
         "print(','.join(bad))\n"
