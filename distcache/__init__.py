@@ -31,9 +31,9 @@ __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 if TYPE_CHECKING:
     from distcache import comm, config, errors, integrations, ipc
     from distcache.artifact import Artifact, parse_checksums
+    from distcache.collective import PrefetchReport, prefetch, sync
     from distcache.origin import DirOrigin, HttpOrigin, OriginChain
     from distcache.pool import ArtifactPool
-    from distcache.collective import PrefetchReport, prefetch, sync
     from distcache.session import Session, init
 
 

@@ -28,10 +28,10 @@ from distcache.config import Settings, settings
 from distcache.errors import ConfigError, DistcacheError
 
 if TYPE_CHECKING:
+    from distcache.collective import PrefetchReport
     from distcache.ipc import PoolRegistry
     from distcache.origin import Origin
     from distcache.pool import ArtifactPool
-    from distcache.collective import PrefetchReport
 
 __all__ = ["Session", "current", "init"]
 

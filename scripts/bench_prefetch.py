@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from distcache.artifact import Artifact, parse_checksums
+from distcache.collective import prefetch
 from distcache.comm.base import Communicator
 from distcache.origin import HttpOrigin
 from distcache.pool import ArtifactPool
-from distcache.collective import prefetch
 
 STRATEGIES = ("every", "rank0", "distcache")
 

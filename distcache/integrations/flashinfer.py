@@ -46,9 +46,9 @@ from distcache.integrations.flashinfer_loader import (
 from distcache.integrations.flashinfer_record import Recorder
 
 if TYPE_CHECKING:
+    from distcache.collective import PrefetchReport
     from distcache.origin import Origin
     from distcache.pool import ArtifactPool
-    from distcache.collective import PrefetchReport
 
 __all__ = [
     "DEFAULT_MATERIALIZED",

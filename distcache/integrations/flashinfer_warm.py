@@ -27,9 +27,9 @@ from distcache.errors import ConfigError, DistcacheError, OriginError
 from distcache.integrations.flashinfer_record import merge_entries, read_record
 
 if TYPE_CHECKING:
+    from distcache.collective import PrefetchReport
     from distcache.origin import Origin
     from distcache.pool import ArtifactPool
-    from distcache.collective import PrefetchReport
 
 __all__ = ["family_checksums", "family_manifest", "family_names", "prefetch"]
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from distcache.artifact import Artifact, sha256_hex, verify_bytes
+from distcache.collective import PHASES, PrefetchReport, SyncState, prefetch, sync
 from distcache.comm import LocalCommunicator, ThreadGroup
 from distcache.errors import (
     ManifestMismatchError,
@@ -24,7 +25,6 @@ from distcache.errors import (
     PoolError,
     PrefetchError,
 )
-from distcache.collective import PHASES, PrefetchReport, SyncState, prefetch, sync
 
 # -- fakes -------------------------------------------------------------------------
 
