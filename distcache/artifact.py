@@ -30,10 +30,19 @@ __all__ = [
 
 MAX_NAME_BYTES = 1024
 MAX_SEGMENT_BYTES = 255
-_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+# \Z, not $: "$" also matches before a trailing newline, which would let "<sha>\n"
+# through into object paths and newline-framed logs.
+_SHA_RE = re.compile(r"[0-9a-f]{64}\Z")
 # Control, format (zero-width, bidi overrides), surrogate and private-use characters
-# have no place in a kernel's file name and are the usual material of spoofing.
-_BAD_CATEGORIES = {"Cc", "Cf", "Cs", "Co", "Cn"}
+# have no place in a kernel's file name and are the usual material of spoofing. Line
+# and paragraph separators (U+2028/U+2029) split lines for str.splitlines(), so a name
+# holding one would not survive a manifest or a log.
+_BAD_CATEGORIES = {"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"}
+# Characters that render as a path separator without being one. NFKC folds the
+# fullwidth and small forms (U+FF0F, U+FF3C, U+FE68) to ASCII; these it leaves alone.
+# A name that looks like "a/../b" in a log or a web UI must not be a different path
+# from the one it shows, and servers that fold Unicode (some CDNs, SMB) would see one.
+_SEPARATOR_LOOKALIKES = frozenset("\u2215\u2044\u29f8\u2216\u29f5\u29f9\u2571\u2572")
 
 
 def sha256_hex(data: bytes | bytearray | memoryview) -> str:
@@ -55,8 +64,13 @@ def validate_name(name: object) -> str:
     """Return the normalised name, or raise.
 
     Rejected: non-strings, empty names, absolute paths, ``.``/``..`` segments,
-    backslashes, NUL and other control or format characters, empty segments (a
-    trailing ``/``), names over 1024 bytes or with a segment over 255 bytes.
+    backslashes, NUL and other control or format characters, line separators, empty
+    segments (a trailing ``/``), names over 1024 bytes or with a segment over 255
+    bytes. Also rejected, because they display as something they are not or do not
+    survive a ``sha256sum`` manifest: names not in Unicode NFC form, characters that
+    look like ``/`` or ``\\`` (fullwidth solidus, division slash ...), segments that
+    look like dots only (``...``, dot leaders, fullwidth full stops), segments with
+    leading or trailing whitespace, and a leading ``*`` (sha256sum's binary marker).
     Runs of ``/`` inside a name (FlashInfer joins paths with ``//``) collapse to one.
 
     Raises:
@@ -81,6 +95,14 @@ def validate_name(name: object) -> str:
     for ch in name:
         if unicodedata.category(ch) in _BAD_CATEGORIES:
             raise reject(f"control or format character U+{ord(ch):04X}")
+        if ch in _SEPARATOR_LOOKALIKES:
+            raise reject(f"U+{ord(ch):04X} looks like a path separator")
+    if name.startswith("*"):
+        raise reject("leading '*' (sha256sum's binary-mode marker)")
+    if not unicodedata.is_normalized("NFC", name):
+        # Two spellings of one visible name would be two files here and one file on a
+        # normalising filesystem (macOS, ZFS with normalization=formD).
+        raise reject("not in Unicode NFC form")
     normalised = re.sub(r"/{2,}", "/", name)
     segments = normalised.split("/")
     for segment in segments:
@@ -90,6 +112,14 @@ def validate_name(name: object) -> str:
             raise reject(f"'{segment}' segment")
         if len(segment.encode("utf-8")) > MAX_SEGMENT_BYTES:
             raise reject(f"a segment is longer than {MAX_SEGMENT_BYTES} bytes")
+        if segment != segment.strip():
+            # Manifests strip it, and Windows/SMB drop trailing spaces (".. " is "..").
+            raise reject(f"segment {segment!r} has leading or trailing whitespace")
+        folded = unicodedata.normalize("NFKC", segment)
+        if "/" in folded or "\\" in folded:
+            raise reject(f"segment {segment!r} holds a character that folds to '/' or '\\'")
+        if set(folded) == {"."}:
+            raise reject(f"segment {segment!r} is (or folds to) dots only")
     return normalised
 
 
@@ -161,7 +191,9 @@ def parse_checksums(text: str, prefix: str = "") -> list[Artifact]:
         ArtifactNameError: an unsafe name (with the line number in the message).
     """
     out: dict[str, Artifact] = {}
-    for lineno, raw in enumerate(text.splitlines(), start=1):
+    # Lines are "\n"-framed (as sha256sum writes them); str.splitlines() would also
+    # split on U+2028, U+0085 and friends and report the wrong line number.
+    for lineno, raw in enumerate(text.split("\n"), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue

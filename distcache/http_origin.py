@@ -15,6 +15,7 @@ import http.client
 import io
 import logging
 import random
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from email.utils import parsedate_to_datetime
@@ -37,6 +38,9 @@ logger = logging.getLogger(__name__)
 _CHUNK = 256 * 1024
 _REDIRECTS = {301, 302, 303, 307, 308}
 _MAX_REDIRECTS = 5
+# ASCII digits only: str.isdigit() also accepts "²" and other digits int() refuses.
+_CONTENT_LENGTH = re.compile(r"[0-9]{1,20}\Z")
+_SECRET_HEADERS = ("authorization", "cookie", "proxy-authorization")
 # Statuses worth another try: the server is overloaded or a proxy timed out.
 _RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
 _TRANSIENT = (
@@ -90,9 +94,9 @@ def _retry_after(value: str | None) -> float | None:
     # An HTTP-date (RFC 9110 10.2.3).
     try:
         when = parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+        return max(0.0, when.timestamp() - time.time())
+    except (TypeError, ValueError, OverflowError, IndexError):
         return None
-    return max(0.0, when.timestamp() - time.time())
 
 
 class HttpOrigin:
@@ -162,7 +166,12 @@ class HttpOrigin:
             "Accept-Encoding": "identity",
         }
         self._headers.update(headers or {})
-        self._token = resolved.origin_token
+        self._token = self._clean_token(resolved.origin_token)
+        # Values never to show in a message: requests quotes a header value it refuses
+        # (a token read from a file with its newline) in the exception text.
+        self._secrets = tuple(
+            v for k, v in self._headers.items() if k.lower() in _SECRET_HEADERS and v
+        ) + ((self._token,) if self._token else ())
         self._session = requests.Session()
         adapter = HTTPAdapter(pool_connections=4, pool_maxsize=pool_size, max_retries=0)
         self._session.mount("http://", adapter)
@@ -266,6 +275,24 @@ class HttpOrigin:
     # -- one attempt ---------------------------------------------------------------
 
     @staticmethod
+    def _clean_token(token: str | None) -> str | None:
+        if token is None:
+            return None
+        # Surrounding whitespace is what `export TOKEN=$(cat file)` and friends leave
+        # behind; anything unprintable left inside would only fail later, in a header
+        # error that quotes the value.
+        token = token.strip()
+        if not token:
+            return None
+        if not token.isprintable() or not token.isascii():
+            raise ConfigError(
+                "DISTCACHE_ORIGIN_TOKEN holds control or non-ASCII characters; "
+                "set it to the bare token",
+                variable="DISTCACHE_ORIGIN_TOKEN", value="<redacted>",
+            )
+        return token
+
+    @staticmethod
     def _host_key(url: str) -> tuple[str, str, int | None]:
         parts = urlsplit(url)
         port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
@@ -299,7 +326,10 @@ class HttpOrigin:
                 )
             except _TRANSIENT as exc:
                 raise _Retry(f"{type(exc).__name__}: {self._scrub(exc)}") from exc
-            except requests.RequestException as exc:
+            except (requests.RequestException, urllib3.exceptions.HTTPError, ValueError) as exc:
+                # ValueError: even with allow_redirects=False, requests parses a
+                # redirect's Location (to offer the next request) and urlsplit raises
+                # on a broken IPv6 literal or port.
                 raise _Fatal(f"{type(exc).__name__}: {self._scrub(exc)}") from exc
             if response.status_code not in _REDIRECTS:
                 return response
@@ -308,8 +338,13 @@ class HttpOrigin:
             if not location:
                 raise _Fatal(f"redirect {response.status_code} without a Location",
                              status=response.status_code)
-            target = urljoin(current, location)
-            scheme, host, _port = self._host_key(target)
+            try:
+                target = urljoin(current, location)
+                scheme, host, _port = self._host_key(target)
+            except ValueError:
+                # A port out of range or a broken IPv6 literal: urlsplit raises.
+                raise _Fatal(f"refused redirect to a malformed URL {location[:200]!r}",
+                             status=response.status_code) from None
             if scheme != self._scheme:
                 raise _Fatal(
                     f"refused redirect to another scheme ({redact_url(target)}); "
@@ -321,10 +356,12 @@ class HttpOrigin:
             current = target
         raise _Fatal(f"more than {_MAX_REDIRECTS} redirects")
 
-    @staticmethod
-    def _scrub(exc: BaseException) -> str:
+    def _scrub(self, exc: BaseException) -> str:
         # urllib3 messages name the pool and the URL path; keep the first line short.
-        return str(exc).splitlines()[0][:300] if str(exc) else ""
+        text = str(exc)
+        for secret in self._secrets:
+            text = text.replace(secret, "<redacted>")
+        return text.splitlines()[0][:300] if text.strip() else ""
 
     def _attempt(self, url: str, artifact: Artifact, out: BinaryIO, written: list[int]) -> int:
         response = self._get(url)
@@ -335,18 +372,27 @@ class HttpOrigin:
                              delay=_retry_after(response.headers.get("Retry-After")))
             if status != 200:
                 raise _Fatal(f"HTTP {status}", status=status)
-            length_header = response.headers.get("Content-Length")
-            expected_len = int(length_header) if length_header and length_header.isdigit() else None
+            length_header = (response.headers.get("Content-Length") or "").strip()
+            expected_len = int(length_header) if _CONTENT_LENGTH.match(length_header) else None
             limit = artifact.size
+            if limit is not None and expected_len is not None and expected_len != limit:
+                # Refuse before reading: a body announced larger than the artifact is
+                # not worth a byte of bandwidth or disk.
+                raise _Retry("announced size mismatch",
+                             integrity=(f"{limit} bytes", f"Content-Length {expected_len}"))
             digest = hashlib.sha256()
             try:
                 for chunk in response.iter_content(chunk_size=_CHUNK):
+                    if limit is not None and written[0] + len(chunk) > limit:
+                        # Checked before writing: nothing past the declared size
+                        # reaches ``out``.
+                        raise _Retry("body longer than the artifact's size",
+                                     integrity=(f"{limit} bytes", f"more than {limit}"))
+                    if expected_len is not None and written[0] + len(chunk) > expected_len:
+                        raise _Retry(f"body longer than its Content-Length {expected_len}")
                     digest.update(chunk)
                     out.write(chunk)
                     written[0] += len(chunk)
-                    if limit is not None and written[0] > limit:
-                        raise _Retry("body longer than the artifact's size",
-                                     integrity=(f"{limit} bytes", f"more than {limit}"))
             except _TRANSIENT as exc:
                 raise _Retry(f"body cut short after {written[0]} bytes "
                              f"({type(exc).__name__})") from exc

@@ -13,6 +13,7 @@ import hashlib
 import io
 import logging
 import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, cast, runtime_checkable
@@ -132,12 +133,25 @@ class DirOrigin:
             )
         digest = hashlib.sha256()
         count = 0
+        limit = artifact.size
         try:
-            with open(real, "rb") as src:
-                while chunk := src.read(_CHUNK):
-                    digest.update(chunk)
-                    out.write(chunk)
+            # O_NONBLOCK: a FIFO planted in the mirror must not hang the open.
+            fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            with open(fd, "rb") as src:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise OriginError(
+                        f"{candidate} in mirror {self.path} is not a regular file",
+                        url=str(candidate), status=None, name=artifact.name)
+                # Read at most one byte past a declared size: a huge (or sparse) file
+                # in the mirror is refused without reading it all, and nothing past
+                # the declared size reaches ``out``.
+                while chunk := src.read(_CHUNK if limit is None else
+                                        min(_CHUNK, limit + 1 - count)):
                     count += len(chunk)
+                    digest.update(chunk)
+                    if limit is not None and count > limit:
+                        break
+                    out.write(chunk)
         except IsADirectoryError as exc:
             raise OriginError(f"{candidate} in mirror {self.path} is a directory, not a file",
                               url=str(candidate), status=None, name=artifact.name) from exc
@@ -145,9 +159,11 @@ class DirOrigin:
             raise OriginError(f"cannot read {candidate} in mirror {self.path}: {exc}",
                               url=str(candidate), status=None, name=artifact.name) from exc
         actual = digest.hexdigest()
-        if actual != artifact.sha256 or (artifact.size is not None and count != artifact.size):
-            size_note = "" if artifact.size in (None, count) else (
-                f" (size {count}, expected {artifact.size})")
+        if actual != artifact.sha256 or (limit is not None and count != limit):
+            size_note = ""
+            if limit is not None and count != limit:
+                found = f"over {limit}" if count > limit else str(count)
+                size_note = f" (size {found}, expected {limit})"
             raise IntegrityError(
                 f"sha256 mismatch for {artifact.name} in mirror {self.path}{size_note}: "
                 f"expected {artifact.sha256}, got {actual}; repair or remove {candidate}",

@@ -17,8 +17,9 @@ and a crash leaves either no object or a whole one.
 
 Symlinks are never followed inside the pool: files are opened with ``O_NOFOLLOW``
 (a symlinked object is quarantined) and directories the pool writes into are checked
-with ``lstat``. A hostile symlink in a fan-out directory could at worst redirect a
-*read*, and every read is verified, so it can never yield wrong bytes.
+with ``lstat``. Objects are read, published and linked relative to a descriptor of
+their fan-out directory opened with ``O_NOFOLLOW``, so a symlink planted as
+``objects/<xx>`` is quarantined like a corrupt object, never followed.
 
 Shared pools: files and directories are created with the process umask applied
 (objects ``0o444``, logs and locks ``0o666``, directories ``0o777``, all less the
@@ -63,6 +64,9 @@ __all__ = ["ArtifactPool", "GcReport", "PoolStats", "SupportsFetchInto", "Verify
 logger = logging.getLogger(__name__)
 
 _CREATE = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# Fan-out directories are opened, never walked through by path: O_NOFOLLOW on the
+# last component is what keeps a planted objects/<xx> symlink from being followed.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # link(2) is not offered everywhere (some FUSE, SMB); rename is the fallback there.
 _NO_LINK = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS})
 
@@ -210,6 +214,20 @@ class ArtifactPool:
     def _object_path(self, sha: str) -> str:
         return f"{self._objects_prefix}{sha[:2]}{os.sep}{sha}"
 
+    def _open_fanout(self, sha: str) -> int | None:
+        """A descriptor of ``objects/<sha[:2]>``, or None when it is absent. Anything
+        but a real directory there (a planted symlink, a file) is quarantined."""
+        path = f"{self._objects_prefix}{sha[:2]}"
+        try:
+            return os.open(path, _DIR_FLAGS)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+                raise pool_error("cannot open", path, exc) from exc
+        self._quarantine_path(path, sha[:2], "is not a directory (a planted symlink?)", None)
+        return None
+
     def _load_pool_id(self) -> str:
         path = self.root / "pool_id"
         for _ in range(50):
@@ -293,7 +311,8 @@ class ArtifactPool:
         """
         check_sha256(sha256)
         try:
-            return stat.S_ISREG(os.lstat(self._object_path(sha256)).st_mode)
+            return stat.S_ISDIR(os.lstat(f"{self._objects_prefix}{sha256[:2]}").st_mode) and (
+                stat.S_ISREG(os.lstat(self._object_path(sha256)).st_mode))
         except OSError:
             return False
 
@@ -313,8 +332,11 @@ class ArtifactPool:
 
     def _read(self, sha: str, *, stamp: bool) -> bytes | None:
         path = self._object_path(sha)
+        directory = self._open_fanout(sha)
+        if directory is None:
+            return None
         try:
-            fd = os.open(path, READ_FLAGS)
+            fd = os.open(sha, READ_FLAGS, dir_fd=directory)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -322,6 +344,8 @@ class ArtifactPool:
                 self._quarantine_path(path, sha, "is a symlink", None)
                 return None
             raise pool_error("cannot open object", path, exc) from exc
+        finally:
+            os.close(directory)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -425,28 +449,40 @@ class ArtifactPool:
         try:
             os.fchmod(fd, self._file_mode)
             os.fsync(fd)
-            directory = self._objects / sha[:2]
-            self._make_dir(directory)
-            published = False
-            for _attempt in range(2):
-                try:
-                    os.link(tmp, final)
-                    published = True
-                except FileExistsError:
-                    # First publisher wins. Make sure what won is whole, or repair it.
-                    if self._read(sha, stamp=False) is None:
-                        continue
-                except OSError as exc:
-                    if exc.errno not in _NO_LINK:
-                        raise
-                    os.replace(tmp, final)
-                    published = True
-                break
+            directory = self._open_fanout(sha)
+            if directory is None:
+                self._make_dir(self._objects / sha[:2])
+                directory = self._open_fanout(sha)
+            if directory is None:
+                raise PoolError(f"{final}: its directory keeps being replaced; not publishing",
+                                path=final)
+            try:
+                published = False
+                for _attempt in range(2):
+                    try:
+                        os.link(tmp, sha, dst_dir_fd=directory, follow_symlinks=False)
+                        published = True
+                    except FileExistsError:
+                        # First publisher wins. Make sure what won is whole, or repair it.
+                        if self._read(sha, stamp=False) is None:
+                            continue
+                    except OSError as exc:
+                        if exc.errno not in _NO_LINK:
+                            raise
+                        os.replace(tmp, sha, dst_dir_fd=directory)
+                        published = True
+                    break
+                if published:
+                    with contextlib.suppress(OSError):
+                        os.fsync(directory)  # some filesystems refuse; rename is atomic
+            finally:
+                os.close(directory)
+        except PoolError:
+            raise
         except OSError as exc:
             raise pool_error("cannot publish", final, exc) from exc
         if not published:
             return
-        _fsync_dir(str(directory))
         self._journal.append(sha)
         self._account(size)
 
@@ -565,13 +601,22 @@ class ArtifactPool:
 
     def _materialize_into(self, into: Path, target: Path, sha: str, data: bytes) -> None:
         self._ensure_dirs(into, target.parent)
-        obj = self._object_path(sha)
+        directory = self._open_fanout(sha)
+        if directory is None:
+            raise PoolError(f"{sha} left the pool at {self.root} while materializing it",
+                            path=self._object_path(sha))
+        try:
+            self._place(directory, target, sha, data)
+        finally:
+            os.close(directory)
+
+    def _place(self, directory: int, target: Path, sha: str, data: bytes) -> None:
         try:
             st = os.lstat(target)
         except FileNotFoundError:
             st = None
         if st is not None and stat.S_ISREG(st.st_mode):
-            ost = os.lstat(obj)
+            ost = os.stat(sha, dir_fd=directory, follow_symlinks=False)
             if (st.st_ino, st.st_dev) == (ost.st_ino, ost.st_dev):
                 return
             if st.st_size == len(data) and self._file_matches(target, sha):
@@ -579,7 +624,7 @@ class ArtifactPool:
         tmp = os.path.join(target.parent, f".{target.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
         try:
             try:
-                os.link(obj, tmp)
+                os.link(sha, tmp, src_dir_fd=directory, follow_symlinks=False)
             except OSError as exc:
                 if exc.errno != errno.EXDEV and exc.errno not in _NO_LINK:
                     raise

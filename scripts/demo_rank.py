@@ -47,7 +47,7 @@ def main() -> int:
     assert registry is not None
     init_s = time.perf_counter() - t0
 
-    # The burst: every rank produces features; every other rank resolves all of them.
+    # The burst: every rank produces features; its node's other ranks resolve them all.
     t1 = time.perf_counter()
     sent: list[tuple[int, bytes]] = []
     copies = 0
@@ -57,10 +57,11 @@ def main() -> int:
             copies += 1
             continue
         sent.append((i, ref.pack()))
-    everyone = comm.allgather_object(sent)
+    # Shared memory is node-local: each rank consumes the features of its node's peers.
+    everyone = comm.allgather_object((comm.node_id, sent))
     resolved = checked = 0
-    for owner, packed_refs in enumerate(everyone):
-        if owner == comm.rank:
+    for owner, (node, packed_refs) in enumerate(everyone):
+        if owner == comm.rank or node != comm.node_id:
             continue
         for index, packed in packed_refs:
             ref = FeatureRef.unpack(packed)

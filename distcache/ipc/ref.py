@@ -53,7 +53,8 @@ MAX_NDIM = 16
 #: surprises and rejects absurd forged values early.
 MAX_BYTES = 1 << 48
 MAX_GENERATION = 0x7FFFFFFF
-_POOL_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+# \Z, not $: "$" also matches before a trailing newline ("pool\n" would pass).
+_POOL_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
 
 BACKENDS = ("shm", "cuda")
 

@@ -367,3 +367,35 @@ def test_subcommands_are_registered_from_the_table(
     monkeypatch.setattr(cli, "SUBCOMMANDS", (*cli.SUBCOMMANDS, extra))
     assert cli.main(["hello", "--who", "ranks"]) == 0
     assert capsys.readouterr().out == "hello ranks\n"
+
+
+def test_a_reader_that_goes_away_is_not_an_error(tmp_path: Path, env: dict[str, str]) -> None:
+    # `distcache pool ls | head -1`: the pipe closes long before ls has written
+    # everything (far more than a pipe buffer of names).
+    from distcache.artifact import Artifact, sha256_hex
+    from distcache.pool import ArtifactPool
+
+    pool = ArtifactPool(tmp_path / "pool")
+    listed = []
+    for i in range(1500):
+        data = f"object {i}".encode()
+        listed.append(Artifact(f"cubins/{'x' * 80}/kernel_{i:05d}.cubin", pool.put(data)))
+        assert listed[-1].sha256 == sha256_hex(data)
+    pool.remember(listed)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distcache", "--pool", str(tmp_path / "pool"), "pool", "ls"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        proc.stdout.read(1)
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        rc = proc.wait(timeout=120)
+    finally:
+        proc.stderr.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    assert rc == 0, err
+    assert err == ""

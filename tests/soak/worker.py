@@ -1,0 +1,116 @@
+"""One rank of a soak job: run the rounds the driver posts, report each outcome.
+
+Started by :mod:`tests.soak.driver` under ``mpirun -n 4``; the only argument is the
+job's control directory. The driver posts ``round-<k>.json`` (the artifact list, or
+``stop``) and reads back ``done-<k>-<rank>.json``. Each round opens its pool afresh (so
+the sweep of stale files runs every round) and calls :func:`distcache.prefetch` over
+the MPI world. After a successful round every rank reads back each artifact through
+``pool.get`` and hashes it independently, so corrupt bytes served would be counted
+here, not just trusted.
+
+A rank whose communicator broke (a peer was killed or hung past the timeout) reports
+and leaves without ``MPI_Finalize``: the library's promise ends at raising within its
+timeout, and finalising with a dead peer is up to the MPI library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# Run as a script: make the checkout importable whatever the working directory.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from distcache.artifact import Artifact  # noqa: E402
+from distcache.collective import prefetch  # noqa: E402
+from distcache.comm import from_mpi  # noqa: E402
+from distcache.errors import DistcacheError, PrefetchError  # noqa: E402
+from distcache.http_origin import HttpOrigin  # noqa: E402
+from distcache.pool import ArtifactPool  # noqa: E402
+
+_POLL_S = 0.005
+
+
+def _write_json(path: Path, payload: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(payload), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _wait_for(path: Path, deadline: float) -> dict[str, Any] | None:
+    while time.monotonic() < deadline:
+        try:
+            return dict(json.loads(path.read_text(encoding="utf-8")))
+        except FileNotFoundError:
+            time.sleep(_POLL_S)
+    return None
+
+
+def _read_back(pool: ArtifactPool, artifacts: list[Artifact]) -> tuple[int, list[str]]:
+    """(corrupt bytes served, shas missing) over ``artifacts``. A prefetch trusts an
+    object's presence (no hashing at discovery), so an object corrupted in place is
+    found here, quarantined and reported missing."""
+    corrupt = 0
+    missing: list[str] = []
+    for artifact in artifacts:
+        data = pool.get(artifact.sha256)
+        if data is None:
+            missing.append(artifact.sha256)
+        elif hashlib.sha256(data).hexdigest() != artifact.sha256:
+            corrupt += 1
+    return corrupt, missing
+
+
+def run_round(spec: dict[str, Any], comm: Any, origin: HttpOrigin, pool_root: str) -> dict[str, Any]:
+    artifacts = [Artifact(n, s, z) for n, s, z in spec["artifacts"]]
+    result: dict[str, Any] = {"rank": comm.rank, "ok": False, "comm_broken": False}
+    start = time.monotonic()
+    try:
+        pool = ArtifactPool(pool_root)
+        report = prefetch(artifacts, comm=comm, pool=pool, origin=origin)
+    except PrefetchError as exc:
+        result.update(error="PrefetchError", phase=getattr(exc, "phase", None),
+                      artifact=getattr(exc, "artifact", None), message=str(exc)[:400])
+        result["comm_broken"] = getattr(exc, "phase", None) == "collective"
+    except DistcacheError as exc:
+        result.update(error=type(exc).__name__, message=str(exc)[:400], unexpected=True)
+    except Exception as exc:  # noqa: BLE001 - the driver counts anything else as a violation
+        result.update(error=type(exc).__name__, message=repr(exc)[:400], unexpected=True)
+    else:
+        corrupt, missing = _read_back(pool, artifacts)
+        result.update(ok=True, downloads=report.downloads, origin_bytes=report.origin_bytes,
+                      corrupt_served=corrupt, missing_after_ok=missing)
+    result["seconds"] = time.monotonic() - start
+    return result
+
+
+def main() -> int:
+    control = Path(sys.argv[1])
+    job = json.loads((control / "job.json").read_text(encoding="utf-8"))
+    comm = from_mpi()
+    rank = comm.rank
+    _write_json(control / f"pid-{rank}.json", {"pid": os.getpid()})
+    origin = HttpOrigin(job["origin"])
+    pool_root = job["pool_of_rank"][rank]
+    k = int(job["first_round"])
+    while True:
+        spec = _wait_for(control / f"round-{k}.json", time.monotonic() + float(job["idle_s"]))
+        if spec is None or spec.get("stop"):
+            break
+        result = run_round(spec, comm, origin, pool_root)
+        _write_json(control / f"done-{k}-{rank}.json", result)
+        if result["comm_broken"]:
+            sys.stdout.flush()
+            os._exit(3)
+        k += 1
+    origin.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
