@@ -163,6 +163,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "DISTCACHE_CHUNK_BYTES": ("1G", "largest single message (must stay under 2 GiB)"),
     "DISTCACHE_DOWNLOADS_PER_RANK": ("4", "concurrent origin downloads per rank"),
     "DISTCACHE_NODE_ID": ("hostname", "node identity used to group ranks"),
+    "DISTCACHE_INIT_TIMEOUT": ("300", "seconds launch.init_process_group allows the rendezvous"),
     "DISTCACHE_FLASHINFER": ("1", "0 disables the FlashInfer integration"),
     "DISTCACHE_FLASHINFER_FAMILIES": (
         "*.cubin,*.so,*.h,*/checksums.txt,*.json",

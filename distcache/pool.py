@@ -17,9 +17,9 @@ and a crash leaves either no object or a whole one.
 
 Symlinks are never followed inside the pool: files are opened with ``O_NOFOLLOW``
 (a symlinked object is quarantined) and directories the pool writes into are checked
-with ``lstat``. Objects are read, published and linked relative to a descriptor of
-their fan-out directory opened with ``O_NOFOLLOW``, so a symlink planted as
-``objects/<xx>`` is quarantined like a corrupt object, never followed.
+with ``lstat``. Objects are read relative to a descriptor of their fan-out directory
+opened with ``O_NOFOLLOW``, so a symlink planted as ``objects/<xx>`` is a miss for
+readers and refused by publishers, never followed.
 
 Shared pools: files and directories are created with the process umask applied
 (objects ``0o444``, logs and locks ``0o666``, directories ``0o777``, all less the
@@ -64,8 +64,8 @@ __all__ = ["ArtifactPool", "GcReport", "PoolStats", "SupportsFetchInto", "Verify
 logger = logging.getLogger(__name__)
 
 _CREATE = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-# Fan-out directories are opened, never walked through by path: O_NOFOLLOW on the
-# last component is what keeps a planted objects/<xx> symlink from being followed.
+# Readers open the fan-out directory rather than walk through it by path: O_NOFOLLOW
+# on that component keeps a planted objects/<xx> symlink from being followed.
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # link(2) is not offered everywhere (some FUSE, SMB); rename is the fallback there.
 _NO_LINK = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS})
@@ -215,8 +215,9 @@ class ArtifactPool:
         return f"{self._objects_prefix}{sha[:2]}{os.sep}{sha}"
 
     def _open_fanout(self, sha: str) -> int | None:
-        """A descriptor of ``objects/<sha[:2]>``, or None when it is absent. Anything
-        but a real directory there (a planted symlink, a file) is quarantined."""
+        """A descriptor of ``objects/<sha[:2]>``, or None when it is absent or is not
+        a real directory (a planted symlink or file: a miss, and publishing into it
+        fails in :meth:`_make_dir`)."""
         path = f"{self._objects_prefix}{sha[:2]}"
         try:
             return os.open(path, _DIR_FLAGS)
@@ -225,7 +226,7 @@ class ArtifactPool:
         except OSError as exc:
             if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
                 raise pool_error("cannot open", path, exc) from exc
-        self._quarantine_path(path, sha[:2], "is not a directory (a planted symlink?)", None)
+        logger.warning("%s is not a directory (a planted symlink?); not following it", path)
         return None
 
     def _load_pool_id(self) -> str:
@@ -449,40 +450,28 @@ class ArtifactPool:
         try:
             os.fchmod(fd, self._file_mode)
             os.fsync(fd)
-            directory = self._open_fanout(sha)
-            if directory is None:
-                self._make_dir(self._objects / sha[:2])
-                directory = self._open_fanout(sha)
-            if directory is None:
-                raise PoolError(f"{final}: its directory keeps being replaced; not publishing",
-                                path=final)
-            try:
-                published = False
-                for _attempt in range(2):
-                    try:
-                        os.link(tmp, sha, dst_dir_fd=directory, follow_symlinks=False)
-                        published = True
-                    except FileExistsError:
-                        # First publisher wins. Make sure what won is whole, or repair it.
-                        if self._read(sha, stamp=False) is None:
-                            continue
-                    except OSError as exc:
-                        if exc.errno not in _NO_LINK:
-                            raise
-                        os.replace(tmp, sha, dst_dir_fd=directory)
-                        published = True
-                    break
-                if published:
-                    with contextlib.suppress(OSError):
-                        os.fsync(directory)  # some filesystems refuse; rename is atomic
-            finally:
-                os.close(directory)
-        except PoolError:
-            raise
+            directory = self._objects / sha[:2]
+            self._make_dir(directory)
+            published = False
+            for _attempt in range(2):
+                try:
+                    os.link(tmp, final)
+                    published = True
+                except FileExistsError:
+                    # First publisher wins. Make sure what won is whole, or repair it.
+                    if self._read(sha, stamp=False) is None:
+                        continue
+                except OSError as exc:
+                    if exc.errno not in _NO_LINK:
+                        raise
+                    os.replace(tmp, final)
+                    published = True
+                break
         except OSError as exc:
             raise pool_error("cannot publish", final, exc) from exc
         if not published:
             return
+        _fsync_dir(str(directory))
         self._journal.append(sha)
         self._account(size)
 
@@ -601,22 +590,13 @@ class ArtifactPool:
 
     def _materialize_into(self, into: Path, target: Path, sha: str, data: bytes) -> None:
         self._ensure_dirs(into, target.parent)
-        directory = self._open_fanout(sha)
-        if directory is None:
-            raise PoolError(f"{sha} left the pool at {self.root} while materializing it",
-                            path=self._object_path(sha))
-        try:
-            self._place(directory, target, sha, data)
-        finally:
-            os.close(directory)
-
-    def _place(self, directory: int, target: Path, sha: str, data: bytes) -> None:
+        obj = self._object_path(sha)
         try:
             st = os.lstat(target)
         except FileNotFoundError:
             st = None
         if st is not None and stat.S_ISREG(st.st_mode):
-            ost = os.stat(sha, dir_fd=directory, follow_symlinks=False)
+            ost = os.lstat(obj)
             if (st.st_ino, st.st_dev) == (ost.st_ino, ost.st_dev):
                 return
             if st.st_size == len(data) and self._file_matches(target, sha):
@@ -624,7 +604,7 @@ class ArtifactPool:
         tmp = os.path.join(target.parent, f".{target.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
         try:
             try:
-                os.link(sha, tmp, src_dir_fd=directory, follow_symlinks=False)
+                os.link(obj, tmp)
             except OSError as exc:
                 if exc.errno != errno.EXDEV and exc.errno not in _NO_LINK:
                     raise

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from distcache.artifact import Artifact, manifest_text, parse_checksums, sha256_hex
 from distcache.comm.base import Communicator, agree_on_error
-from distcache.errors import ConfigError, DistcacheError, OriginError
+from distcache.errors import ConfigError, DistcacheError, ManifestError, OriginError
 from distcache.integrations.flashinfer_record import merge_entries, read_record
 
 if TYPE_CHECKING:
@@ -158,7 +158,15 @@ def family_manifest(
 
 def _parse_family(checksums: Artifact, data: bytes) -> list[Artifact]:
     directory = checksums.name[: -len("checksums.txt")]
-    return parse_checksums(data.decode("utf-8"), prefix=directory)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ManifestError(
+            f"line {line}: {checksums.name} is not UTF-8 (byte {exc.start})",
+            line=line, text=data.split(b"\n")[line - 1][:120].decode("utf-8", "replace"),
+        ) from None
+    return parse_checksums(text, prefix=directory)
 
 
 def _load_manifest(manifest: ManifestArg) -> dict[str, str]:

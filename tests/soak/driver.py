@@ -281,7 +281,11 @@ class _Soak:
             self._check(root, set(), set(), expect_no_tmp=False)
         # MPMD: ranks 0-1 are node "a", ranks 2-3 node "b".
         part = [sys.executable, str(WORKER), str(control)]
-        cmd = [_mpirun(), "--oversubscribe", "-n", "2", "-x", "DISTCACHE_NODE_ID=a", *part,
+        # With --enable-recovery mpirun does not tear the job down when a rank dies,
+        # so the survivors must get out by themselves, within their timeout.
+        recovery = bool(kinds) and kinds[-1] == "sigkill" and self.rng.random() < 0.5
+        cmd = [_mpirun(), "--oversubscribe", *(["--enable-recovery"] if recovery else []),
+               "-n", "2", "-x", "DISTCACHE_NODE_ID=a", *part,
                ":", "-n", "2", "-x", "DISTCACHE_NODE_ID=b", *part]
         out = open(control / "job.log", "wb")  # noqa: SIM115 - closed below
         proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
@@ -293,7 +297,7 @@ class _Soak:
             for kind in kinds:
                 if not alive:
                     break
-                alive = self._fault(proc, control, pools, kind)
+                alive = self._fault(proc, control, pools, kind, recovery)
                 if alive and kind != "sigkill":
                     alive = self._clean(proc, control, pools)
             if alive:
@@ -388,7 +392,7 @@ class _Soak:
         return not any(r.get("comm_broken") for r in reports)
 
     def _fault(self, proc: subprocess.Popen[bytes], control: Path, pools: list[str],
-               kind: str) -> bool:
+               kind: str, recovery: bool = False) -> bool:
         rng = self.rng
         roots = sorted(set(pools))
         kinds = [kind]
@@ -429,14 +433,19 @@ class _Soak:
                             deleted.add((root, sha))
             elif k == "stale_files":
                 planted += self._plant(rng.choice(roots))
+        if kind == "sigkill" and rng.random() < 0.7:
+            # Slow downloads, so that the kill lands in the middle of the fetch phase.
+            self.server.inject("latency", None, rng.randint(1, 4), seconds=0.4)
         self._post(control, self._spec(chosen))
         killed = False
         if kind == "sigkill":
-            killed = self._kill(control)
+            victim = rng.randrange(RANKS)
+            killed = self._kill(control, victim)
             self._post_stop_after_kill(control)
+            if recovery:
+                self._survivors(proc, control, victim)
             self._wait_exit(proc, control, "SIGKILL")
             reports = None
-            self.result.outcomes["killed" if killed else "kill_missed"] += 1
         else:
             reports = self._collect(proc, control)
         if ballast is not None:
@@ -500,7 +509,7 @@ class _Soak:
         ballast = self.tmpfs_dir / "ballast"
         free = os.statvfs(self.tmpfs_dir)
         room = free.f_bavail * free.f_frsize
-        leave = self.rng.randint(0, 3 * self.config.max_size)
+        leave = self.rng.randint(0, self.config.max_size)
         with open(ballast, "wb") as f:
             with contextlib.suppress(OSError):  # ENOSPC: as full as it gets
                 f.write(b"\0" * max(0, room - leave))
@@ -544,22 +553,41 @@ class _Soak:
             files += [tmp, lock]
         return files
 
-    def _kill(self, control: Path) -> bool:
-        victim = self.rng.randrange(RANKS)
-        time.sleep(self.rng.uniform(0.0, 1.0))
+    def _kill(self, control: Path, victim: int) -> bool:
+        time.sleep(self.rng.uniform(0.0, 0.3))
         try:
             pid = json.loads((control / f"pid-{victim}.json").read_text())["pid"]
             os.kill(pid, signal.SIGKILL)
         except (FileNotFoundError, ProcessLookupError):
+            self.result.outcomes["kill_missed"] += 1
             return False
-        self.log(f"round {self.round}: killed rank {victim} (pid {pid})")
+        when = "after" if (control / f"done-{self.round}-{victim}.json").exists() else "during"
+        self.result.outcomes[f"killed_{when}_round"] += 1
+        self.log(f"round {self.round}: killed rank {victim} (pid {pid}) {when} the round")
         return True
 
     def _post_stop_after_kill(self, control: Path) -> None:
         # Survivors that finish the round (with an error) find a stop order next.
         self.round += 1
-        self._post(control, {"stop": True})
+        self._post(control, {"stop": True, "peer_killed": True})
         self.round -= 1
+
+    def _survivors(self, proc: subprocess.Popen[bytes], control: Path, victim: int) -> None:
+        """Under --enable-recovery: each survivor must report within its timeout."""
+        deadline = self._deadline()
+        k = self.round
+        waiting = {r for r in range(RANKS) if r != victim}
+        while waiting and time.monotonic() < deadline:
+            waiting = {r for r in waiting if not (control / f"done-{k}-{r}.json").exists()}
+            time.sleep(0.01)
+        if waiting:
+            self.result.hangs += 1
+            self._violation(f"round {k}: survivors {sorted(waiting)} of a killed rank did not "
+                            f"report within {self.config.timeout + self.config.slack:g}s")
+            return
+        outcomes = {json.loads((control / f"done-{k}-{r}.json").read_text()).get("error")
+                    for r in range(RANKS) if r != victim}
+        self.result.outcomes["survivors_" + "_".join(sorted(str(o) for o in outcomes))] += 1
 
     # -- checks -----------------------------------------------------------------------
 

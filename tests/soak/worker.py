@@ -101,6 +101,8 @@ def main() -> int:
     while True:
         spec = _wait_for(control / f"round-{k}.json", time.monotonic() + float(job["idle_s"]))
         if spec is None or spec.get("stop"):
+            if spec is not None and spec.get("peer_killed"):
+                os._exit(0)  # MPI_Finalize with a dead peer is the MPI library's business
             break
         result = run_round(spec, comm, origin, pool_root)
         _write_json(control / f"done-{k}-{rank}.json", result)

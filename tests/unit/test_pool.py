@@ -565,6 +565,44 @@ def test_sweep_removes_stale_temp_and_lock_files_only(pool: ArtifactPool) -> Non
     assert pool.stats().tmp_files == 1
 
 
+def test_sweep_skips_a_file_another_sweeper_removed_and_still_removes_the_rest(
+    pool: ArtifactPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every process opening a shared pool sweeps it; one that loses the race for a
+    # file must not give up on the whole directory.
+    old = time.time() - 7200
+    paths = [pool.root / "tmp" / f"dead.host.{i}.abc.tmp" for i in range(3)]
+    for path in paths:
+        path.write_bytes(b"x")
+        os.utime(path, (old, old))
+    real_scandir = os.scandir
+
+    class Racing:
+        def __init__(self, directory: str | os.PathLike[str]) -> None:
+            self._it = real_scandir(directory)
+
+        def __enter__(self) -> Racing:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self._it.close()
+
+        def __iter__(self) -> Racing:
+            return self
+
+        def __next__(self) -> os.DirEntry[str]:
+            entry = next(self._it)
+            if entry.name == paths[0].name:
+                os.unlink(entry.path)  # the other sweeper got there first
+            return entry
+
+    monkeypatch.setattr(os, "scandir", Racing)
+    removed = pool.sweep()
+    monkeypatch.setattr(os, "scandir", real_scandir)
+    assert not any(p.exists() for p in paths)
+    assert removed == 2
+
+
 def test_stale_temp_files_are_swept_when_the_pool_opens(pool: ArtifactPool) -> None:
     stale = pool.root / "tmp" / "dead.tmp"
     stale.write_bytes(b"half a download")
