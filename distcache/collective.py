@@ -54,6 +54,8 @@ __all__ = ["PHASES", "PrefetchReport", "SyncState", "prefetch", "sync"]
 log = logging.getLogger(__name__)
 
 PHASES = ("agree", "discover", "plan", "fetch", "move", "publish")
+# Share of the collective timeout a rank may spend on its downloads (see _Run.download).
+_FETCH_SHARE = 0.75
 
 # (phase, artifact name or None, rank, host, "Type: message")
 _Failure = tuple[str, str | None, int, str, str]
@@ -204,7 +206,12 @@ class _Run:
     # -- fetch ---------------------------------------------------------------------
 
     def download(self, artifacts: list[Artifact], origin: _Origin, workers: int) -> _Failure | None:
-        got = download_objects(self.pool, origin, artifacts, workers=workers)
+        # Peers entered the agreement that follows when these downloads started, and
+        # wait ``timeout`` there: a budget short of theirs lets this rank's failure
+        # reach them in time, so that every rank raises the same error.
+        got = download_objects(
+            self.pool, origin, artifacts, workers=workers, timeout=self.timeout * _FETCH_SHARE
+        )
         self.downloads += got.downloads
         self.origin_bytes += got.origin_bytes
         self.published += got.downloads

@@ -141,6 +141,10 @@ class ArtifactPool:
 
     #: Reads refresh an object's recency stamp when it is older than this (seconds).
     stamp_interval: float = 60.0
+    #: Quarantined files kept for inspection, newest first; older ones are deleted so
+    #: that a medium that keeps corrupting objects cannot fill the disk with them
+    #: (quarantine/ is outside the size cap).
+    quarantine_keep: int = 16
 
     def __init__(
         self,
@@ -381,6 +385,7 @@ class ArtifactPool:
         with self._guard:
             self.quarantined += 1
         logger.warning("object %s %s; moved to %s and treated as a miss", sha, reason, dest)
+        pool_maintenance.trim_quarantine(self)
 
     def objects(self) -> Iterator[str]:
         """The shas present (a directory scan; no hashing).
@@ -538,11 +543,18 @@ class ArtifactPool:
         fd, tmp = self._temp_file(artifact.sha256[:16])
         source = origin.describe()
         try:
-            with open(fd, "w+b", closefd=False) as out:
-                origin.fetch_into(artifact, out)
-                out.flush()
-            size = os.fstat(fd).st_size
-            data = os.pread(fd, size, 0)
+            try:
+                with open(fd, "w+b", closefd=False) as out:
+                    origin.fetch_into(artifact, out)
+                    out.flush()
+                size = os.fstat(fd).st_size
+                data = os.pread(fd, size, 0)
+            except PoolError:
+                raise
+            except OSError as exc:
+                # The origin streams into our temp file: a full disk or quota shows up
+                # as a bare OSError from its write.
+                raise pool_error("cannot write", tmp, exc) from exc
             actual = hashlib.sha256(data).hexdigest()
             if actual != artifact.sha256:
                 raise IntegrityError(

@@ -22,7 +22,7 @@ from distcache.pool_report import GcReport, PoolStats, VerifyReport
 if TYPE_CHECKING:
     from distcache.pool import ArtifactPool
 
-__all__ = ["STALE_TMP_SECONDS", "gc", "stats", "sweep", "verify"]
+__all__ = ["STALE_TMP_SECONDS", "gc", "stats", "sweep", "trim_quarantine", "verify"]
 
 logger = logging.getLogger(__name__)
 
@@ -112,27 +112,61 @@ def sweep(pool: ArtifactPool, max_age: float = STALE_TMP_SECONDS) -> int:
     """
     removed = 0
     cutoff = time.time() - max_age
-    try:
-        with os.scandir(pool._tmp) as it:
-            stale = [e.path for e in it if e.stat(follow_symlinks=False).st_mtime <= cutoff]
-    except OSError:
-        stale = []
-    for path in stale:
+    for path in _older_than(pool._tmp, cutoff):
         try:
             os.unlink(path)
             removed += 1
         except OSError:
             pass
-    try:
-        with os.scandir(pool._locks) as it:
-            locks = [e.path for e in it if e.stat(follow_symlinks=False).st_mtime <= cutoff]
-    except OSError:
-        locks = []
-    for path in locks:
+    for path in _older_than(pool._locks, cutoff):
         lock = FileLock(path, timeout=0, remove_on_release=True)
         if lock.acquire() and lock.held:
             lock.release()
             removed += 1
     if removed:
         logger.info("swept %d stale temporary/lock files from %s", removed, pool.root)
+    return removed
+
+
+def _older_than(directory: Path, cutoff: float) -> list[str]:
+    # Every process that opens a shared pool sweeps it: an entry another sweeper
+    # removed between the listing and its stat is skipped, not the whole directory.
+    found = []
+    try:
+        with os.scandir(directory) as it:
+            for entry in it:
+                try:
+                    if entry.stat(follow_symlinks=False).st_mtime <= cutoff:
+                        found.append(entry.path)
+                except OSError:
+                    continue
+    except OSError:
+        return []
+    return found
+
+
+def trim_quarantine(pool: ArtifactPool) -> int:
+    """Delete all but ``pool.quarantine_keep`` newest files of ``quarantine/`` (it is
+    outside the size cap, so a medium that keeps corrupting objects would otherwise
+    fill the disk with them). Returns the number deleted.
+    """
+    # Names are "<sha>.<time_ns>.<pid>.<hex>": order by the time of quarantine
+    # (rename keeps the object's old mtime). Other names are left alone.
+    entries: list[tuple[int, str]] = []
+    try:
+        with os.scandir(pool._quarantine) as it:
+            for entry in it:
+                parts = entry.name.split(".")
+                if len(parts) == 4 and len(parts[0]) == 64 and parts[1].isdigit():
+                    entries.append((int(parts[1]), entry.path))
+    except OSError:
+        return 0
+    entries.sort(reverse=True)
+    removed = 0
+    for _when, path in entries[pool.quarantine_keep :]:
+        try:
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            pass
     return removed

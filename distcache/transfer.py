@@ -22,12 +22,12 @@ from __future__ import annotations
 import struct
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
 from distcache.artifact import Artifact
 from distcache.comm.base import Communicator
+from distcache.errors import OriginError
 from distcache.plan import Plan
 
 __all__ = [
@@ -196,17 +196,34 @@ class Downloaded:
 
 
 def download_objects(
-    pool: _Store, origin: Origin, artifacts: Sequence[Artifact], *, workers: int
+    pool: _Store,
+    origin: Origin,
+    artifacts: Sequence[Artifact],
+    *,
+    workers: int,
+    timeout: float | None = None,
 ) -> Downloaded:
     """Fetch ``artifacts`` from ``origin`` into ``pool`` with ``workers`` threads.
 
     Publication is atomic (``pool.put`` verifies, then renames), so any rank sharing
     the pool may do this. After the first failure no new download starts; the failure
     is returned, not raised, so the caller can agree on it with its peers.
+
+    ``timeout`` bounds the whole call: an origin can stall a download for ever while
+    bounding each read (a server that sends one byte per read timeout), and the peers
+    of this rank stop waiting for it after the collective's timeout anyway. A download
+    still running then is abandoned to its (daemon) thread, reported as an
+    :class:`~distcache.errors.OriginError`, and whatever it publishes later is whole.
     """
     result = Downloaded()
+    if not artifacts:
+        return result
     lock = threading.Lock()
     stop = threading.Event()
+    finished = threading.Event()
+    todo = list(reversed(artifacts))
+    running: dict[int, str] = {}
+    left = [len(artifacts)]
 
     def one(artifact: Artifact) -> None:
         if stop.is_set():
@@ -217,16 +234,57 @@ def download_objects(
             data = origin.fetch(artifact)
             pool.put(data, artifact.sha256)  # verifies again, publishes atomically
             with lock:
-                result.downloads += 1
-                result.origin_bytes += len(data)
+                if not finished.is_set():
+                    result.downloads += 1
+                    result.origin_bytes += len(data)
         except Exception as exc:
             with lock:
-                result.failure = result.failure or (artifact.name, exc)
+                if not finished.is_set():
+                    result.failure = result.failure or (artifact.name, exc)
             stop.set()
 
-    with ThreadPoolExecutor(max(1, min(workers, len(artifacts))), "distcache-fetch") as ex:
-        list(ex.map(one, artifacts))
-    return result
+    def work() -> None:
+        me = threading.get_ident()
+        while True:
+            with lock:
+                if not todo:
+                    return
+                artifact = todo.pop()
+                running[me] = artifact.name
+            one(artifact)
+            with lock:
+                running.pop(me, None)
+                left[0] -= 1
+                if left[0] == 0:
+                    finished.set()
+
+    threads = [
+        threading.Thread(target=work, name=f"distcache-fetch-{i}", daemon=True)
+        for i in range(max(1, min(workers, len(artifacts))))
+    ]
+    for t in threads:
+        t.start()
+    if finished.wait(timeout):
+        for t in threads:
+            t.join()
+        return result
+    stop.set()
+    with lock:
+        finished.set()  # freeze the figures: late finishers no longer count
+        stalled = sorted(running.values())
+        name = stalled[0] if stalled else artifacts[0].name
+        if result.failure is None:
+            result.failure = (
+                name,
+                OriginError(
+                    f"download of {name} from {origin.describe()} did not finish within "
+                    f"{timeout:g} s ({len(stalled)} still running); the origin is stalling: "
+                    "check it, or raise DISTCACHE_TIMEOUT",
+                    name=name,
+                    timeout=timeout,
+                ),
+            )
+        return Downloaded(result.downloads, result.origin_bytes, result.failure)
 
 
 def move_objects(

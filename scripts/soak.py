@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.soak.driver import SoakConfig, run_soak  # noqa: E402
+from tests.soak.driver import SoakConfig, run_soak
 
 
 def main(argv: list[str] | None = None) -> int:

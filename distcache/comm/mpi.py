@@ -93,6 +93,8 @@ class MpiCommunicator:
         # Requests abandoned by a timed-out collective; kept alive so that MPI never
         # writes into a buffer Python has already freed.
         self._abandoned: list[tuple[Any, Any]] = []
+        # split() results by the all-gathered colors (see split).
+        self._children: dict[tuple[int, ...], MpiCommunicator] = {}
         #: Payload chunk messages this rank took part in (one per ``Ibcast`` of data).
         self.chunk_messages = 0
         #: Payload bytes this rank sent or received through ``broadcast_bytes``.
@@ -257,12 +259,27 @@ class MpiCommunicator:
         # MPI_Comm_split blocks with no timeout; an all-gather first proves every rank
         # has arrived (or raises CollectiveTimeout), and lets any int be a color (MPI
         # wants non-negative ones).
-        colors = self.allgather_object(int(color))
+        #
+        # The child for a partition is kept and handed out again: the collective splits
+        # off the same writers on every prefetch and sync, and a communicator per call
+        # would pile up for the life of the job (MPICH allows about 2,000). Whether any
+        # rank's kept child broke travels in the same all-gather, so every rank drops
+        # its children together and no rank enters Split alone.
+        broken = any(c._broken is not None for c in self._children.values())
+        gathered = self.allgather_object((int(color), broken))
+        if any(b for _, b in gathered):
+            self._children.clear()
+        colors = tuple(c for c, _ in gathered)
+        kept = self._children.get(colors)
+        if kept is not None:
+            return kept
         mpi_color = sorted(set(colors)).index(int(color))
         try:
             child = self._comm.Split(mpi_color, self._rank)
         except self._MPI.Exception as exc:
             raise self._comm_error("split", exc) from exc
-        return MpiCommunicator(
+        made = MpiCommunicator(
             child, timeout=self._timeout, chunk_bytes=self._chunk_bytes, node_id=self._node_id
         )
+        self._children[colors] = made
+        return made

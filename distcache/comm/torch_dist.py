@@ -101,6 +101,8 @@ class TorchCommunicator:
         else:
             self._device = torch.device("cpu")
         self._broken: str | None = None
+        # split() results by the all-gathered colors (see split).
+        self._children: dict[tuple[int, ...], TorchCommunicator] = {}
         #: Payload chunk messages this rank took part in (one per broadcast of data).
         self.chunk_messages = 0
         #: Payload bytes this rank sent or received through ``broadcast_bytes``.
@@ -292,7 +294,18 @@ class TorchCommunicator:
 
     def split(self, color: int) -> Communicator:
         dist = self._dist
-        colors = self.allgather_object(int(color))
+        # A process group per call would leak its connections (gloo: several sockets
+        # per group) on every prefetch and sync; the child for a partition is kept and
+        # handed out again. Whether any rank's kept child broke travels in the same
+        # all-gather, so every rank rebuilds together and new_group names stay in step.
+        broken = any(c._broken is not None for c in self._children.values())
+        gathered = self.allgather_object((int(color), broken))
+        if any(b for _, b in gathered):
+            self._children.clear()
+        colors = [c for c, _ in gathered]
+        kept = self._children.get(tuple(colors))
+        if kept is not None:
+            return kept
         members = [self._global(r) for r, c in enumerate(colors) if c == int(color)]
         timeout = timedelta(seconds=self._timeout)
         try:
@@ -316,6 +329,8 @@ class TorchCommunicator:
                 rank=self._rank,
                 backend="torch",
             ) from exc
-        return TorchCommunicator(
+        made = TorchCommunicator(
             mine, timeout=self._timeout, chunk_bytes=self._chunk_bytes, node_id=self._node_id
         )
+        self._children[tuple(colors)] = made
+        return made

@@ -96,6 +96,8 @@ class SoakConfig:
     rounds_per_job: int = 12
     #: Share of fault rounds that kill a rank (each costs an mpirun start).
     kill_share: float = 0.15
+    #: Share of fault rounds that fetch lazily through ``pool.fetch`` and then sync.
+    lazy_share: float = 0.3
     #: Mount a tmpfs for the full-disk fault: None = when running as root.
     tmpfs: bool | None = None
     #: Keep the scratch directory for inspection.
@@ -123,6 +125,9 @@ class SoakResult:
     clean_requests: int = 0
     clean_expected: int = 0
     violations: list[str] = field(default_factory=list)
+    #: The longest any rank spent in one round (a survivor's wait for a dead peer
+    #: is bounded by DISTCACHE_TIMEOUT per collective).
+    slowest_round_s: float = 0.0
     tmpfs: bool = False
     seconds: float = 0.0
 
@@ -149,6 +154,7 @@ class SoakResult:
             ("temp files leaked", self.tmp_leaks),
             ("clean rounds failed", self.clean_failures),
             ("clean origin requests / expected", f"{self.clean_requests} / {self.clean_expected}"),
+            ("slowest rank-round (s)", f"{self.slowest_round_s:.1f}"),
             ("violations", len(self.violations)), ("tmpfs full-disk", self.tmpfs),
             ("seconds", f"{self.seconds:.1f}"),
         ]
@@ -187,6 +193,7 @@ def _env(config: SoakConfig) -> dict[str, str]:
         DISTCACHE_HTTP_RETRIES=str(config.http_retries),
         DISTCACHE_DOWNLOADS_PER_RANK="2",
         DISTCACHE_FLASHINFER="0",
+        DISTCACHE_LOCK_TIMEOUT=str(config.timeout / 2),
     )
     env.pop("DISTCACHE_POOL_MAX_BYTES", None)  # gc would make "lost" meaningless
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
@@ -436,7 +443,11 @@ class _Soak:
         if kind == "sigkill" and rng.random() < 0.7:
             # Slow downloads, so that the kill lands in the middle of the fetch phase.
             self.server.inject("latency", None, rng.randint(1, 4), seconds=0.4)
-        self._post(control, self._spec(chosen))
+        spec = self._spec(chosen)
+        if rng.random() < self.config.lazy_share:
+            spec["mode"] = "lazy"
+            self.result.outcomes["lazy_rounds"] += 1
+        self._post(control, spec)
         killed = False
         if kind == "sigkill":
             victim = rng.randrange(RANKS)
@@ -477,6 +488,7 @@ class _Soak:
     def _tally_served(self, reports: list[dict[str, Any]], pools: list[str],
                       corrupted: set[tuple[str, str]]) -> None:
         for r in reports:
+            self.result.slowest_round_s = max(self.result.slowest_round_s, r["seconds"])
             self.result.corrupt_served += int(r.get("corrupt_served", 0))
             # Only an object corrupted in place (presence is trusted) may be missing.
             missing = [s for s in r.get("missing_after_ok", ())
@@ -510,9 +522,8 @@ class _Soak:
         free = os.statvfs(self.tmpfs_dir)
         room = free.f_bavail * free.f_frsize
         leave = self.rng.randint(0, self.config.max_size)
-        with open(ballast, "wb") as f:
-            with contextlib.suppress(OSError):  # ENOSPC: as full as it gets
-                f.write(b"\0" * max(0, room - leave))
+        with open(ballast, "wb") as f, contextlib.suppress(OSError):  # ENOSPC: as full as it gets
+            f.write(b"\0" * max(0, room - leave))
         return ballast
 
     def _corrupt(self, root: str, sha: str) -> None:
@@ -585,8 +596,11 @@ class _Soak:
             self._violation(f"round {k}: survivors {sorted(waiting)} of a killed rank did not "
                             f"report within {self.config.timeout + self.config.slack:g}s")
             return
-        outcomes = {json.loads((control / f"done-{k}-{r}.json").read_text()).get("error")
-                    for r in range(RANKS) if r != victim}
+        done = [json.loads((control / f"done-{k}-{r}.json").read_text())
+                for r in range(RANKS) if r != victim]
+        outcomes = {d.get("error") for d in done}
+        self.result.slowest_round_s = max(self.result.slowest_round_s,
+                                          *(d["seconds"] for d in done))
         self.result.outcomes["survivors_" + "_".join(sorted(str(o) for o in outcomes))] += 1
 
     # -- checks -----------------------------------------------------------------------

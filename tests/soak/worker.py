@@ -4,7 +4,8 @@ Started by :mod:`tests.soak.driver` under ``mpirun -n 4``; the only argument is 
 job's control directory. The driver posts ``round-<k>.json`` (the artifact list, or
 ``stop``) and reads back ``done-<k>-<rank>.json``. Each round opens its pool afresh (so
 the sweep of stale files runs every round) and calls :func:`distcache.prefetch` over
-the MPI world. After a successful round every rank reads back each artifact through
+the MPI world, or (a "lazy" round) reads each artifact through ``pool.fetch`` the way
+the serving path does and then calls :func:`distcache.sync`. After a successful round every rank reads back each artifact through
 ``pool.get`` and hashes it independently, so corrupt bytes served would be counted
 here, not just trusted.
 
@@ -26,12 +27,12 @@ from typing import Any
 # Run as a script: make the checkout importable whatever the working directory.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from distcache.artifact import Artifact  # noqa: E402
-from distcache.collective import prefetch  # noqa: E402
-from distcache.comm import from_mpi  # noqa: E402
-from distcache.errors import DistcacheError, PrefetchError  # noqa: E402
-from distcache.http_origin import HttpOrigin  # noqa: E402
-from distcache.pool import ArtifactPool  # noqa: E402
+from distcache.artifact import Artifact
+from distcache.collective import prefetch, sync
+from distcache.comm import from_mpi
+from distcache.errors import DistcacheError, IntegrityError, OriginError, PoolError, PrefetchError
+from distcache.http_origin import HttpOrigin
+from distcache.pool import ArtifactPool
 
 _POLL_S = 0.005
 
@@ -66,23 +67,44 @@ def _read_back(pool: ArtifactPool, artifacts: list[Artifact]) -> tuple[int, list
     return corrupt, missing
 
 
+def _fetch_lazily(pool: ArtifactPool, origin: HttpOrigin, artifacts: list[Artifact],
+                  rank: int) -> int:
+    """The serving path: each rank reads through the pool in its own order (ranks
+    sharing a pool meet on the per-object download lock). Returns the failures."""
+    errors = 0
+    order = artifacts[rank % len(artifacts):] + artifacts[: rank % len(artifacts)]
+    for artifact in order:
+        try:
+            pool.fetch(artifact, origin)
+        except (OriginError, IntegrityError, PoolError):
+            errors += 1
+    return errors
+
+
 def run_round(spec: dict[str, Any], comm: Any, origin: HttpOrigin, pool_root: str) -> dict[str, Any]:
     artifacts = [Artifact(n, s, z) for n, s, z in spec["artifacts"]]
     result: dict[str, Any] = {"rank": comm.rank, "ok": False, "comm_broken": False}
     start = time.monotonic()
+    lazy = spec.get("mode") == "lazy"
     try:
         pool = ArtifactPool(pool_root)
-        report = prefetch(artifacts, comm=comm, pool=pool, origin=origin)
+        if lazy:
+            result["lazy_errors"] = _fetch_lazily(pool, origin, artifacts, comm.rank)
+            report = sync(comm=comm, pool=pool)
+        else:
+            report = prefetch(artifacts, comm=comm, pool=pool, origin=origin)
     except PrefetchError as exc:
         result.update(error="PrefetchError", phase=getattr(exc, "phase", None),
                       artifact=getattr(exc, "artifact", None), message=str(exc)[:400])
         result["comm_broken"] = getattr(exc, "phase", None) == "collective"
     except DistcacheError as exc:
         result.update(error=type(exc).__name__, message=str(exc)[:400], unexpected=True)
-    except Exception as exc:  # noqa: BLE001 - the driver counts anything else as a violation
+    except Exception as exc:
         result.update(error=type(exc).__name__, message=repr(exc)[:400], unexpected=True)
     else:
         corrupt, missing = _read_back(pool, artifacts)
+        if lazy:
+            missing = []  # a lazy fetch that failed everywhere leaves a gap sync cannot fill
         result.update(ok=True, downloads=report.downloads, origin_bytes=report.origin_bytes,
                       corrupt_served=corrupt, missing_after_ok=missing)
     result["seconds"] = time.monotonic() - start

@@ -198,6 +198,7 @@ def test_garbage_in_the_pool_logs_is_skipped_not_misread(log_base: Path, garbage
     # A second process reads the logs from scratch.
     labels = ArtifactPool(pool.root).names()
     assert labels["good/a.cubin"] == SHA_A
+    assert labels["good/b.cubin"] == SHA_B  # a label written after the garbage survives
     for name, sha in labels.items():
         assert validate_name(name) == name and len(sha) == 64
     shas, _cursor = pool.journal_since(0)

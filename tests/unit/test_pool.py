@@ -222,6 +222,43 @@ def _fifo(path: Path) -> None:
     os.mkfifo(path)
 
 
+def test_disk_full_while_the_origin_streams_is_a_pool_error_and_leaves_no_temp_file(
+    tmp_path: Path,
+) -> None:
+    # The origin writes into the pool's temp file; ENOSPC from that write escaped as
+    # a bare OSError instead of the PoolError that fetch documents.
+    class FillsTheDisk:
+        def describe(self) -> str:
+            return "full://disk"
+
+        def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
+            out.write(b"part of the body")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    pool = ArtifactPool(tmp_path / "pool")
+    with pytest.raises(PoolError) as info:
+        pool.fetch(Artifact("k.cubin", DIGEST), FillsTheDisk())
+    assert info.value.errno == errno.ENOSPC
+    assert os.listdir(pool.root / "tmp") == []
+    assert not pool.has(DIGEST)
+
+
+def test_quarantine_keeps_only_the_newest_files(tmp_path: Path) -> None:
+    # quarantine/ is outside the size cap: on a medium that keeps corrupting objects
+    # it used to grow until the disk was full and every later write failed.
+    pool = ArtifactPool(tmp_path / "pool")
+    pool.quarantine_keep = 3
+    shas = [pool.put(f"object {i}".encode()) for i in range(5)]
+    for digest in shas:
+        path = pool.root / "objects" / digest[:2] / digest
+        os.chmod(path, 0o644)
+        path.write_bytes(b"rot")
+        assert pool.get(digest) is None
+    assert pool.quarantined == 5
+    kept = sorted(name.split(".")[0] for name in os.listdir(pool.root / "quarantine"))
+    assert kept == sorted(shas[-3:])
+
+
 @pytest.mark.parametrize(
     "damage", [_flip_byte, _truncate, _grow, _symlink_to_good_copy, _directory, _fifo]
 )
