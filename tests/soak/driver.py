@@ -5,7 +5,10 @@ checked after every round.
 The driver owns a :class:`~distcache.testing.LoopbackOrigin` and the pool
 directories; the ranks (:mod:`tests.soak.worker`) run rounds it posts through files
 in a control directory. A job (one ``mpirun``) runs ``clean, fault, clean, fault,
-...``; a SIGKILL fault ends its job and the next job starts with a clean round. Pool
+...``; a SIGKILL fault ends its job and the next job starts with a clean round (half
+the SIGKILL jobs run with ``--enable-recovery``, so the survivors must leave on their
+own, by their timeout). About a third of the fault rounds are "lazy": ranks read
+through ``pool.fetch`` (the per-object download lock) and then ``sync``. Pool
 layouts rotate per job: two simulated nodes (``DISTCACHE_NODE_ID`` per MPMD part),
 one pool per rank, one pool shared by all. One pool of each layout lives on a small
 tmpfs (when the driver may mount one) so that "disk full" is a real ``ENOSPC``.

@@ -10,11 +10,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.soak.driver import FAULT_KINDS, SoakConfig, run_soak, tmpfs_available
 
 ROUNDS = 60
 
 
+# Every round has its own hard deadline (DISTCACHE_TIMEOUT + slack, then the job's
+# process group is killed), so this bound only guards the driver itself.
+@pytest.mark.timeout(900)
 def test_prefetch_keeps_every_invariant_under_random_faults(
     soak_seed: int, soak_workdir: Path
 ) -> None:
