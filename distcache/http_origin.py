@@ -169,9 +169,13 @@ class HttpOrigin:
         self._token = self._clean_token(resolved.origin_token)
         # Values never to show in a message: requests quotes a header value it refuses
         # (a token read from a file with its newline) in the exception text.
-        self._secrets = tuple(
-            v for k, v in self._headers.items() if k.lower() in _SECRET_HEADERS and v
-        ) + ((self._token,) if self._token else ())
+        raw_secrets = [v for k, v in self._headers.items()
+                       if k.lower() in _SECRET_HEADERS and isinstance(v, str)]
+        if self._token:
+            raw_secrets.append(self._token)
+        # As given, trimmed, and as repr() escapes it (how requests quotes it).
+        forms = {form for v in raw_secrets for form in (v, v.strip(), repr(v)[1:-1]) if form}
+        self._secrets = tuple(sorted(forms, key=len, reverse=True))
         self._session = requests.Session()
         adapter = HTTPAdapter(pool_connections=4, pool_maxsize=pool_size, max_retries=0)
         self._session.mount("http://", adapter)
@@ -319,18 +323,26 @@ class HttpOrigin:
     def _get(self, url: str) -> requests.Response:
         current = url
         for _ in range(_MAX_REDIRECTS + 1):
+            failure: _Retry | _Fatal | None = None
+            cause: BaseException | None = None
             try:
                 response = self._session.get(
                     current, headers=self._headers_for(current), stream=True,
                     timeout=self.timeout, allow_redirects=False,
                 )
             except _TRANSIENT as exc:
-                raise _Retry(f"{type(exc).__name__}: {self._scrub(exc)}") from exc
+                failure, cause = _Retry(f"{type(exc).__name__}: {self._scrub(exc)}"), exc
             except (requests.RequestException, urllib3.exceptions.HTTPError, ValueError) as exc:
                 # ValueError: even with allow_redirects=False, requests parses a
                 # redirect's Location (to offer the next request) and urlsplit raises
                 # on a broken IPv6 literal or port.
-                raise _Fatal(f"{type(exc).__name__}: {self._scrub(exc)}") from exc
+                failure, cause = _Fatal(f"{type(exc).__name__}: {self._scrub(exc)}"), exc
+            if failure is not None:
+                if any(secret in str(cause) for secret in self._secrets):
+                    # The foreign error quotes a credential: it must not travel along
+                    # as the cause (tracebacks in logs print causes and contexts).
+                    raise failure
+                raise failure from cause
             if response.status_code not in _REDIRECTS:
                 return response
             location = response.headers.get("Location")

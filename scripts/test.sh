@@ -35,6 +35,8 @@ step "ruff" ruff check distcache launch tests scripts
 step "mypy" mypy
 step "pytest (unit, multinode, launchers)" group_timeout 1500 \
   python -m pytest -q -rs -p no:cacheprovider tests/unit tests/multinode tests/launchers
+step "soak (faults under mpirun -n 4)" group_timeout 600 \
+  python -m pytest -q -rs -p no:cacheprovider tests/soak
 for backend in mpi torch; do
   step "pytest under mpirun -n 4 (communicator: $backend)" group_timeout 600 \
     env DISTCACHE_TEST_COMM="$backend" mpirun -n 4 --oversubscribe \

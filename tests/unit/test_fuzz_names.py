@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +90,8 @@ names = st.one_of(
 def test_hostile_names_are_rejected(name: str) -> None:
     with pytest.raises(ArtifactNameError) as info:
         validate_name(name)
-    assert info.value.name == name
-    assert info.value.reason
+    assert getattr(info.value, "name", None) == name
+    assert getattr(info.value, "reason", "")
 
 
 @pytest.mark.parametrize("name", [None, b"a.cubin", 1, 1.5, ["a"], Path("a.cubin"), object()])
@@ -252,14 +252,11 @@ def test_name_handling_never_touches_anything_outside_its_directories(
             artifact = None
         if artifact is not None:
             sandbox.pool.remember([artifact])
-            try:
+            # A symlink or a file in the way is refused, which is the point.
+            with suppress(PoolError):
                 sandbox.pool.materialize(artifact, sandbox.into)
-            except PoolError:
-                pass  # a symlink or file in the way: refused, which is the point
-            try:
+            with suppress(OriginError, IntegrityError):
                 assert DirOrigin(sandbox.mirror).fetch(artifact) == DATA
-            except (OriginError, IntegrityError):
-                pass
         sandbox.loader(name, SHA)
     stray = [(event, path) for event, path in events if not sandbox.inside(path)]
     assert stray == []
