@@ -13,9 +13,10 @@ plan       pure: :func:`distcache.plan.make_plan` on every rank           none
 fetch      each missing object is downloaded by exactly one rank, into    allgather
            its own pool (``downloads_per_rank`` threads); then errors     (if any
            are agreed on                                                  download)
-move       writers stream buckets from each source's pool to the other    split,
-           writers, who verify and publish as each bucket arrives;        broadcasts,
-           then errors are agreed on                                      allgather
+move       writers stream buckets from each source's pool to the          splits,
+           writers whose pools lack them (one communicator per            broadcasts,
+           audience), who verify and publish as each bucket arrives;      allgathers
+           then errors are agreed on
 publish    writers record names; one allgather combines every rank's      allgather
            figures into the report (and is the final barrier)
 =========  ============================================================  ==========
@@ -84,6 +85,13 @@ class PrefetchReport:
     (no download and no movement were needed for them). ``objects_published`` counts
     ``(pool, object)`` publications: an object new to 4 pools counts 4.
     ``broadcast_bytes`` counts each bucket once, however many ranks received it.
+    ``received_bytes`` counts the artifact bytes that reached pool writers over the
+    communicator, once per receiving writer (an object sent to 3 pools counts 3
+    times); bytes move only within an object's audience (its source and the pools that
+    lack it, see :mod:`distcache.audience`), so this is what the pools needed.
+    ``discarded_bytes`` is the part of it that reached a pool already holding the
+    object and was thrown away: zero unless a call had more distinct audiences than
+    :data:`distcache.audience.MAX_AUDIENCES`.
     ``seconds`` is per phase, the maximum over ranks.
     """
 
@@ -94,6 +102,8 @@ class PrefetchReport:
     origin_bytes: int
     broadcasts: int
     broadcast_bytes: int
+    received_bytes: int
+    discarded_bytes: int
     pool_hits: int
     objects_published: int
     pools: int
@@ -116,7 +126,8 @@ class PrefetchReport:
             f"{self.pool_hits} already everywhere) over {self.pools} pool(s); "
             f"{self.downloads} downloads ({_mb(self.origin_bytes)}) by "
             f"{len(self.downloaders)} rank(s); {self.broadcasts} broadcasts "
-            f"({_mb(self.broadcast_bytes)}); {self.objects_published} published\n"
+            f"({_mb(self.broadcast_bytes)}, {_mb(self.received_bytes)} received); "
+            f"{self.objects_published} published\n"
             f"  seconds: {phases} (total {self.total_seconds:.3f})"
         )
 
@@ -245,6 +256,8 @@ class _Run:
             "origin_bytes": self.origin_bytes,
             "broadcasts": self.stream.broadcasts,
             "broadcast_bytes": self.stream.bytes_sent,
+            "received_bytes": self.stream.received_bytes,
+            "discarded_bytes": self.stream.discarded_bytes,
             "published": self.published + self.stream.published,
             "peak": self.stream.peak_bytes,
             "seconds": dict(self.seconds),
@@ -262,6 +275,8 @@ class _Run:
             origin_bytes=sum(f["origin_bytes"] for f in figures),
             broadcasts=sum(f["broadcasts"] for f in figures),
             broadcast_bytes=sum(f["broadcast_bytes"] for f in figures),
+            received_bytes=sum(f["received_bytes"] for f in figures),
+            discarded_bytes=sum(f["discarded_bytes"] for f in figures),
             pool_hits=plan.hits,
             objects_published=sum(f["published"] for f in figures),
             pools=len(plan.pools),

@@ -18,12 +18,19 @@ Decisions the plan encodes:
   downloaded by rank r is sent by the writer of r's pool, which reads it back from the
   pool once every download has finished. The downloader never holds the bytes for the
   move, which keeps memory bounded by a bucket, not by the list.
+* **One source per lack-set.** Objects that some pools already hold are sent by a
+  holder; all objects lacked by the same set of pools share one source (the least
+  loaded holder, lowest rank first), so they form one audience
+  (:mod:`distcache.audience`) and cost at most one split, while distinct lack-sets
+  spread over holders and can stream side by side.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from distcache.audience import MAX_AUDIENCES, Audience, Send, group_by_audience
 
 __all__ = [
     "Plan",
@@ -93,11 +100,16 @@ class Plan:
     lacking: tuple[frozenset[str], ...]
     #: ``rank -> object indices`` it downloads from the origin (ranks with none omitted).
     downloads: Mapping[int, tuple[int, ...]]
-    #: Send order: ``(source writer rank, object indices)``; each source streams its
-    #: objects, in this order, to every other writer.
-    sends: tuple[tuple[int, tuple[int, ...]], ...]
+    #: Who moves what to whom, in order: the every-writer audience first (when it has
+    #: sends), then smaller ones (see :mod:`distcache.audience`).
+    audiences: tuple[Audience, ...]
     #: Objects that no pool has and no rank may download (sync only).
     lost: tuple[int, ...]
+
+    @property
+    def sends(self) -> tuple[Send, ...]:
+        """Every ``(source writer rank, object indices)`` stream, in audience order."""
+        return tuple(send for audience in self.audiences for send in audience.sends)
 
     @property
     def writer_ranks(self) -> tuple[int, ...]:
@@ -131,6 +143,7 @@ def make_plan(
     have: Mapping[str, Sequence[bool]],
     *,
     allow_downloads: bool = True,
+    max_audiences: int = MAX_AUDIENCES,
 ) -> Plan:
     """Plan one collective.
 
@@ -142,6 +155,8 @@ def make_plan(
         have: per pool id, per object, whether the pool holds it.
         allow_downloads: False for ``sync``: objects no pool holds are reported in
             ``lost`` instead of being assigned a downloader.
+        max_audiences: most audiences smaller than every writer (see
+            :func:`distcache.audience.group_by_audience`).
 
     Raises:
         ValueError: inconsistent lengths or a pool without a have-set.
@@ -178,29 +193,42 @@ def make_plan(
         lost = missing_everywhere
 
     # After the fetch phase the downloader's pool holds the object; its writer sends
-    # it. Objects some pool already had are sent by the least-busy holder.
+    # it (to every writer: no pool had it). Load is (bytes, objects) to send.
+    weights = [size if size is not None else 1 for size in sizes]
     source_of: dict[int, int] = {}
-    for rank, indices in downloads.items():
+    sending = {w: (0, 0) for w in writers.values()}
+    for rank, indices in sorted(downloads.items()):
         for i in indices:
-            source_of[i] = writers[pool_ids[rank]]
-    sent_count = {w: 0 for w in writers.values()}
-    for i in sorted(source_of):
-        sent_count[source_of[i]] += 1
+            source = source_of[i] = writers[pool_ids[rank]]
+            sending[source] = (sending[source][0] + weights[i], sending[source][1] + 1)
+    # Objects some pool already had: one source per lack-set (every holder of one such
+    # object holds them all), biggest set first onto the least-loaded holder.
     lost_set = set(lost)
+    by_lack: dict[frozenset[str], list[int]] = {}
     for i in range(count):
-        if i in source_of or i in lost_set or not lacking[i]:
-            continue
-        holders = [writers[p] for p in pools if have[p][i]]
-        source = min(holders, key=lambda w: (sent_count[w], w))
-        source_of[i] = source
-        sent_count[source] += 1
+        if i not in source_of and i not in lost_set and lacking[i]:
+            by_lack.setdefault(lacking[i], []).append(i)
+    ordered = sorted(
+        by_lack.items(), key=lambda kv: (-sum(weights[i] for i in kv[1]), sorted(kv[0]))
+    )
+    for lack, indices in ordered:
+        holders = [writers[p] for p in pools if p not in lack]
+        source = min(holders, key=lambda w: (*sending[w], w))
+        for i in indices:
+            source_of[i] = source
+        sending[source] = (
+            sending[source][0] + sum(weights[i] for i in indices),
+            sending[source][1] + len(indices),
+        )
 
-    per_source: dict[int, list[int]] = {}
-    for i in sorted(source_of):
-        receivers = lacking[i] - {pool_ids[source_of[i]]}
-        if receivers:
-            per_source.setdefault(source_of[i], []).append(i)
-    sends = tuple((src, tuple(per_source[src])) for src in sorted(per_source))
+    audiences = group_by_audience(
+        source_of,
+        lacking,
+        writers,
+        {w: p for p, w in writers.items()},
+        weights,
+        max_audiences=max_audiences,
+    )
 
     return Plan(
         objects=tuple(objects),
@@ -208,6 +236,6 @@ def make_plan(
         writers=dict(writers),
         lacking=lacking,
         downloads={r: tuple(sorted(v)) for r, v in sorted(downloads.items())},
-        sends=sends,
+        audiences=audiences,
         lost=tuple(lost),
     )

@@ -1,5 +1,6 @@
 """Moving bytes: from the origin into a pool (:func:`download_objects`), and from one
-rank's pool to its peers' in few, bounded broadcasts (:func:`move_objects`).
+rank's pool to the peers that lack them in few, bounded broadcasts (:func:`move_objects`,
+over the audiences of :mod:`distcache.audience`).
 
 A *bucket* is one ``broadcast_bytes`` message holding several artifacts. Its layout
 puts the table *after* the payloads, so the sender can append each artifact into one
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from distcache.artifact import Artifact
+from distcache.audience import split_audiences
 from distcache.comm.base import Communicator
 from distcache.errors import OriginError
 from distcache.plan import Plan
@@ -60,6 +62,10 @@ class StreamStats:
     peak_bytes: int = 0
     #: Objects this rank published into its pool from received buckets.
     published: int = 0
+    #: Payload bytes this rank received (as a writer, from other writers' streams).
+    received_bytes: int = 0
+    #: Of those, bytes of objects its pool already held, thrown away.
+    discarded_bytes: int = 0
 
     def hold(self, nbytes: int) -> None:
         self.peak_bytes = max(self.peak_bytes, nbytes)
@@ -297,13 +303,15 @@ def move_objects(
     stats: StreamStats,
     timeout: float | None = None,
 ) -> tuple[int, BaseException] | None:
-    """Collective over ``comm``: carry out ``plan.sends`` among the pools' writers.
+    """Collective over ``comm``: carry out ``plan.audiences`` among the pools' writers.
 
     Every rank calls it. Writers are split off into their own communicator (unless
-    every rank is a writer); each source streams its objects from its pool, and every
-    other writer verifies and publishes (``pool.put`` checks the digest) those its
-    pool lacks as each bucket arrives. A failure does not stop the protocol: the rank
-    keeps taking every bucket so its peers stay in step, and returns the first
+    every rank is a writer), and from it one communicator per audience smaller than
+    every writer (:func:`distcache.audience.split_audiences`). Within each audience,
+    each source streams its objects from its pool, and every other rank of the
+    audience verifies and publishes (``pool.put`` checks the digest) those its pool
+    lacks as each bucket arrives. A failure does not stop the protocol: the rank keeps
+    taking every bucket so its peers stay in step, and returns the first
     ``(object index, error)`` for the caller to agree on.
 
     Raises:
@@ -316,9 +324,6 @@ def move_objects(
     wcomm = comm if len(writers) == comm.size else comm.split(0 if is_writer else 1)
     if not is_writer:
         return None
-    # Learn the sub-communicator's rank order rather than assume it.
-    world_of = wcomm.allgather_object(comm.rank, timeout=timeout)
-    root_of = {world: sub for sub, world in enumerate(world_of)}
     mine = pool_ids[comm.rank]
     failure: tuple[int, BaseException] | None = None
 
@@ -337,19 +342,34 @@ def move_objects(
             yield index, data
             del data
 
-    for source, indices in plan.sends:
-        if source == comm.rank:
-            send_stream(
-                wcomm, read(indices), bucket_bytes=bucket_bytes, stats=stats, timeout=timeout
-            )
+    comms = split_audiences(wcomm, comm.rank, writers, plan.audiences)
+    for audience, acomm in zip(plan.audiences, comms, strict=True):
+        if acomm is None:
             continue
-        for index, view in receive_stream(wcomm, root_of[source], stats=stats, timeout=timeout):
-            # A missing entry is reported by its source; a pool that has it skips it.
-            if view is None or failure is not None or mine not in plan.lacking[index]:
+        # Learn the audience communicator's rank order rather than assume it.
+        world_of = acomm.allgather_object(comm.rank, timeout=timeout)
+        root_of = {world: sub for sub, world in enumerate(world_of)}
+        for source, indices in audience.sends:
+            if source == comm.rank:
+                send_stream(
+                    acomm, read(indices), bucket_bytes=bucket_bytes, stats=stats, timeout=timeout
+                )
                 continue
-            try:
-                pool.put(view, plan.objects[index])
-                stats.published += 1
-            except Exception as exc:
-                failure = (index, exc)
+            stream = receive_stream(acomm, root_of[source], stats=stats, timeout=timeout)
+            for index, view in stream:
+                # A missing entry is reported by its source.
+                if view is None:
+                    continue
+                stats.received_bytes += len(view)
+                if mine not in plan.lacking[index]:
+                    # Only objects past the audience cap reach a pool that has them.
+                    stats.discarded_bytes += len(view)
+                    continue
+                if failure is not None:
+                    continue
+                try:
+                    pool.put(view, plan.objects[index])
+                    stats.published += 1
+                except Exception as exc:
+                    failure = (index, exc)
     return failure

@@ -107,3 +107,55 @@ def test_sync_spreads_what_one_rank_fetched_lazily(comm: Communicator, shared_tm
     report = sync(comm=comm, pool=pool, state=SyncState())
     assert pool.get(art.sha256) == data and pool.names() == {art.name: art.sha256}
     assert report.downloads == 0 and report.objects_published == comm.size - 1
+
+
+def _fill(pool: ArtifactPool, mirror: Path, artifacts: list[Artifact]) -> None:
+    for a in artifacts:
+        pool.put((mirror / a.name).read_bytes(), a.sha256)
+
+
+REPAIR_LAYOUTS: dict[str, Callable[[Communicator], str]] = {
+    "rank": lambda c: f"rank{c.rank}",
+    # ranks 0 and 1 share a pool, so the writers are a sub-communicator of the world
+    "shared-pair": lambda c: "pair" if c.rank < 2 else f"rank{c.rank}",
+}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("layout", sorted(REPAIR_LAYOUTS))
+def test_a_replaced_pool_is_filled_from_one_warm_pool_and_no_other_receives(
+    comm: Communicator, shared_tmp: Path, origin_url: tuple[str, list[Artifact]], layout: str
+) -> None:
+    url, artifacts = origin_url
+    total = sum(len((shared_tmp / "mirror" / a.name).read_bytes()) for a in artifacts)
+    last = comm.size - 1
+    # Twice, with a fresh empty pool on the last rank: the second call reuses the
+    # audience's communicator.
+    for attempt in range(2):
+        pool = ArtifactPool(shared_tmp / f"pools{attempt}" / REPAIR_LAYOUTS[layout](comm))
+        if comm.rank != last:
+            _fill(pool, shared_tmp / "mirror", artifacts)
+        report = prefetch(artifacts, comm=comm, pool=pool, origin=HttpOrigin(url, retries=0))
+        assert stats(url)["total_requests"] == 0
+        assert sorted(pool.objects()) == sorted(a.sha256 for a in artifacts)
+        assert report.received_bytes == total and report.discarded_bytes == 0
+        assert report.objects_published == K and report.pool_hits == 0
+
+
+@pytest.mark.mpi(min_size=2)
+def test_each_pool_receives_only_the_objects_it_lacks(
+    comm: Communicator, shared_tmp: Path, origin_url: tuple[str, list[Artifact]]
+) -> None:
+    url, artifacts = origin_url
+    mirror = shared_tmp / "mirror"
+    # Rank r lacks the objects k with k % size == r: one audience per rank.
+    mine = [a for k, a in enumerate(artifacts) if k % comm.size != comm.rank]
+    lacked = sum(len((mirror / a.name).read_bytes()) for a in artifacts)
+    for attempt in range(2):
+        pool = ArtifactPool(shared_tmp / f"pools{attempt}" / f"rank{comm.rank}")
+        _fill(pool, mirror, mine)
+        report = sync(comm=comm, pool=pool)
+        assert sorted(pool.objects()) == sorted(a.sha256 for a in artifacts)
+        assert report.received_bytes == lacked and report.discarded_bytes == 0
+        assert report.objects_published == K
+    assert stats(url)["total_requests"] == 0

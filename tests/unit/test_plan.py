@@ -6,6 +6,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
+from distcache.audience import Audience
 from distcache.plan import (
     decode_bitmap,
     elect_writers,
@@ -122,26 +123,89 @@ def test_plan_rejects_a_pool_without_a_have_set() -> None:
         make_plan(SHAS[:1], [None], ["p0", "p1"], ["a", "b"], {"p0": [True]})
 
 
+def test_cold_start_is_one_audience_of_every_writer() -> None:
+    pool_ids = nodes(8, 2)
+    have = {p: [False] * 12 for p in set(pool_ids)}
+    plan = make_plan(SHAS[:12], [100] * 12, pool_ids, pool_ids, have)
+    assert [a.ranks for a in plan.audiences] == [(0, 2, 4, 6)]
+    assert sum(a.objects for a in plan.audiences) == 12
+
+
+def test_replaced_node_gets_its_objects_from_one_warm_writer_alone() -> None:
+    pool_ids = nodes(10, 2)  # five node pools; node n4 was replaced and is empty
+    have = {p: [p != "n4"] * 6 for p in set(pool_ids)}
+    plan = make_plan(SHAS[:6], [10, 20, 30, 40, 50, 60], pool_ids, pool_ids, have)
+    assert plan.downloads == {}
+    assert plan.audiences == (Audience((0, 8), ((0, (0, 1, 2, 3, 4, 5)),)),)
+    assert plan.publications() == 6
+
+
+def test_objects_with_the_same_lack_set_share_a_source_and_distinct_sets_spread() -> None:
+    pool_ids = ["p0", "p1", "p2", "p3"]
+    # Objects 0-3 are lacked by p2 only, objects 4-7 by p3 only.
+    have = {
+        "p0": [True] * 8,
+        "p1": [True] * 8,
+        "p2": [False] * 4 + [True] * 4,
+        "p3": [True] * 4 + [False] * 4,
+    }
+    plan = make_plan(SHAS[:8], [5] * 8, pool_ids, ["a", "b", "c", "d"], have)
+    assert plan.audiences == (
+        Audience((0, 2), ((0, (0, 1, 2, 3)),)),
+        Audience((1, 3), ((1, (4, 5, 6, 7)),)),
+    ), "two disjoint audiences, one source each: they can stream side by side"
+
+
+def test_downloads_and_partial_objects_keep_separate_audiences() -> None:
+    pool_ids = ["p0", "p1", "p2"]
+    have = {"p0": [False, True], "p1": [False, True], "p2": [False, False]}
+    plan = make_plan(SHAS[:2], [5, 5], pool_ids, ["a", "b", "c"], have)
+    assert plan.download_count == 1
+    everyone, smaller = plan.audiences
+    assert everyone.ranks == (0, 1, 2) and [i for _, idx in everyone.sends for i in idx] == [0]
+    # Rank 0 already sends the download, so the other holder sends the partial object.
+    assert plan.downloads == {0: (0,)}
+    assert smaller == Audience((1, 2), ((1, (1,)),))
+
+
+def test_audiences_beyond_the_cap_fall_back_to_every_writer() -> None:
+    pool_ids = [f"p{r}" for r in range(6)]
+    # Object k is lacked by pool k alone: six distinct audiences of two writers.
+    have = {p: [k != r for k in range(6)] for r, p in enumerate(pool_ids)}
+    sizes = [100, 600, 200, 500, 300, 400]
+    plan = make_plan(SHAS[:6], sizes, pool_ids, list("abcdef"), have, max_audiences=2)
+    everyone, *smaller = plan.audiences
+    assert everyone.ranks == tuple(range(6))
+    assert len(smaller) == 2
+    kept = sorted(i for a in smaller for _, idx in a.sends for i in idx)
+    assert kept == [1, 3], "the biggest savings keep their own audience"
+    assert sorted(i for _, idx in everyone.sends for i in idx) == [0, 2, 4, 5]
+    uncapped = make_plan(SHAS[:6], sizes, pool_ids, list("abcdef"), have)
+    assert len(uncapped.audiences) == 6 and all(len(a.ranks) == 2 for a in uncapped.audiences)
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     n_ranks=st.integers(1, 9),
     n_pools=st.integers(1, 9),
     n_objects=st.integers(0, 25),
+    max_audiences=st.integers(0, 4),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_every_plan_fills_every_pool_with_one_download_per_missing_object(
-    n_ranks: int, n_pools: int, n_objects: int, seed: int
+    n_ranks: int, n_pools: int, n_objects: int, max_audiences: int, seed: int
 ) -> None:
     import random
 
     rng = random.Random(seed)
     pool_ids = [f"p{rng.randrange(n_pools)}" for _ in range(n_ranks)]
     node_ids = [f"n{rng.randrange(3)}" for _ in range(n_ranks)]
-    have = {p: [rng.random() < 0.3 for _ in range(n_objects)] for p in set(pool_ids)}
+    have = {p: [rng.random() < 0.6 for _ in range(n_objects)] for p in set(pool_ids)}
     sizes = [rng.choice([None, rng.randrange(1, 10**6)]) for _ in range(n_objects)]
-    plan = make_plan(SHAS[:n_objects], sizes, pool_ids, node_ids, have)
+    plan = make_plan(SHAS[:n_objects], sizes, pool_ids, node_ids, have, max_audiences=max_audiences)
 
-    # Simulate: downloads land in the downloader's pool, then each send reaches all writers.
+    # Simulate: downloads land in the downloader's pool, then each send reaches the
+    # pools of its audience only.
     state = {p: list(flags) for p, flags in have.items()}
     downloaded = [i for v in plan.downloads.values() for i in v]
     assert len(downloaded) == len(set(downloaded))
@@ -149,12 +213,23 @@ def test_every_plan_fills_every_pool_with_one_download_per_missing_object(
     for rank, indices in plan.downloads.items():
         for i in indices:
             state[pool_ids[rank]][i] = True
-    for source, indices in plan.sends:
-        assert plan.writers[pool_ids[source]] == source
-        for i in indices:
-            assert state[pool_ids[source]][i], "a source sends only what its pool holds"
-            for p in plan.pools:
-                state[p][i] = True
+    pool_of = {w: p for p, w in plan.writers.items()}
+    smaller = [a for a in plan.audiences if a.ranks != plan.writer_ranks]
+    assert len(smaller) <= max_audiences
+    sent = [i for _, indices in plan.sends for i in indices]
+    assert len(sent) == len(set(sent)), "each object is sent once"
+    for audience in plan.audiences:
+        assert audience.ranks == tuple(sorted(audience.ranks))
+        for source, indices in audience.sends:
+            assert plan.writers[pool_ids[source]] == source and source in audience.ranks
+            for i in indices:
+                assert state[pool_ids[source]][i], "a source sends only what its pool holds"
+                lacking = {plan.writers[p] for p in plan.lacking[i]} - {source}
+                assert lacking <= set(audience.ranks), "every pool that lacks it hears it"
+                if audience in smaller:
+                    assert set(audience.ranks) == lacking | {source}, "and no other"
+                for w in audience.ranks:
+                    state[pool_of[w]][i] = True
     assert all(all(flags) for flags in state.values())
     assert plan.lost == ()
 

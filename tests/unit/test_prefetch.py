@@ -19,12 +19,15 @@ import pytest
 from distcache.artifact import Artifact, sha256_hex, verify_bytes
 from distcache.collective import PHASES, PrefetchReport, SyncState, prefetch, sync
 from distcache.comm import LocalCommunicator, ThreadGroup
+from distcache.comm.base import Communicator
 from distcache.errors import (
     ManifestMismatchError,
     OriginError,
     PoolError,
     PrefetchError,
 )
+from distcache.plan import make_plan
+from distcache.transfer import decode_bucket
 
 # -- fakes -------------------------------------------------------------------------
 
@@ -169,6 +172,73 @@ def ok(results: list[Any]) -> list[PrefetchReport]:
         if isinstance(r, BaseException):
             raise r
     return results
+
+
+class Tally:
+    """What each world rank did on any communicator, children included."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ops: Counter[tuple[int, str]] = Counter()
+        #: Artifact bytes each world rank received (bucket payloads, tables excluded).
+        self.payload: Counter[int] = Counter()
+
+
+class CountingComm:
+    """A communicator that tallies what its world rank does, through every split."""
+
+    def __init__(self, inner: Communicator, world_rank: int, tally: Tally) -> None:
+        self.inner = inner
+        self.world_rank = world_rank
+        self.tally = tally
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def size(self) -> int:
+        return self.inner.size
+
+    @property
+    def node_id(self) -> str:
+        return self.inner.node_id
+
+    @property
+    def backend(self) -> str:
+        return self.inner.backend
+
+    def _count(self, op: str) -> None:
+        with self.tally.lock:
+            self.tally.ops[self.world_rank, op] += 1
+
+    def broadcast_bytes(
+        self, data: bytes | None, root: int, *, timeout: float | None = None
+    ) -> bytes:
+        self._count("broadcast_bytes")
+        got = self.inner.broadcast_bytes(data, root, timeout=timeout)
+        if self.rank != root:
+            _, entries = decode_bucket(got)
+            with self.tally.lock:
+                self.tally.payload[self.world_rank] += sum(len(v or b"") for _, v in entries)
+        return got
+
+    def allgather_object(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
+        self._count("allgather_object")
+        return self.inner.allgather_object(obj, timeout=timeout)
+
+    def barrier(self, *, timeout: float | None = None) -> None:
+        self._count("barrier")
+        self.inner.barrier(timeout=timeout)
+
+    def split(self, color: int) -> Communicator:
+        self._count("split")
+        return CountingComm(self.inner.split(color), self.world_rank, self.tally)
+
+
+def counted(group: ThreadGroup) -> tuple[list[Communicator], Tally]:
+    tally = Tally()
+    return [CountingComm(group.comm(r), r, tally) for r in range(group.size)], tally
 
 
 # -- behaviour ---------------------------------------------------------------------
@@ -538,3 +608,116 @@ def test_real_pools_sync_spreads_a_lazy_fetch(tmp_path: Path) -> None:
     ok(run_ranks(group, lambda r: sync(comm=group.comm(r), pool=pools[r], state=states[r])))
     for pool in pools:
         assert pool.get(art.sha256) == data and pool.names() == {art.name: art.sha256}
+
+
+# -- bytes go only to the pools that lack them -------------------------------------
+
+
+def test_replaced_node_receives_everything_and_warm_writers_receive_nothing() -> None:
+    arts, blobs = make_blobs(20, low=1000, high=5000)
+    total = sum(map(len, blobs.values()))
+    origin = FakeOrigin(blobs)
+    layout = lambda r: f"node{r // 2}"  # noqa: E731
+    pools, stores = make_pools(10, layout)
+    for node in range(4):  # nodes 0-3 are warm; node 4 was replaced with an empty disk
+        stores[f"node{node}"].objects.update(blobs)
+    group = ThreadGroup(10, [f"node{r // 2}" for r in range(10)], timeout=20)
+    comms, tally = counted(group)
+    reports = ok(
+        run_ranks(
+            group,
+            lambda r: prefetch(
+                arts, comm=comms[r], pool=pools[r], origin=origin, bucket_bytes=8000
+            ),
+        )
+    )
+    assert origin.total == 0
+    assert all(s.objects == blobs for s in stores.values())
+    assert [tally.payload[r] for r in range(10)] == [0] * 8 + [total, 0]
+    # The warm writers other than the source take no part in any broadcast.
+    for warm in (2, 4, 6):
+        assert tally.ops[warm, "broadcast_bytes"] == 0
+        assert tally.ops[warm, "split"] == 2  # the writers' split, then the audience's
+    report = reports[0]
+    assert all(r == report for r in reports)
+    assert report.received_bytes == total and report.discarded_bytes == 0
+    assert total <= report.broadcast_bytes < total + 16 * len(arts) + 16 * report.broadcasts
+    assert report.objects_published == 20 and report.pool_hits == 0
+    # Every rank: agree, discover, writers' split, move check, report.
+    assert group.calls == [5] * 10
+
+
+def test_sync_after_a_one_rank_warm_up_reaches_only_the_pools_that_lack_it() -> None:
+    arts, blobs = make_blobs(5, low=1000, high=5000)
+    size = {a.sha256: len(blobs[a.sha256]) for a in arts}
+    pools, stores = make_pools(8, LAYOUTS["node-local"])
+    for a in arts:  # rank 3 warmed up lazily into node1's pool
+        pools[3].put(blobs[a.sha256], a.sha256)
+    pools[3].remember(arts)
+    for a in arts[:2]:  # node2's pool already had two of them
+        stores["node2"].objects[a.sha256] = blobs[a.sha256]
+    group = group8()
+    comms, tally = counted(group)
+    reports = ok(run_ranks(group, lambda r: sync(comm=comms[r], pool=pools[r])))
+    assert all(s.objects == blobs for s in stores.values())
+    everything = sum(size.values())
+    assert tally.payload[0] == tally.payload[6] == everything
+    assert tally.payload[4] == sum(size[a.sha256] for a in arts[2:]), "only what node2 lacked"
+    assert tally.payload[2] == 0, "the warm writer receives nothing"
+    assert all(tally.payload[r] == 0 for r in (1, 3, 5, 7)), "non-writers move nothing"
+    report = reports[0]
+    assert report.received_bytes == 2 * everything + tally.payload[4]
+    assert report.discarded_bytes == 0 and report.objects_published == 5 + 5 + 3
+
+
+def test_cold_start_moves_bytes_over_the_writers_communicator_without_extra_splits() -> None:
+    arts, blobs = make_blobs(16)
+    origin = FakeOrigin(blobs)
+    pools, stores = make_pools(8, LAYOUTS["node-local"])
+    group = group8()
+    comms, tally = counted(group)
+    reports = ok(
+        run_ranks(
+            group,
+            lambda r: prefetch(
+                arts, comm=comms[r], pool=pools[r], origin=origin, bucket_bytes=8000
+            ),
+        )
+    )
+    assert all(s.objects == blobs for s in stores.values())
+    assert all(tally.ops[r, "split"] == 1 for r in range(8)), "the writers' split only"
+    report = reports[0]
+    assert report.discarded_bytes == 0
+    assert report.received_bytes == sum(tally.payload.values()) == 3 * report.origin_bytes
+    # Every writer takes every bucket; non-writers none.
+    assert all(tally.ops[w, "broadcast_bytes"] == report.broadcasts for w in (0, 2, 4, 6))
+    assert all(tally.ops[r, "broadcast_bytes"] == 0 for r in (1, 3, 5, 7))
+
+
+def test_audiences_past_the_cap_still_fill_every_pool() -> None:
+    arts, blobs = make_blobs(15, low=500, high=900)
+    shas = [a.sha256 for a in arts]
+    pools, stores = make_pools(6, lambda r: f"rank{r}")
+    pairs = [(i, j) for i in range(6) for j in range(i + 1, 6)]  # 15 lack-sets of two pools
+    for k, sha in enumerate(shas):
+        for r in range(6):
+            if r not in pairs[k]:
+                stores[f"rank{r}"].objects[sha] = blobs[sha]
+    have = {
+        f"rank{r}": [sha in stores[f"rank{r}"].objects for sha in sorted(shas)] for r in range(6)
+    }
+    ids = [f"rank{r}" for r in range(6)]
+    uncapped = make_plan(sorted(shas), [1] * 15, ids, ids, have, max_audiences=99)
+    assert len(uncapped.audiences) > 8
+    group = ThreadGroup(6, timeout=20)
+    comms, tally = counted(group)
+    origin = FakeOrigin(blobs)
+    reports = ok(
+        run_ranks(group, lambda r: prefetch(arts, comm=comms[r], pool=pools[r], origin=origin))
+    )
+    assert origin.total == 0
+    assert all(s.objects == blobs for s in stores.values())
+    assert all(tally.ops[r, "split"] <= 8 for r in range(6))
+    report = reports[0]
+    assert report.discarded_bytes > 0, "what is past the cap goes to every writer"
+    assert report.received_bytes - report.discarded_bytes == 2 * sum(map(len, blobs.values()))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import grp
+import io
 import logging
 import os
 import pickle
@@ -32,6 +33,7 @@ import signal
 import socket
 import stat
 import tempfile
+import threading
 import time
 import types
 import warnings
@@ -44,7 +46,7 @@ import pytest
 from distcache.artifact import Artifact, sha256_hex
 from distcache.errors import ConfigError, DistcacheError, IntegrityError, OriginError, PoolError
 from distcache.http_origin import HttpOrigin
-from distcache.origin import OriginChain
+from distcache.origin import DirOrigin, OriginChain
 from distcache.pool import ArtifactPool
 from distcache.testing import LoopbackOrigin
 
@@ -441,6 +443,43 @@ def test_temporary_files_are_created_exclusively_never_through_a_planted_link(
         pool.put(data)
     assert target.read_bytes() == b"sentinel\n"
     assert (pool.root / "tmp" / names[0]).is_symlink()
+
+
+# -- a shared mirror directory ---------------------------------------------------------
+
+
+def test_a_fifo_planted_in_a_mirror_is_refused_without_hanging(tmp_path: Path) -> None:
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    os.mkfifo(mirror / "k.cubin")
+    outcome: list[BaseException | bytes] = []
+
+    def fetch() -> None:
+        try:
+            outcome.append(DirOrigin(mirror).fetch(Artifact("k.cubin", sha256_hex(b""))))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=fetch, daemon=True)
+    worker.start()
+    worker.join(10)
+    if worker.is_alive():  # the old open() blocked until a writer came; be that writer
+        with open(os.open(mirror / "k.cubin", os.O_WRONLY | os.O_NONBLOCK), "wb"):
+            pass
+        worker.join(10)
+        pytest.fail("opening a FIFO in the mirror blocked")
+    assert isinstance(outcome[0], OriginError) and "not a regular file" in str(outcome[0])
+
+
+def test_a_mirror_file_larger_than_declared_is_not_read_to_its_end(tmp_path: Path) -> None:
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    with open(mirror / "k.cubin", "wb") as huge:
+        huge.truncate(64 << 20)  # sparse: costs no disk, would cost 64 MiB of reading
+    out = io.BytesIO()
+    with pytest.raises(IntegrityError, match="size over 4096"):
+        DirOrigin(mirror).fetch_into(Artifact("k.cubin", sha256_hex(b"\0" * 4096), 4096), out)
+    assert len(out.getvalue()) <= 4096
 
 
 # -- the bearer token ------------------------------------------------------------------
