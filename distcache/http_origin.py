@@ -17,7 +17,7 @@ import logging
 import random
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from email.utils import parsedate_to_datetime
 from typing import BinaryIO
 from urllib.parse import quote, urljoin, urlsplit, urlunsplit
@@ -36,6 +36,10 @@ __all__ = ["HttpOrigin", "redact_url"]
 logger = logging.getLogger(__name__)
 
 _CHUNK = 256 * 1024
+# `timeout` bounds each socket read, so a server that drips a byte at a time could hold
+# an attempt forever. An attempt may take `timeout` plus the body at this rate; past
+# that it is abandoned and retried like a cut body.
+_MIN_RATE_BPS = 64 * 1024
 _REDIRECTS = {301, 302, 303, 307, 308}
 _MAX_REDIRECTS = 5
 # ASCII digits only: str.isdigit() also accepts "²" and other digits int() refuses.
@@ -50,6 +54,10 @@ _TRANSIENT = (
     requests.exceptions.ContentDecodingError,
     urllib3.exceptions.ProtocolError,
     urllib3.exceptions.ReadTimeoutError,
+    # The body is read with urllib3's read1 (see _body), so its own errors arrive
+    # unwrapped by requests.
+    urllib3.exceptions.DecodeError,
+    urllib3.exceptions.SSLError,
     http.client.IncompleteRead,
 )
 
@@ -393,8 +401,9 @@ class HttpOrigin:
                 raise _Retry("announced size mismatch",
                              integrity=(f"{limit} bytes", f"Content-Length {expected_len}"))
             digest = hashlib.sha256()
+            budget = self.timeout + (limit or expected_len or _CHUNK) / _MIN_RATE_BPS
             try:
-                for chunk in response.iter_content(chunk_size=_CHUNK):
+                for chunk in _body(response, budget):
                     if limit is not None and written[0] + len(chunk) > limit:
                         # Checked before writing: nothing past the declared size
                         # reaches ``out``.
@@ -405,6 +414,9 @@ class HttpOrigin:
                     digest.update(chunk)
                     out.write(chunk)
                     written[0] += len(chunk)
+            except _Stalled:
+                raise _Retry(f"body stalled: {written[0]} bytes in {budget:.1f} s "
+                             f"(slower than {_MIN_RATE_BPS // 1024} KiB/s)") from None
             except _TRANSIENT as exc:
                 raise _Retry(f"body cut short after {written[0]} bytes "
                              f"({type(exc).__name__})") from exc
@@ -416,3 +428,24 @@ class HttpOrigin:
         if actual != artifact.sha256:
             raise _Retry("sha256 mismatch", integrity=(artifact.sha256, actual))
         return written[0]
+
+
+
+class _Stalled(Exception):
+    """The body arrived slower than the attempt's budget allows."""
+
+
+def _body(response: requests.Response, budget: float) -> Iterator[bytes]:
+    """The decoded body in pieces as they arrive, until the attempt's ``budget``
+    (seconds) runs out. ``read1`` returns whatever one socket read brings, so a server
+    dripping bytes is noticed after its first piece past the budget, not after the
+    whole body (iter_content blocks until a full chunk has arrived)."""
+    raw = response.raw
+    start = time.monotonic()
+    while True:
+        piece = raw.read1(_CHUNK, decode_content=True)
+        if not piece:
+            return
+        yield piece
+        if time.monotonic() - start > budget:
+            raise _Stalled

@@ -31,7 +31,7 @@ __all__ = ["SHM_DIR", "ShmMapping", "ShmPool"]
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
-_NAME_RE = re.compile(r"^distcache\.[A-Za-z0-9._-]{1,100}$")
+_NAME_RE = re.compile(r"\Adistcache\.[A-Za-z0-9._-]{1,100}\Z")
 
 
 def _unmap(mm: mmap.mmap, what: str) -> None:
@@ -60,7 +60,11 @@ class _Memory:
         if self._base is None:
             import torch
 
-            self._base = torch.frombuffer(self.mm, dtype=torch.uint8)
+            # Through a memoryview: torch.frombuffer(mmap) keeps no buffer export, so
+            # mmap.close() would succeed under live views and leave them dangling
+            # (SIGSEGV on the next read). The memoryview's export makes close() raise
+            # BufferError while any view is alive, and _unmap defers the unmap.
+            self._base = torch.frombuffer(memoryview(self.mm), dtype=torch.uint8)
         return self._base
 
     def close(self, what: str) -> None:

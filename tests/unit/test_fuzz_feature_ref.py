@@ -218,9 +218,6 @@ print(float(held.sum()))
 """
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ShmMapping unmaps a segment while tensors still view it: torch.frombuffer(mmap) "
-    "holds no buffer export, so mmap.close() succeeds; fix in distcache/ipc/shm.py"))
 def test_a_forged_newer_epoch_does_not_crash_a_consumer_holding_views() -> None:
     # A ref carrying a descriptor of a newer epoch makes the consumer remap and close
     # the old mapping; a view it still holds must stay readable (or the process must

@@ -15,6 +15,7 @@ import gc
 import io
 import socket
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -327,3 +328,24 @@ def test_wrong_bytes_from_the_loopback_origin_raise_integrity_error(
     result, held = outcome(origin(origin_server.url, retries=2), artifacts[0])
     assert (result, held) == ("IntegrityError", b"")
     assert origin_server.total_requests == 3
+
+
+def test_a_body_dripped_a_byte_at_a_time_is_cut_off_and_retried(
+    raw: Callable[[Responder], RawServer],
+) -> None:
+    # Every read returns within the socket timeout, so only a per-attempt budget
+    # (timeout + body at a minimum rate) stops this server from holding a fetch forever.
+    def drip(index: int, request: bytes) -> Iterator[bytes]:
+        yield response("200 OK", [(b"Content-Length", str(len(BODY)).encode())])
+        for i in range(len(BODY)):
+            time.sleep(0.02)
+            yield BODY[i:i + 1]
+
+    server = raw(drip)
+    slow = HttpOrigin(server.url, timeout=0.3, retries=1, sleep=lambda _s: None)
+    _opened.append(slow)
+    out = io.BytesIO()
+    with pytest.raises(OriginError, match="stalled"):
+        slow.fetch_into(ARTIFACT, out)
+    assert len(server.requests) == 2
+    assert server.sent < len(BODY)

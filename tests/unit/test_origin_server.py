@@ -292,3 +292,19 @@ def test_origin_server_script_generates_serves_and_writes_its_port(tmp_path: Pat
             proc.stdout.close()
         if proc.stderr:
             proc.stderr.close()
+
+
+@pytest.mark.parametrize("length", ["-5", "abc", "99999999999"])
+def test_a_post_with_a_bad_content_length_is_refused_not_hung(
+    tmp_path: Path, length: str
+) -> None:
+
+    with LoopbackOrigin(tmp_path) as srv:
+        conn = http.client.HTTPConnection(srv.host, srv.port, timeout=10)
+        try:
+            conn.putrequest("POST", "/_reset")
+            conn.putheader("Content-Length", length)
+            conn.endheaders()
+            assert conn.getresponse().status == 400
+        finally:
+            conn.close()
