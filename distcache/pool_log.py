@@ -9,10 +9,8 @@ skipped rather than misread. They live apart from :mod:`distcache.pool` because 
 store's correctness never depends on them: they label and list objects, they do not
 hold them.
 
-The store and the logs open files the same way and report failures the same way, so
-the few low-level pieces both need (the no-follow read flags, the sha shape check and
-the ``OSError`` -> :class:`~distcache.errors.PoolError` translation) are defined here,
-once, and imported by :mod:`distcache.pool`.
+Files are opened, written and their failures reported the way the rest of the pool
+does it, with the pieces of :mod:`distcache.pool_fs`.
 """
 
 from __future__ import annotations
@@ -24,33 +22,12 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from distcache.artifact import validate_name
-from distcache.errors import PoolError
 from distcache.locking import flock_fd
+from distcache.pool_fs import APPEND_FLAGS, READ_FLAGS, is_sha, pool_error, write_all
 
-__all__ = ["READ_FLAGS", "AppendLog", "Journal", "NamesIndex", "is_hex", "is_sha", "pool_error"]
+__all__ = ["AppendLog", "Journal", "NamesIndex"]
 
-#: How the pool opens files to read them: never through a symlink, never blocking.
-READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-_HEX = frozenset("0123456789abcdef")
 _APPEND_LOCK_WAIT = 5.0
-
-
-def is_hex(text: str, length: int) -> bool:
-    """Whether ``text`` is ``length`` lowercase hex digits (no exception, for scans)."""
-    return len(text) == length and _HEX.issuperset(text)
-
-
-def is_sha(text: str) -> bool:
-    """Whether ``text`` has the shape of a sha256 hex digest."""
-    return is_hex(text, 64)
-
-
-def pool_error(what: str, path: str | os.PathLike[str], exc: OSError) -> PoolError:
-    """``exc`` as a :class:`PoolError` saying what failed and where."""
-    return PoolError(
-        f"{what} {os.fspath(path)}: {exc.strerror or exc}", path=os.fspath(path), errno=exc.errno
-    )
 
 
 class AppendLog:
@@ -71,14 +48,12 @@ class AppendLog:
         if not data:
             return
         try:
-            fd = os.open(self.path, _APPEND, self.mode)
+            fd = os.open(self.path, APPEND_FLAGS, self.mode)
         except OSError as exc:
             raise pool_error("cannot open", self.path, exc) from exc
         try:
             flock_fd(fd, _APPEND_LOCK_WAIT, path=str(self.path))
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            write_all(fd, data)
         except OSError as exc:
             raise pool_error("cannot append to", self.path, exc) from exc
         finally:

@@ -91,14 +91,16 @@ def _print_run(n: int, title: str, data: dict, origin_requests: int, origin_byte
         ("origin requests (server count)", f"{origin_requests}"),
         ("bytes from origin", _mib(pf["origin_bytes"])),
         ("bytes broadcast between ranks", _mib(pf["broadcast_bytes"])),
+        ("bytes received by pools lacking them", _mib(pf["received_bytes"])),
+        ("downloading ranks", ", ".join(str(r) for r in pf["downloaders"]) or "none"),
         ("pool hits", f"{pf['pool_hits']}"),
         ("objects published", f"{pf['objects_published']}"),
     ]
     for label, value in rows:
-        print(f"  {label:<34} {value}")
+        print(f"  {label:<38} {value}")
     phases = " ".join(f"{k}={v:.2f}s" for k, v in pf["seconds"].items())
-    print(f"  {'prefetch phases (max over ranks)':<34} {phases}")
-    print(f"  {'IPC features resolved / checked':<34} "
+    print(f"  {'prefetch phases (max over ranks)':<38} {phases}")
+    print(f"  {'IPC features resolved / checked':<38} "
           f"{sum(r['resolved'] for r in data['ranks'])} / "
           f"{sum(r['checked'] for r in data['ranks'])}")
     print("  IPC opens per (consumer rank, pool):")

@@ -433,7 +433,7 @@ def test_temporary_files_are_created_exclusively_never_through_a_planted_link(
         names.extend(os.listdir(pool.root / "tmp"))
 
     # Make the temporary name predictable, as an attacker would have to guess it.
-    monkeypatch.setattr("distcache.pool.secrets", types.SimpleNamespace(
+    monkeypatch.setattr("distcache.pool_fs.secrets", types.SimpleNamespace(
         token_hex=lambda n: "0" * (2 * n)))
     pool.fetch(Artifact("e.cubin", sha, len(data)), BytesOrigin(data, note))
     assert len(names) == 1
