@@ -7,22 +7,25 @@ input before they touch a filesystem: see :func:`validate_name`.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from distcache.errors import ArtifactNameError, IntegrityError, ManifestError
+from distcache.errors import ArtifactNameError, ConfigError, IntegrityError, ManifestError
 
 __all__ = [
     "MAX_NAME_BYTES",
     "MAX_SEGMENT_BYTES",
     "Artifact",
     "check_sha256",
+    "decode_manifest",
     "manifest_text",
     "parse_checksums",
     "path_under",
+    "read_manifest",
     "sha256_hex",
     "validate_name",
     "verify_bytes",
@@ -225,6 +228,41 @@ def parse_checksums(text: str, prefix: str = "") -> list[Artifact]:
             )
         out[artifact.name] = artifact
     return list(out.values())
+
+
+def decode_manifest(data: bytes, *, source: str = "manifest") -> str:
+    """The text of a manifest's bytes.
+
+    Raises:
+        ManifestError: the bytes are not UTF-8 (with the line number).
+    """
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ManifestError(
+            f"line {line}: {source} is not UTF-8 (byte {exc.start})",
+            line=line, text=data.split(b"\n")[line - 1][:120].decode("utf-8", "replace"),
+        ) from None
+
+
+def read_manifest(path: str | os.PathLike[str], prefix: str = "") -> list[Artifact]:
+    """Parse the ``sha256sum``-format manifest file at ``path``.
+
+    Raises:
+        ConfigError: the file cannot be read (names it and the reason).
+        ManifestError: a malformed line or bytes that are not UTF-8.
+        ArtifactNameError: an unsafe name.
+    """
+    where = Path(path)
+    try:
+        data = where.read_bytes()
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot read manifest {where}: {exc.strerror or exc}", variable="manifest",
+            value=str(where),
+        ) from exc
+    return parse_checksums(decode_manifest(data, source=str(where)), prefix)
 
 
 def manifest_text(artifacts: Iterable[Artifact]) -> str:

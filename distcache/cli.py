@@ -303,7 +303,7 @@ def setup_fetch(parser: argparse.ArgumentParser) -> None:
 def _fetch(args: argparse.Namespace) -> int:
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
-    from distcache.artifact import Artifact, parse_checksums
+    from distcache.artifact import Artifact, read_manifest
     from distcache.config import settings
     from distcache.origin import open_origin
 
@@ -314,11 +314,7 @@ def _fetch(args: argparse.Namespace) -> int:
     specs = args.origin if args.origin else list(resolved.origins)
     if not specs:
         raise UsageError("fetch: no origin; pass --origin URL or set DISTCACHE_ORIGIN")
-    try:
-        text = args.manifest.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise DistcacheError(f"cannot read manifest {args.manifest}: {exc.strerror}") from exc
-    artifacts = parse_checksums(text, args.prefix)
+    artifacts = read_manifest(args.manifest, args.prefix)
     origin = open_origin(specs)
     pool = _open_pool(args, create=True)
     pool.remember(artifacts)

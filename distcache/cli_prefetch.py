@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _prefetch(args: argparse.Namespace) -> tuple[Any, int]:
-    from distcache.artifact import parse_checksums
+    from distcache.artifact import read_manifest
     from distcache.comm import agree_on_error, auto
     from distcache.config import settings
     from distcache.integrations.flashinfer_record import merge_entries
@@ -113,12 +113,7 @@ def _prefetch(args: argparse.Namespace) -> tuple[Any, int]:
     error: BaseException | None = None
     try:
         for manifest in args.manifest:
-            try:
-                text = Path(manifest).read_text(encoding="utf-8")
-            except OSError as exc:
-                raise ConfigError(f"cannot read manifest {manifest}: {exc.strerror}",
-                                  variable="--manifest", value=manifest) from exc
-            parts.append((manifest, {a.name: a.sha256 for a in parse_checksums(text)}))
+            parts.append((manifest, {a.name: a.sha256 for a in read_manifest(manifest)}))
         artifacts = merge_entries(parts)
     except DistcacheError as exc:
         error = exc

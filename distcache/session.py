@@ -22,7 +22,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from distcache.artifact import Artifact, parse_checksums
+from distcache.artifact import Artifact, read_manifest
 from distcache.comm import Communicator, local
 from distcache.config import Settings, settings
 from distcache.errors import ConfigError, DistcacheError
@@ -302,18 +302,7 @@ def _load_manifests(manifests: Sequence[ManifestSpec]) -> list[Artifact]:
         )
     merged: dict[str, Artifact] = {}
     for spec in manifests:
-        if isinstance(spec, str | os.PathLike):
-            path = Path(spec)
-            try:
-                text = path.read_text(encoding="utf-8")
-            except OSError as exc:
-                raise ConfigError(
-                    f"cannot read manifest {path}: {exc.strerror}", variable="manifests",
-                    value=str(path),
-                ) from exc
-            items: Sequence[Artifact] = parse_checksums(text)
-        else:
-            items = spec
+        items = read_manifest(spec) if isinstance(spec, str | os.PathLike) else spec
         for artifact in items:
             merged[artifact.name] = artifact
     return list(merged.values())

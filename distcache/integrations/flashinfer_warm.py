@@ -18,12 +18,18 @@ import os
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import fields, is_dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from distcache.artifact import Artifact, manifest_text, parse_checksums, sha256_hex
+from distcache.artifact import (
+    Artifact,
+    decode_manifest,
+    manifest_text,
+    parse_checksums,
+    read_manifest,
+    sha256_hex,
+)
 from distcache.comm.base import Communicator, agree_on_error
-from distcache.errors import ConfigError, DistcacheError, ManifestError, OriginError
+from distcache.errors import ConfigError, DistcacheError, OriginError
 from distcache.integrations.flashinfer_record import merge_entries, read_record
 
 if TYPE_CHECKING:
@@ -158,30 +164,11 @@ def family_manifest(
 
 def _parse_family(checksums: Artifact, data: bytes) -> list[Artifact]:
     directory = checksums.name[: -len("checksums.txt")]
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        raise ManifestError(
-            f"line {line}: {checksums.name} is not UTF-8 (byte {exc.start})",
-            line=line, text=data.split(b"\n")[line - 1][:120].decode("utf-8", "replace"),
-        ) from None
-    return parse_checksums(text, prefix=directory)
+    return parse_checksums(decode_manifest(data, source=checksums.name), prefix=directory)
 
 
 def _load_manifest(manifest: ManifestArg) -> dict[str, str]:
-    if isinstance(manifest, str | os.PathLike):
-        path = Path(manifest)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot read manifest {path}: {exc.strerror}", variable="manifest",
-                value=str(path),
-            ) from exc
-        items: Sequence[Artifact] = parse_checksums(text)
-    else:
-        items = manifest
+    items = read_manifest(manifest) if isinstance(manifest, str | os.PathLike) else manifest
     return {a.name: a.sha256 for a in items}
 
 
