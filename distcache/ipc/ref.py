@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from distcache.errors import IpcError
 
@@ -74,6 +75,21 @@ _DESC_BODY = struct.Struct("<IQQQIHhHHB")
 
 def _bad(what: str, pool_id: str | None = None) -> IpcError:
     return IpcError(f"invalid feature reference: {what}", pool_id=pool_id)
+
+
+_T = TypeVar("_T")
+
+
+def _decode(parse: Callable[[memoryview], _T], data: bytes | bytearray | memoryview,
+            what: str) -> _T:
+    """Run ``parse`` over a private copy of ``data``; any decoding failure of forged or
+    garbled bytes becomes an :class:`IpcError`, never another exception."""
+    try:
+        return parse(memoryview(bytes(data)))
+    except IpcError:
+        raise
+    except (struct.error, ValueError, TypeError, UnicodeDecodeError, IndexError) as exc:
+        raise _bad(f"garbled {what} ({exc})") from None
 
 
 def _check_int(name: str, value: Any, upper: int, pool_id: str | None) -> None:
@@ -188,12 +204,7 @@ class PoolDescriptor:
         Raises:
             IpcError: the bytes are not a valid descriptor of a supported version.
         """
-        try:
-            return cls._unpack(memoryview(bytes(data)))
-        except IpcError:
-            raise
-        except (struct.error, ValueError, TypeError, UnicodeDecodeError, IndexError) as exc:
-            raise _bad(f"garbled pool descriptor ({exc})") from None
+        return _decode(cls._unpack, data, "pool descriptor")
 
     @classmethod
     def _unpack(cls, buf: memoryview) -> PoolDescriptor:
@@ -341,12 +352,7 @@ class FeatureRef:
         """
         if not isinstance(data, bytes | bytearray | memoryview):
             raise _bad(f"expected bytes, got {type(data).__name__}")
-        try:
-            return cls._unpack(memoryview(bytes(data)))
-        except IpcError:
-            raise
-        except (struct.error, ValueError, TypeError, UnicodeDecodeError, IndexError) as exc:
-            raise _bad(f"garbled bytes ({exc})") from None
+        return _decode(cls._unpack, data, "feature reference")
 
     @classmethod
     def _unpack(cls, buf: memoryview) -> FeatureRef:
