@@ -765,3 +765,42 @@ def test_cli_prefetch_unreadable_manifest_exits_1(
     assert cli("prefetch", "--manifest", str(tmp_path / "absent.txt"), "--origin",
                str(tmp_path), "--pool", str(tmp_path / "pool")) == 1
     assert "cannot read manifest" in capsys.readouterr().err
+
+
+def test_install_and_uninstall_around_a_running_loader_never_fail_a_call(
+    loader_module: Any, pool: FakePool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An engine's loader thread keeps asking for a kernel while another thread installs
+    # and uninstalls the wrapper: every call returns the verified bytes, none raises.
+    cubin_dir = tmp_path / "cubins"
+    target = cubin_dir / CUBIN_NAME
+    target.parent.mkdir(parents=True)
+    target.write_bytes(CUBIN)
+    monkeypatch.setattr(loader_module, "FLASHINFER_CUBIN_DIR", cubin_dir)
+    monkeypatch.delenv("DISTCACHE_DISABLE", raising=False)
+    monkeypatch.delenv("DISTCACHE_FLASHINFER", raising=False)
+    pool.put(CUBIN)
+    stop = threading.Event()
+    results: list[bytes] = []
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                results.append(loader_module.get_artifact(CUBIN_NAME, sha(CUBIN)))
+            except BaseException as exc:
+                errors.append(exc)
+
+    worker = threading.Thread(target=serve)
+    worker.start()
+    try:
+        for _ in range(200):
+            fi.install(pool, origin=FakeOrigin({}))  # type: ignore[arg-type]
+            fi.uninstall()
+    finally:
+        stop.set()
+        worker.join(timeout=60)
+    assert not worker.is_alive()
+    assert errors == []
+    assert results and set(results) == {CUBIN}
+    assert fi.installed() is None
