@@ -73,6 +73,9 @@ class Session:
     _flashinfer_installed: bool = False
     _closed: bool = False
     _sync_state: Any = None
+    # init brought torch.distributed up itself (no group existed): close tears it down,
+    # since a process exiting with a live gloo group may abort in its destructor.
+    _owns_process_group: bool = False
 
     def sync(self, *, timeout: float | None = None) -> PrefetchReport | None:
         """Collective: artifacts any rank fetched lazily since the last sync reach every
@@ -106,6 +109,11 @@ class Session:
             flashinfer.uninstall()
         if self.registry is not None:
             self.registry.close()
+        if self._owns_process_group:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
         with _lock:
             if _current is self:
                 _current = None
@@ -188,8 +196,10 @@ def init(
         return session
 
     phases: dict[str, float] = {}
+    owns_group = False
     with _phase(phases, "comm"):
-        comm = comm if comm is not None else _adopt_comm(environ)
+        if comm is None:
+            comm, owns_group = _adopt_comm(environ)
     _log_rank0(comm, "comm: %s backend, %d rank(s) (%.2f s)", comm.backend, comm.size,
                phases["comm"])
 
@@ -205,7 +215,8 @@ def init(
     the_origin = _resolve_origin(origin, conf, use_flashinfer)
     artifacts = _load_manifests(manifests)
 
-    session = Session(comm=comm, pool=the_pool, phases=phases, settings=conf)
+    session = Session(comm=comm, pool=the_pool, phases=phases, settings=conf,
+                      _owns_process_group=owns_group)
     try:
         if artifacts or flashinfer_record is not None:
             with _phase(phases, "prefetch"):
@@ -250,7 +261,8 @@ def _log_rank0(comm: Communicator, msg: str, *args: Any) -> None:
         log.info(msg, *args)
 
 
-def _adopt_comm(environ: Mapping[str, str] | None) -> Communicator:
+def _adopt_comm(environ: Mapping[str, str] | None) -> tuple[Communicator, bool]:
+    """The communicator to use, and whether init brought torch.distributed up itself."""
     import launch
 
     env = os.environ if environ is None else environ
@@ -258,18 +270,18 @@ def _adopt_comm(environ: Mapping[str, str] | None) -> Communicator:
     if torch_dist is not None and torch_dist.is_available() and torch_dist.is_initialized():
         from distcache.comm import from_torch
 
-        return from_torch()
+        return from_torch(), False
     info = launch.detect(env)
     if info.launcher in _MPI_LAUNCHERS:
         from distcache.comm import from_mpi
 
-        return from_mpi()
+        return from_mpi(), False
     if info.world_size > 1:
         launch.init_process_group(info)
         from distcache.comm import from_torch
 
-        return from_torch()
-    return local()
+        return from_torch(), True
+    return local(), False
 
 
 def _want_flashinfer(flag: bool | None, conf: Settings) -> bool:

@@ -1,92 +1,134 @@
 #!/usr/bin/env python
-"""Compare ways of getting K artifacts onto N ranks, against a loopback origin with
-per-request latency and a bandwidth cap.
+"""Compare ways of getting K artifacts onto N ranks, as real MPI processes, against a
+loopback origin with per-request latency and an aggregate bandwidth cap.
 
-Strategies:
-  every     every rank downloads every artifact into its own cache (FlashInfer's
-            behaviour today: N x K origin requests)
-  rank0     rank 0 downloads everything, then broadcasts each artifact on its own
-  distcache distcache.prefetch: downloads spread over ranks, bucketed broadcast to
-            one writer per node-local pool
+Strategies (each rank uses the same download concurrency, ``--downloads-per-rank``):
 
-Runs N ranks as threads of this process (default), or under mpirun with
-``--backend mpi``. Prints a table and writes ``bench_prefetch.json`` (figures plus
-the measured cost parameters a scale model needs: per-request latency, origin
-bandwidth, broadcast latency and per-byte cost) and ``bench_prefetch.png`` to --out.
+  per-rank     (a) every rank checks, then downloads into its own directory
+               (FlashInfer's default: N x K origin requests)
+  shared-dir   (b) one shared directory, no coordination: check, download to a temp
+               file, rename; every rank that misses downloads
+  lazy-fetch   (c) one shared ArtifactPool; every rank calls pool.fetch for every
+               artifact (read-through with a per-object lock)
+  prefetch     (d) distcache.prefetch into the node's pool (one node here, so the
+               node-local pool is the shared one), collectively
+  warm         (e) distcache.prefetch again on the warm pool of (d)
 
-    python scripts/bench_prefetch.py --ranks 8 --nodes 4 --artifacts 64 --out bench/
-    mpirun -n 4 python scripts/bench_prefetch.py --backend mpi --out bench/
+The driver (this script without ``--worker``) writes the artifacts, runs the origin
+and reads its counters; for every N and strategy it launches ``mpirun -n N`` of this
+script with ``--worker`` (a fresh set of processes, so peak RSS is per strategy).
+Wall time is barrier to barrier, the maximum over ranks; it excludes process start-up,
+imports and the first use of the communicator (a job has its process group up before
+it fetches kernels), which are reported separately as start-up. It also measures the baseline (one process
+fetching the K artifacts once with the same concurrency) and the cost parameters
+``scripts/scale_model.py`` reads. Writes ``bench_prefetch.json`` and
+``bench_prefetch.png`` to --out and prints a table and the targets.
+
+    python scripts/bench_prefetch.py --out bench-results/
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import distcache
+import distcache.comm
 from distcache.artifact import Artifact, parse_checksums
 from distcache.collective import prefetch
 from distcache.comm.base import Communicator
+from distcache.config import settings
 from distcache.origin import HttpOrigin
 from distcache.pool import ArtifactPool
 
-STRATEGIES = ("every", "rank0", "distcache")
-
-
-def every_rank_downloads(
-    comm: Communicator, arts: list[Artifact], origin: HttpOrigin, pool: ArtifactPool, threads: int
-) -> None:
-    with ThreadPoolExecutor(threads) as ex:
-        list(ex.map(lambda a: pool.put(origin.fetch(a), a.sha256), arts))
-
-
-def rank0_then_broadcast(
-    comm: Communicator, arts: list[Artifact], origin: HttpOrigin, pool: ArtifactPool, threads: int
-) -> None:
-    blobs: dict[str, bytes] = {}
-    if comm.rank == 0:
-        with ThreadPoolExecutor(threads) as ex:
-            blobs = dict(zip([a.sha256 for a in arts], ex.map(origin.fetch, arts), strict=True))
-    for a in arts:
-        data = comm.broadcast_bytes(blobs.get(a.sha256), 0)
-        if comm.rank != 0:
-            pool.put(data, a.sha256)
-
-
-def with_distcache(
-    comm: Communicator, arts: list[Artifact], origin: HttpOrigin, pool: ArtifactPool, threads: int
-) -> None:
-    prefetch(arts, comm=comm, pool=pool, origin=origin, downloads_per_rank=threads)
-
-
-RUNNERS: dict[str, Callable[..., None]] = {
-    "every": every_rank_downloads,
-    "rank0": rank0_then_broadcast,
-    "distcache": with_distcache,
+STRATEGIES = ("per-rank", "shared-dir", "lazy-fetch", "prefetch", "warm")
+LABELS = {
+    "per-rank": "(a) per-rank dirs",
+    "shared-dir": "(b) shared dir, no coordination",
+    "lazy-fetch": "(c) lazy pool.fetch",
+    "prefetch": "(d) distcache prefetch",
+    "warm": "(e) distcache warm start",
 }
+BASELINE = "baseline"
+BCAST = "bcast"
+# A run that takes longer than this is broken, not slow.
+WORKER_TIMEOUT_S = 180.0
 
 
-def measure_origin(origin: HttpOrigin, arts: list[Artifact], reps: int = 5) -> dict[str, float]:
-    """Per-request latency (smallest artifact) and bandwidth (largest) of the origin."""
-    small = min(arts, key=lambda a: a.size or 0)
-    big = max(arts, key=lambda a: a.size or 0)
-    lat = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        origin.fetch(small)
-        lat.append(time.perf_counter() - t)
-    latency = statistics.median(lat)
-    t = time.perf_counter()
-    size = len(origin.fetch(big))
-    seconds = max(time.perf_counter() - t - latency, 1e-9)
-    return {"request_latency_s": latency, "origin_bandwidth_Bps": size / seconds}
+# -- the strategies (run on every rank of a worker) -------------------------------------
+
+
+def _download_file(directory: Path, artifact: Artifact, origin: HttpOrigin) -> None:
+    """Check, then download to a process-unique temp file and rename into place."""
+    dest = directory / artifact.name
+    if dest.exists():
+        return
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            origin.fetch_into(artifact, out)
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _files_present(directory: Path, arts: list[Artifact]) -> bool:
+    return all((directory / a.name).is_file() for a in arts)
+
+
+def _in_threads(fn: Callable[[Artifact], object], arts: list[Artifact], threads: int) -> None:
+    with ThreadPoolExecutor(threads) as ex:
+        for _ in ex.map(fn, arts):
+            pass
+
+
+def run_strategy(
+    strategy: str, comm: Communicator, arts: list[Artifact], url: str, run_dir: Path, threads: int
+) -> tuple[Callable[[], bool], dict[str, Any]]:
+    """Make the artifacts ready on this rank; returns a completeness check and extras."""
+    began = time.perf_counter()
+    origin = HttpOrigin(url, retries=0)
+    if strategy in (BASELINE, "per-rank"):
+        own = run_dir / f"rank{comm.rank}"
+        _in_threads(lambda a: _download_file(own, a, origin), arts, threads)
+        return (lambda: _files_present(own, arts)), {}
+    if strategy == "shared-dir":
+        shared = run_dir / "shared"
+        _in_threads(lambda a: _download_file(shared, a, origin), arts, threads)
+        return (lambda: _files_present(shared, arts)), {}
+    if strategy == "lazy-fetch":
+        pool = ArtifactPool(run_dir / "lazy-pool")
+        _in_threads(lambda a: pool.fetch(a, origin), arts, threads)
+        return (lambda: all(pool.has(a.sha256) for a in arts)), {}
+    if strategy in ("prefetch", "warm"):
+        pool = ArtifactPool(run_dir / "pool")  # warm: the pool prefetch filled
+        open_s = time.perf_counter() - began
+        report = prefetch(arts, comm=comm, pool=pool, origin=origin,
+                                    downloads_per_rank=threads)
+        extras = {
+            "report_seconds": dict(report.seconds),
+            "downloads": report.downloads,
+            "downloaders": len(report.downloaders),
+            "broadcasts": report.broadcasts,
+            "pool_hits": report.pool_hits,
+            "open_s": open_s,
+        }
+        return (lambda: all(pool.has(a.sha256) for a in arts)), extras
+    raise ValueError(f"unknown strategy {strategy!r}")
 
 
 def measure_broadcast(comm: Communicator, reps: int = 10) -> dict[str, float]:
@@ -107,181 +149,353 @@ def measure_broadcast(comm: Communicator, reps: int = 10) -> dict[str, float]:
     return {"bcast_alpha_s": alpha, "bcast_beta_s_per_byte": beta}
 
 
-def run_rank(
-    comm: Communicator,
-    args: argparse.Namespace,
-    workdir: Path,
-    url: str,
-    arts: list[Artifact],
-    strategy: str,
-) -> float:
-    # Simulated nodes (one pool each), so that one machine shows the multi-node case.
-    node = comm.rank * min(args.nodes, comm.size) // comm.size
-    if strategy == "every":
-        root = workdir / strategy / f"rank{comm.rank}"  # private per-rank cache
-    else:
-        root = workdir / strategy / f"node{node}"
-    pool = ArtifactPool(root)
-    origin = HttpOrigin(url, retries=0)
+def load_artifacts(mirror: Path) -> list[Artifact]:
+    arts = parse_checksums((mirror / "checksums.txt").read_text())
+    return [Artifact(a.name, a.sha256, (mirror / a.name).stat().st_size) for a in arts]
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank of one mpirun: time the strategy barrier to barrier, gather to rank 0."""
+    comm = distcache.comm.from_mpi()
+    arts = load_artifacts(args.mirror)
+    if args.worker == BCAST:
+        figures = measure_broadcast(comm)
+        if comm.rank == 0:
+            args.result.write_text(json.dumps(figures))
+        return
+    # A job's process group is up and has been used before it fetches kernels: the
+    # first collectives of each kind (MPI connects peers lazily) run before timing.
+    comm.allgather_object(comm.rank)
+    comm.broadcast_bytes(b"x" if comm.rank == 0 else None, 0)
     comm.barrier()
-    t = time.perf_counter()
-    RUNNERS[strategy](comm, arts, origin, pool, args.downloads_per_rank)
+    # Start-up: from the driver's launch to this rank's readiness to start.
+    startup = time.time() - args.launched_at
     comm.barrier()
-    return time.perf_counter() - t
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", choices=("threads", "mpi"), default="threads")
-    parser.add_argument("--ranks", type=int, default=8, help="thread-ranks (threads backend)")
-    parser.add_argument("--nodes", type=int, default=4, help="simulated nodes (one pool each)")
-    parser.add_argument("--artifacts", type=int, default=64)
-    parser.add_argument("--min-size", type=int, default=50_000)
-    parser.add_argument("--max-size", type=int, default=600_000)
-    parser.add_argument("--latency", type=float, default=0.1, help="seconds per origin request")
-    parser.add_argument("--bandwidth", type=float, default=100e6, help="origin bytes/s, total")
-    parser.add_argument("--downloads-per-rank", type=int, default=4)
-    parser.add_argument("--strategies", default=",".join(STRATEGIES))
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    strategies = [s for s in args.strategies.split(",") if s]
-
-    if args.backend == "mpi":
-        from distcache.comm import from_mpi
-
-        world = from_mpi()
-        comms: list[Communicator] = [world]
-        size = world.size
-    else:
-        from distcache.comm import ThreadGroup
-
-        size = args.ranks
-        group = ThreadGroup(size, [f"node{r * args.nodes // size}" for r in range(size)])
-        comms = [group.comm(r) for r in range(size)]
-    lead = comms[0]
-
-    server = None
-    workdir = Path(tempfile.mkdtemp(prefix="bench-prefetch-")) if lead.rank == 0 else Path()
-    if lead.rank == 0:
-        from distcache.testing import LoopbackOrigin, make_artifacts
-
-        make_artifacts(
-            workdir / "mirror", args.artifacts, min_size=args.min_size, max_size=args.max_size
-        )
-        server = LoopbackOrigin(workdir / "mirror", latency=args.latency, bandwidth=args.bandwidth)
-    if args.backend == "mpi":
-        shared = lead.broadcast_bytes(
-            f"{workdir}\n{server.url if server else ''}".encode() if lead.rank == 0 else None, 0
-        ).decode()
-        workdir, url = Path(shared.split("\n")[0]), shared.split("\n")[1]
-    else:
-        assert server is not None
-        url = server.url
-    arts = [a for a in parse_checksums((workdir / "mirror" / "checksums.txt").read_text())]
-    sizes = {
-        p.relative_to(workdir / "mirror").as_posix(): p.stat().st_size
-        for p in (workdir / "mirror").rglob("*.cubin")
+    start = time.perf_counter()
+    complete, extras = run_strategy(
+        args.worker, comm, arts, args.url, args.run_dir, args.downloads_per_rank
+    )
+    seconds = time.perf_counter() - start
+    comm.barrier()
+    wall = time.perf_counter() - start
+    if args.worker == "warm":
+        # What a warm prefetch cannot beat: its three allgathers of small objects,
+        # barrier to barrier, on the same processes.
+        comm.barrier()
+        floor_start = time.perf_counter()
+        for _ in range(3):
+            comm.allgather_object((comm.rank, "x" * 64))
+        comm.barrier()
+        extras["collective_floor_s"] = time.perf_counter() - floor_start
+    mine = {
+        "wall_s": wall,
+        "own_s": seconds,
+        "startup_s": startup,
+        "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "complete": complete(),
+        **extras,
     }
-    arts = [Artifact(a.name, a.sha256, sizes.get(a.name)) for a in arts]
+    gathered = comm.allgather_object(mine)
+    if comm.rank == 0:
+        args.result.write_text(json.dumps(gathered))
+
+
+# -- the driver ---------------------------------------------------------------------------
+
+
+def mpirun_command(n: int) -> list[str]:
+    venv = Path(sys.executable).parent / "mpirun"
+    found = str(venv) if venv.exists() else shutil.which("mpirun")
+    if found is None:
+        raise SystemExit("mpirun not found (install openmpi or the mpi4py wheel's)")
+    # 8 ranks on a 2-core machine: oversubscribe, and let the kernel place them.
+    return [found, "-n", str(n), "--oversubscribe", "--bind-to", "none"]
+
+
+def launch(
+    n: int, strategy: str, common: list[str], run_dir: Path, result: Path
+) -> tuple[Any, float]:
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    launched = time.time()
+    cmd = [
+        *mpirun_command(n), sys.executable, str(Path(__file__).resolve()),
+        "--worker", strategy, "--run-dir", str(run_dir), "--result", str(result),
+        "--launched-at", repr(launched), *common,
+    ]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                          timeout=WORKER_TIMEOUT_S, check=False)
+    elapsed = time.time() - launched
+    if done.returncode != 0 or not result.exists():
+        sys.stderr.write(done.stdout + done.stderr)
+        raise SystemExit(f"mpirun -n {n} {strategy} failed with status {done.returncode}")
+    return json.loads(result.read_text()), elapsed
+
+
+def measure_origin(origin: HttpOrigin, arts: list[Artifact], reps: int = 7) -> dict[str, float]:
+    """Per-request latency (smallest artifact) and per-connection bandwidth (largest).
+
+    The largest artifact takes a few milliseconds longer than the smallest, less than
+    the jitter of one 100 ms request, so one sample of it against the latency can
+    come out shorter than the latency (bandwidth then divides by ~0). Interleaved
+    repetitions and the difference of medians keep both figures from one sample.
+    """
+    small = min(arts, key=lambda a: a.size or 0)
+    big = max(arts, key=lambda a: a.size or 0)
+    lat: list[float] = []
+    full: list[float] = []
+    for _ in range(reps):
+        for artifact, into in ((small, lat), (big, full)):
+            t = time.perf_counter()
+            origin.fetch(artifact)
+            into.append(time.perf_counter() - t)
+    latency = statistics.median(lat)
+    extra = statistics.median(full) - latency
+    nbytes = (big.size or 0) - (small.size or 0)
+    if extra <= 0:
+        raise SystemExit(
+            f"cannot measure the origin bandwidth: {big.name} ({big.size} bytes) took no "
+            f"longer than {small.name} ({small.size} bytes); use more or larger artifacts"
+        )
+    return {"request_latency_s": latency, "origin_bandwidth_Bps": nbytes / extra}
+
+
+def summarize(strategy: str, n: int, ranks: list[dict[str, Any]], stats: dict[str, Any],
+              launch_s: float) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "strategy": strategy,
+        "ranks": n,
+        "origin_requests": stats["total_requests"],
+        "origin_bytes": stats["bytes_sent"],
+        "wall_s": max(r["wall_s"] for r in ranks),
+        "peak_rss_bytes": max(r["maxrss_bytes"] for r in ranks),
+        "startup_s": max(r["startup_s"] for r in ranks),
+        "launch_s": launch_s,
+        "complete": all(r["complete"] for r in ranks),
+    }
+    if "report_seconds" in ranks[0]:
+        row["phase_seconds"] = ranks[0]["report_seconds"]
+        row["downloaders"] = ranks[0]["downloaders"]
+        row["pool_hits"] = ranks[0]["pool_hits"]
+        row["open_pool_s"] = max(r["open_s"] for r in ranks)
+    if "collective_floor_s" in ranks[0]:
+        row["collective_floor_s"] = max(r["collective_floor_s"] for r in ranks)
+    return row
+
+
+def driver(args: argparse.Namespace) -> None:
+    from distcache.testing import LoopbackOrigin, make_artifacts
+
+    began = time.perf_counter()
+    load_before = os.getloadavg()[0]
+    ranks_axis = sorted({int(x) for x in args.ranks.split(",") if x})
+    strategies = [s for s in STRATEGIES if s in args.strategies.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="bench-prefetch-"))
+    mirror = work / "mirror"
+    make_artifacts(mirror, args.artifacts, min_size=args.min_size, max_size=args.max_size)
+    arts = load_artifacts(mirror)
     total_bytes = sum(a.size or 0 for a in arts)
+    rows: list[dict[str, Any]] = []
+    try:
+        with LoopbackOrigin(mirror, latency=args.latency, bandwidth=args.bandwidth) as server:
+            common = ["--mirror", str(mirror), "--url", server.url,
+                      "--downloads-per-rank", str(args.downloads_per_rank)]
+            measured = measure_origin(HttpOrigin(server.url, retries=0), arts)
+            # Per-hop broadcast cost: the scale model multiplies by the tree depth.
+            bcast, _ = launch(2, BCAST, common, work / "bcast", work / "bcast.json")
+            measured.update(bcast)
 
-    params: dict[str, float] = {}
-    if lead.rank == 0:
-        params.update(measure_origin(HttpOrigin(url, retries=0), arts))
-
-    def on_all(fn: Callable[[Communicator], Any]) -> list[Any]:
-        if args.backend == "mpi":
-            return [fn(lead)]
-        out: list[Any] = [None] * size
-        threads = [
-            threading.Thread(target=lambda r=r: out.__setitem__(r, fn(comms[r])))
-            for r in range(size)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return out
-
-    params.update(on_all(measure_broadcast)[0])
-    rows = []
-    for strategy in strategies:
-        if server is not None:
             server.reset()
-        on_all(lambda c: c.barrier())
+            ranks, launch_s = launch(1, BASELINE, common, work / "baseline",
+                                     work / "baseline.json")
+            baseline = summarize(BASELINE, 1, ranks, server.stats(), launch_s)
+            print_row(baseline, header=True)
+            for n in ranks_axis:
+                run_dir = work / f"n{n}"
+                for strategy in strategies:
+                    server.reset()
+                    ranks, launch_s = launch(n, strategy, common, run_dir,
+                                             work / f"n{n}-{strategy}.json")
+                    rows.append(summarize(strategy, n, ranks, server.stats(), launch_s))
+                    print_row(rows[-1])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    targets = check_targets(rows, baseline, args.artifacts)
+    print("measured: " + ", ".join(f"{k}={v:.3g}" for k, v in measured.items()))
+    for row in rows:
+        if "phase_seconds" in row:
+            phases = " ".join(f"{p} {s:.3f}" for p, s in row["phase_seconds"].items())
+            print(f"{LABELS[row['strategy']]} N={row['ranks']} phases (max over ranks): "
+                  f"open {row['open_pool_s']:.3f} {phases}"
+                  + (f"; 3 bare allgathers take {row['collective_floor_s']:.3f}"
+                     if "collective_floor_s" in row else ""))
+    print("start-up (mpirun launch to the first timed barrier) is excluded from wall s: "
+          f"{min(r['startup_s'] for r in rows):.1f}-{max(r['startup_s'] for r in rows):.1f} s "
+          f"per launch here (baseline {baseline['startup_s']:.1f} s)")
+    for target in targets:
+        print(f"target {'HOLDS' if target['holds'] else 'FAILS'}: {target['target']}: "
+              f"{target['observed']}")
+    print(f"benchmark took {time.perf_counter() - began:.0f} s")
+    write_results(args, total_bytes, measured, baseline, rows, targets, load_before)
 
-        def one(c: Communicator, s: str = strategy) -> float:
-            return run_rank(c, args, workdir, url, arts, s)
 
-        seconds = max(on_all(one))
-        if args.backend == "mpi":
-            seconds = max(lead.allgather_object(seconds))
-        if server is not None:
-            stats = server.stats()
-            rows.append(
-                {
-                    "strategy": strategy,
-                    "origin_requests": stats["total_requests"],
-                    "origin_bytes": stats["bytes_sent"],
-                    "wall_seconds": seconds,
-                }
-            )
+def print_row(row: dict[str, Any], *, header: bool = False) -> None:
+    if header:
+        print(f"{'strategy':<34} {'N':>2} {'requests':>8} {'origin MB':>9} {'wall s':>7} "
+              f"{'RSS MB':>7} {'start-up s':>10}")
+    label = LABELS.get(row["strategy"], "one process, once (baseline)")
+    flag = "" if row["complete"] else "  INCOMPLETE"
+    print(f"{label:<34} {row['ranks']:>2} {row['origin_requests']:>8} "
+          f"{row['origin_bytes'] / 1e6:>9.1f} {row['wall_s']:>7.3f} "
+          f"{row['peak_rss_bytes'] / 1e6:>7.1f} {row['startup_s']:>10.2f}{flag}", flush=True)
 
-    if lead.rank == 0:
-        assert server is not None
-        server.stop()
-        write_results(args, size, total_bytes, params, rows)
+
+def check_targets(rows: list[dict[str, Any]], baseline: dict[str, Any],
+                  k: int) -> list[dict[str, Any]]:
+    def of(strategy: str) -> dict[int, dict[str, Any]]:
+        return {r["ranks"]: r for r in rows if r["strategy"] == strategy}
+
+    def listed(rows_by_n: dict[int, dict[str, Any]], key: str) -> str:
+        return ", ".join(f"N={n}: {r[key]}" for n, r in rows_by_n.items())
+
+    per_rank, pre, warm = of("per-rank"), of("prefetch"), of("warm")
+    targets = []
+    if pre:
+        top = max(pre)
+        ratio = pre[top]["wall_s"] / baseline["wall_s"]
+        targets += [
+            {
+                "target": f"(d) makes exactly K={k} origin requests at every N",
+                "holds": all(r["origin_requests"] == k for r in pre.values()),
+                "observed": listed(pre, "origin_requests"),
+            },
+            {
+                "target": f"(d) wall time at N={top} within 1.3x of the one-process baseline",
+                "holds": ratio <= 1.3,
+                "observed": f"{pre[top]['wall_s']:.3f} s vs baseline "
+                            f"{baseline['wall_s']:.3f} s ({ratio:.2f}x)",
+            },
+        ]
+    if warm:
+        targets.append({
+            "target": "(e) makes 0 origin requests",
+            "holds": all(r["origin_requests"] == 0 for r in warm.values()),
+            "observed": listed(warm, "origin_requests"),
+        })
+    if warm and pre:
+        targets.append({
+            "target": "(e) at least 10x faster than (d) at every N",
+            "holds": all(warm[n]["wall_s"] * 10 <= pre[n]["wall_s"] for n in warm),
+            "observed": ", ".join(f"N={n}: {pre[n]['wall_s'] / warm[n]['wall_s']:.1f}x"
+                                  for n in warm),
+        })
+    if per_rank:
+        targets.append({
+            "target": "(a) makes N*K origin requests",
+            "holds": all(r["origin_requests"] == n * k for n, r in per_rank.items()),
+            "observed": listed(per_rank, "origin_requests"),
+        })
+    return targets
 
 
 def write_results(
     args: argparse.Namespace,
-    size: int,
     total_bytes: int,
-    params: dict[str, float],
+    measured: dict[str, float],
+    baseline: dict[str, Any],
     rows: list[dict[str, Any]],
+    targets: list[dict[str, Any]],
+    load_before: float,
 ) -> None:
-    print(
-        f"{size} ranks, {args.artifacts} artifacts ({total_bytes / 1e6:.1f} MB), "
-        f"latency {args.latency:g} s/request, bandwidth {args.bandwidth / 1e6:g} MB/s"
-    )
-    print(f"{'strategy':<10} {'requests':>9} {'origin MB':>10} {'wall s':>8}")
-    for row in rows:
-        print(
-            f"{row['strategy']:<10} {row['origin_requests']:>9} "
-            f"{row['origin_bytes'] / 1e6:>10.1f} {row['wall_seconds']:>8.2f}"
-        )
-    print("measured: " + ", ".join(f"{k}={v:.3g}" for k, v in params.items()))
     args.out.mkdir(parents=True, exist_ok=True)
     result = {
         "config": {
-            "backend": args.backend,
-            "ranks": size,
-            "nodes": args.nodes,
+            "backend": "mpi",
+            "ranks": sorted({r["ranks"] for r in rows}),
+            "nodes": 1,
             "artifacts": args.artifacts,
             "artifact_bytes": total_bytes,
+            "min_size": args.min_size,
+            "max_size": args.max_size,
             "injected_latency_s": args.latency,
             "bandwidth_cap_Bps": args.bandwidth,
             "downloads_per_rank": args.downloads_per_rank,
+            "bcast_ranks": 2,
+            "cpus": os.cpu_count(),
+            # Other work on the machine shows in the wall times; this says how much.
+            "load_average_before_after": [load_before, os.getloadavg()[0]],
         },
-        "measured": params,
+        "measured": measured,
+        "baseline": baseline,
         "results": rows,
+        "targets": targets,
     }
-    (args.out / "bench_prefetch.json").write_text(json.dumps(result, indent=2) + "\n")
+    json_path = args.out / "bench_prefetch.json"
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    plot(args, rows, baseline, args.out / "bench_prefetch.png")
+    print(f"wrote {json_path} and {args.out / 'bench_prefetch.png'}")
+
+
+def plot(args: argparse.Namespace, rows: list[dict[str, Any]], baseline: dict[str, Any],
+         path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
-    names = [r["strategy"] for r in rows]
-    left.bar(names, [r["wall_seconds"] for r in rows], color="tab:blue")
-    left.set_ylabel("wall seconds")
-    right.bar(names, [r["origin_requests"] for r in rows], color="tab:orange")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for strategy, style in zip(STRATEGIES, ("o-", "s-", "D-", "^-", "v-"), strict=True):
+        mine = sorted((r for r in rows if r["strategy"] == strategy), key=lambda r: r["ranks"])
+        if not mine:
+            continue
+        xs = [r["ranks"] for r in mine]
+        left.plot(xs, [r["wall_s"] for r in mine], style, label=LABELS[strategy])
+        right.plot(xs, [r["origin_requests"] for r in mine], style, label=LABELS[strategy])
+    left.axhline(baseline["wall_s"], color="grey", linestyle=":", label="one process, once")
+    left.set_yscale("log")
+    left.set_ylabel("wall seconds until every rank is ready")
     right.set_ylabel("origin requests")
-    fig.suptitle(f"{size} ranks, {args.artifacts} artifacts, {args.latency:g} s/request")
+    right.set_yscale("symlog", linthresh=1)
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("ranks (MPI processes, one node)")
+        ax.grid(True, alpha=0.3)
+    left.legend(fontsize=7)
+    fig.suptitle(
+        f"{args.artifacts} artifacts, {args.latency * 1e3:g} ms/request, "
+        f"{args.bandwidth / 1e6:g} MB/s origin cap, {args.downloads_per_rank} downloads/rank",
+        fontsize=10,
+    )
     fig.tight_layout()
-    fig.savefig(args.out / "bench_prefetch.png", dpi=100)
-    print(f"wrote {args.out / 'bench_prefetch.json'} and {args.out / 'bench_prefetch.png'}")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", default="1,2,4,8", help="comma-separated N")
+    parser.add_argument("--artifacts", type=int, default=64)
+    parser.add_argument("--min-size", type=int, default=50_000)
+    parser.add_argument("--max-size", type=int, default=600_000)
+    parser.add_argument("--latency", type=float, default=0.1, help="seconds per origin request")
+    parser.add_argument("--bandwidth", type=float, default=200e6, help="origin bytes/s, total")
+    parser.add_argument("--downloads-per-rank", type=int,
+                        default=settings().downloads_per_rank,
+                        help="download threads per rank (DISTCACHE_DOWNLOADS_PER_RANK)")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES),
+                        help="comma-separated subset (warm needs prefetch before it)")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    # Set by the driver when it launches itself under mpirun.
+    parser.add_argument("--worker", choices=(*STRATEGIES, BASELINE, BCAST), help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--mirror", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--launched-at", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+    else:
+        driver(args)
 
 
 if __name__ == "__main__":

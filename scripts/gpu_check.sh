@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU-machine check (CI has no GPU): the CUDA IPC pool backend through the same
-# registry suite as the host backend, with 2+ processes, and an NCCL broadcast through
+# registry suite as the host backend, with 2+ processes, the 1-producer/3-consumer
+# exchange on CudaPool (tests/unit/test_ipc_multiprocess.py), and an NCCL broadcast through
 # the torch communicator. Prints a short report; exits non-zero if any check fails.
 #   NPROC=2 scripts/gpu_check.sh
 set -uo pipefail
@@ -24,6 +25,11 @@ if command -v mpirun >/dev/null || [ -x .venv/bin/mpirun ]; then
   check "registry suite, CudaPool, mpirun -n $NPROC" env DISTCACHE_TEST_COMM=mpi \
     DISTCACHE_TEST_IPC_BACKEND=cuda "$MPIRUN" -n "$NPROC" --oversubscribe \
     "$PY" -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_ipc.py
+  # 1 producer + 3 consumers, 10,000 features, CudaPool; DISTCACHE_REQUIRE_CUDA=1 makes
+  # the cuda case fail rather than skip if CUDA turns out to be unusable.
+  check "IPC exchange, 1 producer + 3 consumers, CudaPool, mpirun -n 4" \
+    env DISTCACHE_REQUIRE_CUDA=1 "$PY" -m pytest -q -p no:cacheprovider -rs \
+    tests/unit/test_ipc_multiprocess.py -k "exchange and cuda"
 else
   report+=("FAIL  registry suite, CudaPool: no mpirun on this machine"); failed=1
 fi

@@ -80,8 +80,9 @@ def _bad(what: str, pool_id: str | None = None) -> IpcError:
 _T = TypeVar("_T")
 
 
-def _decode(parse: Callable[[memoryview], _T], data: bytes | bytearray | memoryview,
-            what: str) -> _T:
+def _decode(
+    parse: Callable[[memoryview], _T], data: bytes | bytearray | memoryview, what: str
+) -> _T:
     """Run ``parse`` over a private copy of ``data``; any decoding failure of forged or
     garbled bytes becomes an :class:`IpcError`, never another exception."""
     try:

@@ -17,14 +17,13 @@ import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from distcache.comm.base import Communicator, agree_on_error
 from distcache.errors import IpcError, StaleHandleError
 from distcache.ipc.allocator import ALIGNMENT, ControlWords
 from distcache.ipc.producer import ProducerPool
-from distcache.ipc.ref import FeatureRef, PoolDescriptor
+from distcache.ipc.ref import FeatureRef, PoolDescriptor, itemsize
 
 __all__ = ["PoolRegistry"]
 
@@ -42,12 +41,72 @@ class Mapping(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass(slots=True)
+#: The widest itemsize in :data:`~distcache.ipc.ref.DTYPES`; typed views of a
+#: segment cover a multiple of it.
+_MAX_ITEMSIZE = 8
+
+
 class _Entry:
-    mapping: Mapping
-    descriptor: PoolDescriptor
-    index: int  # this rank's consumer index (its ack word)
-    stride: int
+    """One mapped peer pool and what ``resolve``/``ack`` need of it, precomputed at map
+    time so the per-feature path is attribute reads, integer compares and one
+    ``as_strided``: no descriptor walks, no dtype look-ups, no intermediate tensors."""
+
+    __slots__ = (
+        "_typed",
+        "_whole",
+        "ack_base",
+        "data_start",
+        "descriptor",
+        "end",
+        "epoch",
+        "get_word",
+        "index",
+        "mapping",
+        "set_word",
+        "slots",
+        "stride",
+    )
+
+    def __init__(self, mapping: Mapping, descriptor: PoolDescriptor, index: int) -> None:
+        self.mapping = mapping
+        self.descriptor = descriptor
+        self.index = index  # this rank's consumer index (its ack word)
+        self.epoch = descriptor.epoch
+        self.slots = descriptor.slots
+        self.stride = 1 + descriptor.ack_words
+        self.ack_base = 1 + index
+        self.data_start = descriptor.data_start
+        # Typed views span whole elements of every dtype; a feature must end inside
+        # both the data region and that span (a forged, unaligned capacity only
+        # shrinks what resolves).
+        usable = descriptor.segment_bytes - descriptor.segment_bytes % _MAX_ITEMSIZE
+        self.end = min(descriptor.data_start + descriptor.capacity, usable)
+        words = mapping.words
+        self.get_word = words.get
+        self.set_word = words.set
+        self._whole: Any = None
+        #: dtype name -> (the segment viewed as that dtype, its storage offset, itemsize)
+        self._typed: dict[str, tuple[Any, int, int]] = {}
+
+    def typed(self, dtype: str) -> tuple[Any, int, int]:
+        """The whole segment as a ``dtype`` tensor (made once per dtype per mapping)."""
+        found = self._typed.get(dtype)
+        if found is None:
+            import torch
+
+            if self._whole is None:
+                usable = self.descriptor.segment_bytes
+                self._whole = self.mapping.view(0, usable - usable % _MAX_ITEMSIZE)
+            size = itemsize(dtype)
+            view = self._whole.view(getattr(torch, dtype))
+            found = self._typed[dtype] = (view, view.storage_offset(), size)
+        return found
+
+    def close(self) -> None:
+        # The cached views must go first: a live view of a host segment defers its unmap.
+        self._typed.clear()
+        self._whole = None
+        self.mapping.close()
 
 
 def _open(descriptor: PoolDescriptor, device: int | None) -> Mapping:
@@ -62,7 +121,7 @@ def _open(descriptor: PoolDescriptor, device: int | None) -> Mapping:
 
 def _close_all(entries: dict[str, _Entry]) -> None:
     for entry in entries.values():
-        entry.mapping.close()
+        entry.close()
     entries.clear()
 
 
@@ -211,7 +270,7 @@ class PoolRegistry:
             mapping = _open(descriptor, self.device)
             self.opens[descriptor.pool_id] = self.opens.get(descriptor.pool_id, 0) + 1
             self._entries[descriptor.pool_id] = _Entry(
-                mapping, descriptor, descriptor.consumers.index(self.rank), 1 + descriptor.ack_words
+                mapping, descriptor, descriptor.consumers.index(self.rank)
             )
             if old is not None:
                 log.info(
@@ -221,7 +280,7 @@ class PoolRegistry:
                     descriptor.epoch,
                 )
                 self._retired.setdefault(descriptor.pool_id, set()).add(old.descriptor.epoch)
-                old.mapping.close()
+                old.close()
 
     # -- serving --------------------------------------------------------------------
     def resolve(self, ref: FeatureRef) -> Any:
@@ -233,12 +292,15 @@ class PoolRegistry:
             IpcError: unknown pool, out-of-bounds offset or size, a slot or generation
                 that is not ready, or the registry is closed.
         """
-        entry = self._entry(ref)
-        self._check_ready(ref, entry)
-        import torch
-
-        raw = entry.mapping.view(ref.offset, ref.nbytes)
-        return raw.view(getattr(torch, ref.dtype)).as_strided(ref.shape, ref.strides)
+        # The serving hot path. A FeatureRef is immutable and was validated when it was
+        # built or decoded (dtype known, nbytes == numel * itemsize, strides inside
+        # nbytes), so what is left to check here is the ref against this pool: epoch,
+        # bounds, alignment, slot, and the slot's ready word.
+        entry = self._checked(ref)
+        typed, base, size = entry.typed(ref.dtype)
+        # One as_strided over the pool's typed view: no intermediate slice tensors.
+        # torch checks the view against the storage as well.
+        return typed.as_strided(ref.shape, ref.strides, base + ref.offset // size)
 
     def ack(self, ref: FeatureRef) -> None:
         """Tell the producer this rank is done with ``ref`` (writes this rank's ack word).
@@ -246,9 +308,8 @@ class PoolRegistry:
         Raises:
             StaleHandleError / IpcError: as for :meth:`resolve`.
         """
-        entry = self._entry(ref)
-        self._check_ready(ref, entry)
-        entry.mapping.words.set(ref.slot * entry.stride + 1 + entry.index, ref.generation)
+        entry = self._checked(ref)
+        entry.set_word(ref.slot * entry.stride + entry.ack_base, ref.generation)
 
     @contextmanager
     def view(self, ref: FeatureRef) -> Iterator[Any]:
@@ -281,6 +342,37 @@ class PoolRegistry:
     def _check_open(self) -> None:
         if self._closed:
             raise IpcError("the pool registry is closed")
+
+    def _checked(self, ref: FeatureRef) -> _Entry:
+        """The mapped pool of ``ref``, after the epoch, bounds and ready-word checks."""
+        entry = self._entries.get(ref.pool_id)  # emptied by close()
+        if entry is None or entry.epoch != ref.epoch:
+            entry = self._entry(ref)
+        slot, offset = ref.slot, ref.offset
+        if (
+            slot >= entry.slots
+            or offset < entry.data_start
+            or offset % ALIGNMENT
+            or offset + ref.nbytes > entry.end
+        ):
+            raise self._out_of_bounds(ref, entry)
+        ready = entry.get_word(slot * entry.stride)
+        if ready != ref.generation:
+            raise IpcError(
+                f"slot {slot} of pool {ref.pool_id} holds generation {ready}, not "
+                f"{ref.generation}: the feature was released, cancelled or never published",
+                pool_id=ref.pool_id,
+            )
+        return entry
+
+    @staticmethod
+    def _out_of_bounds(ref: FeatureRef, entry: _Entry) -> IpcError:
+        return IpcError(
+            f"ref (slot {ref.slot}, bytes [{ref.offset}, {ref.offset + ref.nbytes})) is "
+            f"outside pool {ref.pool_id} (slots {entry.slots}, data [{entry.data_start}, "
+            f"{entry.end}))",
+            pool_id=ref.pool_id,
+        )
 
     def _entry(self, ref: FeatureRef) -> _Entry:
         self._check_open()
@@ -320,27 +412,3 @@ class PoolRegistry:
             "the producer restarted; resend the feature",
             pool_id=ref.pool_id,
         )
-
-    @staticmethod
-    def _check_ready(ref: FeatureRef, entry: _Entry) -> None:
-        desc = entry.descriptor
-        end = desc.data_start + desc.capacity
-        if (
-            ref.slot >= desc.slots
-            or ref.offset < desc.data_start
-            or ref.offset % ALIGNMENT
-            or ref.offset + ref.nbytes > end
-        ):
-            raise IpcError(
-                f"ref (slot {ref.slot}, bytes [{ref.offset}, {ref.offset + ref.nbytes})) is "
-                f"outside pool {ref.pool_id} (slots {desc.slots}, data [{desc.data_start}, "
-                f"{end}))",
-                pool_id=ref.pool_id,
-            )
-        ready = entry.mapping.words.get(ref.slot * entry.stride)
-        if ready != ref.generation:
-            raise IpcError(
-                f"slot {ref.slot} of pool {ref.pool_id} holds generation {ready}, not "
-                f"{ref.generation}: the feature was released, cancelled or never published",
-                pool_id=ref.pool_id,
-            )

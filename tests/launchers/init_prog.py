@@ -1,10 +1,14 @@
 """A rank of an engine that calls distcache.init with no communicator of its own.
 
-Usage: init_prog.py POOL_DIR ORIGIN_URL MANIFEST. Prints one ``INIT`` line per rank.
+Usage: init_prog.py POOL_DIR ORIGIN_URL MANIFEST. ``{rank}`` in POOL_DIR becomes the
+launcher's rank (``RANK``, else Open MPI's), for one pool per rank. Prints one line
+per rank: ``INIT rank size backend downloads objects-in-pool broadcast-bytes``
+(downloads and broadcast bytes from the prefetch report, for the whole job).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import distcache
@@ -12,16 +16,26 @@ import distcache
 
 def main() -> int:
     pool, url, manifest = sys.argv[1:4]
+    rank = os.environ.get("RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or "0"
+    pool = pool.replace("{rank}", rank)
     session = distcache.init(pool=pool, origin=url, manifests=[manifest], flashinfer=False)
     report = session.report
     assert report is not None
     assert distcache.init() is session
+    assert session.pool is not None
+    objects = sum(1 for _ in session.pool.objects())
     print(
         f"INIT {session.comm.rank} {session.comm.size} {session.comm.backend} "
-        f"{report.downloads} {sum(1 for _ in session.pool.objects())}",  # type: ignore[union-attr]
+        f"{report.downloads} {objects} {report.broadcast_bytes}",
         flush=True,
     )
     session.close()
+    if session.comm.backend == "torch":
+        # init brought torch.distributed up itself, so close tore it down (a process
+        # exiting with a live gloo group may abort in its destructor).
+        import torch.distributed as dist
+
+        assert not dist.is_initialized()
     return 0
 
 

@@ -6,30 +6,44 @@ import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
-from distcache.artifact import manifest_text
+from distcache.artifact import parse_checksums
+from distcache.pool import ArtifactPool
 from distcache.testing import LoopbackOrigin, make_artifacts
 from tests.launchers.procs import BIN, base_env, run_group
 
 PY = sys.executable
 INIT_PROG = Path(__file__).with_name("init_prog.py")
 K = 6
-_INIT = re.compile(r"INIT (\d+) (\d+) (\w+) (\d+) (\d+)")
+_INIT = re.compile(r"INIT (\d+) (\d+) (\w+) (\d+) (\d+) (\d+)")
+
+
+class Row(NamedTuple):
+    """One rank's ``INIT`` line."""
+
+    rank: int
+    size: int
+    backend: str
+    downloads: int
+    objects: int
+    broadcast_bytes: int
 
 
 @pytest.fixture
 def origin(tmp_path: Path) -> Iterator[tuple[LoopbackOrigin, Path]]:
-    artifacts = make_artifacts(tmp_path / "origin", K, min_size=2_000, max_size=30_000, seed=5)
-    manifest = tmp_path / "manifest.txt"
-    manifest.write_text(manifest_text(artifacts))
+    make_artifacts(tmp_path / "origin", K, min_size=2_000, max_size=30_000, seed=5)
     with LoopbackOrigin(tmp_path / "origin") as srv:
-        yield srv, manifest
+        yield srv, tmp_path / "origin" / "checksums.txt"
 
 
-def _rows(output: str) -> list[tuple[int, int, str, int, int]]:
-    rows = [(int(r), int(s), b, int(d), int(o)) for r, s, b, d, o in _INIT.findall(output)]
+def _rows(output: str) -> list[Row]:
+    # Ranks share one pipe, so a line may be glued to another rank's line.
+    rows = [
+        Row(int(r), int(s), b, int(d), int(o), int(m)) for r, s, b, d, o, m in _INIT.findall(output)
+    ]
     return sorted(rows)
 
 
@@ -38,16 +52,26 @@ def test_init_under_torchrun_brings_up_torch_and_fetches_once(
 ) -> None:
     srv, manifest = origin
     done = run_group(
-        [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "4", str(INIT_PROG),
-         str(tmp_path / "pool"), srv.url, str(manifest)],
+        [
+            str(BIN / "torchrun"),
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            str(INIT_PROG),
+            str(tmp_path / "pool"),
+            srv.url,
+            str(manifest),
+        ],
         base_env(),
     )
     assert done.returncode == 0, done.output
     rows = _rows(done.output)
-    assert [(r, s, b) for r, s, b, _, _ in rows] == [(r, 4, "torch") for r in range(4)], done.output
+    assert [(r.rank, r.size, r.backend) for r in rows] == [(r, 4, "torch") for r in range(4)], (
+        done.output
+    )
     # One shared pool: every rank reports the job's download count and a full pool.
-    assert {d for _, _, _, d, _ in rows} == {K}
-    assert {o for _, _, _, _, o in rows} == {K}
+    assert {r.downloads for r in rows} == {K}
+    assert {r.objects for r in rows} == {K}
     assert srv.total_requests == K
 
 
@@ -59,14 +83,75 @@ def test_init_under_mpirun_adopts_mpi_with_per_node_pools(
     for i, node in enumerate(("a", "b")):
         if i:
             cmd.append(":")
-        cmd += ["-n", "2", "-x", f"DISTCACHE_NODE_ID={node}", PY, str(INIT_PROG),
-                str(tmp_path / "pools" / node), srv.url, str(manifest)]
+        cmd += [
+            "-n",
+            "2",
+            "-x",
+            f"DISTCACHE_NODE_ID={node}",
+            PY,
+            str(INIT_PROG),
+            str(tmp_path / "pools" / node),
+            srv.url,
+            str(manifest),
+        ]
     done = run_group(cmd, base_env())
     assert done.returncode == 0, done.output
     rows = _rows(done.output)
-    assert [(r, s, b) for r, s, b, _, _ in rows] == [(r, 4, "mpi") for r in range(4)], done.output
-    assert {o for _, _, _, _, o in rows} == {K}
+    assert [(r.rank, r.size, r.backend) for r in rows] == [(r, 4, "mpi") for r in range(4)], (
+        done.output
+    )
+    assert {r.objects for r in rows} == {K}
     assert srv.total_requests == K
+
+
+@pytest.mark.parametrize("layout", ["pool-per-rank", "shared-pool"])
+def test_prefetch_under_torchrun_fetches_each_artifact_once_and_nothing_on_a_second_run(
+    tmp_path: Path, origin: tuple[LoopbackOrigin, Path], layout: str
+) -> None:
+    srv, manifest = origin
+    pools = tmp_path / "pools"
+    pool_arg = str(pools / "{rank}") if layout == "pool-per-rank" else str(pools / "shared")
+    cmd = [
+        str(BIN / "torchrun"),
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        str(INIT_PROG),
+        pool_arg,
+        srv.url,
+        str(manifest),
+    ]
+    artifacts = parse_checksums(manifest.read_text())
+    shas = sorted(a.sha256 for a in artifacts)
+    names = {a.name: a.sha256 for a in artifacts}
+
+    done = run_group(cmd, base_env())
+    assert done.returncode == 0, done.output
+    rows = _rows(done.output)
+    assert [(r.rank, r.size, r.backend) for r in rows] == [(r, 4, "torch") for r in range(4)], (
+        done.output
+    )
+    assert srv.total_requests == K
+    assert srv.requests == {name: 1 for name in names}
+    assert {r.downloads for r in rows} == {K} and {r.objects for r in rows} == {K}
+    dirs = sorted(p for p in pools.iterdir() if p.is_dir())
+    assert len(dirs) == (4 if layout == "pool-per-rank" else 1)
+    if layout == "pool-per-rank":
+        # Three of the four pools lack each object, so bytes must have moved.
+        assert {r.broadcast_bytes for r in rows} != {0}
+    for path in dirs:
+        pool = ArtifactPool(path)
+        assert sorted(pool.objects()) == shas and pool.names() == names
+        checked = pool.verify()
+        assert (checked.ok, checked.corrupt) == (K, 0)
+
+    srv.reset()
+    again = run_group(cmd, base_env())
+    assert again.returncode == 0, again.output
+    rows = _rows(again.output)
+    assert [r.rank for r in rows] == [0, 1, 2, 3], again.output
+    assert srv.total_requests == 0
+    assert {(r.downloads, r.broadcast_bytes, r.objects) for r in rows} == {(0, 0, K)}
 
 
 def test_launch_prefetch_warms_the_pool_before_the_program_starts(
@@ -80,8 +165,23 @@ def test_launch_prefetch_warms_the_pool_before_the_program_starts(
         "print('OBJECTS', os.environ['RANK'], sum(1 for _ in p.objects()), flush=True)"
     )
     done = run_group(
-        [str(BIN / "mpirun"), "-n", "4", "--oversubscribe", PY, "-m", "launch",
-         "--pool", str(pool), "--prefetch", str(manifest), "--", PY, "-c", check],
+        [
+            str(BIN / "mpirun"),
+            "-n",
+            "4",
+            "--oversubscribe",
+            PY,
+            "-m",
+            "launch",
+            "--pool",
+            str(pool),
+            "--prefetch",
+            str(manifest),
+            "--",
+            PY,
+            "-c",
+            check,
+        ],
         base_env(DISTCACHE_ORIGIN=srv.url),
     )
     assert done.returncode == 0, done.output

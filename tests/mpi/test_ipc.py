@@ -18,6 +18,7 @@ from distcache.errors import IpcError, StaleHandleError
 from distcache.ipc import CudaPool, FeatureRef, PoolRegistry, ShmPool
 from distcache.ipc.producer import ProducerPool
 from distcache.ipc.shm import SHM_DIR
+from tests.ipc_exchange import FEATURES, run_exchange
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -99,6 +100,28 @@ def test_burst_between_all_ranks_maps_each_pool_once_and_frees_on_ack(
         registry.close()
         comm.barrier(timeout=120)
         pool.close()
+    comm.barrier(timeout=120)
+    assert _leftovers(prefix) == []
+
+
+def test_one_producer_feeds_10000_features_intact_and_recycles_slots_only_after_all_acks(
+    comm: Communicator, shared_tmp: Path
+) -> None:
+    # Rank 0 produces; the last rank is a slow consumer that holds a whole small pool
+    # (the producer gets "no lease" at once) and lags one batch on the bulk pool; the
+    # others resolve and ack without waiting for it. Forged, out-of-bounds and stale
+    # refs are refused on every consumer. (The scenario asserts as it goes.)
+    prefix = _prefix(shared_tmp)
+    everyone = run_exchange(comm, _device(comm), prefix)
+    producer, consumers = everyone[0], everyone[1:]
+    assert producer["sent"] == producer["reclaimed"] == FEATURES
+    assert producer["opens"] == {} and producer["no_lease"] == 4
+    for consumer in consumers:
+        assert consumer["verified"] == consumer["acked"] == FEATURES
+        assert consumer["sha256"] == producer["sha256"]
+        assert consumer["opens"] == {f"{prefix}-bulk": 1, f"{prefix}-tight": 1}
+        assert consumer["forged_refused"] == 24
+    assert [c["role"] for c in consumers] == ["fast"] * (comm.size - 2) + ["slow"]
     comm.barrier(timeout=120)
     assert _leftovers(prefix) == []
 

@@ -215,6 +215,9 @@ try:
 except Exception:
     pass
 print(float(held.sum()))
+del held
+registry.close()
+pool.close()
 """
 
 

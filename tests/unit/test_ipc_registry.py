@@ -246,7 +246,8 @@ def test_fuzzed_refs_never_read_outside_the_segment(
             mapping = registry._entries["fuzz"].mapping.view(0, 0)
             lo = mapping.data_ptr() + pool.data_start
             hi = mapping.data_ptr() + pool.data_start + pool.capacity
-            assert lo <= view.data_ptr() and view.data_ptr() + ref.nbytes <= hi
+            if ref.nbytes:  # torch reports data_ptr() == 0 for a tensor with no elements
+                assert lo <= view.data_ptr() and view.data_ptr() + ref.nbytes <= hi
             del view, mapping
         registry.close()
     finally:
