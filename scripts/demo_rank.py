@@ -65,11 +65,13 @@ def main() -> int:
             continue
         for index, packed in packed_refs:
             ref = FeatureRef.unpack(packed)
-            view = registry.resolve(ref)
             expect = _feature(owner, index)
-            if zlib.crc32(view.numpy().tobytes()) == zlib.crc32(expect.numpy().tobytes()):
-                checked += 1
-            registry.ack(ref)
+            # The view is used and acknowledged in one place: a tensor that outlives
+            # its ack (or the registry) would keep reading a slot the producer reuses.
+            with registry.view(ref) as view:
+                if zlib.crc32(view.numpy().tobytes()) == zlib.crc32(expect.numpy().tobytes()):
+                    checked += 1
+            del view
             resolved += 1
     comm.barrier()
     burst_s = time.perf_counter() - t1
