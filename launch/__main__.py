@@ -80,6 +80,13 @@ def _parser() -> _Parser:
         "before PROGRAM starts (origin: DISTCACHE_ORIGIN), so PROGRAM's own loads hit the "
         "warm pool; also exported as DISTCACHE_PREFETCH_MANIFEST",
     )
+    parser.add_argument(
+        "--materialize",
+        metavar="DIR",
+        help="after --prefetch, link every prefetched artifact to DIR/<name> so that a "
+        "loader reading files by path finds it (default: $FLASHINFER_CUBIN_DIR when set, "
+        "FlashInfer's own cache directory, so unmodified FlashInfer loads hit locally)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what is exported")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- PROGRAM [ARGS...]")
     return parser
@@ -166,14 +173,19 @@ def run(command: Sequence[str], env: dict[str, str]) -> int:
             signal.signal(sig, handler)
 
 
-def _prefetch(info: LaunchInfo, manifest: Path, pool: str | None) -> None:
-    """Run the start-up hook (prefetch only) before PROGRAM, on every rank.
+def _prefetch(
+    info: LaunchInfo, manifest: Path, pool: str | None, materialize: Path | None
+) -> None:
+    """Run the start-up hook (prefetch only) before PROGRAM, on every rank, and link
+    what it fetched into ``materialize`` (FlashInfer reads ``<dir>/<name>`` and checks
+    its SHA-256 before it would download, so an unmodified engine then loads locally).
 
     Under MPI the ranks already share the MPI world that carried the rendezvous; under
     torchrun or srun a gloo group is brought up on the exported rendezvous and torn
     down again before PROGRAM starts, so PROGRAM can create its own.
     """
     import distcache
+    from distcache.artifact import read_manifest
     from distcache.comm import Communicator, from_mpi, from_torch, local
 
     comm: Communicator
@@ -191,6 +203,11 @@ def _prefetch(info: LaunchInfo, manifest: Path, pool: str | None) -> None:
         session = distcache.init(comm=comm, pool=pool, manifests=[manifest], flashinfer=False)
         if comm.rank == 0 and session.report is not None:
             print(f"{PROG}: prefetch: {session.report.summary()}", file=sys.stderr, flush=True)
+        if materialize is not None and session.pool is not None:
+            # Concurrent calls from every rank are safe: an existing correct file is
+            # kept and a new one is placed by an atomic rename.
+            for artifact in read_manifest(manifest):
+                session.pool.materialize(artifact, materialize)
         session.close()
     finally:
         if torch_group:
@@ -239,7 +256,11 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
             extra["DISTCACHE_WORKSPACE"] = str(slot.path)
         env = child_environment(info, dict(os.environ), extra)
         if args.prefetch is not None:
-            _prefetch(info, Path(extra["DISTCACHE_PREFETCH_MANIFEST"]), extra.get("DISTCACHE_POOL"))
+            target = args.materialize or os.environ.get("FLASHINFER_CUBIN_DIR") or None
+            _prefetch(info, Path(extra["DISTCACHE_PREFETCH_MANIFEST"]), extra.get("DISTCACHE_POOL"),
+                      Path(target) if target else None)
+        elif args.materialize is not None:
+            raise _UsageError("--materialize needs --prefetch MANIFEST")
     except (_UsageError, DistcacheError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         sys.exit(2)

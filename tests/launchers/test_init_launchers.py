@@ -189,3 +189,42 @@ def test_launch_prefetch_warms_the_pool_before_the_program_starts(
     assert counts == [(str(r), str(K)) for r in range(4)], done.output
     assert srv.total_requests == K
     assert "prefetch:" in done.output
+
+
+UNMODIFIED_FLASHINFER = """
+import os, sys, warnings
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    import flashinfer.jit.cubin_loader as loader
+from distcache.artifact import read_manifest
+for a in read_manifest(sys.argv[1]):
+    assert loader.get_artifact(a.name, a.sha256), a.name
+print("SERVED", os.environ["RANK"], flush=True)
+"""
+
+
+def test_an_unmodified_flashinfer_engine_loads_locally_after_launch_prefetch(
+    tmp_path: Path, origin: tuple[LoopbackOrigin, Path]
+) -> None:
+    # FlashInfer's own get_artifact reads FLASHINFER_CUBIN_DIR/<name> (checking its
+    # SHA-256) before it would download: after `python -m launch --prefetch` linked the
+    # prefetched artifacts there, the engine's loads never reach the origin.
+    srv, manifest = origin
+    engine = tmp_path / "engine.py"
+    engine.write_text(UNMODIFIED_FLASHINFER)
+    cubin_dir = tmp_path / "flashinfer-cubins"
+    done = run_group(
+        [str(BIN / "mpirun"), "-n", "4", "--oversubscribe", sys.executable, "-m", "launch",
+         "--pool", str(tmp_path / "pool"), "--prefetch", str(manifest), "--",
+         sys.executable, str(engine), str(manifest)],
+        base_env(DISTCACHE_ORIGIN=srv.url, FLASHINFER_CUBINS_REPOSITORY=srv.url,
+                 FLASHINFER_CUBIN_DIR=str(cubin_dir)),
+        timeout=300,
+    )
+    assert done.returncode == 0, done.output
+    assert sorted(re.findall(r"SERVED (\d)", done.output)) == ["0", "1", "2", "3"], done.output
+    # K requests from the prefetch, none from the four engines.
+    assert srv.total_requests == K
+    names = {a.name for a in parse_checksums(manifest.read_text())}
+    assert {p.relative_to(cubin_dir).as_posix() for p in cubin_dir.rglob("*") if p.is_file()} \
+        == names
