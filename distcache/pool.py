@@ -30,7 +30,6 @@ is the filesystem layer in :mod:`distcache.pool_fs`. The two logs live in
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 import socket
@@ -41,7 +40,7 @@ from pathlib import Path
 from typing import BinaryIO, Protocol
 
 from distcache import pool_fs, pool_maintenance
-from distcache.artifact import Artifact, check_sha256, path_under, validate_name
+from distcache.artifact import Artifact, check_sha256, path_under, sha256_hex, validate_name
 from distcache.config import settings
 from distcache.errors import ConfigError, IntegrityError, PoolError
 from distcache.locking import FileLock
@@ -100,9 +99,7 @@ class ArtifactPool:
                               variable="lock_timeout", value=lock_timeout)
         resolved = settings(pool_max_bytes=max_bytes, lock_timeout=lock_timeout)
         self.max_bytes: int | None = resolved.pool_max_bytes
-        self.lock_timeout: float = (
-            lock_timeout if lock_timeout is not None else resolved.lock_timeout
-        )
+        self.lock_timeout: float = resolved.lock_timeout
         self.root = Path(os.path.abspath(root))
         self.quarantined = 0
         umask = pool_fs.process_umask()
@@ -169,18 +166,18 @@ class ArtifactPool:
             found = pool_fs.read_object(f"{self._objects_prefix}{sha[:2]}", sha,
                                         self.stamp_interval if stamp else None)
         except pool_fs.NotAnObject as bad:
-            self._quarantine_path(self._object_path(sha), sha, bad.reason, bad.st)
+            self._quarantine_object(sha, bad.reason, bad.st)
             return None
         if found is None:
             return None
         data, st = found
-        if len(data) != st.st_size or hashlib.sha256(data).hexdigest() != sha:
-            self._quarantine_path(self._object_path(sha), sha,
-                                  f"fails verification ({len(data)} bytes)", st)
+        if len(data) != st.st_size or sha256_hex(data) != sha:
+            self._quarantine_object(sha, f"fails verification ({len(data)} bytes)", st)
             return None
         return data
 
-    def _quarantine_path(self, path: str, sha: str, reason: str, st: os.stat_result | None) -> None:
+    def _quarantine_object(self, sha: str, reason: str, st: os.stat_result | None) -> None:
+        path = self._object_path(sha)
         try:
             # None: someone else quarantined it first, or a repair already replaced it.
             dest = pool_fs.move_aside(path, self._quarantine, sha, st)
@@ -217,7 +214,7 @@ class ArtifactPool:
             ValueError: ``sha256`` is malformed.
             PoolError: the object cannot be written.
         """
-        actual = hashlib.sha256(data).hexdigest()
+        actual = sha256_hex(data)
         if sha256 is not None and check_sha256(sha256) != actual:
             raise IntegrityError(
                 f"refusing to store bytes as {sha256}: their sha256 is {actual}",
@@ -330,7 +327,7 @@ class ArtifactPool:
                 # The origin streams into our temp file: a full disk or quota shows up
                 # as a bare OSError from its write.
                 raise pool_error("cannot write", tmp, exc) from exc
-            actual = hashlib.sha256(data).hexdigest()
+            actual = sha256_hex(data)
             if actual != artifact.sha256:
                 raise IntegrityError(
                     f"sha256 mismatch for {artifact.name} from {source}: expected "
@@ -386,9 +383,13 @@ class ArtifactPool:
             ValueError: a sha256 is malformed.
             PoolError: the index cannot be written.
         """
-        self._names_index.record(
-            [(validate_name(a.name), check_sha256(a.sha256)) for a in artifacts]
-        )
+        pairs = [(a.name, a.sha256) for a in artifacts]
+        # fetch() and materialize() remember on every hit, and a hit must stay a few
+        # syscalls: labels this process already holds cost neither I/O nor validation
+        # (every held name was validated when it was recorded or read back).
+        if self._names_index.holds(pairs):
+            return
+        self._names_index.record([(validate_name(n), check_sha256(s)) for n, s in pairs])
 
     def names(self) -> dict[str, str]:
         """Every recorded name and the sha it maps to (the last record wins).

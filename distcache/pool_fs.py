@@ -314,10 +314,11 @@ def _create_once(path: Path, data: bytes, tmp_dir: Path, host: str, mode: int) -
                 fd2 = os.open(path, CREATE_FLAGS, mode)
             except FileExistsError:
                 return
-            with open(fd2, "wb") as out:
-                out.write(Path(tmp).read_bytes())
-                out.flush()
-                os.fsync(out.fileno())
+            try:
+                write_all(fd2, data)
+                os.fsync(fd2)
+            finally:
+                os.close(fd2)
         fsync_dir(path.parent)
     except OSError as exc:
         raise pool_error("cannot create pool id", path, exc) from exc

@@ -80,9 +80,12 @@ class AppendLog:
         return [line for line in lines if line], offset + end
 
 
+def _name_crc(sha: str, name: str) -> str:
+    return f"{zlib.crc32(f'{sha} {name}'.encode()):08x}"
+
+
 def _name_record(name: str, sha: str) -> str:
-    body = f"{sha} {name}"
-    return f"{sha} {zlib.crc32(body.encode()):08x} {name}"
+    return f"{sha} {_name_crc(sha, name)} {name}"
 
 
 def _parse_name_record(line: str) -> tuple[str, str] | None:
@@ -90,7 +93,7 @@ def _parse_name_record(line: str) -> tuple[str, str] | None:
     if len(parts) != 3 or not is_sha(parts[0]):
         return None
     sha, crc, name = parts
-    if f"{zlib.crc32(f'{sha} {name}'.encode()):08x}" != crc:
+    if _name_crc(sha, name) != crc:
         return None  # torn or damaged
     try:
         return validate_name(name), sha
@@ -111,21 +114,24 @@ class NamesIndex:
         self._names: dict[str, str] = {}
         self._offset = 0
 
+    def holds(self, pairs: Iterable[tuple[str, str]]) -> bool:
+        """Whether every ``(name, sha)`` is already the label this process read or
+        wrote last (no I/O)."""
+        with self._guard:
+            try:
+                return all(self._names.get(name) == sha for name, sha in pairs)
+            except TypeError:  # an unhashable (forged) name is held by no one
+                return False
+
     def record(self, wanted: Iterable[tuple[str, str]]) -> None:
         """Append a record for each already validated ``(name, sha)`` whose label
-        differs from the current one.
+        differs from the current one (callers skip what :meth:`holds` already).
 
         Raises:
             PoolError: the log cannot be read or written.
         """
-        pairs = list(wanted)
-        with self._guard:
-            # Labels this process already knows cost no I/O: fetch() records on
-            # every hit, and a hit must stay a few syscalls.
-            if all(self._names.get(name) == sha for name, sha in pairs):
-                return
         current = self._refresh()
-        new = [_name_record(name, sha) for name, sha in dict(pairs).items()
+        new = [_name_record(name, sha) for name, sha in dict(wanted).items()
                if current.get(name) != sha]
         if new:
             self._log.append(new)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from distcache.locking import FileLock
+from distcache.pool_fs import is_sha
 from distcache.pool_report import GcReport, PoolStats, VerifyReport
 
 if TYPE_CHECKING:
@@ -157,7 +158,7 @@ def trim_quarantine(pool: ArtifactPool) -> int:
         with os.scandir(pool._quarantine) as it:
             for entry in it:
                 parts = entry.name.split(".")
-                if len(parts) == 4 and len(parts[0]) == 64 and parts[1].isdigit():
+                if len(parts) == 4 and is_sha(parts[0]) and parts[1].isdigit():
                     entries.append((int(parts[1]), entry.path))
     except OSError:
         return 0
