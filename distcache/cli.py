@@ -89,18 +89,22 @@ class UsageError(Exception):
     """Bad usage detected after parsing (exit code 2)."""
 
 
-def _human(nbytes: int | None) -> str:
+def human_bytes(nbytes: float | None) -> str:
+    """``nbytes`` for people: ``"512 B"``, ``"1.5 GiB"``; ``None`` is ``"unlimited"``."""
     if nbytes is None:
         return "unlimited"
     value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+    if value < 1024:
+        return f"{value:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
         value /= 1024
-    raise AssertionError("unreachable")
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+    return f"{value / 1024:.1f} TiB"
 
 
-def _pool_root(args: argparse.Namespace) -> Path:
+def pool_root(args: argparse.Namespace) -> Path:
+    """The pool directory: ``--pool``, else ``DISTCACHE_POOL``, else the default."""
     if args.pool is not None:
         return Path(args.pool)
     from distcache.config import settings
@@ -111,7 +115,7 @@ def _pool_root(args: argparse.Namespace) -> Path:
 def _open_pool(args: argparse.Namespace, *, create: bool = False) -> ArtifactPool:
     from distcache.pool import ArtifactPool
 
-    root = _pool_root(args)
+    root = pool_root(args)
     if not create and not (root / "objects").is_dir():
         raise DistcacheError(
             f"no pool at {root} (no objects/ directory); pass --pool DIR or set DISTCACHE_POOL, "
@@ -126,29 +130,25 @@ def _open_pool(args: argparse.Namespace, *, create: bool = False) -> ArtifactPoo
 def setup_pool(parser: argparse.ArgumentParser) -> None:
     subparsers = parser.add_subparsers(dest="pool_command", metavar="ACTION", required=True)
 
-
     def action(name: str, help: str) -> argparse.ArgumentParser:
         return subparsers.add_parser(name, help=help, parents=[common_options()])
 
-    ls = action("ls", "list named artifacts present in the pool "
-                                       "(sha256sum format)")
+    ls = action("ls", "list named artifacts present in the pool (sha256sum format)")
     ls.set_defaults(run=_pool_ls)
     stats = action("stats", "object count, bytes, quarantine, cap")
     stats.add_argument("--json", action="store_true", help="print JSON")
     stats.set_defaults(run=_pool_stats)
-    verify = action("verify", "hash every object; quarantine corrupt ones "
-                                               "(exit 3 if any)")
+    verify = action("verify", "hash every object; quarantine corrupt ones (exit 3 if any)")
     verify.set_defaults(run=_pool_verify)
     gc = action("gc", "remove least recently used objects down to a cap")
     gc.add_argument("--max-bytes", metavar="SIZE",
                     help="cap, e.g. 20G (default: DISTCACHE_POOL_MAX_BYTES)")
     gc.set_defaults(run=_pool_gc)
-    imp = action("import", "add a directory's files (checked against its "
-                                            "checksums.txt when present)")
+    imp = action("import", "add a directory's files (checked against its checksums.txt "
+                           "when present)")
     imp.add_argument("directory", type=Path, metavar="DIR")
     imp.set_defaults(run=_pool_import)
-    exp = action("export", "write every named artifact and checksums.txt "
-                                            "under DIR")
+    exp = action("export", "write every named artifact and checksums.txt under DIR")
     exp.add_argument("directory", type=Path, metavar="DIR")
     exp.set_defaults(run=_pool_export)
 
@@ -171,9 +171,9 @@ def _pool_stats(args: argparse.Namespace) -> int:
         print(json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in fields.items()}))
         return EXIT_OK
     for key, value in fields.items():
-        shown = f"{value} ({_human(value)})" if key in ("bytes",) else value
-        if key == "max_bytes":
-            shown = _human(value) if value is None else f"{value} ({_human(value)})"
+        shown = value
+        if key in ("bytes", "max_bytes"):
+            shown = human_bytes(value) if value is None else f"{value} ({human_bytes(value)})"
         print(f"{key}: {shown}")
     return EXIT_OK
 
@@ -182,7 +182,7 @@ def _pool_verify(args: argparse.Namespace) -> int:
     pool = _open_pool(args)
     report = pool.verify()
     print(f"verified {report.ok + report.corrupt} objects in {pool.root}: {report.ok} ok "
-          f"({_human(report.ok_bytes)}), {report.corrupt} corrupt, "
+          f"({human_bytes(report.ok_bytes)}), {report.corrupt} corrupt, "
           f"{report.quarantined} in quarantine")
     if report.corrupt:
         print(f"distcache: {report.corrupt} corrupt object(s) moved to "
@@ -199,11 +199,11 @@ def _pool_gc(args: argparse.Namespace) -> int:
     report = _open_pool(args).gc(cap)
     if report.max_bytes is None:
         print(f"no size cap (pass --max-bytes or set DISTCACHE_POOL_MAX_BYTES); kept "
-              f"{report.kept} objects ({_human(report.kept_bytes)})")
+              f"{report.kept} objects ({human_bytes(report.kept_bytes)})")
     else:
-        print(f"removed {report.removed} objects ({_human(report.freed_bytes)}), kept "
-              f"{report.kept} ({_human(report.kept_bytes)}) under a cap of "
-              f"{_human(report.max_bytes)}")
+        print(f"removed {report.removed} objects ({human_bytes(report.freed_bytes)}), kept "
+              f"{report.kept} ({human_bytes(report.kept_bytes)}) under a cap of "
+              f"{human_bytes(report.max_bytes)}")
     return EXIT_OK
 
 
@@ -220,7 +220,7 @@ def _files_under(directory: Path) -> list[str]:
 
 
 def _pool_import(args: argparse.Namespace) -> int:
-    from distcache.artifact import Artifact, parse_checksums, sha256_hex
+    from distcache.artifact import Artifact, read_manifest, sha256_hex
     from distcache.origin import DirOrigin
 
     source: Path = args.directory
@@ -228,12 +228,13 @@ def _pool_import(args: argparse.Namespace) -> int:
         raise UsageError(f"import: {source} is not a directory")
     pool = _open_pool(args, create=True)
     manifest = source / "checksums.txt"
-    new = total = nbytes = 0
+    checked = manifest.is_file()
+    new = nbytes = 0
     failures: list[str] = []
     imported: list[Artifact] = []
-    if manifest.is_file():
+    if checked:
         mirror = DirOrigin(source)
-        for artifact in parse_checksums(manifest.read_text(encoding="utf-8")):
+        for artifact in read_manifest(manifest):
             try:
                 data = mirror.fetch(artifact)
             except DistcacheError as exc:
@@ -251,25 +252,23 @@ def _pool_import(args: argparse.Namespace) -> int:
             pool.put(data, sha)
             imported.append(Artifact(name, sha, len(data)))
             nbytes += len(data)
-    total = len(imported)
     pool.remember(imported)
-    checked = " (checked against checksums.txt)" if manifest.is_file() else ""
-    print(f"imported {total} artifacts ({_human(nbytes)}, {new} new objects) from "
-          f"{source}{checked} into {pool.root}")
+    note = " (checked against checksums.txt)" if checked else ""
+    print(f"imported {len(imported)} artifacts ({human_bytes(nbytes)}, {new} new objects) from "
+          f"{source}{note} into {pool.root}")
     for message in failures:
         print(f"distcache: not imported: {message}", file=sys.stderr)
     return EXIT_ERROR if failures else EXIT_OK
 
 
 def _pool_export(args: argparse.Namespace) -> int:
-    from distcache.artifact import Artifact, manifest_text, parse_checksums
+    from distcache.artifact import Artifact, manifest_text, read_manifest
 
     pool = _open_pool(args)
     target: Path = args.directory
     target.mkdir(parents=True, exist_ok=True)
     manifest = target / "checksums.txt"
-    listed = {a.name: a for a in parse_checksums(manifest.read_text(encoding="utf-8"))} \
-        if manifest.is_file() else {}
+    listed = {a.name: a for a in read_manifest(manifest)} if manifest.is_file() else {}
     exported = 0
     for name, sha in sorted(pool.names().items()):
         if not pool.has(sha):
@@ -343,7 +342,7 @@ def _fetch(args: argparse.Namespace) -> int:
     if bar is not None:
         bar.close()
     print(f"fetched {len(artifacts) - len(failures)} of {len(artifacts)} artifacts into "
-          f"{pool.root}: {downloaded} downloaded ({_human(nbytes)}) from {origin.describe()}, "
+          f"{pool.root}: {downloaded} downloaded ({human_bytes(nbytes)}) from {origin.describe()}, "
           f"{len(artifacts) - len(failures) - downloaded} already present, "
           f"{len(failures)} failed")
     for artifact, error in failures[:10]:

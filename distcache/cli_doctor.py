@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from distcache.cli import human_bytes, pool_root
+
 __all__ = ["check_locks", "filesystem_of", "setup_doctor"]
 
 # Filesystems where flock may be node-local or advisory only (DESIGN.md, pool).
@@ -30,14 +32,6 @@ _NETWORK_FS = ("nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "beegfs", "ceph"
 
 def setup_doctor(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run_doctor)
-
-
-def _human(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if nbytes < 1024 or unit == "TiB":
-            return f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:.1f} TiB"
 
 
 def _existing(path: Path) -> Path:
@@ -163,12 +157,12 @@ def doctor_lines(pool_root: Path) -> list[tuple[str, str]]:
         lines.append(("filesystem", f"{fstype} on {mount} ({device}){note}"))
     lines.append(("kernel locks", check_locks(probe)))
     usage = shutil.disk_usage(probe)
-    lines.append(("free space", f"{_human(usage.free)} of {_human(usage.total)} at {probe}"))
+    lines.append(("free space", f"{human_bytes(usage.free)} of {human_bytes(usage.total)} at {probe}"))
     shm = Path("/dev/shm")
     if shm.is_dir():
         shm_usage = shutil.disk_usage(shm)
-        lines.append(("/dev/shm", f"{_human(shm_usage.total)} total, "
-                                  f"{_human(shm_usage.free)} free"))
+        lines.append(("/dev/shm", f"{human_bytes(shm_usage.total)} total, "
+                                  f"{human_bytes(shm_usage.free)} free"))
     else:
         lines.append(("/dev/shm", "missing (CPU IPC pools need POSIX shared memory)"))
     origins = ", ".join(resolved.origins) if resolved.origins else "unset (DISTCACHE_ORIGIN)"
@@ -178,10 +172,7 @@ def doctor_lines(pool_root: Path) -> list[tuple[str, str]]:
 
 
 def run_doctor(args: argparse.Namespace) -> int:
-    from distcache.config import settings
-
-    root = Path(args.pool) if args.pool is not None else settings().pool_dir
-    lines = doctor_lines(root)
+    lines = doctor_lines(pool_root(args))
     width = max(len(label) for label, _ in lines)
     for label, text in lines:
         print(f"{label + ':':<{width + 1}} {text}")

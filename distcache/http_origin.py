@@ -92,6 +92,16 @@ class _Fatal(Exception):
         self.status = status
 
 
+def rewind(out: BinaryIO, start: int | None) -> bool:
+    """Drop what a failed attempt wrote into ``out`` after offset ``start``; False
+    when ``out`` cannot be rewound (``start`` is None)."""
+    if start is None:
+        return False
+    out.seek(start)
+    out.truncate()
+    return True
+
+
 def _retry_after(value: str | None) -> float | None:
     if value is None:
         return None
@@ -241,11 +251,8 @@ class HttpOrigin:
                 ) from exc
             except _Retry as exc:
                 last = exc
-                if written[0]:
-                    if start is None:
-                        break
-                    out.seek(start)
-                    out.truncate()
+                if written[0] and not rewind(out, start):
+                    break
             if attempt == attempts:
                 break
             if last.delay is not None:
@@ -321,8 +328,7 @@ class HttpOrigin:
     def _headers_for(self, url: str) -> dict[str, str]:
         if self._host_key(url) != self._origin_host:
             # Credentials are for the origin only, never for a host it redirects to.
-            return {k: v for k, v in self._headers.items()
-                    if k.lower() not in ("authorization", "cookie", "proxy-authorization")}
+            return {k: v for k, v in self._headers.items() if k.lower() not in _SECRET_HEADERS}
         headers = dict(self._headers)
         if self._token is not None:
             headers["Authorization"] = f"Bearer {self._token}"
@@ -428,7 +434,6 @@ class HttpOrigin:
         if actual != artifact.sha256:
             raise _Retry("sha256 mismatch", integrity=(artifact.sha256, actual))
         return written[0]
-
 
 
 class _Stalled(Exception):

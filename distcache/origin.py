@@ -21,7 +21,7 @@ from urllib.parse import unquote, urlsplit
 
 from distcache.artifact import Artifact, path_under
 from distcache.errors import ConfigError, IntegrityError, OriginError
-from distcache.http_origin import HttpOrigin
+from distcache.http_origin import HttpOrigin, rewind
 
 __all__ = ["DirOrigin", "HttpOrigin", "Origin", "OriginChain", "open_origin"]
 
@@ -56,15 +56,6 @@ class Origin(Protocol):
             OriginError: the origin cannot deliver it.
         """
         ...
-
-
-def _rewind(out: BinaryIO, start: int | None) -> bool:
-    """Drop what a failed attempt wrote; False when ``out`` cannot be rewound."""
-    if start is None:
-        return False
-    out.seek(start)
-    out.truncate()
-    return True
 
 
 class _CountingWriter:
@@ -213,7 +204,7 @@ class OriginChain:
             except (OriginError, IntegrityError) as exc:
                 failures.append((origin.describe(), exc.message))
                 statuses.append(getattr(exc, "status", None))
-                if not _rewind(out, start) and counted.written:
+                if not rewind(out, start) and counted.written:
                     break  # bytes already went into a stream that cannot be rewound
                 if index < len(self.origins) - 1:
                     logger.warning("origin %s failed for %s (%s); trying %s",

@@ -132,15 +132,18 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self.send_body(404, b"not found\n")
 
-    def send_body(
-        self, status: int, body: bytes, headers: dict[str, str] | None = None
-    ) -> None:
+    def send_head(self, status: int, length: int, headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
-        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Content-Length", str(length))
         self.send_header("Content-Type", "application/octet-stream")
         for key, value in (headers or {}).items():
             self.send_header(key, value)
         self.end_headers()
+
+    def send_body(
+        self, status: int, body: bytes, headers: dict[str, str] | None = None
+    ) -> None:
+        self.send_head(status, len(body), headers)
         self.wfile.write(body)
 
 
@@ -380,10 +383,7 @@ class LoopbackOrigin:
         if kind == "wrong_bytes" and data:
             middle = len(data) // 2
             data = data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :]
-        h.send_response(200)
-        h.send_header("Content-Length", str(len(data)))
-        h.send_header("Content-Type", "application/octet-stream")
-        h.end_headers()
+        h.send_head(200, len(data))
         if kind == "truncate":
             data = data[: int(len(data) * float(params.get("fraction", 0.5)))]
             h.close_connection = True
