@@ -97,7 +97,6 @@ class _Run:
         self.stream = StreamStats()
         self.downloads = 0
         self.origin_bytes = 0
-        self.published = 0
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -165,7 +164,6 @@ class _Run:
         )
         self.downloads += got.downloads
         self.origin_bytes += got.origin_bytes
-        self.published += got.downloads
         return None if got.failure is None else self.failure("fetch", *got.failure)
 
     # -- move ----------------------------------------------------------------------
@@ -198,7 +196,8 @@ class _Run:
             "broadcast_bytes": self.stream.bytes_sent,
             "received_bytes": self.stream.received_bytes,
             "discarded_bytes": self.stream.discarded_bytes,
-            "published": self.published + self.stream.published,
+            # Every download is published into this rank's pool.
+            "published": self.downloads + self.stream.published,
             "peak": self.stream.peak_bytes,
             "seconds": dict(self.seconds),
         }
@@ -297,10 +296,8 @@ def prefetch(
             if len({i[0] for i in infos}) > 1:
                 raise _mismatch([(i[0], i[1]) for i in infos])
             artifact_of: dict[str, Artifact] = {}
-            name_of: dict[str, str] = {}
             for a in listing:
                 artifact_of.setdefault(a.sha256, a)
-                name_of.setdefault(a.sha256, a.name)
             names = [a.name for a in listing]
             dup = next((n for n, m in itertools.pairwise(names) if n == m), None)
             if dup is not None:
@@ -322,6 +319,7 @@ def prefetch(
                 run.check(failure)
         with run.phase("move"):
             if plan.sends:
+                name_of = {sha: a.name for sha, a in artifact_of.items()}
                 run.check(run.move(plan, pool_ids, name_of, conf.bucket_bytes))
         with run.phase("publish"):
             failure = None

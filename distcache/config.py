@@ -57,6 +57,13 @@ def _raw(name: str, environ: Mapping[str, str] | None) -> str | None:
     return env.get(name)
 
 
+def _given(name: str, environ: Mapping[str, str] | None) -> str | None:
+    """The variable's value, or ``None`` when it is unset or blank (then the default
+    applies to every typed variable)."""
+    value = _raw(name, environ)
+    return None if value is None or value.strip() == "" else value
+
+
 def env_str(name: str, default: str | None, environ: Mapping[str, str] | None = None) -> str | None:
     """The variable's value, or ``default`` when unset."""
     value = _raw(name, environ)
@@ -69,8 +76,8 @@ def env_bool(name: str, default: bool, environ: Mapping[str, str] | None = None)
     Raises:
         ConfigError: any other value.
     """
-    value = _raw(name, environ)
-    if value is None or value.strip() == "":
+    value = _given(name, environ)
+    if value is None:
         return default
     low = value.strip().lower()
     if low in _TRUE:
@@ -90,8 +97,8 @@ def env_int(
     Raises:
         ConfigError: not an integer, or below ``minimum``.
     """
-    value = _raw(name, environ)
-    if value is None or value.strip() == "":
+    value = _given(name, environ)
+    if value is None:
         return default
     try:
         number = int(value.strip())
@@ -114,8 +121,8 @@ def env_float(
     Raises:
         ConfigError: not a number, or not positive.
     """
-    value = _raw(name, environ)
-    if value is None or value.strip() == "":
+    value = _given(name, environ)
+    if value is None:
         return default
     try:
         number = float(value.strip())
@@ -134,8 +141,8 @@ def env_bytes(
     Raises:
         ConfigError: not a size.
     """
-    value = _raw(name, environ)
-    if value is None or value.strip() == "":
+    value = _given(name, environ)
+    if value is None:
         return default
     return parse_bytes(value, variable=name)
 

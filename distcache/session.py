@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -28,7 +27,7 @@ from distcache.config import Settings, settings
 from distcache.errors import ConfigError, DistcacheError
 
 if TYPE_CHECKING:
-    from distcache.collective import PrefetchReport
+    from distcache.collective import PrefetchReport, SyncState
     from distcache.ipc import PoolRegistry
     from distcache.origin import Origin
     from distcache.pool import ArtifactPool
@@ -38,10 +37,6 @@ __all__ = ["Session", "current", "init"]
 log = logging.getLogger(__name__)
 
 ManifestSpec = str | os.PathLike[str] | Sequence[Artifact]
-
-# Launchers whose ranks already share an MPI world: adopt it instead of bringing up
-# torch.distributed (mpi4py is imported only then, since importing it calls MPI_Init).
-_MPI_LAUNCHERS = frozenset({"openmpi", "mpich", "pmix"})
 
 _lock = threading.Lock()
 # The one session of this process. A second init() must return it (engines and the
@@ -72,7 +67,7 @@ class Session:
     settings: Settings | None = None
     _flashinfer_installed: bool = False
     _closed: bool = False
-    _sync_state: Any = None
+    _sync_state: SyncState | None = None
     # init brought torch.distributed up itself (no group existed): close tears it down,
     # since a process exiting with a live gloo group may abort in its destructor.
     _owns_process_group: bool = False
@@ -264,15 +259,17 @@ def _log_rank0(comm: Communicator, msg: str, *args: Any) -> None:
 def _adopt_comm(environ: Mapping[str, str] | None) -> tuple[Communicator, bool]:
     """The communicator to use, and whether init brought torch.distributed up itself."""
     import launch
+    from distcache.comm.select import torch_is_initialised
 
     env = os.environ if environ is None else environ
-    torch_dist = sys.modules.get("torch.distributed")
-    if torch_dist is not None and torch_dist.is_available() and torch_dist.is_initialized():
+    if torch_is_initialised():
         from distcache.comm import from_torch
 
         return from_torch(), False
     info = launch.detect(env)
-    if info.launcher in _MPI_LAUNCHERS:
+    # Ranks that already share an MPI world adopt it instead of bringing up
+    # torch.distributed (mpi4py is imported only then: importing it calls MPI_Init).
+    if info.is_mpi:
         from distcache.comm import from_mpi
 
         return from_mpi(), False
@@ -332,7 +329,7 @@ def _prefetch(
         from distcache.integrations import flashinfer as fi
 
         return fi.prefetch(comm=comm, pool=pool, manifest=artifacts, record=record,
-                           origin=origin)
+                           origin=origin, timeout=conf.timeout)
     if origin is None:
         raise ConfigError(
             "a manifest was given but no origin: pass origin=... or set DISTCACHE_ORIGIN",

@@ -10,9 +10,8 @@ growing buffer and finish with the table, never copying the payloads a second ti
 
     trailer = magic b"DCB1", flags u8 (bit 0: last bucket of this stream), count u32
 
-A length of -1 marks an artifact the source could not read (it is reported as a
-failure by the receivers rather than breaking the stream: every rank keeps calling
-the same broadcasts). Chunking of messages over 2 GiB is the communicator's job.
+A length of -1 marks an artifact the source could not read (the source reports the
+failure; the stream goes on, so every rank keeps calling the same broadcasts). Chunking of messages over 2 GiB is the communicator's job.
 
 Memory: the sender holds one bucket plus the artifact that did not fit; a receiver
 holds one bucket plus one artifact copy. :class:`StreamStats` records the peak.
@@ -76,12 +75,18 @@ def encode_bucket(items: Iterable[tuple[int, bytes | None]], *, last: bool) -> b
     body = bytearray()
     table: list[tuple[int, int]] = []
     for index, data in items:
-        if data is None:
-            table.append((index, -1))
-        else:
-            body += data
-            table.append((index, len(data)))
+        _append(body, table, index, data)
     return _finish(body, table, last)
+
+
+def _append(
+    body: bytearray, table: list[tuple[int, int]], index: int, data: bytes | None
+) -> None:
+    if data is None:
+        table.append((index, -1))
+    else:
+        body += data
+        table.append((index, len(data)))
 
 
 def _finish(body: bytearray, table: list[tuple[int, int]], last: bool) -> bytearray:
@@ -151,11 +156,7 @@ def send_stream(
         stats.hold(len(body) + size)
         if table and len(body) + size > bucket_bytes:
             flush(last=False)
-        if data is None:
-            table.append((index, -1))
-        else:
-            body += data
-            table.append((index, size))
+        _append(body, table, index, data)
         del data
     flush(last=True)
 

@@ -38,7 +38,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple, Self
 
-from distcache.comm.base import MAX_MESSAGE_BYTES, chunk_spans, hostname
+from distcache.comm.base import MAX_MESSAGE_BYTES, check_broadcast, chunk_spans, hostname
 from distcache.config import settings
 from distcache.errors import CollectiveTimeout, CommError
 
@@ -207,10 +207,7 @@ class BackendCommunicator(ABC):
     def broadcast_bytes(
         self, data: bytes | None, root: int, *, timeout: float | None = None
     ) -> bytes:
-        if not 0 <= root < self._size:
-            raise ValueError(f"root {root} is out of range for a communicator of size {self._size}")
-        if self._rank == root and data is None:
-            raise ValueError("broadcast_bytes: the root rank must pass data")
+        check_broadcast(self._rank, self._size, root, data)
         budget = self._budget(timeout)
         mine = data if self._rank == root else None
         total = self._broadcast_length(0 if mine is None else len(mine), root, budget)

@@ -19,6 +19,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "Communicator",
     "agree_on_error",
+    "check_broadcast",
     "chunk_spans",
     "hostname",
 ]
@@ -90,6 +91,18 @@ class Communicator(Protocol):
 
 def hostname() -> str:
     return socket.gethostname()
+
+
+def check_broadcast(rank: int, size: int, root: int, data: bytes | None) -> None:
+    """The argument checks every ``broadcast_bytes`` makes before it communicates.
+
+    Raises:
+        ValueError: ``root`` is out of range, or ``data`` is None on ``root``.
+    """
+    if not 0 <= root < size:
+        raise ValueError(f"root {root} is out of range for a communicator of size {size}")
+    if rank == root and data is None:
+        raise ValueError("broadcast_bytes: the root rank must pass data")
 
 
 def chunk_spans(total: int, chunk: int) -> Iterator[tuple[int, int]]:

@@ -11,17 +11,12 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from distcache.comm.base import Communicator, hostname
+from distcache.comm.base import Communicator, check_broadcast, hostname
 from distcache.errors import CollectiveTimeout
 
 __all__ = ["LocalCommunicator", "ThreadCommunicator", "ThreadGroup"]
 
 _DEFAULT_TIMEOUT = 600.0
-
-
-def _check_root(root: int, size: int) -> None:
-    if not 0 <= root < size:
-        raise ValueError(f"root {root} is out of range for a communicator of size {size}")
 
 
 class LocalCommunicator:
@@ -49,9 +44,8 @@ class LocalCommunicator:
     def broadcast_bytes(
         self, data: bytes | None, root: int, *, timeout: float | None = None
     ) -> bytes:
-        _check_root(root, 1)
-        if data is None:
-            raise ValueError("broadcast_bytes: the root rank must pass data")
+        check_broadcast(0, 1, root, data)
+        assert data is not None  # checked: rank 0 is the root
         return bytes(data)
 
     def allgather_object(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
@@ -126,7 +120,8 @@ class ThreadCommunicator:
     """One thread-rank's view of a :class:`ThreadGroup`."""
 
     def __init__(self, group: ThreadGroup, rank: int) -> None:
-        _check_root(rank, group.size)
+        if not 0 <= rank < group.size:
+            raise ValueError(f"rank {rank} is out of range for a group of size {group.size}")
         self._group = group
         self._rank = rank
         self._splits = 0
@@ -150,9 +145,7 @@ class ThreadCommunicator:
     def broadcast_bytes(
         self, data: bytes | None, root: int, *, timeout: float | None = None
     ) -> bytes:
-        _check_root(root, self.size)
-        if self._rank == root and data is None:
-            raise ValueError("broadcast_bytes: the root rank must pass data")
+        check_broadcast(self._rank, self.size, root, data)
         mine = bytes(data) if self._rank == root and data is not None else None
         return bytes(self._group._exchange(self._rank, mine, "broadcast_bytes", timeout)[root])
 

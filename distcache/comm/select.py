@@ -27,7 +27,6 @@ __all__ = ["auto", "launcher_is_mpi", "torch_is_initialised"]
 log = logging.getLogger(__name__)
 
 _OPTIONS = frozenset({"timeout", "chunk_bytes", "node_id"})
-_MPI_LAUNCHERS = frozenset({"openmpi", "mpich", "pmix"})
 # Used only when the launch package is unavailable: one variable per MPI runtime.
 _MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
 
@@ -53,7 +52,7 @@ def launcher_is_mpi(environ: Mapping[str, str] | None = None) -> bool:
     except ImportError:
         return any(name in env for name in _MPI_VARIABLES)
     info = detect(env)
-    if info.launcher not in _MPI_LAUNCHERS and info.world_size > 1:
+    if not info.is_mpi and info.world_size > 1:
         log.warning(
             "launcher %s started %d ranks but torch.distributed is not initialised; "
             "distcache collectives stay local to each rank (call "
@@ -61,7 +60,7 @@ def launcher_is_mpi(environ: Mapping[str, str] | None = None) -> bool:
             info.launcher,
             info.world_size,
         )
-    return info.launcher in _MPI_LAUNCHERS
+    return info.is_mpi
 
 
 def auto(**options: Any) -> Communicator:
