@@ -165,8 +165,8 @@ class PooledLoader:
             return self._fallback(file_name, sha256, session)
         artifact = Artifact(name, sha256)
         try:
-            data = self._resolve(artifact)
-            if data is not None and self.families.is_materialized(name):
+            data, in_cubin_dir = self._resolve(artifact)
+            if data is not None and not in_cubin_dir and self.families.is_materialized(name):
                 self._materialize(artifact)
         except Exception as exc:
             self._note("fallbacks", name, f"{type(exc).__name__}: {exc}")
@@ -178,21 +178,24 @@ class PooledLoader:
         self._record(name, sha256)
         return data
 
-    def _resolve(self, artifact: Artifact) -> bytes | None:
+    def _resolve(self, artifact: Artifact) -> tuple[bytes | None, bool]:
+        """The artifact's bytes (``None``: FLASHINFER_NO_DOWNLOAD and a miss), and
+        whether they came from a valid file in FlashInfer's cubin directory."""
         data = self.pool.get(artifact.sha256)
         if data is not None:
             self._bump("hits")
-            return data
-        data = self._read_local(artifact)
+            return data, False
+        root = self.cubin_dir()
+        data = _valid_bytes(root, artifact) if root is not None else None
         if data is not None:
             self._bump("local")
             try:
                 self.pool.put(data, artifact.sha256)
             except Exception as exc:
                 log.debug("could not add %s to the pool: %s", artifact.name, exc)
-            return data
+            return data, True
         if os.environ.get("FLASHINFER_NO_DOWNLOAD"):
-            return None
+            return None, False
         origin = self.origin
         if origin is None:
             from distcache.integrations.flashinfer import default_origin
@@ -200,36 +203,17 @@ class PooledLoader:
             origin = default_origin()
         data = self.pool.fetch(artifact, origin)
         self._bump("fetched")
-        return data
-
-    def _read_local(self, artifact: Artifact) -> bytes | None:
-        root = self.cubin_dir()
-        if root is None:
-            return None
-        path = path_under(Path(root), artifact.name)
-        try:
-            data = path.read_bytes()
-        except OSError:
-            return None
-        return data if sha256_hex(data) == artifact.sha256 else None
+        return data, False
 
     def _materialize(self, artifact: Artifact) -> None:
         root = self.cubin_dir()
         if root is None:
             return
-        target = path_under(Path(root), artifact.name)
         # A valid file is left alone: replacing it, even with identical bytes, would
         # swap the inode under a compiler that is reading it.
-        if self._valid_file(target, artifact.sha256):
+        if _valid_bytes(root, artifact) is not None:
             return
         self.pool.materialize(artifact, Path(root))
-
-    @staticmethod
-    def _valid_file(path: Path, sha256: str) -> bool:
-        try:
-            return sha256_hex(path.read_bytes()) == sha256
-        except OSError:
-            return False
 
     def _fallback(self, file_name: Any, sha256: Any, session: Any) -> bytes:
         try:
@@ -259,11 +243,20 @@ class PooledLoader:
             setattr(self.stats, counter, getattr(self.stats, counter) + 1)
 
     def _note(self, counter: str, name: str, reason: str, *, count: bool = True) -> None:
+        if count:
+            self._bump(counter)
         with self._lock:
-            if count:
-                setattr(self.stats, counter, getattr(self.stats, counter) + 1)
             first = name not in self.stats.failures
             if first:
                 self.stats.failures[name] = reason
         if first:
             log.warning("flashinfer artifact %s: %s; using FlashInfer's own loader", name, reason)
+
+
+def _valid_bytes(root: Path, artifact: Artifact) -> bytes | None:
+    """The bytes of ``root/<name>`` when that file exists and matches the sha256."""
+    try:
+        data = path_under(Path(root), artifact.name).read_bytes()
+    except OSError:
+        return None
+    return data if sha256_hex(data) == artifact.sha256 else None

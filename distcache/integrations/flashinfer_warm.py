@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import fields, is_dataclass
 from typing import TYPE_CHECKING
 
@@ -169,11 +169,15 @@ def _parse_family(checksums: Artifact, data: bytes) -> list[Artifact]:
 
 def _load_manifest(manifest: ManifestArg) -> dict[str, str]:
     items = read_manifest(manifest) if isinstance(manifest, str | os.PathLike) else manifest
-    return {a.name: a.sha256 for a in items}
+    return _entries(items)
+
+
+def _entries(artifacts: Iterable[Artifact]) -> dict[str, str]:
+    return {a.name: a.sha256 for a in artifacts}
 
 
 def _merged(*parts: tuple[str, Mapping[str, str]]) -> dict[str, str]:
-    return {a.name: a.sha256 for a in merge_entries(parts)}
+    return _entries(merge_entries(parts))
 
 
 def _union(comm: Communicator, entries: Mapping[str, str], timeout: float | None) -> list[Artifact]:
@@ -188,7 +192,7 @@ def _union(comm: Communicator, entries: Mapping[str, str], timeout: float | None
     for rank, blob in enumerate(blobs):
         if blob is not None:
             listed = parse_checksums(zlib.decompress(blob).decode())
-            parts.append((f"rank {rank}", {a.name: a.sha256 for a in listed}))
+            parts.append((f"rank {rank}", _entries(listed)))
     return merge_entries(parts)
 
 
@@ -248,8 +252,7 @@ def prefetch(
                         name=checksums.name,
                     )
                 listed = [checksums, *_parse_family(checksums, data)]
-                entries = _merged(("records", entries),
-                                  (checksums.name, {a.name: a.sha256 for a in listed}))
+                entries = _merged(("records", entries), (checksums.name, _entries(listed)))
         except DistcacheError as exc:
             error = exc
         agree_on_error(comm, error, timeout=timeout)
