@@ -17,12 +17,15 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["mpi_env", "mpirun", "run_group"]
+__all__ = ["kill_group", "mpi_env", "mpirun", "mpmd_command", "run_group"]
 
 
-def _kill_group(pgid: int) -> None:
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the process group ``proc`` leads (started with ``start_new_session``),
+    then reap ``proc``. Safe to call when the group is already gone."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def run_group(
@@ -32,11 +35,13 @@ def run_group(
     env: Mapping[str, str] | None = None,
     cwd: str | os.PathLike[str] | None = None,
     input: bytes | None = None,
+    merge_stderr: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``cmd`` in a new session; on timeout SIGKILL its whole process group.
 
     The group is also killed after a normal exit, so stragglers (daemons a launcher
-    left behind) never outlive the test.
+    left behind) never outlive the test. With ``merge_stderr`` both streams go to
+    ``stdout`` in the order they were written, and ``stderr`` is empty.
 
     Returns:
         The completed process, with ``stdout`` and ``stderr`` as text.
@@ -51,7 +56,7 @@ def run_group(
             args,
             stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
             stdout=out,
-            stderr=err,
+            stderr=out if merge_stderr else err,
             env=dict(env) if env is not None else None,
             cwd=cwd,
             start_new_session=True,
@@ -65,8 +70,7 @@ def run_group(
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
-            _kill_group(proc.pid)
-            proc.wait()
+            kill_group(proc)
         out.seek(0)
         err.seek(0)
         stdout = out.read().decode(errors="replace")
@@ -97,3 +101,22 @@ def mpirun() -> str:
     """The ``mpirun`` that belongs to this interpreter's environment, else the one on PATH."""
     beside = Path(sys.executable).with_name("mpirun")
     return str(beside) if beside.exists() else "mpirun"
+
+
+def mpmd_command(
+    contexts: Sequence[tuple[int, Mapping[str, str], Sequence[str | os.PathLike[str]]]],
+) -> list[str]:
+    """One MPMD ``mpirun`` command line from ``(nprocs, variables, argv)`` contexts.
+
+    Each application context gets its own ``-x`` variables, which is how one machine
+    stands in for several nodes (a ``DISTCACHE_NODE_ID`` per context).
+    """
+    cmd = [mpirun(), "--oversubscribe"]
+    for index, (nprocs, variables, argv) in enumerate(contexts):
+        if index:
+            cmd.append(":")
+        cmd += ["-n", str(nprocs)]
+        for key, value in variables.items():
+            cmd += ["-x", f"{key}={value}"]
+        cmd += [os.fspath(arg) for arg in argv]
+    return cmd

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -13,9 +12,20 @@ from pathlib import Path
 
 import pytest
 
+from tests import helpers
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 PROGRAM = Path(__file__).with_name("allreduce_prog.py")
+PY = sys.executable
+#: Four ranks under this environment's Open MPI; append the program's argv.
+MPIRUN_4 = [str(BIN / "mpirun"), "-n", "4", "--oversubscribe"]
+#: Four ranks under torchrun on this machine; append the script and its arguments.
+TORCHRUN_4 = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "4"]
+#: Four ranks under srun on the one-node Slurm of the ``slurm_env`` fixture.
+SRUN_4 = ["srun", "-n", "4", "--time=5"]
+#: ``python -m launch``; append its options, ``--`` and the program.
+LAUNCH = [PY, "-m", "launch"]
 
 
 _RESULT = re.compile(r"RESULT (\S+?) (\d+) (\d+) (\d+)(?=RESULT|\s|$)")
@@ -66,24 +76,10 @@ def base_env(**extra: str) -> dict[str, str]:
 
 
 def run_group(cmd: Sequence[str], env: dict[str, str], timeout: float = 120) -> Result:
-    """Run ``cmd`` in a new session; on timeout kill the whole process group and fail."""
-    proc = subprocess.Popen(
-        list(cmd),
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        cwd=REPO,
-    )
+    """Run ``cmd`` from the checkout under :func:`tests.helpers.run_group`, stderr merged
+    into the output; fail the test if it runs past ``timeout``."""
     try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} exceeded {timeout}s and was killed; output:\n{out}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return Result(proc.returncode, out)
+        done = helpers.run_group(cmd, timeout=timeout, env=env, cwd=REPO, merge_stderr=True)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{' '.join(cmd)} exceeded {timeout}s and was killed; output:\n{exc.output}")
+    return Result(done.returncode, done.stdout)

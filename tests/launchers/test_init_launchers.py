@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -13,9 +12,9 @@ import pytest
 from distcache.artifact import parse_checksums
 from distcache.pool import ArtifactPool
 from distcache.testing import LoopbackOrigin, make_artifacts
-from tests.launchers.procs import BIN, base_env, run_group
+from tests.helpers import mpmd_command
+from tests.launchers.procs import LAUNCH, MPIRUN_4, PY, TORCHRUN_4, base_env, run_group
 
-PY = sys.executable
 INIT_PROG = Path(__file__).with_name("init_prog.py")
 K = 6
 _INIT = re.compile(r"INIT (\d+) (\d+) (\w+) (\d+) (\d+) (\d+)")
@@ -52,17 +51,7 @@ def test_init_under_torchrun_brings_up_torch_and_fetches_once(
 ) -> None:
     srv, manifest = origin
     done = run_group(
-        [
-            str(BIN / "torchrun"),
-            "--standalone",
-            "--nproc-per-node",
-            "4",
-            str(INIT_PROG),
-            str(tmp_path / "pool"),
-            srv.url,
-            str(manifest),
-        ],
-        base_env(),
+        [*TORCHRUN_4, str(INIT_PROG), str(tmp_path / "pool"), srv.url, str(manifest)], base_env()
     )
     assert done.returncode == 0, done.output
     rows = _rows(done.output)
@@ -79,21 +68,16 @@ def test_init_under_mpirun_adopts_mpi_with_per_node_pools(
     tmp_path: Path, origin: tuple[LoopbackOrigin, Path]
 ) -> None:
     srv, manifest = origin
-    cmd = [str(BIN / "mpirun"), "--oversubscribe"]
-    for i, node in enumerate(("a", "b")):
-        if i:
-            cmd.append(":")
-        cmd += [
-            "-n",
-            "2",
-            "-x",
-            f"DISTCACHE_NODE_ID={node}",
-            PY,
-            str(INIT_PROG),
-            str(tmp_path / "pools" / node),
-            srv.url,
-            str(manifest),
+    cmd = mpmd_command(
+        [
+            (
+                2,
+                {"DISTCACHE_NODE_ID": node},
+                [PY, INIT_PROG, tmp_path / "pools" / node, srv.url, manifest],
+            )
+            for node in ("a", "b")
         ]
+    )
     done = run_group(cmd, base_env())
     assert done.returncode == 0, done.output
     rows = _rows(done.output)
@@ -111,16 +95,7 @@ def test_prefetch_under_torchrun_fetches_each_artifact_once_and_nothing_on_a_sec
     srv, manifest = origin
     pools = tmp_path / "pools"
     pool_arg = str(pools / "{rank}") if layout == "pool-per-rank" else str(pools / "shared")
-    cmd = [
-        str(BIN / "torchrun"),
-        "--standalone",
-        "--nproc-per-node",
-        "4",
-        str(INIT_PROG),
-        pool_arg,
-        srv.url,
-        str(manifest),
-    ]
+    cmd = [*TORCHRUN_4, str(INIT_PROG), pool_arg, srv.url, str(manifest)]
     artifacts = parse_checksums(manifest.read_text())
     shas = sorted(a.sha256 for a in artifacts)
     names = {a.name: a.sha256 for a in artifacts}
@@ -166,13 +141,8 @@ def test_launch_prefetch_warms_the_pool_before_the_program_starts(
     )
     done = run_group(
         [
-            str(BIN / "mpirun"),
-            "-n",
-            "4",
-            "--oversubscribe",
-            PY,
-            "-m",
-            "launch",
+            *MPIRUN_4,
+            *LAUNCH,
             "--pool",
             str(pool),
             "--prefetch",
@@ -214,11 +184,23 @@ def test_an_unmodified_flashinfer_engine_loads_locally_after_launch_prefetch(
     engine.write_text(UNMODIFIED_FLASHINFER)
     cubin_dir = tmp_path / "flashinfer-cubins"
     done = run_group(
-        [str(BIN / "mpirun"), "-n", "4", "--oversubscribe", sys.executable, "-m", "launch",
-         "--pool", str(tmp_path / "pool"), "--prefetch", str(manifest), "--",
-         sys.executable, str(engine), str(manifest)],
-        base_env(DISTCACHE_ORIGIN=srv.url, FLASHINFER_CUBINS_REPOSITORY=srv.url,
-                 FLASHINFER_CUBIN_DIR=str(cubin_dir)),
+        [
+            *MPIRUN_4,
+            *LAUNCH,
+            "--pool",
+            str(tmp_path / "pool"),
+            "--prefetch",
+            str(manifest),
+            "--",
+            PY,
+            str(engine),
+            str(manifest),
+        ],
+        base_env(
+            DISTCACHE_ORIGIN=srv.url,
+            FLASHINFER_CUBINS_REPOSITORY=srv.url,
+            FLASHINFER_CUBIN_DIR=str(cubin_dir),
+        ),
         timeout=300,
     )
     assert done.returncode == 0, done.output
@@ -226,5 +208,6 @@ def test_an_unmodified_flashinfer_engine_loads_locally_after_launch_prefetch(
     # K requests from the prefetch, none from the four engines.
     assert srv.total_requests == K
     names = {a.name for a in parse_checksums(manifest.read_text())}
-    assert {p.relative_to(cubin_dir).as_posix() for p in cubin_dir.rglob("*") if p.is_file()} \
-        == names
+    assert {
+        p.relative_to(cubin_dir).as_posix() for p in cubin_dir.rglob("*") if p.is_file()
+    } == names

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-import sys
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 
-from tests.launchers.procs import BIN, PROGRAM, base_env, run_group
+from tests.launchers.procs import (
+    LAUNCH,
+    MPIRUN_4,
+    PROGRAM,
+    PY,
+    SRUN_4,
+    TORCHRUN_4,
+    Result,
+    base_env,
+    run_group,
+)
 
-PY = sys.executable
 EXPECTED_SUM = 1 + 2 + 3 + 4
 
 
@@ -19,23 +28,19 @@ def assert_four_ranks(
 
 
 def test_mpirun_four_ranks_all_reduce() -> None:
-    done = run_group(
-        [str(BIN / "mpirun"), "-n", "4", "--oversubscribe", PY, str(PROGRAM)], base_env()
-    )
+    done = run_group([*MPIRUN_4, PY, str(PROGRAM)], base_env())
     assert done.returncode == 0, done.output
     assert_four_ranks(done.results(), "openmpi", done.output)
 
 
 def test_torchrun_four_ranks_all_reduce() -> None:
-    done = run_group(
-        [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "4", str(PROGRAM)], base_env()
-    )
+    done = run_group([*TORCHRUN_4, str(PROGRAM)], base_env())
     assert done.returncode == 0, done.output
     assert_four_ranks(done.results(), "torchrun", done.output)
 
 
 def test_srun_four_ranks_all_reduce(slurm_env: dict[str, str]) -> None:
-    done = run_group(["srun", "-n", "4", "--time=5", PY, str(PROGRAM)], slurm_env)
+    done = run_group([*SRUN_4, PY, str(PROGRAM)], slurm_env)
     assert done.returncode == 0, done.output
     assert_four_ranks(done.results(), "slurm", done.output)
 
@@ -54,16 +59,13 @@ UNMODIFIED = textwrap.dedent(
 )
 
 
-def test_launch_module_runs_an_unmodified_torch_program_under_mpirun(tmp_path: Path) -> None:
+def _launch_unmodified(launcher: Sequence[str], env: dict[str, str], tmp_path: Path) -> Result:
+    """``UNMODIFIED`` on four ranks of ``launcher`` through ``python -m launch``, with a
+    workspace and a pool under ``tmp_path``; asserts it succeeded on every rank."""
     done = run_group(
         [
-            str(BIN / "mpirun"),
-            "-n",
-            "4",
-            "--oversubscribe",
-            PY,
-            "-m",
-            "launch",
+            *launcher,
+            *LAUNCH,
             "--workspace",
             str(tmp_path / "ws"),
             "--pool",
@@ -73,10 +75,15 @@ def test_launch_module_runs_an_unmodified_torch_program_under_mpirun(tmp_path: P
             "-c",
             UNMODIFIED,
         ],
-        base_env(),
+        env,
     )
     assert done.returncode == 0, done.output
     assert_four_ranks(done.results(), "env", done.output)
+    return done
+
+
+def test_launch_module_runs_an_unmodified_torch_program_under_mpirun(tmp_path: Path) -> None:
+    done = _launch_unmodified(MPIRUN_4, base_env(), tmp_path)
     slots = sorted(line.split()[1:] for line in done.output.splitlines() if line.startswith("SLOT"))
     assert [s[1] for s in slots] == [str(tmp_path / "ws" / f"rank-{r}") for r in range(4)]
     assert {s[2] for s in slots} == {str(tmp_path / "pool")}
@@ -87,47 +94,11 @@ def test_launch_module_runs_an_unmodified_torch_program_under_mpirun(tmp_path: P
 
 def test_launch_module_propagates_a_failing_rank_under_mpirun() -> None:
     failing = "import os, sys; sys.exit(7 if os.environ['RANK'] == '2' else 0)"
-    done = run_group(
-        [
-            str(BIN / "mpirun"),
-            "-n",
-            "4",
-            "--oversubscribe",
-            PY,
-            "-m",
-            "launch",
-            "--",
-            PY,
-            "-c",
-            failing,
-        ],
-        base_env(),
-    )
+    done = run_group([*MPIRUN_4, *LAUNCH, "--", PY, "-c", failing], base_env())
     assert done.returncode != 0, done.output
 
 
 def test_launch_module_runs_an_unmodified_torch_program_under_srun(
     slurm_env: dict[str, str], tmp_path: Path
 ) -> None:
-    done = run_group(
-        [
-            "srun",
-            "-n",
-            "4",
-            "--time=5",
-            PY,
-            "-m",
-            "launch",
-            "--workspace",
-            str(tmp_path / "ws"),
-            "--pool",
-            str(tmp_path / "pool"),
-            "--",
-            PY,
-            "-c",
-            UNMODIFIED,
-        ],
-        slurm_env,
-    )
-    assert done.returncode == 0, done.output
-    assert_four_ranks(done.results(), "env", done.output)
+    _launch_unmodified(SRUN_4, slurm_env, tmp_path)

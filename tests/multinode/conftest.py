@@ -9,7 +9,7 @@ from subprocess import CompletedProcess
 
 import pytest
 
-from tests.helpers import mpi_env, mpirun, run_group
+from tests.helpers import mpi_env, mpmd_command, run_group
 
 #: Seconds any one multi-process launch may take before its process group is killed.
 LAUNCH_TIMEOUT_S = 120.0
@@ -19,8 +19,8 @@ LAUNCH_TIMEOUT_S = 120.0
 def run_mpmd() -> Callable[..., CompletedProcess[str]]:
     """``run_mpmd([(nprocs, env, argv), ...])``: one MPMD ``mpirun`` launch.
 
-    Each application context gets its own ``-x`` variables, which is how one machine
-    stands in for several nodes.
+    Each application context gets its own ``-x`` variables (see
+    :func:`tests.helpers.mpmd_command`).
     """
 
     def run(
@@ -29,14 +29,6 @@ def run_mpmd() -> Callable[..., CompletedProcess[str]]:
         timeout: float = LAUNCH_TIMEOUT_S,
         cwd: Path | None = None,
     ) -> CompletedProcess[str]:
-        cmd: list[str] = [mpirun(), "--oversubscribe"]
-        for i, (nprocs, env, argv) in enumerate(contexts):
-            if i:
-                cmd.append(":")
-            cmd += ["-n", str(nprocs)]
-            for key, value in env.items():
-                cmd += ["-x", f"{key}={value}"]
-            cmd += list(argv)
-        return run_group(cmd, timeout=timeout, env=mpi_env(), cwd=cwd)
+        return run_group(mpmd_command(contexts), timeout=timeout, env=mpi_env(), cwd=cwd)
 
     return run

@@ -93,24 +93,24 @@ if __name__ == "__main__":
 
 # --- the tests ------------------------------------------------------------------------
 
-from tests.helpers import mpi_env, mpirun, run_group  # noqa: E402
+from tests.helpers import mpi_env, mpmd_command, run_group  # noqa: E402
 
 
 def _launch(program: list[str], base: Path, pool_tag: str, url: str) -> list[dict[str, object]]:
     """``mpirun`` with one MPMD context per simulated node; returns RESULT lines."""
-    cmd: list[str] = [mpirun(), "--oversubscribe"]
-    for index, node in enumerate(NODES):
-        if index:
-            cmd.append(":")
-        cmd += [
-            "-n",
-            str(RANKS_PER_NODE),
-            "-x",
-            f"DISTCACHE_NODE_ID={node}",
-            "-x",
-            f"DISTCACHE_POOL={base / f'pool-{pool_tag}-{node}'}",
-            *program,
+    cmd = mpmd_command(
+        [
+            (
+                RANKS_PER_NODE,
+                {
+                    "DISTCACHE_NODE_ID": node,
+                    "DISTCACHE_POOL": str(base / f"pool-{pool_tag}-{node}"),
+                },
+                program,
+            )
+            for node in NODES
         ]
+    )
     env = mpi_env(
         FLASHINFER_CUBINS_REPOSITORY=url, DISTCACHE_TIMEOUT="120", DISTCACHE_HTTP_RETRIES="0"
     )

@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import pytest
 
 from distcache.pool import ArtifactPool
 from distcache.testing import make_artifacts
+from tests.helpers import kill_group
 
 REPO = Path(__file__).resolve().parents[2]
 PROGRAM = REPO / "tests" / "launchers" / "allreduce_prog.py"
@@ -80,13 +80,6 @@ def two_hosts(request: pytest.FixtureRequest) -> Iterator[tuple[Host, Host]]:
     yield hosts
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
 def _rank_env(hosts: tuple[Host, Host], node: int, local: int) -> dict[str, str]:
     return {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
@@ -138,7 +131,7 @@ def _run_ranks(hosts: tuple[Host, Host], argv: Sequence[str], logs: Path) -> lis
                 pytest.fail(f"ranks did not finish within {TIMEOUT}s:\n{_logs(logs)}")
     finally:
         for proc in procs:
-            _kill(proc)
+            kill_group(proc)
     return [
         (proc.returncode, (logs / f"rank{rank}.log").read_text(errors="replace"))
         for rank, proc in enumerate(procs)
@@ -203,7 +196,7 @@ def _origin_in(host: Host, root: Path, work: Path) -> Iterator[str]:
             time.sleep(0.05)
         yield f"http://{host.address}:{int(port_file.read_text())}"
     finally:
-        _kill(proc)
+        kill_group(proc)
 
 
 def test_prefetch_across_two_namespaces_fetches_each_artifact_once_per_job(
