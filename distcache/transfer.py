@@ -28,7 +28,7 @@ from typing import Protocol
 from distcache.artifact import Artifact
 from distcache.audience import split_audiences
 from distcache.comm.base import Communicator
-from distcache.errors import OriginError
+from distcache.errors import IntegrityError, OriginError
 from distcache.plan import Plan
 
 __all__ = [
@@ -202,6 +202,13 @@ class Downloaded:
     failure: tuple[str, BaseException] | None = None
 
 
+def _only_this_artifact(exc: BaseException) -> bool:
+    """Whether ``exc`` condemns one artifact only, not the origin or the pool."""
+    if isinstance(exc, IntegrityError):
+        return True
+    return isinstance(exc, OriginError) and getattr(exc, "status", None) == 404
+
+
 def download_objects(
     pool: _Store,
     origin: Origin,
@@ -213,8 +220,12 @@ def download_objects(
     """Fetch ``artifacts`` from ``origin`` into ``pool`` with ``workers`` threads.
 
     Publication is atomic (``pool.put`` verifies, then renames), so any rank sharing
-    the pool may do this. After the first failure no new download starts; the failure
-    is returned, not raised, so the caller can agree on it with its peers.
+    the pool may do this. A failure confined to one artifact (its bytes do not match
+    the digest, or the origin has no such file) does not stop the others: they are
+    published, so that the next job fetches only what failed. Any other failure (the
+    origin is unreachable, the pool cannot be written) stops new downloads from
+    starting. The first failure is returned, not raised, so the caller can agree on it
+    with its peers.
 
     ``timeout`` bounds the whole call: an origin can stall a download for ever while
     bounding each read (a server that sends one byte per read timeout), and the peers
@@ -248,7 +259,8 @@ def download_objects(
             with lock:
                 if not finished.is_set():
                     result.failure = result.failure or (artifact.name, exc)
-            stop.set()
+            if not _only_this_artifact(exc):
+                stop.set()
 
     def work() -> None:
         me = threading.get_ident()

@@ -21,13 +21,14 @@ from distcache.collective import PHASES, PrefetchReport, SyncState, prefetch, sy
 from distcache.comm import LocalCommunicator, ThreadGroup
 from distcache.comm.base import Communicator
 from distcache.errors import (
+    IntegrityError,
     ManifestMismatchError,
     OriginError,
     PoolError,
     PrefetchError,
 )
 from distcache.plan import make_plan
-from distcache.transfer import decode_bucket
+from distcache.transfer import decode_bucket, download_objects
 
 # -- fakes -------------------------------------------------------------------------
 
@@ -414,6 +415,66 @@ def test_origin_failure_on_one_rank_raises_the_same_prefetch_error_everywhere() 
     assert all(s.objects == blobs for s in stores.values())
     assert origin.total - before == report.downloads < 16 + 1
     assert origin.requests[arts[5].name] == 2
+
+
+class RuleOrigin(FakeOrigin):
+    """Fails ``bad`` with the error ``make`` builds; serves everything else."""
+
+    def __init__(self, blobs: dict[str, bytes], bad: str, make: Callable[[str], Exception]) -> None:
+        super().__init__(blobs)
+        self.bad = bad
+        self.make = make
+
+    def fetch(self, artifact: Artifact) -> bytes:
+        if artifact.name == self.bad:
+            with self._lock:
+                self.requests[artifact.name] += 1
+            raise self.make(artifact.name)
+        return super().fetch(artifact)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda name: IntegrityError(f"{name}: digest mismatch", sha256="0" * 64),
+        lambda name: OriginError(f"404 for {name}", status=404, name=name),
+    ],
+    ids=["digest-mismatch", "not-found"],
+)
+def test_a_failure_of_one_artifact_lets_the_others_be_published(
+    make: Callable[[str], Exception],
+) -> None:
+    arts, blobs = make_blobs(8)
+    origin = RuleOrigin(blobs, arts[0].name, make)
+    store = Store("p")
+    # One worker takes the artifacts in order, so the bad one fails before the rest start.
+    got = download_objects(FakePool(store), origin, arts, workers=1, timeout=30)
+    assert got.failure is not None and got.failure[0] == arts[0].name
+    assert isinstance(got.failure[1], type(make("x")))
+    assert got.downloads == 7
+    assert set(store.objects) == {a.sha256 for a in arts[1:]}
+    assert origin.requests == {a.name: 1 for a in arts}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda name: OriginError(f"500 for {name}", status=500, name=name),
+        lambda name: OriginError(f"connection refused for {name}", status=None, name=name),
+        lambda name: PoolError(f"no space left writing {name}"),
+    ],
+    ids=["server-error", "unreachable", "pool"],
+)
+def test_a_failure_of_the_origin_or_pool_starts_no_new_download(
+    make: Callable[[str], Exception],
+) -> None:
+    arts, blobs = make_blobs(8)
+    origin = RuleOrigin(blobs, arts[0].name, make)
+    store = Store("p")
+    got = download_objects(FakePool(store), origin, arts, workers=1, timeout=30)
+    assert got.failure is not None and got.failure[0] == arts[0].name
+    assert (got.downloads, store.objects) == (0, {})
+    assert origin.requests == {arts[0].name: 1}
 
 
 def test_full_disk_on_a_receiving_writer_fails_every_rank_alike() -> None:
