@@ -240,6 +240,7 @@ class ArtifactPool:
             os.fchmod(fd, self._file_mode)
             os.fsync(fd)
             directory = self._objects / sha[:2]
+            self._clear_fanout(directory, sha)
             pool_fs.make_dir(directory, setgid=self._setgid)
             # First publisher wins; a loser makes sure what won is whole, or repairs it.
             published = pool_fs.link_into_place(
@@ -251,6 +252,25 @@ class ArtifactPool:
         pool_fs.fsync_dir(directory)
         self._journal.append(sha)
         self._account(size)
+
+    def _clear_fanout(self, directory: Path, sha: str) -> None:
+        """Move a non-directory (a planted symlink, a stray file) at ``objects/<xx>``
+        into quarantine, so that publishing heals the pool instead of failing for
+        ever. If it cannot be moved, :func:`pool_fs.make_dir` refuses to publish."""
+        try:
+            st = os.lstat(directory)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            return
+        try:
+            dest = pool_fs.move_aside(str(directory), self._quarantine, sha, st)
+        except OSError as exc:
+            logger.error("%s is not a directory and cannot be moved aside: %s", directory, exc)
+            return
+        if dest is not None:
+            logger.warning("%s was not a directory (a planted symlink?); moved to %s",
+                           directory, dest)
 
     def _account(self, size: int) -> None:
         if self.max_bytes is None:

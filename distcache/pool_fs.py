@@ -7,8 +7,9 @@ keeps a few rules:
   (reads also with ``O_NONBLOCK``, so a planted FIFO cannot hang an open) and
   directories the pool writes into are checked with ``lstat``. Objects are opened
   relative to a descriptor of their fan-out directory ``objects/<xx>`` opened with
-  ``O_NOFOLLOW``, so a symlink planted there or as an object is a miss for readers
-  and refused by publishers: the pool's user never reads or writes through it.
+  ``O_NOFOLLOW``, so a symlink planted there or as an object is a miss for readers;
+  publishers move it into ``quarantine/`` and refuse to write when they cannot: the
+  pool's user never reads or writes through it.
 - **Temporary files are process-unique and exclusive**: named for host, pid and
   random bits, created ``O_CREAT | O_EXCL | O_NOFOLLOW`` with mode ``0600``. A link
   planted at a guessed name makes the create fail instead of being written through,
@@ -170,8 +171,8 @@ def make_dir(path: Path, *, setgid: bool) -> None:
 
 def open_fanout(path: str) -> int | None:
     """A descriptor of the fan-out directory ``path``, or None when it is absent or
-    not a real directory (a miss for readers; publishing into it fails in
-    :func:`make_dir`). :class:`PoolError` when it cannot be opened."""
+    not a real directory (a miss for readers; a publisher moves it aside, or fails
+    in :func:`make_dir`). :class:`PoolError` when it cannot be opened."""
     try:
         return os.open(path, DIR_FLAGS)
     except FileNotFoundError:

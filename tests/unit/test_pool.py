@@ -147,14 +147,39 @@ def test_symlinked_objects_directory_is_refused(tmp_path: Path) -> None:
         ArtifactPool(root)
 
 
-def test_symlinked_fanout_directory_is_refused_on_publish(
+@pytest.mark.parametrize("planted", ["symlink", "file"])
+def test_a_non_directory_fanout_is_moved_aside_and_publishing_heals(
+    pool: ArtifactPool, tmp_path: Path, planted: str
+) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    fanout = pool.root / "objects" / DIGEST[:2]
+    if planted == "symlink":
+        os.symlink(tmp_path / "elsewhere", fanout)
+    else:
+        fanout.write_bytes(b"stray")
+    assert pool.get(DIGEST) is None  # a miss for readers, never followed
+    assert pool.put(DATA) == DIGEST
+    assert os.listdir(tmp_path / "elsewhere") == []
+    assert stat.S_ISDIR(os.lstat(fanout).st_mode)
+    assert pool.get(DIGEST) == DATA
+    aside = [p for p in (pool.root / "quarantine").iterdir()]
+    assert len(aside) == 1 and aside[0].name.startswith(DIGEST + ".")
+    kind = os.lstat(aside[0]).st_mode
+    assert stat.S_ISLNK(kind) if planted == "symlink" else stat.S_ISREG(kind)
+
+
+def test_a_fanout_that_cannot_be_moved_aside_is_refused_on_publish(
     pool: ArtifactPool, tmp_path: Path
 ) -> None:
     (tmp_path / "elsewhere").mkdir()
     os.symlink(tmp_path / "elsewhere", pool.root / "objects" / DIGEST[:2])
-    with pytest.raises(PoolError):
+    # Nowhere to move it: the quarantine is gone and a file holds its name.
+    os.rmdir(pool.root / "quarantine")
+    (pool.root / "quarantine").write_bytes(b"not a directory")
+    with pytest.raises(PoolError, match="not a directory"):
         pool.put(DATA)
     assert os.listdir(tmp_path / "elsewhere") == []
+    assert os.path.islink(pool.root / "objects" / DIGEST[:2])
 
 
 def test_setgid_root_gives_setgid_subdirectories(tmp_path: Path) -> None:
