@@ -14,8 +14,11 @@ moves tensors. torch is imported in the constructor, never at module import.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Self
 
@@ -33,6 +36,36 @@ log = logging.getLogger(__name__)
 # Substrings by which torch reports a timed-out wait. torch raises plain RuntimeError
 # (or DistBackendError, a RuntimeError) for both timeouts and broken connections.
 _TIMEOUT_MARKERS = ("timed out", "timeout", "Timeout")
+
+
+# Every live communicator, so that their process groups can be let go at exit.
+_live: weakref.WeakSet[TorchCommunicator] = weakref.WeakSet()
+_live_lock = threading.Lock()
+_exit_hook_installed = False
+
+
+def _track(comm: TorchCommunicator) -> None:
+    global _exit_hook_installed
+    with _live_lock:
+        _live.add(comm)
+        if not _exit_hook_installed:
+            atexit.register(_release_groups)
+            _exit_hook_installed = True
+
+
+def _release_groups() -> None:
+    """Drop every communicator's reference to its process group (an ``atexit`` hook).
+
+    A group that outlives ``destroy_process_group()`` only because a communicator
+    still holds it would otherwise be destroyed while the interpreter finalizes:
+    gloo's worker threads, which have run Python code (freeing tensors), then exit
+    when no thread may take the GIL any more, and the process dies in
+    ``std::terminate`` after the program has finished. Exit hooks run before that.
+    """
+    with _live_lock:
+        comms = list(_live)
+    for comm in comms:
+        comm._release("the interpreter exited")
 
 
 class TorchCommunicator(BackendCommunicator):
@@ -94,6 +127,13 @@ class TorchCommunicator(BackendCommunicator):
             self._device = torch.device("cuda", torch.cuda.current_device())
         else:
             self._device = torch.device("cpu")
+        _track(self)
+
+    def _release(self, why: str) -> None:
+        """Let go of the process group; every later call raises :class:`CommError`."""
+        self._group = None
+        self._broken = self._broken or why
+        self._children.clear()
 
     @property
     def group(self) -> Any:

@@ -401,3 +401,46 @@ def test_device_collective_that_never_completes_reports_a_timeout() -> None:
         TorchCommunicator._poll(work, 0.05)
     assert any(marker in str(info.value) for marker in _TIMEOUT_MARKERS)
     assert work.waits == 0 and work.checks > 1
+
+
+def test_process_groups_held_by_communicators_are_let_go_before_the_interpreter_exits(
+    tmp_path: Path,
+) -> None:
+    # A group kept alive past destroy_process_group() by a communicator used to be
+    # destroyed during interpreter finalization, where gloo's worker threads can no
+    # longer take the GIL: the process then died in std::terminate after printing "ok".
+    # Exit hooks run last-registered first, so the check registered here runs after
+    # distcache's release hook.
+    proc = _python(
+        f"""
+        import atexit
+        import torch.distributed as dist
+        from distcache.errors import CommError
+        import distcache.comm
+
+        held = {{}}
+
+        def check():
+            comm, sub = held["comm"], held["sub"]
+            assert comm.group is None and sub.group is None, (comm.group, sub.group)
+            try:
+                comm.barrier()
+            except CommError as exc:
+                assert "interpreter exited" in str(exc), exc
+            else:
+                raise AssertionError("a released communicator still ran a collective")
+            print("released")
+
+        atexit.register(check)
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/rdv", rank=0, world_size=1)
+        comm = distcache.comm.auto(timeout=30, chunk_bytes=4)
+        assert comm.broadcast_bytes(b"0123456789", 0) == b"0123456789"
+        sub = comm.split(1)
+        assert sub.allgather_object(("x", 1)) == [("x", 1)]
+        held.update(comm=comm, sub=sub)
+        dist.destroy_process_group()
+        print("ok")
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["ok", "released"]
