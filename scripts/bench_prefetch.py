@@ -34,6 +34,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -222,12 +223,21 @@ def launch(
         "--worker", strategy, "--run-dir", str(run_dir), "--result", str(result),
         "--launched-at", repr(launched), *common,
     ]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                          timeout=WORKER_TIMEOUT_S, check=False)
+    # A session of its own, so that a timeout kills mpirun and every rank it started.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=WORKER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        sys.stderr.write(out + err)
+        raise SystemExit(f"mpirun -n {n} {strategy} did not finish in {WORKER_TIMEOUT_S} s; "
+                         "killed it and its ranks") from None
     elapsed = time.time() - launched
-    if done.returncode != 0 or not result.exists():
-        sys.stderr.write(done.stdout + done.stderr)
-        raise SystemExit(f"mpirun -n {n} {strategy} failed with status {done.returncode}")
+    if proc.returncode != 0 or not result.exists():
+        sys.stderr.write(out + err)
+        raise SystemExit(f"mpirun -n {n} {strategy} failed with status {proc.returncode}")
     return json.loads(result.read_text()), elapsed
 
 
