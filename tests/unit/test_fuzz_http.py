@@ -342,7 +342,10 @@ def test_a_body_dripped_a_byte_at_a_time_is_cut_off_and_retried(
             yield BODY[i:i + 1]
 
     server = raw(drip)
-    slow = HttpOrigin(server.url, timeout=0.3, retries=1, sleep=lambda _s: None)
+    # The server answers one connection at a time and notices the dropped first
+    # attempt only at its next write: a read timeout of 1.5 s leaves the retry time to
+    # be accepted on a loaded machine; the drip (50 B/s) still stalls past the budget.
+    slow = HttpOrigin(server.url, timeout=1.5, retries=1, sleep=lambda _s: None)
     _opened.append(slow)
     out = io.BytesIO()
     with pytest.raises(OriginError, match="stalled"):

@@ -182,7 +182,9 @@ def test_wrong_size_from_the_server_is_an_integrity_error(
 def test_hanging_server_times_out_then_retry_succeeds(
     origin_server: LoopbackOrigin, artifacts: list[Artifact], sleeps: Sleeps
 ) -> None:
-    origin = HttpOrigin(origin_server.url, timeout=0.3, retries=2, sleep=sleeps)
+    # A read timeout long enough that the retry is always answered in time, even on
+    # a loaded machine; the hang (30 s) still outlasts it.
+    origin = HttpOrigin(origin_server.url, timeout=2.0, retries=2, sleep=sleeps)
     origin_server.inject("hang", seconds=30)
     assert sha256_hex(origin.fetch(artifacts[0])) == artifacts[0].sha256
     assert origin_server.total_requests == 2
