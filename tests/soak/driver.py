@@ -131,6 +131,8 @@ class SoakResult:
     #: The longest any rank spent in one round (a survivor's wait for a dead peer
     #: is bounded by DISTCACHE_TIMEOUT per collective).
     slowest_round_s: float = 0.0
+    #: Rounds after which a rank waited for downloads a timed-out prefetch left running.
+    settled_stray_downloads: int = 0
     tmpfs: bool = False
     seconds: float = 0.0
 
@@ -158,6 +160,7 @@ class SoakResult:
             ("clean rounds failed", self.clean_failures),
             ("clean origin requests / expected", f"{self.clean_requests} / {self.clean_expected}"),
             ("slowest rank-round (s)", f"{self.slowest_round_s:.1f}"),
+            ("rounds that settled stray downloads", self.settled_stray_downloads),
             ("violations", len(self.violations)), ("tmpfs full-disk", self.tmpfs),
             ("seconds", f"{self.seconds:.1f}"),
         ]
@@ -490,6 +493,8 @@ class _Soak:
 
     def _tally_served(self, reports: list[dict[str, Any]], pools: list[str],
                       corrupted: set[tuple[str, str]]) -> None:
+        if any(r.get("settle_seconds", 0.0) > 0.05 for r in reports):
+            self.result.settled_stray_downloads += 1
         for r in reports:
             self.result.slowest_round_s = max(self.result.slowest_round_s, r["seconds"])
             self.result.corrupt_served += int(r.get("corrupt_served", 0))

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,20 @@ def _fetch_lazily(pool: ArtifactPool, origin: HttpOrigin, artifacts: list[Artifa
     return errors
 
 
+def _settle_downloads(limit: float = 10.0) -> float:
+    """Wait (at most ``limit`` s) for downloads a timed-out prefetch left running.
+
+    They are harmless to a job (whatever they publish is whole), but a request one of
+    them makes after the driver has reset the origin's counters would be charged to the
+    next round. Returns the seconds waited."""
+    start = time.monotonic()
+    while time.monotonic() - start < limit and any(
+        t.name.startswith("distcache-fetch-") and t.is_alive() for t in threading.enumerate()
+    ):
+        time.sleep(_POLL_S)
+    return time.monotonic() - start
+
+
 def run_round(spec: dict[str, Any], comm: Any, origin: HttpOrigin, pool_root: str) -> dict[str, Any]:
     artifacts = [Artifact(n, s, z) for n, s, z in spec["artifacts"]]
     result: dict[str, Any] = {"rank": comm.rank, "ok": False, "comm_broken": False}
@@ -108,6 +123,7 @@ def run_round(spec: dict[str, Any], comm: Any, origin: HttpOrigin, pool_root: st
         result.update(ok=True, downloads=report.downloads, origin_bytes=report.origin_bytes,
                       corrupt_served=corrupt, missing_after_ok=missing)
     result["seconds"] = time.monotonic() - start
+    result["settle_seconds"] = _settle_downloads()
     return result
 
 
