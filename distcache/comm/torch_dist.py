@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import threading
 import time
 import weakref
 from datetime import timedelta
@@ -40,17 +39,6 @@ _TIMEOUT_MARKERS = ("timed out", "timeout", "Timeout")
 
 # Every live communicator, so that their process groups can be let go at exit.
 _live: weakref.WeakSet[TorchCommunicator] = weakref.WeakSet()
-_live_lock = threading.Lock()
-_exit_hook_installed = False
-
-
-def _track(comm: TorchCommunicator) -> None:
-    global _exit_hook_installed
-    with _live_lock:
-        _live.add(comm)
-        if not _exit_hook_installed:
-            atexit.register(_release_groups)
-            _exit_hook_installed = True
 
 
 def _release_groups() -> None:
@@ -62,10 +50,11 @@ def _release_groups() -> None:
     when no thread may take the GIL any more, and the process dies in
     ``std::terminate`` after the program has finished. Exit hooks run before that.
     """
-    with _live_lock:
-        comms = list(_live)
-    for comm in comms:
+    for comm in list(_live):
         comm._release("the interpreter exited")
+
+
+atexit.register(_release_groups)
 
 
 class TorchCommunicator(BackendCommunicator):
@@ -127,7 +116,7 @@ class TorchCommunicator(BackendCommunicator):
             self._device = torch.device("cuda", torch.cuda.current_device())
         else:
             self._device = torch.device("cpu")
-        _track(self)
+        _live.add(self)
 
     def _release(self, why: str) -> None:
         """Let go of the process group; every later call raises :class:`CommError`."""
