@@ -176,19 +176,21 @@ class ArtifactPool:
             return None
         return data
 
-    def _quarantine_object(self, sha: str, reason: str, st: os.stat_result | None) -> None:
-        path = self._object_path(sha)
+    def _quarantine_object(self, sha: str, reason: str, st: os.stat_result | None,
+                           path: str | None = None) -> None:
+        """Move ``path`` (default: the object ``sha``) into ``quarantine/``."""
+        path = self._object_path(sha) if path is None else path
         try:
             # None: someone else quarantined it first, or a repair already replaced it.
             dest = pool_fs.move_aside(path, self._quarantine, sha, st)
         except OSError as exc:
-            logger.error("object %s %s but cannot be quarantined: %s", path, reason, exc)
+            logger.error("%s %s but cannot be quarantined: %s", path, reason, exc)
             return
         if dest is None:
             return
         with self._guard:
             self.quarantined += 1
-        logger.warning("object %s %s; moved to %s and treated as a miss", sha, reason, dest)
+        logger.warning("%s %s; moved to %s and treated as a miss", path, reason, dest)
         pool_maintenance.trim_quarantine(self)
 
     def objects(self) -> Iterator[str]:
@@ -261,16 +263,9 @@ class ArtifactPool:
             st = os.lstat(directory)
         except FileNotFoundError:
             return
-        if stat.S_ISDIR(st.st_mode):
-            return
-        try:
-            dest = pool_fs.move_aside(str(directory), self._quarantine, sha, st)
-        except OSError as exc:
-            logger.error("%s is not a directory and cannot be moved aside: %s", directory, exc)
-            return
-        if dest is not None:
-            logger.warning("%s was not a directory (a planted symlink?); moved to %s",
-                           directory, dest)
+        if not stat.S_ISDIR(st.st_mode):
+            self._quarantine_object(sha, "is not a directory (a planted symlink?)", st,
+                                    path=str(directory))
 
     def _account(self, size: int) -> None:
         if self.max_bytes is None:
