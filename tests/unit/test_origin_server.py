@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,20 +17,11 @@ import pytest
 import requests
 
 from distcache.artifact import Artifact, parse_checksums, sha256_hex, validate_name
+from distcache.comm.backend import poll_until
 from distcache.testing import LoopbackOrigin, make_artifacts
 from distcache.testing.origin_server import _Bandwidth
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _settled(read: Callable[[], Any], want: Any, key: str | None = None) -> Any:
-    """``read()`` once its value (or its ``key``) equals ``want``, or after 5 s."""
-    deadline = time.monotonic() + 5
-    while True:
-        got = read()
-        if (got if key is None else got[key]) == want or time.monotonic() > deadline:
-            return got
-        time.sleep(0.01)
 
 
 def _raw_get(server: LoopbackOrigin, path: str) -> tuple[int, dict[str, str], bytes]:
@@ -66,7 +56,8 @@ def test_serves_files_and_counts_requests_and_bytes(
     # The handler counts a chunk after writing it: the client may hold the last bytes
     # a moment before the count includes them.
     expected = 2 * (a.size or 0) + (b.size or 0)
-    assert _settled(lambda: origin_server.bytes_sent, expected) == expected
+    poll_until(lambda: origin_server.bytes_sent == expected, time.monotonic() + 5)
+    assert origin_server.bytes_sent == expected
 
 
 def test_stats_and_reset_over_http(
@@ -74,10 +65,13 @@ def test_stats_and_reset_over_http(
 ) -> None:
     requests.get(f"{origin_server.url}/{artifacts[0].name}", timeout=10)
     requests.get(f"{origin_server.url}/no/such.cubin", timeout=10)
-    stats = _settled(
-        lambda: requests.get(f"{origin_server.url}/_stats", timeout=10).json(),
-        artifacts[0].size, key="bytes_sent",
-    )
+    stats: dict[str, Any] = {}
+
+    def counted() -> bool:  # the last chunk may be counted a moment after it arrived
+        stats.update(requests.get(f"{origin_server.url}/_stats", timeout=10).json())
+        return bool(stats["bytes_sent"] == artifacts[0].size)
+
+    poll_until(counted, time.monotonic() + 5)
     assert stats["total_requests"] == 2
     assert stats["requests"] == {artifacts[0].name: 1, "no/such.cubin": 1}
     assert stats["bytes_sent"] == artifacts[0].size
