@@ -34,7 +34,6 @@ import json
 import os
 import resource
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -53,6 +52,7 @@ from distcache.comm.base import Communicator
 from distcache.config import settings
 from distcache.origin import HttpOrigin
 from distcache.pool import ArtifactPool
+from distcache.testing.process import mpirun, run_group
 
 STRATEGIES = ("per-rank", "shared-dir", "lazy-fetch", "prefetch", "warm")
 LABELS = {
@@ -205,9 +205,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def mpirun_command(n: int) -> list[str]:
-    venv = Path(sys.executable).parent / "mpirun"
-    found = str(venv) if venv.exists() else shutil.which("mpirun")
-    if found is None:
+    found = mpirun()
+    if shutil.which(found) is None:
         raise SystemExit("mpirun not found (install openmpi or the mpi4py wheel's)")
     # 8 ranks on a 2-core machine: oversubscribe, and let the kernel place them.
     return [found, "-n", str(n), "--oversubscribe", "--bind-to", "none"]
@@ -223,21 +222,16 @@ def launch(
         "--worker", strategy, "--run-dir", str(run_dir), "--result", str(result),
         "--launched-at", repr(launched), *common,
     ]
-    # A session of its own, so that a timeout kills mpirun and every rank it started.
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=WORKER_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        sys.stderr.write(out + err)
+        done = run_group(cmd, timeout=WORKER_TIMEOUT_S, env=env)
+    except subprocess.TimeoutExpired as exc:
+        sys.stderr.write("".join(p for p in (exc.output, exc.stderr) if isinstance(p, str)))
         raise SystemExit(f"mpirun -n {n} {strategy} did not finish in {WORKER_TIMEOUT_S} s; "
                          "killed it and its ranks") from None
     elapsed = time.time() - launched
-    if proc.returncode != 0 or not result.exists():
-        sys.stderr.write(out + err)
-        raise SystemExit(f"mpirun -n {n} {strategy} failed with status {proc.returncode}")
+    if done.returncode != 0 or not result.exists():
+        sys.stderr.write(done.stdout + done.stderr)
+        raise SystemExit(f"mpirun -n {n} {strategy} failed with status {done.returncode}")
     return json.loads(result.read_text()), elapsed
 
 

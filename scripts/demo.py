@@ -21,6 +21,7 @@ from pathlib import Path
 
 from distcache.artifact import Artifact, manifest_text, parse_checksums
 from distcache.testing import LoopbackOrigin, make_artifacts
+from distcache.testing.process import mpirun
 
 HERE = Path(__file__).resolve().parent
 
@@ -47,7 +48,7 @@ def _flashinfer_cubins(limit: int) -> tuple[Path, list[Artifact]] | None:
 def _run_job(args: argparse.Namespace, work: Path, url: str, manifest: Path, n: int) -> dict:
     report = work / f"run{n}.json"
     per_node = args.ranks // args.nodes
-    cmd = [str(Path(sys.executable).parent / "mpirun"), "--oversubscribe"]
+    cmd = [mpirun(), "--oversubscribe"]
     for node in range(args.nodes):
         node_id = f"node-{chr(ord('a') + node)}"
         if node:

@@ -49,6 +49,7 @@ from typing import Any
 from distcache.artifact import Artifact
 from distcache.pool import ArtifactPool
 from distcache.testing import LoopbackOrigin, make_artifacts
+from distcache.testing.process import mpirun
 
 __all__ = ["FAULT_KINDS", "SoakConfig", "SoakResult", "run_soak", "tmpfs_available"]
 
@@ -206,11 +207,6 @@ def _env(config: SoakConfig) -> dict[str, str]:
     return env
 
 
-def _mpirun() -> str:
-    beside = Path(sys.executable).with_name("mpirun")
-    return str(beside) if beside.exists() else "mpirun"
-
-
 class _Soak:
     def __init__(self, config: SoakConfig, work: Path, tmpfs_dir: Path | None,
                  log: Callable[[str], None]) -> None:
@@ -297,7 +293,7 @@ class _Soak:
         # With --enable-recovery mpirun does not tear the job down when a rank dies,
         # so the survivors must get out by themselves, within their timeout.
         recovery = bool(kinds) and kinds[-1] == "sigkill" and self.rng.random() < 0.5
-        cmd = [_mpirun(), "--oversubscribe", *(["--enable-recovery"] if recovery else []),
+        cmd = [mpirun(), "--oversubscribe", *(["--enable-recovery"] if recovery else []),
                "-n", "2", "-x", "DISTCACHE_NODE_ID=a", *part,
                ":", "-n", "2", "-x", "DISTCACHE_NODE_ID=b", *part]
         out = open(control / "job.log", "wb")  # noqa: SIM115 - closed below
