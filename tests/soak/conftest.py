@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.soak.driver import _mpirun
+from distcache.testing.process import mpirun
 
 
 @pytest.fixture
@@ -22,6 +22,6 @@ def soak_seed() -> int:
 
 @pytest.fixture
 def soak_workdir(tmp_path: Path) -> Path:
-    if shutil.which(_mpirun()) is None and not Path(_mpirun()).exists():
+    if shutil.which(mpirun()) is None and not Path(mpirun()).exists():
         pytest.fail("mpirun is not installed; the soak cannot run")
     return tmp_path
