@@ -14,10 +14,10 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Artifact": "distcache.artifact",
     "parse_checksums": "distcache.artifact",
-    "ArtifactPool": "distcache.pool",
-    "HttpOrigin": "distcache.origin",
-    "DirOrigin": "distcache.origin",
-    "OriginChain": "distcache.origin",
+    "ArtifactPool": "distcache.store",
+    "HttpOrigin": "distcache.origins",
+    "DirOrigin": "distcache.origins",
+    "OriginChain": "distcache.origins",
     "prefetch": "distcache.collective",
     "sync": "distcache.collective",
     "PrefetchReport": "distcache.collective",
@@ -32,9 +32,9 @@ if TYPE_CHECKING:
     from distcache import comm, config, errors, integrations, ipc
     from distcache.artifact import Artifact, parse_checksums
     from distcache.collective import PrefetchReport, prefetch, sync
-    from distcache.origin import DirOrigin, HttpOrigin, OriginChain
-    from distcache.pool import ArtifactPool
+    from distcache.origins import DirOrigin, HttpOrigin, OriginChain
     from distcache.session import Session, init
+    from distcache.store import ArtifactPool
 
 
 def __getattr__(name: str) -> Any:

@@ -27,10 +27,10 @@ from distcache.config import Settings, settings
 from distcache.errors import ConfigError, DistcacheError
 
 if TYPE_CHECKING:
-    from distcache.collective import PrefetchReport, SyncState
+    from distcache.collective._core import PrefetchReport, SyncState
     from distcache.ipc import PoolRegistry
-    from distcache.origin import Origin
-    from distcache.pool import ArtifactPool
+    from distcache.origins._origin import Origin
+    from distcache.store._pool import ArtifactPool
 
 __all__ = ["Session", "current", "init"]
 
@@ -83,7 +83,7 @@ class Session:
         self._check_open()
         if self.disabled or self.pool is None:
             return None
-        from distcache.collective import SyncState, sync
+        from distcache.collective._core import SyncState, sync
 
         if self._sync_state is None:
             self._sync_state = SyncState()
@@ -198,7 +198,7 @@ def init(
     _log_rank0(comm, "comm: %s backend, %d rank(s) (%.2f s)", comm.backend, comm.size,
                phases["comm"])
 
-    from distcache.pool import ArtifactPool
+    from distcache.store._pool import ArtifactPool
 
     with _phase(phases, "pool"):
         the_pool = pool if isinstance(pool, ArtifactPool) else ArtifactPool(
@@ -259,7 +259,7 @@ def _log_rank0(comm: Communicator, msg: str, *args: Any) -> None:
 def _adopt_comm(environ: Mapping[str, str] | None) -> tuple[Communicator, bool]:
     """The communicator to use, and whether init brought torch.distributed up itself."""
     import launch
-    from distcache.comm.select import torch_is_initialised
+    from distcache.comm.adopt import torch_is_initialised
 
     env = os.environ if environ is None else environ
     if torch_is_initialised():
@@ -290,7 +290,7 @@ def _want_flashinfer(flag: bool | None, conf: Settings) -> bool:
 def _resolve_origin(
     origin: Origin | str | Sequence[str] | None, conf: Settings, use_flashinfer: bool
 ) -> Origin | None:
-    from distcache.origin import open_origin
+    from distcache.origins._origin import open_origin
 
     if origin is not None:
         return open_origin(origin)
@@ -335,6 +335,6 @@ def _prefetch(
             "a manifest was given but no origin: pass origin=... or set DISTCACHE_ORIGIN",
             variable="DISTCACHE_ORIGIN", value=None,
         )
-    from distcache.collective import prefetch
+    from distcache.collective._core import prefetch
 
     return prefetch(artifacts, comm=comm, pool=pool, origin=origin, timeout=conf.timeout)

@@ -10,9 +10,9 @@ variables under any launcher.
 
 from __future__ import annotations
 
-from launch.detect import LAUNCHERS, MPI_LAUNCHERS, LaunchError, LaunchInfo, detect
-from launch.dist import gloo_group, init_process_group
-from launch.nodelist import expand_nodelist
+from launch._detect import LAUNCHERS, MPI_LAUNCHERS, LaunchError, LaunchInfo, detect
+from launch._dist import gloo_group, init_process_group
+from launch._nodelist import expand_nodelist
 
 __all__ = [
     "LAUNCHERS",

@@ -5,7 +5,7 @@ Under any launcher (mpirun, srun, torchrun, or none) each rank's program gets th
 ``MASTER_ADDR`` and ``MASTER_PORT``, so an unmodified
 ``torch.distributed.init_process_group("gloo")`` works. Under MPI, rank 0 picks a free
 port and the address and port travel over MPI; elsewhere they come from
-:func:`launch.detect`.
+:func:`launch._detect`.
 
 The program runs as a child in its own process group; SIGINT, SIGTERM, SIGHUP,
 SIGQUIT, SIGUSR1 and SIGUSR2 are forwarded to it, the child is killed if this process
@@ -30,8 +30,8 @@ from types import FrameType
 from typing import NoReturn
 
 from distcache.errors import DistcacheError
-from launch.detect import LaunchInfo, detect
-from launch.workspace import WorkspaceSlot, acquire_slot
+from launch._detect import LaunchInfo, detect
+from launch._workspace import WorkspaceSlot, acquire_slot
 
 log = logging.getLogger("launch")
 
@@ -104,7 +104,7 @@ def _rendezvous(info: LaunchInfo) -> LaunchInfo:
     if info.master_addr is not None and info.master_port is not None:
         return info
     if info.is_mpi and info.world_size > 1:
-        from launch.dist import mpi_publish, rendezvous_address
+        from launch._dist import mpi_publish, rendezvous_address
 
         def choose(hosts: list[str]) -> tuple[str, int]:
             host = info.master_addr or rendezvous_address(hosts)
@@ -195,7 +195,7 @@ def _prefetch(
     elif info.is_mpi:
         comm = from_mpi()
     else:
-        from launch.dist import init_process_group
+        from launch._dist import init_process_group
 
         init_process_group(info)
         comm, torch_group = from_torch(), True

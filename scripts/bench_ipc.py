@@ -69,7 +69,7 @@ import torch
 
 from distcache.comm import ThreadGroup
 from distcache.ipc import FeatureRef, PoolDescriptor, PoolRegistry, ShmPool
-from distcache.ipc.shm import ShmMapping
+from distcache.ipc._shm import ShmMapping
 
 COLUMNS = 1024
 DTYPE = torch.bfloat16

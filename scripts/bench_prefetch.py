@@ -47,12 +47,12 @@ from typing import Any
 import distcache
 import distcache.comm
 from distcache.artifact import Artifact, parse_checksums
-from distcache.collective import prefetch
-from distcache.comm.base import Communicator
+from distcache.collective._core import prefetch
+from distcache.comm._base import Communicator
 from distcache.config import settings
-from distcache.origin import HttpOrigin
-from distcache.pool import ArtifactPool
-from distcache.testing.process import mpirun, run_group
+from distcache.origins._origin import HttpOrigin
+from distcache.store._pool import ArtifactPool
+from tests.support.process import mpirun, run_group
 
 STRATEGIES = ("per-rank", "shared-dir", "lazy-fetch", "prefetch", "warm")
 LABELS = {

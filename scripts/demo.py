@@ -21,7 +21,7 @@ from pathlib import Path
 
 from distcache.artifact import Artifact, manifest_text, parse_checksums
 from distcache.testing import LoopbackOrigin, make_artifacts
-from distcache.testing.process import mpirun
+from tests.support.process import mpirun
 
 HERE = Path(__file__).resolve().parent
 

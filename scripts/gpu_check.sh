@@ -39,7 +39,7 @@ cat > "$script" <<'PY'
 import hashlib, os, time, torch, torch.distributed as dist
 from distcache.comm import from_torch
 from distcache.ipc import CudaPool, FeatureRef, PoolRegistry
-from distcache.ipc.cuda import CudaMapping
+from distcache.ipc._cuda import CudaMapping
 
 dev = int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count()
 torch.cuda.set_device(dev)

@@ -4,7 +4,7 @@
 Runs collective prefetches under ``mpirun -n 4`` against a loopback origin while
 faults are drawn at random per round (seeded), checks the pool invariants after every
 round, prints a table and writes the figures as JSON. The machinery is the CI soak's
-(``tests/soak``); see ``tests/soak/driver.py`` for what is injected and checked.
+(``tests/soak``); see ``tests/support/soak.py`` for what is injected and checked.
 Run as root to include the full-disk fault (it mounts a 2 MiB tmpfs).
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.soak.driver import SoakConfig, run_soak
+from tests.support.soak import SoakConfig, run_soak
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from distcache.comm.base import MAX_MESSAGE_BYTES, Communicator, agree_on_error
-from distcache.comm.local import LocalCommunicator, ThreadCommunicator, ThreadGroup
+from distcache.comm._base import MAX_MESSAGE_BYTES, Communicator, agree_on_error
+from distcache.comm._local import LocalCommunicator, ThreadCommunicator, ThreadGroup
 
 __all__ = [
     "MAX_MESSAGE_BYTES",
@@ -37,7 +37,7 @@ def from_mpi(mpi_comm: Any = None, **kwargs: Any) -> Communicator:
     Raises:
         CommError: mpi4py is not importable.
     """
-    from distcache.comm.mpi import MpiCommunicator
+    from distcache.comm._mpi import MpiCommunicator
 
     return MpiCommunicator(mpi_comm, **kwargs)
 
@@ -48,7 +48,7 @@ def from_torch(group: Any = None, **kwargs: Any) -> Communicator:
     Raises:
         CommError: torch.distributed is not initialised.
     """
-    from distcache.comm.torch_dist import TorchCommunicator
+    from distcache.comm._torch import TorchCommunicator
 
     return TorchCommunicator(group, **kwargs)
 
@@ -60,6 +60,6 @@ def auto(**kwargs: Any) -> Communicator:
     Raises:
         CommError: a backend was detected but cannot be used.
     """
-    from distcache.comm.select import auto as _auto
+    from distcache.comm.adopt import auto as _auto
 
     return _auto(**kwargs)

@@ -15,10 +15,10 @@ torch is imported lazily: importing this package does not load it.
 
 from __future__ import annotations
 
-from distcache.ipc.cuda import CudaPool, probe_cuda_ipc
-from distcache.ipc.ref import FeatureRef, PoolDescriptor
-from distcache.ipc.registry import PoolRegistry
-from distcache.ipc.shm import ShmPool
+from distcache.ipc._cuda import CudaPool, probe_cuda_ipc
+from distcache.ipc._ref import FeatureRef, PoolDescriptor
+from distcache.ipc._registry import PoolRegistry
+from distcache.ipc._shm import ShmPool
 
 __all__ = [
     "CudaPool",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import helpers
+from tests.support import helpers
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -76,7 +76,7 @@ def base_env(**extra: str) -> dict[str, str]:
 
 
 def run_group(cmd: Sequence[str], env: dict[str, str], timeout: float = 120) -> Result:
-    """Run ``cmd`` from the checkout under :func:`tests.helpers.run_group`, stderr merged
+    """Run ``cmd`` from the checkout under :func:`tests.support.helpers.run_group`, stderr merged
     into the output; fail the test if it runs past ``timeout``."""
     try:
         done = helpers.run_group(cmd, timeout=timeout, env=env, cwd=REPO, merge_stderr=True)

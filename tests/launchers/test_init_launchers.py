@@ -10,10 +10,10 @@ from typing import NamedTuple
 import pytest
 
 from distcache.artifact import parse_checksums
-from distcache.pool import ArtifactPool
+from distcache.store._pool import ArtifactPool
 from distcache.testing import LoopbackOrigin, make_artifacts
-from tests.helpers import mpmd_command
 from tests.launchers.procs import LAUNCH, MPIRUN_4, PY, TORCHRUN_4, base_env, run_group
+from tests.support.helpers import mpmd_command
 
 INIT_PROG = Path(__file__).with_name("init_prog.py")
 K = 6
@@ -135,7 +135,7 @@ def test_launch_prefetch_warms_the_pool_before_the_program_starts(
     srv, manifest = origin
     pool = tmp_path / "pool"
     check = (
-        "import os, sys; from distcache.pool import ArtifactPool; "
+        "import os, sys; from distcache.store._pool import ArtifactPool; "
         "p = ArtifactPool(os.environ['DISTCACHE_POOL']); "
         "print('OBJECTS', os.environ['RANK'], sum(1 for _ in p.objects()), flush=True)"
     )

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from distcache.artifact import manifest_text
-from distcache.pool import ArtifactPool
+from distcache.store._pool import ArtifactPool
 from distcache.testing import LoopbackOrigin, make_artifacts
 from tests.launchers.procs import REPO, base_env, run_group
 
@@ -34,7 +34,7 @@ COMMANDS = [
 K = 5
 ENGINE = """\
 import os
-from distcache.pool import ArtifactPool
+from distcache.store._pool import ArtifactPool
 pool = ArtifactPool(os.environ["DISTCACHE_POOL"])
 print("ENGINE", os.environ["RANK"], sum(1 for _ in pool.objects()), flush=True)
 """

@@ -2,11 +2,11 @@
 
 ``DISTCACHE_TEST_COMM`` selects the backend every test body runs on:
 
-* ``mpi`` (default): :class:`~distcache.comm.mpi.MpiCommunicator` over ``COMM_WORLD``;
+* ``mpi`` (default): :class:`~distcache.comm._mpi.MpiCommunicator` over ``COMM_WORLD``;
 * ``torch``: torch.distributed with gloo, brought up by ``launch.init_process_group``
   (under MPI, rank 0 opens a ``TCPStore`` on an OS-chosen port and the address travels
   over MPI, so parallel jobs never race for a port), wrapped in
-  :class:`~distcache.comm.torch_dist.TorchCommunicator`.
+  :class:`~distcache.comm._torch.TorchCommunicator`.
 
 Fixtures: ``comm`` (session-wide), ``comm_factory`` (a new communicator over the same
 ranks with other options, e.g. a small ``chunk_bytes``) and ``shared_tmp`` (one fresh
@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from distcache.comm.base import Communicator
+from distcache.comm._base import Communicator
 
 BACKENDS = ("mpi", "torch")
 _BRINGUP_TIMEOUT_S = 120.0
@@ -50,11 +50,11 @@ def _init_torch_gloo() -> None:
 
 def _make(backend: str, base: Communicator | None = None, **options: Any) -> Communicator:
     if backend == "mpi":
-        from distcache.comm.mpi import MpiCommunicator
+        from distcache.comm._mpi import MpiCommunicator
 
         handle = None if base is None else getattr(base, "mpi_comm", None)
         return MpiCommunicator(handle, **options)
-    from distcache.comm.torch_dist import TorchCommunicator
+    from distcache.comm._torch import TorchCommunicator
 
     _init_torch_gloo()
     group = None if base is None else getattr(base, "group", None)

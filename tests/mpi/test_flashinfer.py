@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 
 from distcache.artifact import Artifact
-from distcache.comm.base import Communicator
+from distcache.comm._base import Communicator
 from distcache.integrations import flashinfer as fi
-from distcache.pool import ArtifactPool
+from distcache.store._pool import ArtifactPool
 from distcache.testing import make_artifacts
-from distcache.testing.origin_server import LoopbackOrigin
+from distcache.testing._origin_server import LoopbackOrigin
 
 K = 6
 

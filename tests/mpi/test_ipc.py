@@ -16,9 +16,9 @@ import torch
 from distcache.comm import Communicator
 from distcache.errors import IpcError, StaleHandleError
 from distcache.ipc import CudaPool, FeatureRef, PoolRegistry, ShmPool
-from distcache.ipc.producer import ProducerPool
-from distcache.ipc.shm import SHM_DIR
-from tests.ipc_exchange import FEATURES, run_exchange
+from distcache.ipc._producer import ProducerPool
+from distcache.ipc._shm import SHM_DIR
+from tests.support.ipc_exchange import FEATURES, run_exchange
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

@@ -9,7 +9,7 @@ import pytest
 
 import distcache
 from distcache.artifact import manifest_text
-from distcache.comm.base import Communicator
+from distcache.comm._base import Communicator
 from distcache.ipc import FeatureRef, ShmPool
 from distcache.testing import LoopbackOrigin, make_artifacts
 

@@ -9,7 +9,7 @@ from subprocess import CompletedProcess
 
 import pytest
 
-from tests.helpers import mpi_env, mpmd_command, run_group
+from tests.support.helpers import mpi_env, mpmd_command, run_group
 
 #: Seconds any one multi-process launch may take before its process group is killed.
 LAUNCH_TIMEOUT_S = 120.0
@@ -20,7 +20,7 @@ def run_mpmd() -> Callable[..., CompletedProcess[str]]:
     """``run_mpmd([(nprocs, env, argv), ...])``: one MPMD ``mpirun`` launch.
 
     Each application context gets its own ``-x`` variables (see
-    :func:`tests.helpers.mpmd_command`).
+    :func:`tests.support.helpers.mpmd_command`).
     """
 
     def run(

@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import distcache
 from distcache.artifact import parse_checksums
-from distcache.comm.base import Communicator
+from distcache.comm._base import Communicator
 from distcache.errors import PrefetchError
-from distcache.origin import HttpOrigin
-from distcache.pool import ArtifactPool
+from distcache.origins._origin import HttpOrigin
+from distcache.store._pool import ArtifactPool
 
 TIMEOUT_S = 60.0
 

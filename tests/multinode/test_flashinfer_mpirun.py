@@ -41,10 +41,10 @@ def _worker(mode: str, base: Path, names_file: Path) -> int:
         warnings.simplefilter("ignore")
         import flashinfer.jit.cubin_loader as loader_module
 
-    from distcache.cli_prefetch import add_parser
+    from distcache.cli._prefetch import add_parser
     from distcache.comm import auto
     from distcache.integrations import flashinfer as fi
-    from distcache.pool import ArtifactPool
+    from distcache.store._pool import ArtifactPool
 
     comm = auto()
     url = os.environ["FLASHINFER_CUBINS_REPOSITORY"]
@@ -93,7 +93,7 @@ if __name__ == "__main__":
 
 # --- the tests ------------------------------------------------------------------------
 
-from tests.helpers import mpi_env, mpmd_command, run_group  # noqa: E402
+from tests.support.helpers import mpi_env, mpmd_command, run_group  # noqa: E402
 
 
 def _launch(program: list[str], base: Path, pool_tag: str, url: str) -> list[dict[str, object]]:

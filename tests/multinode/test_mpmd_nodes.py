@@ -16,7 +16,7 @@ PROGRAM = textwrap.dedent(
     import sys
 
     import distcache.comm
-    from distcache.comm.mpi import MpiCommunicator
+    from distcache.comm._mpi import MpiCommunicator
 
     world = distcache.comm.auto(timeout=60)
     assert isinstance(world, MpiCommunicator), world

@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 
-from distcache.pool import ArtifactPool
+from distcache.store._pool import ArtifactPool
 from distcache.testing import make_artifacts
-from tests.helpers import kill_group
+from tests.support.helpers import kill_group
 
 REPO = Path(__file__).resolve().parents[2]
 PROGRAM = REPO / "tests" / "launchers" / "allreduce_prog.py"

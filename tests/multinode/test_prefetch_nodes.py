@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from distcache.artifact import Artifact
-from distcache.pool import ArtifactPool
+from distcache.store._pool import ArtifactPool
 from distcache.testing import LoopbackOrigin, make_artifacts
 
 WORKER = Path(__file__).with_name("prefetch_worker.py")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from distcache.testing.process import mpirun
+from tests.support.process import mpirun
 
 
 @pytest.fixture

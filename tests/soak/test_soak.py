@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.soak.driver import FAULT_KINDS, SoakConfig, run_soak, tmpfs_available
+from tests.support.soak import FAULT_KINDS, SoakConfig, run_soak, tmpfs_available
 
 ROUNDS = 60
 

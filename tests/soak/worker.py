@@ -1,6 +1,6 @@
 """One rank of a soak job: run the rounds the driver posts, report each outcome.
 
-Started by :mod:`tests.soak.driver` under ``mpirun -n 4``; the only argument is the
+Started by :mod:`tests.support.soak` under ``mpirun -n 4``; the only argument is the
 job's control directory. The driver posts ``round-<k>.json`` (the artifact list, or
 ``stop``) and reads back ``done-<k>-<rank>.json``. Each round opens its pool afresh (so
 the sweep of stale files runs every round) and calls :func:`distcache.prefetch` over
@@ -29,11 +29,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from distcache.artifact import Artifact
-from distcache.collective import prefetch, sync
+from distcache.collective._core import prefetch, sync
 from distcache.comm import from_mpi
 from distcache.errors import DistcacheError, IntegrityError, OriginError, PoolError, PrefetchError
-from distcache.http_origin import HttpOrigin
-from distcache.pool import ArtifactPool
+from distcache.origins._http import HttpOrigin
+from distcache.store._pool import ArtifactPool
 
 _POLL_S = 0.005
 

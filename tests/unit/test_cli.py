@@ -373,7 +373,7 @@ def test_a_reader_that_goes_away_is_not_an_error(tmp_path: Path, env: dict[str, 
     # `distcache pool ls | head -1`: the pipe closes long before ls has written
     # everything (far more than a pipe buffer of names).
     from distcache.artifact import Artifact, sha256_hex
-    from distcache.pool import ArtifactPool
+    from distcache.store._pool import ArtifactPool
 
     pool = ArtifactPool(tmp_path / "pool")
     listed = []

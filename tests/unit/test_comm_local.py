@@ -26,10 +26,10 @@ from distcache.comm import (
     agree_on_error,
     local,
 )
-from distcache.comm.base import MAX_MESSAGE_BYTES, chunk_spans
-from distcache.comm.select import launcher_is_mpi
+from distcache.comm._base import MAX_MESSAGE_BYTES, chunk_spans
+from distcache.comm.adopt import launcher_is_mpi
 from distcache.errors import CollectiveTimeout, IntegrityError, RemoteError
-from tests.helpers import run_group
+from tests.support.helpers import run_group
 
 GiB = 1 << 30
 ROOT = Path(__file__).resolve().parents[2]
@@ -228,7 +228,7 @@ def test_importing_comm_imports_neither_torch_nor_mpi4py() -> None:
     proc = _python(
         """
         import sys
-        import distcache.comm, distcache.comm.select, distcache.comm.mpi, distcache.comm.torch_dist
+        import distcache.comm, distcache.comm.adopt, distcache.comm._mpi, distcache.comm._torch
         comm = distcache.comm.auto(node_id="n1")
         assert comm.backend == "local" and comm.node_id == "n1", comm
         leaked = sorted(m for m in ("torch", "mpi4py", "mpi4py.MPI") if m in sys.modules)
@@ -267,7 +267,7 @@ def test_torch_backend_maps_timeouts_and_failures_to_comm_errors(tmp_path: Path)
     proc = _python(
         f"""
         import torch.distributed as dist
-        from distcache.comm.torch_dist import TorchCommunicator
+        from distcache.comm._torch import TorchCommunicator
         from distcache.errors import CollectiveTimeout, CommError
         dist.init_process_group("gloo", init_method="file://{tmp_path}/rdv", rank=0, world_size=1)
 
@@ -312,7 +312,7 @@ def test_mpi_backend_runs_at_world_size_one_and_maps_mpi_errors() -> None:
     proc = _python(
         """
         from mpi4py import MPI
-        from distcache.comm.mpi import MpiCommunicator
+        from distcache.comm._mpi import MpiCommunicator
         from distcache.errors import CommError
         comm = MpiCommunicator(MPI.COMM_SELF, chunk_bytes=3, node_id="solo")
         assert (comm.rank, comm.size, comm.node_id, comm.backend) == (0, 1, "solo", "mpi")
@@ -386,7 +386,7 @@ class _FakeWork:
 
 
 def test_device_collectives_are_polled_until_done_then_waited() -> None:
-    from distcache.comm.torch_dist import TorchCommunicator
+    from distcache.comm._torch import TorchCommunicator
 
     work = _FakeWork(polls=3)
     TorchCommunicator._poll(work, 30.0)
@@ -394,7 +394,7 @@ def test_device_collectives_are_polled_until_done_then_waited() -> None:
 
 
 def test_device_collective_that_never_completes_reports_a_timeout() -> None:
-    from distcache.comm.torch_dist import _TIMEOUT_MARKERS, TorchCommunicator
+    from distcache.comm._torch import _TIMEOUT_MARKERS, TorchCommunicator
 
     work = _FakeWork(polls=None)
     with pytest.raises(RuntimeError) as info:

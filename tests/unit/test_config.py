@@ -21,7 +21,7 @@ from distcache.config import (
     settings,
 )
 from distcache.errors import ConfigError
-from tests.helpers import run_group
+from tests.support.helpers import run_group
 
 ROOT = Path(__file__).resolve().parents[2]
 

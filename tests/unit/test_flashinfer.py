@@ -19,8 +19,8 @@ from distcache.artifact import Artifact, parse_checksums, path_under
 from distcache.comm import ThreadGroup
 from distcache.errors import ArtifactNameError, ConfigError, ManifestError, OriginError
 from distcache.integrations import flashinfer as fi
-from distcache.integrations import flashinfer_warm as warm
-from distcache.integrations.flashinfer_record import (
+from distcache.integrations.flashinfer import _warm as warm
+from distcache.integrations.flashinfer._record import (
     Recorder,
     merge_entries,
     read_record,
@@ -365,7 +365,7 @@ def test_concurrent_writers_to_one_file_never_interleave(tmp_path: Path) -> None
 def test_concurrent_processes_append_whole_lines(tmp_path: Path) -> None:
     code = (
         "import sys, hashlib\n"
-        "from distcache.integrations.flashinfer_record import Recorder\n"
+        "from distcache.integrations.flashinfer._record import Recorder\n"
         "r = Recorder(sys.argv[1], 'shared.txt')\n"
         "for i in range(300):\n"
         "    r.add(f'pin/p{sys.argv[2]}/k{i}.cubin', hashlib.sha256(str(i).encode()).hexdigest())\n"
@@ -410,10 +410,10 @@ def test_missing_record_directory_is_empty(tmp_path: Path) -> None:
 
 @pytest.fixture
 def fake_collective(monkeypatch: pytest.MonkeyPatch) -> list[list[Artifact]]:
-    """Stands in for distcache.collective.prefetch: records what each call was given and
+    """Stands in for distcache.collective._core.prefetch: records what each call was given and
     puts the bytes into the pool, as the real collective would."""
     calls: list[list[Artifact]] = []
-    module = types.ModuleType("distcache.collective")
+    module = types.ModuleType("distcache.collective._core")
 
     def prefetch(
         artifacts: list[Artifact],
@@ -430,7 +430,7 @@ def fake_collective(monkeypatch: pytest.MonkeyPatch) -> list[list[Artifact]]:
         return f"report:{len(artifacts)}"
 
     module.prefetch = prefetch  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "distcache.collective", module)
+    monkeypatch.setitem(sys.modules, "distcache.collective._core", module)
     return calls
 
 
@@ -677,7 +677,7 @@ def test_default_origin_reads_flashinfer_repository_at_call_time(
 
 def test_importing_the_integration_imports_neither_flashinfer_nor_torch() -> None:
     code = (
-        "import sys, distcache.integrations.flashinfer, distcache.integrations.flashinfer_warm\n"
+        "import sys, distcache.integrations.flashinfer, distcache.integrations.flashinfer._warm\n"
         "bad = [m for m in ('flashinfer', 'torch') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
@@ -690,7 +690,7 @@ def test_importing_the_integration_imports_neither_flashinfer_nor_torch() -> Non
 def test_real_pool_serves_flashinfer_from_the_loopback_origin_once(
     loader_module: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from distcache.pool import ArtifactPool
+    from distcache.store._pool import ArtifactPool
     from distcache.testing import LoopbackOrigin, make_artifacts
 
     made = make_artifacts(tmp_path / "repo", 3, min_size=1_000, max_size=5_000)
@@ -718,7 +718,7 @@ def test_real_pool_serves_flashinfer_from_the_loopback_origin_once(
 def cli(*argv: str) -> int:
     import argparse
 
-    from distcache.cli_prefetch import add_parser
+    from distcache.cli._prefetch import add_parser
 
     parser = argparse.ArgumentParser(prog="distcache")
     add_parser(parser.add_subparsers())
@@ -727,7 +727,7 @@ def cli(*argv: str) -> int:
 
 
 def test_cli_prefetch_manifest_fills_the_pool(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from distcache.pool import ArtifactPool
+    from distcache.store._pool import ArtifactPool
     from distcache.testing import make_artifacts
 
     made = make_artifacts(tmp_path / "mirror", 3, min_size=1_000, max_size=2_000)
@@ -740,7 +740,7 @@ def test_cli_prefetch_manifest_fills_the_pool(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_cli_prefetch_flashinfer_record_uses_the_record(tmp_path: Path) -> None:
-    from distcache.pool import ArtifactPool
+    from distcache.store._pool import ArtifactPool
     from distcache.testing import make_artifacts
 
     made = make_artifacts(tmp_path / "mirror", 2, min_size=1_000, max_size=2_000)

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 from distcache.errors import IpcError
 from distcache.ipc import FeatureRef, PoolDescriptor, PoolRegistry, ShmPool
-from distcache.ipc.ref import DTYPES, MAX_BYTES, MAX_NDIM, check_pool_id
-from tests.helpers import run_group
+from distcache.ipc._ref import DTYPES, MAX_BYTES, MAX_NDIM, check_pool_id
+from tests.support.helpers import run_group
 
 FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=400,
                 suppress_health_check=[HealthCheck.too_slow])

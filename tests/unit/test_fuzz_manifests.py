@@ -24,8 +24,8 @@ from distcache.artifact import (
     validate_name,
 )
 from distcache.errors import ArtifactNameError, ManifestError
-from distcache.integrations.flashinfer_warm import _parse_family
-from distcache.pool import ArtifactPool
+from distcache.integrations.flashinfer._warm import _parse_family
+from distcache.store._pool import ArtifactPool
 
 FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=300,
                 suppress_health_check=[HealthCheck.too_slow])

@@ -32,9 +32,9 @@ from distcache.artifact import (
     validate_name,
 )
 from distcache.errors import ArtifactNameError, IntegrityError, OriginError, PoolError
-from distcache.integrations.flashinfer_loader import PooledLoader
-from distcache.origin import DirOrigin
-from distcache.pool import ArtifactPool
+from distcache.integrations.flashinfer._loader import PooledLoader
+from distcache.origins._origin import DirOrigin
+from distcache.store._pool import ArtifactPool
 
 # Deterministic and database-less, so CI sees the same examples on every run.
 FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=300,

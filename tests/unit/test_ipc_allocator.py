@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from distcache.errors import IpcError
-from distcache.ipc.allocator import ALIGNMENT, Lease, SlotAllocator, WordArray, header_bytes
+from distcache.ipc._allocator import ALIGNMENT, Lease, SlotAllocator, WordArray, header_bytes
 
 
 class Pool:

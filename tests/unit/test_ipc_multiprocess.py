@@ -1,4 +1,4 @@
-"""IPC pools across real processes: ``mpirun -n 4`` jobs of ``tests/ipc_exchange.py``.
+"""IPC pools across real processes: ``mpirun -n 4`` jobs of ``tests/support/ipc_exchange.py``.
 
 One producer and three consumers exchange 10,000 features (64 B to 256 KiB, eight
 dtypes, 1-3 dimensions) on the shared-memory backend, and on the CUDA backend where a
@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import mpi_env, mpirun, run_group
+from tests.support.helpers import mpi_env, mpirun, run_group
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tests" / "ipc_exchange.py"
+SCRIPT = ROOT / "tests" / "support" / "ipc_exchange.py"
 RANKS = 4
 FEATURES = 10_000
 JOB_TIMEOUT = 150.0

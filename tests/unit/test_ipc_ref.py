@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from distcache.errors import IpcError
 from distcache.ipc import FeatureRef, PoolDescriptor
-from distcache.ipc.ref import DTYPES, MAX_NDIM
+from distcache.ipc._ref import DTYPES, MAX_NDIM
 
 
 def _descriptor(**changes: object) -> PoolDescriptor:
@@ -29,7 +29,7 @@ def _descriptor(**changes: object) -> PoolDescriptor:
         ack_words=3,
         device=-1,
         consumers=(0, 1, 3),
-        handle=b"distcache.pool-a.75bcd15",
+        handle=b"distcache.store._pool-a.75bcd15",
     )
     fields.update(changes)
     return PoolDescriptor(**fields)  # type: ignore[arg-type]

@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distcache.comm import ThreadGroup
-from distcache.comm.base import Communicator
+from distcache.comm._base import Communicator
 from distcache.errors import IpcError, StaleHandleError
 from distcache.ipc import FeatureRef, PoolRegistry, ShmPool
-from distcache.ipc.ref import DTYPES
+from distcache.ipc._ref import DTYPES
 
 RANKS = 4
 

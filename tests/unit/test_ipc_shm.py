@@ -15,8 +15,8 @@ import torch
 
 from distcache.errors import IpcError, PoolError
 from distcache.ipc import FeatureRef, PoolDescriptor, PoolRegistry, ShmPool
-from distcache.ipc import shm as shm_module
-from distcache.ipc.shm import ShmMapping
+from distcache.ipc import _shm as shm_module
+from distcache.ipc._shm import ShmMapping
 
 CHILD_TIMEOUT = 60.0
 
@@ -125,7 +125,7 @@ def test_full_pool_answers_none_and_logs_once(caplog: pytest.LogCaptureFixture) 
     with ShmPool(1024, consumers=[1]) as pool:
         pool.bind(0, [1])
         assert pool.put(torch.zeros(256, dtype=torch.uint8)) is not None
-        with caplog.at_level(logging.DEBUG, logger="distcache.ipc.producer"):
+        with caplog.at_level(logging.DEBUG, logger="distcache.ipc._producer"):
             for _ in range(5):
                 assert pool.put(torch.zeros(1024, dtype=torch.uint8)) is None
         warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]

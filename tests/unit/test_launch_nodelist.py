@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from launch import LaunchError, expand_nodelist
-from launch.nodelist import MAX_HOSTS, expand_counts
+from launch._nodelist import MAX_HOSTS, expand_counts
 
 
 @pytest.mark.parametrize(

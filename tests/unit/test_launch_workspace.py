@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from launch.workspace import LOCK_NAME, WorkspaceError, acquire_slot
+from launch._workspace import LOCK_NAME, WorkspaceError, acquire_slot
 
 HOLDER = textwrap.dedent(
     """
     import sys, time
-    from launch.workspace import acquire_slot
+    from launch._workspace import acquire_slot
     slot = acquire_slot(sys.argv[1], start=int(sys.argv[2]))
     print(slot.index, flush=True)
     time.sleep(120)

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from distcache import locking
-from distcache.locking import FileLock, flock_fd
+from distcache.store import _locking as locking
+from distcache.store._locking import FileLock, flock_fd
 
 REPO = Path(__file__).resolve().parents[2]
 
 HOLDER = """
 import sys, time
-from distcache.locking import FileLock
+from distcache.store._locking import FileLock
 lock = FileLock(sys.argv[1], timeout=5)
 assert lock.acquire()
 print("held", flush=True)
@@ -176,7 +176,7 @@ def test_unsupported_locks_degrade_to_no_lock_and_warn_once(
 
     monkeypatch.setattr(fcntl, "flock", no_locks)
     monkeypatch.setattr(locking, "_warned_dirs", set())
-    caplog.set_level(logging.WARNING, logger="distcache.locking")
+    caplog.set_level(logging.WARNING, logger="distcache.store._locking")
     first = FileLock(tmp_path / "a.lock", timeout=1)
     second = FileLock(tmp_path / "b.lock", timeout=1)
     assert first.acquire() and second.acquire()

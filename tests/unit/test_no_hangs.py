@@ -22,9 +22,9 @@ from typing import Any, BinaryIO
 import pytest
 
 from distcache.artifact import Artifact, sha256_hex
-from distcache.collective import prefetch
+from distcache.collective._core import prefetch
 from distcache.comm import ThreadGroup
-from distcache.comm.base import Communicator
+from distcache.comm._base import Communicator
 from distcache.errors import (
     CollectiveTimeout,
     CommError,
@@ -32,10 +32,10 @@ from distcache.errors import (
     OriginError,
     PrefetchError,
 )
-from distcache.http_origin import HttpOrigin
-from distcache.origin import DirOrigin
-from distcache.pool import ArtifactPool
-from tests.helpers import mpi_env, mpirun, run_group
+from distcache.origins._http import HttpOrigin
+from distcache.origins._origin import DirOrigin
+from distcache.store._pool import ArtifactPool
+from tests.support.helpers import mpi_env, mpirun, run_group
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -90,7 +90,7 @@ _MPI_SCRIPT = textwrap.dedent(
     """
     import json, os, sys, time
     from mpi4py import MPI
-    from distcache.comm.mpi import MpiCommunicator
+    from distcache.comm._mpi import MpiCommunicator
     from distcache.errors import CollectiveTimeout, CommError
     world = MPI.COMM_WORLD
     ops = ["barrier", "allgather_object", "broadcast_bytes", "split"]

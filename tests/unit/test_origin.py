@@ -12,7 +12,7 @@ import pytest
 
 from distcache.artifact import Artifact, sha256_hex
 from distcache.errors import ArtifactNameError, ConfigError, IntegrityError, OriginError
-from distcache.origin import DirOrigin, HttpOrigin, Origin, OriginChain, open_origin
+from distcache.origins._origin import DirOrigin, HttpOrigin, Origin, OriginChain, open_origin
 from distcache.testing import LoopbackOrigin
 
 TOKEN = "tok-5f1e2d3c4b5a69788796a5b4c3d2e1f0"

@@ -6,15 +6,15 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from distcache.audience import Audience
-from distcache.plan import (
+from distcache.collective._audience import Audience
+from distcache.collective._plan import (
     decode_bitmap,
     elect_writers,
     encode_bitmap,
     make_plan,
     node_interleaved,
 )
-from distcache.transfer import decode_bucket, encode_bucket
+from distcache.collective._transfer import decode_bucket, encode_bucket
 
 SHAS = [f"{i:064x}" for i in range(40)]
 

@@ -17,7 +17,7 @@ import pytest
 
 from distcache.artifact import Artifact
 from distcache.errors import ArtifactNameError, ConfigError, IntegrityError, OriginError, PoolError
-from distcache.pool import ArtifactPool
+from distcache.store._pool import ArtifactPool
 
 
 def sha(data: bytes) -> str:
@@ -292,7 +292,7 @@ def test_corrupt_object_is_quarantined_and_refetched(
 ) -> None:
     pool.put(DATA)
     damage(_object(pool))  # type: ignore[operator]
-    caplog.set_level(logging.WARNING, logger="distcache.pool")
+    caplog.set_level(logging.WARNING, logger="distcache.store._pool")
     assert pool.get(DIGEST) is None
     assert pool.quarantined == 1
     assert len(os.listdir(pool.root / "quarantine")) == 1
@@ -390,7 +390,7 @@ def test_fetch_accepts_an_origin_that_rewinds_after_a_failed_attempt(pool: Artif
 def test_fetch_waits_then_downloads_itself_when_lock_times_out(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from distcache.locking import FileLock
+    from distcache.store._locking import FileLock
 
     pool = ArtifactPool(tmp_path / "p", lock_timeout=0.05)
     holder = FileLock(pool.root / "locks" / f"{DIGEST}.lock", timeout=1)

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from distcache.artifact import Artifact
-from distcache.locking import FileLock
-from distcache.pool import ArtifactPool
+from distcache.store._locking import FileLock
+from distcache.store._pool import ArtifactPool
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE = 120.0
@@ -34,7 +34,7 @@ PRELUDE = """
 import hashlib, json, os, sys, time
 from pathlib import Path
 from distcache.artifact import Artifact
-from distcache.pool import ArtifactPool
+from distcache.store._pool import ArtifactPool
 args = json.loads(sys.argv[1])
 Path(args["ready"], str(os.getpid())).touch()
 while not os.path.exists(args["go"]):
@@ -156,7 +156,7 @@ def test_sixteen_processes_fetching_one_missing_artifact_make_one_request(tmp_pa
 
 @pytest.mark.timeout(180)
 def test_sixteen_processes_over_http_origin_make_one_request(tmp_path: Path) -> None:
-    from distcache.http_origin import HttpOrigin  # noqa: F401  (checked to exist)
+    from distcache.origins._http import HttpOrigin  # noqa: F401  (checked to exist)
     from distcache.testing import LoopbackOrigin, make_artifacts
 
     (artifact,) = make_artifacts(tmp_path / "mirror", 1, seed=3)
@@ -169,7 +169,7 @@ def test_sixteen_processes_over_http_origin_make_one_request(tmp_path: Path) -> 
             "lock_timeout": 100,
         }
         body = (
-            "from distcache.http_origin import HttpOrigin\n"
+            "from distcache.origins._http import HttpOrigin\n"
             f"ORIGIN = HttpOrigin({server.url!r}, retries=0)\n" + FETCH_BODY
         )
         outputs = run_children(tmp_path, body, [args] * 16)

@@ -17,9 +17,11 @@ from typing import Any
 import pytest
 
 from distcache.artifact import Artifact, sha256_hex, verify_bytes
-from distcache.collective import PHASES, PrefetchReport, SyncState, prefetch, sync
+from distcache.collective._core import PHASES, PrefetchReport, SyncState, prefetch, sync
+from distcache.collective._plan import make_plan
+from distcache.collective._transfer import decode_bucket, download_objects
 from distcache.comm import LocalCommunicator, ThreadGroup
-from distcache.comm.base import Communicator
+from distcache.comm._base import Communicator
 from distcache.errors import (
     IntegrityError,
     ManifestMismatchError,
@@ -27,8 +29,6 @@ from distcache.errors import (
     PoolError,
     PrefetchError,
 )
-from distcache.plan import make_plan
-from distcache.transfer import decode_bucket, download_objects
 
 # -- fakes -------------------------------------------------------------------------
 
@@ -556,9 +556,9 @@ _MPI_ONLY = """
 import sys
 from pathlib import Path
 from distcache.comm import from_mpi
-from distcache.origin import DirOrigin
-from distcache.pool import ArtifactPool
-from distcache.collective import prefetch
+from distcache.origins._origin import DirOrigin
+from distcache.store._pool import ArtifactPool
+from distcache.collective._core import prefetch
 from distcache.artifact import parse_checksums
 
 root = Path(sys.argv[1])
@@ -611,8 +611,8 @@ def test_mpi_only_prefetch_never_imports_torch(tmp_path: Path) -> None:
 
 
 def test_real_pools_and_loopback_origin_fetch_each_artifact_once(tmp_path: Path) -> None:
-    from distcache.origin import HttpOrigin
-    from distcache.pool import ArtifactPool
+    from distcache.origins._origin import HttpOrigin
+    from distcache.store._pool import ArtifactPool
     from distcache.testing import LoopbackOrigin, make_artifacts
 
     arts = make_artifacts(tmp_path / "mirror", 12, min_size=2000, max_size=20_000)
@@ -640,7 +640,7 @@ def test_real_pools_and_loopback_origin_fetch_each_artifact_once(tmp_path: Path)
 
 
 def test_real_pools_sync_spreads_a_lazy_fetch(tmp_path: Path) -> None:
-    from distcache.pool import ArtifactPool
+    from distcache.store._pool import ArtifactPool
 
     data = b"lazily fetched kernel" * 100
     art = Artifact("cubins/lazy.cubin", sha256_hex(data))

@@ -69,8 +69,8 @@ def test_unknown_attribute_is_an_attribute_error() -> None:
 
 def test_importing_the_packages_imports_neither_torch_nor_mpi4py() -> None:
     code = (
-        "import sys, distcache, launch, distcache.comm, distcache.ipc, distcache.pool, "
-        "distcache.origin, distcache.collective, distcache.session, distcache.cli, "
+        "import sys, distcache, launch, distcache.comm, distcache.ipc, distcache.store._pool, "
+        "distcache.origins._origin, distcache.collective._core, distcache.session, distcache.cli, "
         "distcache.integrations.flashinfer\n"
         "bad = [m for m in ('torch', 'mpi4py', 'flashinfer') if m in sys.modules]\n"
         "print(','.join(bad))\n"

@@ -15,12 +15,12 @@ import pytest
 
 import distcache
 from distcache.artifact import Artifact
-from distcache.collective import prefetch
+from distcache.collective._core import prefetch
 from distcache.comm import LocalCommunicator
-from distcache.http_origin import HttpOrigin
 from distcache.ipc import ShmPool
-from distcache.origin import DirOrigin
-from distcache.pool import ArtifactPool
+from distcache.origins._http import HttpOrigin
+from distcache.origins._origin import DirOrigin
+from distcache.store._pool import ArtifactPool
 from distcache.testing import LoopbackOrigin, make_artifacts
 
 CYCLES = 1000
@@ -129,9 +129,9 @@ backend = sys.argv[1]
 if backend == "torch-gloo":
     import torch.distributed as dist
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    from distcache.comm.torch_dist import TorchCommunicator as Comm
+    from distcache.comm._torch import TorchCommunicator as Comm
 else:
-    from distcache.comm.mpi import MpiCommunicator as Comm
+    from distcache.comm._mpi import MpiCommunicator as Comm
 comm = Comm(timeout=30)
 first = comm.split(0)
 first.barrier()
@@ -157,7 +157,7 @@ def test_repeated_splits_reuse_one_communicator_per_partition(
 ) -> None:
     # A process group per split leaked gloo's sockets (4 descriptors per call here)
     # on every prefetch and sync whose writers are not all ranks.
-    from tests.helpers import mpi_env, run_group
+    from tests.support.helpers import mpi_env, run_group
 
     script = tmp_path / "split.py"
     script.write_text(_SPLIT_SCRIPT)

@@ -1,0 +1,125 @@
+"""``distcache prefetch``: warm every rank's pool collectively before serving.
+
+Run it on every rank of the job (``mpirun -n N distcache prefetch ...``, ``srun``,
+``torchrun``): the ranks agree on the list, each missing artifact is fetched once
+per job and broadcast to the pools that lack it.
+
+    distcache prefetch --manifest FILE [--manifest FILE ...] [--origin URL]
+    distcache prefetch --flashinfer [--record DIR] [--family NAME ...] [--origin URL]
+
+The ``distcache`` command registers :func:`setup`; :func:`add_parser` builds a
+stand-alone parser. The handler :func:`run` returns the exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from distcache.errors import ConfigError, DistcacheError
+
+__all__ = ["add_parser", "run", "setup"]
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add a stand-alone ``prefetch`` subcommand (with its own ``--pool``) to an
+    ``argparse`` subparsers object; its ``func`` default is :func:`run`."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "prefetch", help=HELP, description=DESCRIPTION
+    )
+    parser.add_argument("--pool", metavar="DIR", help="pool directory (default: DISTCACHE_POOL)")
+    setup(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+HELP = "collectively fetch artifacts once per job into every rank's pool"
+DESCRIPTION = (
+    "Collective: run on every rank. Each artifact missing from some pool is "
+    "fetched from the origin by one rank and broadcast to the pools that lack it."
+)
+
+
+def setup(parser: argparse.ArgumentParser) -> None:
+    """Add the ``prefetch`` options to ``parser`` (the ``distcache`` command supplies
+    ``--pool``)."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--manifest", action="append", metavar="FILE",
+                        help="a sha256sum-format manifest (repeatable)")
+    source.add_argument("--flashinfer", action="store_true",
+                        help="FlashInfer artifacts: the usage record and/or whole families")
+    parser.add_argument("--record", metavar="DIR",
+                        help="FlashInfer usage-record directory written by earlier runs")
+    parser.add_argument("--family", action="append", default=[], metavar="NAME",
+                        help="a whole FlashInfer artifact family, e.g. TRTLLM_GEN_FMHA "
+                             "(repeatable; verified against FlashInfer's pinned hash)")
+    parser.add_argument("--origin", metavar="URL",
+                        help="origin URL or directory (default: DISTCACHE_ORIGIN, then "
+                             "FlashInfer's FLASHINFER_CUBINS_REPOSITORY with --flashinfer)")
+    parser.add_argument("--timeout", type=float, metavar="SECONDS",
+                        help="collective timeout (default: DISTCACHE_TIMEOUT)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Handle ``distcache prefetch``; returns the exit status (0 ok, 1 failed, 2 usage)."""
+    if not args.flashinfer and (args.record or args.family):
+        print("distcache prefetch: --record and --family need --flashinfer", file=sys.stderr)
+        return 2
+    if args.flashinfer and not (args.record or args.family):
+        print("distcache prefetch: --flashinfer needs --record DIR and/or --family NAME",
+              file=sys.stderr)
+        return 2
+    try:
+        report, rank = _prefetch(args)
+    except DistcacheError as exc:
+        print(f"distcache prefetch: {exc}", file=sys.stderr)
+        return 1
+    if rank == 0:
+        summary = getattr(report, "summary", None)
+        print(summary() if callable(summary) else report)
+    return 0
+
+
+def _prefetch(args: argparse.Namespace) -> tuple[Any, int]:
+    from distcache.artifact import read_manifest
+    from distcache.comm import agree_on_error, auto
+    from distcache.config import settings
+    from distcache.integrations.flashinfer._record import merge_entries
+    from distcache.origins._origin import open_origin
+    from distcache.store._pool import ArtifactPool
+
+    conf = settings(timeout=args.timeout)
+    origin_spec: Any = args.origin if args.origin else (list(conf.origins) or None)
+    origin = open_origin(origin_spec) if origin_spec else None
+    comm = auto()
+    pool = ArtifactPool(Path(args.pool) if args.pool else conf.pool_dir,
+                        max_bytes=conf.pool_max_bytes)
+    if args.flashinfer:
+        from distcache.integrations.flashinfer._warm import prefetch as fi_prefetch
+
+        report = fi_prefetch(comm=comm, pool=pool, record=args.record, origin=origin,
+                             families=tuple(args.family), timeout=conf.timeout)
+        return report, comm.rank
+    if origin is None:
+        raise ConfigError("no origin: pass --origin URL or set DISTCACHE_ORIGIN",
+                          variable="DISTCACHE_ORIGIN", value=None)
+    parts = []
+    error: BaseException | None = None
+    try:
+        for manifest in args.manifest:
+            parts.append((manifest, {a.name: a.sha256 for a in read_manifest(manifest)}))
+        artifacts = merge_entries(parts)
+    except DistcacheError as exc:
+        error = exc
+    # A rank that cannot read its manifest must not leave the others waiting.
+    agree_on_error(comm, error, timeout=conf.timeout)
+    from distcache.collective._core import prefetch
+
+    report = prefetch(artifacts, comm=comm, pool=pool, origin=origin, timeout=conf.timeout)
+    return report, comm.rank

@@ -1,0 +1,388 @@
+"""Moving bytes: from the origin into a pool (:func:`download_objects`), and from one
+rank's pool to the peers that lack them in few, bounded broadcasts (:func:`move_objects`,
+over the audiences of :mod:`distcache.collective._audience`).
+
+A *bucket* is one ``broadcast_bytes`` message holding several artifacts. Its layout
+puts the table *after* the payloads, so the sender can append each artifact into one
+growing buffer and finish with the table, never copying the payloads a second time::
+
+    payload_0 | payload_1 | ... | table: count x (index u32, length i64) | trailer
+
+    trailer = magic b"DCB1", flags u8 (bit 0: last bucket of this stream), count u32
+
+A length of -1 marks an artifact the source could not read (the source reports the
+failure; the stream goes on, so every rank keeps calling the same broadcasts). Chunking of messages over 2 GiB is the communicator's job.
+
+Memory: the sender holds one bucket plus the artifact that did not fit; a receiver
+holds one bucket plus one artifact copy. :class:`StreamStats` records the peak.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from distcache.artifact import Artifact
+from distcache.collective._audience import split_audiences
+from distcache.collective._plan import Plan
+from distcache.comm._base import Communicator
+from distcache.errors import IntegrityError, OriginError
+
+__all__ = [
+    "MAGIC",
+    "Downloaded",
+    "StreamStats",
+    "decode_bucket",
+    "download_objects",
+    "encode_bucket",
+    "move_objects",
+    "receive_stream",
+    "send_stream",
+]
+
+MAGIC = b"DCB1"
+_ENTRY = struct.Struct("<Iq")
+_TRAILER = struct.Struct("<4sBI")
+_LAST = 1
+
+
+@dataclass
+class StreamStats:
+    """What one rank's streams cost (summed over streams)."""
+
+    #: Bucket messages this rank broadcast as the root.
+    broadcasts: int = 0
+    #: Bytes of those messages (payloads and tables).
+    bytes_sent: int = 0
+    #: Largest number of artifact bytes this rank held at once for a transfer.
+    peak_bytes: int = 0
+    #: Objects this rank published into its pool from received buckets.
+    published: int = 0
+    #: Payload bytes this rank received (as a writer, from other writers' streams).
+    received_bytes: int = 0
+    #: Of those, bytes of objects its pool already held, thrown away.
+    discarded_bytes: int = 0
+
+    def hold(self, nbytes: int) -> None:
+        self.peak_bytes = max(self.peak_bytes, nbytes)
+
+
+def encode_bucket(items: Iterable[tuple[int, bytes | None]], *, last: bool) -> bytearray:
+    """Pack ``(index, payload or None)`` pairs into one bucket message."""
+    body = bytearray()
+    table: list[tuple[int, int]] = []
+    for index, data in items:
+        _append(body, table, index, data)
+    return _finish(body, table, last)
+
+
+def _append(
+    body: bytearray, table: list[tuple[int, int]], index: int, data: bytes | None
+) -> None:
+    if data is None:
+        table.append((index, -1))
+    else:
+        body += data
+        table.append((index, len(data)))
+
+
+def _finish(body: bytearray, table: list[tuple[int, int]], last: bool) -> bytearray:
+    for index, length in table:
+        body += _ENTRY.pack(index, length)
+    body += _TRAILER.pack(MAGIC, _LAST if last else 0, len(table))
+    return body
+
+
+def decode_bucket(message: bytes) -> tuple[bool, list[tuple[int, memoryview | None]]]:
+    """Unpack a bucket: ``(last, [(index, payload view or None), ...])``.
+
+    Raises:
+        ValueError: the message is not a well-formed bucket.
+    """
+    view = memoryview(message)
+    if len(view) < _TRAILER.size:
+        raise ValueError(f"bucket of {len(view)} bytes is shorter than its trailer")
+    magic, flags, count = _TRAILER.unpack_from(view, len(view) - _TRAILER.size)
+    table_start = len(view) - _TRAILER.size - count * _ENTRY.size
+    if magic != MAGIC or table_start < 0:
+        raise ValueError("bucket trailer is corrupt (bad magic or count)")
+    entries: list[tuple[int, memoryview | None]] = []
+    offset = 0
+    for k in range(count):
+        index, length = _ENTRY.unpack_from(view, table_start + k * _ENTRY.size)
+        if length < 0:
+            entries.append((index, None))
+            continue
+        if offset + length > table_start:
+            raise ValueError(f"bucket entry {k} overruns the payload area")
+        entries.append((index, view[offset : offset + length]))
+        offset += length
+    if offset != table_start:
+        raise ValueError(f"bucket payload area has {table_start - offset} unclaimed bytes")
+    return bool(flags & _LAST), entries
+
+
+def send_stream(
+    comm: Communicator,
+    items: Iterable[tuple[int, bytes | None]],
+    *,
+    bucket_bytes: int,
+    stats: StreamStats,
+    timeout: float | None = None,
+) -> None:
+    """Broadcast ``items`` from ``comm.rank`` in buckets of about ``bucket_bytes``.
+
+    ``items`` is consumed lazily (a generator reading from the pool keeps memory at
+    one bucket plus one artifact). An artifact larger than ``bucket_bytes`` travels
+    alone. At least one (possibly empty) bucket is always sent, the last one flagged,
+    so receivers following :func:`receive_stream` stay in step.
+    """
+    body = bytearray()
+    table: list[tuple[int, int]] = []
+
+    def flush(last: bool) -> None:
+        nonlocal body, table
+        message = _finish(body, table, last)
+        stats.broadcasts += 1
+        stats.bytes_sent += len(message)
+        comm.broadcast_bytes(bytes(message), comm.rank, timeout=timeout)
+        body, table = bytearray(), []
+
+    for index, data in items:
+        size = 0 if data is None else len(data)
+        stats.hold(len(body) + size)
+        if table and len(body) + size > bucket_bytes:
+            flush(last=False)
+        _append(body, table, index, data)
+        del data
+    flush(last=True)
+
+
+def receive_stream(
+    comm: Communicator, root: int, *, stats: StreamStats, timeout: float | None = None
+) -> Iterator[tuple[int, memoryview | None]]:
+    """Yield ``(index, payload view or None)`` from ``root``'s stream until its last bucket.
+
+    Raises:
+        ValueError: a malformed bucket arrived.
+        CollectiveTimeout: the root (or a peer) did not arrive in time.
+    """
+    while True:
+        message = comm.broadcast_bytes(None, root, timeout=timeout)
+        last, entries = decode_bucket(message)
+        # Payloads are published straight from views into the message: no copies.
+        stats.hold(len(message))
+        yield from entries
+        del entries, message
+        if last:
+            return
+
+
+class _Store(Protocol):
+    def has(self, sha256: str) -> bool: ...
+    def get(self, sha256: str) -> bytes | None: ...
+    def put(self, data: bytes | bytearray | memoryview, sha256: str | None = None) -> str: ...
+
+
+class Origin(Protocol):
+    """The part of :class:`distcache.origins._origin.Origin` the collective uses."""
+
+    def describe(self) -> str: ...
+    def fetch(self, artifact: Artifact) -> bytes: ...
+
+
+@dataclass
+class Downloaded:
+    downloads: int = 0
+    origin_bytes: int = 0
+    #: The first ``(artifact name, error)``, if any download failed.
+    failure: tuple[str, BaseException] | None = None
+
+
+def _only_this_artifact(exc: BaseException) -> bool:
+    """Whether ``exc`` condemns one artifact only, not the origin or the pool."""
+    if isinstance(exc, IntegrityError):
+        return True
+    return isinstance(exc, OriginError) and getattr(exc, "status", None) == 404
+
+
+def download_objects(
+    pool: _Store,
+    origin: Origin,
+    artifacts: Sequence[Artifact],
+    *,
+    workers: int,
+    timeout: float | None = None,
+) -> Downloaded:
+    """Fetch ``artifacts`` from ``origin`` into ``pool`` with ``workers`` threads.
+
+    Publication is atomic (``pool.put`` verifies, then renames), so any rank sharing
+    the pool may do this. A failure confined to one artifact (its bytes do not match
+    the digest, or the origin has no such file) does not stop the others: they are
+    published, so that the next job fetches only what failed. Any other failure (the
+    origin is unreachable, the pool cannot be written) stops new downloads from
+    starting. The first failure is returned, not raised, so the caller can agree on it
+    with its peers.
+
+    ``timeout`` bounds the whole call: an origin can stall a download for ever while
+    bounding each read (a server that sends one byte per read timeout), and the peers
+    of this rank stop waiting for it after the collective's timeout anyway. A download
+    still running then is abandoned to its (daemon) thread, reported as an
+    :class:`~distcache.errors.OriginError`, and whatever it publishes later is whole.
+    """
+    result = Downloaded()
+    if not artifacts:
+        return result
+    lock = threading.Lock()
+    stop = threading.Event()
+    finished = threading.Event()
+    todo = list(reversed(artifacts))
+    running: dict[int, str] = {}
+    left = [len(artifacts)]
+
+    def one(artifact: Artifact) -> None:
+        if stop.is_set():
+            return
+        try:
+            if pool.has(artifact.sha256):
+                return  # published since discovery: a concurrent job, a resumed run
+            data = origin.fetch(artifact)
+            pool.put(data, artifact.sha256)  # verifies again, publishes atomically
+            with lock:
+                if not finished.is_set():
+                    result.downloads += 1
+                    result.origin_bytes += len(data)
+        except Exception as exc:
+            with lock:
+                if not finished.is_set():
+                    result.failure = result.failure or (artifact.name, exc)
+            if not _only_this_artifact(exc):
+                stop.set()
+
+    def work() -> None:
+        me = threading.get_ident()
+        while True:
+            with lock:
+                if not todo:
+                    return
+                artifact = todo.pop()
+                running[me] = artifact.name
+            one(artifact)
+            with lock:
+                running.pop(me, None)
+                left[0] -= 1
+                if left[0] == 0:
+                    finished.set()
+
+    threads = [
+        threading.Thread(target=work, name=f"distcache-fetch-{i}", daemon=True)
+        for i in range(max(1, min(workers, len(artifacts))))
+    ]
+    for t in threads:
+        t.start()
+    if finished.wait(timeout):
+        for t in threads:
+            t.join()
+        return result
+    stop.set()
+    with lock:
+        finished.set()  # freeze the figures: late finishers no longer count
+        stalled = sorted(running.values())
+        name = stalled[0] if stalled else artifacts[0].name
+        if result.failure is None:
+            result.failure = (
+                name,
+                OriginError(
+                    f"download of {name} from {origin.describe()} did not finish within "
+                    f"{timeout:g} s ({len(stalled)} still running); the origin is stalling: "
+                    "check it, or raise DISTCACHE_TIMEOUT",
+                    name=name,
+                    timeout=timeout,
+                ),
+            )
+        return Downloaded(result.downloads, result.origin_bytes, result.failure)
+
+
+def move_objects(
+    comm: Communicator,
+    plan: Plan,
+    pool: _Store,
+    *,
+    pool_ids: Sequence[str],
+    bucket_bytes: int,
+    stats: StreamStats,
+    timeout: float | None = None,
+) -> tuple[int, BaseException] | None:
+    """Collective over ``comm``: carry out ``plan.audiences`` among the pools' writers.
+
+    Every rank calls it. Writers are split off into their own communicator (unless
+    every rank is a writer), and from it one communicator per audience smaller than
+    every writer (:func:`distcache.collective._audience.split_audiences`). Within each audience,
+    each source streams its objects from its pool, and every other rank of the
+    audience verifies and publishes (``pool.put`` checks the digest) those its pool
+    lacks as each bucket arrives. A failure does not stop the protocol: the rank keeps
+    taking every bucket so its peers stay in step, and returns the first
+    ``(object index, error)`` for the caller to agree on.
+
+    Raises:
+        CollectiveTimeout: a peer did not arrive in time.
+        ValueError: a malformed bucket arrived.
+    """
+    writers = plan.writer_ranks
+    is_writer = comm.rank in writers
+    # Non-writers get a communicator of their own and never use it.
+    wcomm = comm if len(writers) == comm.size else comm.split(0 if is_writer else 1)
+    if not is_writer:
+        return None
+    mine = pool_ids[comm.rank]
+    failure: tuple[int, BaseException] | None = None
+
+    def read(indices: tuple[int, ...]) -> Iterator[tuple[int, bytes | None]]:
+        nonlocal failure
+        for index in indices:
+            data: bytes | None = None
+            try:
+                data = pool.get(plan.objects[index])
+                if data is None:
+                    raise FileNotFoundError(
+                        f"object {plan.objects[index]} vanished from pool {mine} (or was corrupt)"
+                    )
+            except Exception as exc:
+                failure = failure or (index, exc)
+            yield index, data
+            del data
+
+    comms = split_audiences(wcomm, comm.rank, writers, plan.audiences)
+    for audience, acomm in zip(plan.audiences, comms, strict=True):
+        if acomm is None:
+            continue
+        # Learn the audience communicator's rank order rather than assume it.
+        world_of = acomm.allgather_object(comm.rank, timeout=timeout)
+        root_of = {world: sub for sub, world in enumerate(world_of)}
+        for source, indices in audience.sends:
+            if source == comm.rank:
+                send_stream(
+                    acomm, read(indices), bucket_bytes=bucket_bytes, stats=stats, timeout=timeout
+                )
+                continue
+            stream = receive_stream(acomm, root_of[source], stats=stats, timeout=timeout)
+            for index, view in stream:
+                # A missing entry is reported by its source.
+                if view is None:
+                    continue
+                stats.received_bytes += len(view)
+                if mine not in plan.lacking[index]:
+                    # Only objects past the audience cap reach a pool that has them.
+                    stats.discarded_bytes += len(view)
+                    continue
+                if failure is not None:
+                    continue
+                try:
+                    pool.put(view, plan.objects[index])
+                    stats.published += 1
+                except Exception as exc:
+                    failure = (index, exc)
+    return failure

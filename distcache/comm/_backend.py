@@ -1,0 +1,279 @@
+"""What the process-group backends share: every policy of a real communicator.
+
+:class:`BackendCommunicator` implements the :class:`~distcache.comm._base.Communicator`
+protocol once: option resolution and checks, identity, the broken-after-timeout
+state and its refusal, the chunked broadcast (length first, then chunks of at most
+``chunk_bytes``), pickling for ``allgather_object``, the ``chunk_messages`` and
+``payload_bytes`` counters, and ``split``'s agreement and per-partition child cache.
+
+A backend supplies only its transport. Each primitive starts one collective,
+waits for it no longer than the :class:`Budget` allows, and translates the
+transport's errors (:meth:`BackendCommunicator._timed_out`,
+:meth:`BackendCommunicator._comm_error`):
+
+* ``_broadcast_length(length, root, budget) -> int``: the root's ``length``;
+* ``_payload_buffer(data, total)``: a buffer holding the root's ``data``, or
+  ``total`` bytes to receive into;
+* ``_broadcast_span(buffer, start, stop, root, budget)``: one chunk, in place;
+* ``_buffer_bytes(buffer) -> bytes``: the received payload;
+* ``_allgather_lengths(length, budget) -> list[int]``: every rank's ``length``;
+* ``_allgather_payloads(mine, lengths, budget)``: every rank's bytes, in rank
+  order (refusing, with :meth:`BackendCommunicator._too_large`, what exceeds one
+  message of the transport);
+* ``_barrier(budget)``;
+* ``_split_child(colors, color)``: a communicator of the same class over the ranks
+  whose color is ``color`` (``colors`` has every rank's, in rank order), built with
+  ``**self._inherited()``.
+
+A subclass sets ``_rank`` and ``_size`` in its constructor, after calling
+``super().__init__`` with the caller's options, and names itself with ``_kind``
+(:attr:`backend`) and ``_label`` (the word used in messages).
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, ClassVar, NamedTuple, Self
+
+from distcache.comm._base import MAX_MESSAGE_BYTES, check_broadcast, chunk_spans, hostname
+from distcache.config import settings
+from distcache.errors import CollectiveTimeout, CommError
+
+__all__ = ["BackendCommunicator", "Budget", "poll_until"]
+
+# Polling: start with a tight loop (small collectives finish in microseconds), back
+# off to a short sleep so idle ranks do not steal cores from working ones.
+_POLL_MIN_S = 20e-6
+_POLL_MAX_S = 2e-3
+
+
+class Budget(NamedTuple):
+    """The time one collective call may take."""
+
+    #: The timeout the caller asked for (or the communicator's default), in seconds.
+    seconds: float
+    #: ``time.monotonic()`` value at which the whole call gives up.
+    until: float
+
+
+def poll_until(done: Callable[[], bool], until: float) -> bool:
+    """Call ``done`` until it returns True (then True) or ``until`` passes (False)."""
+    pause = _POLL_MIN_S
+    while not done():
+        if time.monotonic() >= until:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, _POLL_MAX_S)
+    return True
+
+
+class BackendCommunicator(ABC):
+    """A :class:`~distcache.comm._base.Communicator` whose transport a subclass supplies.
+
+    Raises:
+        ConfigError: a ``DISTCACHE_*`` variable has a bad value.
+        ValueError: ``timeout`` or ``chunk_bytes`` is out of range.
+    """
+
+    #: :attr:`backend`, e.g. ``"mpi"``.
+    _kind: ClassVar[str]
+    #: The transport's name in messages, e.g. ``"MPI"``.
+    _label: ClassVar[str]
+
+    _rank: int
+    _size: int
+
+    def __init__(
+        self,
+        *,
+        timeout: float | None = None,
+        chunk_bytes: int | None = None,
+        node_id: str | None = None,
+    ) -> None:
+        conf = settings(timeout=timeout, chunk_bytes=chunk_bytes, node_id=node_id)
+        if not conf.timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {conf.timeout}")
+        if not 0 < conf.chunk_bytes <= MAX_MESSAGE_BYTES:
+            raise ValueError(
+                f"chunk_bytes must be between 1 and {MAX_MESSAGE_BYTES} (2 GiB - 1), "
+                f"got {conf.chunk_bytes}"
+            )
+        self._timeout = conf.timeout
+        self._chunk_bytes = conf.chunk_bytes
+        self._node_id = conf.node_id if conf.node_id is not None else hostname()
+        self._broken: str | None = None
+        # split() results by the all-gathered colors (see split).
+        self._children: dict[tuple[int, ...], Self] = {}
+        #: Payload chunk messages this rank took part in (one per broadcast of data).
+        self.chunk_messages = 0
+        #: Payload bytes this rank sent or received through ``broadcast_bytes``.
+        self.payload_bytes = 0
+
+    # -- identity ---------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def node_id(self) -> str:
+        return self._node_id
+
+    @property
+    def backend(self) -> str:
+        return self._kind
+
+    @property
+    def timeout(self) -> float:
+        return self._timeout
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self._chunk_bytes
+
+    def _repr_extra(self) -> str:
+        """Backend details for ``repr``, each followed by ``", "``."""
+        return ""
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(rank={self._rank}, size={self._size}, "
+            f"{self._repr_extra()}node_id={self._node_id!r})"
+        )
+
+    def _inherited(self) -> dict[str, Any]:
+        """Constructor options a child communicator takes over from this one."""
+        return {
+            "timeout": self._timeout,
+            "chunk_bytes": self._chunk_bytes,
+            "node_id": self._node_id,
+        }
+
+    # -- state and errors -------------------------------------------------------------
+
+    def _budget(self, timeout: float | None) -> Budget:
+        """The time a call starting now may take; refuses a broken communicator."""
+        if self._broken is not None:
+            raise CommError(
+                f"rank {self._rank}/{self._size}: this {self._label} communicator is unusable "
+                f"after {self._broken}; create a new communicator",
+                op="reuse",
+                rank=self._rank,
+                backend=self._kind,
+            )
+        wait = self._timeout if timeout is None else timeout
+        return Budget(wait, time.monotonic() + wait)
+
+    def _timed_out(self, op: str, wait: float) -> CollectiveTimeout:
+        """Retire this communicator (a started collective cannot be cancelled)."""
+        self._broken = f"{op} timed out after {wait:g} s"
+        return CollectiveTimeout(
+            f"{op} on rank {self._rank}/{self._size} ({self._node_id}) did not "
+            f"complete within {wait:g} s: a peer rank never arrived; check for "
+            "a crashed or stalled rank, or raise DISTCACHE_TIMEOUT",
+            op=op,
+            timeout=wait,
+            rank=self._rank,
+            backend=self._kind,
+        )
+
+    def _comm_error(self, op: str, exc: BaseException, *, over: str = "") -> CommError:
+        """The transport failed ``op`` (``over``: the transport's own backend, if any)."""
+        via = f" over {over}" if over else ""
+        return CommError(
+            f"{op} failed on rank {self._rank}/{self._size} ({self._node_id}){via}: {exc}",
+            op=op,
+            rank=self._rank,
+            backend=self._kind,
+        )
+
+    def _too_large(self, text: str) -> CommError:
+        return CommError(
+            f"allgather_object: {text}; all-gather small objects only",
+            op="allgather_object",
+            rank=self._rank,
+            backend=self._kind,
+        )
+
+    # -- collectives ------------------------------------------------------------------
+
+    def broadcast_bytes(
+        self, data: bytes | None, root: int, *, timeout: float | None = None
+    ) -> bytes:
+        check_broadcast(self._rank, self._size, root, data)
+        budget = self._budget(timeout)
+        mine = data if self._rank == root else None
+        total = self._broadcast_length(0 if mine is None else len(mine), root, budget)
+        buffer = self._payload_buffer(mine, total)
+        for start, stop in chunk_spans(total, self._chunk_bytes):
+            self._broadcast_span(buffer, start, stop, root, budget)
+            self.chunk_messages += 1
+        self.payload_bytes += total
+        return mine if isinstance(mine, bytes) else self._buffer_bytes(buffer)
+
+    def allgather_object(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
+        budget = self._budget(timeout)
+        mine = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        lengths = self._allgather_lengths(len(mine), budget)
+        return [pickle.loads(part) for part in self._allgather_payloads(mine, lengths, budget)]
+
+    def barrier(self, *, timeout: float | None = None) -> None:
+        self._barrier(self._budget(timeout))
+
+    def split(self, color: int) -> Self:
+        # Creating a communicator blocks with no timeout in every backend; an
+        # all-gather first proves every rank has arrived (or raises
+        # CollectiveTimeout), and lets any int be a color (MPI wants non-negative ones).
+        #
+        # The child for a partition is kept and handed out again: the collective splits
+        # off the same writers on every prefetch and sync, and a communicator per call
+        # would pile up for the life of the job (MPICH allows about 2,000; gloo holds
+        # several sockets per group). Whether any rank's kept child broke travels in
+        # the same all-gather, so every rank drops its children together and no rank
+        # creates a communicator alone (torch's group names must stay in step, too).
+        broken = any(c._broken is not None for c in self._children.values())
+        gathered = self.allgather_object((int(color), broken))
+        if any(b for _, b in gathered):
+            self._children.clear()
+        colors = tuple(c for c, _ in gathered)
+        kept = self._children.get(colors)
+        if kept is not None:
+            return kept
+        made = self._split_child(colors, int(color))
+        self._children[colors] = made
+        return made
+
+    # -- transport primitives ---------------------------------------------------------
+
+    @abstractmethod
+    def _broadcast_length(self, length: int, root: int, budget: Budget) -> int: ...
+
+    @abstractmethod
+    def _payload_buffer(self, data: bytes | None, total: int) -> Any: ...
+
+    @abstractmethod
+    def _broadcast_span(
+        self, buffer: Any, start: int, stop: int, root: int, budget: Budget
+    ) -> None: ...
+
+    @abstractmethod
+    def _buffer_bytes(self, buffer: Any) -> bytes: ...
+
+    @abstractmethod
+    def _allgather_lengths(self, length: int, budget: Budget) -> list[int]: ...
+
+    @abstractmethod
+    def _allgather_payloads(self, mine: bytes, lengths: list[int], budget: Budget) -> list[Any]: ...
+
+    @abstractmethod
+    def _barrier(self, budget: Budget) -> None: ...
+
+    @abstractmethod
+    def _split_child(self, colors: tuple[int, ...], color: int) -> Self: ...

@@ -1,0 +1,178 @@
+"""The mpi4py backend.
+
+Every collective is started non-blocking (``Ibcast``, ``Iallgatherv``, ``Ibarrier``)
+and polled with ``Test()`` until a deadline, so a rank that never arrives makes its
+peers raise :class:`~distcache.errors.CollectiveTimeout` instead of hanging in a
+blocking MPI call. MPI cannot cancel a started collective, so a communicator whose
+collective timed out refuses further calls (a later call would be matched against
+the abandoned one); build a new communicator to continue.
+
+The policy (chunking, pickling, split's child cache) is
+:class:`~distcache.comm._backend.BackendCommunicator`'s; this module moves bytes.
+mpi4py is imported in the constructor, never at module import: importing
+``mpi4py.MPI`` calls ``MPI_Init``.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from typing import Any, Self
+
+from distcache.comm._backend import BackendCommunicator, Budget, poll_until
+from distcache.comm._base import MAX_MESSAGE_BYTES
+from distcache.errors import CommError
+
+__all__ = ["MpiCommunicator"]
+
+log = logging.getLogger(__name__)
+
+
+class MpiCommunicator(BackendCommunicator):
+    """A :class:`~distcache.comm._base.Communicator` over an mpi4py communicator.
+
+    Args:
+        mpi_comm: an ``mpi4py.MPI.Comm`` (default ``COMM_WORLD``).
+        timeout: default seconds per collective (default ``DISTCACHE_TIMEOUT``).
+        chunk_bytes: largest single broadcast message (default ``DISTCACHE_CHUNK_BYTES``).
+        node_id: this rank's node identity (default ``DISTCACHE_NODE_ID``, else the
+            hostname).
+
+    Raises:
+        CommError: mpi4py cannot be imported or initialised.
+        ConfigError: a ``DISTCACHE_*`` variable has a bad value.
+        ValueError: ``timeout`` or ``chunk_bytes`` is out of range.
+    """
+
+    _kind = "mpi"
+    _label = "MPI"
+
+    def __init__(
+        self,
+        mpi_comm: Any = None,
+        *,
+        timeout: float | None = None,
+        chunk_bytes: int | None = None,
+        node_id: str | None = None,
+    ) -> None:
+        try:
+            from mpi4py import MPI
+        except Exception as exc:  # ImportError, or a broken MPI library at init
+            raise CommError(
+                f"mpi4py is not usable: {exc}; install mpi4py and an MPI library "
+                "(pip install 'distcache[mpi]')",
+                op="init",
+                backend="mpi",
+            ) from exc
+        self._MPI = MPI
+        super().__init__(timeout=timeout, chunk_bytes=chunk_bytes, node_id=node_id)
+        self._comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        try:
+            self._rank = int(self._comm.Get_rank())
+            self._size = int(self._comm.Get_size())
+        except MPI.Exception as exc:
+            raise CommError(
+                f"cannot query the MPI communicator: {exc}", op="init", backend="mpi"
+            ) from exc
+        # Requests abandoned by a timed-out collective; kept alive so that MPI never
+        # writes into a buffer Python has already freed.
+        self._abandoned: list[tuple[Any, Any]] = []
+
+    @property
+    def mpi_comm(self) -> Any:
+        """The wrapped ``mpi4py.MPI.Comm``."""
+        return self._comm
+
+    # -- one collective: start, then wait within the budget ---------------------------
+
+    def _start(self, op: str, start: Any, *args: Any) -> Any:
+        try:
+            return start(*args)
+        except self._MPI.Exception as exc:
+            raise self._comm_error(op, exc) from exc
+
+    def _wait(self, request: Any, op: str, budget: Budget, keep: Any) -> None:
+        """Poll ``request`` until it completes or the budget runs out."""
+        try:
+            done = poll_until(request.Test, budget.until)
+        except self._MPI.Exception as exc:
+            raise self._comm_error(op, exc) from exc
+        if not done:
+            self._abandoned.append((request, keep))
+            raise self._timed_out(op, budget.seconds)
+
+    def _run(self, op: str, budget: Budget, keep: Any, start: Any, *args: Any) -> None:
+        self._wait(self._start(op, start, *args), op, budget, keep)
+
+    # -- transport primitives ---------------------------------------------------------
+
+    def _broadcast_length(self, length: int, root: int, budget: Budget) -> int:
+        header = array("q", [length])
+        self._run(
+            "broadcast_bytes", budget, header, self._comm.Ibcast, [header, self._MPI.INT64_T], root
+        )
+        return header[0]
+
+    def _payload_buffer(self, data: bytes | None, total: int) -> bytearray:
+        # The root broadcasts from a private copy: MPI may need a writable buffer, and
+        # the caller's object must not change under an abandoned request.
+        return bytearray(total) if data is None else bytearray(data)
+
+    def _broadcast_span(
+        self, buffer: bytearray, start: int, stop: int, root: int, budget: Budget
+    ) -> None:
+        span = [memoryview(buffer)[start:stop], self._MPI.BYTE]
+        self._run("broadcast_bytes", budget, buffer, self._comm.Ibcast, span, root)
+
+    def _buffer_bytes(self, buffer: bytearray) -> bytes:
+        return bytes(buffer)
+
+    def _allgather_lengths(self, length: int, budget: Budget) -> list[int]:
+        INT64_T = self._MPI.INT64_T
+        mine, sizes = array("q", [length]), array("q", [0] * self._size)
+        self._run(
+            "allgather_object",
+            budget,
+            (mine, sizes),
+            self._comm.Iallgather,
+            [mine, INT64_T],
+            [sizes, INT64_T],
+        )
+        return list(sizes)
+
+    def _allgather_payloads(
+        self, mine: bytes, lengths: list[int], budget: Budget
+    ) -> list[memoryview]:
+        total = sum(lengths)
+        if total > MAX_MESSAGE_BYTES:
+            raise self._too_large(
+                f"{total} pickled bytes over all ranks exceed one MPI message ({MAX_MESSAGE_BYTES})"
+            )
+        displs = [0] * self._size
+        for i in range(1, self._size):
+            displs[i] = displs[i - 1] + lengths[i - 1]
+        out = bytearray(total)
+        send = bytearray(mine)
+        BYTE = self._MPI.BYTE
+        self._run(
+            "allgather_object",
+            budget,
+            (send, out),
+            self._comm.Iallgatherv,
+            [send, BYTE],
+            [out, (lengths, displs), BYTE],
+        )
+        view = memoryview(out)
+        return [view[displs[i] : displs[i] + lengths[i]] for i in range(self._size)]
+
+    def _barrier(self, budget: Budget) -> None:
+        self._run("barrier", budget, None, self._comm.Ibarrier)
+
+    def _split_child(self, colors: tuple[int, ...], color: int) -> Self:
+        # MPI wants non-negative colors: number the distinct ones.
+        mpi_color = sorted(set(colors)).index(color)
+        try:
+            child = self._comm.Split(mpi_color, self._rank)
+        except self._MPI.Exception as exc:
+            raise self._comm_error("split", exc) from exc
+        return type(self)(child, **self._inherited())

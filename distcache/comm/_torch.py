@@ -1,0 +1,254 @@
+"""The torch.distributed backend (gloo on CPU, NCCL on CUDA).
+
+Every collective is issued with ``async_op=True`` and waited with a timeout, so a rank
+that never arrives makes its peers raise :class:`~distcache.errors.CollectiveTimeout`
+instead of blocking until the process group's own (long) timeout. A collective that
+timed out is still queued in the backend and cannot be cancelled, so the communicator
+refuses further calls afterwards; build a new one to continue.
+
+On NCCL, tensors live on the current CUDA device (NCCL moves only device memory); on
+every other backend they stay on the CPU. The policy (chunking, pickling, split's
+child cache) is :class:`~distcache.comm._backend.BackendCommunicator`'s; this module
+moves tensors. torch is imported in the constructor, never at module import.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import time
+import weakref
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Self
+
+from distcache.comm._backend import BackendCommunicator, Budget, poll_until
+from distcache.comm._base import MAX_MESSAGE_BYTES
+from distcache.errors import CommError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["TorchCommunicator"]
+
+log = logging.getLogger(__name__)
+
+# Substrings by which torch reports a timed-out wait. torch raises plain RuntimeError
+# (or DistBackendError, a RuntimeError) for both timeouts and broken connections.
+_TIMEOUT_MARKERS = ("timed out", "timeout", "Timeout")
+
+
+# Every live communicator, so that their process groups can be let go at exit.
+_live: weakref.WeakSet[TorchCommunicator] = weakref.WeakSet()
+
+
+def _release_groups() -> None:
+    """Drop every communicator's reference to its process group (an ``atexit`` hook).
+
+    A group that outlives ``destroy_process_group()`` only because a communicator
+    still holds it would otherwise be destroyed while the interpreter finalizes:
+    gloo's worker threads, which have run Python code (freeing tensors), then exit
+    when no thread may take the GIL any more, and the process dies in
+    ``std::terminate`` after the program has finished. Exit hooks run before that.
+    """
+    for comm in list(_live):
+        comm._release("the interpreter exited")
+
+
+atexit.register(_release_groups)
+
+
+class TorchCommunicator(BackendCommunicator):
+    """A :class:`~distcache.comm._base.Communicator` over a torch.distributed group.
+
+    Args:
+        group: a ``ProcessGroup`` (default: the world group).
+        timeout: default seconds per collective (default ``DISTCACHE_TIMEOUT``).
+        chunk_bytes: largest single broadcast message (default ``DISTCACHE_CHUNK_BYTES``).
+        node_id: this rank's node identity (default ``DISTCACHE_NODE_ID``, else the
+            hostname).
+
+    Raises:
+        CommError: torch.distributed is unavailable or not initialised, or this
+            process is not a member of ``group``.
+        ConfigError: a ``DISTCACHE_*`` variable has a bad value.
+        ValueError: ``timeout`` or ``chunk_bytes`` is out of range.
+    """
+
+    _kind = "torch"
+    _label = "torch"
+
+    def __init__(
+        self,
+        group: Any = None,
+        *,
+        timeout: float | None = None,
+        chunk_bytes: int | None = None,
+        node_id: str | None = None,
+    ) -> None:
+        try:
+            import torch
+            import torch.distributed as dist
+        except ImportError as exc:
+            raise CommError(
+                f"torch.distributed is not importable: {exc}", op="init", backend="torch"
+            ) from exc
+        if not dist.is_available() or not dist.is_initialized():
+            raise CommError(
+                "torch.distributed is not initialised; call "
+                "torch.distributed.init_process_group() (or launch.init_process_group()) first",
+                op="init",
+                backend="torch",
+            )
+        super().__init__(timeout=timeout, chunk_bytes=chunk_bytes, node_id=node_id)
+        self._torch = torch
+        self._dist = dist
+        self._group: Any = dist.group.WORLD if group is None else group
+        self._rank = dist.get_rank(self._group)
+        self._size = dist.get_world_size(self._group)
+        if self._rank < 0:
+            raise CommError(
+                "this process is not a member of the given process group",
+                op="init",
+                backend="torch",
+            )
+        self._backend_name = str(dist.get_backend(self._group))
+        if self._backend_name == "nccl":
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self._device = torch.device("cpu")
+        _live.add(self)
+
+    def _release(self, why: str) -> None:
+        """Let go of the process group; every later call raises :class:`CommError`."""
+        self._group = None
+        self._broken = self._broken or why
+        self._children.clear()
+
+    @property
+    def group(self) -> Any:
+        """The wrapped ``torch.distributed`` process group."""
+        return self._group
+
+    @property
+    def device(self) -> torch.device:
+        """Where this communicator's tensors live (CUDA on NCCL, else CPU)."""
+        return self._device
+
+    def _repr_extra(self) -> str:
+        return f"backend={self._backend_name!r}, "
+
+    # -- one collective: start, then wait within the budget ---------------------------
+
+    def _run(self, op: str, wait: float, start: Any, *args: Any, **kwargs: Any) -> None:
+        """Issue one async collective and wait for it, translating torch's errors."""
+        try:
+            work = start(*args, group=self._group, async_op=True, **kwargs)
+            if self._device.type == "cpu":
+                work.wait(timeout=timedelta(seconds=wait))
+            else:
+                self._poll(work, wait)
+        except RuntimeError as exc:  # DistBackendError, DistError are RuntimeErrors
+            if any(marker in str(exc) for marker in _TIMEOUT_MARKERS):
+                raise self._timed_out(op, wait) from exc
+            self._broken = f"{op} failed"
+            raise self._comm_error(op, exc, over=self._backend_name) from exc
+
+    @staticmethod
+    def _poll(work: Any, wait: float) -> None:
+        # On NCCL, Work.wait() only makes the current CUDA stream wait; the host would
+        # then block, with no bound, on the first read of the result. Polling the
+        # work's completion bounds the host-side wait instead.
+        if not poll_until(work.is_completed, time.monotonic() + wait):
+            raise RuntimeError(f"collective timed out after {wait:g} s (polled)")
+        work.wait()
+
+    def _bytes_tensor(self, data: bytes | bytearray) -> torch.Tensor:
+        torch = self._torch
+        if len(data) == 0:
+            return torch.empty(0, dtype=torch.uint8, device=self._device)
+        tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return tensor.to(self._device) if self._device.type != "cpu" else tensor
+
+    def _to_bytes(self, tensor: torch.Tensor) -> bytes:
+        if tensor.numel() == 0:
+            return b""
+        host = bytearray(tensor.numel())
+        self._torch.frombuffer(host, dtype=self._torch.uint8).copy_(tensor)
+        return bytes(host)
+
+    def _global(self, rank: int) -> int:
+        return int(self._dist.get_global_rank(self._group, rank))
+
+    # -- transport primitives ---------------------------------------------------------
+
+    def _broadcast_length(self, length: int, root: int, budget: Budget) -> int:
+        header = self._torch.tensor([length], dtype=self._torch.int64, device=self._device)
+        self._run(
+            "broadcast_bytes", budget.seconds, self._dist.broadcast, header, self._global(root)
+        )
+        return int(header.item())
+
+    def _payload_buffer(self, data: bytes | None, total: int) -> torch.Tensor:
+        if data is not None:
+            return self._bytes_tensor(data)
+        return self._torch.empty(total, dtype=self._torch.uint8, device=self._device)
+
+    def _broadcast_span(
+        self, buffer: torch.Tensor, start: int, stop: int, root: int, budget: Budget
+    ) -> None:
+        # A slice of a contiguous 1-D tensor is contiguous: broadcast in place.
+        span = buffer[start:stop]
+        self._run("broadcast_bytes", budget.seconds, self._dist.broadcast, span, self._global(root))
+
+    def _buffer_bytes(self, buffer: torch.Tensor) -> bytes:
+        return self._to_bytes(buffer)
+
+    def _allgather_lengths(self, length: int, budget: Budget) -> list[int]:
+        torch = self._torch
+        mine = torch.tensor([length], dtype=torch.int64, device=self._device)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=self._device) for _ in range(self._size)]
+        self._run("allgather_object", budget.seconds, self._dist.all_gather, sizes, mine)
+        return [int(s.item()) for s in sizes]
+
+    def _allgather_payloads(self, mine: bytes, lengths: list[int], budget: Budget) -> list[bytes]:
+        longest = max(lengths)
+        if longest > MAX_MESSAGE_BYTES:
+            raise self._too_large(
+                f"a pickled object of {longest} bytes exceeds one message ({MAX_MESSAGE_BYTES})"
+            )
+        # all_gather needs equal shapes: pad every rank's bytes to the longest.
+        torch = self._torch
+        padded = torch.zeros(max(longest, 1), dtype=torch.uint8, device=self._device)
+        if mine:
+            padded[: len(mine)] = self._bytes_tensor(mine)
+        parts = [torch.empty_like(padded) for _ in range(self._size)]
+        self._run("allgather_object", budget.seconds, self._dist.all_gather, parts, padded)
+        return [self._to_bytes(part[:n]) for part, n in zip(parts, lengths, strict=True)]
+
+    def _barrier(self, budget: Budget) -> None:
+        # dist.barrier() takes no timeout on most backends; an all-reduce of one
+        # element waited with a timeout is a barrier that can give up.
+        token = self._torch.zeros(1, dtype=self._torch.int32, device=self._device)
+        self._run("barrier", budget.seconds, self._dist.all_reduce, token)
+
+    def _split_child(self, colors: tuple[int, ...], color: int) -> Self:
+        dist = self._dist
+        timeout = timedelta(seconds=self._timeout)
+        try:
+            if self._size == dist.get_world_size():
+                # new_group names groups by a per-process counter, so every rank of the
+                # job must create every group, in the same order, to keep names in step.
+                mine = None
+                for each in sorted(set(colors)):
+                    ranks = [self._global(r) for r, c in enumerate(colors) if c == each]
+                    made = dist.new_group(ranks, timeout=timeout)
+                    if each == color:
+                        mine = made
+            else:
+                # Ranks outside this group will not call new_group; hashed names let
+                # only the members synchronise (the groups made here are disjoint).
+                members = [self._global(r) for r, c in enumerate(colors) if c == color]
+                mine = dist.new_group(members, timeout=timeout, use_local_synchronization=True)
+        except RuntimeError as exc:
+            raise self._comm_error("split", exc) from exc
+        return type(self)(mine, **self._inherited())

@@ -1,0 +1,262 @@
+"""The loader wrapper: a drop-in for FlashInfer's ``get_artifact`` backed by a pool.
+
+Policy only; :mod:`distcache.integrations.flashinfer` installs it into FlashInfer.
+It never raises (its caller may be FlashInfer's ctypes callback, which an exception
+cannot cross; see shared/reference/research-flashinfer_cubins.md, §1.6).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from distcache.artifact import Artifact, check_sha256, path_under, sha256_hex, validate_name
+from distcache.config import env_str
+from distcache.errors import ArtifactNameError, ConfigError
+from distcache.integrations.flashinfer._record import Recorder
+
+if TYPE_CHECKING:
+    from distcache.origins._origin import Origin
+    from distcache.store._pool import ArtifactPool
+
+__all__ = [
+    "DEFAULT_MATERIALIZED",
+    "DEFAULT_POOLED",
+    "Families",
+    "GetArtifact",
+    "LoaderStats",
+    "PooledLoader",
+]
+
+log = logging.getLogger(__name__)
+
+#: Pooled by default: every kernel (``.cubin``; cute-dsl ``.so``) and the files
+#: FlashInfer fetches to compile against them (headers, ``checksums.txt``, DeepGEMM's
+#: ``kernel_map.json``). All are content-addressed by the sha256 FlashInfer passes.
+DEFAULT_POOLED = ("*.cubin", "*.so", "*.h", "*/checksums.txt", "*.json")
+#: Also written into ``FLASHINFER_CUBIN_DIR`` by default: the files FlashInfer (or
+#: nvcc, through its include symlinks) opens by path after ``get_artifact``
+#: returns. TRTLLM-Gen/cuDNN cubins are only handed over as bytes, so they are not
+#: copied into every rank's cache (an earlier copy-everything design in TensorRT-LLM
+#: showed unexplained stalls; see shared/reference/seed-trtllm-shared-fmha-cubins.txt).
+DEFAULT_MATERIALIZED = ("*.h", "*/checksums.txt", "*.json", "*.so", "*/deep-gemm/*")
+
+
+@dataclass(frozen=True, slots=True)
+class Families:
+    """Which artifact names the loader serves from the pool (shell globs, matched
+    against the whole normalised name; ``*`` also matches ``/``, so a pin prefix is
+    ``"<pin>/fmha/trtllm-gen/*"``)."""
+
+    #: Names served from the pool; anything else goes straight to FlashInfer.
+    pooled: tuple[str, ...] = DEFAULT_POOLED
+    #: Names never pooled, even when ``pooled`` matches.
+    excluded: tuple[str, ...] = ()
+    #: Pooled names that must also exist as files under ``FLASHINFER_CUBIN_DIR``.
+    materialized: tuple[str, ...] = DEFAULT_MATERIALIZED
+
+    def is_pooled(self, name: str) -> bool:
+        return _matches(name, self.pooled) and not _matches(name, self.excluded)
+
+    def is_materialized(self, name: str) -> bool:
+        return _matches(name, self.materialized)
+
+    @classmethod
+    def from_env(cls) -> Families:
+        """``DISTCACHE_FLASHINFER_FAMILIES`` (comma-separated globs) replaces
+        :data:`DEFAULT_POOLED` when set."""
+        raw = env_str("DISTCACHE_FLASHINFER_FAMILIES", None)
+        if raw is None:
+            return cls()
+        globs = tuple(g.strip() for g in raw.split(",") if g.strip())
+        if not globs:
+            raise ConfigError(
+                "DISTCACHE_FLASHINFER_FAMILIES is set but empty; unset it or list globs "
+                "such as '*.cubin'",
+                variable="DISTCACHE_FLASHINFER_FAMILIES",
+                value=raw,
+            )
+        return cls(pooled=globs)
+
+
+def _matches(name: str, globs: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, g) for g in globs)
+
+
+@dataclass
+class LoaderStats:
+    """What the loader did in this process (for logs and tests)."""
+
+    hits: int = 0  #: served from the pool
+    local: int = 0  #: found valid in FLASHINFER_CUBIN_DIR and added to the pool
+    fetched: int = 0  #: fetched from the origin through the pool
+    passthrough: int = 0  #: not a pooled family: FlashInfer's own function
+    fallbacks: int = 0  #: distcache failed; FlashInfer's own function answered
+    rejected: int = 0  #: unsafe name: answered ``b""`` without touching a file
+    failures: dict[str, str] = field(default_factory=dict)  #: name -> first reason
+
+
+GetArtifact = Callable[..., bytes]
+
+
+class PooledLoader:
+    """A drop-in ``get_artifact(file_name, sha256, session=None) -> bytes``.
+
+    Args:
+        pool: the artifact pool.
+        original: FlashInfer's function (the fallback).
+        origin: where a pool miss is fetched from; ``None``: :func:`default_origin`
+            at call time.
+        cubin_dir: returns FlashInfer's cubin directory (read per call, because
+            FlashInfer keeps it as a module attribute that users repoint).
+        families: which names are pooled and materialised.
+        recorder: appends every served ``(name, sha256)`` to a usage record.
+    """
+
+    def __init__(
+        self,
+        pool: ArtifactPool,
+        original: GetArtifact,
+        *,
+        origin: Origin | None = None,
+        cubin_dir: Callable[[], Path | None] = lambda: None,
+        families: Families | None = None,
+        recorder: Recorder | None = None,
+    ) -> None:
+        self.pool = pool
+        self.original = original
+        self.origin = origin
+        self.cubin_dir = cubin_dir
+        self.families = families or Families()
+        self.recorder = recorder
+        self.stats = LoaderStats()
+        self._lock = threading.Lock()
+        self.__name__ = "get_artifact"
+        self.__doc__ = getattr(original, "__doc__", None)
+
+    def __call__(self, file_name: Any, sha256: Any, session: Any = None) -> bytes:
+        try:
+            return self._load(file_name, sha256, session)
+        except Exception as exc:  # nothing may cross the ctypes callback
+            self._note("fallbacks", str(file_name), f"unexpected {type(exc).__name__}: {exc}")
+            return self._fallback(file_name, sha256, session)
+
+    def _load(self, file_name: Any, sha256: Any, session: Any) -> bytes:
+        try:
+            name = validate_name(file_name)
+        except ArtifactNameError as exc:
+            # FlashInfer would join the name onto its cache directory and write there;
+            # an unsafe name gets FlashInfer's failure answer and touches nothing.
+            self._note("rejected", repr(file_name), getattr(exc, "reason", str(exc)))
+            return b""
+        try:
+            check_sha256(sha256)
+        except ValueError:
+            self._bump("passthrough")
+            return self._fallback(file_name, sha256, session)
+        if not self.families.is_pooled(name):
+            self._bump("passthrough")
+            return self._fallback(file_name, sha256, session)
+        artifact = Artifact(name, sha256)
+        try:
+            data, in_cubin_dir = self._resolve(artifact)
+            if data is not None and not in_cubin_dir and self.families.is_materialized(name):
+                self._materialize(artifact)
+        except Exception as exc:
+            self._note("fallbacks", name, f"{type(exc).__name__}: {exc}")
+            return self._fallback(file_name, sha256, session)
+        if data is None:
+            # FLASHINFER_NO_DOWNLOAD: FlashInfer's own function says what is missing.
+            self._bump("fallbacks")
+            return self._fallback(file_name, sha256, session)
+        self._record(name, sha256)
+        return data
+
+    def _resolve(self, artifact: Artifact) -> tuple[bytes | None, bool]:
+        """The artifact's bytes (``None``: FLASHINFER_NO_DOWNLOAD and a miss), and
+        whether they came from a valid file in FlashInfer's cubin directory."""
+        data = self.pool.get(artifact.sha256)
+        if data is not None:
+            self._bump("hits")
+            return data, False
+        root = self.cubin_dir()
+        data = _valid_bytes(root, artifact) if root is not None else None
+        if data is not None:
+            self._bump("local")
+            try:
+                self.pool.put(data, artifact.sha256)
+            except Exception as exc:
+                log.debug("could not add %s to the pool: %s", artifact.name, exc)
+            return data, True
+        if os.environ.get("FLASHINFER_NO_DOWNLOAD"):
+            return None, False
+        origin = self.origin
+        if origin is None:
+            from distcache.integrations.flashinfer import default_origin
+
+            origin = default_origin()
+        data = self.pool.fetch(artifact, origin)
+        self._bump("fetched")
+        return data, False
+
+    def _materialize(self, artifact: Artifact) -> None:
+        root = self.cubin_dir()
+        if root is None:
+            return
+        # A valid file is left alone: replacing it, even with identical bytes, would
+        # swap the inode under a compiler that is reading it.
+        if _valid_bytes(root, artifact) is not None:
+            return
+        self.pool.materialize(artifact, Path(root))
+
+    def _fallback(self, file_name: Any, sha256: Any, session: Any) -> bytes:
+        try:
+            data = self.original(file_name, sha256, session)
+        except Exception as exc:
+            self._note("failures", str(file_name), f"FlashInfer: {type(exc).__name__}: {exc}",
+                       count=False)
+            return b""
+        if not isinstance(data, bytes | bytearray):
+            return b""
+        data = bytes(data)
+        if data and isinstance(file_name, str) and isinstance(sha256, str):
+            try:
+                name = validate_name(file_name)
+                if sha256_hex(data) == sha256:
+                    self._record(name, sha256)
+            except ArtifactNameError:
+                pass
+        return data
+
+    def _record(self, name: str, sha256: str) -> None:
+        if self.recorder is not None:
+            self.recorder.add(name, sha256)
+
+    def _bump(self, counter: str) -> None:
+        with self._lock:
+            setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+
+    def _note(self, counter: str, name: str, reason: str, *, count: bool = True) -> None:
+        if count:
+            self._bump(counter)
+        with self._lock:
+            first = name not in self.stats.failures
+            if first:
+                self.stats.failures[name] = reason
+        if first:
+            log.warning("flashinfer artifact %s: %s; using FlashInfer's own loader", name, reason)
+
+
+def _valid_bytes(root: Path, artifact: Artifact) -> bytes | None:
+    """The bytes of ``root/<name>`` when that file exists and matches the sha256."""
+    try:
+        data = path_under(Path(root), artifact.name).read_bytes()
+    except OSError:
+        return None
+    return data if sha256_hex(data) == artifact.sha256 else None

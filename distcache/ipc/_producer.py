@@ -1,0 +1,276 @@
+"""The producer side of an IPC pool: :class:`ProducerPool`, the base of the shared
+memory and CUDA pools.
+
+It turns the allocator's leases (:mod:`distcache.ipc._allocator`) into the producer's
+API: ``put`` copies a tensor into a lease and returns a :class:`FeatureRef`,
+``cancel``/``reclaim`` give leases back, ``descriptor`` tells consumers how to map the
+pool. What differs between backends (where the memory lives, how a tensor is
+written, how the memory is freed) is left to a few hooks; everything else lives here
+once, apart from the allocator, which knows nothing of tensors or refs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Self
+
+from distcache.errors import IpcError
+from distcache.ipc._allocator import ControlWords, SlotAllocator, align_up, header_bytes
+from distcache.ipc._ref import FeatureRef, PoolDescriptor, check_pool_id, itemsize
+
+__all__ = ["DEFAULT_ACK_WORDS", "DEFAULT_SLOTS", "ProducerPool"]
+
+log = logging.getLogger(__name__)
+
+#: Ack words per slot when the consumers are only known at exchange time (one
+#: slot is then 256 bytes of control words).
+DEFAULT_ACK_WORDS = 63
+DEFAULT_SLOTS = 1024
+
+
+class ProducerPool:
+    """What both backends share: leases, ``put``, ``cancel``, the descriptor.
+
+    A backend provides the memory (``_words``, ``_write``, ``_handle``) and its
+    lifetime (``_free``, ``unlink``).
+    """
+
+    backend = ""
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        consumers: Sequence[int] | None,
+        name: str | None,
+        slots: int,
+        device: int,
+    ) -> None:
+        if type(capacity_bytes) is not int or capacity_bytes <= 0:
+            raise IpcError(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
+        if type(slots) is not int or not 1 <= slots <= 1 << 20:
+            raise IpcError(f"slots must be an integer in [1, 2**20], got {slots!r}")
+        self.pool_id = (
+            name if name is not None else f"{self.backend}-{os.getpid()}-{secrets.token_hex(4)}"
+        )
+        check_pool_id(self.pool_id)
+        # A restarted producer gets a later epoch, so consumers can tell its refs
+        # from the previous incarnation's even though the pool id is the same.
+        self.epoch = time.time_ns()
+        self.capacity = align_up(capacity_bytes)
+        self.slots = slots
+        self.device = device
+        self._explicit = tuple(int(r) for r in consumers) if consumers is not None else None
+        self.ack_words = len(self._explicit) if self._explicit is not None else DEFAULT_ACK_WORDS
+        self.data_start = header_bytes(slots, self.ack_words)
+        self.owner: int | None = None
+        self.node_id = ""
+        self.consumers: tuple[int, ...] | None = None
+        #: Number of ``put`` calls answered "no lease" because the pool was full.
+        self.full_count = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self._alloc: SlotAllocator | None = None
+
+    def _start(self, words: ControlWords) -> None:
+        self._alloc = SlotAllocator(
+            self.capacity,
+            data_start=self.data_start,
+            slots=self.slots,
+            ack_words=self.ack_words,
+            words=words,
+        )
+        if self._explicit is not None:
+            self._alloc.bind(len(self._explicit))
+
+    # -- backend hooks --------------------------------------------------------------
+    def _handle(self) -> bytes:
+        raise NotImplementedError
+
+    def _write(self, offset: int, tensor: Any) -> None:
+        raise NotImplementedError
+
+    def _check_tensor(self, tensor: Any) -> None:
+        raise NotImplementedError
+
+    def _free(self) -> None:
+        raise NotImplementedError
+
+    def unlink(self) -> None:
+        """Remove the pool's system-wide name, if it has one; existing mappings stay."""
+
+    # -- protocol -------------------------------------------------------------------
+    def bind(self, owner: int, consumers: Sequence[int], node_id: str = "") -> None:
+        """Fix the owner rank and the consumer ranks (the registry does this at exchange).
+
+        ``consumers`` is ignored when the pool was created with explicit consumers.
+
+        Raises:
+            IpcError: the owner is among the consumers, or there are more consumers than
+                ack words per slot.
+        """
+        ranks = self._explicit if self._explicit is not None else tuple(consumers)
+        if owner in ranks:
+            raise IpcError(
+                f"pool {self.pool_id}: owner rank {owner} cannot consume its own pool",
+                pool_id=self.pool_id,
+            )
+        if len(ranks) > self.ack_words:
+            raise IpcError(
+                f"pool {self.pool_id} has {len(ranks)} consumers but only {self.ack_words} ack "
+                "words per slot; pass consumers=[ranks...] when creating it",
+                pool_id=self.pool_id,
+            )
+        with self._lock:
+            self._allocator().bind(len(ranks))
+            self.owner, self.consumers, self.node_id = owner, ranks, node_id
+
+    def descriptor(self) -> PoolDescriptor:
+        """How a consumer maps this pool.
+
+        Raises:
+            IpcError: the pool is closed or not bound to an owner and consumers yet.
+        """
+        self._check_open()
+        if self.owner is None or self.consumers is None:
+            raise IpcError(
+                f"pool {self.pool_id} is not bound to an owner yet; exchange it first",
+                pool_id=self.pool_id,
+            )
+        return PoolDescriptor(
+            pool_id=self.pool_id,
+            backend=self.backend,
+            owner=self.owner,
+            node_id=self.node_id,
+            epoch=self.epoch,
+            capacity=self.capacity,
+            data_start=self.data_start,
+            slots=self.slots,
+            ack_words=self.ack_words,
+            device=self.device,
+            consumers=self.consumers,
+            handle=self._handle(),
+        )
+
+    def put(self, tensor: Any, *, with_descriptor: bool = False) -> FeatureRef | None:
+        """Copy a contiguous tensor into a lease; None when the pool is full.
+
+        A full pool answers at once (the caller sends a copy instead) and is logged
+        once per pool, not per call. ``with_descriptor`` makes the ref carry the pool's
+        descriptor, so a consumer that has not mapped this epoch can map it.
+
+        Raises:
+            IpcError: the pool is closed or not exchanged yet, or the tensor is not
+                contiguous, on the wrong device, or of an unsupported dtype.
+        """
+        self._check_open()
+        self._check_tensor(tensor)
+        if not tensor.is_contiguous():
+            raise IpcError(
+                "put() needs a contiguous tensor; call .contiguous() first", pool_id=self.pool_id
+            )
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        nbytes = int(tensor.numel()) * itemsize(dtype)
+        with self._lock:
+            self._check_open()
+            alloc = self._allocator()
+            lease = alloc.allocate(nbytes)
+            if lease is None:
+                self.full_count += 1
+                level = logging.WARNING if self.full_count == 1 else logging.DEBUG
+                log.log(
+                    level,
+                    "IPC pool %s is full (%d bytes, %d leases in flight): features "
+                    "are sent by copy until consumers acknowledge; consider a larger pool",
+                    self.pool_id,
+                    self.capacity,
+                    alloc.in_flight,
+                )
+                return None
+            try:
+                self._write(lease.offset, tensor)
+            except BaseException:
+                alloc.cancel(lease.slot, lease.generation)
+                raise
+            alloc.publish(lease)
+        return FeatureRef(
+            pool_id=self.pool_id,
+            epoch=self.epoch,
+            offset=lease.offset,
+            nbytes=nbytes,
+            dtype=dtype,
+            shape=tuple(int(d) for d in tensor.shape),
+            strides=tuple(int(s) for s in tensor.stride()),
+            slot=lease.slot,
+            generation=lease.generation,
+            descriptor=self.descriptor() if with_descriptor else None,
+        )
+
+    def cancel(self, ref: FeatureRef) -> None:
+        """Free a lease whose ref was never sent.
+
+        Raises:
+            IpcError: the ref is not an outstanding lease of this pool.
+        """
+        if (ref.pool_id, ref.epoch) != (self.pool_id, self.epoch):
+            raise IpcError(
+                f"ref of pool {ref.pool_id} epoch {ref.epoch} cancelled on pool "
+                f"{self.pool_id} epoch {self.epoch}",
+                pool_id=self.pool_id,
+            )
+        with self._lock:
+            self._check_open()
+            self._allocator().cancel(ref.slot, ref.generation)
+
+    def reclaim(self) -> int:
+        """Free every lease all consumers acknowledged (``put`` also does this lazily)."""
+        with self._lock:
+            self._check_open()
+            return self._allocator().reclaim()
+
+    @property
+    def in_flight(self) -> int:
+        """Leases not yet acknowledged by every consumer (as of the last reclaim)."""
+        return self._allocator().in_flight
+
+    @property
+    def free_bytes(self) -> int:
+        return self._allocator().free_bytes
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Release the pool's memory (idempotent). Consumers must have closed first."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._free()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _allocator(self) -> SlotAllocator:
+        if self._alloc is None:
+            raise IpcError(f"pool {self.pool_id} has no memory", pool_id=self.pool_id)
+        return self._alloc
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise IpcError(f"pool {self.pool_id} is closed", pool_id=self.pool_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(pool_id={self.pool_id!r}, epoch={self.epoch}, "
+            f"capacity={self.capacity})"
+        )

@@ -1,0 +1,414 @@
+"""The consumer side: every peer pool mapped exactly once, refs resolved to views.
+
+:meth:`PoolRegistry.exchange` is the one collective, run at init: ranks agree on the
+backend (a CUDA IPC capability probe on every rank; if any rank cannot use it, the
+whole group uses shared memory), bind each pool to its consumers, all-gather the pool
+descriptors, map every peer pool once, meet at a barrier, and then each owner unlinks
+its segment names. Serving after that is local: :meth:`resolve` is a dictionary look-up,
+bounds and generation checks, and a strided view; :meth:`ack` is one word written to
+shared memory. Mapping per message instead costs milliseconds per feature on GPUs
+(SGLang's traces: 32 opens = 293 ms, 32 closes = 220 ms).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+from distcache.comm._base import Communicator, agree_on_error
+from distcache.errors import IpcError, StaleHandleError
+from distcache.ipc._allocator import ALIGNMENT, ControlWords
+from distcache.ipc._producer import ProducerPool
+from distcache.ipc._ref import FeatureRef, PoolDescriptor, itemsize
+
+__all__ = ["PoolRegistry"]
+
+log = logging.getLogger(__name__)
+
+
+class Mapping(Protocol):
+    descriptor: PoolDescriptor
+
+    @property
+    def words(self) -> ControlWords: ...
+
+    def view(self, offset: int, nbytes: int) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+#: The widest itemsize in :data:`~distcache.ipc._ref.DTYPES`; typed views of a
+#: segment cover a multiple of it.
+_MAX_ITEMSIZE = 8
+
+
+class _Entry:
+    """One mapped peer pool and what ``resolve``/``ack`` need of it, precomputed at map
+    time so the per-feature path is attribute reads, integer compares and one
+    ``as_strided``: no descriptor walks, no dtype look-ups, no intermediate tensors."""
+
+    __slots__ = (
+        "_typed",
+        "_whole",
+        "ack_base",
+        "data_start",
+        "descriptor",
+        "end",
+        "epoch",
+        "get_word",
+        "index",
+        "mapping",
+        "set_word",
+        "slots",
+        "stride",
+    )
+
+    def __init__(self, mapping: Mapping, descriptor: PoolDescriptor, index: int) -> None:
+        self.mapping = mapping
+        self.descriptor = descriptor
+        self.index = index  # this rank's consumer index (its ack word)
+        self.epoch = descriptor.epoch
+        self.slots = descriptor.slots
+        self.stride = 1 + descriptor.ack_words
+        self.ack_base = 1 + index
+        self.data_start = descriptor.data_start
+        # Typed views span whole elements of every dtype; a feature must end inside
+        # both the data region and that span (a forged, unaligned capacity only
+        # shrinks what resolves).
+        usable = descriptor.segment_bytes - descriptor.segment_bytes % _MAX_ITEMSIZE
+        self.end = min(descriptor.data_start + descriptor.capacity, usable)
+        words = mapping.words
+        self.get_word = words.get
+        self.set_word = words.set
+        self._whole: Any = None
+        #: dtype name -> (the segment viewed as that dtype, its storage offset, itemsize)
+        self._typed: dict[str, tuple[Any, int, int]] = {}
+
+    def typed(self, dtype: str) -> tuple[Any, int, int]:
+        """The whole segment as a ``dtype`` tensor (made once per dtype per mapping)."""
+        found = self._typed.get(dtype)
+        if found is None:
+            import torch
+
+            if self._whole is None:
+                usable = self.descriptor.segment_bytes
+                self._whole = self.mapping.view(0, usable - usable % _MAX_ITEMSIZE)
+            size = itemsize(dtype)
+            view = self._whole.view(getattr(torch, dtype))
+            found = self._typed[dtype] = (view, view.storage_offset(), size)
+        return found
+
+    def close(self) -> None:
+        # The cached views must go first: a live view of a host segment defers its unmap.
+        self._typed.clear()
+        self._whole = None
+        self.mapping.close()
+
+
+def _open(descriptor: PoolDescriptor, device: int | None) -> Mapping:
+    if descriptor.backend == "shm":
+        from distcache.ipc._shm import ShmMapping
+
+        return ShmMapping(descriptor)
+    from distcache.ipc._cuda import CudaMapping
+
+    return CudaMapping(descriptor, device)
+
+
+def _close_all(entries: dict[str, _Entry]) -> None:
+    for entry in entries.values():
+        entry.close()
+    entries.clear()
+
+
+def _consumers_of(owner: int, nodes: Sequence[str]) -> list[int]:
+    # Both backends are node-local: a pool is consumed by the other ranks of its node.
+    return [r for r, node in enumerate(nodes) if r != owner and node == nodes[owner]]
+
+
+class PoolRegistry:
+    """One process's mappings of its peers' pools, keyed by pool id.
+
+    Build it with :meth:`exchange` (collective). ``PoolRegistry(rank)`` plus
+    :meth:`add` maps descriptors obtained some other way.
+    """
+
+    def __init__(self, rank: int, *, device: int | None = None, backend: str = "shm") -> None:
+        self.rank = rank
+        self.device = device
+        #: The transport the group agreed on at exchange: ``"cuda"`` or ``"shm"``.
+        self.backend = backend
+        #: pool id -> number of times this process mapped it (1, or more after a
+        #: producer restart was followed).
+        self.opens: dict[str, int] = {}
+        self.own: dict[str, ProducerPool] = {}
+        self._entries: dict[str, _Entry] = {}
+        self._retired: dict[str, set[int]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _close_all, self._entries)
+
+    # -- set-up ---------------------------------------------------------------------
+    @classmethod
+    def exchange(
+        cls,
+        comm: Communicator,
+        pools: Sequence[ProducerPool],
+        timeout: float | None = None,
+        *,
+        device: int | None = None,
+    ) -> PoolRegistry:
+        """Collective: share every rank's pool descriptors and map each peer pool once.
+
+        Every rank must call it (with its own pools, possibly none). No rank ever maps
+        its own pool. When it returns, every consumer has mapped every pool of its node,
+        and every shared-memory name has been unlinked.
+
+        Raises:
+            IpcError: a pool could not be bound or mapped on some rank (raised on every
+                rank).
+            CollectiveTimeout: a rank did not arrive within ``timeout``.
+        """
+        from distcache.ipc._cuda import CudaPool, probe_cuda_ipc
+
+        has_cuda = any(isinstance(p, CudaPool) for p in pools)
+        probe = probe_cuda_ipc(device)
+        votes = comm.allgather_object((comm.node_id, has_cuda, probe), timeout=timeout)
+        nodes = [node for node, _, _ in votes]
+        backend = "shm"
+        if any(wants for _, wants, _ in votes):
+            failures = [(r, p[1]) for r, (_, _, p) in enumerate(votes) if not p[0]]
+            if failures:
+                log.warning(
+                    "CUDA IPC is unusable on rank(s) %s; the group shares features "
+                    "through host shared memory instead",
+                    failures,
+                )
+            else:
+                backend = "cuda"
+        registry = cls(comm.rank, device=device, backend=backend)
+        error: BaseException | None = None
+        try:
+            for pool in pools:
+                if isinstance(pool, CudaPool) and backend == "shm":
+                    pool.fall_back_to_host()
+                pool.bind(comm.rank, _consumers_of(comm.rank, nodes), comm.node_id)
+                registry.own[pool.pool_id] = pool
+            mine = [pool.descriptor().pack() for pool in pools]
+        except Exception as exc:
+            error, mine = exc, []
+        agree_on_error(comm, error, timeout=timeout)
+        gathered = comm.allgather_object(mine, timeout=timeout)
+        try:
+            seen: dict[str, int] = {}
+            descriptors = []
+            for rank, packed in enumerate(gathered):
+                for blob in packed:
+                    desc = PoolDescriptor.unpack(blob)
+                    if seen.setdefault(desc.pool_id, rank) != rank or desc.owner != rank:
+                        raise IpcError(
+                            f"pool id {desc.pool_id} is claimed by ranks "
+                            f"{seen[desc.pool_id]} and {rank}",
+                            pool_id=desc.pool_id,
+                        )
+                    descriptors.append(desc)
+            for desc in descriptors:
+                if desc.owner != comm.rank and comm.rank in desc.consumers:
+                    registry.add(desc)
+        except Exception as exc:
+            error = exc
+        # This round is the barrier: when it returns, every consumer holds its mappings.
+        try:
+            agree_on_error(comm, error, timeout=timeout)
+        except BaseException:
+            registry.close()
+            raise
+        for pool in pools:
+            pool.unlink()
+        log.info("rank %d mapped %d peer pool(s) over %s", comm.rank, len(registry.opens), backend)
+        return registry
+
+    def add(self, descriptor: PoolDescriptor) -> None:
+        """Map a peer pool (once; a later epoch of the same pool replaces the mapping).
+
+        Raises:
+            IpcError: the pool is this rank's own, this rank is not one of its
+                consumers, or mapping failed.
+            StaleHandleError: the descriptor names an epoch older than the mapped one.
+        """
+        self._check_open()
+        if descriptor.owner == self.rank or descriptor.pool_id in self.own:
+            raise IpcError(
+                f"pool {descriptor.pool_id} is owned by this rank; it is never mapped",
+                pool_id=descriptor.pool_id,
+            )
+        if self.rank not in descriptor.consumers:
+            raise IpcError(
+                f"rank {self.rank} is not a consumer of pool {descriptor.pool_id} "
+                f"(consumers: {list(descriptor.consumers)})",
+                pool_id=descriptor.pool_id,
+            )
+        with self._lock:
+            old = self._entries.get(descriptor.pool_id)
+            if old is not None and descriptor.epoch <= old.descriptor.epoch:
+                if descriptor.epoch == old.descriptor.epoch:
+                    return
+                raise StaleHandleError(
+                    f"pool {descriptor.pool_id}: epoch {descriptor.epoch} is "
+                    f"older than mapped {old.descriptor.epoch}",
+                    pool_id=descriptor.pool_id,
+                )
+            if descriptor.epoch in self._retired.get(descriptor.pool_id, ()):
+                raise StaleHandleError(
+                    f"pool {descriptor.pool_id}: epoch {descriptor.epoch} was retired",
+                    pool_id=descriptor.pool_id,
+                )
+            mapping = _open(descriptor, self.device)
+            self.opens[descriptor.pool_id] = self.opens.get(descriptor.pool_id, 0) + 1
+            self._entries[descriptor.pool_id] = _Entry(
+                mapping, descriptor, descriptor.consumers.index(self.rank)
+            )
+            if old is not None:
+                log.info(
+                    "pool %s restarted (epoch %d -> %d); remapped",
+                    descriptor.pool_id,
+                    old.descriptor.epoch,
+                    descriptor.epoch,
+                )
+                self._retired.setdefault(descriptor.pool_id, set()).add(old.descriptor.epoch)
+                old.close()
+
+    # -- serving --------------------------------------------------------------------
+    def resolve(self, ref: FeatureRef) -> Any:
+        """A zero-copy tensor view of the feature ``ref`` names.
+
+        Raises:
+            StaleHandleError: ``ref`` names an epoch that is not mapped and carries no
+                descriptor of a newer one.
+            IpcError: unknown pool, out-of-bounds offset or size, a slot or generation
+                that is not ready, or the registry is closed.
+        """
+        # The serving hot path. A FeatureRef is immutable and was validated when it was
+        # built or decoded (dtype known, nbytes == numel * itemsize, strides inside
+        # nbytes), so what is left to check here is the ref against this pool: epoch,
+        # bounds, alignment, slot, and the slot's ready word.
+        entry = self._checked(ref)
+        typed, base, size = entry.typed(ref.dtype)
+        # One as_strided over the pool's typed view: no intermediate slice tensors.
+        # torch checks the view against the storage as well.
+        return typed.as_strided(ref.shape, ref.strides, base + ref.offset // size)
+
+    def ack(self, ref: FeatureRef) -> None:
+        """Tell the producer this rank is done with ``ref`` (writes this rank's ack word).
+
+        Raises:
+            StaleHandleError / IpcError: as for :meth:`resolve`.
+        """
+        entry = self._checked(ref)
+        entry.set_word(ref.slot * entry.stride + entry.ack_base, ref.generation)
+
+    @contextmanager
+    def view(self, ref: FeatureRef) -> Iterator[Any]:
+        """``with registry.view(ref) as t:`` resolves, and acks on exit.
+
+        Raises:
+            StaleHandleError / IpcError: as for :meth:`resolve`.
+        """
+        tensor = self.resolve(ref)
+        try:
+            yield tensor
+        finally:
+            self.ack(ref)
+
+    def close(self) -> None:
+        """Unmap every peer pool exactly once (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._finalizer()
+
+    def __enter__(self) -> PoolRegistry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- checks ---------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise IpcError("the pool registry is closed")
+
+    def _checked(self, ref: FeatureRef) -> _Entry:
+        """The mapped pool of ``ref``, after the epoch, bounds and ready-word checks."""
+        entry = self._entries.get(ref.pool_id)  # emptied by close()
+        if entry is None or entry.epoch != ref.epoch:
+            entry = self._entry(ref)
+        slot, offset = ref.slot, ref.offset
+        if (
+            slot >= entry.slots
+            or offset < entry.data_start
+            or offset % ALIGNMENT
+            or offset + ref.nbytes > entry.end
+        ):
+            raise self._out_of_bounds(ref, entry)
+        ready = entry.get_word(slot * entry.stride)
+        if ready != ref.generation:
+            raise IpcError(
+                f"slot {slot} of pool {ref.pool_id} holds generation {ready}, not "
+                f"{ref.generation}: the feature was released, cancelled or never published",
+                pool_id=ref.pool_id,
+            )
+        return entry
+
+    @staticmethod
+    def _out_of_bounds(ref: FeatureRef, entry: _Entry) -> IpcError:
+        return IpcError(
+            f"ref (slot {ref.slot}, bytes [{ref.offset}, {ref.offset + ref.nbytes})) is "
+            f"outside pool {ref.pool_id} (slots {entry.slots}, data [{entry.data_start}, "
+            f"{entry.end}))",
+            pool_id=ref.pool_id,
+        )
+
+    def _entry(self, ref: FeatureRef) -> _Entry:
+        self._check_open()
+        entry = self._entries.get(ref.pool_id)
+        if entry is not None and entry.descriptor.epoch == ref.epoch:
+            return entry
+        if ref.pool_id in self.own:
+            raise IpcError(
+                f"ref names this rank's own pool {ref.pool_id}; use the tensor directly",
+                pool_id=ref.pool_id,
+            )
+        retired = ref.epoch in self._retired.get(ref.pool_id, ())
+        if ref.descriptor is not None and not retired:
+            # Invalidate-and-retry, once: the producer restarted and the ref tells us
+            # how to map its new epoch. The old mapping is never used for this ref.
+            try:
+                self.add(ref.descriptor)
+            except StaleHandleError:
+                raise
+            except IpcError as exc:
+                raise StaleHandleError(
+                    f"pool {ref.pool_id} epoch {ref.epoch} could not be mapped: {exc}",
+                    pool_id=ref.pool_id,
+                ) from exc
+            entry = self._entries.get(ref.pool_id)
+            if entry is not None and entry.descriptor.epoch == ref.epoch:
+                return entry
+        if entry is None and not retired:
+            raise IpcError(
+                f"pool {ref.pool_id} is not mapped by rank {self.rank} (mapped: "
+                f"{sorted(self._entries)})",
+                pool_id=ref.pool_id,
+            )
+        mapped = entry.descriptor.epoch if entry is not None else None
+        raise StaleHandleError(
+            f"ref names epoch {ref.epoch} of pool {ref.pool_id}, but epoch {mapped} is mapped; "
+            "the producer restarted; resend the feature",
+            pool_id=ref.pool_id,
+        )

@@ -1,0 +1,206 @@
+"""The host backend: one POSIX shared-memory segment per pool, under ``/dev/shm``.
+
+The segment is created with ``os.open`` + ``mmap`` rather than
+``multiprocessing.shared_memory``: on Python <= 3.12 every attach registers the name
+with a resource tracker that unlinks it when *any* attaching process exits
+(cpython gh-82300; the CUDA IPC research notes, 4.1). Its pages are reserved up front
+with ``posix_fallocate``, because a full ``/dev/shm`` (64 MB by default in Docker)
+otherwise shows up as SIGBUS on the first write into an unbacked page, not as an
+error (research notes, 4.3). The owner unlinks the name right after the exchange
+barrier, so a crash leaks nothing; mappings outlive the name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import re
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from distcache.errors import IpcError, PoolError
+from distcache.ipc._allocator import WordArray
+from distcache.ipc._producer import DEFAULT_SLOTS, ProducerPool
+from distcache.ipc._ref import PoolDescriptor
+
+__all__ = ["SHM_DIR", "ShmMapping", "ShmPool"]
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+_NAME_RE = re.compile(r"\Adistcache\.[A-Za-z0-9._-]{1,100}\Z")
+
+
+def _unmap(mm: mmap.mmap, what: str) -> None:
+    try:
+        mm.close()
+    except BufferError:
+        # Views handed out are still alive; unmapping now would leave them pointing at
+        # nothing. The mapping goes away with the last of them.
+        log.warning("%s: tensors still view the segment; it is unmapped when they are freed", what)
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class _Memory:
+    """A mapped segment and the torch view over it (created on first use)."""
+
+    def __init__(self, mm: mmap.mmap, data_start: int, stride: int) -> None:
+        self.mm = mm
+        self.words = WordArray(memoryview(mm)[:data_start], stride)
+        self._base: Any = None
+
+    def base(self) -> Any:
+        if self._base is None:
+            import torch
+
+            # Through a memoryview: torch.frombuffer(mmap) keeps no buffer export, so
+            # mmap.close() would succeed under live views and leave them dangling
+            # (SIGSEGV on the next read). The memoryview's export makes close() raise
+            # BufferError while any view is alive, and _unmap defers the unmap.
+            self._base = torch.frombuffer(memoryview(self.mm), dtype=torch.uint8)
+        return self._base
+
+    def close(self, what: str) -> None:
+        self.words.release()
+        self._base = None
+        _unmap(self.mm, what)
+
+
+class ShmPool(ProducerPool):
+    """A producer pool in POSIX shared memory; ``put`` takes CPU tensors.
+
+    ``consumers`` are the ranks that read (and ack) this pool; by default every other
+    rank on this node, fixed at :meth:`PoolRegistry.exchange`.
+
+    Raises:
+        PoolError: ``/dev/shm`` has too little free space, or reserving it failed.
+        IpcError: a bad argument.
+    """
+
+    backend = "shm"
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        consumers: Sequence[int] | None = None,
+        name: str | None = None,
+        slots: int = DEFAULT_SLOTS,
+    ) -> None:
+        super().__init__(capacity_bytes, consumers=consumers, name=name, slots=slots, device=-1)
+        self.segment = f"distcache.{self.pool_id}.{self.epoch:x}"
+        self.path = os.path.join(SHM_DIR, self.segment)
+        size = self.data_start + self.capacity
+        try:
+            stat = os.statvfs(SHM_DIR)
+        except OSError as exc:
+            raise PoolError(f"cannot use {SHM_DIR}: {exc}", path=SHM_DIR) from exc
+        free = stat.f_bavail * stat.f_frsize
+        if size > free:
+            raise PoolError(
+                f"IPC pool {self.pool_id} needs {size} bytes of {SHM_DIR} but only {free} are "
+                "free; use a smaller pool or give the container more shared memory "
+                "(docker --shm-size, or an emptyDir with medium: Memory)",
+                path=SHM_DIR,
+            )
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise PoolError(f"cannot create {self.path}: {exc}", path=self.path) from exc
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                raise PoolError(
+                    f"cannot reserve {size} bytes for IPC pool {self.pool_id} in {SHM_DIR}: "
+                    f"{exc}; free space or enlarge {SHM_DIR}",
+                    path=self.path,
+                ) from exc
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            _unlink_quietly(self.path)
+            raise
+        finally:
+            os.close(fd)
+        self._mem = _Memory(mm, self.data_start, 1 + self.ack_words)
+        self._linked = True
+        self._finalizer = weakref.finalize(self, _unlink_quietly, self.path)
+        self._start(self._mem.words)
+
+    def _handle(self) -> bytes:
+        return self.segment.encode()
+
+    def _check_tensor(self, tensor: Any) -> None:
+        if getattr(tensor, "device", None) is None or tensor.device.type != "cpu":
+            raise IpcError(
+                f"ShmPool.put needs a CPU tensor, got one on {getattr(tensor, 'device', '?')}",
+                pool_id=self.pool_id,
+            )
+
+    def _write(self, offset: int, tensor: Any) -> None:
+        import torch
+
+        flat = tensor.reshape(-1).view(torch.uint8)
+        self._mem.base()[offset : offset + flat.numel()].copy_(flat)
+
+    def unlink(self) -> None:
+        """Remove the segment's name from ``/dev/shm`` (idempotent); mappings survive."""
+        if self._linked:
+            self._linked = False
+            _unlink_quietly(self.path)
+            self._finalizer.detach()
+
+    def _free(self) -> None:
+        self.unlink()
+        self._mem.close(f"IPC pool {self.pool_id}")
+
+
+class ShmMapping:
+    """A consumer's one mapping of a peer's :class:`ShmPool`."""
+
+    def __init__(self, descriptor: PoolDescriptor) -> None:
+        name = descriptor.handle.decode("ascii", "replace")
+        if descriptor.backend != "shm" or not _NAME_RE.match(name):
+            raise IpcError(
+                f"pool {descriptor.pool_id}: {name!r} is not a distcache segment name",
+                pool_id=descriptor.pool_id,
+            )
+        self.descriptor = descriptor
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise IpcError(
+                f"cannot open segment {path} of pool {descriptor.pool_id} (owner rank "
+                f"{descriptor.owner}): {exc}; the owner unlinks it after the exchange barrier, "
+                "so pools must be mapped during PoolRegistry.exchange",
+                pool_id=descriptor.pool_id,
+            ) from exc
+        try:
+            size = os.fstat(fd).st_size
+            # A forged descriptor must not make us map past the end of the file, where
+            # an access would be SIGBUS rather than an error.
+            if size != descriptor.segment_bytes:
+                raise IpcError(
+                    f"segment {path} is {size} bytes, descriptor says {descriptor.segment_bytes}",
+                    pool_id=descriptor.pool_id,
+                )
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._mem = _Memory(mm, descriptor.data_start, 1 + descriptor.ack_words)
+        self.words = self._mem.words
+
+    def view(self, offset: int, nbytes: int) -> Any:
+        """uint8 tensor over ``[offset, offset + nbytes)`` of the segment (zero-copy)."""
+        return self._mem.base()[offset : offset + nbytes]
+
+    def close(self) -> None:
+        self._mem.close(f"mapping of pool {self.descriptor.pool_id}")

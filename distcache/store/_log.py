@@ -1,0 +1,187 @@
+"""The pool's append-only logs: ``names.log`` (name -> sha labels) and ``journal.log``
+(shas published into the pool).
+
+Both are files of newline-framed records that any number of processes append to and
+read without coordination beyond a briefly held ``flock``. A crashed writer can leave
+a torn last line; the framing confines the damage to that record, readers consume
+complete lines only, and name records carry a CRC so a torn or damaged label is
+skipped rather than misread. They live apart from :mod:`distcache.store._pool` because the
+store's correctness never depends on them: they label and list objects, they do not
+hold them.
+
+Files are opened, written and their failures reported the way the rest of the pool
+does it, with the pieces of :mod:`distcache.store._fs`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+
+from distcache.artifact import validate_name
+from distcache.store._fs import APPEND_FLAGS, READ_FLAGS, is_sha, pool_error, write_all
+from distcache.store._locking import flock_fd
+
+__all__ = ["AppendLog", "Journal", "NamesIndex"]
+
+_APPEND_LOCK_WAIT = 5.0
+
+
+class AppendLog:
+    """An append-only file of newline-framed records.
+
+    Each append is one ``O_APPEND`` write of ``"\\n<record>\\n"`` under a briefly
+    held ``flock`` (O_APPEND alone is not atomic across NFS clients). The leading
+    newline isolates the torn tail a crashed writer may have left, so a torn record
+    costs that record only; readers consume complete lines only.
+    """
+
+    def __init__(self, path: Path, mode: int) -> None:
+        self.path = path
+        self.mode = mode
+
+    def append(self, records: Iterable[str]) -> None:
+        data = "".join(f"\n{r}\n" for r in records).encode("utf-8")
+        if not data:
+            return
+        try:
+            fd = os.open(self.path, APPEND_FLAGS, self.mode)
+        except OSError as exc:
+            raise pool_error("cannot open", self.path, exc) from exc
+        try:
+            flock_fd(fd, _APPEND_LOCK_WAIT, path=str(self.path))
+            write_all(fd, data)
+        except OSError as exc:
+            raise pool_error("cannot append to", self.path, exc) from exc
+        finally:
+            os.close(fd)
+
+    def read_from(self, offset: int) -> tuple[list[str], int]:
+        """Complete records after byte ``offset``, and the offset after them. An offset
+        past the end (the file was replaced) restarts from the beginning."""
+        try:
+            fd = os.open(self.path, READ_FLAGS)
+        except FileNotFoundError:
+            return [], 0
+        except OSError as exc:
+            raise pool_error("cannot read", self.path, exc) from exc
+        try:
+            size = os.fstat(fd).st_size
+            if offset > size:
+                offset = 0
+            data = os.pread(fd, size - offset, offset)
+        finally:
+            os.close(fd)
+        end = data.rfind(b"\n") + 1
+        lines = data[:end].decode("utf-8", "replace").split("\n")
+        return [line for line in lines if line], offset + end
+
+
+def _name_crc(sha: str, name: str) -> str:
+    return f"{zlib.crc32(f'{sha} {name}'.encode()):08x}"
+
+
+def _name_record(name: str, sha: str) -> str:
+    return f"{sha} {_name_crc(sha, name)} {name}"
+
+
+def _parse_name_record(line: str) -> tuple[str, str] | None:
+    parts = line.split(" ", 2)
+    if len(parts) != 3 or not is_sha(parts[0]):
+        return None
+    sha, crc, name = parts
+    if _name_crc(sha, name) != crc:
+        return None  # torn or damaged
+    try:
+        return validate_name(name), sha
+    except ValueError:
+        return None
+
+
+class NamesIndex:
+    """``name -> sha`` labels in an :class:`AppendLog`; the last record for a name wins.
+
+    The labels read so far are cached with the log offset they were read up to, so
+    a refresh reads only what other processes appended since.
+    """
+
+    def __init__(self, path: Path, mode: int) -> None:
+        self._log = AppendLog(path, mode)
+        self._guard = threading.Lock()
+        self._names: dict[str, str] = {}
+        self._offset = 0
+
+    def holds(self, pairs: Iterable[tuple[str, str]]) -> bool:
+        """Whether every ``(name, sha)`` is already the label this process read or
+        wrote last (no I/O)."""
+        with self._guard:
+            try:
+                return all(self._names.get(name) == sha for name, sha in pairs)
+            except TypeError:  # an unhashable (forged) name is held by no one
+                return False
+
+    def record(self, wanted: Iterable[tuple[str, str]]) -> None:
+        """Append a record for each already validated ``(name, sha)`` whose label
+        differs from the current one (callers skip what :meth:`holds` already).
+
+        Raises:
+            PoolError: the log cannot be read or written.
+        """
+        current = self._refresh()
+        new = [_name_record(name, sha) for name, sha in dict(wanted).items()
+               if current.get(name) != sha]
+        if new:
+            self._log.append(new)
+            self._refresh()
+
+    def snapshot(self) -> dict[str, str]:
+        """A copy of every label, read up to the end of the log.
+
+        Raises:
+            PoolError: the log cannot be read.
+        """
+        return dict(self._refresh())
+
+    def _refresh(self) -> dict[str, str]:
+        with self._guard:
+            records, offset = self._log.read_from(self._offset)
+            if offset < self._offset:
+                self._names.clear()
+            for line in records:
+                parsed = _parse_name_record(line)
+                if parsed is not None:
+                    self._names[parsed[0]] = parsed[1]
+            self._offset = offset
+            return self._names
+
+
+class Journal:
+    """The shas published into a pool, one per record, in publication order."""
+
+    def __init__(self, path: Path, mode: int) -> None:
+        self._log = AppendLog(path, mode)
+
+    def append(self, sha: str) -> None:
+        """Record that ``sha`` was published.
+
+        Raises:
+            PoolError: the journal cannot be written.
+        """
+        self._log.append([sha])
+
+    def since(self, cursor: int = 0) -> tuple[list[str], int]:
+        """Shas recorded after ``cursor``, oldest first and without repeats (torn or
+        foreign lines are skipped), and the cursor to pass next time.
+
+        Raises:
+            PoolError: the journal cannot be read.
+        """
+        records, offset = self._log.read_from(cursor)
+        seen: dict[str, None] = {}
+        for line in records:
+            if is_sha(line):
+                seen[line] = None
+        return list(seen), offset

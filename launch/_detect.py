@@ -1,0 +1,433 @@
+"""Which launcher started this process, and where it sits in the job.
+
+:func:`detect` reads only the environment (and the host name) and returns a frozen
+:class:`LaunchInfo`. It never imports torch or mpi4py: importing ``mpi4py.MPI`` calls
+``MPI_Init``, which hangs or aborts outside an MPI launch (Lightning-AI/pytorch-lightning
+#20049, h5py PR #1544).
+
+Sources, in order of precedence (the first one present is ``launcher``):
+
+1. ``torchrun`` -- the ``env://`` variables ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
+   ``LOCAL_WORLD_SIZE``/``GROUP_RANK``/``GROUP_WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``,
+   set by torchrun,
+   torchelastic or ``python -m launch``. It comes first because it is always the
+   innermost launcher: torchrun runs inside Slurm allocations and MPI jobs.
+2. ``openmpi`` -- ``OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}``.
+3. ``mpich`` -- MPICH/Hydra and Intel MPI: ``PMI_RANK`` (old Hydra: ``PMI_ID``),
+   ``PMI_SIZE``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``.
+4. ``pmix`` -- ``PMIX_RANK``; PMIx has no standard size variable, so the size comes
+   from another source that is present (``srun --mpi=pmix`` sets Slurm's).
+5. ``slurm`` -- an ``srun`` step: ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``,
+   ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_STEP_NUM_NODES``,
+   ``SLURM_STEP_NODELIST``. Only step-scoped variables count: an ``sbatch`` script has
+   job-level ``SLURM_*`` variables but no step, and is a single process
+   (lightseekorg/tokenspeed PR #873).
+6. ``single`` -- none of the above: rank 0 of 1.
+
+Agreement rules. Every source present must agree with the others on every value they
+both give; a disagreement raises :class:`LaunchError` listing the variables. Two
+nestings are normal and are not errors:
+
+* Slurm under MPI: ``mpirun`` in an allocation starts its daemons with ``srun``, so
+  the ranks inherit the daemons' step (one task per node). A Slurm step whose rank or
+  size differs from the MPI source describes that parent and is ignored.
+* Anything under torchrun: when ``TORCHELASTIC_RUN_ID`` is set, torchrun's agent
+  spawned this process, and Slurm or MPI variables that disagree describe the agent;
+  they are ignored. Without ``TORCHELASTIC_RUN_ID``, ``RANK`` disagreeing with another
+  launcher is almost always a stale ``export RANK=...``, and raises.
+
+``OMPI_COMM_WORLD_NODE_RANK`` is not used: it is the process's rank on its node across
+all jobs, not the node's index (docs.open-mpi.org, "environment variables").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from distcache.errors import DistcacheError
+
+__all__ = ["LAUNCHERS", "MPI_LAUNCHERS", "LaunchError", "LaunchInfo", "detect"]
+
+LAUNCHERS = ("torchrun", "openmpi", "mpich", "pmix", "slurm", "single")
+MPI_LAUNCHERS = frozenset({"openmpi", "mpich", "pmix"})
+
+# Fields a launcher can report, in the order they are checked and reported.
+T = TypeVar("T")
+
+_FIELDS = ("rank", "world_size", "local_rank", "local_world_size", "node_rank", "num_nodes")
+
+
+class LaunchError(DistcacheError, ValueError):
+    """The launcher environment is missing, malformed or inconsistent.
+
+    Attributes: ``variable`` and ``value`` for a malformed variable; ``conflicts`` (a
+    list of ``"field: VAR=v (launcher) vs VAR=w (launcher)"``) for disagreeing sources.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchInfo:
+    """Where this process sits in its job, as the launcher describes it."""
+
+    launcher: str
+    """One of :data:`LAUNCHERS`: the innermost launcher that set variables."""
+    rank: int
+    """Global rank, ``0 <= rank < world_size``."""
+    world_size: int
+    """Number of processes in the job."""
+    local_rank: int | None
+    """Rank among the processes on this node; ``None`` when no variable says."""
+    local_world_size: int | None
+    """Number of processes on this node; ``None`` when no variable says."""
+    node_rank: int | None
+    """Index of this node in the job, as the launcher counts; ``None`` when unknown."""
+    num_nodes: int | None
+    """Number of nodes in the job, as the launcher counts; ``None`` when unknown."""
+    node_id: str
+    """``DISTCACHE_NODE_ID`` if set, else the host name. Ranks with equal ``node_id``
+    are treated as sharing a node (and its node-local files)."""
+    master_addr: str | None
+    """Rendezvous host; ``None`` when it must be agreed at run time (under MPI)."""
+    master_port: int | None
+    """Rendezvous port; ``None`` when it must be agreed at run time."""
+    source: tuple[str, ...] = field(default=())
+    """The environment variables the values above came from."""
+
+    @property
+    def is_mpi(self) -> bool:
+        """True when an MPI runtime launched this process (mpi4py will work)."""
+        return self.launcher in MPI_LAUNCHERS
+
+    @property
+    def single_node(self) -> bool:
+        """True when the launcher says every rank runs on this node."""
+        return self.num_nodes == 1 or self.local_world_size == self.world_size
+
+
+@dataclass
+class _Signal:
+    """What one launcher's variables say: field -> (value, variable)."""
+
+    launcher: str
+    values: dict[str, tuple[int, str]]
+
+    def get(self, name: str) -> int | None:
+        item = self.values.get(name)
+        return None if item is None else item[0]
+
+
+def _int(env: Mapping[str, str], name: str, *, minimum: int = 0) -> int | None:
+    raw = env.get(name)
+    if raw is None:
+        return None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise LaunchError(
+            f"{name}={raw!r} is not an integer; the launcher environment is malformed",
+            variable=name,
+            value=raw,
+        ) from None
+    if value < minimum:
+        raise LaunchError(
+            f"{name}={raw!r} must be >= {minimum}", variable=name, value=raw
+        )
+    return value
+
+
+def _read(env: Mapping[str, str], launcher: str, names: Mapping[str, tuple[str, ...]]) -> _Signal:
+    values: dict[str, tuple[int, str]] = {}
+    for fld, candidates in names.items():
+        for var in candidates:
+            minimum = 1 if fld in ("world_size", "local_world_size", "num_nodes") else 0
+            value = _int(env, var, minimum=minimum)
+            if value is not None:
+                values[fld] = (value, var)
+                break
+    return _Signal(launcher, values)
+
+
+def _torchrun(env: Mapping[str, str]) -> _Signal | None:
+    # RANK is the marker: a lone LOCAL_RANK is exported by many wrappers for device
+    # selection and says nothing about the job.
+    if "RANK" not in env:
+        return None
+    sig = _read(
+        env,
+        "torchrun",
+        {
+            "rank": ("RANK",),
+            "world_size": ("WORLD_SIZE",),
+            "local_rank": ("LOCAL_RANK",),
+            "local_world_size": ("LOCAL_WORLD_SIZE",),
+            "node_rank": ("GROUP_RANK",),
+            "num_nodes": ("GROUP_WORLD_SIZE",),
+        },
+    )
+    world, local = sig.get("world_size"), sig.get("local_world_size")
+    if "num_nodes" not in sig.values and world and local and world % local == 0:
+        # torchrun runs the same number of workers on every node.
+        sig.values["num_nodes"] = (world // local, "WORLD_SIZE/LOCAL_WORLD_SIZE")
+    return sig
+
+
+def _openmpi(env: Mapping[str, str]) -> _Signal | None:
+    if "OMPI_COMM_WORLD_RANK" not in env:
+        return None
+    return _read(
+        env,
+        "openmpi",
+        {
+            "rank": ("OMPI_COMM_WORLD_RANK",),
+            "world_size": ("OMPI_COMM_WORLD_SIZE",),
+            "local_rank": ("OMPI_COMM_WORLD_LOCAL_RANK",),
+            "local_world_size": ("OMPI_COMM_WORLD_LOCAL_SIZE",),
+        },
+    )
+
+
+def _mpich(env: Mapping[str, str]) -> _Signal | None:
+    if "PMI_RANK" not in env and "PMI_ID" not in env:
+        return None
+    return _read(
+        env,
+        "mpich",
+        {
+            "rank": ("PMI_RANK", "PMI_ID"),
+            "world_size": ("PMI_SIZE",),
+            "local_rank": ("MPI_LOCALRANKID",),
+            "local_world_size": ("MPI_LOCALNRANKS",),
+        },
+    )
+
+
+def _pmix(env: Mapping[str, str]) -> _Signal | None:
+    if "PMIX_RANK" not in env:
+        return None
+    return _read(env, "pmix", {"rank": ("PMIX_RANK",), "world_size": ("PMIX_SIZE",)})
+
+
+def _parsed(parse: Callable[[str], list[T]], variable: str, text: str) -> list[T]:
+    try:
+        return parse(text)
+    except LaunchError as exc:
+        raise LaunchError(f"{variable}: {exc}", variable=variable, value=text) from exc
+
+
+def _slurm(env: Mapping[str, str]) -> _Signal | None:
+    # srun sets the SLURM_STEP_* variables; an sbatch script has only job-level ones.
+    if "SLURM_PROCID" not in env or "SLURM_STEP_NUM_TASKS" not in env:
+        return None
+    from launch._nodelist import expand_counts
+
+    sig = _read(
+        env,
+        "slurm",
+        {
+            "rank": ("SLURM_PROCID",),
+            "world_size": ("SLURM_STEP_NUM_TASKS",),
+            "local_rank": ("SLURM_LOCALID",),
+            "node_rank": ("SLURM_NODEID",),
+            "num_nodes": ("SLURM_STEP_NUM_NODES",),
+        },
+    )
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE")
+    node = sig.get("node_rank")
+    if per_node is not None and node is not None:
+        counts = _parsed(expand_counts, "SLURM_STEP_TASKS_PER_NODE", per_node)
+        if node >= len(counts):
+            raise LaunchError(
+                f"SLURM_NODEID={node} but SLURM_STEP_TASKS_PER_NODE={per_node!r} "
+                f"names only {len(counts)} nodes",
+                variable="SLURM_STEP_TASKS_PER_NODE",
+                value=per_node,
+            )
+        sig.values["local_world_size"] = (counts[node], "SLURM_STEP_TASKS_PER_NODE")
+    return sig
+
+
+def _describe(sig: _Signal, name: str) -> str:
+    value, var = sig.values[name]
+    return f"{var}={value} ({sig.launcher})"
+
+
+def _disagreements(a: _Signal, b: _Signal) -> list[str]:
+    return [
+        f"{name}: {_describe(a, name)} vs {_describe(b, name)}"
+        for name in _FIELDS
+        if name in a.values and name in b.values and a.get(name) != b.get(name)
+    ]
+
+
+def _merge(env: Mapping[str, str]) -> tuple[str, dict[str, tuple[int, str]]]:
+    inner = [s for s in (_torchrun(env), _openmpi(env), _mpich(env), _pmix(env)) if s]
+    slurm = _slurm(env)
+    elastic = "TORCHELASTIC_RUN_ID" in env
+    if inner and inner[0].launcher == "torchrun" and elastic:
+        # torchrun's agent spawned us; other launchers' variables describe the agent.
+        accepted = [inner[0]] + [
+            s for s in inner[1:] + ([slurm] if slurm else []) if not _disagreements(inner[0], s)
+        ]
+    else:
+        accepted = list(inner)
+        if slurm is not None:
+            if not inner:
+                accepted.append(slurm)
+            else:
+                identity = [
+                    d for d in _disagreements(inner[0], slurm) if d.split(":")[0] in ("rank", "world_size")
+                ]
+                if not identity or inner[0].launcher == "torchrun":
+                    # Under MPI a disagreeing step is mpirun's daemon step (ignored);
+                    # a stale RANK disagreeing with a real step must not pass.
+                    accepted.append(slurm)
+    if not accepted:
+        return "single", {}
+    conflicts: list[str] = []
+    for i, a in enumerate(accepted):
+        for b in accepted[i + 1 :]:
+            conflicts.extend(_disagreements(a, b))
+    if conflicts:
+        raise LaunchError(
+            "launcher variables disagree: " + "; ".join(conflicts)
+            + ". Unset the stale variables (e.g. an exported RANK) or the outer launcher's",
+            conflicts=conflicts,
+        )
+    merged: dict[str, tuple[int, str]] = {}
+    for sig in accepted:
+        for name, item in sig.values.items():
+            merged.setdefault(name, item)
+    return accepted[0].launcher, merged
+
+
+def _check_bounds(values: Mapping[str, tuple[int, str]], pairs: list[tuple[str, str]]) -> None:
+    for low, high in pairs:
+        if low in values and high in values and values[low][0] >= values[high][0]:
+            (lv, lvar), (hv, hvar) = values[low], values[high]
+            raise LaunchError(
+                f"{lvar}={lv} must be < {hvar}={hv}", variable=lvar, value=str(lv)
+            )
+
+
+def _slurm_port(env: Mapping[str, str]) -> int | None:
+    job = env.get("SLURM_JOB_ID")
+    if job is None:
+        return None
+    # Every rank derives the same port from the job and step, with no communication
+    # (as Lightning and submitit do); hashing spreads concurrent jobs on one node.
+    key = f"{job}.{env.get('SLURM_STEP_ID', '0')}".encode()
+    return 20000 + int.from_bytes(hashlib.sha256(key).digest()[:4], "big") % 30000
+
+
+def _master(
+    env: Mapping[str, str], launcher: str, single_node: bool
+) -> tuple[str | None, int | None, list[str]]:
+    used: list[str] = []
+    addr = env.get("MASTER_ADDR") or None
+    if addr is not None:
+        used.append("MASTER_ADDR")
+    port = _int(env, "MASTER_PORT", minimum=1)
+    if port is not None:
+        if port > 65535:
+            raise LaunchError(
+                f"MASTER_PORT={port} is not a TCP port", variable="MASTER_PORT", value=str(port)
+            )
+        used.append("MASTER_PORT")
+    if launcher == "slurm":
+        if addr is None and single_node:
+            addr = "127.0.0.1"
+        elif addr is None and not (
+            "arbitrary" in env.get("SLURM_DISTRIBUTION", "") or "SLURM_HOSTFILE" in env
+        ):
+            # With an arbitrary distribution the first host is not rank 0's
+            # (Lightning-AI/pytorch-lightning#17228): leave it to the caller.
+            from launch._nodelist import expand_nodelist
+
+            nodes = env.get("SLURM_STEP_NODELIST")
+            if nodes is not None:
+                addr = _parsed(expand_nodelist, "SLURM_STEP_NODELIST", nodes)[0]
+                used.append("SLURM_STEP_NODELIST")
+        if port is None:
+            port = _slurm_port(env)
+            if port is not None:
+                used.append("SLURM_JOB_ID")
+    elif launcher == "single":
+        addr = "127.0.0.1" if addr is None else addr
+    return addr, port, used
+
+
+def detect(environ: Mapping[str, str] = os.environ, *, hostname: str | None = None) -> LaunchInfo:
+    """Describe this process's place in its job from the environment alone.
+
+    ``hostname`` replaces :func:`socket.gethostname` (for tests).
+
+    Raises:
+        LaunchError: a launcher variable is not an integer or out of range (rank not
+            below the world size, negative values), a rank is given without any size,
+            or two launchers disagree (the message lists the variables).
+    """
+    launcher, values = _merge(environ)
+    if launcher != "single" and "world_size" not in values:
+        var = values["rank"][1] if "rank" in values else "rank"
+        raise LaunchError(
+            f"{var} is set but no variable gives the world size "
+            "(expected WORLD_SIZE, OMPI_COMM_WORLD_SIZE, PMI_SIZE or SLURM_STEP_NUM_TASKS)",
+            variable=var,
+            value=environ.get(var, ""),
+        )
+    _check_bounds(
+        values,
+        [("rank", "world_size"), ("local_rank", "local_world_size"), ("node_rank", "num_nodes")],
+    )
+    if "local_world_size" in values and "world_size" in values:
+        (lv, lvar), (wv, wvar) = values["local_world_size"], values["world_size"]
+        if lv > wv:
+            raise LaunchError(f"{lvar}={lv} exceeds {wvar}={wv}", variable=lvar, value=str(lv))
+
+    def get(name: str, default: int | None = None) -> int | None:
+        return values[name][0] if name in values else default
+
+    world = get("world_size", 1)
+    local_world = get("local_world_size", 1 if launcher == "single" else None)
+    num_nodes = get("num_nodes", 1 if launcher == "single" else None)
+    node_rank = get("node_rank", 0 if launcher == "single" else None)
+    if num_nodes is None and local_world is not None and local_world == world:
+        num_nodes = 1
+    if num_nodes == 1 and node_rank is None:
+        node_rank = 0
+    source = [item[1] for item in values.values()]
+
+    node_id = environ.get("DISTCACHE_NODE_ID")
+    if node_id is not None:
+        if not node_id.strip():
+            raise LaunchError(
+                "DISTCACHE_NODE_ID is set but empty; unset it or name the node",
+                variable="DISTCACHE_NODE_ID",
+                value=node_id,
+            )
+        source.append("DISTCACHE_NODE_ID")
+    else:
+        node_id = hostname if hostname is not None else socket.gethostname()
+
+    single_node = num_nodes == 1 or (local_world is not None and local_world == world)
+    addr, port, used = _master(environ, launcher, single_node)
+    source.extend(used)
+    assert world is not None  # world_size is always filled for every launcher
+    return LaunchInfo(
+        launcher=launcher,
+        rank=get("rank", 0) or 0,
+        world_size=world,
+        local_rank=get("local_rank", 0 if launcher == "single" else None),
+        local_world_size=local_world,
+        node_rank=node_rank,
+        num_nodes=num_nodes,
+        node_id=node_id,
+        master_addr=addr,
+        master_port=port,
+        source=tuple(dict.fromkeys(source)),
+    )

@@ -1,0 +1,352 @@
+"""Bring up ``torch.distributed`` from whatever launcher started the process.
+
+This is the only module of ``launch`` that touches ``torch.distributed`` or the
+environment. Rendezvous, by launcher:
+
+* already initialised -- adopted as is (an engine that initialised first wins);
+* MPI (Open MPI, MPICH/Intel MPI, PMIx) -- rank 0 opens a ``TCPStore`` on a port the
+  OS chooses and broadcasts ``(host, port)`` over mpi4py; the others connect. No rank
+  guesses a free port, so nothing races for it;
+* torchrun / ``python -m launch`` / Slurm -- ``env://`` with ``MASTER_ADDR`` and
+  ``MASTER_PORT`` from :func:`launch._detect` (for Slurm: the step's first node and a
+  port derived from the job id). torchrun's agent may already host the store
+  (``TORCHELASTIC_USE_AGENT_STORE``), which ``env://`` honours;
+* one process -- an in-memory store.
+
+Backend: ``gloo`` on CPU; ``nccl`` when CUDA is available, plus a ``gloo`` side group
+for CPU collectives (:func:`gloo_group`), as vLLM and TensorRT-LLM keep one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from distcache.config import env_float
+from distcache.errors import CollectiveTimeout, CommError
+from launch._detect import LaunchError, LaunchInfo, detect
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup, Store
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "gloo_group",
+    "init_process_group",
+    "mpi_publish",
+    "rendezvous_address",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = 300.0
+"""Seconds allowed for the rendezvous and for collectives (``DISTCACHE_INIT_TIMEOUT``)."""
+
+
+@dataclass
+class _Bringup:
+    """What this process created; torch.distributed's own state is process-global too.
+
+    Groups are held weakly: a strong reference kept past ``destroy_process_group()``
+    makes gloo's threads outlive the interpreter's teardown, which aborts the process
+    ("terminate called without an active exception").
+    """
+
+    world: weakref.ref[Any]
+    side_group: weakref.ref[Any] | None
+
+    def current(self) -> bool:
+        import torch.distributed as dist
+
+        return dist.is_initialized() and self.world() is dist.group.WORLD
+
+
+_state: _Bringup | None = None
+
+
+def _set_env(name: str, value: str) -> None:
+    if os.environ.get(name) != value:
+        log.info("setting %s=%s", name, value)
+        os.environ[name] = value
+
+
+def rendezvous_address(all_hosts: list[str]) -> str:
+    """The address rank 0 should listen on and publish, given every rank's host name.
+
+    One host: ``127.0.0.1`` (always reachable, never a firewalled NIC). Several: the
+    first non-loopback IPv4 address this host's name resolves to; a name resolving only
+    to loopback (Debian's ``127.0.1.1`` entry) is useless to other hosts, so that case
+    raises instead of producing a hang (DeepSpeed #5136; set ``MASTER_ADDR``).
+
+    Raises:
+        LaunchError: ranks span several hosts and no routable address was found.
+    """
+    if len(set(all_hosts)) <= 1:
+        return "127.0.0.1"
+    name = socket.gethostname()
+    try:
+        infos = socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)
+    except OSError:
+        infos = []
+    for info in infos:
+        addr = str(info[4][0])
+        if not addr.startswith("127."):
+            return addr
+    raise LaunchError(
+        f"ranks run on {len(set(all_hosts))} hosts but {name!r} resolves only to loopback; "
+        "set MASTER_ADDR to an address of rank 0's host that the others can reach",
+        variable="MASTER_ADDR",
+        value="",
+    )
+
+
+def _translate(exc: BaseException, what: str, info: LaunchInfo) -> Exception:
+    import torch.distributed as dist
+
+    where = f"rank {info.rank}/{info.world_size} on {info.node_id}"
+    if isinstance(exc, (dist.DistStoreError, TimeoutError)):
+        return CollectiveTimeout(
+            f"{where}: {what} timed out ({exc}); check that every rank was started and "
+            f"can reach {info.master_addr}:{info.master_port}",
+            op=what,
+            rank=info.rank,
+        )
+    return CommError(f"{where}: {what} failed: {exc}", op=what, rank=info.rank, backend="torch")
+
+
+def _mpi_world(info: LaunchInfo) -> Any:
+    try:
+        # Importing mpi4py.MPI calls MPI_Init; only ever reached under an MPI launcher.
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise CommError(
+            f"launched by {info.launcher} but mpi4py is not importable ({exc}); "
+            "install distcache[mpi], or set MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE",
+            op="init_process_group",
+            rank=info.rank,
+        ) from exc
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != info.world_size or comm.Get_rank() != info.rank:
+        raise LaunchError(
+            f"the environment says rank {info.rank} of {info.world_size} ({info.launcher}) "
+            f"but MPI says rank {comm.Get_rank()} of {comm.Get_size()}; mpi4py is probably "
+            "linked to a different MPI than the mpirun that started this job",
+            variable=info.source[0] if info.source else "",
+            value=str(info.rank),
+        )
+    return comm
+
+
+def mpi_publish(info: LaunchInfo, choose: Callable[[list[str]], tuple[str, int]]) -> tuple[str, int]:
+    """Agree on a rendezvous ``(host, port)`` over MPI; collective over ``COMM_WORLD``.
+
+    Every rank's host name is all-gathered; rank 0 calls ``choose(host_names)`` and its
+    answer is broadcast. If ``choose`` raises on rank 0, every rank raises (rather than
+    waiting in the broadcast forever).
+
+    Raises:
+        CommError: mpi4py is missing, or ``choose`` failed on rank 0.
+        LaunchError: MPI's rank or size contradicts ``info``.
+    """
+    comm = _mpi_world(info)
+    hosts = comm.allgather(socket.gethostname())
+    message: tuple[str, str, int] = ("", "", 0)
+    if info.rank == 0:
+        try:
+            host, port = choose(hosts)
+            message = ("ok", host, port)
+        except Exception as exc:
+            message = ("error", f"{type(exc).__name__}: {exc}", 0)
+    status, host, port = comm.bcast(message, root=0)
+    if status != "ok":
+        raise CommError(
+            f"rank {info.rank}/{info.world_size} on {info.node_id}: rank 0 could not "
+            f"choose a rendezvous address: {host}",
+            op="rendezvous",
+            rank=0,
+        )
+    return host, port
+
+
+def _mpi_store(info: LaunchInfo, timeout: timedelta) -> tuple[LaunchInfo, Store]:
+    import torch.distributed as dist
+
+    stores: list[Any] = []
+
+    def open_master(hosts: list[str]) -> tuple[str, int]:
+        host = info.master_addr or rendezvous_address(hosts)
+        # Port 0: the OS picks a free port and the store keeps it bound, so no other
+        # process can take it between choosing and listening.
+        store = dist.TCPStore(
+            host,
+            info.master_port or 0,
+            info.world_size,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+        stores.append(store)
+        return host, int(store.port)
+
+    host, port = mpi_publish(info, open_master)
+    info = dataclasses.replace(info, master_addr=host, master_port=port)
+    if stores:
+        return info, stores[0]
+    try:
+        return info, dist.TCPStore(host, port, info.world_size, is_master=False, timeout=timeout)
+    except (RuntimeError, ValueError) as exc:
+        raise _translate(exc, "connecting to the rendezvous store", info) from exc
+
+
+def _export(info: LaunchInfo) -> None:
+    _set_env("RANK", str(info.rank))
+    _set_env("WORLD_SIZE", str(info.world_size))
+    if info.local_rank is not None:
+        _set_env("LOCAL_RANK", str(info.local_rank))
+    if info.local_world_size is not None:
+        _set_env("LOCAL_WORLD_SIZE", str(info.local_world_size))
+    if info.master_addr is not None:
+        _set_env("MASTER_ADDR", info.master_addr)
+    if info.master_port is not None:
+        _set_env("MASTER_PORT", str(info.master_port))
+
+
+def _side_group(backend: str, timeout: timedelta) -> Any:
+    import torch.distributed as dist
+
+    if "gloo" in backend:
+        return None  # the default group already runs CPU collectives
+    # new_group is collective: every rank reaches this line in the same order.
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def _remember(side: Any) -> _Bringup:
+    import torch.distributed as dist
+
+    return _Bringup(
+        world=weakref.ref(dist.group.WORLD),
+        side_group=None if side is None else weakref.ref(side),
+    )
+
+
+def init_process_group(
+    info: LaunchInfo | None = None,
+    backend: str | None = None,
+    timeout: float | None = None,
+) -> LaunchInfo:
+    """Initialise ``torch.distributed`` for this launch; collective, idempotent.
+
+    ``info`` defaults to :func:`launch._detect`; ``backend`` to ``nccl`` when CUDA is
+    available, else ``gloo``; ``timeout`` (seconds) to ``DISTCACHE_INIT_TIMEOUT``,
+    else :data:`DEFAULT_TIMEOUT`. Sets (and logs) ``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` where they
+    differ, so code that reads them later sees this job. Returns the ``LaunchInfo``
+    with the rendezvous address and port filled in.
+
+    Raises:
+        LaunchError: the launcher environment is malformed or contradicts MPI, or no
+            rendezvous address is known (set ``MASTER_ADDR``).
+        CollectiveTimeout: not every rank joined within ``timeout``.
+        CommError: mpi4py or torch.distributed failed.
+    """
+    global _state
+    import torch
+    import torch.distributed as dist
+
+    seconds = timeout if timeout is not None else env_float("DISTCACHE_INIT_TIMEOUT", DEFAULT_TIMEOUT)
+    delta = timedelta(seconds=seconds or DEFAULT_TIMEOUT)
+    if info is None:
+        info = detect()
+    if dist.is_initialized():
+        return _adopt(info, delta)
+
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "nccl" in backend and info.local_rank is not None:
+        torch.cuda.set_device(info.local_rank % max(torch.cuda.device_count(), 1))
+
+    store: Any = None
+    if info.world_size == 1:
+        store = dist.HashStore()
+    elif info.is_mpi:
+        info, store = _mpi_store(info, delta)
+    elif info.master_addr is None or info.master_port is None:
+        raise LaunchError(
+            f"{info.launcher} launch of {info.world_size} ranks has no rendezvous address "
+            f"(MASTER_ADDR={info.master_addr}, MASTER_PORT={info.master_port}); "
+            "set MASTER_ADDR and MASTER_PORT",
+            variable="MASTER_ADDR",
+            value=str(info.master_addr),
+        )
+    _export(info)
+    try:
+        if store is not None:
+            dist.init_process_group(
+                backend, store=store, rank=info.rank, world_size=info.world_size, timeout=delta
+            )
+        else:
+            dist.init_process_group(
+                backend,
+                init_method="env://",
+                rank=info.rank,
+                world_size=info.world_size,
+                timeout=delta,
+            )
+        side = _side_group(backend, delta)
+    except (RuntimeError, ValueError) as exc:
+        raise _translate(exc, "init_process_group", info) from exc
+    _state = _remember(side)
+    log.info(
+        "torch.distributed up: rank %d/%d on %s, backend %s, rendezvous %s:%s (%s)",
+        info.rank, info.world_size, info.node_id, backend, info.master_addr,
+        info.master_port, info.launcher,
+    )
+    return info
+
+
+def _adopt(info: LaunchInfo, timeout: timedelta) -> LaunchInfo:
+    global _state
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if (rank, world) != (info.rank, info.world_size):
+        log.warning(
+            "adopting torch.distributed as rank %d/%d although %s said %d/%d",
+            rank, world, info.launcher, info.rank, info.world_size,
+        )
+        info = dataclasses.replace(info, rank=rank, world_size=world)
+    if _state is None or not _state.current():
+        backend = str(dist.get_backend())
+        try:
+            side = _side_group(backend, timeout)
+        except (RuntimeError, ValueError) as exc:
+            raise _translate(exc, "new_group(gloo)", info) from exc
+        _state = _remember(side)
+    return info
+
+
+def gloo_group() -> ProcessGroup:
+    """The process group for CPU collectives: the gloo side group when the default
+    group runs NCCL, else the default group.
+
+    Raises:
+        LaunchError: torch.distributed was not brought up by :func:`init_process_group`.
+    """
+    import torch.distributed as dist
+
+    if _state is None or not _state.current():
+        raise LaunchError(
+            "torch.distributed is not initialised by launch.init_process_group(); call it first",
+            variable="",
+            value="",
+        )
+    group = _state.side_group() if _state.side_group is not None else dist.group.WORLD
+    assert group is not None  # alive while the world is: destroy_process_group drops both
+    return group
