@@ -49,7 +49,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from distcache.errors import DistcacheError
+from distcache.errors import LaunchError
 
 __all__ = ["LAUNCHERS", "MPI_LAUNCHERS", "LaunchError", "LaunchInfo", "detect"]
 
@@ -61,13 +61,6 @@ T = TypeVar("T")
 
 _FIELDS = ("rank", "world_size", "local_rank", "local_world_size", "node_rank", "num_nodes")
 
-
-class LaunchError(DistcacheError, ValueError):
-    """The launcher environment is missing, malformed or inconsistent.
-
-    Attributes: ``variable`` and ``value`` for a malformed variable; ``conflicts`` (a
-    list of ``"field: VAR=v (launcher) vs VAR=w (launcher)"``) for disagreeing sources.
-    """
 
 
 @dataclass(frozen=True, slots=True)

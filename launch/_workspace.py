@@ -19,7 +19,7 @@ import weakref
 from pathlib import Path
 from types import TracebackType
 
-from distcache.errors import DistcacheError
+from distcache.errors import WorkspaceError
 
 __all__ = ["LOCK_NAME", "WorkspaceError", "WorkspaceSlot", "acquire_slot"]
 
@@ -28,9 +28,6 @@ log = logging.getLogger(__name__)
 LOCK_NAME = ".lock"
 MAX_SLOTS = 4096
 
-
-class WorkspaceError(DistcacheError, OSError):
-    """A workspace slot could not be created or locked. Attributes: ``path``."""
 
 
 def _close(fd: int) -> None:

@@ -62,12 +62,23 @@ def test_documented_parents_and_builtins_match_the_classes() -> None:
 
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
 def test_every_error_pickles_with_its_message_and_attributes(cls: type[DistcacheError]) -> None:
-    original = cls("rank 3/8 on gpu017: it broke", rank=3, host="gpu017", sha256="ab" * 32)
+    values = {name: f"{name}-value" for name in cls.declared()}
+    original = cls("rank 3/8 on gpu017: it broke", **values)
     copy = pickle.loads(pickle.dumps(original))
     assert type(copy) is cls
     assert str(copy) == "rank 3/8 on gpu017: it broke"
-    assert (copy.rank, copy.host, copy.sha256) == (3, "gpu017", "ab" * 32)  # type: ignore[attr-defined]
+    assert {name: getattr(copy, name) for name in values} == values
+    assert {"rank", "host"} <= set(values)
     assert isinstance(copy, DistcacheError)
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_an_undeclared_attribute_is_refused_and_a_declared_one_defaults_to_none(
+    cls: type[DistcacheError],
+) -> None:
+    with pytest.raises(TypeError, match="sha256_typo"):
+        cls("message", sha256_typo="x")
+    assert all(getattr(cls("message"), name) is None for name in cls.declared())
 
 
 @pytest.mark.parametrize(
