@@ -4,8 +4,9 @@ Reports the launcher (``launch.detect()``), the pool directory, the filesystem i
 on (kernel locks are only as good as the filesystem: some NFS and Lustre mounts
 accept ``flock`` without excluding anyone, which costs duplicate downloads, never
 correctness), whether locks really exclude there, free space, ``/dev/shm`` (the CPU
-IPC pools live there; containers often cap it at 64 MiB), and CUDA IPC. torch is
-imported only when it is installed *and* an NVIDIA device node exists.
+IPC pools live there; containers often cap it at 64 MiB), and CUDA IPC, as the IPC
+package's own probe sees it. That probe imports torch, so it runs only where an NVIDIA
+device node exists: elsewhere its answer is known and not worth torch's import time.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import argparse
 import contextlib
 import errno
 import fcntl
-import importlib.util
 import os
 import re
 import shutil
@@ -22,15 +22,20 @@ import sys
 import tempfile
 from pathlib import Path
 
-from distcache.cli import human_bytes, pool_root
-
-__all__ = ["check_locks", "filesystem_of", "setup_doctor"]
+from distcache import __version__
+from distcache.cli._common import EXIT_OK, add_json_option, emit, human_bytes, pool_root
+from distcache.config import settings
+from distcache.ipc import probe_cuda_ipc
+from distcache.ipc._shm import SHM_DIR
+from launch import detect
 
 # Filesystems where flock may be node-local or advisory only (DESIGN.md, pool).
 _NETWORK_FS = ("nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "beegfs", "ceph", "fuse")
 
 
 def setup_doctor(parser: argparse.ArgumentParser) -> None:
+    """Add the ``doctor`` options to its parser."""
+    add_json_option(parser)
     parser.set_defaults(run=run_doctor)
 
 
@@ -99,10 +104,6 @@ def _exclusion(directory: Path, first: int, second: int) -> str:
 
 def _launcher() -> str:
     try:
-        from launch import detect
-    except ImportError as exc:
-        return f"unknown (the launch package is not importable: {exc})"
-    try:
         info = detect()
     except Exception as exc:  # a LaunchError, or any bug: doctor reports, never dies
         return f"inconsistent environment: {' '.join(str(exc).split())}"
@@ -118,29 +119,31 @@ def _gpu_device_present() -> bool:
 
 
 def _cuda_ipc() -> str:
-    if importlib.util.find_spec("torch") is None:
-        return "not checked (torch is not installed)"
     if not _gpu_device_present():
         return "not checked (no NVIDIA GPU device on this machine)"
-    import torch
+    usable, reason = probe_cuda_ipc()
+    if not usable:
+        return f"unavailable: {reason}"
+    import torch  # the probe has imported it already
 
-    if not torch.cuda.is_available():
-        return f"unavailable (torch {torch.__version__} sees no CUDA device)"
     count = torch.cuda.device_count()
-    try:
-        tensor = torch.empty(1, device="cuda")
-        tensor.untyped_storage()._share_cuda_()
-    except Exception as exc:  # the driver's refusal is what the user needs to see
-        return f"unavailable on {count} GPU(s): {' '.join(str(exc).split())}"
     name = torch.cuda.get_device_name(0)
     return f"supported ({count} x {name}, torch {torch.__version__}, CUDA {torch.version.cuda})"
 
 
-def doctor_lines(pool_root: Path) -> list[tuple[str, str]]:
-    """Every fact ``doctor`` prints, as ``(label, text)``."""
-    from distcache import __version__
-    from distcache.config import settings
+def _shm() -> str:
+    if not os.path.isdir(SHM_DIR):
+        return "missing (CPU IPC pools need POSIX shared memory)"
+    usage = shutil.disk_usage(SHM_DIR)
+    return f"{human_bytes(usage.total)} total, {human_bytes(usage.free)} free"
 
+
+def doctor_lines(pool_root: Path) -> list[tuple[str, str]]:
+    """Every fact ``doctor`` reports, as ``(label, text)``, in order.
+
+    Raises:
+        ConfigError: a ``DISTCACHE_*`` variable has a bad value.
+    """
     resolved = settings()
     lines = [("distcache", f"{__version__} (python {sys.version.split()[0]})"),
              ("launcher", _launcher())]
@@ -158,13 +161,7 @@ def doctor_lines(pool_root: Path) -> list[tuple[str, str]]:
     lines.append(("kernel locks", check_locks(probe)))
     usage = shutil.disk_usage(probe)
     lines.append(("free space", f"{human_bytes(usage.free)} of {human_bytes(usage.total)} at {probe}"))
-    shm = Path("/dev/shm")
-    if shm.is_dir():
-        shm_usage = shutil.disk_usage(shm)
-        lines.append(("/dev/shm", f"{human_bytes(shm_usage.total)} total, "
-                                  f"{human_bytes(shm_usage.free)} free"))
-    else:
-        lines.append(("/dev/shm", "missing (CPU IPC pools need POSIX shared memory)"))
+    lines.append((SHM_DIR, _shm()))
     origins = ", ".join(resolved.origins) if resolved.origins else "unset (DISTCACHE_ORIGIN)"
     lines.append(("origins", origins))
     lines.append(("cuda ipc", _cuda_ipc()))
@@ -172,8 +169,8 @@ def doctor_lines(pool_root: Path) -> list[tuple[str, str]]:
 
 
 def run_doctor(args: argparse.Namespace) -> int:
+    """``doctor``: one ``label: text`` line per fact, or a JSON object label -> text."""
     lines = doctor_lines(pool_root(args))
     width = max(len(label) for label, _ in lines)
-    for label, text in lines:
-        print(f"{label + ':':<{width + 1}} {text}")
-    return 0
+    emit(args, dict(lines), (f"{label + ':':<{width + 1}} {text}" for label, text in lines))
+    return EXIT_OK

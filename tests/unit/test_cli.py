@@ -14,6 +14,7 @@ import pytest
 
 from distcache import cli
 from distcache.artifact import Artifact, parse_checksums, sha256_hex
+from distcache.cli import _main
 from distcache.testing import LoopbackOrigin
 
 REPO = Path(__file__).resolve().parents[2]
@@ -363,8 +364,8 @@ def setup_hello(parser: argparse.ArgumentParser) -> None:
 def test_subcommands_are_registered_from_the_table(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    extra = cli.Subcommand("hello", "say hello", f"{__name__}:setup_hello")
-    monkeypatch.setattr(cli, "SUBCOMMANDS", (*cli.SUBCOMMANDS, extra))
+    extra = _main.Subcommand("hello", "say hello", setup_hello)
+    monkeypatch.setattr(_main, "SUBCOMMANDS", (*_main.SUBCOMMANDS, extra))
     assert cli.main(["hello", "--who", "ranks"]) == 0
     assert capsys.readouterr().out == "hello ranks\n"
 

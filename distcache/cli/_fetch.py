@@ -1,0 +1,107 @@
+"""``distcache fetch``: download a manifest's artifacts into the pool, in parallel.
+
+Not collective: one process, one pool (``distcache prefetch`` is the job-wide
+version). Each artifact goes through :meth:`ArtifactPool.fetch`, so concurrent
+fetches into one pool download each object once and what is present is not
+downloaded again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+from distcache._resolve import resolve_origin, resolve_pool
+from distcache.artifact import Artifact, read_manifest
+from distcache.cli._common import (
+    EXIT_ERROR,
+    EXIT_OK,
+    UsageError,
+    add_json_option,
+    emit,
+    human_bytes,
+    one_line,
+)
+from distcache.config import settings
+from distcache.errors import DistcacheError
+
+#: Failures printed to stderr one per line; the rest are counted.
+_SHOWN_FAILURES = 10
+
+
+def setup_fetch(parser: argparse.ArgumentParser) -> None:
+    """Add the ``fetch`` options to its parser."""
+    parser.add_argument("--manifest", type=Path, required=True, metavar="FILE",
+                        help="checksums.txt (sha256sum format) listing the artifacts")
+    parser.add_argument("--prefix", default="", help="prefix joined in front of every name")
+    parser.add_argument("--origin", action="append", metavar="URL",
+                        help="origin URL or directory; repeat or comma-separate to fall back "
+                             "in order (default: DISTCACHE_ORIGIN)")
+    parser.add_argument("--jobs", type=int, metavar="N",
+                        help="parallel downloads (default: DISTCACHE_DOWNLOADS_PER_RANK)")
+    add_json_option(parser)
+    parser.set_defaults(run=run_fetch)
+
+
+def _progress(total: int) -> Any:
+    """A progress bar on a terminal, else ``None`` (logs and pipes stay clean)."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm  # third-party and only worth its import time on a terminal
+
+    return tqdm(total=total, unit="artifact", file=sys.stderr)
+
+
+def run_fetch(args: argparse.Namespace) -> int:
+    """``fetch``: every artifact of the manifest into the pool; exit 1 if any failed."""
+    conf = settings()
+    jobs = args.jobs if args.jobs is not None else conf.downloads_per_rank
+    if jobs < 1:
+        raise UsageError(f"fetch: --jobs must be >= 1, got {jobs}")
+    origin = resolve_origin(args.origin or None, conf)
+    if origin is None:
+        raise UsageError("fetch: no origin; pass --origin URL or set DISTCACHE_ORIGIN")
+    artifacts = read_manifest(args.manifest, args.prefix)
+    pool = resolve_pool(args.pool, conf)
+    pool.remember(artifacts)
+    present = {a.sha256 for a in artifacts if pool.has(a.sha256)}
+    failures: list[tuple[Artifact, BaseException]] = []
+    downloaded = nbytes = 0
+    bar = _progress(len(artifacts))
+    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="distcache-fetch") as workers:
+        futures = {workers.submit(pool.fetch, a, origin): a for a in artifacts}
+        for future in as_completed(futures):
+            artifact = futures[future]
+            try:
+                data = future.result()
+            except DistcacheError as exc:
+                failures.append((artifact, exc))
+            else:
+                if artifact.sha256 not in present:
+                    downloaded += 1
+                    nbytes += len(data)
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    failures.sort(key=lambda failure: failure[0].name)
+    fetched = len(artifacts) - len(failures)
+    summary = {
+        "root": pool.root, "origin": origin.describe(), "artifacts": len(artifacts),
+        "fetched": fetched, "downloaded": downloaded, "downloaded_bytes": nbytes,
+        "already_present": fetched - downloaded, "failed": len(failures),
+        "failures": [{"name": a.name, "error": one_line(e)} for a, e in failures],
+    }
+    emit(args, summary, [
+        f"fetched {fetched} of {len(artifacts)} artifacts into {pool.root}: {downloaded} "
+        f"downloaded ({human_bytes(nbytes)}) from {origin.describe()}, "
+        f"{fetched - downloaded} already present, {len(failures)} failed"])
+    for artifact, error in failures[:_SHOWN_FAILURES]:
+        print(f"distcache: {artifact.name}: {one_line(error)}", file=sys.stderr)
+    if len(failures) > _SHOWN_FAILURES:
+        print(f"distcache: ... and {len(failures) - _SHOWN_FAILURES} more failures",
+              file=sys.stderr)
+    return EXIT_ERROR if failures else EXIT_OK

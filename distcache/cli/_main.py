@@ -1,0 +1,153 @@
+"""The ``distcache`` parser, built from :data:`SUBCOMMANDS`, and the run loop: logging
+set-up, and the mapping from what a handler raises to an exit code and one line on
+stderr."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from distcache import __version__
+from distcache.cli._common import (
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    UsageError,
+    common_options,
+    one_line,
+)
+from distcache.cli._doctor import setup_doctor
+from distcache.cli._fetch import setup_fetch
+from distcache.cli._pool import setup_pool
+from distcache.cli._prefetch import setup as setup_prefetch
+from distcache.errors import DistcacheError
+
+_EPILOG = """\
+exit codes:
+  0    success
+  1    an error (one line on stderr; --verbose adds the traceback)
+  2    bad usage
+  3    'pool verify' found corrupt objects (moved to quarantine/)
+  130  interrupted
+
+environment: DISTCACHE_POOL, DISTCACHE_POOL_MAX_BYTES, DISTCACHE_ORIGIN,
+DISTCACHE_ORIGIN_TOKEN, DISTCACHE_HTTP_TIMEOUT, DISTCACHE_HTTP_RETRIES
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Subcommand:
+    """One ``distcache`` subcommand. ``setup`` receives the subcommand's parser, adds
+    its arguments and sets ``run`` (``run(args) -> exit code``)."""
+
+    name: str
+    help: str
+    setup: Callable[[argparse.ArgumentParser], None]
+
+
+SUBCOMMANDS: tuple[Subcommand, ...] = (
+    Subcommand("pool", "inspect and maintain an artifact pool", setup_pool),
+    Subcommand("fetch", "download a manifest's artifacts into the pool", setup_fetch),
+    Subcommand("doctor", "report launcher, pool filesystem, locks, shared memory, GPU IPC",
+               setup_doctor),
+    Subcommand("prefetch", "collective (run on every rank): fetch each artifact once per job",
+               setup_prefetch),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (every subcommand in :data:`SUBCOMMANDS`)."""
+    common = common_options()
+    parser = argparse.ArgumentParser(
+        prog="distcache", parents=[common], epilog=_EPILOG,
+        description="Fetch kernel artifacts once per job; inspect and maintain artifact pools.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"distcache {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for sub in SUBCOMMANDS:
+        child = commands.add_parser(sub.name, help=sub.help, description=sub.help,
+                                    parents=[common], epilog=_EPILOG,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+        sub.setup(child)
+    return parser
+
+
+def _configure_logging(verbose: bool) -> Callable[[], None]:
+    """Send log records to stderr; return the function that undoes it, so that
+    calling :func:`main` in-process leaves the caller's logging as it was."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("distcache: %(levelname)s: %(message)s"))
+    root = logging.getLogger()
+    quiet = logging.getLogger("urllib3")
+    saved = (root.level, quiet.level)
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if verbose else logging.WARNING)
+    if not verbose:
+        quiet.setLevel(logging.ERROR)
+
+    def restore() -> None:
+        root.removeHandler(handler)
+        root.setLevel(saved[0])
+        quiet.setLevel(saved[1])
+
+    return restore
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``distcache`` command line; return the exit code (0 success, 1 error,
+    2 bad usage, 3 corrupt objects found, 130 interrupted).
+
+    Raises:
+        Nothing: every error becomes an exit code and one line on stderr
+            (``--verbose`` adds the traceback).
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help, --version, or bad usage
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    args.pool = getattr(args, "pool", None)
+    args.verbose = getattr(args, "verbose", False)
+    restore_logging = _configure_logging(args.verbose)
+    try:
+        return _run(parser, args)
+    finally:
+        restore_logging()
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    run: Callable[[argparse.Namespace], int] = args.run
+    try:
+        return run(args)
+    except UsageError as exc:
+        parser.print_usage(sys.stderr)
+        print(f"distcache: error: {one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("distcache: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`distcache pool ls | head`): not an error. Point stdout
+        # at /dev/null so the interpreter's final flush does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_OK
+    except (DistcacheError, OSError) as exc:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"distcache: error: {one_line(exc)}", file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as exc:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"distcache: internal error: {type(exc).__name__}: {one_line(exc)}; "
+              "rerun with --verbose for the traceback", file=sys.stderr)
+        return EXIT_ERROR

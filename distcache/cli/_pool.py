@@ -1,0 +1,124 @@
+"""``distcache pool ls|stats|verify|gc|import|export``: inspect and maintain a pool.
+
+The inspecting actions never create a pool (a missing one is an error); ``import``
+creates it. ``import`` and ``export`` live in :mod:`distcache.cli._transfer`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from distcache._resolve import resolve_pool
+from distcache.cli._common import (
+    EXIT_CORRUPT,
+    EXIT_OK,
+    add_json_option,
+    common_options,
+    emit,
+    human_bytes,
+)
+from distcache.cli._transfer import run_export, run_import
+from distcache.config import parse_bytes, settings
+from distcache.store import ArtifactPool
+
+
+def setup_pool(parser: argparse.ArgumentParser) -> None:
+    """Add the pool actions to the ``pool`` subcommand's parser."""
+    subparsers = parser.add_subparsers(dest="pool_command", metavar="ACTION", required=True)
+
+    def action(name: str, help: str) -> argparse.ArgumentParser:
+        return subparsers.add_parser(name, help=help, parents=[common_options()])
+
+    ls = action("ls", "list named artifacts present in the pool (sha256sum format)")
+    add_json_option(ls)
+    ls.set_defaults(run=run_ls)
+    stats = action("stats", "object count, bytes, quarantine, cap")
+    add_json_option(stats)
+    stats.set_defaults(run=run_stats)
+    verify = action("verify", "hash every object; quarantine corrupt ones (exit 3 if any)")
+    add_json_option(verify)
+    verify.set_defaults(run=run_verify)
+    gc = action("gc", "remove least recently used objects down to a cap")
+    gc.add_argument("--max-bytes", metavar="SIZE",
+                    help="cap, e.g. 20G (default: DISTCACHE_POOL_MAX_BYTES)")
+    add_json_option(gc)
+    gc.set_defaults(run=run_gc)
+    imp = action("import", "add a directory's files (checked against its checksums.txt "
+                           "when present)")
+    imp.add_argument("directory", type=Path, metavar="DIR")
+    imp.set_defaults(run=run_import)
+    exp = action("export", "write every named artifact and checksums.txt under DIR")
+    exp.add_argument("directory", type=Path, metavar="DIR")
+    exp.set_defaults(run=run_export)
+
+
+def existing_pool(args: argparse.Namespace) -> ArtifactPool:
+    """The pool ``--pool`` (or the settings) names, which must already exist.
+
+    Raises:
+        PoolError: there is no pool there.
+    """
+    return resolve_pool(args.pool, settings(), must_exist=True)
+
+
+def run_ls(args: argparse.Namespace) -> int:
+    """``pool ls``: each named artifact whose object is present, as ``sha  name``."""
+    pool = existing_pool(args)
+    present = [(name, sha) for name, sha in sorted(pool.names().items()) if pool.has(sha)]
+    data = {"root": pool.root,
+            "artifacts": [{"name": name, "sha256": sha} for name, sha in present]}
+    emit(args, data, (f"{sha}  {name}" for name, sha in present))
+    return EXIT_OK
+
+
+def _stats_lines(fields: dict[str, object]) -> Iterator[str]:
+    for key, value in fields.items():
+        shown = value
+        if key in ("bytes", "max_bytes") and (value is None or isinstance(value, int)):
+            shown = human_bytes(value) if value is None else f"{value} ({human_bytes(value)})"
+        yield f"{key}: {shown}"
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    """``pool stats``: one ``key: value`` line per field of :class:`PoolStats`."""
+    stats = existing_pool(args).stats()
+    fields = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
+    emit(args, fields, _stats_lines(fields))
+    return EXIT_OK
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    """``pool verify``: hash every object; exit 3 when any was corrupt."""
+    pool = existing_pool(args)
+    report = pool.verify()
+    data = {"root": pool.root, **dataclasses.asdict(report)}
+    emit(args, data, [
+        f"verified {report.ok + report.corrupt} objects in {pool.root}: {report.ok} ok "
+        f"({human_bytes(report.ok_bytes)}), {report.corrupt} corrupt, "
+        f"{report.quarantined} in quarantine"])
+    if report.corrupt:
+        print(f"distcache: {report.corrupt} corrupt object(s) moved to "
+              f"{pool.root / 'quarantine'}; they will be fetched again when needed",
+              file=sys.stderr)
+        return EXIT_CORRUPT
+    return EXIT_OK
+
+
+def run_gc(args: argparse.Namespace) -> int:
+    """``pool gc``: collect least recently used objects down to the cap."""
+    cap = parse_bytes(args.max_bytes, variable="--max-bytes") if args.max_bytes else None
+    pool = existing_pool(args)
+    report = pool.gc(cap)
+    if report.max_bytes is None:
+        line = (f"no size cap (pass --max-bytes or set DISTCACHE_POOL_MAX_BYTES); kept "
+                f"{report.kept} objects ({human_bytes(report.kept_bytes)})")
+    else:
+        line = (f"removed {report.removed} objects ({human_bytes(report.freed_bytes)}), kept "
+                f"{report.kept} ({human_bytes(report.kept_bytes)}) under a cap of "
+                f"{human_bytes(report.max_bytes)}")
+    emit(args, {"root": pool.root, **dataclasses.asdict(report)}, [line])
+    return EXIT_OK
