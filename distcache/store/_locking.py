@@ -38,8 +38,6 @@ import time
 
 from distcache.errors import PoolError
 
-__all__ = ["FileLock", "flock_fd"]
-
 logger = logging.getLogger(__name__)
 
 # Errors that mean "this filesystem does not do locks", as opposed to "someone holds it".

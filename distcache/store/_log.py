@@ -25,8 +25,6 @@ from distcache.artifact import validate_name
 from distcache.store._fs import APPEND_FLAGS, READ_FLAGS, is_sha, pool_error, write_all
 from distcache.store._locking import flock_fd
 
-__all__ = ["AppendLog", "Journal", "NamesIndex"]
-
 _APPEND_LOCK_WAIT = 5.0
 
 

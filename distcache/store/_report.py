@@ -6,8 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["GcReport", "PoolStats", "VerifyReport"]
-
 
 @dataclass(frozen=True, slots=True)
 class GcReport:

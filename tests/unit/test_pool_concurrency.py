@@ -156,7 +156,7 @@ def test_sixteen_processes_fetching_one_missing_artifact_make_one_request(tmp_pa
 
 @pytest.mark.timeout(180)
 def test_sixteen_processes_over_http_origin_make_one_request(tmp_path: Path) -> None:
-    from distcache.origins._http import HttpOrigin  # noqa: F401  (checked to exist)
+    from distcache.origins import HttpOrigin  # noqa: F401  (checked to exist)
     from distcache.testing import LoopbackOrigin, make_artifacts
 
     (artifact,) = make_artifacts(tmp_path / "mirror", 1, seed=3)
@@ -169,7 +169,7 @@ def test_sixteen_processes_over_http_origin_make_one_request(tmp_path: Path) -> 
             "lock_timeout": 100,
         }
         body = (
-            "from distcache.origins._http import HttpOrigin\n"
+            "from distcache.origins import HttpOrigin\n"
             f"ORIGIN = HttpOrigin({server.url!r}, retries=0)\n" + FETCH_BODY
         )
         outputs = run_children(tmp_path, body, [args] * 16)

@@ -45,8 +45,7 @@ import pytest
 
 from distcache.artifact import Artifact, sha256_hex
 from distcache.errors import ConfigError, DistcacheError, IntegrityError, OriginError, PoolError
-from distcache.origins._http import HttpOrigin
-from distcache.origins._origin import DirOrigin, OriginChain
+from distcache.origins import DirOrigin, HttpOrigin, OriginChain
 from distcache.store._pool import ArtifactPool
 from distcache.testing import LoopbackOrigin
 
@@ -435,7 +434,7 @@ def test_temporary_files_are_created_exclusively_never_through_a_planted_link(
         names.extend(os.listdir(pool.root / "tmp"))
 
     # Make the temporary name predictable, as an attacker would have to guess it.
-    monkeypatch.setattr("distcache.store._fs.secrets", types.SimpleNamespace(
+    monkeypatch.setattr("distcache.store.layout.secrets", types.SimpleNamespace(
         token_hex=lambda n: "0" * (2 * n)))
     pool.fetch(Artifact("e.cubin", sha, len(data)), BytesOrigin(data, note))
     assert len(names) == 1

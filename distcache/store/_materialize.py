@@ -1,0 +1,128 @@
+"""Materializing: placing a pool object at ``<directory>/<name>`` for a caller.
+
+This is the one place the pool writes outside its own root, into a directory the
+caller named, under a name that is untrusted input (DESIGN.md, "Artifacts and the
+pool"). The name is validated before any file is touched (``path_under``); each
+directory below the caller's is created or checked with ``lstat``, never walked
+through a symlink; the file arrives whole (a hard link, else a copy, renamed into
+place), so any number of processes may materialize the same target at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import secrets
+import stat
+from pathlib import Path
+
+from distcache.artifact import Artifact, check_sha256, path_under
+from distcache.errors import PoolError
+from distcache.store._fs import (
+    CREATE_FLAGS,
+    NO_LINK,
+    READ_FLAGS,
+    pool_error,
+    read_fd,
+    unlink_quietly,
+    write_all,
+)
+from distcache.store._objects import ObjectStore, check_size
+
+
+def materialize(store: ObjectStore, artifact: Artifact, into_dir: str | os.PathLike[str]) -> Path:
+    """Place ``artifact`` from ``store`` at ``into_dir/<name>`` and return that path.
+
+    Raises:
+        ArtifactNameError: the name is unsafe (checked before touching any file).
+        IntegrityError: the object's size is not the artifact's.
+        PoolError: the object is not in the pool, or the target cannot be written.
+    """
+    into = Path(os.path.abspath(into_dir))
+    target = path_under(into, artifact.name)
+    sha = check_sha256(artifact.sha256)
+    data = store.read(sha, stamp=True)
+    obj = store.layout.object_path(sha)
+    if data is None:
+        raise PoolError(
+            f"cannot materialize {artifact.name}: {sha} is not in the pool at "
+            f"{store.layout.root}; fetch it first",
+            path=obj, errno=errno.ENOENT,
+        )
+    check_size(artifact, len(data), "pool")
+    try:
+        place_file(obj, into, target, sha, data, store.file_mode)
+    except OSError as exc:
+        if isinstance(exc, PoolError):
+            raise
+        raise pool_error("cannot materialize", target, exc) from exc
+    return target
+
+
+def place_file(obj: str, into: Path, target: Path, sha: str, data: bytes,
+                     mode: int) -> None:
+    """Place verified object ``obj`` (bytes ``data``) at ``target`` under ``into``: a
+    hard link, else a ``mode`` copy, renamed into place; a correct target is kept.
+    :class:`PoolError` for a symlinked directory on the way, OSError on failure."""
+    _ensure_dirs(into, target.parent)
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        st = None
+    if st is not None and stat.S_ISREG(st.st_mode):
+        ost = os.lstat(obj)
+        if (st.st_ino, st.st_dev) == (ost.st_ino, ost.st_dev):
+            return
+        if st.st_size == len(data) and _file_matches(target, sha):
+            return
+    tmp = os.path.join(target.parent, f".{target.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+    try:
+        try:
+            os.link(obj, tmp)
+        except OSError as exc:
+            if exc.errno != errno.EXDEV and exc.errno not in NO_LINK:
+                raise
+            fd = os.open(tmp, CREATE_FLAGS, 0o600)
+            try:
+                write_all(fd, data)
+                os.fchmod(fd, mode)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.replace(tmp, target)
+    finally:
+        unlink_quietly(tmp)
+
+
+def _ensure_dirs(into: Path, parent: Path) -> None:
+    # The caller's directory may be a symlink (they named it); below it, every
+    # directory of the name is created or checked with lstat, so a planted
+    # symlink cannot carry the write outside ``into``.
+    os.makedirs(into, exist_ok=True)
+    current = into
+    for part in parent.relative_to(into).parts:
+        current = current / part
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(current, 0o777)
+        if not stat.S_ISDIR(os.lstat(current).st_mode):
+            raise PoolError(
+                f"{current} is not a directory (a symlink?); refusing to write through it",
+                path=str(current),
+            )
+
+
+def _file_matches(path: Path, sha: str) -> bool:
+    try:
+        fd = os.open(path, READ_FLAGS)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        data = read_fd(fd, st.st_size)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return len(data) == st.st_size and hashlib.sha256(data).hexdigest() == sha

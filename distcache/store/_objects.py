@@ -1,0 +1,355 @@
+"""Objects on disk: verified reads, atomic publication, quarantine and scans.
+
+:class:`ObjectStore` is the content-addressed half of a pool: the bytes under
+``objects/<sha[:2]>/<sha>`` and nothing about names, origins or size caps. It keeps
+the rules of DESIGN.md ("Artifacts and the pool") for each object:
+
+- **Never follow a symlink inside the pool.** Objects are opened relative to an
+  ``O_NOFOLLOW`` descriptor of their fan-out directory ``objects/<xx>``, so a symlink
+  planted there or as an object is a miss for readers; publishers move it into
+  ``quarantine/`` and refuse to write when they cannot: the pool's user never reads
+  or writes through it.
+- **Every read is verified.** A wrong, truncated or non-file object is moved to
+  ``quarantine/``, counted, logged and reported as a miss; corrupt bytes are never
+  returned.
+- **Publish whole files: write, fsync, link, then verify.** ``link(2)`` fails on an
+  existing name, so the first publisher wins and a crash leaves no object or a whole
+  one. A loser does not trust the winner blindly: it reads (so verifies) what is
+  there and, if that was corrupt and moved aside, links again. Where ``link`` is
+  refused (some FUSE, SMB) an atomic ``rename`` replaces instead.
+
+Recency for LRU collection is the object's mtime, refreshed by reads at most once per
+``stamp_interval`` seconds (atime is useless on ``noatime`` mounts); a reader that
+may not touch another user's object simply skips the stamp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from distcache.artifact import Artifact, sha256_hex
+from distcache.errors import IntegrityError
+from distcache.store._fs import (
+    NO_LINK,
+    READ_FLAGS,
+    fsync_dir,
+    is_sha,
+    make_dir,
+    pool_error,
+    read_fd,
+    temp_file,
+    unlink_quietly,
+    write_all,
+)
+from distcache.store.layout import PoolLayout
+
+logger = logging.getLogger(__name__)
+
+# Readers open the fan-out directory rather than walk through it by path: O_NOFOLLOW
+# on that component keeps a planted objects/<xx> symlink from being followed.
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def check_size(artifact: Artifact, size: int, source: str) -> None:
+    """Raise :class:`IntegrityError` unless ``size`` bytes from ``source`` is the
+    size ``artifact`` declares (if it declares one)."""
+    if artifact.size is not None and size != artifact.size:
+        raise IntegrityError(
+            f"{artifact.name}: expected {artifact.size} bytes, got {size} from {source}",
+            sha256=artifact.sha256, actual=f"{size} bytes", source=source,
+        )
+
+
+class ObjectStore:
+    """The objects of the pool laid out by ``layout``.
+
+    Args:
+        layout: the pool's paths.
+        host: this host's name, sanitised, for temporary file names.
+        file_mode: permissions of published objects (``0o444`` less the umask).
+        setgid: whether new fan-out directories get the set-gid bit.
+    """
+
+    #: Reads refresh an object's recency stamp when it is older than this (seconds).
+    stamp_interval: float = 60.0
+    #: Quarantined files kept for inspection, newest first (:func:`trim_quarantine`).
+    quarantine_keep: int = 16
+
+    def __init__(self, layout: PoolLayout, *, host: str, file_mode: int, setgid: bool) -> None:
+        self.layout = layout
+        self.host = host
+        self.file_mode = file_mode
+        self.setgid = setgid
+        #: Objects this store moved to ``quarantine/``.
+        self.quarantined = 0
+        self._guard = threading.Lock()
+
+    def has(self, sha: str) -> bool:
+        """Whether a regular file is present for ``sha`` (no hashing)."""
+        try:
+            return stat.S_ISDIR(os.lstat(self.layout.fanout(sha)).st_mode) and (
+                stat.S_ISREG(os.lstat(self.layout.object_path(sha)).st_mode))
+        except OSError:
+            return False
+
+    def read(self, sha: str, *, stamp: bool) -> bytes | None:
+        """The verified bytes of ``sha``, or None when absent or corrupt (then
+        quarantined); ``stamp`` refreshes its recency.
+
+        Raises:
+            PoolError: the object exists but cannot be read.
+        """
+        try:
+            found = read_object(self.layout.fanout(sha), sha, self.layout.object_path(sha),
+                                self.stamp_interval if stamp else None)
+        except NotAnObject as bad:
+            self.quarantine(sha, bad.reason, bad.st)
+            return None
+        if found is None:
+            return None
+        data, st = found
+        if len(data) != st.st_size or sha256_hex(data) != sha:
+            self.quarantine(sha, f"fails verification ({len(data)} bytes)", st)
+            return None
+        return data
+
+    def quarantine(self, sha: str, reason: str, st: os.stat_result | None,
+                   path: str | None = None) -> None:
+        """Move ``path`` (default: the object ``sha``), found bad for ``reason``, into
+        ``quarantine/``; ``st`` given, only while it is still that inode."""
+        path = self.layout.object_path(sha) if path is None else path
+        dest = self.layout.quarantine_path(sha)
+        try:
+            moved = move_aside(path, dest, st)
+        except OSError as exc:
+            logger.error("%s %s but cannot be quarantined: %s", path, reason, exc)
+            return
+        if not moved:
+            return  # someone else quarantined it first, or a repair already replaced it
+        with self._guard:
+            self.quarantined += 1
+        logger.warning("%s %s; moved to %s and treated as a miss", path, reason, dest)
+        trim_quarantine(self.layout, self.quarantine_keep)
+
+    def scan(self) -> Iterator[tuple[str, str, os.stat_result]]:
+        """``(path, sha, lstat)`` of each object present (no hashing).
+
+        Raises:
+            PoolError: the objects directory cannot be listed.
+        """
+        return scan_objects(self.layout)
+
+    def temp_file(self, tag: str) -> tuple[int, str]:
+        """A new exclusive temporary file in ``tmp/`` (its fd and path).
+
+        Raises:
+            PoolError: it cannot be created.
+        """
+        path = self.layout.temp_path(tag, self.host)
+        return temp_file(path), path
+
+    def write(self, data: bytes | bytearray | memoryview, sha: str) -> bool:
+        """Publish ``data``, already known to hash to ``sha``; whether this call
+        published it (False: a good object was there first).
+
+        Raises:
+            PoolError: it cannot be written.
+        """
+        fd, tmp = self.temp_file(sha[:16])
+        try:
+            try:
+                write_all(fd, data)
+            except OSError as exc:
+                raise pool_error("cannot write", tmp, exc) from exc
+            return self.publish(fd, tmp, sha)
+        finally:
+            os.close(fd)
+            unlink_quietly(tmp)
+
+    def publish(self, fd: int, tmp: str, sha: str) -> bool:
+        """Make the whole, verified temporary file ``tmp`` (open as ``fd``) the object
+        ``sha``; whether this call published it. The caller removes ``tmp``.
+
+        Raises:
+            PoolError: it cannot be published.
+        """
+        final = self.layout.object_path(sha)
+        directory = self.layout.fanout(sha)
+        try:
+            os.fchmod(fd, self.file_mode)
+            os.fsync(fd)
+            self._clear_fanout(directory, sha)
+            make_dir(Path(directory), setgid=self.setgid)
+            # First publisher wins; a loser makes sure what won is whole, or repairs it.
+            published = link_into_place(
+                tmp, final, lambda: self.read(sha, stamp=False) is not None)
+        except OSError as exc:
+            raise pool_error("cannot publish", final, exc) from exc
+        if published:
+            fsync_dir(directory)
+        return published
+
+    def _clear_fanout(self, directory: str, sha: str) -> None:
+        """Move a non-directory (a planted symlink, a stray file) at ``objects/<xx>``
+        into quarantine, so that publishing heals the pool instead of failing for
+        ever. If it cannot be moved, :func:`make_dir` refuses to publish."""
+        try:
+            st = os.lstat(directory)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            self.quarantine(sha, "is not a directory (a planted symlink?)", st, path=directory)
+
+
+def open_fanout(path: str) -> int | None:
+    """A descriptor of the fan-out directory ``path``, or None when it is absent or
+    not a real directory (a miss for readers; a publisher moves it aside, or fails
+    in :func:`make_dir`). :class:`PoolError` when it cannot be opened."""
+    try:
+        return os.open(path, DIR_FLAGS)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise pool_error("cannot open", path, exc) from exc
+    logger.warning("%s is not a directory (a planted symlink?); not following it", path)
+    return None
+
+
+class NotAnObject(Exception):
+    """An object's name holds a symlink or a non-file; ``st`` is its ``fstat``."""
+
+    def __init__(self, reason: str, st: os.stat_result | None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.st = st
+
+
+def read_object(fanout: str, name: str, path: str, stamp_after: float | None
+                ) -> tuple[bytes, os.stat_result] | None:
+    """The bytes (not yet verified) and ``fstat`` of ``fanout/name`` (at ``path``, as
+    messages name it), or None when absent. The file is opened relative to an ``O_NOFOLLOW`` descriptor of
+    ``fanout``; its mtime is refreshed when older than ``stamp_after`` seconds.
+
+    Raises:
+        NotAnObject: it is a symlink or not a regular file.
+        PoolError: it exists but cannot be read (permissions, I/O error).
+    """
+    directory = open_fanout(fanout)
+    if directory is None:
+        return None
+    try:
+        fd = os.open(name, READ_FLAGS, dir_fd=directory)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise NotAnObject("is a symlink", None) from None
+        raise pool_error("cannot open object", path, exc) from exc
+    finally:
+        os.close(directory)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotAnObject("is not a regular file", st)
+        data = read_fd(fd, st.st_size)
+        if stamp_after is not None and time.time() - st.st_mtime > stamp_after:
+            # Another user's object may refuse: recency falls back to publish time.
+            with contextlib.suppress(OSError):
+                os.utime(fd)
+    except OSError as exc:
+        raise pool_error("cannot read object", path, exc) from exc
+    finally:
+        os.close(fd)
+    return data, st
+
+
+def link_into_place(tmp: str, final: str, existing_is_good: Callable[[], bool]) -> bool:
+    """Link the whole, fsynced ``tmp`` to ``final``; whether this call published it.
+    An existing ``final`` wins unless ``existing_is_good()`` (which verifies it and
+    moves a bad one aside) says otherwise; then the link is tried once more."""
+    for _attempt in range(2):
+        try:
+            os.link(tmp, final)
+            return True
+        except FileExistsError:
+            if existing_is_good():
+                return False
+        except OSError as exc:
+            if exc.errno not in NO_LINK:
+                raise
+            os.replace(tmp, final)
+            return True
+    return False
+
+
+def move_aside(path: str, dest: Path, st: os.stat_result | None) -> bool:
+    """Rename the bad object ``path`` to ``dest``; False when it is gone or, ``st``
+    given, no longer the inode found bad (someone repaired it meanwhile)."""
+    try:
+        now = os.lstat(path)
+        if st is not None and (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
+            return False
+        os.rename(path, dest)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def scan_objects(layout: PoolLayout) -> Iterator[tuple[str, str, os.stat_result]]:
+    """``(path, sha, lstat)`` of each regular file in ``objects/<xx>/`` named for a
+    sha that belongs there; :class:`PoolError` when ``objects`` cannot be listed."""
+    objects = layout.objects
+    try:
+        prefixes = sorted(e.name for e in os.scandir(objects) if e.is_dir(follow_symlinks=False))
+    except OSError as exc:
+        raise pool_error("cannot list", objects, exc) from exc
+    for prefix in prefixes:
+        try:
+            entries = list(os.scandir(objects / prefix))
+        except OSError:
+            continue
+        for entry in entries:
+            if not (is_sha(entry.name) and layout.fanout_name(entry.name) == prefix):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                yield entry.path, entry.name, st
+
+
+def trim_quarantine(layout: PoolLayout, keep: int) -> int:
+    """Delete all but the ``keep`` newest files of ``quarantine/`` (it is outside the
+    size cap, so a medium that keeps corrupting objects would otherwise fill the disk
+    with them). Returns the number deleted; names the layout did not make are left
+    alone.
+    """
+    # Ordered by the time in the name (rename keeps the object's old mtime).
+    entries: list[tuple[int, str]] = []
+    try:
+        with os.scandir(layout.quarantine) as it:
+            for entry in it:
+                when = layout.quarantined_at(entry.name)
+                if when is not None:
+                    entries.append((when, entry.path))
+    except OSError:
+        return 0
+    entries.sort(reverse=True)
+    removed = 0
+    for _when, path in entries[keep:]:
+        try:
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            pass
+    return removed
