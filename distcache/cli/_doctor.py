@@ -27,6 +27,7 @@ from distcache.cli._common import EXIT_OK, add_json_option, emit, human_bytes, p
 from distcache.config import settings
 from distcache.ipc import probe_cuda_ipc
 from distcache.ipc._shm import SHM_DIR
+from distcache.store.layout import PoolLayout
 from launch import detect
 
 # Filesystems where flock may be node-local or advisory only (DESIGN.md, pool).
@@ -147,7 +148,7 @@ def doctor_lines(pool_root: Path) -> list[tuple[str, str]]:
     resolved = settings()
     lines = [("distcache", f"{__version__} (python {sys.version.split()[0]})"),
              ("launcher", _launcher())]
-    exists = (pool_root / "objects").is_dir()
+    exists = PoolLayout(pool_root).is_pool()
     lines.append(("pool", f"{pool_root} ({'exists' if exists else 'not created yet'})"))
     probe = _existing(pool_root)
     fs = filesystem_of(probe)
