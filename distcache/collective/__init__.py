@@ -1,12 +1,41 @@
-"""The collective prefetch and sync: agree -> plan -> download -> move -> publish.
+"""The collective prefetch and sync: agree -> discover -> plan -> fetch once -> move ->
+publish.
 
 Every rank calls :func:`prefetch` (or :func:`sync`) with the same arguments; each
 missing artifact is fetched from the origin by exactly one rank and its bytes move
-over the communicator to the pools that lack it.
+over the communicator to the pools that lack it. The sequence of collectives each
+rank enters depends only on all-gathered data, so every rank takes the same path and
+no rank can wait on a collective the others skip:
+
+=========  ==========================================================  ===========
+phase      what happens                                                collective
+=========  ==========================================================  ===========
+agree      digest of the sorted artifact list, pool id and node id     allgather
+discover   each pool's writer reports a have-bitmap over the list      allgather
+plan       pure: the same plan on every rank (``_plan``)               none
+fetch      each missing object is downloaded by exactly one rank,      allgather
+           into its own pool (``downloads_per_rank`` threads,          (if any
+           ``_download``); then errors are agreed on                   download)
+move       writers stream buckets from each source's pool to the       splits,
+           writers whose pools lack them (one communicator per         broadcasts,
+           audience, ``_audience``), who verify and publish as each    allgathers
+           bucket arrives (``_stream``); then errors are agreed on
+publish    writers record names; one allgather combines every rank's   allgather
+           figures into the report (and is the final barrier)
+=========  ==========================================================  ===========
+
+:func:`sync` skips the fetch: it discovers what the pools' journals gained and moves
+it. Failure is collective (``_run``): every rank raises the same
+:class:`~distcache.errors.PrefetchError`, built from the lowest failing rank's record;
+a peer that never arrives makes each waiting rank raise ``PrefetchError`` caused by
+``CollectiveTimeout`` within ``timeout``. Publication is atomic, so a failed run
+leaves whole objects only, and the next call resumes from them.
 """
 
 from __future__ import annotations
 
-from distcache.collective._core import PHASES, PrefetchReport, SyncState, prefetch, sync
+from distcache.collective._prefetch import prefetch
+from distcache.collective._report import PHASES, PrefetchReport
+from distcache.collective._sync import SyncState, sync
 
 __all__ = ["PHASES", "PrefetchReport", "SyncState", "prefetch", "sync"]

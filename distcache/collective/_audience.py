@@ -32,9 +32,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from distcache.comm._base import Communicator
-
-__all__ = ["MAX_AUDIENCES", "Audience", "group_by_audience", "split_audiences"]
+from distcache.comm import Communicator
 
 #: Most audiences smaller than "every writer" that one collective splits off.
 MAX_AUDIENCES = 8

@@ -32,15 +32,6 @@ from dataclasses import dataclass
 
 from distcache.collective._audience import MAX_AUDIENCES, Audience, Send, group_by_audience
 
-__all__ = [
-    "Plan",
-    "decode_bitmap",
-    "elect_writers",
-    "encode_bitmap",
-    "make_plan",
-    "node_interleaved",
-]
-
 
 def encode_bitmap(flags: Sequence[bool]) -> bytes:
     """Pack ``flags`` into ``ceil(len/8)`` bytes, bit ``i % 8`` of byte ``i // 8``."""

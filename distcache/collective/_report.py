@@ -5,9 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["PHASES", "PrefetchReport"]
-
-#: The collective's phases, in order (see :mod:`distcache.collective._core`).
+#: The collective's phases, in order (see :mod:`distcache.collective`).
 PHASES = ("agree", "discover", "plan", "fetch", "move", "publish")
 
 

@@ -1,12 +1,36 @@
-"""Origins: where artifact bytes come from.
+"""Origins: where artifact bytes come from when no pool has them.
 
-``open_origin`` turns a spec (a URL, a directory, or a list of either) into an
-:class:`Origin`; every origin verifies what it returns against the artifact's SHA-256.
+Every origin verifies what it delivers against the artifact's SHA-256; corrupt bytes
+are never returned. An origin that has no such artifact raises
+:class:`~distcache.errors.ArtifactNotFound` (an ``OriginError``), which callers test
+by type, never by an HTTP status.
+
+:func:`open_origin` turns the ``DISTCACHE_ORIGIN`` syntax (comma-separated entries, or
+a sequence of entries and origins) into one origin; several become an
+:class:`OriginChain`, tried in order. Each entry's URL scheme picks its factory in the
+scheme table (``distcache.origins._open.SCHEMES``):
+
+============  =====================================  ==============================
+scheme        origin                                 example
+============  =====================================  ==============================
+``http``      :class:`HttpOrigin` (the whole URL)    ``http://mirror.local/cubins``
+``https``     :class:`HttpOrigin` (the whole URL)    ``https://cdn.example/cubins``
+``file``      :class:`DirOrigin` (the URL's path)    ``file:///shared/mirror``
+(none)        :class:`DirOrigin` (the path as is)    ``/shared/mirror``
+============  =====================================  ==============================
+
+Any other ``scheme://`` is a :class:`~distcache.errors.ConfigError` naming the spec
+and the known schemes. A new kind of origin (S3, a model hub) is one private module
+with a class over :class:`BaseOrigin` (implement ``describe`` and ``fetch_into``) and
+one entry in the table.
 """
 
 from __future__ import annotations
 
+from distcache.origins._base import BaseOrigin, Origin
+from distcache.origins._chain import OriginChain
+from distcache.origins._directory import DirOrigin
 from distcache.origins._http import HttpOrigin
-from distcache.origins._origin import DirOrigin, Origin, OriginChain, open_origin
+from distcache.origins._open import open_origin
 
-__all__ = ["DirOrigin", "HttpOrigin", "Origin", "OriginChain", "open_origin"]
+__all__ = ["BaseOrigin", "DirOrigin", "HttpOrigin", "Origin", "OriginChain", "open_origin"]

@@ -10,15 +10,12 @@ caller allowed), so a bearer token never leaves for another server.
 
 from __future__ import annotations
 
-import hashlib
-import http.client
-import io
+import functools
 import logging
 import random
-import re
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from email.utils import parsedate_to_datetime
+from collections.abc import Callable, Iterable, Mapping
+from importlib import metadata
 from typing import BinaryIO
 from urllib.parse import quote, urljoin, urlsplit, urlunsplit
 
@@ -26,40 +23,27 @@ import requests
 import urllib3.exceptions
 from requests.adapters import HTTPAdapter
 
-from distcache import __version__
 from distcache.artifact import Artifact
 from distcache.config import settings
-from distcache.errors import ConfigError, IntegrityError, OriginError
-
-__all__ = ["HttpOrigin", "redact_url"]
+from distcache.errors import ArtifactNotFound, ConfigError, IntegrityError, OriginError
+from distcache.origins._base import BaseOrigin, rewind
+from distcache.origins._response import TRANSIENT, Backoff, Fatal, Retry, read_response
 
 logger = logging.getLogger(__name__)
 
-_CHUNK = 256 * 1024
-# `timeout` bounds each socket read, so a server that drips a byte at a time could hold
-# an attempt forever. An attempt may take `timeout` plus the body at this rate; past
-# that it is abandoned and retried like a cut body.
-_MIN_RATE_BPS = 64 * 1024
 _REDIRECTS = {301, 302, 303, 307, 308}
 _MAX_REDIRECTS = 5
-# ASCII digits only: str.isdigit() also accepts "²" and other digits int() refuses.
-_CONTENT_LENGTH = re.compile(r"[0-9]{1,20}\Z")
 _SECRET_HEADERS = ("authorization", "cookie", "proxy-authorization")
-# Statuses worth another try: the server is overloaded or a proxy timed out.
-_RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
-_TRANSIENT = (
-    requests.ConnectionError,
-    requests.Timeout,
-    requests.exceptions.ChunkedEncodingError,
-    requests.exceptions.ContentDecodingError,
-    urllib3.exceptions.ProtocolError,
-    urllib3.exceptions.ReadTimeoutError,
-    # The body is read with urllib3's read1 (see _body), so its own errors arrive
-    # unwrapped by requests.
-    urllib3.exceptions.DecodeError,
-    urllib3.exceptions.SSLError,
-    http.client.IncompleteRead,
-)
+
+
+@functools.cache
+def _user_agent() -> str:
+    # Read from the installed distribution: importing the ``distcache`` package for its
+    # ``__version__`` would make the origins depend on the package that re-exports them.
+    try:
+        return f"distcache/{metadata.version('distcache')}"
+    except metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return "distcache"
 
 
 def redact_url(url: str) -> str:
@@ -71,53 +55,7 @@ def redact_url(url: str) -> str:
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
-class _Retry(Exception):
-    """One failed attempt that another attempt may fix."""
-
-    def __init__(self, reason: str, *, status: int | None = None, delay: float | None = None,
-                 integrity: tuple[str, str] | None = None) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.status = status
-        self.delay = delay
-        self.integrity = integrity  # (expected, actual) on a digest/size mismatch
-
-
-class _Fatal(Exception):
-    """A failed attempt that retrying cannot fix."""
-
-    def __init__(self, reason: str, *, status: int | None = None) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.status = status
-
-
-def rewind(out: BinaryIO, start: int | None) -> bool:
-    """Drop what a failed attempt wrote into ``out`` after offset ``start``; False
-    when ``out`` cannot be rewound (``start`` is None)."""
-    if start is None:
-        return False
-    out.seek(start)
-    out.truncate()
-    return True
-
-
-def _retry_after(value: str | None) -> float | None:
-    if value is None:
-        return None
-    try:
-        return max(0.0, float(value.strip()))
-    except ValueError:
-        pass
-    # An HTTP-date (RFC 9110 10.2.3).
-    try:
-        when = parsedate_to_datetime(value)
-        return max(0.0, when.timestamp() - time.time())
-    except (TypeError, ValueError, OverflowError, IndexError):
-        return None
-
-
-class HttpOrigin:
+class HttpOrigin(BaseOrigin):
     """Artifacts at ``base_url + "/" + name`` over HTTP(S).
 
     ``timeout`` (seconds per connect/read) and ``retries`` (extra attempts per
@@ -175,11 +113,11 @@ class HttpOrigin:
         self._scheme = parts.scheme
         self._origin_host = self._host_key(base_url)
         self._allowed_hosts = {h.lower() for h in allow_redirect_hosts}
-        self._backoff = (backoff_base, backoff_max, retry_after_max, backoff_total)
+        self._backoff = Backoff(backoff_base, backoff_max, retry_after_max, backoff_total)
         self._sleep = sleep
         self._rng = random.Random()
         self._headers = {
-            "User-Agent": f"distcache/{__version__}",
+            "User-Agent": _user_agent(),
             # Identity encoding makes Content-Length the body length we check.
             "Accept-Encoding": "identity",
         }
@@ -210,18 +148,6 @@ class HttpOrigin:
     def url_for(self, artifact: Artifact) -> str:
         return f"{self.base_url}/{quote(artifact.name, safe='/')}"
 
-    def fetch(self, artifact: Artifact) -> bytes:
-        """The artifact's verified bytes.
-
-        Raises:
-            IntegrityError: every attempt delivered bytes with the wrong digest or size.
-            OriginError: the origin cannot deliver it (``status`` is set when the
-                server answered, 404 is never retried).
-        """
-        buffer = io.BytesIO()
-        self.fetch_into(artifact, buffer)
-        return buffer.getvalue()
-
     def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
         """Stream the artifact into ``out`` while hashing it; return the byte count.
 
@@ -231,38 +157,36 @@ class HttpOrigin:
 
         Raises:
             IntegrityError: every attempt delivered bytes with the wrong digest or size.
-            OriginError: the origin cannot deliver it.
+            ArtifactNotFound: the server answered 404 (never retried; ``status=404``).
+            OriginError: the origin cannot deliver it (``status`` is set when the
+                server answered).
         """
         url = self.url_for(artifact)
         where = redact_url(url)
         start = out.tell() if out.seekable() else None
         attempts = self.retries + 1
-        base, cap, retry_after_cap, total_cap = self._backoff
         waited = 0.0
-        last: _Retry | None = None
+        last: Retry | None = None
         for attempt in range(1, attempts + 1):
             written = [0]
             try:
                 return self._attempt(url, artifact, out, written)
-            except _Fatal as exc:
-                raise OriginError(
+            except Fatal as exc:
+                # A 404 is definitive: the origin answered that it has no such file.
+                error = ArtifactNotFound if exc.status == 404 else OriginError
+                raise error(
                     f"GET {where} failed: {exc.reason}; {self._advice(exc.status)}",
                     url=where, status=exc.status, name=artifact.name,
                 ) from exc
-            except _Retry as exc:
+            except Retry as exc:
                 last = exc
                 if written[0] and not rewind(out, start):
                     break
             if attempt == attempts:
                 break
-            if last.delay is not None:
-                delay = min(last.delay, retry_after_cap)
-            else:
-                delay = self._rng.uniform(0, min(cap, base * 2 ** (attempt - 1)))
-            remaining = total_cap - waited
-            if remaining <= 0 and waited > 0:
+            delay = self._backoff.delay(attempt, last.delay, waited, self._rng)
+            if delay is None:
                 break  # the waiting budget for this artifact is spent
-            delay = max(0.0, min(delay, remaining))
             logger.warning("GET %s: %s; retry %d/%d in %.2fs", where, last.reason,
                            attempt, self.retries, delay)
             self._sleep(delay)
@@ -337,20 +261,20 @@ class HttpOrigin:
     def _get(self, url: str) -> requests.Response:
         current = url
         for _ in range(_MAX_REDIRECTS + 1):
-            failure: _Retry | _Fatal | None = None
+            failure: Retry | Fatal | None = None
             cause: BaseException | None = None
             try:
                 response = self._session.get(
                     current, headers=self._headers_for(current), stream=True,
                     timeout=self.timeout, allow_redirects=False,
                 )
-            except _TRANSIENT as exc:
-                failure, cause = _Retry(f"{type(exc).__name__}: {self._scrub(exc)}"), exc
+            except TRANSIENT as exc:
+                failure, cause = Retry(f"{type(exc).__name__}: {self._scrub(exc)}"), exc
             except (requests.RequestException, urllib3.exceptions.HTTPError, ValueError) as exc:
                 # ValueError: even with allow_redirects=False, requests parses a
                 # redirect's Location (to offer the next request) and urlsplit raises
                 # on a broken IPv6 literal or port.
-                failure, cause = _Fatal(f"{type(exc).__name__}: {self._scrub(exc)}"), exc
+                failure, cause = Fatal(f"{type(exc).__name__}: {self._scrub(exc)}"), exc
             if failure is not None:
                 if any(secret in str(cause) for secret in self._secrets):
                     # The foreign error quotes a credential: it must not travel along
@@ -362,25 +286,25 @@ class HttpOrigin:
             location = response.headers.get("Location")
             response.close()
             if not location:
-                raise _Fatal(f"redirect {response.status_code} without a Location",
+                raise Fatal(f"redirect {response.status_code} without a Location",
                              status=response.status_code)
             try:
                 target = urljoin(current, location)
                 scheme, host, _port = self._host_key(target)
             except ValueError:
                 # A port out of range or a broken IPv6 literal: urlsplit raises.
-                raise _Fatal(f"refused redirect to a malformed URL {location[:200]!r}",
+                raise Fatal(f"refused redirect to a malformed URL {location[:200]!r}",
                              status=response.status_code) from None
             if scheme != self._scheme:
-                raise _Fatal(
+                raise Fatal(
                     f"refused redirect to another scheme ({redact_url(target)}); "
                     "only same-scheme redirects are followed", status=response.status_code)
             if (scheme, host, _port) != self._origin_host and host not in self._allowed_hosts:
-                raise _Fatal(
+                raise Fatal(
                     f"refused redirect to another host ({redact_url(target)}); allow it "
                     "with allow_redirect_hosts", status=response.status_code)
             current = target
-        raise _Fatal(f"more than {_MAX_REDIRECTS} redirects")
+        raise Fatal(f"more than {_MAX_REDIRECTS} redirects")
 
     def _scrub(self, exc: BaseException) -> str:
         # urllib3 messages name the pool and the URL path; keep the first line short.
@@ -390,67 +314,4 @@ class HttpOrigin:
         return text.splitlines()[0][:300] if text.strip() else ""
 
     def _attempt(self, url: str, artifact: Artifact, out: BinaryIO, written: list[int]) -> int:
-        response = self._get(url)
-        with response:
-            status = response.status_code
-            if status in _RETRY_STATUS or status >= 500:
-                raise _Retry(f"HTTP {status}", status=status,
-                             delay=_retry_after(response.headers.get("Retry-After")))
-            if status != 200:
-                raise _Fatal(f"HTTP {status}", status=status)
-            length_header = (response.headers.get("Content-Length") or "").strip()
-            expected_len = int(length_header) if _CONTENT_LENGTH.match(length_header) else None
-            limit = artifact.size
-            if limit is not None and expected_len is not None and expected_len != limit:
-                # Refuse before reading: a body announced larger than the artifact is
-                # not worth a byte of bandwidth or disk.
-                raise _Retry("announced size mismatch",
-                             integrity=(f"{limit} bytes", f"Content-Length {expected_len}"))
-            digest = hashlib.sha256()
-            budget = self.timeout + (limit or expected_len or _CHUNK) / _MIN_RATE_BPS
-            try:
-                for chunk in _body(response, budget):
-                    if limit is not None and written[0] + len(chunk) > limit:
-                        # Checked before writing: nothing past the declared size
-                        # reaches ``out``.
-                        raise _Retry("body longer than the artifact's size",
-                                     integrity=(f"{limit} bytes", f"more than {limit}"))
-                    if expected_len is not None and written[0] + len(chunk) > expected_len:
-                        raise _Retry(f"body longer than its Content-Length {expected_len}")
-                    digest.update(chunk)
-                    out.write(chunk)
-                    written[0] += len(chunk)
-            except _Stalled:
-                raise _Retry(f"body stalled: {written[0]} bytes in {budget:.1f} s "
-                             f"(slower than {_MIN_RATE_BPS // 1024} KiB/s)") from None
-            except _TRANSIENT as exc:
-                raise _Retry(f"body cut short after {written[0]} bytes "
-                             f"({type(exc).__name__})") from exc
-        if expected_len is not None and written[0] != expected_len:
-            raise _Retry(f"body cut short: {written[0]} of {expected_len} bytes")
-        if limit is not None and written[0] != limit:
-            raise _Retry("size mismatch", integrity=(f"{limit} bytes", f"{written[0]} bytes"))
-        actual = digest.hexdigest()
-        if actual != artifact.sha256:
-            raise _Retry("sha256 mismatch", integrity=(artifact.sha256, actual))
-        return written[0]
-
-
-class _Stalled(Exception):
-    """The body arrived slower than the attempt's budget allows."""
-
-
-def _body(response: requests.Response, budget: float) -> Iterator[bytes]:
-    """The decoded body in pieces as they arrive, until the attempt's ``budget``
-    (seconds) runs out. ``read1`` returns whatever one socket read brings, so a server
-    dripping bytes is noticed after its first piece past the budget, not after the
-    whole body (iter_content blocks until a full chunk has arrived)."""
-    raw = response.raw
-    start = time.monotonic()
-    while True:
-        piece = raw.read1(_CHUNK, decode_content=True)
-        if not piece:
-            return
-        yield piece
-        if time.monotonic() - start > budget:
-            raise _Stalled
+        return read_response(self._get(url), artifact, out, written, self.timeout)

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from distcache.artifact import Artifact, parse_checksums
-from distcache.collective._core import SyncState, prefetch, sync
+from distcache.collective import SyncState, prefetch, sync
 from distcache.comm._base import Communicator
 from distcache.errors import PrefetchError
-from distcache.origins._origin import HttpOrigin
+from distcache.origins import HttpOrigin
 from distcache.store._pool import ArtifactPool
 
 K = 12

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from distcache.artifact import Artifact, sha256_hex
 from distcache.errors import IntegrityError, OriginError
-from distcache.origins._http import HttpOrigin
+from distcache.origins import HttpOrigin
 from distcache.testing import LoopbackOrigin
 
 FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=120,

@@ -33,7 +33,7 @@ from distcache.artifact import (
 )
 from distcache.errors import ArtifactNameError, IntegrityError, OriginError, PoolError
 from distcache.integrations.flashinfer._loader import PooledLoader
-from distcache.origins._origin import DirOrigin
+from distcache.origins import DirOrigin
 from distcache.store._pool import ArtifactPool
 
 # Deterministic and database-less, so CI sees the same examples on every run.

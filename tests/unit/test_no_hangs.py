@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 import pytest
 
 from distcache.artifact import Artifact, sha256_hex
-from distcache.collective._core import prefetch
+from distcache.collective import prefetch
 from distcache.comm import ThreadGroup
 from distcache.comm._base import Communicator
 from distcache.errors import (
@@ -32,8 +32,7 @@ from distcache.errors import (
     OriginError,
     PrefetchError,
 )
-from distcache.origins._http import HttpOrigin
-from distcache.origins._origin import DirOrigin
+from distcache.origins import DirOrigin, HttpOrigin
 from distcache.store._pool import ArtifactPool
 from tests.support.helpers import mpi_env, mpirun, run_group
 

@@ -7,12 +7,27 @@ import logging
 import os
 import pickle
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 
 from distcache.artifact import Artifact, sha256_hex
-from distcache.errors import ArtifactNameError, ConfigError, IntegrityError, OriginError
-from distcache.origins._origin import DirOrigin, HttpOrigin, Origin, OriginChain, open_origin
+from distcache.errors import (
+    ArtifactNameError,
+    ArtifactNotFound,
+    ConfigError,
+    IntegrityError,
+    OriginError,
+)
+from distcache.origins import (
+    BaseOrigin,
+    DirOrigin,
+    HttpOrigin,
+    Origin,
+    OriginChain,
+    open_origin,
+)
+from distcache.origins._open import SCHEMES
 from distcache.testing import LoopbackOrigin
 
 TOKEN = "tok-5f1e2d3c4b5a69788796a5b4c3d2e1f0"
@@ -195,7 +210,7 @@ def test_not_found_is_not_retried(
     http: HttpOrigin, origin_server: LoopbackOrigin, artifacts: list[Artifact], sleeps: Sleeps
 ) -> None:
     missing = Artifact("cubins/absent/kernel.cubin", "0" * 64)
-    with pytest.raises(OriginError) as info:
+    with pytest.raises(ArtifactNotFound) as info:
         http.fetch(missing)
     assert info.value.status == 404
     assert origin_server.total_requests == 1
@@ -207,7 +222,7 @@ def test_injected_not_found_is_not_retried(
     http: HttpOrigin, origin_server: LoopbackOrigin, artifacts: list[Artifact]
 ) -> None:
     origin_server.inject("404")
-    with pytest.raises(OriginError) as info:
+    with pytest.raises(ArtifactNotFound) as info:
         http.fetch(artifacts[0])
     assert info.value.status == 404
     assert origin_server.total_requests == 1
@@ -382,10 +397,10 @@ def test_dir_origin_returns_verified_bytes(artifact_dir: Path, artifacts: list[A
     assert isinstance(origin, Origin)
 
 
-def test_dir_origin_missing_file_is_a_404(artifact_dir: Path) -> None:
-    with pytest.raises(OriginError) as info:
+def test_dir_origin_missing_file_is_artifact_not_found(artifact_dir: Path) -> None:
+    with pytest.raises(ArtifactNotFound) as info:
         DirOrigin(artifact_dir).fetch(Artifact("cubins/nope.cubin", "1" * 64))
-    assert info.value.status == 404
+    assert info.value.name == "cubins/nope.cubin"
 
 
 def test_dir_origin_corrupt_file_raises_integrity_error(
@@ -479,12 +494,12 @@ def test_chain_failure_lists_every_origin(
         chain.fetch(missing)
     message = str(info.value)
     assert origin_server.url in message and str(tmp_path / "m") in message
-    assert info.value.status == 404
+    assert isinstance(info.value, ArtifactNotFound)
     assert len(info.value.failures) == 2
     assert origin_server.total_requests == 1
 
 
-def test_chain_failure_is_not_a_404_when_one_origin_failed_otherwise(
+def test_chain_failure_is_not_artifact_not_found_when_one_origin_failed_otherwise(
     origin_server: LoopbackOrigin, tmp_path: Path, artifacts: list[Artifact], sleeps: Sleeps
 ) -> None:
     origin_server.inject("500", count=None)
@@ -493,6 +508,7 @@ def test_chain_failure_is_not_a_404_when_one_origin_failed_otherwise(
     )
     with pytest.raises(OriginError) as info:
         chain.fetch(artifacts[0])
+    assert not isinstance(info.value, ArtifactNotFound)
     assert info.value.status is None
 
 
@@ -515,6 +531,80 @@ def test_open_origin_parses_urls_directories_and_lists(tmp_path: Path) -> None:
 def test_open_origin_rejects_bad_specs(spec: str) -> None:
     with pytest.raises(ConfigError):
         open_origin(spec)
+
+
+def test_open_origin_unknown_scheme_names_the_spec_and_the_known_schemes() -> None:
+    with pytest.raises(ConfigError) as info:
+        open_origin("s3://key:secret@bucket/cubins?sig=abc")
+    message = str(info.value)
+    assert "s3://bucket/cubins" in message
+    assert all(f"{scheme}://" in message for scheme in ("file", "http", "https"))
+    assert "secret" not in message and "sig=abc" not in message
+    assert info.value.value == "s3"
+
+
+def test_open_origin_treats_a_colon_without_slashes_as_a_path(tmp_path: Path) -> None:
+    origin = open_origin(str(tmp_path / "a:b"))
+    assert isinstance(origin, DirOrigin) and origin.path == tmp_path / "a:b"
+
+
+def test_open_origin_rejects_a_malformed_url_as_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="not a valid URL"):
+        open_origin("http://[::1/cubins")
+
+
+class _MemoryOrigin(BaseOrigin):
+    """An origin written only as a streaming read, as a new kind of origin would be."""
+
+    def __init__(self, spec: str, files: dict[str, bytes]) -> None:
+        self.spec = spec
+        self.files = files
+
+    def describe(self) -> str:
+        return self.spec
+
+    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
+        if artifact.name not in self.files:
+            raise ArtifactNotFound(f"{artifact.name} is not in {self.spec}", name=artifact.name)
+        return out.write(self.files[artifact.name])
+
+
+def test_a_new_scheme_is_one_entry_in_the_scheme_table(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setitem(SCHEMES, "mem", lambda spec: _MemoryOrigin(spec, {}))
+    chain = open_origin(f"mem://bucket/cubins,{tmp_path}")
+    assert isinstance(chain, OriginChain)
+    assert [type(o) for o in chain.origins] == [_MemoryOrigin, DirOrigin]
+    assert chain.origins[0].describe() == "mem://bucket/cubins"
+
+
+def test_base_origin_fetch_collects_what_fetch_into_streams() -> None:
+    data = b"kernel bytes"
+    origin = _MemoryOrigin("mem://x", {"k.cubin": data})
+    assert isinstance(origin, Origin)
+    assert origin.fetch(Artifact("k.cubin", sha256_hex(data))) == data
+    with pytest.raises(ArtifactNotFound):
+        origin.fetch(Artifact("other.cubin", sha256_hex(data)))
+
+
+def test_base_origin_cannot_be_made_without_fetch_into() -> None:
+    class Incomplete(BaseOrigin):
+        def describe(self) -> str:
+            return "incomplete"
+
+    with pytest.raises(TypeError, match="fetch_into"):
+        Incomplete()  # type: ignore[abstract]
+
+
+def test_chain_of_origins_that_all_lack_the_artifact_is_artifact_not_found(
+    tmp_path: Path,
+) -> None:
+    data = b"absent everywhere"
+    chain = OriginChain([_MemoryOrigin("mem://a", {}), DirOrigin(tmp_path)])
+    with pytest.raises(ArtifactNotFound) as info:
+        chain.fetch(Artifact("k.cubin", sha256_hex(data)))
+    assert [label for label, _ in info.value.failures] == ["mem://a", f"dir:{tmp_path}"]
 
 
 def test_chain_needs_at_least_one_origin() -> None:
@@ -591,4 +681,12 @@ def test_errors_survive_pickling_with_their_attributes(
     with pytest.raises(OriginError) as info:
         http.fetch(artifacts[0])
     copy = pickle.loads(pickle.dumps(info.value))
+    assert type(copy) is ArtifactNotFound
     assert (copy.status, copy.name, str(copy)) == (404, artifacts[0].name, str(info.value))
+
+
+def test_http_origin_names_itself_in_the_user_agent(
+    http: HttpOrigin, origin_server: LoopbackOrigin, artifacts: list[Artifact]
+) -> None:
+    http.fetch(artifacts[0])
+    assert origin_server.last_headers["user-agent"].startswith("distcache")

@@ -14,7 +14,7 @@ from distcache.collective._plan import (
     make_plan,
     node_interleaved,
 )
-from distcache.collective._transfer import decode_bucket, encode_bucket
+from distcache.collective._stream import decode_bucket, encode_bucket
 
 SHAS = [f"{i:064x}" for i in range(40)]
 

@@ -17,12 +17,14 @@ from typing import Any
 import pytest
 
 from distcache.artifact import Artifact, sha256_hex, verify_bytes
-from distcache.collective._core import PHASES, PrefetchReport, SyncState, prefetch, sync
+from distcache.collective import PHASES, PrefetchReport, SyncState, prefetch, sync
+from distcache.collective._download import download_objects
 from distcache.collective._plan import make_plan
-from distcache.collective._transfer import decode_bucket, download_objects
+from distcache.collective._stream import decode_bucket
 from distcache.comm import LocalCommunicator, ThreadGroup
 from distcache.comm._base import Communicator
 from distcache.errors import (
+    ArtifactNotFound,
     IntegrityError,
     ManifestMismatchError,
     OriginError,
@@ -437,12 +439,23 @@ class RuleOrigin(FakeOrigin):
     ("make", "others_go_on"),
     [
         (lambda name: IntegrityError(f"{name}: digest mismatch", sha256="0" * 64), True),
-        (lambda name: OriginError(f"404 for {name}", status=404, name=name), True),
+        (lambda name: ArtifactNotFound(f"404 for {name}", status=404, name=name), True),
+        (lambda name: ArtifactNotFound(f"{name} is not in the mirror", name=name), True),
+        # "Not found" is a type, not a status: a bare status does not say it.
+        (lambda name: OriginError(f"404 for {name}", status=404, name=name), False),
         (lambda name: OriginError(f"500 for {name}", status=500, name=name), False),
         (lambda name: OriginError(f"connection refused for {name}", name=name), False),
         (lambda name: PoolError(f"no space left writing {name}"), False),
     ],
-    ids=["digest-mismatch", "not-found", "server-error", "unreachable", "pool"],
+    ids=[
+        "digest-mismatch",
+        "not-found",
+        "missing-file",
+        "bare-404-status",
+        "server-error",
+        "unreachable",
+        "pool",
+    ],
 )
 def test_only_a_failure_of_one_artifact_lets_the_other_downloads_go_on(
     make: Callable[[str], Exception], others_go_on: bool
@@ -556,9 +569,9 @@ _MPI_ONLY = """
 import sys
 from pathlib import Path
 from distcache.comm import from_mpi
-from distcache.origins._origin import DirOrigin
+from distcache.origins import DirOrigin
 from distcache.store._pool import ArtifactPool
-from distcache.collective._core import prefetch
+from distcache.collective import prefetch
 from distcache.artifact import parse_checksums
 
 root = Path(sys.argv[1])
@@ -611,7 +624,7 @@ def test_mpi_only_prefetch_never_imports_torch(tmp_path: Path) -> None:
 
 
 def test_real_pools_and_loopback_origin_fetch_each_artifact_once(tmp_path: Path) -> None:
-    from distcache.origins._origin import HttpOrigin
+    from distcache.origins import HttpOrigin
     from distcache.store._pool import ArtifactPool
     from distcache.testing import LoopbackOrigin, make_artifacts
 

@@ -1,6 +1,6 @@
-"""Moving bytes: from the origin into a pool (:func:`download_objects`), and from one
-rank's pool to the peers that lack them in few, bounded broadcasts (:func:`move_objects`,
-over the audiences of :mod:`distcache.collective._audience`).
+"""Moving bytes over the communicator: from one writer's pool to the writers whose
+pools lack them, in few, bounded broadcasts (:func:`move_objects`, over the audiences of
+:mod:`distcache.collective._audience`).
 
 A *bucket* is one ``broadcast_bytes`` message holding several artifacts. Its layout
 puts the table *after* the payloads, so the sender can append each artifact into one
@@ -11,7 +11,8 @@ growing buffer and finish with the table, never copying the payloads a second ti
     trailer = magic b"DCB1", flags u8 (bit 0: last bucket of this stream), count u32
 
 A length of -1 marks an artifact the source could not read (the source reports the
-failure; the stream goes on, so every rank keeps calling the same broadcasts). Chunking of messages over 2 GiB is the communicator's job.
+failure; the stream goes on, so every rank keeps calling the same broadcasts).
+Chunking of messages over 2 GiB is the communicator's job.
 
 Memory: the sender holds one bucket plus the artifact that did not fit; a receiver
 holds one bucket plus one artifact copy. :class:`StreamStats` records the peak.
@@ -20,28 +21,13 @@ holds one bucket plus one artifact copy. :class:`StreamStats` records the peak.
 from __future__ import annotations
 
 import struct
-import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from distcache.artifact import Artifact
 from distcache.collective._audience import split_audiences
 from distcache.collective._plan import Plan
-from distcache.comm._base import Communicator
-from distcache.errors import IntegrityError, OriginError
-
-__all__ = [
-    "MAGIC",
-    "Downloaded",
-    "StreamStats",
-    "decode_bucket",
-    "download_objects",
-    "encode_bucket",
-    "move_objects",
-    "receive_stream",
-    "send_stream",
-]
+from distcache.comm import Communicator
 
 MAGIC = b"DCB1"
 _ENTRY = struct.Struct("<Iq")
@@ -182,128 +168,10 @@ def receive_stream(
 
 
 class _Store(Protocol):
-    def has(self, sha256: str) -> bool: ...
+    """The part of the pool that sources read from and receivers publish into."""
+
     def get(self, sha256: str) -> bytes | None: ...
     def put(self, data: bytes | bytearray | memoryview, sha256: str | None = None) -> str: ...
-
-
-class Origin(Protocol):
-    """The part of :class:`distcache.origins._origin.Origin` the collective uses."""
-
-    def describe(self) -> str: ...
-    def fetch(self, artifact: Artifact) -> bytes: ...
-
-
-@dataclass
-class Downloaded:
-    downloads: int = 0
-    origin_bytes: int = 0
-    #: The first ``(artifact name, error)``, if any download failed.
-    failure: tuple[str, BaseException] | None = None
-
-
-def _only_this_artifact(exc: BaseException) -> bool:
-    """Whether ``exc`` condemns one artifact only, not the origin or the pool."""
-    if isinstance(exc, IntegrityError):
-        return True
-    return isinstance(exc, OriginError) and getattr(exc, "status", None) == 404
-
-
-def download_objects(
-    pool: _Store,
-    origin: Origin,
-    artifacts: Sequence[Artifact],
-    *,
-    workers: int,
-    timeout: float | None = None,
-) -> Downloaded:
-    """Fetch ``artifacts`` from ``origin`` into ``pool`` with ``workers`` threads.
-
-    Publication is atomic (``pool.put`` verifies, then renames), so any rank sharing
-    the pool may do this. A failure confined to one artifact (its bytes do not match
-    the digest, or the origin has no such file) does not stop the others: they are
-    published, so that the next job fetches only what failed. Any other failure (the
-    origin is unreachable, the pool cannot be written) stops new downloads from
-    starting. The first failure is returned, not raised, so the caller can agree on it
-    with its peers.
-
-    ``timeout`` bounds the whole call: an origin can stall a download for ever while
-    bounding each read (a server that sends one byte per read timeout), and the peers
-    of this rank stop waiting for it after the collective's timeout anyway. A download
-    still running then is abandoned to its (daemon) thread, reported as an
-    :class:`~distcache.errors.OriginError`, and whatever it publishes later is whole.
-    """
-    result = Downloaded()
-    if not artifacts:
-        return result
-    lock = threading.Lock()
-    stop = threading.Event()
-    finished = threading.Event()
-    todo = list(reversed(artifacts))
-    running: dict[int, str] = {}
-    left = [len(artifacts)]
-
-    def one(artifact: Artifact) -> None:
-        if stop.is_set():
-            return
-        try:
-            if pool.has(artifact.sha256):
-                return  # published since discovery: a concurrent job, a resumed run
-            data = origin.fetch(artifact)
-            pool.put(data, artifact.sha256)  # verifies again, publishes atomically
-            with lock:
-                if not finished.is_set():
-                    result.downloads += 1
-                    result.origin_bytes += len(data)
-        except Exception as exc:
-            with lock:
-                if not finished.is_set():
-                    result.failure = result.failure or (artifact.name, exc)
-            if not _only_this_artifact(exc):
-                stop.set()
-
-    def work() -> None:
-        me = threading.get_ident()
-        while True:
-            with lock:
-                if not todo:
-                    return
-                artifact = todo.pop()
-                running[me] = artifact.name
-            one(artifact)
-            with lock:
-                running.pop(me, None)
-                left[0] -= 1
-                if left[0] == 0:
-                    finished.set()
-
-    threads = [
-        threading.Thread(target=work, name=f"distcache-fetch-{i}", daemon=True)
-        for i in range(max(1, min(workers, len(artifacts))))
-    ]
-    for t in threads:
-        t.start()
-    if finished.wait(timeout):
-        for t in threads:
-            t.join()
-        return result
-    stop.set()
-    with lock:
-        finished.set()  # freeze the figures: late finishers no longer count
-        stalled = sorted(running.values())
-        name = stalled[0] if stalled else artifacts[0].name
-        if result.failure is None:
-            result.failure = (
-                name,
-                OriginError(
-                    f"download of {name} from {origin.describe()} did not finish within "
-                    f"{timeout:g} s ({len(stalled)} still running); the origin is stalling: "
-                    "check it, or raise DISTCACHE_TIMEOUT",
-                    name=name,
-                    timeout=timeout,
-                ),
-            )
-        return Downloaded(result.downloads, result.origin_bytes, result.failure)
 
 
 def move_objects(

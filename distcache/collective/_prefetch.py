@@ -1,0 +1,123 @@
+"""The collective prefetch: make every pool hold every listed artifact, fetching each
+missing one from the origin exactly once per job (phases: see :mod:`distcache.collective`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Iterable
+
+from distcache.artifact import Artifact, manifest_text
+from distcache.collective._download import Origin
+from distcache.collective._plan import make_plan
+from distcache.collective._report import PrefetchReport
+from distcache.collective._run import Pool, Run, discover
+from distcache.comm import Communicator
+from distcache.config import settings
+from distcache.errors import ManifestError, ManifestMismatchError
+
+
+def _agreed_list(artifacts: Iterable[Artifact]) -> list[Artifact]:
+    """Sorted by (name, sha), one entry per pair, a known size kept."""
+    unique: dict[tuple[str, str], Artifact] = {}
+    for a in artifacts:
+        key = (a.name, a.sha256)
+        if key not in unique or unique[key].size is None:
+            unique[key] = a
+    return [unique[k] for k in sorted(unique)]
+
+
+def _mismatch(digests: list[tuple[str, int]]) -> ManifestMismatchError:
+    groups: dict[str, list[int]] = {}
+    counts: dict[str, int] = {}
+    for rank, (digest, count) in enumerate(digests):
+        groups.setdefault(digest, []).append(rank)
+        counts[digest] = count
+    parts = "; ".join(
+        f"ranks {ranks} have {digest[:12]} ({counts[digest]} artifacts)"
+        for digest, ranks in groups.items()
+    )
+    return ManifestMismatchError(
+        f"ranks called prefetch with different artifact lists: {parts}; "
+        "every rank must pass the same list",
+        groups=groups,
+    )
+
+
+def prefetch(
+    artifacts: Iterable[Artifact],
+    *,
+    comm: Communicator,
+    pool: Pool,
+    origin: Origin,
+    timeout: float | None = None,
+    bucket_bytes: int | None = None,
+    downloads_per_rank: int | None = None,
+) -> PrefetchReport:
+    """Collective: make every rank's pool hold every artifact, fetching each missing
+    one from ``origin`` exactly once per job.
+
+    Call on every rank of ``comm`` with the same ``artifacts`` (order and duplicates
+    do not matter). ``timeout`` bounds every wait (default ``DISTCACHE_TIMEOUT``);
+    ``bucket_bytes`` is the size of one broadcast (``DISTCACHE_BUCKET_BYTES``);
+    ``downloads_per_rank`` the download threads per rank
+    (``DISTCACHE_DOWNLOADS_PER_RANK``).
+
+    Raises:
+        ManifestMismatchError: ranks passed different lists (on every rank).
+        ManifestError: one name is listed with two digests (on every rank).
+        PrefetchError: a download, read, verification or publication failed on some
+            rank, or a peer did not arrive in time (the same error on every rank).
+        ConfigError: a bad setting.
+    """
+    conf = settings(
+        timeout=timeout, bucket_bytes=bucket_bytes, downloads_per_rank=downloads_per_rank
+    )
+    run = Run("prefetch", comm, pool, conf.timeout)
+
+    def body() -> PrefetchReport:
+        with run.phase("agree"):
+            listing = _agreed_list(artifacts)
+            digest = hashlib.sha256(manifest_text(listing).encode()).hexdigest()
+            infos = comm.allgather_object(
+                (digest, len(listing), pool.pool_id, comm.node_id), timeout=run.timeout
+            )
+            if len({i[0] for i in infos}) > 1:
+                raise _mismatch([(i[0], i[1]) for i in infos])
+            artifact_of: dict[str, Artifact] = {}
+            for a in listing:
+                artifact_of.setdefault(a.sha256, a)
+            names = [a.name for a in listing]
+            dup = next((n for n, m in itertools.pairwise(names) if n == m), None)
+            if dup is not None:
+                raise ManifestError(f"{dup} is listed with two digests", line=0, text=dup)
+            pool_ids = [i[2] for i in infos]
+            node_ids = [i[3] for i in infos]
+            objects = sorted(artifact_of)
+        with run.phase("discover"):
+            have = discover(run, objects, pool_ids)
+        with run.phase("plan"):
+            plan = make_plan(
+                objects, [artifact_of[s].size for s in objects], pool_ids, node_ids, have
+            )
+        with run.phase("fetch"):
+            mine = plan.downloads.get(comm.rank, ())
+            todo = [artifact_of[plan.objects[i]] for i in mine]
+            failure = run.download(todo, origin, conf.downloads_per_rank) if todo else None
+            if plan.downloads:
+                run.check(failure)
+        with run.phase("move"):
+            if plan.sends:
+                name_of = {sha: a.name for sha, a in artifact_of.items()}
+                run.check(run.move(plan, pool_ids, name_of, conf.bucket_bytes))
+        with run.phase("publish"):
+            failure = None
+            if plan.writers[pool_ids[comm.rank]] == comm.rank:
+                try:
+                    pool.remember(listing)
+                except Exception as exc:
+                    failure = run.failure("publish", None, exc)
+        return run.finish(plan, len(listing), failure)
+
+    return run.guarded(body)

@@ -1,0 +1,209 @@
+"""What :func:`~distcache.collective.prefetch` and :func:`~distcache.collective.sync`
+share: one rank's side of a collective (:class:`Run`: phase timings, counters, the
+download and move steps, and failure agreement) and the discovery of what each pool
+holds.
+
+Failure is collective: a rank that fails records ``(phase, artifact, rank, host,
+cause)`` and carries on with the protocol; at the next boundary every rank raises the
+same :class:`~distcache.errors.PrefetchError`, built from the lowest failing rank's
+record. (:func:`distcache.comm.agree_on_error` re-raises each failing rank's *own*
+error; with two failing ranks that would not be the same error everywhere.) A
+:class:`~distcache.errors.CommError` (a peer that never arrives, a failed backend) is
+turned into the same kind of error by :meth:`Run.guarded`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Protocol, TypeVar
+
+from distcache.artifact import Artifact
+from distcache.collective._download import Origin, download_objects
+from distcache.collective._plan import Plan, decode_bitmap, elect_writers, encode_bitmap
+from distcache.collective._report import PHASES, PrefetchReport
+from distcache.collective._stream import StreamStats, move_objects
+from distcache.comm import Communicator
+from distcache.errors import CommError, PrefetchError
+
+log = logging.getLogger(__name__)
+
+# Share of the collective timeout a rank may spend on its downloads (see Run.download).
+_FETCH_SHARE = 0.75
+
+#: (phase, artifact name or None, rank, host, "Type: message")
+Failure = tuple[str, str | None, int, str, str]
+_T = TypeVar("_T")
+
+
+class Pool(Protocol):
+    """The part of :class:`distcache.store.ArtifactPool` the collective uses."""
+
+    @property
+    def pool_id(self) -> str: ...
+    def has(self, sha256: str) -> bool: ...
+    def get(self, sha256: str) -> bytes | None: ...
+    def put(self, data: bytes | bytearray | memoryview, sha256: str | None = None) -> str: ...
+    def remember(self, artifacts: Iterable[Artifact]) -> None: ...
+    def names(self) -> dict[str, str]: ...
+    def journal_since(self, cursor: int = 0) -> tuple[list[str], int]: ...
+
+
+class Run:
+    """One rank's side of one collective: timings, counters, error agreement."""
+
+    def __init__(self, operation: str, comm: Communicator, pool: Pool, timeout: float) -> None:
+        self.operation = operation
+        self.comm = comm
+        self.pool = pool
+        self.timeout = timeout
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.stream = StreamStats()
+        self.downloads = 0
+        self.origin_bytes = 0
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.monotonic() - start
+
+    def failure(self, phase: str, artifact: str | None, exc: BaseException) -> Failure:
+        cause = f"{type(exc).__name__}: {exc}"
+        log.error(
+            "%s %s failed on rank %d for %s: %s",
+            self.operation,
+            phase,
+            self.comm.rank,
+            artifact,
+            cause,
+        )
+        return (phase, artifact, self.comm.rank, self.comm.node_id, cause)
+
+    def raise_first(self, failures: Iterable[Failure | None]) -> None:
+        found = [f for f in failures if f is not None]
+        if not found:
+            return
+        phase, artifact, rank, host, cause = min(found, key=lambda f: f[2])
+        what = artifact if artifact is not None else "(no single artifact)"
+        raise PrefetchError(
+            f"{self.operation} failed in {phase} on rank {rank}/{self.comm.size} ({host}) "
+            f"for {what}: {cause}",
+            artifact=artifact,
+            rank=rank,
+            host=host,
+            cause=cause,
+            phase=phase,
+        )
+
+    def check(self, failure: Failure | None) -> None:
+        """Collective: raise the same PrefetchError on every rank if any rank failed."""
+        self.raise_first(self.comm.allgather_object(failure, timeout=self.timeout))
+
+    def guarded(self, body: Callable[[], _T]) -> _T:
+        try:
+            return body()
+        except CommError as exc:
+            rank, host = self.comm.rank, self.comm.node_id
+            raise PrefetchError(
+                f"{self.operation} failed on rank {rank}/{self.comm.size} ({host}): {exc}; "
+                f"a peer did not arrive or its backend failed",
+                artifact=None,
+                rank=rank,
+                host=host,
+                cause=f"{type(exc).__name__}: {exc}",
+                phase="collective",
+            ) from exc
+
+    # -- fetch ---------------------------------------------------------------------
+
+    def download(self, artifacts: list[Artifact], origin: Origin, workers: int) -> Failure | None:
+        # Peers entered the agreement that follows when these downloads started, and
+        # wait ``timeout`` there: a budget short of theirs lets this rank's failure
+        # reach them in time, so that every rank raises the same error.
+        got = download_objects(
+            self.pool, origin, artifacts, workers=workers, timeout=self.timeout * _FETCH_SHARE
+        )
+        self.downloads += got.downloads
+        self.origin_bytes += got.origin_bytes
+        return None if got.failure is None else self.failure("fetch", *got.failure)
+
+    # -- move ----------------------------------------------------------------------
+
+    def move(
+        self, plan: Plan, pool_ids: list[str], name_of: Mapping[str, str], bucket_bytes: int
+    ) -> Failure | None:
+        failed = move_objects(
+            self.comm,
+            plan,
+            self.pool,
+            pool_ids=pool_ids,
+            bucket_bytes=bucket_bytes,
+            stats=self.stream,
+            timeout=self.timeout,
+        )
+        if failed is None:
+            return None
+        sha = plan.objects[failed[0]]
+        return self.failure("move", name_of.get(sha, sha), failed[1])
+
+    # -- publish -------------------------------------------------------------------
+
+    def finish(self, plan: Plan, artifacts: int, failure: Failure | None) -> PrefetchReport:
+        """Collective: combine every rank's figures into one report (the final barrier)."""
+        mine = {
+            "downloads": self.downloads,
+            "origin_bytes": self.origin_bytes,
+            "broadcasts": self.stream.broadcasts,
+            "broadcast_bytes": self.stream.bytes_sent,
+            "received_bytes": self.stream.received_bytes,
+            "discarded_bytes": self.stream.discarded_bytes,
+            # Every download is published into this rank's pool.
+            "published": self.downloads + self.stream.published,
+            "peak": self.stream.peak_bytes,
+            "seconds": dict(self.seconds),
+        }
+        gathered: list[tuple[dict[str, Any], Failure | None]] = self.comm.allgather_object(
+            (mine, failure), timeout=self.timeout
+        )
+        self.raise_first(f for _, f in gathered)
+        figures = [g for g, _ in gathered]
+        report = PrefetchReport(
+            operation=self.operation,
+            artifacts=artifacts,
+            objects=len(plan.objects),
+            downloads=sum(f["downloads"] for f in figures),
+            origin_bytes=sum(f["origin_bytes"] for f in figures),
+            broadcasts=sum(f["broadcasts"] for f in figures),
+            broadcast_bytes=sum(f["broadcast_bytes"] for f in figures),
+            received_bytes=sum(f["received_bytes"] for f in figures),
+            discarded_bytes=sum(f["discarded_bytes"] for f in figures),
+            pool_hits=plan.hits,
+            objects_published=sum(f["published"] for f in figures),
+            pools=len(plan.pools),
+            writers=plan.writer_ranks,
+            downloaders=tuple(r for r, f in enumerate(figures) if f["downloads"]),
+            peak_bytes=max(f["peak"] for f in figures),
+            seconds={p: max(f["seconds"][p] for f in figures) for p in PHASES},
+        )
+        log.info("%s", report.summary())
+        return report
+
+
+def discover(run: Run, objects: list[str], pool_ids: list[str]) -> dict[str, list[bool]]:
+    """Collective: every pool's writer reports which ``objects`` its pool holds."""
+    writers = elect_writers(pool_ids)
+    payload: bytes | None = None
+    failure: Failure | None = None
+    if writers[pool_ids[run.comm.rank]] == run.comm.rank:
+        try:
+            payload = encode_bitmap([run.pool.has(s) for s in objects])
+        except Exception as exc:
+            failure = run.failure("discover", None, exc)
+    gathered = run.comm.allgather_object((payload, failure), timeout=run.timeout)
+    run.raise_first(f for _, f in gathered)
+    return {p: decode_bitmap(gathered[w][0], len(objects)) for p, w in writers.items()}

@@ -1,0 +1,86 @@
+"""What an origin is: the :class:`Origin` protocol and :class:`BaseOrigin`.
+
+Anything with ``describe``, ``fetch`` and ``fetch_into`` is an origin (the protocol
+is all the store and the collective rely on). The origins shipped here derive from
+:class:`BaseOrigin`, which writes ``fetch`` once over ``fetch_into``, so a new origin
+implements only the streaming read and its label.
+"""
+
+from __future__ import annotations
+
+import io
+from abc import ABC, abstractmethod
+from typing import BinaryIO, Protocol, runtime_checkable
+
+from distcache.artifact import Artifact
+
+
+@runtime_checkable
+class Origin(Protocol):
+    """Where bytes come from. Implementations verify before they return."""
+
+    def describe(self) -> str:
+        """A short label for logs and errors; never contains a secret."""
+        ...
+
+    def fetch(self, artifact: Artifact) -> bytes:
+        """The artifact's verified bytes.
+
+        Raises:
+            IntegrityError: the bytes do not match ``artifact.sha256`` (or its size).
+            ArtifactNotFound: the origin answered that it has no such artifact.
+            OriginError: the origin cannot deliver it for another reason.
+        """
+        ...
+
+    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
+        """Stream the artifact into ``out``, hashing as it goes; return the byte count.
+        On IntegrityError the caller discards what was written.
+
+        Raises:
+            IntegrityError: the bytes do not match.
+            ArtifactNotFound: the origin answered that it has no such artifact.
+            OriginError: the origin cannot deliver it for another reason.
+        """
+        ...
+
+
+class BaseOrigin(ABC):
+    """An origin written as a streaming read: subclasses implement :meth:`describe`
+    and :meth:`fetch_into`; :meth:`fetch` collects the stream into bytes."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """A short label for logs and errors; never contains a secret."""
+
+    @abstractmethod
+    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
+        """Stream the artifact into ``out``, verifying it; return the byte count.
+
+        Raises:
+            IntegrityError: the bytes do not match ``artifact.sha256`` (or its size).
+            ArtifactNotFound: the origin answered that it has no such artifact.
+            OriginError: the origin cannot deliver it for another reason.
+        """
+
+    def fetch(self, artifact: Artifact) -> bytes:
+        """The artifact's verified bytes.
+
+        Raises:
+            IntegrityError: the bytes do not match ``artifact.sha256`` (or its size).
+            ArtifactNotFound: the origin answered that it has no such artifact.
+            OriginError: the origin cannot deliver it for another reason.
+        """
+        buffer = io.BytesIO()
+        self.fetch_into(artifact, buffer)
+        return buffer.getvalue()
+
+
+def rewind(out: BinaryIO, start: int | None) -> bool:
+    """Drop what a failed attempt wrote into ``out`` after offset ``start``; False
+    when ``out`` cannot be rewound (``start`` is None)."""
+    if start is None:
+        return False
+    out.seek(start)
+    out.truncate()
+    return True

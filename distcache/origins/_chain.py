@@ -1,0 +1,90 @@
+"""Several origins tried in order (``DISTCACHE_ORIGIN=mirror,https://cdn``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, BinaryIO, cast
+
+from distcache.artifact import Artifact
+from distcache.errors import ArtifactNotFound, ConfigError, IntegrityError, OriginError
+from distcache.origins._base import BaseOrigin, Origin, rewind
+
+logger = logging.getLogger(__name__)
+
+
+class _CountingWriter:
+    """Counts what an origin writes into a stream that cannot be rewound."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw = raw
+        self.written = 0
+
+    def write(self, data: bytes) -> int:
+        count = self.raw.write(data)
+        self.written += len(data)
+        return count
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.raw, name)
+
+
+class OriginChain(BaseOrigin):
+    """Try origins in order; the first that delivers verified bytes wins.
+
+    An ``OriginError`` or ``IntegrityError`` from one origin is logged and the next
+    is tried. When every origin fails, the error lists each failure and ``failures``
+    holds ``(origin, message)`` pairs; it is an :class:`ArtifactNotFound` when every
+    origin answered that it has no such artifact, an ``OriginError`` otherwise.
+
+    Raises:
+        ConfigError: no origins.
+    """
+
+    def __init__(self, origins: Sequence[Origin]) -> None:
+        if not origins:
+            raise ConfigError("an origin chain needs at least one origin",
+                              variable="origins", value=())
+        self.origins: tuple[Origin, ...] = tuple(origins)
+
+    def describe(self) -> str:
+        return " -> ".join(o.describe() for o in self.origins)
+
+    def __repr__(self) -> str:
+        return f"OriginChain({self.describe()!r})"
+
+    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
+        """Stream the artifact from the first origin that delivers it into ``out``.
+
+        A failed origin's bytes are truncated away before the next is tried when
+        ``out`` is seekable; when it is not, the first failure after bytes were
+        written ends the chain (the caller discards ``out``).
+
+        Raises:
+            ArtifactNotFound: every origin answered that it has no such artifact.
+            OriginError: no origin delivered it (the message lists each failure).
+        """
+        start = out.tell() if out.seekable() else None
+        counted = _CountingWriter(out)
+        failures: list[tuple[str, str]] = []
+        missing = 0
+        for index, origin in enumerate(self.origins):
+            counted.written = 0
+            try:
+                return origin.fetch_into(artifact, out if start is not None else cast(BinaryIO, counted))
+            except (OriginError, IntegrityError) as exc:
+                failures.append((origin.describe(), exc.message))
+                missing += isinstance(exc, ArtifactNotFound)
+                if not rewind(out, start) and counted.written:
+                    break  # bytes already went into a stream that cannot be rewound
+                if index < len(self.origins) - 1:
+                    logger.warning("origin %s failed for %s (%s); trying %s",
+                                   origin.describe(), artifact.name, exc.message,
+                                   self.origins[index + 1].describe())
+        listed = "; ".join(f"[{label}] {message}" for label, message in failures)
+        error = ArtifactNotFound if missing == len(self.origins) else OriginError
+        raise error(
+            f"no origin could deliver {artifact.name} (sha256 {artifact.sha256}), "
+            f"tried {len(failures)} of {len(self.origins)}: {listed}",
+            url=self.describe(), name=artifact.name, failures=failures,
+        )

@@ -1,0 +1,100 @@
+"""A mirror directory as an origin: artifacts at ``<mirror>/<name>``, verified as read."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from pathlib import Path
+from typing import BinaryIO
+
+from distcache.artifact import Artifact, path_under
+from distcache.errors import ArtifactNotFound, IntegrityError, OriginError
+from distcache.origins._base import BaseOrigin
+
+_CHUNK = 1 << 20
+
+
+class DirOrigin(BaseOrigin):
+    """Artifacts at ``path/<name>`` in a local or shared mirror directory.
+
+    Symlinks inside the mirror are followed only while they stay inside it.
+
+    Raises:
+        ArtifactNotFound: (from ``fetch``) the mirror has no such file.
+        OriginError: (from ``fetch``) a symlink leaving the mirror, or an unreadable
+            file.
+        IntegrityError: (from ``fetch``) the file's bytes do not match the artifact.
+        ArtifactNameError: (from ``fetch``) the name is unsafe.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def describe(self) -> str:
+        return f"dir:{self.path}"
+
+    def __repr__(self) -> str:
+        return f"DirOrigin({str(self.path)!r})"
+
+    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
+        candidate = path_under(self.path, artifact.name)
+        root = self.path.resolve()
+        try:
+            real = candidate.resolve(strict=True)
+        except FileNotFoundError:
+            raise ArtifactNotFound(
+                f"{artifact.name} is not in mirror {self.path} (looked for {candidate}); "
+                "add it to the mirror or put another origin after this one",
+                url=str(candidate), name=artifact.name,
+            ) from None
+        except (OSError, RuntimeError) as exc:
+            raise OriginError(
+                f"cannot resolve {candidate} in mirror {self.path}: {exc}",
+                url=str(candidate), status=None, name=artifact.name,
+            ) from exc
+        if not real.is_relative_to(root):
+            raise OriginError(
+                f"refused {candidate}: it is a symlink to {real}, outside mirror {root}; "
+                "mirrors must hold their files (or links within themselves)",
+                url=str(candidate), status=None, name=artifact.name,
+            )
+        digest = hashlib.sha256()
+        count = 0
+        limit = artifact.size
+        try:
+            # O_NONBLOCK: a FIFO planted in the mirror must not hang the open.
+            fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            with open(fd, "rb") as src:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise OriginError(
+                        f"{candidate} in mirror {self.path} is not a regular file",
+                        url=str(candidate), status=None, name=artifact.name)
+                # Read at most one byte past a declared size: a huge (or sparse) file
+                # in the mirror is refused without reading it all, and nothing past
+                # the declared size reaches ``out``.
+                while chunk := src.read(_CHUNK if limit is None else
+                                        min(_CHUNK, limit + 1 - count)):
+                    count += len(chunk)
+                    digest.update(chunk)
+                    if limit is not None and count > limit:
+                        break
+                    out.write(chunk)
+        except IsADirectoryError as exc:
+            raise OriginError(f"{candidate} in mirror {self.path} is a directory, not a file",
+                              url=str(candidate), status=None, name=artifact.name) from exc
+        except OSError as exc:
+            raise OriginError(f"cannot read {candidate} in mirror {self.path}: {exc}",
+                              url=str(candidate), status=None, name=artifact.name) from exc
+        actual = digest.hexdigest()
+        if actual != artifact.sha256 or (limit is not None and count != limit):
+            size_note = ""
+            if limit is not None and count != limit:
+                found = f"over {limit}" if count > limit else str(count)
+                size_note = f" (size {found}, expected {limit})"
+            raise IntegrityError(
+                f"sha256 mismatch for {artifact.name} in mirror {self.path}{size_note}: "
+                f"expected {artifact.sha256}, got {actual}; repair or remove {candidate}",
+                sha256=artifact.sha256, actual=actual, source=str(candidate),
+            )
+        return count

@@ -1,0 +1,89 @@
+"""From the ``DISTCACHE_ORIGIN`` syntax to an origin: :func:`open_origin`.
+
+A spec's URL scheme picks its origin's factory in :data:`SCHEMES`; a spec without
+``scheme://`` is a directory path. Adding a kind of origin is one module beside this
+one and one entry in the table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from urllib.parse import unquote, urlsplit
+
+from distcache.errors import ConfigError
+from distcache.origins._base import Origin
+from distcache.origins._chain import OriginChain
+from distcache.origins._directory import DirOrigin
+from distcache.origins._http import HttpOrigin, redact_url
+
+
+def _file_url(spec: str) -> Origin:
+    return DirOrigin(unquote(urlsplit(spec).path))
+
+
+#: URL scheme (lower case) -> the factory that turns the whole spec into an origin.
+SCHEMES: Mapping[str, Callable[[str], Origin]] = {
+    "http": HttpOrigin,
+    "https": HttpOrigin,
+    "file": _file_url,
+}
+
+
+def _open_one(spec: str) -> Origin:
+    text = spec.strip()
+    if not text:
+        raise ConfigError("empty origin; give a URL or a directory", variable="origin", value=spec)
+    try:
+        factory = SCHEMES.get(urlsplit(text).scheme.lower())
+    except ValueError as exc:  # a broken IPv6 literal
+        raise ConfigError(f"origin {_label(text)!r} is not a valid URL ({exc})",
+                          variable="origin", value=_label(text)) from None
+    if factory is not None:
+        return factory(text)
+    if "://" in text:
+        # Only a spec that spells ``scheme://`` is a URL: "C:\\mirror" or "a:b" are paths.
+        scheme = text.split("://", 1)[0]
+        known = ", ".join(f"{s}://" for s in sorted(SCHEMES))
+        raise ConfigError(
+            f"origin {_label(text)!r}: scheme {scheme}:// is not supported; "
+            f"use one of {known}, or a directory path",
+            variable="origin", value=scheme)
+    return DirOrigin(text)
+
+
+def _label(url: str) -> str:
+    """``url`` fit for a message: no user-info or query, which may hold secrets."""
+    try:
+        return redact_url(url)
+    except ValueError:  # a port that is not a number
+        return url.split("://", 1)[0] + "://..."
+
+
+def open_origin(spec: str | Origin | Sequence[str | Origin]) -> Origin:
+    """An origin from a spec: a URL whose scheme is in :data:`SCHEMES` (``http(s)://``
+    -> :class:`HttpOrigin`, ``file://`` -> :class:`DirOrigin`), a path ->
+    :class:`DirOrigin`, an Origin as is; a comma-separated string or a sequence ->
+    :class:`OriginChain` (a single entry is returned unwrapped).
+
+    Raises:
+        ConfigError: an empty spec, or a ``scheme://`` not in :data:`SCHEMES` (the
+            message names the spec and the known schemes).
+    """
+    items: list[Origin] = []
+    specs: Sequence[str | Origin] = [spec] if isinstance(spec, str) or not isinstance(
+        spec, Sequence) else spec
+    for item in specs:
+        if isinstance(item, str):
+            parts = [p for p in item.split(",") if p.strip()]
+            if not parts:
+                raise ConfigError("empty origin; give a URL or a directory",
+                                  variable="origin", value=item)
+            items.extend(_open_one(p) for p in parts)
+        elif isinstance(item, Origin):
+            items.append(item)
+        else:
+            raise ConfigError(f"not an origin: {item!r}", variable="origin", value=repr(item))
+    if not items:
+        raise ConfigError("no origin given; pass a URL or a directory, or set DISTCACHE_ORIGIN",
+                          variable="origin", value="")
+    return items[0] if len(items) == 1 else OriginChain(items)

@@ -1,0 +1,190 @@
+"""One HTTP attempt's answer, and what to do about it.
+
+:func:`read_response` turns a response into the artifact's bytes in ``out`` or into a
+:class:`Retry` (another attempt may fix it: overload, a cut or stalled body, wrong
+bytes from one cache node) or a :class:`Fatal` (it will not: 404, 403, a refused
+redirect). Bytes are hashed and counted as they stream, so nothing past the
+artifact's declared size reaches ``out`` and a digest mismatch is known the moment
+the body ends. :class:`Backoff` decides how long to wait before the next attempt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import random
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
+from typing import BinaryIO
+
+import requests
+import urllib3.exceptions
+
+from distcache.artifact import Artifact
+
+_CHUNK = 256 * 1024
+# `timeout` bounds each socket read, so a server that drips a byte at a time could hold
+# an attempt forever. An attempt may take `timeout` plus the body at this rate; past
+# that it is abandoned and retried like a cut body.
+_MIN_RATE_BPS = 64 * 1024
+# ASCII digits only: str.isdigit() also accepts "²" and other digits int() refuses.
+_CONTENT_LENGTH = re.compile(r"[0-9]{1,20}\Z")
+# Statuses worth another try: the server is overloaded or a proxy timed out.
+_RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
+
+#: Failures of the connection or the body that another attempt may not meet.
+TRANSIENT = (
+    requests.ConnectionError,
+    requests.Timeout,
+    requests.exceptions.ChunkedEncodingError,
+    requests.exceptions.ContentDecodingError,
+    urllib3.exceptions.ProtocolError,
+    urllib3.exceptions.ReadTimeoutError,
+    # The body is read with urllib3's read1 (see _body), so its own errors arrive
+    # unwrapped by requests.
+    urllib3.exceptions.DecodeError,
+    urllib3.exceptions.SSLError,
+    http.client.IncompleteRead,
+)
+
+
+class Retry(Exception):
+    """One failed attempt that another attempt may fix."""
+
+    def __init__(self, reason: str, *, status: int | None = None, delay: float | None = None,
+                 integrity: tuple[str, str] | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+        self.delay = delay
+        self.integrity = integrity  # (expected, actual) on a digest/size mismatch
+
+
+class Fatal(Exception):
+    """A failed attempt that retrying cannot fix."""
+
+    def __init__(self, reason: str, *, status: int | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Waits between attempts: ``base * 2**n`` seconds with full jitter, each at most
+    ``cap``; a server's ``Retry-After`` instead, up to ``retry_after_cap``; all waits
+    for one artifact together at most ``total``."""
+
+    base: float
+    cap: float
+    retry_after_cap: float
+    total: float
+
+    def delay(self, attempt: int, hint: float | None, waited: float,
+              rng: random.Random) -> float | None:
+        """Seconds to wait after failed attempt ``attempt`` (1-based), given the
+        server's ``hint`` and the seconds already ``waited``; None when the waiting
+        budget is spent."""
+        if hint is not None:
+            delay = min(hint, self.retry_after_cap)
+        else:
+            delay = rng.uniform(0, min(self.cap, self.base * 2 ** (attempt - 1)))
+        remaining = self.total - waited
+        if remaining <= 0 and waited > 0:
+            return None
+        return max(0.0, min(delay, remaining))
+
+
+def retry_after(value: str | None) -> float | None:
+    """Seconds a ``Retry-After`` header asks for; None when absent or unreadable."""
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value.strip()))
+    except ValueError:
+        pass
+    # An HTTP-date (RFC 9110 10.2.3).
+    try:
+        when = parsedate_to_datetime(value)
+        return max(0.0, when.timestamp() - time.time())
+    except (TypeError, ValueError, OverflowError, IndexError):
+        return None
+
+
+def read_response(response: requests.Response, artifact: Artifact, out: BinaryIO,
+                  written: list[int], timeout: float) -> int:
+    """Stream a (non-redirect) response's body into ``out``, verifying it against
+    ``artifact``; return the byte count. ``written[0]`` counts what reached ``out``,
+    also when this raises. ``timeout`` is the origin's per-read timeout; the body may
+    take that plus its size at the minimum rate.
+
+    Raises:
+        Retry: an overloaded server, a cut, stalled or overlong body, wrong bytes.
+        Fatal: any other status than 200.
+    """
+    with response:
+        status = response.status_code
+        if status in _RETRY_STATUS or status >= 500:
+            raise Retry(f"HTTP {status}", status=status,
+                        delay=retry_after(response.headers.get("Retry-After")))
+        if status != 200:
+            raise Fatal(f"HTTP {status}", status=status)
+        length_header = (response.headers.get("Content-Length") or "").strip()
+        expected_len = int(length_header) if _CONTENT_LENGTH.match(length_header) else None
+        limit = artifact.size
+        if limit is not None and expected_len is not None and expected_len != limit:
+            # Refuse before reading: a body announced larger than the artifact is
+            # not worth a byte of bandwidth or disk.
+            raise Retry("announced size mismatch",
+                        integrity=(f"{limit} bytes", f"Content-Length {expected_len}"))
+        digest = hashlib.sha256()
+        budget = timeout + (limit or expected_len or _CHUNK) / _MIN_RATE_BPS
+        try:
+            for chunk in _body(response, budget):
+                if limit is not None and written[0] + len(chunk) > limit:
+                    # Checked before writing: nothing past the declared size
+                    # reaches ``out``.
+                    raise Retry("body longer than the artifact's size",
+                                integrity=(f"{limit} bytes", f"more than {limit}"))
+                if expected_len is not None and written[0] + len(chunk) > expected_len:
+                    raise Retry(f"body longer than its Content-Length {expected_len}")
+                digest.update(chunk)
+                out.write(chunk)
+                written[0] += len(chunk)
+        except _Stalled:
+            raise Retry(f"body stalled: {written[0]} bytes in {budget:.1f} s "
+                        f"(slower than {_MIN_RATE_BPS // 1024} KiB/s)") from None
+        except TRANSIENT as exc:
+            raise Retry(f"body cut short after {written[0]} bytes "
+                        f"({type(exc).__name__})") from exc
+    if expected_len is not None and written[0] != expected_len:
+        raise Retry(f"body cut short: {written[0]} of {expected_len} bytes")
+    if limit is not None and written[0] != limit:
+        raise Retry("size mismatch", integrity=(f"{limit} bytes", f"{written[0]} bytes"))
+    actual = digest.hexdigest()
+    if actual != artifact.sha256:
+        raise Retry("sha256 mismatch", integrity=(artifact.sha256, actual))
+    return written[0]
+
+
+class _Stalled(Exception):
+    """The body arrived slower than the attempt's budget allows."""
+
+
+def _body(response: requests.Response, budget: float) -> Iterator[bytes]:
+    """The decoded body in pieces as they arrive, until the attempt's ``budget``
+    (seconds) runs out. ``read1`` returns whatever one socket read brings, so a server
+    dripping bytes is noticed after its first piece past the budget, not after the
+    whole body (iter_content blocks until a full chunk has arrived)."""
+    raw = response.raw
+    start = time.monotonic()
+    while True:
+        piece = raw.read1(_CHUNK, decode_content=True)
+        if not piece:
+            return
+        yield piece
+        if time.monotonic() - start > budget:
+            raise _Stalled
