@@ -6,11 +6,16 @@ job; it is pure and imports neither torch nor mpi4py. ``init_process_group()`` i
 one function that changes state: it brings up ``torch.distributed`` from whatever
 launcher is present. ``python -m launch -- PROGRAM`` gives a program the torchrun
 variables under any launcher.
+
+Errors come from the library's one error tree (:mod:`distcache.errors`):
+:class:`LaunchError` for a missing, malformed or inconsistent launcher environment,
+:class:`WorkspaceError` for a per-rank workspace slot that cannot be held.
 """
 
 from __future__ import annotations
 
-from launch._detect import LAUNCHERS, MPI_LAUNCHERS, LaunchError, LaunchInfo, detect
+from distcache.errors import LaunchError, WorkspaceError
+from launch._detect import LAUNCHERS, MPI_LAUNCHERS, LaunchInfo, detect
 from launch._dist import gloo_group, init_process_group
 from launch._nodelist import expand_nodelist
 
@@ -19,11 +24,9 @@ __all__ = [
     "MPI_LAUNCHERS",
     "LaunchError",
     "LaunchInfo",
+    "WorkspaceError",
     "detect",
     "expand_nodelist",
     "gloo_group",
     "init_process_group",
 ]
-
-
-

@@ -5,24 +5,11 @@
 ``MPI_Init``, which hangs or aborts outside an MPI launch (Lightning-AI/pytorch-lightning
 #20049, h5py PR #1544).
 
-Sources, in order of precedence (the first one present is ``launcher``):
-
-1. ``torchrun`` -- the ``env://`` variables ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
-   ``LOCAL_WORLD_SIZE``/``GROUP_RANK``/``GROUP_WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``,
-   set by torchrun,
-   torchelastic or ``python -m launch``. It comes first because it is always the
-   innermost launcher: torchrun runs inside Slurm allocations and MPI jobs.
-2. ``openmpi`` -- ``OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}``.
-3. ``mpich`` -- MPICH/Hydra and Intel MPI: ``PMI_RANK`` (old Hydra: ``PMI_ID``),
-   ``PMI_SIZE``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``.
-4. ``pmix`` -- ``PMIX_RANK``; PMIx has no standard size variable, so the size comes
-   from another source that is present (``srun --mpi=pmix`` sets Slurm's).
-5. ``slurm`` -- an ``srun`` step: ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``,
-   ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_STEP_NUM_NODES``,
-   ``SLURM_STEP_NODELIST``. Only step-scoped variables count: an ``sbatch`` script has
-   job-level ``SLURM_*`` variables but no step, and is a single process
-   (lightseekorg/tokenspeed PR #873).
-6. ``single`` -- none of the above: rank 0 of 1.
+Sources, in order of precedence (the first one present is ``launcher``; the variables
+each reads are listed in :mod:`launch._sources`): ``torchrun``, ``openmpi``, ``mpich``,
+``pmix``, ``slurm``, and ``single`` when none is present (rank 0 of 1). torchrun comes
+first because it is always the innermost launcher: torchrun runs inside Slurm
+allocations and MPI jobs.
 
 Agreement rules. Every source present must agree with the others on every value they
 both give; a disagreement raises :class:`LaunchError` listing the variables. Two
@@ -35,9 +22,6 @@ nestings are normal and are not errors:
   spawned this process, and Slurm or MPI variables that disagree describe the agent;
   they are ignored. Without ``TORCHELASTIC_RUN_ID``, ``RANK`` disagreeing with another
   launcher is almost always a stale ``export RANK=...``, and raises.
-
-``OMPI_COMM_WORLD_NODE_RANK`` is not used: it is the process's rank on its node across
-all jobs, not the node's index (docs.open-mpi.org, "environment variables").
 """
 
 from __future__ import annotations
@@ -45,23 +29,16 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from distcache.errors import LaunchError
-
-__all__ = ["LAUNCHERS", "MPI_LAUNCHERS", "LaunchError", "LaunchInfo", "detect"]
+from launch import _sources
+from launch._nodelist import expand_nodelist
+from launch._sources import FIELDS, Signal, parsed, read_int
 
 LAUNCHERS = ("torchrun", "openmpi", "mpich", "pmix", "slurm", "single")
 MPI_LAUNCHERS = frozenset({"openmpi", "mpich", "pmix"})
-
-# Fields a launcher can report, in the order they are checked and reported.
-T = TypeVar("T")
-
-_FIELDS = ("rank", "world_size", "local_rank", "local_world_size", "node_rank", "num_nodes")
-
-
 
 @dataclass(frozen=True, slots=True)
 class LaunchInfo:
@@ -102,164 +79,22 @@ class LaunchInfo:
         return self.num_nodes == 1 or self.local_world_size == self.world_size
 
 
-@dataclass
-class _Signal:
-    """What one launcher's variables say: field -> (value, variable)."""
-
-    launcher: str
-    values: dict[str, tuple[int, str]]
-
-    def get(self, name: str) -> int | None:
-        item = self.values.get(name)
-        return None if item is None else item[0]
-
-
-def _int(env: Mapping[str, str], name: str, *, minimum: int = 0) -> int | None:
-    raw = env.get(name)
-    if raw is None:
-        return None
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise LaunchError(
-            f"{name}={raw!r} is not an integer; the launcher environment is malformed",
-            variable=name,
-            value=raw,
-        ) from None
-    if value < minimum:
-        raise LaunchError(
-            f"{name}={raw!r} must be >= {minimum}", variable=name, value=raw
-        )
-    return value
-
-
-def _read(env: Mapping[str, str], launcher: str, names: Mapping[str, tuple[str, ...]]) -> _Signal:
-    values: dict[str, tuple[int, str]] = {}
-    for fld, candidates in names.items():
-        for var in candidates:
-            minimum = 1 if fld in ("world_size", "local_world_size", "num_nodes") else 0
-            value = _int(env, var, minimum=minimum)
-            if value is not None:
-                values[fld] = (value, var)
-                break
-    return _Signal(launcher, values)
-
-
-def _torchrun(env: Mapping[str, str]) -> _Signal | None:
-    # RANK is the marker: a lone LOCAL_RANK is exported by many wrappers for device
-    # selection and says nothing about the job.
-    if "RANK" not in env:
-        return None
-    sig = _read(
-        env,
-        "torchrun",
-        {
-            "rank": ("RANK",),
-            "world_size": ("WORLD_SIZE",),
-            "local_rank": ("LOCAL_RANK",),
-            "local_world_size": ("LOCAL_WORLD_SIZE",),
-            "node_rank": ("GROUP_RANK",),
-            "num_nodes": ("GROUP_WORLD_SIZE",),
-        },
-    )
-    world, local = sig.get("world_size"), sig.get("local_world_size")
-    if "num_nodes" not in sig.values and world and local and world % local == 0:
-        # torchrun runs the same number of workers on every node.
-        sig.values["num_nodes"] = (world // local, "WORLD_SIZE/LOCAL_WORLD_SIZE")
-    return sig
-
-
-def _openmpi(env: Mapping[str, str]) -> _Signal | None:
-    if "OMPI_COMM_WORLD_RANK" not in env:
-        return None
-    return _read(
-        env,
-        "openmpi",
-        {
-            "rank": ("OMPI_COMM_WORLD_RANK",),
-            "world_size": ("OMPI_COMM_WORLD_SIZE",),
-            "local_rank": ("OMPI_COMM_WORLD_LOCAL_RANK",),
-            "local_world_size": ("OMPI_COMM_WORLD_LOCAL_SIZE",),
-        },
-    )
-
-
-def _mpich(env: Mapping[str, str]) -> _Signal | None:
-    if "PMI_RANK" not in env and "PMI_ID" not in env:
-        return None
-    return _read(
-        env,
-        "mpich",
-        {
-            "rank": ("PMI_RANK", "PMI_ID"),
-            "world_size": ("PMI_SIZE",),
-            "local_rank": ("MPI_LOCALRANKID",),
-            "local_world_size": ("MPI_LOCALNRANKS",),
-        },
-    )
-
-
-def _pmix(env: Mapping[str, str]) -> _Signal | None:
-    if "PMIX_RANK" not in env:
-        return None
-    return _read(env, "pmix", {"rank": ("PMIX_RANK",), "world_size": ("PMIX_SIZE",)})
-
-
-def _parsed(parse: Callable[[str], list[T]], variable: str, text: str) -> list[T]:
-    try:
-        return parse(text)
-    except LaunchError as exc:
-        raise LaunchError(f"{variable}: {exc}", variable=variable, value=text) from exc
-
-
-def _slurm(env: Mapping[str, str]) -> _Signal | None:
-    # srun sets the SLURM_STEP_* variables; an sbatch script has only job-level ones.
-    if "SLURM_PROCID" not in env or "SLURM_STEP_NUM_TASKS" not in env:
-        return None
-    from launch._nodelist import expand_counts
-
-    sig = _read(
-        env,
-        "slurm",
-        {
-            "rank": ("SLURM_PROCID",),
-            "world_size": ("SLURM_STEP_NUM_TASKS",),
-            "local_rank": ("SLURM_LOCALID",),
-            "node_rank": ("SLURM_NODEID",),
-            "num_nodes": ("SLURM_STEP_NUM_NODES",),
-        },
-    )
-    per_node = env.get("SLURM_STEP_TASKS_PER_NODE")
-    node = sig.get("node_rank")
-    if per_node is not None and node is not None:
-        counts = _parsed(expand_counts, "SLURM_STEP_TASKS_PER_NODE", per_node)
-        if node >= len(counts):
-            raise LaunchError(
-                f"SLURM_NODEID={node} but SLURM_STEP_TASKS_PER_NODE={per_node!r} "
-                f"names only {len(counts)} nodes",
-                variable="SLURM_STEP_TASKS_PER_NODE",
-                value=per_node,
-            )
-        sig.values["local_world_size"] = (counts[node], "SLURM_STEP_TASKS_PER_NODE")
-    return sig
-
-
-def _describe(sig: _Signal, name: str) -> str:
+def _describe(sig: Signal, name: str) -> str:
     value, var = sig.values[name]
     return f"{var}={value} ({sig.launcher})"
 
 
-def _disagreements(a: _Signal, b: _Signal) -> list[str]:
+def _disagreements(a: Signal, b: Signal) -> list[str]:
     return [
         f"{name}: {_describe(a, name)} vs {_describe(b, name)}"
-        for name in _FIELDS
+        for name in FIELDS
         if name in a.values and name in b.values and a.get(name) != b.get(name)
     ]
 
 
 def _merge(env: Mapping[str, str]) -> tuple[str, dict[str, tuple[int, str]]]:
-    inner = [s for s in (_torchrun(env), _openmpi(env), _mpich(env), _pmix(env)) if s]
-    slurm = _slurm(env)
+    inner = [s for s in (read(env) for read in _sources.INNER) if s]
+    slurm = _sources.slurm(env)
     elastic = "TORCHELASTIC_RUN_ID" in env
     if inner and inner[0].launcher == "torchrun" and elastic:
         # torchrun's agent spawned us; other launchers' variables describe the agent.
@@ -324,7 +159,7 @@ def _master(
     addr = env.get("MASTER_ADDR") or None
     if addr is not None:
         used.append("MASTER_ADDR")
-    port = _int(env, "MASTER_PORT", minimum=1)
+    port = read_int(env, "MASTER_PORT", minimum=1)
     if port is not None:
         if port > 65535:
             raise LaunchError(
@@ -339,11 +174,9 @@ def _master(
         ):
             # With an arbitrary distribution the first host is not rank 0's
             # (Lightning-AI/pytorch-lightning#17228): leave it to the caller.
-            from launch._nodelist import expand_nodelist
-
             nodes = env.get("SLURM_STEP_NODELIST")
             if nodes is not None:
-                addr = _parsed(expand_nodelist, "SLURM_STEP_NODELIST", nodes)[0]
+                addr = parsed(expand_nodelist, "SLURM_STEP_NODELIST", nodes)[0]
                 used.append("SLURM_STEP_NODELIST")
         if port is None:
             port = _slurm_port(env)

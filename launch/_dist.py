@@ -30,19 +30,11 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from distcache.config import env_float
-from distcache.errors import CollectiveTimeout, CommError
-from launch._detect import LaunchError, LaunchInfo, detect
+from distcache.errors import CollectiveTimeout, CommError, LaunchError
+from launch._detect import LaunchInfo, detect
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Store
-
-__all__ = [
-    "DEFAULT_TIMEOUT",
-    "gloo_group",
-    "init_process_group",
-    "mpi_publish",
-    "rendezvous_address",
-]
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import itertools
 
-from launch._detect import LaunchError
-
-__all__ = ["expand_counts", "expand_nodelist"]
+from distcache.errors import LaunchError
 
 # A typo such as n[0-99999999] must fail, not allocate a billion strings.
 MAX_HOSTS = 1_000_000

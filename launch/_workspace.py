@@ -21,13 +21,10 @@ from types import TracebackType
 
 from distcache.errors import WorkspaceError
 
-__all__ = ["LOCK_NAME", "WorkspaceError", "WorkspaceSlot", "acquire_slot"]
-
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
 MAX_SLOTS = 4096
-
 
 
 def _close(fd: int) -> None:

@@ -20,16 +20,12 @@ import json
 import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from distcache.artifact import Artifact
-from distcache.store._pool import ArtifactPool
+from distcache import Artifact, ArtifactPool
 from distcache.testing import make_artifacts
 
 

@@ -24,7 +24,11 @@ fetching the K artifacts once with the same concurrency) and the cost parameters
 ``scripts/scale_model.py`` reads. Writes ``bench_prefetch.json`` and
 ``bench_prefetch.png`` to --out and prints a table and the targets.
 
-    python scripts/bench_prefetch.py --out bench-results/
+    python -m scripts.bench_prefetch --out bench-results/
+
+Run it from the repository root, as a module: it starts its ranks with the test
+harness's process runner (:mod:`tests.support.process`), which is importable from
+there and is not part of the installed library.
 """
 
 from __future__ import annotations
@@ -46,13 +50,20 @@ from typing import Any
 
 import distcache
 import distcache.comm
+from distcache import ArtifactPool, HttpOrigin, prefetch
 from distcache.artifact import Artifact, parse_checksums
-from distcache.collective._core import prefetch
-from distcache.comm._base import Communicator
+from distcache.comm import Communicator
 from distcache.config import settings
-from distcache.origins._origin import HttpOrigin
-from distcache.store._pool import ArtifactPool
-from tests.support.process import mpirun, run_group
+
+try:
+    from tests.support.process import mpirun, run_group
+except ModuleNotFoundError as exc:
+    if exc.name != "tests":
+        raise
+    raise SystemExit("run this from the repository root: python -m scripts.bench_prefetch ...") from None
+
+#: The repository root: the ranks run ``-m scripts.bench_prefetch`` from there.
+ROOT = Path(__file__).resolve().parents[1]
 
 STRATEGIES = ("per-rank", "shared-dir", "lazy-fetch", "prefetch", "warm")
 LABELS = {
@@ -218,12 +229,12 @@ def launch(
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     launched = time.time()
     cmd = [
-        *mpirun_command(n), sys.executable, str(Path(__file__).resolve()),
+        *mpirun_command(n), sys.executable, "-m", "scripts.bench_prefetch",
         "--worker", strategy, "--run-dir", str(run_dir), "--result", str(result),
         "--launched-at", repr(launched), *common,
     ]
     try:
-        done = run_group(cmd, timeout=WORKER_TIMEOUT_S, env=env)
+        done = run_group(cmd, timeout=WORKER_TIMEOUT_S, env=env, cwd=ROOT)
     except subprocess.TimeoutExpired as exc:
         sys.stderr.write("".join(p for p in (exc.output, exc.stderr) if isinstance(p, str)))
         raise SystemExit(f"mpirun -n {n} {strategy} did not finish in {WORKER_TIMEOUT_S} s; "
@@ -475,7 +486,9 @@ def plot(args: argparse.Namespace, rows: list[dict[str, Any]], baseline: dict[st
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.bench_prefetch", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--ranks", default="1,2,4,8", help="comma-separated N")
     parser.add_argument("--artifacts", type=int, default=64)
     parser.add_argument("--min-size", type=int, default=50_000)

@@ -21,9 +21,14 @@ from pathlib import Path
 
 from distcache.artifact import Artifact, manifest_text, parse_checksums
 from distcache.testing import LoopbackOrigin, make_artifacts
-from tests.support.process import mpirun
 
 HERE = Path(__file__).resolve().parent
+
+
+def mpirun() -> str:
+    """The ``mpirun`` installed beside this interpreter (the venv's), else the one on PATH."""
+    beside = Path(sys.executable).with_name("mpirun")
+    return str(beside) if beside.exists() else "mpirun"
 
 
 def _flashinfer_cubins(limit: int) -> tuple[Path, list[Artifact]] | None:

@@ -8,7 +8,10 @@
 # (SlurmdParameters=config_overrides) and the partition oversubscribes, so that
 # `srun -n 4` runs on a 2-core machine. Non-default ports keep clear of any real Slurm.
 #
-# Prints the SLURM_CONF to export on its last line: `SLURM_CONF=<path>`.
+# Prints `STARTED <daemon>` for each daemon it starts (munged, slurmctld, slurmd), as
+# soon as it has started it, and the SLURM_CONF to export on its last line:
+# `SLURM_CONF=<path>`. Whoever ran it stops what it started with
+# `scripts/slurm_down.sh <daemon>...`; daemons that were already running are not listed.
 # Environment: DISTCACHE_SLURM_DIR (scratch directory, default /tmp/distcache-slurm),
 # DISTCACHE_SLURM_PORT (slurmctld port, default 16817; slurmd uses the next one).
 # Needs root.
@@ -57,9 +60,12 @@ chown munge:munge "$key"
 chmod 0400 "$key"
 install -d -o munge -g munge -m 0755 /run/munge
 install -d -o munge -g munge -m 0700 /var/lib/munge /var/log/munge
+mkdir -p "$dir"
 if ! timeout 5 munge -n 2>/dev/null | timeout 5 unmunge >/dev/null 2>&1; then
   say "starting munged"
-  munged --force
+  # Its pid file in our directory marks it as ours for slurm_down.sh.
+  munged --force --pid-file="$dir/munged.pid"
+  echo "STARTED munged"
   for _ in $(seq 50); do
     if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then break; fi
     sleep 0.1
@@ -67,12 +73,7 @@ if ! timeout 5 munge -n 2>/dev/null | timeout 5 unmunge >/dev/null 2>&1; then
 fi
 
 # Stop daemons a previous run of this script left behind (only ours: our pid files).
-for pidfile in "$dir/slurmctld.pid" "$dir/slurmd.pid"; do
-  if [ -s "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
-    kill "$(cat "$pidfile")" 2>/dev/null || true
-    for _ in $(seq 50); do kill -0 "$(cat "$pidfile")" 2>/dev/null || break; sleep 0.1; done
-  fi
-done
+bash "$(dirname "$0")/slurm_down.sh" slurmd slurmctld
 
 mkdir -p "$dir/state" "$dir/spool"
 cat > "$conf" <<CONF
@@ -110,7 +111,9 @@ CONF
 say "starting slurmctld and slurmd ($conf)"
 # -c: start from a clean state, so jobs of an earlier run are not resurrected.
 slurmctld -c -f "$conf"
+echo "STARTED slurmctld"
 slurmd -f "$conf"
+echo "STARTED slurmd"
 
 for i in $(seq 60); do
   if node_ready; then

@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
-"""The long fault-injection soak: ``python scripts/soak.py --rounds 500``.
+"""The long fault-injection soak: ``python -m scripts.soak --rounds 500``.
 
 Runs collective prefetches under ``mpirun -n 4`` against a loopback origin while
 faults are drawn at random per round (seeded), checks the pool invariants after every
 round, prints a table and writes the figures as JSON. The machinery is the CI soak's
 (``tests/soak``); see ``tests/support/soak.py`` for what is injected and checked.
 Run as root to include the full-disk fault (it mounts a 2 MiB tmpfs).
+
+Run it from the repository root, as a module: the soak machinery is the test
+harness's (``tests.support``), which is importable from there and is not part of the
+installed library.
 """
 
 from __future__ import annotations
@@ -19,13 +23,18 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tests.support.soak import SoakConfig, run_soak
+try:
+    from tests.support.soak import SoakConfig, run_soak
+except ModuleNotFoundError as exc:
+    if exc.name != "tests":
+        raise
+    raise SystemExit("run this from the repository root: python -m scripts.soak ...") from None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.soak", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--rounds", type=int, default=500, help="fault rounds (default 500)")
     parser.add_argument("--seed", type=int, default=None, help="default: random, printed")
     parser.add_argument("--json", type=Path, default=Path("soak.json"), help="figures out")

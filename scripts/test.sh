@@ -23,6 +23,22 @@ group_timeout() {
   return "$rc"
 }
 
+# The srun tests start a one-node Slurm (scripts/slurm_up.sh) and their session stops
+# the daemons it started. A session killed by its watchdog cannot, so on the way out
+# this stops those of ours that were not running when the run began; daemons that
+# were already running are left as they were.
+slurm_before=" $(bash scripts/slurm_down.sh --list | tr '\n' ' ') "
+stop_new_slurm() {
+  local daemon new=()
+  for daemon in $(bash scripts/slurm_down.sh --list); do
+    [[ $slurm_before == *" $daemon "* ]] || new+=("$daemon")
+  done
+  if [ ${#new[@]} -gt 0 ]; then bash scripts/slurm_down.sh "${new[@]}"; fi
+}
+trap stop_new_slurm EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
 failed=()
 step() {
   local name=$1; shift

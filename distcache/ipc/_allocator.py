@@ -28,17 +28,6 @@ from typing import Protocol
 from distcache.errors import IpcError
 from distcache.ipc._ref import MAX_GENERATION
 
-__all__ = [
-    "ALIGNMENT",
-    "WORD_BYTES",
-    "ControlWords",
-    "Lease",
-    "SlotAllocator",
-    "WordArray",
-    "align_up",
-    "header_bytes",
-]
-
 ALIGNMENT = 256
 WORD_BYTES = 4
 

@@ -24,8 +24,7 @@ from typing import Any
 from distcache.errors import IpcError
 from distcache.ipc._producer import DEFAULT_SLOTS, ProducerPool
 from distcache.ipc._ref import FeatureRef, PoolDescriptor
-
-__all__ = ["CudaMapping", "CudaPool", "probe_cuda_ipc"]
+from distcache.ipc._shm import ShmPool
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +154,6 @@ class CudaPool(ProducerPool):
 
     def fall_back_to_host(self) -> None:
         """Serve through a host shared-memory segment instead of CUDA IPC (before exchange)."""
-        from distcache.ipc._shm import ShmPool
-
         if self._host is None:
             self._host = ShmPool(
                 self.capacity, consumers=self._explicit, name=self.pool_id, slots=self.slots

@@ -23,8 +23,6 @@ from distcache.errors import IpcError
 from distcache.ipc._allocator import ControlWords, SlotAllocator, align_up, header_bytes
 from distcache.ipc._ref import FeatureRef, PoolDescriptor, check_pool_id, itemsize
 
-__all__ = ["DEFAULT_ACK_WORDS", "DEFAULT_SLOTS", "ProducerPool"]
-
 log = logging.getLogger(__name__)
 
 #: Ack words per slot when the consumers are only known at exchange time (one

@@ -19,13 +19,6 @@ from typing import Any, TypeVar
 
 from distcache.errors import IpcError
 
-__all__ = [
-    "DTYPES",
-    "MAX_NDIM",
-    "FeatureRef",
-    "PoolDescriptor",
-]
-
 #: dtype code -> (torch dtype name, itemsize). Codes are part of the wire format:
 #: append, never renumber.
 DTYPES: dict[int, tuple[str, int]] = {

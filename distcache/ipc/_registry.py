@@ -17,112 +17,17 @@ import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import Any
 
 from distcache.comm._base import Communicator, agree_on_error
 from distcache.errors import IpcError, StaleHandleError
-from distcache.ipc._allocator import ALIGNMENT, ControlWords
+from distcache.ipc._allocator import ALIGNMENT
+from distcache.ipc._cuda import CudaPool, probe_cuda_ipc
+from distcache.ipc._mapping import Entry, close_all, open_mapping
 from distcache.ipc._producer import ProducerPool
-from distcache.ipc._ref import FeatureRef, PoolDescriptor, itemsize
-
-__all__ = ["PoolRegistry"]
+from distcache.ipc._ref import FeatureRef, PoolDescriptor
 
 log = logging.getLogger(__name__)
-
-
-class Mapping(Protocol):
-    descriptor: PoolDescriptor
-
-    @property
-    def words(self) -> ControlWords: ...
-
-    def view(self, offset: int, nbytes: int) -> Any: ...
-
-    def close(self) -> None: ...
-
-
-#: The widest itemsize in :data:`~distcache.ipc._ref.DTYPES`; typed views of a
-#: segment cover a multiple of it.
-_MAX_ITEMSIZE = 8
-
-
-class _Entry:
-    """One mapped peer pool and what ``resolve``/``ack`` need of it, precomputed at map
-    time so the per-feature path is attribute reads, integer compares and one
-    ``as_strided``: no descriptor walks, no dtype look-ups, no intermediate tensors."""
-
-    __slots__ = (
-        "_typed",
-        "_whole",
-        "ack_base",
-        "data_start",
-        "descriptor",
-        "end",
-        "epoch",
-        "get_word",
-        "index",
-        "mapping",
-        "set_word",
-        "slots",
-        "stride",
-    )
-
-    def __init__(self, mapping: Mapping, descriptor: PoolDescriptor, index: int) -> None:
-        self.mapping = mapping
-        self.descriptor = descriptor
-        self.index = index  # this rank's consumer index (its ack word)
-        self.epoch = descriptor.epoch
-        self.slots = descriptor.slots
-        self.stride = 1 + descriptor.ack_words
-        self.ack_base = 1 + index
-        self.data_start = descriptor.data_start
-        # Typed views span whole elements of every dtype; a feature must end inside
-        # both the data region and that span (a forged, unaligned capacity only
-        # shrinks what resolves).
-        usable = descriptor.segment_bytes - descriptor.segment_bytes % _MAX_ITEMSIZE
-        self.end = min(descriptor.data_start + descriptor.capacity, usable)
-        words = mapping.words
-        self.get_word = words.get
-        self.set_word = words.set
-        self._whole: Any = None
-        #: dtype name -> (the segment viewed as that dtype, its storage offset, itemsize)
-        self._typed: dict[str, tuple[Any, int, int]] = {}
-
-    def typed(self, dtype: str) -> tuple[Any, int, int]:
-        """The whole segment as a ``dtype`` tensor (made once per dtype per mapping)."""
-        found = self._typed.get(dtype)
-        if found is None:
-            import torch
-
-            if self._whole is None:
-                usable = self.descriptor.segment_bytes
-                self._whole = self.mapping.view(0, usable - usable % _MAX_ITEMSIZE)
-            size = itemsize(dtype)
-            view = self._whole.view(getattr(torch, dtype))
-            found = self._typed[dtype] = (view, view.storage_offset(), size)
-        return found
-
-    def close(self) -> None:
-        # The cached views must go first: a live view of a host segment defers its unmap.
-        self._typed.clear()
-        self._whole = None
-        self.mapping.close()
-
-
-def _open(descriptor: PoolDescriptor, device: int | None) -> Mapping:
-    if descriptor.backend == "shm":
-        from distcache.ipc._shm import ShmMapping
-
-        return ShmMapping(descriptor)
-    from distcache.ipc._cuda import CudaMapping
-
-    return CudaMapping(descriptor, device)
-
-
-def _close_all(entries: dict[str, _Entry]) -> None:
-    for entry in entries.values():
-        entry.close()
-    entries.clear()
 
 
 def _consumers_of(owner: int, nodes: Sequence[str]) -> list[int]:
@@ -146,11 +51,11 @@ class PoolRegistry:
         #: producer restart was followed).
         self.opens: dict[str, int] = {}
         self.own: dict[str, ProducerPool] = {}
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, Entry] = {}
         self._retired: dict[str, set[int]] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._finalizer = weakref.finalize(self, _close_all, self._entries)
+        self._finalizer = weakref.finalize(self, close_all, self._entries)
 
     # -- set-up ---------------------------------------------------------------------
     @classmethod
@@ -173,8 +78,6 @@ class PoolRegistry:
                 rank).
             CollectiveTimeout: a rank did not arrive within ``timeout``.
         """
-        from distcache.ipc._cuda import CudaPool, probe_cuda_ipc
-
         has_cuda = any(isinstance(p, CudaPool) for p in pools)
         probe = probe_cuda_ipc(device)
         votes = comm.allgather_object((comm.node_id, has_cuda, probe), timeout=timeout)
@@ -267,9 +170,9 @@ class PoolRegistry:
                     f"pool {descriptor.pool_id}: epoch {descriptor.epoch} was retired",
                     pool_id=descriptor.pool_id,
                 )
-            mapping = _open(descriptor, self.device)
+            mapping = open_mapping(descriptor, self.device)
             self.opens[descriptor.pool_id] = self.opens.get(descriptor.pool_id, 0) + 1
-            self._entries[descriptor.pool_id] = _Entry(
+            self._entries[descriptor.pool_id] = Entry(
                 mapping, descriptor, descriptor.consumers.index(self.rank)
             )
             if old is not None:
@@ -343,7 +246,7 @@ class PoolRegistry:
         if self._closed:
             raise IpcError("the pool registry is closed")
 
-    def _checked(self, ref: FeatureRef) -> _Entry:
+    def _checked(self, ref: FeatureRef) -> Entry:
         """The mapped pool of ``ref``, after the epoch, bounds and ready-word checks."""
         entry = self._entries.get(ref.pool_id)  # emptied by close()
         if entry is None or entry.epoch != ref.epoch:
@@ -366,7 +269,7 @@ class PoolRegistry:
         return entry
 
     @staticmethod
-    def _out_of_bounds(ref: FeatureRef, entry: _Entry) -> IpcError:
+    def _out_of_bounds(ref: FeatureRef, entry: Entry) -> IpcError:
         return IpcError(
             f"ref (slot {ref.slot}, bytes [{ref.offset}, {ref.offset + ref.nbytes})) is "
             f"outside pool {ref.pool_id} (slots {entry.slots}, data [{entry.data_start}, "
@@ -374,7 +277,7 @@ class PoolRegistry:
             pool_id=ref.pool_id,
         )
 
-    def _entry(self, ref: FeatureRef) -> _Entry:
+    def _entry(self, ref: FeatureRef) -> Entry:
         self._check_open()
         entry = self._entries.get(ref.pool_id)
         if entry is not None and entry.descriptor.epoch == ref.epoch:

@@ -26,8 +26,6 @@ from distcache.ipc._allocator import WordArray
 from distcache.ipc._producer import DEFAULT_SLOTS, ProducerPool
 from distcache.ipc._ref import PoolDescriptor
 
-__all__ = ["SHM_DIR", "ShmMapping", "ShmPool"]
-
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"

@@ -13,8 +13,6 @@ from pathlib import Path
 
 from distcache.artifact import Artifact, manifest_text
 
-__all__ = ["make_artifacts"]
-
 _FAMILIES = (
     ("fmha/trtllm-gen", "fmhaSm100aKernel_QkvE4m3OBfloat16H{h}PagedKv{p}Causal{c}Tile{t}"),
     ("batched_gemm-fe08bc1-9f05022", "BatchedGemmKernel_Bfloat16_E2m1_Fp32_t{t}x{h}x{p}_s{c}"),

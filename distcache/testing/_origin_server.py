@@ -29,8 +29,6 @@ from urllib.parse import quote, unquote, urlsplit
 from distcache.artifact import path_under
 from distcache.errors import ArtifactNameError
 
-__all__ = ["FAULTS", "LoopbackOrigin"]
-
 logger = logging.getLogger(__name__)
 
 #: Faults :meth:`LoopbackOrigin.inject` accepts, with their parameters.

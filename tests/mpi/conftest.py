@@ -24,7 +24,8 @@ from typing import Any
 
 import pytest
 
-from distcache.comm._base import Communicator
+from distcache.comm import Communicator
+from launch import init_process_group
 
 BACKENDS = ("mpi", "torch")
 _BRINGUP_TIMEOUT_S = 120.0
@@ -43,8 +44,6 @@ def _init_torch_gloo() -> None:
 
     if dist.is_initialized():
         return
-    from launch import init_process_group
-
     init_process_group(backend="gloo", timeout=_BRINGUP_TIMEOUT_S)
 
 

@@ -4,6 +4,10 @@ it saw as ``OUT/rank<N>.json``.
     prefetch_worker.py --comm mpi|torch --pools DIR --layout node|shared
                        --origin URL --manifest FILE --out DIR
 
+The checkout must be importable: the drivers put it on ``PYTHONPATH``
+(:func:`tests.support.helpers.mpi_env` does), or run it as
+``python -m tests.multinode.prefetch_worker`` from the repository root.
+
 ``--layout node`` gives each ``DISTCACHE_NODE_ID`` its own pool (``DIR/<node id>``),
 ``--layout shared`` one pool for every rank (``DIR/shared``). A ``PrefetchError`` is
 caught and recorded (type, message, artifact), so the driver can check that every rank
@@ -22,20 +26,14 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-# Importable when run as a script from any directory.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 import distcache
-from distcache.artifact import parse_checksums
-from distcache.comm._base import Communicator
+from distcache import ArtifactPool, HttpOrigin, parse_checksums
+from distcache.comm import Communicator
 from distcache.errors import PrefetchError
-from distcache.origins._origin import HttpOrigin
-from distcache.store._pool import ArtifactPool
 
 TIMEOUT_S = 60.0
 

@@ -1,7 +1,8 @@
 """One rank of a soak job: run the rounds the driver posts, report each outcome.
 
-Started by :mod:`tests.support.soak` under ``mpirun -n 4``; the only argument is the
-job's control directory. The driver posts ``round-<k>.json`` (the artifact list, or
+Started by :mod:`tests.support.soak` under ``mpirun -n 4``, as
+``python -m tests.soak.worker CONTROL`` with the checkout on ``PYTHONPATH``; the only
+argument is the job's control directory. The driver posts ``round-<k>.json`` (the artifact list, or
 ``stop``) and reads back ``done-<k>-<rank>.json``. Each round opens its pool afresh (so
 the sweep of stale files runs every round) and calls :func:`distcache.prefetch` over
 the MPI world, or (a "lazy" round) reads each artifact through ``pool.fetch`` the way
@@ -25,15 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-# Run as a script: make the checkout importable whatever the working directory.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from distcache.artifact import Artifact
-from distcache.collective._core import prefetch, sync
+from distcache import Artifact, ArtifactPool, HttpOrigin, prefetch, sync
 from distcache.comm import from_mpi
 from distcache.errors import DistcacheError, IntegrityError, OriginError, PoolError, PrefetchError
-from distcache.origins._http import HttpOrigin
-from distcache.store._pool import ArtifactPool
 
 _POLL_S = 0.005
 

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from distcache.comm._base import Communicator
+from distcache.comm import Communicator
 from distcache.errors import IpcError, StaleHandleError
 from distcache.ipc import CudaPool, FeatureRef, PoolRegistry, ShmPool
 from distcache.ipc._producer import ProducerPool

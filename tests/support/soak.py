@@ -46,15 +46,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distcache.artifact import Artifact
-from distcache.store._pool import ArtifactPool
+from distcache import Artifact, ArtifactPool
 from distcache.testing import LoopbackOrigin, make_artifacts
 from tests.support.process import mpirun
 
 __all__ = ["FAULT_KINDS", "SoakConfig", "SoakResult", "run_soak", "tmpfs_available"]
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "soak" / "worker.py"
+#: The rank program, run as a module (``PYTHONPATH`` names the checkout; see ``_env``).
+WORKER = "tests.soak.worker"
 
 #: Every kind of fault a round may draw.
 FAULT_KINDS = (
@@ -289,7 +289,7 @@ class _Soak:
             ArtifactPool(root)  # create before the ranks race to
             self._check(root, set(), set(), expect_no_tmp=False)
         # MPMD: ranks 0-1 are node "a", ranks 2-3 node "b".
-        part = [sys.executable, str(WORKER), str(control)]
+        part = [sys.executable, "-m", WORKER, str(control)]
         # With --enable-recovery mpirun does not tear the job down when a rank dies,
         # so the survivors must get out by themselves, within their timeout.
         recovery = bool(kinds) and kinds[-1] == "sigkill" and self.rng.random() < 0.5

@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from launch._workspace import LOCK_NAME, WorkspaceError, acquire_slot
+import launch
+from distcache import errors
+from launch import WorkspaceError
+from launch._workspace import LOCK_NAME, acquire_slot
 
 HOLDER = textwrap.dedent(
     """
@@ -87,6 +90,11 @@ def test_lock_is_released_when_its_holder_is_killed(
     holder.wait(timeout=30)
     with acquire_slot(tmp_path, 0) as slot:
         assert slot.index == 0
+
+
+def test_workspace_error_is_the_error_tree_s_and_launch_exports_it() -> None:
+    assert launch.WorkspaceError is errors.WorkspaceError
+    assert "WorkspaceError" in launch.__all__
 
 
 def test_unusable_root_raises_workspace_error(tmp_path: Path) -> None:

@@ -15,11 +15,10 @@ import pytest
 
 import distcache
 from distcache.artifact import Artifact
-from distcache.collective._core import prefetch
+from distcache.collective import prefetch
 from distcache.comm import LocalCommunicator
 from distcache.ipc import ShmPool
-from distcache.origins._http import HttpOrigin
-from distcache.origins._origin import DirOrigin
+from distcache.origins import DirOrigin, HttpOrigin
 from distcache.store._pool import ArtifactPool
 from distcache.testing import LoopbackOrigin, make_artifacts
 

@@ -1,0 +1,202 @@
+"""What each launcher's variables say, one reader per launcher.
+
+Each reader returns ``None`` when its launcher's marker variable is absent, else a
+:class:`Signal`: field -> (value, the variable it came from). Readers only parse; the
+agreement rules between launchers live in :mod:`launch._detect`.
+
+1. ``torchrun`` -- the ``env://`` variables ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
+   ``LOCAL_WORLD_SIZE``/``GROUP_RANK``/``GROUP_WORLD_SIZE``, set by torchrun,
+   torchelastic or ``python -m launch``.
+2. ``openmpi`` -- ``OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}``.
+3. ``mpich`` -- MPICH/Hydra and Intel MPI: ``PMI_RANK`` (old Hydra: ``PMI_ID``),
+   ``PMI_SIZE``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``.
+4. ``pmix`` -- ``PMIX_RANK``; PMIx has no standard size variable, so the size comes
+   from another source that is present (``srun --mpi=pmix`` sets Slurm's).
+5. ``slurm`` -- an ``srun`` step: ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``,
+   ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_STEP_NUM_NODES``,
+   ``SLURM_STEP_TASKS_PER_NODE``. Only step-scoped variables count: an ``sbatch``
+   script has job-level ``SLURM_*`` variables but no step, and is a single process
+   (lightseekorg/tokenspeed PR #873).
+
+``OMPI_COMM_WORLD_NODE_RANK`` is not used: it is the process's rank on its node across
+all jobs, not the node's index (docs.open-mpi.org, "environment variables").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
+
+from distcache.errors import LaunchError
+from launch._nodelist import expand_counts
+
+T = TypeVar("T")
+
+FIELDS = ("rank", "world_size", "local_rank", "local_world_size", "node_rank", "num_nodes")
+"""Fields a launcher can report, in the order they are checked and reported."""
+
+_COUNTS = frozenset({"world_size", "local_world_size", "num_nodes"})
+
+
+@dataclass
+class Signal:
+    """What one launcher's variables say: field -> (value, variable)."""
+
+    launcher: str
+    values: dict[str, tuple[int, str]]
+
+    def get(self, name: str) -> int | None:
+        item = self.values.get(name)
+        return None if item is None else item[0]
+
+
+def read_int(env: Mapping[str, str], name: str, *, minimum: int = 0) -> int | None:
+    """``env[name]`` as an integer ``>= minimum``; ``None`` when unset.
+
+    Raises:
+        LaunchError: the value is not an integer or is below ``minimum``.
+    """
+    raw = env.get(name)
+    if raw is None:
+        return None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise LaunchError(
+            f"{name}={raw!r} is not an integer; the launcher environment is malformed",
+            variable=name,
+            value=raw,
+        ) from None
+    if value < minimum:
+        raise LaunchError(
+            f"{name}={raw!r} must be >= {minimum}", variable=name, value=raw
+        )
+    return value
+
+
+def parsed(parse: Callable[[str], list[T]], variable: str, text: str) -> list[T]:
+    """``parse(text)``, with a failure naming ``variable``.
+
+    Raises:
+        LaunchError: ``parse`` rejected the text.
+    """
+    try:
+        return parse(text)
+    except LaunchError as exc:
+        raise LaunchError(f"{variable}: {exc}", variable=variable, value=text) from exc
+
+
+def _read(env: Mapping[str, str], launcher: str, names: Mapping[str, tuple[str, ...]]) -> Signal:
+    values: dict[str, tuple[int, str]] = {}
+    for fld, candidates in names.items():
+        for var in candidates:
+            value = read_int(env, var, minimum=1 if fld in _COUNTS else 0)
+            if value is not None:
+                values[fld] = (value, var)
+                break
+    return Signal(launcher, values)
+
+
+def torchrun(env: Mapping[str, str]) -> Signal | None:
+    """torchrun's ``env://`` variables, or ``None`` without ``RANK``."""
+    # RANK is the marker: a lone LOCAL_RANK is exported by many wrappers for device
+    # selection and says nothing about the job.
+    if "RANK" not in env:
+        return None
+    sig = _read(
+        env,
+        "torchrun",
+        {
+            "rank": ("RANK",),
+            "world_size": ("WORLD_SIZE",),
+            "local_rank": ("LOCAL_RANK",),
+            "local_world_size": ("LOCAL_WORLD_SIZE",),
+            "node_rank": ("GROUP_RANK",),
+            "num_nodes": ("GROUP_WORLD_SIZE",),
+        },
+    )
+    world, local = sig.get("world_size"), sig.get("local_world_size")
+    if "num_nodes" not in sig.values and world and local and world % local == 0:
+        # torchrun runs the same number of workers on every node.
+        sig.values["num_nodes"] = (world // local, "WORLD_SIZE/LOCAL_WORLD_SIZE")
+    return sig
+
+
+def openmpi(env: Mapping[str, str]) -> Signal | None:
+    """Open MPI's ``OMPI_COMM_WORLD_*`` variables, or ``None``."""
+    if "OMPI_COMM_WORLD_RANK" not in env:
+        return None
+    return _read(
+        env,
+        "openmpi",
+        {
+            "rank": ("OMPI_COMM_WORLD_RANK",),
+            "world_size": ("OMPI_COMM_WORLD_SIZE",),
+            "local_rank": ("OMPI_COMM_WORLD_LOCAL_RANK",),
+            "local_world_size": ("OMPI_COMM_WORLD_LOCAL_SIZE",),
+        },
+    )
+
+
+def mpich(env: Mapping[str, str]) -> Signal | None:
+    """MPICH/Hydra and Intel MPI's ``PMI_*`` variables, or ``None``."""
+    if "PMI_RANK" not in env and "PMI_ID" not in env:
+        return None
+    return _read(
+        env,
+        "mpich",
+        {
+            "rank": ("PMI_RANK", "PMI_ID"),
+            "world_size": ("PMI_SIZE",),
+            "local_rank": ("MPI_LOCALRANKID",),
+            "local_world_size": ("MPI_LOCALNRANKS",),
+        },
+    )
+
+
+def pmix(env: Mapping[str, str]) -> Signal | None:
+    """PMIx's ``PMIX_RANK`` (and a non-standard ``PMIX_SIZE``), or ``None``."""
+    if "PMIX_RANK" not in env:
+        return None
+    return _read(env, "pmix", {"rank": ("PMIX_RANK",), "world_size": ("PMIX_SIZE",)})
+
+
+def slurm(env: Mapping[str, str]) -> Signal | None:
+    """An ``srun`` step's ``SLURM_*`` variables, or ``None`` outside a step.
+
+    Raises:
+        LaunchError: a variable is malformed, or ``SLURM_NODEID`` is past the nodes
+            ``SLURM_STEP_TASKS_PER_NODE`` names.
+    """
+    # srun sets the SLURM_STEP_* variables; an sbatch script has only job-level ones.
+    if "SLURM_PROCID" not in env or "SLURM_STEP_NUM_TASKS" not in env:
+        return None
+    sig = _read(
+        env,
+        "slurm",
+        {
+            "rank": ("SLURM_PROCID",),
+            "world_size": ("SLURM_STEP_NUM_TASKS",),
+            "local_rank": ("SLURM_LOCALID",),
+            "node_rank": ("SLURM_NODEID",),
+            "num_nodes": ("SLURM_STEP_NUM_NODES",),
+        },
+    )
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE")
+    node = sig.get("node_rank")
+    if per_node is not None and node is not None:
+        counts = parsed(expand_counts, "SLURM_STEP_TASKS_PER_NODE", per_node)
+        if node >= len(counts):
+            raise LaunchError(
+                f"SLURM_NODEID={node} but SLURM_STEP_TASKS_PER_NODE={per_node!r} "
+                f"names only {len(counts)} nodes",
+                variable="SLURM_STEP_TASKS_PER_NODE",
+                value=per_node,
+            )
+        sig.values["local_world_size"] = (counts[node], "SLURM_STEP_TASKS_PER_NODE")
+    return sig
+
+
+INNER = (torchrun, openmpi, mpich, pmix)
+"""The readers of launchers that start ranks directly, innermost first."""
