@@ -23,6 +23,7 @@ __all__ = [
     "check_sha256",
     "decode_manifest",
     "manifest_text",
+    "merge_manifests",
     "parse_checksums",
     "path_under",
     "read_manifest",
@@ -268,3 +269,31 @@ def read_manifest(path: str | os.PathLike[str], prefix: str = "") -> list[Artifa
 def manifest_text(artifacts: Iterable[Artifact]) -> str:
     """The ``sha256sum``-format text of ``artifacts`` (inverse of parse_checksums)."""
     return "".join(f"{a.sha256}  {a.name}\n" for a in artifacts)
+
+
+def merge_manifests(parts: Iterable[tuple[str, Iterable[Artifact]]]) -> list[Artifact]:
+    """The union of ``(source, artifacts)`` parts, sorted by name: the one merge rule.
+
+    A name listed again with the same digest is kept once (its first listing wins, so
+    a ``size`` given there is kept); a name listed with two digests is an error that
+    names both sources. Order does not matter, so every rank that merges the same
+    parts gets the same list.
+
+    Raises:
+        ManifestError: one name with two digests.
+    """
+    merged: dict[str, tuple[Artifact, str]] = {}
+    for source, artifacts in parts:
+        for artifact in artifacts:
+            previous = merged.get(artifact.name)
+            if previous is None:
+                merged[artifact.name] = (artifact, source)
+            elif previous[0].sha256 != artifact.sha256:
+                raise ManifestError(
+                    f"{artifact.name} is listed with two digests: {previous[0].sha256} "
+                    f"({previous[1]}) and {artifact.sha256} ({source}); the record or "
+                    "manifest is stale",
+                    line=0,
+                    text=artifact.name,
+                )
+    return [artifact for _, (artifact, _source) in sorted(merged.items())]

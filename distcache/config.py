@@ -1,8 +1,10 @@
 """Settings: explicit argument > ``DISTCACHE_*`` environment variable > default.
 
-Values are read when :func:`settings` is called, never at import. A bad value raises
-:class:`~distcache.errors.ConfigError` naming the variable and the value. ``0`` and
-``""`` are real values: nothing here uses ``x or default``.
+Every variable is one row of :data:`TABLE` (variable, setting, default, parser,
+meaning); :func:`settings` reads the table, and :data:`ENV_VARS` (the README's table)
+is derived from it. Values are read when :func:`settings` is called, never at import.
+A bad value raises :class:`~distcache.errors.ConfigError` naming the variable and the
+value. ``0`` and ``""`` are real values: nothing here uses ``x or default``.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,9 @@ from distcache.errors import ConfigError
 
 __all__ = [
     "ENV_VARS",
+    "TABLE",
     "Settings",
+    "Variable",
     "default_pool_dir",
     "env_bool",
     "env_bytes",
@@ -52,99 +56,124 @@ def parse_bytes(text: str, *, variable: str = "value") -> int:
     return int(match.group(1)) * _UNITS[match.group(2).lower()]
 
 
-def _raw(name: str, environ: Mapping[str, str] | None) -> str | None:
-    env = os.environ if environ is None else environ
-    return env.get(name)
+# --- parsers: (variable name, raw text) -> value ------------------------------------
+
+
+def _bool(name: str, raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ConfigError(f"{name}={raw!r} is not a boolean; use 1 or 0", variable=name, value=raw)
+
+
+def _int(minimum: int) -> Callable[[str, str], int]:
+    def parse(name: str, raw: str) -> int:
+        try:
+            number = int(raw.strip())
+        except ValueError:
+            raise ConfigError(f"{name}={raw!r} is not an integer", variable=name,
+                              value=raw) from None
+        if number < minimum:
+            raise ConfigError(f"{name}={raw!r} must be >= {minimum}", variable=name, value=raw)
+        return number
+
+    return parse
+
+
+def _seconds(name: str, raw: str) -> float:
+    try:
+        number = float(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number", variable=name, value=raw) from None
+    if not number > 0:
+        raise ConfigError(f"{name}={raw!r} must be > 0", variable=name, value=raw)
+    return number
+
+
+def _bytes(name: str, raw: str) -> int:
+    return parse_bytes(raw, variable=name)
+
+
+def _text(name: str, raw: str) -> str:
+    return raw
+
+
+def _path(name: str, raw: str) -> Path:
+    return Path(raw)
+
+
+def _list(name: str, raw: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in raw.split(",") if item.strip())
+
+
+def _globs(name: str, raw: str) -> tuple[str, ...]:
+    globs = _list(name, raw)
+    if not globs:
+        raise ConfigError(
+            f"{name} is set but lists no glob; unset it or list globs such as '*.cubin'",
+            variable=name, value=raw,
+        )
+    return globs
 
 
 def _given(name: str, environ: Mapping[str, str] | None) -> str | None:
-    """The variable's value, or ``None`` when it is unset or blank (then the default
-    applies to every typed variable)."""
-    value = _raw(name, environ)
+    """The variable's value, or ``None`` when it is unset or blank."""
+    value = (os.environ if environ is None else environ).get(name)
     return None if value is None or value.strip() == "" else value
 
 
 def env_str(name: str, default: str | None, environ: Mapping[str, str] | None = None) -> str | None:
-    """The variable's value, or ``default`` when unset."""
-    value = _raw(name, environ)
+    """The variable's value (``""`` included), or ``default`` when unset."""
+    value = (os.environ if environ is None else environ).get(name)
     return default if value is None else value
 
 
 def env_bool(name: str, default: bool, environ: Mapping[str, str] | None = None) -> bool:
-    """Parse a boolean variable (1/0, true/false, yes/no, on/off).
+    """Parse a boolean variable (1/0, true/false, yes/no, on/off); blank is unset.
 
     Raises:
         ConfigError: any other value.
     """
     value = _given(name, environ)
-    if value is None:
-        return default
-    low = value.strip().lower()
-    if low in _TRUE:
-        return True
-    if low in _FALSE:
-        return False
-    raise ConfigError(
-        f"{name}={value!r} is not a boolean; use 1 or 0", variable=name, value=value
-    )
+    return default if value is None else _bool(name, value)
 
 
 def env_int(
     name: str, default: int | None, environ: Mapping[str, str] | None = None, *, minimum: int = 0
 ) -> int | None:
-    """Parse an integer variable that must be >= ``minimum``.
+    """Parse an integer variable that must be >= ``minimum``; blank is unset.
 
     Raises:
         ConfigError: not an integer, or below ``minimum``.
     """
     value = _given(name, environ)
-    if value is None:
-        return default
-    try:
-        number = int(value.strip())
-    except ValueError:
-        raise ConfigError(
-            f"{name}={value!r} is not an integer", variable=name, value=value
-        ) from None
-    if number < minimum:
-        raise ConfigError(
-            f"{name}={value!r} must be >= {minimum}", variable=name, value=value
-        )
-    return number
+    return default if value is None else _int(minimum)(name, value)
 
 
 def env_float(
     name: str, default: float | None, environ: Mapping[str, str] | None = None
 ) -> float | None:
-    """Parse a positive number of seconds.
+    """Parse a positive number of seconds; blank is unset.
 
     Raises:
         ConfigError: not a number, or not positive.
     """
     value = _given(name, environ)
-    if value is None:
-        return default
-    try:
-        number = float(value.strip())
-    except ValueError:
-        raise ConfigError(f"{name}={value!r} is not a number", variable=name, value=value) from None
-    if not number > 0:
-        raise ConfigError(f"{name}={value!r} must be > 0", variable=name, value=value)
-    return number
+    return default if value is None else _seconds(name, value)
 
 
 def env_bytes(
     name: str, default: int | None, environ: Mapping[str, str] | None = None
 ) -> int | None:
-    """Parse a size variable (``64M``, ``1G`` ...).
+    """Parse a size variable (``64M``, ``1G`` ...); blank is unset.
 
     Raises:
         ConfigError: not a size.
     """
     value = _given(name, environ)
-    if value is None:
-        return default
-    return parse_bytes(value, variable=name)
+    return default if value is None else parse_bytes(value, variable=name)
 
 
 def default_pool_dir(environ: Mapping[str, str] | None = None) -> Path:
@@ -155,35 +184,92 @@ def default_pool_dir(environ: Mapping[str, str] | None = None) -> Path:
     return base / "distcache"
 
 
-#: Every variable distcache reads, its default, and its meaning (the README's table).
-ENV_VARS: dict[str, tuple[str, str]] = {
-    "DISTCACHE_DISABLE": ("0", "1 turns every hook (init, the FlashInfer wrapper) into a no-op"),
-    "DISTCACHE_POOL": ("$XDG_CACHE_HOME/distcache", "artifact pool directory"),
-    "DISTCACHE_POOL_MAX_BYTES": ("unlimited", "size cap of the pool; LRU objects are collected"),
-    "DISTCACHE_ORIGIN": ("unset", "origin URL(s) or directories, comma-separated, tried in order"),
-    "DISTCACHE_ORIGIN_TOKEN": ("unset", "bearer token sent to HTTP(S) origins (never logged)"),
-    "DISTCACHE_TIMEOUT": ("600", "seconds any collective may take before every rank raises"),
-    "DISTCACHE_HTTP_TIMEOUT": ("30", "seconds per HTTP connect/read"),
-    "DISTCACHE_HTTP_RETRIES": ("4", "retries per artifact on connection errors, 429 and 5xx"),
-    "DISTCACHE_LOCK_TIMEOUT": ("120", "seconds a rank waits for another downloader's lock"),
-    "DISTCACHE_BUCKET_BYTES": ("64M", "bytes broadcast per collective when moving artifacts"),
-    "DISTCACHE_CHUNK_BYTES": ("1G", "largest single message (must stay under 2 GiB)"),
-    "DISTCACHE_DOWNLOADS_PER_RANK": ("4", "concurrent origin downloads per rank"),
-    "DISTCACHE_NODE_ID": ("hostname", "node identity used to group ranks"),
-    "DISTCACHE_INIT_TIMEOUT": ("300", "seconds launch.init_process_group allows the rendezvous"),
-    "DISTCACHE_FLASHINFER": ("1", "0 disables the FlashInfer integration"),
-    "DISTCACHE_FLASHINFER_FAMILIES": (
-        "*.cubin,*.so,*.h,*/checksums.txt,*.json",
-        "comma-separated globs of the FlashInfer artifact names that are pooled",
-    ),
-}
+# --- the table ----------------------------------------------------------------------
+# A blank variable (``VAR=``) counts as unset for a setting whose type has no empty
+# value (numbers, booleans, sizes, paths, names); a list setting reads it as the empty
+# list. Every other text, ``0`` included, is a value and is parsed as one.
+
+
+@dataclass(frozen=True, slots=True)
+class Variable:
+    """One row of the table: the variable, the :class:`Settings` field it sets, its
+    default (a value, or a function of the environment), how it is parsed, and what
+    it means."""
+
+    name: str
+    field: str
+    default: Any
+    parse: Callable[[str, str], Any]
+    shown: str
+    doc: str
+    #: Blank means "unset" (see the note above the table).
+    blank_is_unset: bool = True
+
+    def read(self, environ: Mapping[str, str]) -> Any:
+        """The parsed value, or the default when the variable is unset.
+
+        Raises:
+            ConfigError: the value does not parse.
+        """
+        raw = environ.get(self.name)
+        if raw is None or (self.blank_is_unset and raw.strip() == ""):
+            return self.default(environ) if callable(self.default) else self.default
+        return self.parse(self.name, raw)
+
+
+def _pool_default(environ: Mapping[str, str]) -> Path:
+    return default_pool_dir(environ)
+
+
+#: Every variable distcache reads: one row each, in the README's order.
+TABLE: tuple[Variable, ...] = (
+    Variable("DISTCACHE_DISABLE", "disable", False, _bool, "0",
+             "1 turns every hook (init, the FlashInfer wrapper) into a no-op"),
+    Variable("DISTCACHE_POOL", "pool_dir", _pool_default, _path, "$XDG_CACHE_HOME/distcache",
+             "artifact pool directory"),
+    Variable("DISTCACHE_POOL_MAX_BYTES", "pool_max_bytes", None, _bytes, "unlimited",
+             "size cap of the pool; LRU objects are collected"),
+    Variable("DISTCACHE_ORIGIN", "origins", (), _list, "unset",
+             "origin URL(s) or directories, comma-separated, tried in order",
+             blank_is_unset=False),
+    Variable("DISTCACHE_ORIGIN_TOKEN", "origin_token", None, _text, "unset",
+             "bearer token sent to HTTP(S) origins (never logged)"),
+    Variable("DISTCACHE_TIMEOUT", "timeout", 600.0, _seconds, "600",
+             "seconds any collective may take before every rank raises"),
+    Variable("DISTCACHE_HTTP_TIMEOUT", "http_timeout", 30.0, _seconds, "30",
+             "seconds per HTTP connect/read"),
+    Variable("DISTCACHE_HTTP_RETRIES", "http_retries", 4, _int(0), "4",
+             "retries per artifact on connection errors, 429 and 5xx"),
+    Variable("DISTCACHE_LOCK_TIMEOUT", "lock_timeout", 120.0, _seconds, "120",
+             "seconds a rank waits for another downloader's lock"),
+    Variable("DISTCACHE_BUCKET_BYTES", "bucket_bytes", 64 << 20, _bytes, "64M",
+             "bytes broadcast per collective when moving artifacts"),
+    Variable("DISTCACHE_CHUNK_BYTES", "chunk_bytes", 1 << 30, _bytes, "1G",
+             "largest single message (must stay under 2 GiB)"),
+    Variable("DISTCACHE_DOWNLOADS_PER_RANK", "downloads_per_rank", 4, _int(1), "4",
+             "concurrent origin downloads per rank"),
+    Variable("DISTCACHE_NODE_ID", "node_id", None, _text, "hostname",
+             "node identity used to group ranks"),
+    Variable("DISTCACHE_INIT_TIMEOUT", "init_timeout", 300.0, _seconds, "300",
+             "seconds launch.init_process_group allows the rendezvous"),
+    Variable("DISTCACHE_FLASHINFER", "flashinfer", True, _bool, "1",
+             "0 disables the FlashInfer integration"),
+    Variable("DISTCACHE_FLASHINFER_FAMILIES", "flashinfer_families", None, _globs,
+             "*.cubin,*.so,*.h,*/checksums.txt,*.json",
+             "comma-separated globs of the FlashInfer artifact names that are pooled",
+             blank_is_unset=False),
+)
+
+#: ``variable -> (default as documented, meaning)``: the README's table, from :data:`TABLE`.
+ENV_VARS: dict[str, tuple[str, str]] = {v.name: (v.shown, v.doc) for v in TABLE}
 
 _TWO_GIB = 2 << 30
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """Resolved settings. Build with :func:`settings`."""
+    """Resolved settings. Build with :func:`settings`; each field is set by one row of
+    :data:`TABLE`."""
 
     #: Disable every hook.
     disable: bool
@@ -211,8 +297,13 @@ class Settings:
     downloads_per_rank: int
     #: Node identity override, or ``None`` for the hostname.
     node_id: str | None
+    #: Seconds ``launch.init_process_group`` allows the rendezvous.
+    init_timeout: float
     #: FlashInfer integration enabled.
     flashinfer: bool
+    #: Globs of the FlashInfer names that are pooled, or ``None`` for the
+    #: integration's own default.
+    flashinfer_families: tuple[str, ...] | None
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -226,6 +317,7 @@ def settings(environ: Mapping[str, str] | None = None, **explicit: Any) -> Setti
     Raises:
         ConfigError: a variable or keyword has a bad value, or an unknown keyword.
     """
+    env = os.environ if environ is None else environ
     fields = {f.name for f in dataclasses.fields(Settings)}
     unknown = set(explicit) - fields
     if unknown:
@@ -234,27 +326,10 @@ def settings(environ: Mapping[str, str] | None = None, **explicit: Any) -> Setti
             variable=",".join(sorted(unknown)),
             value=None,
         )
-    given = {k: v for k, v in explicit.items() if v is not None}
-    origins_raw = env_str("DISTCACHE_ORIGIN", None, environ)
-    origins = tuple(o.strip() for o in origins_raw.split(",") if o.strip()) if origins_raw else ()
-    pool_raw = env_str("DISTCACHE_POOL", None, environ)
-    resolved: dict[str, Any] = {
-        "disable": env_bool("DISTCACHE_DISABLE", False, environ),
-        "pool_dir": Path(pool_raw) if pool_raw else default_pool_dir(environ),
-        "pool_max_bytes": env_bytes("DISTCACHE_POOL_MAX_BYTES", None, environ),
-        "origins": origins,
-        "origin_token": env_str("DISTCACHE_ORIGIN_TOKEN", None, environ) or None,
-        "timeout": env_float("DISTCACHE_TIMEOUT", 600.0, environ),
-        "http_timeout": env_float("DISTCACHE_HTTP_TIMEOUT", 30.0, environ),
-        "http_retries": env_int("DISTCACHE_HTTP_RETRIES", 4, environ),
-        "lock_timeout": env_float("DISTCACHE_LOCK_TIMEOUT", 120.0, environ),
-        "bucket_bytes": env_bytes("DISTCACHE_BUCKET_BYTES", 64 << 20, environ),
-        "chunk_bytes": env_bytes("DISTCACHE_CHUNK_BYTES", 1 << 30, environ),
-        "downloads_per_rank": env_int("DISTCACHE_DOWNLOADS_PER_RANK", 4, environ, minimum=1),
-        "node_id": env_str("DISTCACHE_NODE_ID", None, environ) or None,
-        "flashinfer": env_bool("DISTCACHE_FLASHINFER", True, environ),
-    }
-    resolved.update(given)
+    resolved: dict[str, Any] = {}
+    for variable in TABLE:
+        given = explicit.get(variable.field)
+        resolved[variable.field] = given if given is not None else variable.read(env)
     if isinstance(resolved["origins"], str):
         resolved["origins"] = (resolved["origins"],)
     resolved["origins"] = tuple(resolved["origins"])

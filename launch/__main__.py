@@ -85,7 +85,7 @@ def _parser() -> _Parser:
         metavar="DIR",
         help="after --prefetch, link every prefetched artifact to DIR/<name> so that a "
         "loader reading files by path finds it (default: $FLASHINFER_CUBIN_DIR when set, "
-        "FlashInfer's own cache directory, so unmodified FlashInfer loads hit locally)",
+        "so unmodified FlashInfer loads hit locally)",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what is exported")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- PROGRAM [ARGS...]")
@@ -180,26 +180,18 @@ def _prefetch(
     what it fetched into ``materialize`` (FlashInfer reads ``<dir>/<name>`` and checks
     its SHA-256 before it would download, so an unmodified engine then loads locally).
 
-    Under MPI the ranks already share the MPI world that carried the rendezvous; under
-    torchrun or srun a gloo group is brought up on the exported rendezvous and torn
-    down again before PROGRAM starts, so PROGRAM can create its own.
+    The communicator comes from :func:`distcache.comm.adopt`: under MPI the ranks
+    already share the MPI world that carried the rendezvous; under torchrun or srun a
+    gloo group is brought up on the exported rendezvous and torn down again before
+    PROGRAM starts, so PROGRAM can create its own.
     """
     import distcache
     from distcache.artifact import read_manifest
-    from distcache.comm import Communicator, from_mpi, from_torch, local
+    from distcache.comm import adopt
 
-    comm: Communicator
-    torch_group = False
-    if info.world_size == 1:
-        comm = local()
-    elif info.is_mpi:
-        comm = from_mpi()
-    else:
-        from launch._dist import init_process_group
-
-        init_process_group(info)
-        comm, torch_group = from_torch(), True
+    adopted = adopt(info, bring_up=True)
     try:
+        comm = adopted.comm
         session = distcache.init(comm=comm, pool=pool, manifests=[manifest], flashinfer=False)
         if comm.rank == 0 and session.report is not None:
             print(f"{PROG}: prefetch: {session.report.summary()}", file=sys.stderr, flush=True)
@@ -210,10 +202,17 @@ def _prefetch(
                 session.pool.materialize(artifact, materialize)
         session.close()
     finally:
-        if torch_group:
-            import torch.distributed as dist
+        adopted.close()
 
-            dist.destroy_process_group()
+
+def _materialize_dir(option: str | None) -> Path | None:
+    """``--materialize``, else where FlashInfer reads cubins (``FLASHINFER_CUBIN_DIR``)
+    when that is known without importing FlashInfer."""
+    if option is not None:
+        return Path(option)
+    from distcache.integrations.flashinfer import FlashInfer
+
+    return FlashInfer().materialize_dir()
 
 
 def _exit_like(status: int) -> NoReturn:
@@ -256,9 +255,8 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
             extra["DISTCACHE_WORKSPACE"] = str(slot.path)
         env = child_environment(info, dict(os.environ), extra)
         if args.prefetch is not None:
-            target = args.materialize or os.environ.get("FLASHINFER_CUBIN_DIR") or None
             _prefetch(info, Path(extra["DISTCACHE_PREFETCH_MANIFEST"]), extra.get("DISTCACHE_POOL"),
-                      Path(target) if target else None)
+                      _materialize_dir(args.materialize))
         elif args.materialize is not None:
             raise _UsageError("--materialize needs --prefetch MANIFEST")
     except (_UsageError, DistcacheError) as exc:

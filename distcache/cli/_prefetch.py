@@ -16,12 +16,15 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 from typing import Any
 
+from distcache._resolve import prefetch_manifests, resolve_origin, resolve_pool
+from distcache.collective import PrefetchReport
+from distcache.comm import adopt
+from distcache.config import settings
 from distcache.errors import ConfigError, DistcacheError
-
-__all__ = ["add_parser", "run", "setup"]
+from distcache.integrations.flashinfer import FlashInfer
+from distcache.integrations.flashinfer import prefetch as flashinfer_prefetch
 
 log = logging.getLogger(__name__)
 
@@ -81,45 +84,30 @@ def run(args: argparse.Namespace) -> int:
         print(f"distcache prefetch: {exc}", file=sys.stderr)
         return 1
     if rank == 0:
-        summary = getattr(report, "summary", None)
-        print(summary() if callable(summary) else report)
+        print(report.summary() if report is not None else "nothing to prefetch: no artifacts listed")
     return 0
 
 
-def _prefetch(args: argparse.Namespace) -> tuple[Any, int]:
-    from distcache.artifact import read_manifest
-    from distcache.comm import agree_on_error, auto
-    from distcache.config import settings
-    from distcache.integrations.flashinfer._record import merge_entries
-    from distcache.origins._origin import open_origin
-    from distcache.store._pool import ArtifactPool
-
+def _prefetch(args: argparse.Namespace) -> tuple[PrefetchReport | None, int]:
+    # Settings -> communicator -> pool -> origin -> prefetch, as distcache.init does.
     conf = settings(timeout=args.timeout)
-    origin_spec: Any = args.origin if args.origin else (list(conf.origins) or None)
-    origin = open_origin(origin_spec) if origin_spec else None
-    comm = auto()
-    pool = ArtifactPool(Path(args.pool) if args.pool else conf.pool_dir,
-                        max_bytes=conf.pool_max_bytes)
-    if args.flashinfer:
-        from distcache.integrations.flashinfer._warm import prefetch as fi_prefetch
-
-        report = fi_prefetch(comm=comm, pool=pool, record=args.record, origin=origin,
-                             families=tuple(args.family), timeout=conf.timeout)
-        return report, comm.rank
-    if origin is None:
-        raise ConfigError("no origin: pass --origin URL or set DISTCACHE_ORIGIN",
-                          variable="DISTCACHE_ORIGIN", value=None)
-    parts = []
-    error: BaseException | None = None
+    adopted = adopt()
     try:
-        for manifest in args.manifest:
-            parts.append((manifest, {a.name: a.sha256 for a in read_manifest(manifest)}))
-        artifacts = merge_entries(parts)
-    except DistcacheError as exc:
-        error = exc
-    # A rank that cannot read its manifest must not leave the others waiting.
-    agree_on_error(comm, error, timeout=conf.timeout)
-    from distcache.collective._core import prefetch
-
-    report = prefetch(artifacts, comm=comm, pool=pool, origin=origin, timeout=conf.timeout)
-    return report, comm.rank
+        comm = adopted.comm
+        pool = resolve_pool(args.pool, conf)
+        if args.flashinfer:
+            # FlashInfer's own repository is the fallback origin (prefetch resolves it).
+            origin = resolve_origin(args.origin, conf, [FlashInfer()])
+            warmed = flashinfer_prefetch(comm=comm, pool=pool, record=args.record,
+                                         origin=origin, families=tuple(args.family),
+                                         timeout=conf.timeout)
+            return warmed, comm.rank
+        origin = resolve_origin(args.origin, conf)
+        if origin is None:
+            raise ConfigError("no origin: pass --origin URL or set DISTCACHE_ORIGIN",
+                              variable="DISTCACHE_ORIGIN", value=None)
+        report = prefetch_manifests(comm, pool, origin, manifests=args.manifest,
+                                    timeout=conf.timeout)
+        return report, comm.rank
+    finally:
+        adopted.close()

@@ -2,7 +2,8 @@
 
 ``auto()`` adopts what the process already has (an initialised torch.distributed
 group, else an MPI world when a launcher variable says MPI is in use), else returns a
-world-size-1 :class:`LocalCommunicator`.
+world-size-1 :class:`LocalCommunicator`. Every caller that needs a communicator of
+its own goes through :mod:`distcache.comm.adopt`, which holds that choice.
 """
 
 from __future__ import annotations
@@ -11,13 +12,16 @@ from typing import Any
 
 from distcache.comm._base import MAX_MESSAGE_BYTES, Communicator, agree_on_error
 from distcache.comm._local import LocalCommunicator, ThreadCommunicator, ThreadGroup
+from distcache.comm.adopt import Adopted, adopt, auto
 
 __all__ = [
     "MAX_MESSAGE_BYTES",
+    "Adopted",
     "Communicator",
     "LocalCommunicator",
     "ThreadCommunicator",
     "ThreadGroup",
+    "adopt",
     "agree_on_error",
     "auto",
     "from_mpi",
@@ -51,15 +55,3 @@ def from_torch(group: Any = None, **kwargs: Any) -> Communicator:
     from distcache.comm._torch import TorchCommunicator
 
     return TorchCommunicator(group, **kwargs)
-
-
-def auto(**kwargs: Any) -> Communicator:
-    """Adopt torch.distributed if initialised, else MPI when launched under MPI,
-    else a local communicator.
-
-    Raises:
-        CommError: a backend was detected but cannot be used.
-    """
-    from distcache.comm.adopt import auto as _auto
-
-    return _auto(**kwargs)

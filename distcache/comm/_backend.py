@@ -42,8 +42,6 @@ from distcache.comm._base import MAX_MESSAGE_BYTES, check_broadcast, chunk_spans
 from distcache.config import settings
 from distcache.errors import CollectiveTimeout, CommError
 
-__all__ = ["BackendCommunicator", "Budget", "poll_until"]
-
 # Polling: start with a tight loop (small collectives finish in microseconds), back
 # off to a short sleep so idle ranks do not steal cores from working ones.
 _POLL_MIN_S = 20e-6

@@ -15,15 +15,6 @@ from typing import Any, Protocol, runtime_checkable
 
 from distcache.errors import DistcacheError, RemoteError
 
-__all__ = [
-    "MAX_MESSAGE_BYTES",
-    "Communicator",
-    "agree_on_error",
-    "check_broadcast",
-    "chunk_spans",
-    "hostname",
-]
-
 #: No single message may exceed this: MPI counts are 32-bit and several transports
 #: misbehave at 2**31 bytes.
 MAX_MESSAGE_BYTES = (2 << 30) - 1

@@ -14,8 +14,6 @@ from typing import Any
 from distcache.comm._base import Communicator, check_broadcast, hostname
 from distcache.errors import CollectiveTimeout
 
-__all__ = ["LocalCommunicator", "ThreadCommunicator", "ThreadGroup"]
-
 _DEFAULT_TIMEOUT = 600.0
 
 

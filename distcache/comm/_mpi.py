@@ -23,8 +23,6 @@ from distcache.comm._backend import BackendCommunicator, Budget, poll_until
 from distcache.comm._base import MAX_MESSAGE_BYTES
 from distcache.errors import CommError
 
-__all__ = ["MpiCommunicator"]
-
 log = logging.getLogger(__name__)
 
 

@@ -28,8 +28,6 @@ from distcache.errors import CommError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TorchCommunicator"]
-
 log = logging.getLogger(__name__)
 
 # Substrings by which torch reports a timed-out wait. torch raises plain RuntimeError

@@ -11,6 +11,7 @@ import pytest
 
 from distcache.config import (
     ENV_VARS,
+    TABLE,
     Settings,
     env_bool,
     env_bytes,
@@ -109,10 +110,31 @@ def test_pool_directory_follows_xdg_then_home() -> None:
     assert settings({"DISTCACHE_POOL": "/p"}).pool_dir == Path("/p")
 
 
-def test_every_variable_settings_reads_is_documented() -> None:
-    source = (ROOT / "distcache" / "config.py").read_text()
-    read = set(__import__("re").findall(r'env_\w+\(\s*"(DISTCACHE_\w+)"', source))
-    assert read <= set(ENV_VARS)
+def test_one_table_sets_every_setting_and_documents_every_variable() -> None:
+    fields = [f.name for f in dataclasses.fields(Settings)]
+    assert sorted(v.field for v in TABLE) == sorted(fields)
+    assert len({v.name for v in TABLE}) == len(TABLE)
+    assert {v.name: (v.shown, v.doc) for v in TABLE} == ENV_VARS
+
+
+def test_a_blank_variable_is_unset_for_typed_settings_and_empty_for_lists() -> None:
+    blank = {v.name: "" for v in TABLE if v.name != "DISTCACHE_FLASHINFER_FAMILIES"}
+    assert settings({**blank, "HOME": "/h"}) == settings({"HOME": "/h"}).replace(origins=())
+    assert settings({"DISTCACHE_ORIGIN": " a , ,b"}).origins == ("a", "b")
+
+
+def test_flashinfer_families_set_but_listing_nothing_is_an_error() -> None:
+    assert settings({}).flashinfer_families is None
+    assert settings({"DISTCACHE_FLASHINFER_FAMILIES": "*.cubin, *.h"}).flashinfer_families == (
+        "*.cubin", "*.h")
+    for listing_nothing in ("", " , "):
+        with pytest.raises(ConfigError, match="DISTCACHE_FLASHINFER_FAMILIES"):
+            settings({"DISTCACHE_FLASHINFER_FAMILIES": listing_nothing})
+
+
+def test_launch_rendezvous_timeout_is_a_setting() -> None:
+    assert settings({}).init_timeout == 300.0
+    assert settings({"DISTCACHE_INIT_TIMEOUT": "12"}).init_timeout == 12.0
 
 
 def test_nothing_is_read_at_import() -> None:

@@ -15,14 +15,13 @@ from typing import Any
 
 import pytest
 
-from distcache.artifact import Artifact, parse_checksums, path_under
+from distcache.artifact import Artifact, merge_manifests, parse_checksums, path_under
 from distcache.comm import ThreadGroup
 from distcache.errors import ArtifactNameError, ConfigError, ManifestError, OriginError
 from distcache.integrations import flashinfer as fi
 from distcache.integrations.flashinfer import _warm as warm
 from distcache.integrations.flashinfer._record import (
     Recorder,
-    merge_entries,
     read_record,
     record_file_name,
 )
@@ -392,7 +391,7 @@ def test_conflicting_digests_in_records_are_an_error(tmp_path: Path) -> None:
     with pytest.raises(ManifestError, match="two digests"):
         read_record(tmp_path)
     with pytest.raises(ManifestError):
-        merge_entries([("r0", {"k": sha(b"a")}), ("r1", {"k": sha(b"b")})])
+        merge_manifests([("r0", [Artifact("k", sha(b"a"))]), ("r1", [Artifact("k", sha(b"b"))])])
 
 
 def test_hostile_name_in_record_is_rejected(tmp_path: Path) -> None:
@@ -410,10 +409,11 @@ def test_missing_record_directory_is_empty(tmp_path: Path) -> None:
 
 @pytest.fixture
 def fake_collective(monkeypatch: pytest.MonkeyPatch) -> list[list[Artifact]]:
-    """Stands in for distcache.collective._core.prefetch: records what each call was given and
+    """Stands in for the collective prefetch: records what each call was given and
     puts the bytes into the pool, as the real collective would."""
+    from distcache import _resolve
+
     calls: list[list[Artifact]] = []
-    module = types.ModuleType("distcache.collective._core")
 
     def prefetch(
         artifacts: list[Artifact],
@@ -429,8 +429,8 @@ def fake_collective(monkeypatch: pytest.MonkeyPatch) -> list[list[Artifact]]:
                 pool.put(origin.fetch(a), a.sha256)
         return f"report:{len(artifacts)}"
 
-    module.prefetch = prefetch  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "distcache.collective._core", module)
+    monkeypatch.setattr(_resolve, "collective_prefetch", prefetch)
+    monkeypatch.setattr(warm, "collective_prefetch", prefetch)
     return calls
 
 
@@ -804,3 +804,77 @@ def test_install_and_uninstall_around_a_running_loader_never_fail_a_call(
     assert errors == []
     assert results and set(results) == {CUBIN}
     assert fi.installed() is None
+
+
+# --- the Integration -----------------------------------------------------------------
+
+
+def test_flashinfer_is_an_integration_reading_flashinfers_own_variables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from distcache.integrations import Integration
+
+    integration = fi.FlashInfer()
+    assert isinstance(integration, Integration) and integration.name == "flashinfer"
+    assert integration.available()
+    monkeypatch.setenv("FLASHINFER_CUBINS_REPOSITORY", "http://127.0.0.1:9/cubins/")
+    assert integration.default_origin() == "http://127.0.0.1:9/cubins/"
+    monkeypatch.setenv("FLASHINFER_CUBINS_REPOSITORY", "")
+    assert integration.default_origin() is None
+    assert integration.manifest() == []
+
+
+def test_materialize_dir_follows_the_loaded_loader_then_the_variable(
+    loader_module: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(loader_module, "FLASHINFER_CUBIN_DIR", tmp_path / "repointed")
+    assert fi.FlashInfer().materialize_dir() == tmp_path / "repointed"
+    monkeypatch.delitem(sys.modules, "flashinfer.jit.cubin_loader")
+    monkeypatch.setenv("FLASHINFER_CUBIN_DIR", str(tmp_path / "from-env"))
+    assert fi.FlashInfer().materialize_dir() == tmp_path / "from-env"
+    monkeypatch.delenv("FLASHINFER_CUBIN_DIR")
+    assert fi.FlashInfer().materialize_dir() is None
+
+
+def test_flashinfer_manifest_is_what_its_record_lists(tmp_path: Path) -> None:
+    Recorder(tmp_path / "rec", "a.txt").add("pin/b.cubin", sha(b"b"))
+    Recorder(tmp_path / "rec", "b.txt").add("pin/a.cubin", sha(b"a"))
+    assert fi.FlashInfer(tmp_path / "rec").manifest() == [
+        Artifact("pin/a.cubin", sha(b"a")), Artifact("pin/b.cubin", sha(b"b"))]
+
+
+def test_uninstalling_an_integration_leaves_a_newer_wrapper_alone(
+    loader_module: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("DISTCACHE_DISABLE", raising=False)
+    monkeypatch.delenv("DISTCACHE_FLASHINFER", raising=False)
+    original = loader_module.get_artifact
+    integration = fi.FlashInfer()
+    integration.install(FakePool(tmp_path / "a"), None)  # type: ignore[arg-type]
+    assert isinstance(loader_module.get_artifact, fi.PooledLoader)
+    newer = fi.install(FakePool(tmp_path / "b"))  # type: ignore[arg-type]
+    integration.uninstall()
+    assert fi.installed() is newer and loader_module.get_artifact is newer
+    fi.uninstall()
+    assert loader_module.get_artifact is original
+
+
+# --- one merge rule, one union across ranks -------------------------------------------
+
+
+def test_merging_keeps_a_repeated_name_once_and_names_both_sources_of_a_conflict() -> None:
+    a, b = Artifact("pin/a.cubin", sha(b"a"), size=1), Artifact("pin/b.cubin", sha(b"b"))
+    assert merge_manifests([("one", [b, a]), ("two", [Artifact(a.name, a.sha256)])]) == [a, b]
+    with pytest.raises(ManifestError, match=r"\(one\).*\(two\)"):
+        merge_manifests([("one", [a]), ("two", [Artifact(a.name, sha(b"other"))])])
+
+
+def test_union_across_ranks_is_the_same_sorted_list_everywhere() -> None:
+    from distcache._resolve import union_across_ranks
+
+    lists = [[Artifact(f"pin/k{r}.cubin", sha(b"%d" % r))] for r in range(3)] + [[]]
+    lists[2].append(lists[0][0])
+    results = run_ranks(4, lambda comm, r: union_across_ranks(comm, lists[r]))
+    expected = sorted({a for part in lists for a in part}, key=lambda a: a.name)
+    assert results == [expected] * 4
+    assert run_ranks(2, lambda comm, r: union_across_ranks(comm, [])) == [[], []]

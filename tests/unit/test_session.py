@@ -100,3 +100,84 @@ def test_sync_on_a_closed_session_is_an_error(tmp_path: Path) -> None:
     session.close()
     with pytest.raises(distcache.errors.DistcacheError, match="closed"):
         session.sync()
+
+
+class Recording:
+    """An integration that wants some artifacts and records what init did with it."""
+
+    name = "recording"
+
+    def __init__(self, wanted: list[distcache.Artifact], origin: str | None = None) -> None:
+        self.wanted = wanted
+        self.origin = origin
+        self.installed: list[tuple[object, object]] = []
+        self.uninstalls = 0
+
+    def available(self) -> bool:
+        return True
+
+    def default_origin(self) -> str | None:
+        return self.origin
+
+    def manifest(self) -> list[distcache.Artifact]:
+        return list(self.wanted)
+
+    def install(self, pool: object, origin: object) -> None:
+        self.installed.append((pool, origin))
+
+    def uninstall(self) -> None:
+        self.uninstalls += 1
+
+    def materialize_dir(self) -> Path | None:
+        return None
+
+
+def test_integrations_are_prefetched_from_their_default_origin_installed_and_uninstalled(
+    tmp_path: Path, origin_and_manifest: tuple[LoopbackOrigin, Path, int]
+) -> None:
+    srv, manifest, _ = origin_and_manifest
+    wanted = distcache.parse_checksums(manifest.read_text())[:2]
+    integration = Recording(wanted, origin=srv.url)
+    with distcache.init(pool=tmp_path / "pool", integrations=[integration],
+                        flashinfer=False) as session:
+        assert session.report is not None and session.report.downloads == 2
+        assert session.integrations == [integration]
+        ((pool, origin),) = integration.installed
+        assert pool is session.pool and srv.url in origin.describe()  # type: ignore[attr-defined]
+    assert integration.uninstalls == 1
+    assert srv.total_requests == 2
+
+
+def test_a_manifest_and_an_integration_naming_one_artifact_twice_is_an_error(
+    tmp_path: Path, origin_and_manifest: tuple[LoopbackOrigin, Path, int]
+) -> None:
+    srv, manifest, _ = origin_and_manifest
+    first = distcache.parse_checksums(manifest.read_text())[0]
+    stale = distcache.Artifact(first.name, "0" * 64)
+    with pytest.raises(distcache.errors.ManifestError, match="two digests"):
+        distcache.init(pool=tmp_path / "pool", origin=srv.url, manifests=[manifest],
+                       integrations=[Recording([stale])], flashinfer=False)
+
+
+def test_flashinfer_shorthand_adds_and_removes_the_integration(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from distcache.config import settings
+    from distcache.integrations.flashinfer import FlashInfer
+    from distcache.session import compose
+
+    monkeypatch.delenv("DISTCACHE_FLASHINFER", raising=False)
+    other = Recording([])
+    added = compose([other], True, tmp_path / "rec", settings())
+    assert added[0] is other and isinstance(added[1], FlashInfer)
+    assert added[1].record == tmp_path / "rec"
+    mine = FlashInfer()
+    assert compose([mine], True, None, settings()) == [mine]
+    assert compose([other, mine], False, None, settings()) == [other]
+    assert compose([mine], None, None, settings({"DISTCACHE_FLASHINFER": "0"})) == []
+
+
+def test_something_that_is_not_an_integration_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not an Integration"):
+        distcache.init(pool=tmp_path / "pool", integrations=[object()],  # type: ignore[list-item]
+                       flashinfer=False)

@@ -1,6 +1,6 @@
 """The loader wrapper: a drop-in for FlashInfer's ``get_artifact`` backed by a pool.
 
-Policy only; :mod:`distcache.integrations.flashinfer` installs it into FlashInfer.
+Policy only; :mod:`distcache.integrations.flashinfer._install` puts it into FlashInfer.
 It never raises (its caller may be FlashInfer's ctypes callback, which an exception
 cannot cross; see shared/reference/research-flashinfer_cubins.md, §1.6).
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -17,22 +16,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distcache.artifact import Artifact, check_sha256, path_under, sha256_hex, validate_name
-from distcache.config import env_str
-from distcache.errors import ArtifactNameError, ConfigError
+from distcache.config import Settings, settings
+from distcache.errors import ArtifactNameError
 from distcache.integrations.flashinfer._record import Recorder
+from distcache.integrations.flashinfer._upstream import default_origin, no_download
 
 if TYPE_CHECKING:
-    from distcache.origins._origin import Origin
-    from distcache.store._pool import ArtifactPool
-
-__all__ = [
-    "DEFAULT_MATERIALIZED",
-    "DEFAULT_POOLED",
-    "Families",
-    "GetArtifact",
-    "LoaderStats",
-    "PooledLoader",
-]
+    from distcache.origins import Origin
+    from distcache.store import ArtifactPool
 
 log = logging.getLogger(__name__)
 
@@ -68,21 +59,15 @@ class Families:
         return _matches(name, self.materialized)
 
     @classmethod
-    def from_env(cls) -> Families:
+    def from_settings(cls, conf: Settings | None = None) -> Families:
         """``DISTCACHE_FLASHINFER_FAMILIES`` (comma-separated globs) replaces
-        :data:`DEFAULT_POOLED` when set."""
-        raw = env_str("DISTCACHE_FLASHINFER_FAMILIES", None)
-        if raw is None:
-            return cls()
-        globs = tuple(g.strip() for g in raw.split(",") if g.strip())
-        if not globs:
-            raise ConfigError(
-                "DISTCACHE_FLASHINFER_FAMILIES is set but empty; unset it or list globs "
-                "such as '*.cubin'",
-                variable="DISTCACHE_FLASHINFER_FAMILIES",
-                value=raw,
-            )
-        return cls(pooled=globs)
+        :data:`DEFAULT_POOLED` when set.
+
+        Raises:
+            ConfigError: the variable is set but lists no glob.
+        """
+        globs = (conf if conf is not None else settings()).flashinfer_families
+        return cls() if globs is None else cls(pooled=globs)
 
 
 def _matches(name: str, globs: Iterable[str]) -> bool:
@@ -194,13 +179,9 @@ class PooledLoader:
             except Exception as exc:
                 log.debug("could not add %s to the pool: %s", artifact.name, exc)
             return data, True
-        if os.environ.get("FLASHINFER_NO_DOWNLOAD"):
+        if no_download():
             return None, False
-        origin = self.origin
-        if origin is None:
-            from distcache.integrations.flashinfer import default_origin
-
-            origin = default_origin()
+        origin = self.origin if self.origin is not None else default_origin()
         data = self.pool.fetch(artifact, origin)
         self._bump("fetched")
         return data, False

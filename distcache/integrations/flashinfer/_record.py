@@ -20,13 +20,11 @@ import os
 import re
 import socket
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from distcache.artifact import Artifact
+from distcache.artifact import Artifact, merge_manifests
 from distcache.errors import ArtifactNameError, ManifestError, PoolError
-
-__all__ = ["RECORD_SUFFIX", "Recorder", "merge_entries", "read_record", "record_file_name"]
 
 log = logging.getLogger(__name__)
 
@@ -108,69 +106,42 @@ def read_record(directory: str | os.PathLike[str]) -> dict[str, str]:
         PoolError: the directory cannot be read.
     """
     root = Path(directory)
-    entries: dict[str, str] = {}
-    origins: dict[str, Path] = {}
     try:
         files = sorted(p for p in root.iterdir() if p.name.endswith(RECORD_SUFFIX))
     except FileNotFoundError:
-        return entries
+        return {}
     except OSError as exc:
         raise PoolError(f"cannot list usage record {root}: {exc.strerror}", path=str(root)) from exc
-    for path in files:
+    merged = merge_manifests(part for path in files for part in _lines(path))
+    return {a.name: a.sha256 for a in merged}
+
+
+def _lines(path: Path) -> Iterator[tuple[str, list[Artifact]]]:
+    """One ``("<file>:<line>", [artifact])`` part per recorded line, so that a name
+    recorded with two digests is reported with both places."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PoolError(f"cannot read usage record {path}: {exc}", path=str(path)) from exc
+    lines = text.split("\n")
+    if lines and lines[-1]:
+        log.warning("%s: ignoring a truncated last line %r", path, lines[-1][:80])
+    for lineno, line in enumerate(lines[:-1], start=1):
+        if not line.strip():
+            continue
+        match = _LINE_RE.match(line)
+        if match is None:
+            raise ManifestError(
+                f"{path}:{lineno}: expected '<64 hex sha256>  <name>', got {line[:120]!r}",
+                line=lineno,
+                text=line,
+            )
+        sha, raw_name = match.groups()
         try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise PoolError(f"cannot read usage record {path}: {exc}", path=str(path)) from exc
-        lines = text.split("\n")
-        if lines and lines[-1]:
-            log.warning("%s: ignoring a truncated last line %r", path, lines[-1][:80])
-        for lineno, line in enumerate(lines[:-1], start=1):
-            if not line.strip():
-                continue
-            match = _LINE_RE.match(line)
-            if match is None:
-                raise ManifestError(
-                    f"{path}:{lineno}: expected '<64 hex sha256>  <name>', got {line[:120]!r}",
-                    line=lineno,
-                    text=line,
-                )
-            sha, raw_name = match.groups()
-            try:
-                name = Artifact(raw_name, sha).name
-            except ArtifactNameError as exc:
-                raise ArtifactNameError(
-                    f"{path}:{lineno}: {exc.message}", name=raw_name, reason=getattr(exc, "reason", str(exc))
-                ) from None
-            previous = entries.get(name)
-            if previous is not None and previous != sha:
-                raise ManifestError(
-                    f"{name} is recorded with two digests: {previous} in {origins[name]} "
-                    f"and {sha} in {path}:{lineno}; delete the stale record file",
-                    line=lineno,
-                    text=line,
-                )
-            entries[name] = sha
-            origins.setdefault(name, path)
-    return entries
-
-
-def merge_entries(parts: Iterable[tuple[str, Mapping[str, str]]]) -> list[Artifact]:
-    """Union of ``(source, {name: sha256})`` parts, sorted by name.
-
-    Raises:
-        ManifestError: one name with two digests (naming both sources).
-    """
-    merged: dict[str, tuple[str, str]] = {}
-    for source, entries in parts:
-        for name, sha in entries.items():
-            previous = merged.get(name)
-            if previous is None:
-                merged[name] = (sha, source)
-            elif previous[0] != sha:
-                raise ManifestError(
-                    f"{name} is listed with two digests: {previous[0]} ({previous[1]}) and "
-                    f"{sha} ({source}); the record or manifest is stale",
-                    line=0,
-                    text=name,
-                )
-    return [Artifact(name, sha) for name, (sha, _) in sorted(merged.items())]
+            artifact = Artifact(raw_name, sha)
+        except ArtifactNameError as exc:
+            raise ArtifactNameError(
+                f"{path}:{lineno}: {exc.message}", name=raw_name,
+                reason=getattr(exc, "reason", str(exc)),
+            ) from None
+        yield f"{path}:{lineno}", [artifact]

@@ -1,9 +1,10 @@
 """Collective warm-up of FlashInfer artifacts: usage records and whole families.
 
-:func:`prefetch` merges what every rank recorded in earlier runs (see
+:func:`prefetch` hands what every rank recorded in earlier runs (see
 :mod:`distcache.integrations.flashinfer._record`), plus any manifest and any whole
-artifact family, and hands the union to :func:`distcache.collective._core.prefetch`, so each
-missing artifact is fetched once per job and broadcast to the pools that lack it.
+artifact family, to the one start-up prefetch
+(:func:`distcache._resolve.prefetch_manifests`), so each missing artifact is fetched
+once per job and broadcast to the pools that lack it.
 
 A family is one of FlashInfer's artifact pins (``ArtifactPath``). Its
 ``checksums.txt`` lists every file with its sha256, and FlashInfer pins the sha256
@@ -15,33 +16,24 @@ from __future__ import annotations
 
 import logging
 import os
-import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import fields, is_dataclass
 from typing import TYPE_CHECKING
 
-from distcache.artifact import (
-    Artifact,
-    decode_manifest,
-    manifest_text,
-    parse_checksums,
-    read_manifest,
-    sha256_hex,
-)
-from distcache.comm._base import Communicator, agree_on_error
+from distcache._resolve import ManifestSpec, prefetch_manifests
+from distcache.artifact import Artifact, decode_manifest, parse_checksums
+from distcache.collective import prefetch as collective_prefetch
+from distcache.comm import Communicator, agree_on_error
 from distcache.errors import ConfigError, DistcacheError, OriginError
-from distcache.integrations.flashinfer._record import merge_entries, read_record
+from distcache.integrations.flashinfer._integration import FlashInfer
+from distcache.integrations.flashinfer._upstream import default_origin
 
 if TYPE_CHECKING:
-    from distcache.collective._core import PrefetchReport
-    from distcache.origins._origin import Origin
-    from distcache.store._pool import ArtifactPool
-
-__all__ = ["family_checksums", "family_manifest", "family_names", "prefetch"]
+    from distcache.collective import PrefetchReport
+    from distcache.origins import Origin
+    from distcache.store import ArtifactPool
 
 log = logging.getLogger(__name__)
-
-ManifestArg = str | os.PathLike[str] | Sequence[Artifact]
 
 
 def _pins() -> dict[str, tuple[str, str | None]]:
@@ -134,7 +126,7 @@ def family_manifest(
     files it lists, with names relative to the repository root.
 
     The manifest is fetched from ``origin`` (default:
-    :func:`distcache.integrations.flashinfer.default_origin`), through ``pool`` when
+    :func:`~distcache.integrations.flashinfer.default_origin`), through ``pool`` when
     given, and verified against FlashInfer's pinned hash. Not collective.
 
     Raises:
@@ -144,8 +136,6 @@ def family_manifest(
     """
     checksums = family_checksums(family, sha256)
     if origin is None:
-        from distcache.integrations.flashinfer import default_origin
-
         origin = default_origin()
     try:
         data = pool.fetch(checksums, origin) if pool is not None else origin.fetch(checksums)
@@ -167,40 +157,55 @@ def _parse_family(checksums: Artifact, data: bytes) -> list[Artifact]:
     return parse_checksums(decode_manifest(data, source=checksums.name), prefix=directory)
 
 
-def _load_manifest(manifest: ManifestArg) -> dict[str, str]:
-    items = read_manifest(manifest) if isinstance(manifest, str | os.PathLike) else manifest
-    return _entries(items)
+def expand_families(
+    comm: Communicator,
+    pool: ArtifactPool,
+    origin: Origin,
+    families: Sequence[str],
+    *,
+    timeout: float | None = None,
+) -> list[Artifact]:
+    """Collective: every artifact of the named ``families``. Their pinned
+    ``checksums.txt`` files are prefetched first (each fetched once per job), then
+    read from the pool.
 
-
-def _entries(artifacts: Iterable[Artifact]) -> dict[str, str]:
-    return {a.name: a.sha256 for a in artifacts}
-
-
-def _merged(*parts: tuple[str, Mapping[str, str]]) -> dict[str, str]:
-    return _entries(merge_entries(parts))
-
-
-def _union(comm: Communicator, entries: Mapping[str, str], timeout: float | None) -> list[Artifact]:
-    """Union of every rank's entries. Ranks that read the same files (a shared record
-    directory) contribute their bytes once: digests first, then one copy of each."""
-    text = manifest_text(Artifact(n, s) for n, s in sorted(entries.items())).encode()
-    digest = sha256_hex(text)
-    digests = comm.allgather_object(digest, timeout=timeout)
-    mine = zlib.compress(text) if digests.index(digest) == comm.rank else None
-    blobs = comm.allgather_object(mine, timeout=timeout)
-    parts = []
-    for rank, blob in enumerate(blobs):
-        if blob is not None:
-            listed = parse_checksums(zlib.decompress(blob).decode())
-            parts.append((f"rank {rank}", _entries(listed)))
-    return merge_entries(parts)
+    Raises:
+        ConfigError: an unknown family or an unpinned manifest (on every rank).
+        OriginError: a pinned manifest could not be fetched (on every rank).
+        ManifestError: a malformed pinned manifest (on every rank).
+    """
+    pinned: list[Artifact] = []
+    error: BaseException | None = None
+    try:
+        pinned = [family_checksums(f) for f in families]
+    except DistcacheError as exc:
+        error = exc
+    agree_on_error(comm, error, timeout=timeout)
+    if not pinned:
+        return []
+    collective_prefetch(pinned, comm=comm, pool=pool, origin=origin, timeout=timeout)
+    listed: list[Artifact] = []
+    try:
+        for checksums in pinned:
+            data = pool.get(checksums.sha256)
+            if data is None:
+                raise OriginError(
+                    f"the pinned manifest {checksums.name} is missing from pool "
+                    f"{pool.root} right after it was prefetched",
+                    name=checksums.name,
+                )
+            listed += [checksums, *_parse_family(checksums, data)]
+    except DistcacheError as exc:
+        error = exc
+    agree_on_error(comm, error, timeout=timeout)
+    return listed
 
 
 def prefetch(
     *,
     comm: Communicator,
     pool: ArtifactPool,
-    manifest: ManifestArg | None = None,
+    manifest: ManifestSpec | None = None,
     record: str | os.PathLike[str] | None = None,
     origin: Origin | None = None,
     families: Sequence[str] = (),
@@ -210,7 +215,8 @@ def prefetch(
     ``families``) present in every rank's pool, fetching each from the origin once.
 
     Every rank must call it. Record files are read on each rank where the directory
-    is visible and the union is taken across ranks.
+    is visible and the union is taken across ranks. ``origin`` defaults to
+    :func:`~distcache.integrations.flashinfer.default_origin`.
 
     Raises:
         ManifestError: one name with two digests across records or manifests (on
@@ -220,44 +226,22 @@ def prefetch(
         PrefetchError: the collective fetch failed (on every rank).
         CollectiveTimeout: not every rank arrived in time.
     """
-    from distcache.collective._core import prefetch as collective_prefetch
-
-    entries: dict[str, str] = {}
-    pinned: list[Artifact] = []
     error: BaseException | None = None
     try:
         if origin is None:
-            from distcache.integrations.flashinfer import default_origin
-
             origin = default_origin()
-        if manifest is not None:
-            entries.update(_load_manifest(manifest))
-        if record is not None:
-            entries = _merged(("manifest", entries), (str(record), read_record(record)))
-        pinned = [family_checksums(f) for f in families]
     except DistcacheError as exc:
         error = exc
     agree_on_error(comm, error, timeout=timeout)
     assert origin is not None  # resolved above, or every rank raised
-
-    if pinned:
-        collective_prefetch(pinned, comm=comm, pool=pool, origin=origin, timeout=timeout)
-        try:
-            for checksums in pinned:
-                data = pool.get(checksums.sha256)
-                if data is None:
-                    raise OriginError(
-                        f"the pinned manifest {checksums.name} is missing from pool "
-                        f"{pool.root} right after it was prefetched",
-                        name=checksums.name,
-                    )
-                listed = [checksums, *_parse_family(checksums, data)]
-                entries = _merged(("records", entries), (checksums.name, _entries(listed)))
-        except DistcacheError as exc:
-            error = exc
-        agree_on_error(comm, error, timeout=timeout)
-
-    artifacts = _union(comm, entries, timeout)
-    log.info("flashinfer prefetch: %d artifact(s) from records/manifests/families",
-             len(artifacts))
-    return collective_prefetch(artifacts, comm=comm, pool=pool, origin=origin, timeout=timeout)
+    manifests: list[ManifestSpec] = [manifest] if manifest is not None else []
+    if families:
+        manifests.append(expand_families(comm, pool, origin, families, timeout=timeout))
+    report = prefetch_manifests(comm, pool, origin, manifests=manifests,
+                                integrations=[FlashInfer(record)] if record is not None else [],
+                                timeout=timeout)
+    if report is None:
+        # Nothing recorded anywhere: an empty collective still returns a report that
+        # every rank agrees on, as callers print it.
+        report = collective_prefetch([], comm=comm, pool=pool, origin=origin, timeout=timeout)
+    return report

@@ -1,0 +1,98 @@
+"""``FlashInfer``: the :class:`~distcache.integrations.Integration` that
+``distcache.init`` composes for FlashInfer's kernel loader."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from distcache.artifact import Artifact
+from distcache.integrations.flashinfer._install import install, uninstall_if
+from distcache.integrations.flashinfer._loader import Families, PooledLoader
+from distcache.integrations.flashinfer._record import read_record
+from distcache.integrations.flashinfer._upstream import (
+    REPOSITORY_VARIABLE,
+    available,
+    cubin_dir,
+    loader_attr,
+    repository,
+)
+
+if TYPE_CHECKING:
+    from distcache.origins import Origin
+    from distcache.store import ArtifactPool
+
+
+class FlashInfer:
+    """FlashInfer's loader, served from the pool.
+
+    Args:
+        record: a usage-record directory: :meth:`manifest` lists what it holds (what
+            earlier runs asked for), and the installed wrapper appends to it.
+        families: which names the wrapper pools (default:
+            ``DISTCACHE_FLASHINFER_FAMILIES``, else ``DEFAULT_POOLED``).
+    """
+
+    name = "flashinfer"
+
+    def __init__(
+        self,
+        record: str | os.PathLike[str] | None = None,
+        *,
+        families: Families | None = None,
+    ) -> None:
+        self.record = record
+        self.families = families
+        self._loader: PooledLoader | None = None
+
+    def __repr__(self) -> str:
+        return f"FlashInfer(record={self.record!r})"
+
+    def available(self) -> bool:
+        """True when FlashInfer is importable (it is not imported to find out)."""
+        return available()
+
+    def default_origin(self) -> str | None:
+        """``$FLASHINFER_CUBINS_REPOSITORY``; else, when a usage record is to be
+        prefetched, FlashInfer's own repository (its loader is imported only then: it
+        costs seconds); else ``None``, and the wrapper asks FlashInfer's loader for its
+        repository at each miss."""
+        repo = repository()
+        if repo is None and self.record is not None and available():
+            builtin = loader_attr(REPOSITORY_VARIABLE)
+            repo = str(builtin) if builtin else None
+        return repo
+
+    def manifest(self) -> list[Artifact]:
+        """What the usage record lists (empty without a record directory).
+
+        Raises:
+            ManifestError: a malformed record, or a name recorded with two digests.
+            ArtifactNameError: a recorded name is unsafe.
+            PoolError: the record directory cannot be read.
+        """
+        if self.record is None:
+            return []
+        return [Artifact(n, s) for n, s in sorted(read_record(self.record).items())]
+
+    def install(self, pool: ArtifactPool, origin: Origin | None) -> None:
+        """Serve FlashInfer's ``get_artifact`` from ``pool`` (see
+        :func:`distcache.integrations.flashinfer.install`).
+
+        Raises:
+            ConfigError: a bad ``DISTCACHE_*`` value, or FlashInfer is not importable.
+        """
+        self._loader = install(pool, origin, self.record, families=self.families)
+
+    def uninstall(self) -> None:
+        """Restore FlashInfer's own function if this integration's wrapper is the one
+        installed; idempotent."""
+        if self._loader is not None:
+            uninstall_if(self._loader)
+            self._loader = None
+
+    def materialize_dir(self) -> Path | None:
+        """Where FlashInfer reads ``<dir>/<name>``: its loader's ``FLASHINFER_CUBIN_DIR``
+        when loaded, else ``$FLASHINFER_CUBIN_DIR``, else ``None``."""
+        return cubin_dir()

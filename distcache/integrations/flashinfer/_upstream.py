@@ -1,0 +1,119 @@
+"""What distcache reads from FlashInfer: its loader module, its ``FLASHINFER_*``
+variables, and the origin a pool miss is fetched from.
+
+Every ``FLASHINFER_*`` read of the library is here. The one piece of process state
+of the integration besides the installed wrapper also lives here: the origins opened
+for :func:`default_origin`, kept so that each miss does not open a new HTTP session.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from distcache.config import settings
+from distcache.errors import ConfigError
+from distcache.origins import open_origin
+
+if TYPE_CHECKING:
+    from distcache.origins import Origin
+
+LOADER_MODULE = "flashinfer.jit.cubin_loader"
+REPOSITORY_VARIABLE = "FLASHINFER_CUBINS_REPOSITORY"
+CUBIN_DIR_VARIABLE = "FLASHINFER_CUBIN_DIR"
+
+_origins: dict[tuple[str, ...], Origin] = {}
+_origins_lock = threading.Lock()
+
+
+def available() -> bool:
+    """True when FlashInfer is importable (without importing it)."""
+    try:
+        return importlib.util.find_spec("flashinfer") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def loader_module() -> ModuleType:
+    """FlashInfer's ``cubin_loader`` module, imported on first use.
+
+    Raises:
+        ConfigError: FlashInfer is not importable.
+    """
+    module = sys.modules.get(LOADER_MODULE)
+    if module is not None:
+        return module
+    try:
+        import flashinfer.jit.cubin_loader as imported
+    except Exception as exc:
+        raise ConfigError(
+            f"FlashInfer is not importable ({type(exc).__name__}: {exc}); install "
+            "flashinfer-python or set DISTCACHE_FLASHINFER=0",
+            variable="DISTCACHE_FLASHINFER",
+            value=None,
+        ) from exc
+    return imported
+
+
+def loader_attr(attr: str) -> Any:
+    """An attribute of FlashInfer's loader module (``None`` when it has none).
+
+    Raises:
+        ConfigError: FlashInfer is not importable.
+    """
+    return getattr(loader_module(), attr, None)
+
+
+def cubin_dir() -> Path | None:
+    """The directory FlashInfer's loader reads ``<dir>/<name>`` from, now: its module
+    attribute (programs repoint it) when the loader is loaded, else
+    ``$FLASHINFER_CUBIN_DIR``, else ``None`` (FlashInfer's default is only known once
+    FlashInfer is imported, which costs seconds)."""
+    loaded = sys.modules.get(LOADER_MODULE)
+    value = getattr(loaded, CUBIN_DIR_VARIABLE, None) if loaded is not None else None
+    if value is None:
+        value = os.environ.get(CUBIN_DIR_VARIABLE) or None
+    return Path(value) if value is not None else None
+
+
+def repository() -> str | None:
+    """``$FLASHINFER_CUBINS_REPOSITORY`` (a blank value counts as unset, as in
+    FlashInfer), else ``None``."""
+    return os.environ.get(REPOSITORY_VARIABLE) or None
+
+
+def no_download() -> bool:
+    """FlashInfer's ``FLASHINFER_NO_DOWNLOAD``: any non-empty value forbids downloads."""
+    return bool(os.environ.get("FLASHINFER_NO_DOWNLOAD"))
+
+
+def default_origin() -> Origin:
+    """The origin a pool miss is fetched from, resolved now:
+    ``DISTCACHE_ORIGIN``, else ``$FLASHINFER_CUBINS_REPOSITORY``, else FlashInfer's
+    ``cubin_loader.FLASHINFER_CUBINS_REPOSITORY`` (its built-in default, or what a
+    program assigned to it).
+
+    Raises:
+        ConfigError: none of them is set and FlashInfer is not importable.
+    """
+    specs = settings().origins
+    if not specs:
+        repo = repository() or loader_attr(REPOSITORY_VARIABLE)
+        if not repo:
+            raise ConfigError(
+                "no origin: set DISTCACHE_ORIGIN or FLASHINFER_CUBINS_REPOSITORY",
+                variable="DISTCACHE_ORIGIN",
+                value=None,
+            )
+        specs = (str(repo),)
+    with _origins_lock:
+        origin = _origins.get(specs)
+        if origin is None:
+            origin = open_origin(list(specs) if len(specs) > 1 else specs[0])
+            _origins[specs] = origin
+        return origin
