@@ -18,15 +18,18 @@ from distcache.errors import LaunchError, WorkspaceError
 from launch._detect import LAUNCHERS, MPI_LAUNCHERS, LaunchInfo, detect
 from launch._dist import gloo_group, init_process_group
 from launch._nodelist import expand_nodelist
+from launch._rendezvous import Rendezvous, find_store
 
 __all__ = [
     "LAUNCHERS",
     "MPI_LAUNCHERS",
     "LaunchError",
     "LaunchInfo",
+    "Rendezvous",
     "WorkspaceError",
     "detect",
     "expand_nodelist",
+    "find_store",
     "gloo_group",
     "init_process_group",
 ]

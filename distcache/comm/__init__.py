@@ -13,6 +13,7 @@ from typing import Any
 from distcache.comm._base import MAX_MESSAGE_BYTES, Communicator, agree_on_error
 from distcache.comm._local import LocalCommunicator, ThreadCommunicator, ThreadGroup
 from distcache.comm.adopt import Adopted, adopt, auto
+from distcache.errors import CommError
 
 __all__ = [
     "MAX_MESSAGE_BYTES",
@@ -36,10 +37,12 @@ def local(node_id: str | None = None) -> Communicator:
 
 
 def from_mpi(mpi_comm: Any = None, **kwargs: Any) -> Communicator:
-    """Wrap an mpi4py communicator (default: ``COMM_WORLD``).
+    """distcache's own duplicate of an mpi4py communicator (default: ``COMM_WORLD``).
+    Collective over ``mpi_comm``; ``close()`` frees the duplicate.
 
     Raises:
         CommError: mpi4py is not importable.
+        CollectiveTimeout: not every rank of ``mpi_comm`` called it in time.
     """
     from distcache.comm._mpi import MpiCommunicator
 
@@ -47,11 +50,29 @@ def from_mpi(mpi_comm: Any = None, **kwargs: Any) -> Communicator:
 
 
 def from_torch(group: Any = None, **kwargs: Any) -> Communicator:
-    """Wrap an initialised torch.distributed process group (default: the world).
+    """A communicator over torch.distributed. With no ``group``: a private gloo group
+    of distcache's own on the default group's store (the default group itself is never
+    used, so a distcache timeout cannot wedge it). With ``group``: that group, as the
+    caller chose it.
 
     Raises:
-        CommError: torch.distributed is not initialised.
+        CommError: torch.distributed is not initialised, or the private group could
+            not be made in time.
     """
-    from distcache.comm._torch import TorchCommunicator
+    if group is not None:
+        from distcache.comm._torch import TorchCommunicator
 
-    return TorchCommunicator(group, **kwargs)
+        return TorchCommunicator(group, **kwargs)
+    from distcache.comm._gloo import GlooCommunicator
+    from distcache.comm._torch import import_torch
+    _, dist = import_torch()
+    if not dist.is_initialized():
+        raise CommError(
+            "torch.distributed is not initialised; call init_process_group() first, or "
+            "use distcache.comm.auto(), which needs no process group",
+            op="init", backend="torch",
+        )
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    return GlooCommunicator(store, dist.get_rank(), dist.get_world_size(), **kwargs)

@@ -35,12 +35,18 @@ from __future__ import annotations
 import pickle
 import time
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple, Self
 
 from distcache.comm._base import MAX_MESSAGE_BYTES, check_broadcast, chunk_spans, hostname
 from distcache.config import settings
 from distcache.errors import CollectiveTimeout, CommError
+
+#: Most children one communicator keeps from ``split``; the least recently used one
+#: beyond this is closed. The collective splits off at most a handful of audiences per
+#: call, and the same ones again on every prefetch and sync of a job.
+MAX_CHILDREN = 8
 
 # Polling: start with a tight loop (small collectives finish in microseconds), back
 # off to a short sleep so idle ranks do not steal cores from working ones.
@@ -103,8 +109,12 @@ class BackendCommunicator(ABC):
         self._chunk_bytes = conf.chunk_bytes
         self._node_id = conf.node_id if conf.node_id is not None else hostname()
         self._broken: str | None = None
-        # split() results by the all-gathered colors (see split).
-        self._children: dict[tuple[int, ...], Self] = {}
+        # split() results by the all-gathered colors, least recently used first (see
+        # split); at most MAX_CHILDREN are kept.
+        self._children: OrderedDict[tuple[int, ...], Self] = OrderedDict()
+        #: Communicators this one created by ``split`` over its life (kept or let go).
+        self.groups_made = 0
+        self._closed = False
         #: Payload chunk messages this rank took part in (one per broadcast of data).
         self.chunk_messages = 0
         #: Payload bytes this rank sent or received through ``broadcast_bytes``.
@@ -239,14 +249,40 @@ class BackendCommunicator(ABC):
         broken = any(c._broken is not None for c in self._children.values())
         gathered = self.allgather_object((int(color), broken))
         if any(b for _, b in gathered):
-            self._children.clear()
+            self._let_go_children("a kept child broke")
         colors = tuple(c for c, _ in gathered)
         kept = self._children.get(colors)
         if kept is not None:
+            self._children.move_to_end(colors)
             return kept
         made = self._split_child(colors, int(color))
+        self.groups_made += 1
         self._children[colors] = made
+        # Bounded: a job whose partitions keep changing must not pile up groups. Every
+        # rank made the same calls in the same order, so every rank lets go of the same
+        # child here, together.
+        while len(self._children) > MAX_CHILDREN:
+            _, oldest = self._children.popitem(last=False)
+            oldest.close()
         return made
+
+    def _let_go_children(self, why: str) -> None:
+        for child in self._children.values():
+            child._release(why)
+        self._children.clear()
+
+    def close(self) -> None:
+        """Let go of this communicator and every child it split off; later calls
+        raise :class:`~distcache.errors.CommError`. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._let_go_children("it was closed")
+        self._release("it was closed")
+
+    def _release(self, why: str) -> None:
+        """Free the transport's resources and refuse later calls (``why`` says why)."""
+        self._broken = self._broken or why
 
     # -- transport primitives ---------------------------------------------------------
 

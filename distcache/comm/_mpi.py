@@ -15,22 +15,71 @@ mpi4py is imported in the constructor, never at module import: importing
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from array import array
 from typing import Any, Self
 
 from distcache.comm._backend import BackendCommunicator, Budget, poll_until
 from distcache.comm._base import MAX_MESSAGE_BYTES
-from distcache.errors import CommError
+from distcache.errors import CollectiveTimeout, CommError
 
 log = logging.getLogger(__name__)
+
+#: The point-to-point tag of the arrival check before ``Dup``. Point-to-point and
+#: collective traffic never match each other in MPI, so the check cannot disturb a
+#: collective the caller runs on the same communicator.
+ARRIVAL_TAG = 0x4443
+
+
+def _arrive(MPI: Any, base: Any, timeout: float) -> None:
+    """Return once every rank of ``base`` is here to ``Dup`` it, else raise.
+
+    ``Dup`` is a blocking collective with no timeout: a rank that called it alone
+    would hang, and its pending ``Dup`` would be matched against the caller's next
+    collective on ``base``. So every rank first reports to rank 0 and waits for its
+    word, point to point, polled against ``timeout``; only then does anyone ``Dup``.
+    A timed-out receive is cancelled, so a rank that came alone leaves nothing behind
+    that a later collective could match.
+
+    Raises:
+        CollectiveTimeout: not every rank arrived within ``timeout``.
+    """
+    rank, size = base.Get_rank(), base.Get_size()
+    until = time.monotonic() + timeout
+    tokens = [bytearray(1) for _ in range(size)]
+    if rank == 0:
+        pending = [base.Irecv([tokens[r], MPI.BYTE], r, ARRIVAL_TAG) for r in range(1, size)]
+    else:
+        base.Isend([b"a", MPI.BYTE], 0, ARRIVAL_TAG).Free()
+        pending = [base.Irecv([tokens[0], MPI.BYTE], 0, ARRIVAL_TAG)]
+    if not poll_until(lambda: MPI.Request.Testall(pending), until):
+        missing = [r for r, req in zip(range(1, size) if rank == 0 else [0], pending,
+                                       strict=True) if not req.Test()]
+        for request in pending:
+            with contextlib.suppress(MPI.Exception):
+                request.Cancel()
+                request.Wait()
+        raise CollectiveTimeout(
+            f"rank {rank}/{size}: rank(s) {missing} did not arrive within {timeout:g} s to "
+            "make distcache's MPI communicator; every rank must call distcache.init (or "
+            "the same collective) together",
+            op="init", timeout=timeout, rank=rank, backend="mpi",
+        )
+    if rank == 0:
+        for r in range(1, size):
+            base.Isend([b"g", MPI.BYTE], r, ARRIVAL_TAG).Free()
 
 
 class MpiCommunicator(BackendCommunicator):
     """A :class:`~distcache.comm._base.Communicator` over an mpi4py communicator.
 
     Args:
-        mpi_comm: an ``mpi4py.MPI.Comm`` (default ``COMM_WORLD``).
+        mpi_comm: an ``mpi4py.MPI.Comm`` (default ``COMM_WORLD``); distcache works on
+            a duplicate of it, freed by :meth:`close`.
+        dup: ``False`` wraps ``mpi_comm`` itself (a communicator already private to
+            distcache, such as a child of ``split``).
         timeout: default seconds per collective (default ``DISTCACHE_TIMEOUT``).
         chunk_bytes: largest single broadcast message (default ``DISTCACHE_CHUNK_BYTES``).
         node_id: this rank's node identity (default ``DISTCACHE_NODE_ID``, else the
@@ -49,6 +98,7 @@ class MpiCommunicator(BackendCommunicator):
         self,
         mpi_comm: Any = None,
         *,
+        dup: bool = True,
         timeout: float | None = None,
         chunk_bytes: int | None = None,
         node_id: str | None = None,
@@ -64,14 +114,23 @@ class MpiCommunicator(BackendCommunicator):
             ) from exc
         self._MPI = MPI
         super().__init__(timeout=timeout, chunk_bytes=chunk_bytes, node_id=node_id)
-        self._comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         try:
+            # A duplicate is a separate matching context: an abandoned collective of
+            # distcache's can never be matched by the caller's next collective on the
+            # world (or on the communicator the caller passed). Dup is collective, like
+            # every constructor of a communicator here.
+            if dup and base.Get_size() > 1:
+                _arrive(MPI, base, self._timeout)
+            self._comm = base.Dup() if dup else base
             self._rank = int(self._comm.Get_rank())
             self._size = int(self._comm.Get_size())
         except MPI.Exception as exc:
             raise CommError(
-                f"cannot query the MPI communicator: {exc}", op="init", backend="mpi"
+                f"cannot duplicate or query the MPI communicator: {exc}", op="init",
+                backend="mpi",
             ) from exc
+        self._owned = dup
         # Requests abandoned by a timed-out collective; kept alive so that MPI never
         # writes into a buffer Python has already freed.
         self._abandoned: list[tuple[Any, Any]] = []
@@ -173,4 +232,18 @@ class MpiCommunicator(BackendCommunicator):
             child = self._comm.Split(mpi_color, self._rank)
         except self._MPI.Exception as exc:
             raise self._comm_error("split", exc) from exc
-        return type(self)(child, **self._inherited())
+        made = type(self)(child, dup=False, **self._inherited())
+        made._owned = True
+        return made
+
+    def _release(self, why: str) -> None:
+        # Free only a communicator distcache made, and only when no collective of its
+        # is still pending: MPI would complete the abandoned one into freed state.
+        comm, owned = self._comm, self._owned
+        self._owned = False
+        super()._release(why)
+        if owned and not self._abandoned and comm != self._MPI.COMM_NULL:
+            try:
+                comm.Free()
+            except self._MPI.Exception as exc:
+                log.debug("freeing an MPI communicator failed: %s", exc)

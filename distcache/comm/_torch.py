@@ -55,6 +55,18 @@ def _release_groups() -> None:
 atexit.register(_release_groups)
 
 
+def import_torch() -> tuple[Any, Any]:
+    """``(torch, torch.distributed)``, or a :class:`CommError` saying what to install."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as exc:
+        raise CommError(
+            f"torch.distributed is not importable: {exc}", op="init", backend="torch"
+        ) from exc
+    return torch, dist
+
+
 class TorchCommunicator(BackendCommunicator):
     """A :class:`~distcache.comm._base.Communicator` over a torch.distributed group.
 
@@ -83,13 +95,7 @@ class TorchCommunicator(BackendCommunicator):
         chunk_bytes: int | None = None,
         node_id: str | None = None,
     ) -> None:
-        try:
-            import torch
-            import torch.distributed as dist
-        except ImportError as exc:
-            raise CommError(
-                f"torch.distributed is not importable: {exc}", op="init", backend="torch"
-            ) from exc
+        torch, dist = import_torch()
         if not dist.is_available() or not dist.is_initialized():
             raise CommError(
                 "torch.distributed is not initialised; call "
@@ -97,19 +103,28 @@ class TorchCommunicator(BackendCommunicator):
                 op="init",
                 backend="torch",
             )
-        super().__init__(timeout=timeout, chunk_bytes=chunk_bytes, node_id=node_id)
+        group = dist.group.WORLD if group is None else group
+        self._setup(torch, dist, group, dist.get_rank(group), dist.get_world_size(group),
+                    str(dist.get_backend(group)), timeout=timeout, chunk_bytes=chunk_bytes,
+                    node_id=node_id)
+
+    def _setup(
+        self, torch: Any, dist: Any, group: Any, rank: int, size: int, backend: str,
+        **options: Any,
+    ) -> None:
+        super().__init__(**options)
         self._torch = torch
         self._dist = dist
-        self._group: Any = dist.group.WORLD if group is None else group
-        self._rank = dist.get_rank(self._group)
-        self._size = dist.get_world_size(self._group)
+        self._group: Any = group
+        self._rank = rank
+        self._size = size
         if self._rank < 0:
             raise CommError(
                 "this process is not a member of the given process group",
                 op="init",
                 backend="torch",
             )
-        self._backend_name = str(dist.get_backend(self._group))
+        self._backend_name = backend
         if self._backend_name == "nccl":
             self._device = torch.device("cuda", torch.cuda.current_device())
         else:
@@ -121,6 +136,17 @@ class TorchCommunicator(BackendCommunicator):
         self._group = None
         self._broken = self._broken or why
         self._children.clear()
+
+    # -- issuing one collective (a subclass may issue on a group torch does not know) --
+
+    def _start_broadcast(self, tensor: Any, root: int) -> Any:
+        return self._dist.broadcast(tensor, self._global(root), group=self._group, async_op=True)
+
+    def _start_allgather(self, outs: list[Any], tensor: Any) -> Any:
+        return self._dist.all_gather(outs, tensor, group=self._group, async_op=True)
+
+    def _start_allreduce(self, tensor: Any) -> Any:
+        return self._dist.all_reduce(tensor, group=self._group, async_op=True)
 
     @property
     def group(self) -> Any:
@@ -140,7 +166,7 @@ class TorchCommunicator(BackendCommunicator):
     def _run(self, op: str, wait: float, start: Any, *args: Any, **kwargs: Any) -> None:
         """Issue one async collective and wait for it, translating torch's errors."""
         try:
-            work = start(*args, group=self._group, async_op=True, **kwargs)
+            work = start(*args, **kwargs)
             if self._device.type == "cpu":
                 work.wait(timeout=timedelta(seconds=wait))
             else:
@@ -181,9 +207,7 @@ class TorchCommunicator(BackendCommunicator):
 
     def _broadcast_length(self, length: int, root: int, budget: Budget) -> int:
         header = self._torch.tensor([length], dtype=self._torch.int64, device=self._device)
-        self._run(
-            "broadcast_bytes", budget.seconds, self._dist.broadcast, header, self._global(root)
-        )
+        self._run("broadcast_bytes", budget.seconds, self._start_broadcast, header, root)
         return int(header.item())
 
     def _payload_buffer(self, data: bytes | None, total: int) -> torch.Tensor:
@@ -196,7 +220,7 @@ class TorchCommunicator(BackendCommunicator):
     ) -> None:
         # A slice of a contiguous 1-D tensor is contiguous: broadcast in place.
         span = buffer[start:stop]
-        self._run("broadcast_bytes", budget.seconds, self._dist.broadcast, span, self._global(root))
+        self._run("broadcast_bytes", budget.seconds, self._start_broadcast, span, root)
 
     def _buffer_bytes(self, buffer: torch.Tensor) -> bytes:
         return self._to_bytes(buffer)
@@ -205,7 +229,7 @@ class TorchCommunicator(BackendCommunicator):
         torch = self._torch
         mine = torch.tensor([length], dtype=torch.int64, device=self._device)
         sizes = [torch.zeros(1, dtype=torch.int64, device=self._device) for _ in range(self._size)]
-        self._run("allgather_object", budget.seconds, self._dist.all_gather, sizes, mine)
+        self._run("allgather_object", budget.seconds, self._start_allgather, sizes, mine)
         return [int(s.item()) for s in sizes]
 
     def _allgather_payloads(self, mine: bytes, lengths: list[int], budget: Budget) -> list[bytes]:
@@ -220,14 +244,14 @@ class TorchCommunicator(BackendCommunicator):
         if mine:
             padded[: len(mine)] = self._bytes_tensor(mine)
         parts = [torch.empty_like(padded) for _ in range(self._size)]
-        self._run("allgather_object", budget.seconds, self._dist.all_gather, parts, padded)
+        self._run("allgather_object", budget.seconds, self._start_allgather, parts, padded)
         return [self._to_bytes(part[:n]) for part, n in zip(parts, lengths, strict=True)]
 
     def _barrier(self, budget: Budget) -> None:
         # dist.barrier() takes no timeout on most backends; an all-reduce of one
         # element waited with a timeout is a barrier that can give up.
         token = self._torch.zeros(1, dtype=self._torch.int32, device=self._device)
-        self._run("barrier", budget.seconds, self._dist.all_reduce, token)
+        self._run("barrier", budget.seconds, self._start_allreduce, token)
 
     def _split_child(self, colors: tuple[int, ...], color: int) -> Self:
         dist = self._dist

@@ -4,13 +4,19 @@
 prefetch`` all come here; :func:`choose` is the whole policy, so a new kind of
 communicator is a change to that one function.
 
-The order: an initialised torch.distributed world (the engine already built one),
-else MPI when an MPI runtime launched this job of several ranks (or mpi4py is already
-imported in a single process), else, for several ranks under another launcher and
-when the caller allows it, torch.distributed brought up through
-:func:`launch.init_process_group`, else a world-size-1
-:class:`~distcache.comm.LocalCommunicator`. A world of one rank never starts a
-runtime.
+Every communicator made here is distcache's own, never the engine's:
+
+* MPI (an MPI runtime launched several ranks, or mpi4py is already imported in a
+  single process): a ``Dup`` of the world, made after every rank has reported in, so
+  an abandoned collective of distcache's can never be matched by one of the engine's;
+* torch (the engine initialised torch.distributed, or torchrun/srun started several
+  ranks): a private gloo group built on the job's rendezvous store under a prefix of
+  its own (:func:`launch.find_store`). The default process group is never initialised,
+  adopted or destroyed here, whether the engine made it before or after;
+* one rank: a world-size-1 :class:`~distcache.comm.LocalCommunicator`.
+
+:meth:`Adopted.close` discards what :func:`adopt` made; the engine's communicators are
+untouched by it, by a distcache timeout and by a distcache failure.
 
 Nothing here imports torch or mpi4py to find out: importing torch costs seconds, and
 importing ``mpi4py.MPI`` calls ``MPI_Init``, which hangs or aborts outside an MPI
@@ -30,7 +36,7 @@ from typing import Any, Literal
 from distcache.comm._base import Communicator
 from distcache.comm._local import LocalCommunicator
 from distcache.config import settings
-from launch import LaunchInfo, detect, init_process_group
+from launch import LaunchInfo, detect, find_store
 
 __all__ = ["Adopted", "Choice", "adopt", "auto", "choose", "launcher_is_mpi",
            "torch_is_initialised"]
@@ -39,9 +45,9 @@ log = logging.getLogger(__name__)
 
 _OPTIONS = frozenset({"timeout", "chunk_bytes", "node_id"})
 
-#: ``"torch"``: adopt the initialised world; ``"mpi"``: the MPI world;
-#: ``"torch-new"``: bring torch.distributed up for this launch; ``"local"``: one rank.
-Choice = Literal["torch", "mpi", "torch-new", "local"]
+#: ``"mpi"``: a duplicate of the MPI world; ``"gloo"``: a private gloo group on the
+#: job's rendezvous store; ``"local"``: one rank.
+Choice = Literal["mpi", "gloo", "local"]
 
 
 def torch_is_initialised() -> bool:
@@ -62,94 +68,83 @@ def launcher_is_mpi(environ: Mapping[str, str] | None = None) -> bool:
     return detect(os.environ if environ is None else environ).is_mpi
 
 
-def choose(info: LaunchInfo, *, bring_up: bool) -> Choice:
+def choose(info: LaunchInfo) -> Choice:
     """Which communicator this process gets: the whole policy, pure but for looking at
-    ``sys.modules``. ``bring_up`` allows starting torch.distributed for a multi-rank
-    launch that has neither a torch group nor MPI."""
-    if torch_is_initialised():
-        return "torch"
+    ``sys.modules``."""
     if info.is_mpi and info.world_size > 1:
         return "mpi"
-    if "mpi4py.MPI" in sys.modules and info.world_size == 1:
+    if "mpi4py.MPI" in sys.modules and info.world_size == 1 and not torch_is_initialised():
         return "mpi"
-    if info.world_size > 1:
-        if bring_up:
-            return "torch-new"
-        log.warning(
-            "launcher %s started %d ranks but torch.distributed is not initialised; "
-            "distcache collectives stay local to each rank (call "
-            "launch.init_process_group() first to share downloads)",
-            info.launcher,
-            info.world_size,
-        )
+    if torch_is_initialised() or info.world_size > 1:
+        return "gloo"
     return "local"
 
 
 @dataclass
 class Adopted:
-    """A communicator and whether :func:`adopt` brought torch.distributed up for it.
+    """A communicator of distcache's own and how it was chosen.
 
-    Call :meth:`close` when done: it tears down what :func:`adopt` started (a process
-    exiting with a live gloo group may abort in its destructor) and nothing else.
+    Call :meth:`close` when done: it frees the communicator (and the groups split off
+    it) and nothing of the engine's.
     """
 
     comm: Communicator
     choice: Choice
-    owns_process_group: bool = False
+    #: Where a gloo group met ("the engine's default store", ...); "" otherwise.
+    rendezvous: str = ""
 
     def close(self) -> None:
-        """Destroy the process group :func:`adopt` created, if any; idempotent."""
-        if not self.owns_process_group:
-            return
-        self.owns_process_group = False
-        import torch.distributed as dist  # only reached after adopt() imported torch
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Discard distcache's communicator; idempotent."""
+        close = getattr(self.comm, "close", None)
+        if close is not None:
+            close()
 
 
 def adopt(
     info: LaunchInfo | None = None,
     *,
     environ: Mapping[str, str] | None = None,
-    bring_up: bool = False,
     **options: Any,
 ) -> Adopted:
-    """Find or make this process's communicator (see :func:`choose`).
+    """Make this process's own communicator (see :func:`choose`). Collective: every
+    rank of the job calls it.
 
     Args:
         info: the launch (default: :func:`launch.detect` of ``environ``).
         environ: the environment to detect from (default ``os.environ``).
-        bring_up: allow bringing torch.distributed up for a multi-rank launch.
         options: ``timeout``, ``chunk_bytes``, ``node_id`` for the backend chosen; a
-            local communicator uses only ``node_id``.
+            local communicator uses only ``node_id``. ``timeout`` also bounds making
+            the communicator: a rank that does not come raises, it does not hang.
 
     Raises:
         TypeError: an unknown option.
-        CommError: the backend chosen cannot be used (mpi4py missing, say).
+        CommError: the backend chosen cannot be used (mpi4py missing, the rendezvous
+            store unreachable).
+        CollectiveTimeout: not every rank came to make the communicator in time.
         LaunchError: the launcher variables contradict each other, or the rendezvous
-            is incomplete.
-        CollectiveTimeout: bringing torch.distributed up timed out.
+            address is missing.
         ConfigError: a ``DISTCACHE_*`` variable has a bad value.
     """
     unknown = set(options) - _OPTIONS
     if unknown:
         raise TypeError(f"unknown option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}")
+    env = os.environ if environ is None else environ
     if info is None:
-        info = detect(os.environ if environ is None else environ)
-    choice = choose(info, bring_up=bring_up)
-    if choice == "torch-new":
-        init_process_group(info)
-    if choice in ("torch", "torch-new"):
-        from distcache.comm._torch import TorchCommunicator  # imports torch
-
-        log.debug("communicator: torch.distributed (%s)", choice)
-        return Adopted(TorchCommunicator(**options), choice, choice == "torch-new")
+        info = detect(env)
+    choice = choose(info)
     if choice == "mpi":
         from distcache.comm._mpi import MpiCommunicator  # importing mpi4py calls MPI_Init
 
-        log.debug("communicator: the MPI world")
+        log.debug("communicator: a duplicate of the MPI world")
         return Adopted(MpiCommunicator(**options), choice)
+    if choice == "gloo":
+        from distcache.comm._gloo import GlooCommunicator  # imports torch
+
+        wait = settings(timeout=options.get("timeout")).timeout
+        meeting = find_store(info, wait, env)
+        log.debug("communicator: distcache's own gloo group on %s", meeting.source)
+        comm = GlooCommunicator(meeting.store, meeting.rank, meeting.world_size, **options)
+        return Adopted(comm, choice, meeting.source)
     node_id = options.get("node_id")
     if node_id is None:
         node_id = settings().node_id
@@ -157,8 +152,7 @@ def adopt(
 
 
 def auto(**options: Any) -> Communicator:
-    """Adopt what the process already has, never starting torch.distributed: see
-    :func:`adopt` with ``bring_up=False``.
+    """A communicator of distcache's own for this process: see :func:`adopt`.
 
     Raises:
         TypeError: an unknown option.

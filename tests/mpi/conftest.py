@@ -2,11 +2,11 @@
 
 ``DISTCACHE_TEST_COMM`` selects the backend every test body runs on:
 
-* ``mpi`` (default): :class:`~distcache.comm._mpi.MpiCommunicator` over ``COMM_WORLD``;
-* ``torch``: torch.distributed with gloo, brought up by ``launch.init_process_group``
-  (under MPI, rank 0 opens a ``TCPStore`` on an OS-chosen port and the address travels
-  over MPI, so parallel jobs never race for a port), wrapped in
-  :class:`~distcache.comm._torch.TorchCommunicator`.
+* ``mpi`` (default): distcache's own duplicate of ``COMM_WORLD`` (``comm.from_mpi``);
+* ``torch``: distcache's own gloo group (``comm.from_torch``) on the store of a default
+  group brought up by ``launch.init_process_group`` (under MPI, rank 0 opens a
+  ``TCPStore`` on an OS-chosen port and the address travels over MPI, so parallel
+  jobs never race for a port).
 
 Fixtures: ``comm`` (session-wide), ``comm_factory`` (a new communicator over the same
 ranks with other options, e.g. a small ``chunk_bytes``) and ``shared_tmp`` (one fresh
@@ -49,15 +49,16 @@ def _init_torch_gloo() -> None:
 
 def _make(backend: str, base: Communicator | None = None, **options: Any) -> Communicator:
     if backend == "mpi":
-        from distcache.comm._mpi import MpiCommunicator
+        from distcache.comm import from_mpi
 
         handle = None if base is None else getattr(base, "mpi_comm", None)
-        return MpiCommunicator(handle, **options)
-    from distcache.comm._torch import TorchCommunicator
+        return from_mpi(handle, **options)
+    from distcache.comm import from_torch
 
+    # distcache's own gloo group on the default group's store, as init makes it; the
+    # default group stays the "engine's".
     _init_torch_gloo()
-    group = None if base is None else getattr(base, "group", None)
-    return TorchCommunicator(group, **options)
+    return from_torch(**options)
 
 
 @pytest.fixture(scope="session")

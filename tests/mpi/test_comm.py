@@ -24,7 +24,9 @@ def _payload(root: int, size: int) -> bytes:
 
 def test_communicator_implements_the_protocol_for_the_selected_backend(comm: Communicator) -> None:
     assert isinstance(comm, Communicator)
-    assert comm.backend == os.environ.get("DISTCACHE_TEST_COMM", "mpi")
+    # torch: distcache's own gloo group, never the default group it sits beside.
+    expected = {"mpi": "mpi", "torch": "gloo"}[os.environ.get("DISTCACHE_TEST_COMM", "mpi")]
+    assert comm.backend == expected
     assert comm.allgather_object(comm.rank) == list(range(comm.size))
 
 
@@ -161,3 +163,31 @@ def test_barrier_times_out_when_a_rank_never_arrives_and_world_recovers(
         doomed.barrier(timeout=60)
     comm.barrier()
     assert comm.allgather_object(comm.rank) == list(range(comm.size))
+
+
+def test_groups_made_by_split_stay_bounded_however_many_partitions_a_job_sees(
+    comm_factory: Callable[..., Communicator],
+) -> None:
+    from distcache.comm._backend import MAX_CHILDREN, BackendCommunicator
+
+    fresh = comm_factory()
+    assert isinstance(fresh, BackendCommunicator)
+    partitions = 3 * MAX_CHILDREN
+    # Every call has colors no earlier call had (as when a job's audiences keep
+    # changing), so each one makes a group.
+    for p in range(partitions):
+        child = fresh.split(10 * p + fresh.rank % 2)
+        assert child.allgather_object(fresh.rank) == [
+            r for r in range(fresh.size) if r % 2 == fresh.rank % 2
+        ]
+    kept = fresh._children
+    assert fresh.groups_made == partitions
+    assert len(kept) <= MAX_CHILDREN
+    # The partition used last is kept and handed out again without making a group.
+    again = fresh.split(10 * (partitions - 1) + fresh.rank % 2)
+    assert again is list(kept.values())[-1]
+    assert fresh.groups_made == partitions
+    # An evicted child was closed: it refuses further use.
+    fresh.close()
+    with pytest.raises(CommError):
+        again.barrier()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 
 import pytest
@@ -41,40 +40,52 @@ def _no_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(sys.modules, "torch", raising=False)
 
 
-def test_a_multi_rank_mpi_launch_uses_the_mpi_world() -> None:
-    assert choose(detect(OPENMPI_4), bring_up=False) == "mpi"
-    assert choose(detect(OPENMPI_4), bring_up=True) == "mpi"
+def test_a_multi_rank_mpi_launch_uses_a_duplicate_of_the_mpi_world() -> None:
+    assert choose(detect(OPENMPI_4)) == "mpi"
 
 
 def test_a_world_of_one_starts_no_runtime() -> None:
-    assert choose(detect({}), bring_up=True) == "local"
-    assert choose(detect(OPENMPI_1), bring_up=True) == "local"
+    assert choose(detect({})) == "local"
+    assert choose(detect(OPENMPI_1)) == "local"
 
 
-def test_an_already_imported_mpi4py_is_adopted_by_a_single_process(
+def test_an_already_imported_mpi4py_is_used_by_a_single_process(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setitem(sys.modules, "mpi4py.MPI", object())
-    assert choose(detect({}), bring_up=False) == "mpi"
+    assert choose(detect({})) == "mpi"
     # Under torchrun the MPI singleton is not the job's world.
-    assert choose(detect(TORCHRUN_2), bring_up=True) == "torch-new"
+    assert choose(detect(TORCHRUN_2)) == "gloo"
 
 
-def test_torchrun_without_a_group_brings_one_up_only_when_allowed(
-    caplog: pytest.LogCaptureFixture,
+def test_torchrun_gets_a_private_gloo_group_whether_or_not_the_engine_made_one(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert choose(detect(TORCHRUN_2), bring_up=True) == "torch-new"
-    with caplog.at_level(logging.WARNING, logger="distcache.comm.adopt"):
-        assert choose(detect(TORCHRUN_2), bring_up=False) == "local"
-    assert "stay local to each rank" in caplog.text
+    assert choose(detect(TORCHRUN_2)) == "gloo"
+
+    class _Dist:
+        @staticmethod
+        def is_available() -> bool:
+            return True
+
+        @staticmethod
+        def is_initialized() -> bool:
+            return True
+
+    class _Torch:
+        distributed = _Dist
+
+    monkeypatch.setitem(sys.modules, "torch", _Torch)
+    # The engine's default group exists: still distcache's own group, never that one.
+    assert choose(detect(TORCHRUN_2)) == "gloo"
+    assert choose(detect({})) == "gloo"
 
 
-def test_adopt_alone_gives_a_local_communicator_that_owns_nothing() -> None:
+def test_adopt_alone_gives_a_local_communicator() -> None:
     adopted = adopt(environ={}, node_id="n7")
     assert isinstance(adopted, Adopted)
     assert isinstance(adopted.comm, LocalCommunicator)
-    assert (adopted.choice, adopted.owns_process_group, adopted.comm.node_id) == (
-        "local", False, "n7")
+    assert (adopted.choice, adopted.rendezvous, adopted.comm.node_id) == ("local", "", "n7")
     adopted.close()
     adopted.close()
 

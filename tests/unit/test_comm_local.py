@@ -240,14 +240,17 @@ def test_importing_comm_imports_neither_torch_nor_mpi4py() -> None:
     assert proc.stdout.strip() == "ok"
 
 
-def test_auto_adopts_an_initialised_torch_world(tmp_path: Path) -> None:
+def test_auto_makes_its_own_gloo_group_beside_an_initialised_torch_world(
+    tmp_path: Path,
+) -> None:
     proc = _python(
         f"""
         import torch.distributed as dist
         import distcache.comm
         dist.init_process_group("gloo", init_method="file://{tmp_path}/rdv", rank=0, world_size=1)
         comm = distcache.comm.auto(timeout=30, chunk_bytes=4)
-        assert comm.backend == "torch", comm
+        assert comm.backend == "gloo", comm
+        assert comm.group is not dist.group.WORLD
         assert comm.broadcast_bytes(b"0123456789", 0) == b"0123456789"
         assert comm.broadcast_bytes(b"", 0) == b""
         assert comm.allgather_object(("x", 1)) == [("x", 1)]
@@ -255,6 +258,8 @@ def test_auto_adopts_an_initialised_torch_world(tmp_path: Path) -> None:
         sub = comm.split(3)
         assert (sub.rank, sub.size) == (0, 1)
         assert sub.allgather_object(None) == [None]
+        comm.close()
+        assert dist.is_initialized()  # the engine's group outlives distcache's
         dist.destroy_process_group()
         print("ok")
         """

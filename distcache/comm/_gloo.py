@@ -1,0 +1,124 @@
+"""distcache's own gloo process group: never the engine's, never the default group.
+
+The group is built directly on a rendezvous store (:func:`launch.find_store`) under a
+key prefix of distcache's own, so making it runs no collective on any group of the
+engine, and torch.distributed's global state (the default group, the group registry)
+is never touched: ``torch.distributed.is_initialized()`` stays what the engine made it.
+Collectives are issued on the group object itself. A timed-out collective stays queued
+on this group only; the communicator then refuses further use and the engine's groups
+carry on (the engine's watchdog never sees distcache's work).
+
+Splits build their own groups from the same store under a prefix per partition and
+per time the partition was made, so only the members of a part rendezvous, and a part
+made again after :data:`~distcache.comm._backend.MAX_CHILDREN` evicted it does not
+meet stale keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+from datetime import timedelta
+from typing import Any, Self
+
+from distcache.comm._torch import TorchCommunicator, import_torch
+from distcache.config import settings
+from distcache.errors import CommError
+
+log = logging.getLogger(__name__)
+
+# Groups made in this process: ranks make their groups in the same order (init and
+# the CLI are collective), so the n-th group has the same prefix on every rank.
+_generation = itertools.count()
+
+
+class GlooCommunicator(TorchCommunicator):
+    """A communicator over a private gloo group built on ``store``.
+
+    Args:
+        store: a ``torch.distributed.Store`` every rank of the group reaches.
+        rank: this process's rank in the group.
+        size: the number of ranks.
+        prefix: the key prefix this group rendezvous under (default: a fresh one).
+        timeout, chunk_bytes, node_id: as for every communicator.
+
+    Raises:
+        CommError: torch.distributed is missing, or the group could not be made (a
+            peer did not arrive within ``timeout``).
+        ConfigError: a ``DISTCACHE_*`` variable has a bad value.
+    """
+
+    _kind = "gloo"
+    _label = "gloo (distcache's own)"
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        *,
+        prefix: str | None = None,
+        timeout: float | None = None,
+        chunk_bytes: int | None = None,
+        node_id: str | None = None,
+    ) -> None:
+        torch, dist = import_torch()
+        self._store = store
+        self._prefix = prefix if prefix is not None else f"distcache/g{next(_generation)}"
+        self._made: dict[tuple[int, ...], int] = {}
+        # The timeout applies to the rendezvous too: a peer that never comes makes the
+        # constructor raise instead of waiting for torch's default 30 minutes.
+        wait = settings(timeout=timeout).timeout
+        try:
+            group = dist.ProcessGroupGloo(dist.PrefixStore(self._prefix, store), rank, size,
+                                          timedelta(seconds=wait))
+        except RuntimeError as exc:
+            raise CommError(
+                f"rank {rank}/{size}: cannot make distcache's gloo group under "
+                f"{self._prefix!r}: {exc}; every rank must call distcache.init (or the "
+                "same collective) within the timeout",
+                op="init", rank=rank, backend="gloo",
+            ) from exc
+        self._setup(torch, dist, group, rank, size, "gloo", timeout=timeout,
+                    chunk_bytes=chunk_bytes, node_id=node_id)
+
+    @property
+    def prefix(self) -> str:
+        """The store key prefix this group met under."""
+        return self._prefix
+
+    def _repr_extra(self) -> str:
+        return f"prefix={self._prefix!r}, "
+
+    def _release(self, why: str) -> None:
+        super()._release(why)
+        self._store = None
+
+    def _global(self, rank: int) -> int:
+        return rank
+
+    # -- collectives on the group object: torch's registry does not know this group ----
+
+    def _start_broadcast(self, tensor: Any, root: int) -> Any:
+        options = self._dist.BroadcastOptions()
+        options.rootRank = root
+        return self._group.broadcast([tensor], options)
+
+    def _start_allgather(self, outs: list[Any], tensor: Any) -> Any:
+        return self._group.allgather([outs], [tensor])
+
+    def _start_allreduce(self, tensor: Any) -> Any:
+        return self._group.allreduce([tensor])
+
+    def _split_child(self, colors: tuple[int, ...], color: int) -> Self:
+        if self._store is None:
+            raise CommError("the communicator was released", op="split", backend="gloo")
+        members = [r for r, c in enumerate(colors) if c == color]
+        times = self._made.get(colors, 0)
+        self._made[colors] = times + 1
+        partition = hashlib.sha256(repr(colors).encode()).hexdigest()[:16]
+        prefix = f"{self._prefix}/split-{partition}-{times}/{color}"
+        log.debug("split %s: ranks %s under %r", self._prefix, members, prefix)
+        return type(self)(self._store, members.index(self._rank), len(members), prefix=prefix,
+                          **self._inherited())
