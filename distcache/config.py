@@ -59,6 +59,10 @@ def parse_bytes(text: str, *, variable: str = "value") -> int:
 # --- parsers: (variable name, raw text) -> value ------------------------------------
 
 
+#: Values of ``DISTCACHE_TRANSPORT`` / ``init(transport=...)``.
+TRANSPORTS = ("default", "nccl")
+
+
 def _bool(name: str, raw: str) -> bool:
     low = raw.strip().lower()
     if low in _TRUE:
@@ -98,6 +102,15 @@ def _bytes(name: str, raw: str) -> int:
 
 def _text(name: str, raw: str) -> str:
     return raw
+
+
+def _transport(name: str, raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in TRANSPORTS:
+        raise ConfigError(
+            f"{name}={raw!r}: expected one of {', '.join(TRANSPORTS)}", variable=name, value=raw
+        )
+    return value
 
 
 def _path(name: str, raw: str) -> Path:
@@ -250,6 +263,9 @@ TABLE: tuple[Variable, ...] = (
              "concurrent origin downloads per rank"),
     Variable("DISTCACHE_NODE_ID", "node_id", None, _text, "hostname",
              "node identity used to group ranks"),
+    Variable("DISTCACHE_TRANSPORT", "transport", "default", _transport, "default",
+             "how the prefetch moves bulk bytes: default (over MPI or gloo) or nccl (a "
+             "dedicated NCCL group made for the prefetch and destroyed after it)"),
     Variable("DISTCACHE_INIT_TIMEOUT", "init_timeout", 300.0, _seconds, "300",
              "seconds launch.init_process_group allows the rendezvous"),
     Variable("DISTCACHE_FLASHINFER", "flashinfer", True, _bool, "1",
@@ -297,6 +313,8 @@ class Settings:
     downloads_per_rank: int
     #: Node identity override, or ``None`` for the hostname.
     node_id: str | None
+    #: How the prefetch moves bulk bytes: ``"default"`` or ``"nccl"``.
+    transport: str
     #: Seconds ``launch.init_process_group`` allows the rendezvous.
     init_timeout: float
     #: FlashInfer integration enabled.

@@ -1,9 +1,13 @@
 """``distcache.init``: the collective start-up hook an engine calls on every rank.
 
-Composition only, in the order of DESIGN.md's data flow: a communicator
-(:func:`distcache.comm.adopt`), the pool and the origin, the start-up prefetch of the
-manifests and of what the integrations want (:mod:`distcache._resolve`), each
-integration's install, the IPC pool handle exchange. The process keeps one session:
+Composition only, in the order of DESIGN.md's data flow: a communicator of
+distcache's own (:func:`distcache.comm.adopt`: a duplicate of the MPI world or a
+private gloo group, never the engine's groups), the pool and the origin, the IPC pool
+handle exchange, the start-up prefetch of the manifests and of what the integrations
+want (:mod:`distcache._resolve`), each integration's install. With
+``background=True`` the prefetch and the installs run on a thread over that private
+communicator while the engine goes on (loading weights, say); ``Session.wait`` joins
+them. The process keeps one session:
 a second ``init`` returns it, so an engine and a library it embeds can both call
 ``init`` safely.
 """
@@ -22,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 from distcache._resolve import ManifestSpec, prefetch_manifests, resolve_origin, resolve_pool
 from distcache.collective import SyncState, sync
-from distcache.comm import Adopted, Communicator, adopt, local
+from distcache.comm import Adopted, Communicator, adopt, bulk_transport, local
 from distcache.config import Settings, settings
-from distcache.errors import ConfigError, DistcacheError
+from distcache.errors import CollectiveTimeout, ConfigError, DistcacheError
 from distcache.integrations import Integration
 from distcache.integrations.flashinfer import FlashInfer
 
@@ -69,9 +73,41 @@ class Session:
     integrations: list[Integration] = field(default_factory=list)
     _closed: bool = False
     _sync_state: SyncState | None = None
-    # What adopt() started for this session (a torch.distributed group brought up
-    # because none existed); close() tears it down.
+    # The communicator adopt() made for this session; close() discards it.
     _adopted: Adopted | None = None
+    # The background start-up (init(background=True)) and what it raised.
+    _thread: threading.Thread | None = None
+    _error: BaseException | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether the start-up is over (at once unless ``init(background=True)``);
+        ``wait`` then returns without blocking."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> PrefetchReport | None:
+        """Join the background start-up (the prefetch and the integrations' install)
+        and return the prefetch report; at once when ``init`` ran in the foreground.
+        Call it before warm-up.
+
+        Raises:
+            CollectiveTimeout: the start-up is still running after ``timeout`` seconds
+                (it goes on; call ``wait`` again).
+            PrefetchError, ManifestMismatchError, ConfigError, ...: what the start-up
+                raised; the collective errors are raised on every rank alike.
+        """
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                raise CollectiveTimeout(
+                    f"rank {self.comm.rank}/{self.comm.size}: the background start-up is "
+                    f"still running after {timeout:g} s",
+                    op="wait", timeout=timeout, rank=self.comm.rank,
+                )
+        if self._error is not None:
+            raise self._error
+        return self.report
 
     def sync(self, *, timeout: float | None = None) -> PrefetchReport | None:
         """Collective: artifacts any rank fetched lazily since the last sync reach every
@@ -84,6 +120,7 @@ class Session:
         self._check_open()
         if self.disabled or self.pool is None:
             return None
+        self.wait()  # the communicator is the background start-up's until it is done
         if self._sync_state is None:
             self._sync_state = SyncState()
         report = sync(comm=self.comm, pool=self.pool, timeout=timeout, state=self._sync_state)
@@ -97,6 +134,9 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        if self._thread is not None:
+            # Every collective of the start-up is bounded by the timeout, so this ends.
+            self._thread.join()
         for integration in reversed(self.integrations):
             integration.uninstall()
         if self.registry is not None:
@@ -144,14 +184,17 @@ def init(
     ipc_pools: Sequence[Any] | None = None,
     timeout: float | None = None,
     environ: Mapping[str, str] | None = None,
+    background: bool = False,
+    transport: str | None = None,
 ) -> Session:
     """Collective start-up hook; call it on every rank with the same arguments.
 
     Args:
-        comm: a communicator; default: :func:`distcache.comm.adopt` (an initialised
-            torch.distributed world, else the MPI world under MPI, else
-            torch.distributed brought up through ``launch`` for a multi-rank launch,
-            else world size 1).
+        comm: a communicator; default: one of distcache's own from
+            :func:`distcache.comm.adopt` (a duplicate of the MPI world under MPI, else
+            a private gloo group on the launcher's rendezvous store, else world size
+            1). torch.distributed's default group is never initialised, adopted or
+            destroyed, whether the engine made it before ``init`` or makes it after.
         pool: an ``ArtifactPool`` or its directory; default ``DISTCACHE_POOL``.
         origin: where missing artifacts come from; default ``DISTCACHE_ORIGIN``, else
             the first default an integration offers.
@@ -169,6 +212,13 @@ def init(
         timeout: seconds for each collective (default ``DISTCACHE_TIMEOUT``).
         environ: the environment to read settings and the launch from (default
             ``os.environ``).
+        background: run the prefetch and the integrations' install on a thread over
+            distcache's own communicator and return at once; ``Session.wait`` joins
+            it (and raises what it raised, on every rank alike).
+        transport: how the prefetch moves bulk bytes: ``"default"`` (over the MPI or
+            gloo communicator) or ``"nccl"`` (a dedicated NCCL group made for the
+            prefetch and destroyed after it; the control plane stays on MPI or gloo);
+            default ``DISTCACHE_TRANSPORT``.
 
     Returns:
         The process's session; a second call returns the same one.
@@ -185,7 +235,7 @@ def init(
     with _lock:
         if _current is not None and not _current.closed:
             return _current
-    conf = settings(environ, timeout=timeout)
+    conf = settings(environ, timeout=timeout, transport=transport)
     if conf.disable:
         session = Session(comm=comm if comm is not None else local(), pool=None,
                           disabled=True, settings=conf)
@@ -199,9 +249,10 @@ def init(
     adopted: Adopted | None = None
     with _phase(phases, "comm"):
         if comm is None:
-            adopted = adopt(environ=environ, bring_up=True)
+            adopted = adopt(environ=environ, timeout=conf.timeout)
             comm = adopted.comm
-    _log_rank0(comm, "comm: %s backend, %d rank(s) (%.2f s)", comm.backend, comm.size,
+    _log_rank0(comm, "comm: %s backend, %d rank(s)%s (%.2f s)", comm.backend, comm.size,
+               f" on {adopted.rendezvous}" if adopted and adopted.rendezvous else "",
                phases["comm"])
     session = Session(comm=comm, pool=None, phases=phases, settings=conf, _adopted=adopted)
     try:
@@ -209,18 +260,6 @@ def init(
             session.pool = the_pool = resolve_pool(pool, conf)
         _log_rank0(comm, "pool: %s (id %s)", the_pool.root, the_pool.pool_id)
         the_origin = resolve_origin(origin, conf, chosen)
-        with _phase(phases, "prefetch"):
-            session.report = prefetch_manifests(comm, the_pool, the_origin,
-                                                manifests=manifests, integrations=chosen,
-                                                timeout=conf.timeout)
-        if session.report is not None:
-            _log_rank0(comm, "prefetch: %s", session.report.summary())
-        for integration in chosen:
-            with _phase(phases, integration.name):
-                integration.install(the_pool, the_origin)
-            session.integrations.append(integration)
-            _log_rank0(comm, "%s: installed (%.2f s)", integration.name,
-                       phases[integration.name])
         if ipc_pools is not None:
             from distcache.ipc import PoolRegistry  # the CUDA backend may import torch
 
@@ -229,12 +268,46 @@ def init(
                                                          timeout=conf.timeout)
             _log_rank0(comm, "ipc: %d pool(s) mapped once each (%.2f s)",
                        len(session.registry.opens), phases["ipc"])
+
+        def start_up() -> None:
+            with _phase(phases, "prefetch"), bulk_transport(
+                comm, conf.transport, conf.timeout
+            ) as moving:
+                session.report = prefetch_manifests(moving, the_pool, the_origin,
+                                                    manifests=manifests, integrations=chosen,
+                                                    timeout=conf.timeout)
+            if session.report is not None:
+                _log_rank0(comm, "prefetch: %s", session.report.summary())
+            for integration in chosen:
+                with _phase(phases, integration.name):
+                    integration.install(the_pool, the_origin)
+                session.integrations.append(integration)
+                _log_rank0(comm, "%s: installed (%.2f s)", integration.name,
+                           phases[integration.name])
+
+        if background:
+            session._thread = threading.Thread(
+                target=_run_recording, args=(start_up, session), daemon=True,
+                name="distcache-start-up",
+            )
+            session._thread.start()
+        else:
+            start_up()
     except BaseException:
         session.close()
         raise
     with _lock:
         _current = session
     return session
+
+
+def _run_recording(body: Any, session: Session) -> None:
+    """Run the background start-up; keep what it raised for ``Session.wait``."""
+    try:
+        body()
+    except BaseException as exc:
+        session._error = exc
+        log.debug("background start-up failed: %s", exc)
 
 
 def compose(

@@ -180,16 +180,20 @@ def _prefetch(
     what it fetched into ``materialize`` (FlashInfer reads ``<dir>/<name>`` and checks
     its SHA-256 before it would download, so an unmodified engine then loads locally).
 
-    The communicator comes from :func:`distcache.comm.adopt`: under MPI the ranks
-    already share the MPI world that carried the rendezvous; under torchrun or srun a
-    gloo group is brought up on the exported rendezvous and torn down again before
-    PROGRAM starts, so PROGRAM can create its own.
+    The communicator comes from :func:`distcache.comm.adopt` and is distcache's own:
+    under MPI a duplicate of the world, freed before PROGRAM starts (this wrapper keeps
+    MPI initialised, as mpi4py finalizes it only at exit; PROGRAM is a separate process
+    and makes its own ``MPI_Init``); under torchrun or srun a private gloo group on the
+    launcher's rendezvous store (srun: a store rank 0 hosts one port above
+    ``MASTER_PORT``), discarded before PROGRAM starts. torch.distributed's default
+    group is never initialised here, so PROGRAM's ``init_process_group`` finds
+    ``MASTER_PORT`` free.
     """
     import distcache
     from distcache.artifact import read_manifest
     from distcache.comm import adopt
 
-    adopted = adopt(info, bring_up=True)
+    adopted = adopt(info)
     try:
         comm = adopted.comm
         session = distcache.init(comm=comm, pool=pool, manifests=[manifest], flashinfer=False)

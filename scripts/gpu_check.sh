@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU-machine check (CI has no GPU): the CUDA IPC pool backend through the same
 # registry suite as the host backend, with 2+ processes, the 1-producer/3-consumer
-# exchange on CudaPool (tests/unit/test_ipc_multiprocess.py), and an NCCL broadcast through
-# the torch communicator. Prints a short report; exits non-zero if any check fails.
+# exchange on CudaPool (tests/unit/test_ipc_multiprocess.py), and the NCCL bulk transport
+# (init(transport="nccl")) when there is one GPU per rank. Prints a short report; exits non-zero if any check fails.
 #   NPROC=2 scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,18 +37,25 @@ fi
 script=$(mktemp --suffix=.py); trap 'rm -f "$script"' EXIT
 cat > "$script" <<'PY'
 import hashlib, os, time, torch, torch.distributed as dist
-from distcache.comm import from_torch
+from distcache.comm import auto, bulk_transport
 from distcache.ipc import CudaPool, FeatureRef, PoolRegistry
 from distcache.ipc._cuda import CudaMapping
 
 dev = int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count()
 torch.cuda.set_device(dev)
-dist.init_process_group("nccl", device_id=torch.device("cuda", dev))
-comm = from_torch()
-payload = os.urandom(3 << 20) if comm.rank == 0 else None
-data = comm.broadcast_bytes(payload, 0, timeout=120)
-digests = comm.allgather_object(hashlib.sha256(data).hexdigest(), timeout=120)
-assert len(set(digests)) == 1 and len(data) == 3 << 20, "NCCL broadcast differs across ranks"
+comm = auto(timeout=120)  # distcache's own gloo group on torchrun's store
+assert comm.backend == "gloo" and not dist.is_initialized(), comm
+if torch.cuda.device_count() >= comm.size:
+    # init(transport="nccl"): bulk bytes over a dedicated NCCL group, closed after.
+    with bulk_transport(comm, "nccl", 120) as moving:
+        payload = os.urandom(3 << 20) if comm.rank == 0 else None
+        data = moving.broadcast_bytes(payload, 0, timeout=120)
+        digests = moving.allgather_object(hashlib.sha256(data).hexdigest(), timeout=120)
+    assert len(set(digests)) == 1 and len(data) == 3 << 20, "NCCL broadcast differs across ranks"
+    print(f"rank {comm.rank}: NCCL transport broadcast 3 MiB, digests agree", flush=True)
+else:
+    print(f"rank {comm.rank}: SKIP NCCL transport: {torch.cuda.device_count()} GPU(s) for "
+          f"{comm.size} ranks (NCCL refuses two ranks on one GPU)", flush=True)
 
 pool = CudaPool(32 << 20, dev, name=f"gpu{comm.rank}")
 reg = PoolRegistry.exchange(comm, [pool], timeout=120)
@@ -80,10 +87,9 @@ assert pool.reclaim() == 200 and pool.in_flight == 0, pool.in_flight
 assert opens == {f"gpu{r}": 1 for r in range(comm.size) if r != comm.rank}, opens
 print(f"rank {comm.rank}: {once * 1e6:.1f} us/feature mapped once (resolve+ack), "
       f"{per * 1e6:.1f} us/feature open+close per message; opens {opens}", flush=True)
-comm.barrier(timeout=120); pool.close()
-dist.destroy_process_group()
+comm.barrier(timeout=120); pool.close(); comm.close()
 PY
-check "NCCL broadcast + CUDA IPC registry, torchrun x$NPROC" \
+check "NCCL transport (2+ GPUs, else a visible skip) + CUDA IPC registry, torchrun x$NPROC" \
   "$PY" -m torch.distributed.run --standalone --nproc-per-node="$NPROC" "$script"
 
 echo; echo "== gpu_check report"; printf '%s\n' "${report[@]}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from distcache.comm._base import MAX_MESSAGE_BYTES, Communicator, agree_on_error
+from distcache.comm._bulk import BulkCommunicator, bulk_transport
 from distcache.comm._local import LocalCommunicator, ThreadCommunicator, ThreadGroup
 from distcache.comm.adopt import Adopted, adopt, auto
 from distcache.errors import CommError
@@ -18,6 +19,7 @@ from distcache.errors import CommError
 __all__ = [
     "MAX_MESSAGE_BYTES",
     "Adopted",
+    "BulkCommunicator",
     "Communicator",
     "LocalCommunicator",
     "ThreadCommunicator",
@@ -25,6 +27,7 @@ __all__ = [
     "adopt",
     "agree_on_error",
     "auto",
+    "bulk_transport",
     "from_mpi",
     "from_torch",
     "local",

@@ -71,17 +71,22 @@ class GlooCommunicator(TorchCommunicator):
         # constructor raise instead of waiting for torch's default 30 minutes.
         wait = settings(timeout=timeout).timeout
         try:
-            group = dist.ProcessGroupGloo(dist.PrefixStore(self._prefix, store), rank, size,
-                                          timedelta(seconds=wait))
+            group = self._make_group(torch, dist, dist.PrefixStore(self._prefix, store), rank,
+                                     size, timedelta(seconds=wait))
         except RuntimeError as exc:
             raise CommError(
-                f"rank {rank}/{size}: cannot make distcache's gloo group under "
+                f"rank {rank}/{size}: cannot make distcache's {self._kind} group under "
                 f"{self._prefix!r}: {exc}; every rank must call distcache.init (or the "
                 "same collective) within the timeout",
-                op="init", rank=rank, backend="gloo",
+                op="init", rank=rank, backend=self._kind,
             ) from exc
-        self._setup(torch, dist, group, rank, size, "gloo", timeout=timeout,
+        self._setup(torch, dist, group, rank, size, self._kind, timeout=timeout,
                     chunk_bytes=chunk_bytes, node_id=node_id)
+
+    @staticmethod
+    def _make_group(torch: Any, dist: Any, store: Any, rank: int, size: int,
+                    timeout: timedelta) -> Any:
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
 
     @property
     def prefix(self) -> str:
@@ -122,3 +127,25 @@ class GlooCommunicator(TorchCommunicator):
         log.debug("split %s: ranks %s under %r", self._prefix, members, prefix)
         return type(self)(self._store, members.index(self._rank), len(members), prefix=prefix,
                           **self._inherited())
+
+
+class NcclCommunicator(GlooCommunicator):
+    """A private NCCL group for bulk bytes, built like :class:`GlooCommunicator` on a
+    store, on this process's current CUDA device. Only ``init(transport="nccl")``
+    makes one, for the prefetch, and closes it after.
+
+    Raises:
+        CommError: CUDA or NCCL is unavailable, or the group could not be made.
+    """
+
+    _kind = "nccl"
+    _label = "NCCL (distcache's own)"
+
+    @staticmethod
+    def _make_group(torch: Any, dist: Any, store: Any, rank: int, size: int,
+                    timeout: timedelta) -> Any:
+        if not torch.cuda.is_available() or not dist.is_nccl_available():
+            raise RuntimeError("CUDA with NCCL is not available in this process")
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)

@@ -30,9 +30,9 @@ def main() -> int:
         flush=True,
     )
     session.close()
-    if session.comm.backend == "torch":
-        # init brought torch.distributed up itself, so close tore it down (a process
-        # exiting with a live gloo group may abort in its destructor).
+    # init ran on a gloo group of distcache's own: torch.distributed's default group
+    # was never brought up, so the engine is free to make its own.
+    if session.comm.backend == "gloo":
         import torch.distributed as dist
 
         assert not dist.is_initialized()

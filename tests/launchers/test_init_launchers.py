@@ -55,7 +55,7 @@ def test_init_under_torchrun_brings_up_torch_and_fetches_once(
     )
     assert done.returncode == 0, done.output
     rows = _rows(done.output)
-    assert [(r.rank, r.size, r.backend) for r in rows] == [(r, 4, "torch") for r in range(4)], (
+    assert [(r.rank, r.size, r.backend) for r in rows] == [(r, 4, "gloo") for r in range(4)], (
         done.output
     )
     # One shared pool: every rank reports the job's download count and a full pool.
@@ -103,7 +103,7 @@ def test_prefetch_under_torchrun_fetches_each_artifact_once_and_nothing_on_a_sec
     done = run_group(cmd, base_env())
     assert done.returncode == 0, done.output
     rows = _rows(done.output)
-    assert [(r.rank, r.size, r.backend) for r in rows] == [(r, 4, "torch") for r in range(4)], (
+    assert [(r.rank, r.size, r.backend) for r in rows] == [(r, 4, "gloo") for r in range(4)], (
         done.output
     )
     assert srv.total_requests == K

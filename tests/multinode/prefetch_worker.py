@@ -96,7 +96,8 @@ def _world(kind: str) -> Communicator:
     import launch
 
     launch.init_process_group(backend="gloo", timeout=TIMEOUT_S)
-    return distcache.comm.from_torch(launch.gloo_group(), timeout=TIMEOUT_S)
+    # distcache's own gloo group on the default group's store, as init makes it.
+    return distcache.comm.from_torch(timeout=TIMEOUT_S)
 
 
 def _error(exc: PrefetchError) -> dict[str, Any]:

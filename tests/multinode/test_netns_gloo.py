@@ -233,10 +233,10 @@ def test_prefetch_across_two_namespaces_fetches_each_artifact_once_per_job(
         json.loads((out / f"rank{r}.json").read_text()) for r in range(4)
     ]
     assert [(r["node_id"], r["backend"]) for r in records] == [
-        ("node-0", "torch"),
-        ("node-0", "torch"),
-        ("node-1", "torch"),
-        ("node-1", "torch"),
+        ("node-0", "gloo"),
+        ("node-0", "gloo"),
+        ("node-1", "gloo"),
+        ("node-1", "gloo"),
     ]
     # Counted by the origin itself (read by rank 0 after every rank finished).
     stats = records[0]["origin_stats"]

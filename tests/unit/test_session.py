@@ -181,3 +181,41 @@ def test_something_that_is_not_an_integration_is_a_config_error(tmp_path: Path) 
     with pytest.raises(ConfigError, match="not an Integration"):
         distcache.init(pool=tmp_path / "pool", integrations=[object()],  # type: ignore[list-item]
                        flashinfer=False)
+
+
+def test_background_init_returns_at_once_and_wait_gives_the_report(
+    tmp_path: Path, origin_and_manifest: tuple[LoopbackOrigin, Path, int]
+) -> None:
+    srv, manifest, k = origin_and_manifest
+    srv.latency = 0.3  # every request takes a while: init must not wait for them
+    session = distcache.init(pool=tmp_path / "pool", origin=srv.url, manifests=[manifest],
+                             flashinfer=False, background=True)
+    assert not session.ready  # the downloads are still under way
+    report = session.wait(60)
+    assert session.ready
+    assert report is not None and report.downloads == k
+    assert session.wait() is report
+    assert srv.total_requests == k
+    session.close()
+
+
+def test_a_background_failure_is_raised_by_wait_not_by_init(
+    tmp_path: Path, origin_and_manifest: tuple[LoopbackOrigin, Path, int]
+) -> None:
+    from distcache.errors import PrefetchError
+
+    srv, manifest, _ = origin_and_manifest
+    srv.inject("500", count=None)
+    session = distcache.init(pool=tmp_path / "pool", origin=srv.url, manifests=[manifest],
+                             flashinfer=False, background=True, timeout=30)
+    with pytest.raises(PrefetchError):
+        session.wait(60)
+    with pytest.raises(PrefetchError):  # again: the same error, not a hang or None
+        session.wait(1)
+    session.close()
+
+
+def test_an_unknown_transport_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="DISTCACHE_TRANSPORT"):
+        distcache.init(pool=tmp_path / "pool", flashinfer=False,
+                       manifests=[[]], transport="carrier-pigeon")

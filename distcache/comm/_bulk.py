@@ -1,0 +1,146 @@
+"""Bulk bytes over one transport, everything else over another.
+
+``init(transport="nccl")`` moves the prefetch's artifact bytes over a dedicated NCCL
+group made for the prefetch and closed after it; the control plane (the small
+all-gathers, barriers and agreements) stays on distcache's own MPI or gloo
+communicator, where timeouts can be bounded on the host. The NCCL group meets on a
+store rank 0 hosts on a port the OS chooses; its address travels over the control
+communicator, so nothing races for a port and no launcher variable is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+from distcache.comm._base import Communicator, agree_on_error
+from distcache.errors import CommError, ConfigError, DistcacheError
+from launch import rendezvous_address
+
+log = logging.getLogger(__name__)
+
+
+class BulkCommunicator:
+    """A :class:`Communicator` whose ``broadcast_bytes`` runs on ``bulk`` and whose
+    other collectives run on ``control``; ``split`` splits both alike."""
+
+    def __init__(self, control: Communicator, bulk: Communicator) -> None:
+        if (control.rank, control.size) != (bulk.rank, bulk.size):
+            raise CommError(
+                f"control ({control.rank}/{control.size}) and bulk ({bulk.rank}/{bulk.size}) "
+                "communicators must span the same ranks in the same order",
+                op="init", rank=control.rank,
+            )
+        self.control = control
+        self.bulk = bulk
+
+    @property
+    def rank(self) -> int:
+        return self.control.rank
+
+    @property
+    def size(self) -> int:
+        return self.control.size
+
+    @property
+    def node_id(self) -> str:
+        return self.control.node_id
+
+    @property
+    def backend(self) -> str:
+        return f"{self.control.backend}+{self.bulk.backend}"
+
+    def broadcast_bytes(self, data: bytes | None, root: int, *,
+                        timeout: float | None = None) -> bytes:
+        return self.bulk.broadcast_bytes(data, root, timeout=timeout)
+
+    def allgather_object(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
+        return self.control.allgather_object(obj, timeout=timeout)
+
+    def barrier(self, *, timeout: float | None = None) -> None:
+        self.control.barrier(timeout=timeout)
+
+    def split(self, color: int) -> BulkCommunicator:
+        return BulkCommunicator(self.control.split(color), self.bulk.split(color))
+
+    def __repr__(self) -> str:
+        return f"BulkCommunicator(control={self.control!r}, bulk={self.bulk!r})"
+
+
+def shared_store(comm: Communicator, timeout: float) -> Any:
+    """A ``TCPStore`` every rank of ``comm`` reaches: rank 0 hosts it on a port the OS
+    chooses and the address travels over ``comm``.
+
+    Raises:
+        CommError: the store cannot be hosted or reached (on every rank alike).
+        LaunchError: ranks span hosts and rank 0's name resolves only to loopback.
+    """
+    import torch.distributed as dist
+
+    hosts = comm.allgather_object(socket.gethostname(), timeout=timeout)
+    store = None
+    error: BaseException | None = None
+    address = b""
+    if comm.rank == 0:
+        try:
+            host = rendezvous_address(hosts)
+            store = dist.TCPStore(host, 0, comm.size, True, timeout=timedelta(seconds=timeout),
+                                  wait_for_workers=False)
+            address = f"{host}:{store.port}".encode()
+        except (RuntimeError, OSError, DistcacheError) as exc:
+            error = exc
+    flagged = comm.broadcast_bytes(b"" if error is not None else address if comm.rank == 0
+                                   else None, 0, timeout=timeout)
+    if not flagged:
+        raise CommError(f"rank 0 could not host the NCCL group's store: {error}",
+                        op="rendezvous", rank=comm.rank, backend="nccl")
+    if store is None:
+        host, _, port = flagged.decode().rpartition(":")
+        try:
+            store = dist.TCPStore(host, int(port), comm.size, False,
+                                  timeout=timedelta(seconds=timeout), wait_for_workers=False)
+        except (RuntimeError, OSError) as exc:
+            raise CommError(f"rank {comm.rank}: cannot reach the NCCL group's store at "
+                            f"{host}:{port}: {exc}", op="rendezvous", rank=comm.rank,
+                            backend="nccl") from exc
+    return store
+
+
+@contextmanager
+def bulk_transport(comm: Communicator, transport: str, timeout: float) -> Iterator[Communicator]:
+    """The communicator a prefetch should run on for ``transport``: ``comm`` itself
+    for ``"default"``; for ``"nccl"`` a :class:`BulkCommunicator` over a dedicated NCCL
+    group made now and closed when the block ends. Collective.
+
+    Raises:
+        CommError: the NCCL group cannot be made (no CUDA, no NCCL, a peer missing);
+            every rank learns of it through ``comm`` and raises alike.
+        ConfigError: an unknown ``transport``.
+    """
+    if transport not in ("default", "nccl"):
+        raise ConfigError(f"unknown transport {transport!r}; use 'default' or 'nccl' "
+                          "(init(transport=...) or DISTCACHE_TRANSPORT)",
+                          variable="DISTCACHE_TRANSPORT", value=transport)
+    if transport == "default" or comm.size == 1:
+        yield comm
+        return
+    from distcache.comm._gloo import NcclCommunicator  # imports torch
+
+    bulk = None
+    error: BaseException | None = None
+    try:
+        bulk = NcclCommunicator(shared_store(comm, timeout), comm.rank, comm.size,
+                                timeout=timeout, node_id=comm.node_id)
+    except DistcacheError as exc:
+        error = exc
+    agree_on_error(comm, error, timeout=timeout)
+    assert bulk is not None  # agree_on_error raised otherwise
+    log.debug("prefetch bytes move over %r", bulk)
+    try:
+        yield BulkCommunicator(comm, bulk)
+    finally:
+        bulk.close()
