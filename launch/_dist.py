@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from distcache.config import env_float
+from distcache.config import settings
 from distcache.errors import CollectiveTimeout, CommError, LaunchError
 from launch._detect import LaunchInfo, detect
 
@@ -38,8 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT = 300.0
-"""Seconds allowed for the rendezvous and for collectives (``DISTCACHE_INIT_TIMEOUT``)."""
 
 
 @dataclass
@@ -236,8 +234,8 @@ def init_process_group(
     """Initialise ``torch.distributed`` for this launch; collective, idempotent.
 
     ``info`` defaults to :func:`launch._detect`; ``backend`` to ``nccl`` when CUDA is
-    available, else ``gloo``; ``timeout`` (seconds) to ``DISTCACHE_INIT_TIMEOUT``,
-    else :data:`DEFAULT_TIMEOUT`. Sets (and logs) ``RANK``, ``WORLD_SIZE``,
+    available, else ``gloo``; ``timeout`` (seconds) to the ``init_timeout`` setting
+    (``DISTCACHE_INIT_TIMEOUT``, default 300). Sets (and logs) ``RANK``, ``WORLD_SIZE``,
     ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` where they
     differ, so code that reads them later sees this job. Returns the ``LaunchInfo``
     with the rendezvous address and port filled in.
@@ -252,8 +250,7 @@ def init_process_group(
     import torch
     import torch.distributed as dist
 
-    seconds = timeout if timeout is not None else env_float("DISTCACHE_INIT_TIMEOUT", DEFAULT_TIMEOUT)
-    delta = timedelta(seconds=seconds or DEFAULT_TIMEOUT)
+    delta = timedelta(seconds=settings(init_timeout=timeout).init_timeout)
     if info is None:
         info = detect()
     if dist.is_initialized():

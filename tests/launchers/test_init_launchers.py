@@ -134,10 +134,14 @@ def test_launch_prefetch_warms_the_pool_before_the_program_starts(
 ) -> None:
     srv, manifest = origin
     pool = tmp_path / "pool"
+    # The program is an MPI engine of its own: after the wrapper's prefetch (on a
+    # duplicate of the world, freed before the program starts) it makes its own
+    # MPI_Init and reduces over the world.
     check = (
         "import os, sys; from distcache.store._pool import ArtifactPool; "
         "p = ArtifactPool(os.environ['DISTCACHE_POOL']); "
-        "print('OBJECTS', os.environ['RANK'], sum(1 for _ in p.objects()), flush=True)"
+        "from mpi4py import MPI; total = MPI.COMM_WORLD.allreduce(1); "
+        "print('OBJECTS', os.environ['RANK'], sum(1 for _ in p.objects()), total, flush=True)"
     )
     done = run_group(
         [
@@ -155,8 +159,8 @@ def test_launch_prefetch_warms_the_pool_before_the_program_starts(
         base_env(DISTCACHE_ORIGIN=srv.url),
     )
     assert done.returncode == 0, done.output
-    counts = sorted(re.findall(r"OBJECTS (\d) (\d+)", done.output))
-    assert counts == [(str(r), str(K)) for r in range(4)], done.output
+    counts = sorted(re.findall(r"OBJECTS (\d) (\d+) (\d+)", done.output))
+    assert counts == [(str(r), str(K), "4") for r in range(4)], done.output
     assert srv.total_requests == K
     assert "prefetch:" in done.output
 
