@@ -16,7 +16,8 @@ import distcache
 
 def main() -> int:
     pool, url, manifest = sys.argv[1:4]
-    rank = os.environ.get("RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or "0"
+    rank = (os.environ.get("RANK") or os.environ.get("OMPI_COMM_WORLD_RANK")
+            or os.environ.get("SLURM_PROCID") or "0")
     pool = pool.replace("{rank}", rank)
     session = distcache.init(pool=pool, origin=url, manifests=[manifest], flashinfer=False)
     report = session.report

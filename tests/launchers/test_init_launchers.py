@@ -12,7 +12,7 @@ import pytest
 from distcache.artifact import parse_checksums
 from distcache.store._pool import ArtifactPool
 from distcache.testing import LoopbackOrigin, make_artifacts
-from tests.launchers.procs import LAUNCH, MPIRUN_4, PY, TORCHRUN_4, base_env, run_group
+from tests.launchers.procs import LAUNCH, MPIRUN_4, PY, SRUN_4, TORCHRUN_4, base_env, run_group
 from tests.support.helpers import mpmd_command
 
 INIT_PROG = Path(__file__).with_name("init_prog.py")
@@ -86,6 +86,24 @@ def test_init_under_mpirun_adopts_mpi_with_per_node_pools(
     )
     assert {r.objects for r in rows} == {K}
     assert srv.total_requests == K
+
+
+def test_init_under_srun_meets_on_a_store_of_its_own_and_fetches_once(
+    tmp_path: Path, origin: tuple[LoopbackOrigin, Path], slurm_env: dict[str, str]
+) -> None:
+    # srun has no agent store: rank 0 hosts distcache's one port above MASTER_PORT,
+    # which stays free for the engine's own env:// rendezvous.
+    srv, manifest = origin
+    done = run_group([*SRUN_4, PY, str(INIT_PROG), str(tmp_path / "pools" / "{rank}"), srv.url,
+                      str(manifest)], slurm_env)
+    assert done.returncode == 0, done.output
+    rows = _rows(done.output)
+    assert [(r.rank, r.size, r.backend) for r in rows] == [(r, 4, "gloo") for r in range(4)], (
+        done.output
+    )
+    assert {r.objects for r in rows} == {K}
+    assert srv.total_requests == K
+    assert {r.broadcast_bytes for r in rows} != {0}  # four pools: bytes moved between ranks
 
 
 @pytest.mark.parametrize("layout", ["pool-per-rank", "shared-pool"])
