@@ -31,10 +31,10 @@ from distcache.config import Settings, settings
 from distcache.errors import CollectiveTimeout, ConfigError, DistcacheError
 from distcache.integrations import Integration
 from distcache.integrations.flashinfer import FlashInfer
+from distcache.ipc import PoolRegistry
 
 if TYPE_CHECKING:
     from distcache.collective import PrefetchReport
-    from distcache.ipc import PoolRegistry
     from distcache.origins import Origin
     from distcache.store import ArtifactPool
 
@@ -261,8 +261,6 @@ def init(
         _log_rank0(comm, "pool: %s (id %s)", the_pool.root, the_pool.pool_id)
         the_origin = resolve_origin(origin, conf, chosen)
         if ipc_pools is not None:
-            from distcache.ipc import PoolRegistry  # the CUDA backend may import torch
-
             with _phase(phases, "ipc"):
                 session.registry = PoolRegistry.exchange(comm, list(ipc_pools),
                                                          timeout=conf.timeout)

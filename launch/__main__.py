@@ -29,8 +29,13 @@ from pathlib import Path
 from types import FrameType
 from typing import NoReturn
 
+import distcache
+from distcache.artifact import read_manifest
+from distcache.comm import adopt
 from distcache.errors import DistcacheError
+from distcache.integrations.flashinfer import FlashInfer
 from launch._detect import LaunchInfo, detect
+from launch._dist import mpi_publish, rendezvous_address
 from launch._workspace import WorkspaceSlot, acquire_slot
 
 log = logging.getLogger("launch")
@@ -104,8 +109,6 @@ def _rendezvous(info: LaunchInfo) -> LaunchInfo:
     if info.master_addr is not None and info.master_port is not None:
         return info
     if info.is_mpi and info.world_size > 1:
-        from launch._dist import mpi_publish, rendezvous_address
-
         def choose(hosts: list[str]) -> tuple[str, int]:
             host = info.master_addr or rendezvous_address(hosts)
             return host, info.master_port or _free_port(host)
@@ -189,10 +192,6 @@ def _prefetch(
     group is never initialised here, so PROGRAM's ``init_process_group`` finds
     ``MASTER_PORT`` free.
     """
-    import distcache
-    from distcache.artifact import read_manifest
-    from distcache.comm import adopt
-
     adopted = adopt(info)
     try:
         comm = adopted.comm
@@ -214,8 +213,6 @@ def _materialize_dir(option: str | None) -> Path | None:
     when that is known without importing FlashInfer."""
     if option is not None:
         return Path(option)
-    from distcache.integrations.flashinfer import FlashInfer
-
     return FlashInfer().materialize_dir()
 
 

@@ -12,7 +12,10 @@ from typing import Any
 
 from distcache.comm._base import MAX_MESSAGE_BYTES, Communicator, agree_on_error
 from distcache.comm._bulk import BulkCommunicator, bulk_transport
+from distcache.comm._gloo import GlooCommunicator
 from distcache.comm._local import LocalCommunicator, ThreadCommunicator, ThreadGroup
+from distcache.comm._mpi import MpiCommunicator
+from distcache.comm._torch import TorchCommunicator, import_torch
 from distcache.comm.adopt import Adopted, adopt, auto
 from distcache.errors import CommError
 
@@ -47,8 +50,6 @@ def from_mpi(mpi_comm: Any = None, **kwargs: Any) -> Communicator:
         CommError: mpi4py is not importable.
         CollectiveTimeout: not every rank of ``mpi_comm`` called it in time.
     """
-    from distcache.comm._mpi import MpiCommunicator
-
     return MpiCommunicator(mpi_comm, **kwargs)
 
 
@@ -63,11 +64,7 @@ def from_torch(group: Any = None, **kwargs: Any) -> Communicator:
             not be made in time.
     """
     if group is not None:
-        from distcache.comm._torch import TorchCommunicator
-
         return TorchCommunicator(group, **kwargs)
-    from distcache.comm._gloo import GlooCommunicator
-    from distcache.comm._torch import import_torch
     _, dist = import_torch()
     if not dist.is_initialized():
         raise CommError(

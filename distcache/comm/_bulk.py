@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 from distcache.comm._base import Communicator, agree_on_error
+from distcache.comm._gloo import NcclCommunicator
 from distcache.errors import CommError, ConfigError, DistcacheError
 from launch import rendezvous_address
 
@@ -128,8 +129,6 @@ def bulk_transport(comm: Communicator, transport: str, timeout: float) -> Iterat
     if transport == "default" or comm.size == 1:
         yield comm
         return
-    from distcache.comm._gloo import NcclCommunicator  # imports torch
-
     bulk = None
     error: BaseException | None = None
     try:

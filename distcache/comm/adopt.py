@@ -34,7 +34,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from distcache.comm._base import Communicator
+from distcache.comm._gloo import GlooCommunicator
 from distcache.comm._local import LocalCommunicator
+from distcache.comm._mpi import MpiCommunicator
 from distcache.config import settings
 from launch import LaunchInfo, detect, find_store
 
@@ -133,13 +135,9 @@ def adopt(
         info = detect(env)
     choice = choose(info)
     if choice == "mpi":
-        from distcache.comm._mpi import MpiCommunicator  # importing mpi4py calls MPI_Init
-
         log.debug("communicator: a duplicate of the MPI world")
         return Adopted(MpiCommunicator(**options), choice)
     if choice == "gloo":
-        from distcache.comm._gloo import GlooCommunicator  # imports torch
-
         wait = settings(timeout=options.get("timeout")).timeout
         meeting = find_store(info, wait, env)
         log.debug("communicator: distcache's own gloo group on %s", meeting.source)
