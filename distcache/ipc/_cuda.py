@@ -97,7 +97,10 @@ class _TensorWords:
     def rows(self, slots: list[int], width: int) -> list[list[int]]:
         import torch
 
-        table = self._words.view(-1, self._stride)
+        # The control area is rounded up to the data alignment, so its length need not
+        # be a multiple of the stride: view only the whole rows.
+        whole = self._words.numel() // self._stride * self._stride
+        table = self._words[:whole].view(-1, self._stride)
         index = torch.tensor(slots, dtype=torch.long, device=table.device)
         rows: list[list[int]] = table.index_select(0, index)[:, :width].tolist()
         return rows
