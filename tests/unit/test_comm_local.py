@@ -414,18 +414,17 @@ def test_process_groups_held_by_communicators_are_let_go_before_the_interpreter_
     # A group kept alive past destroy_process_group() by a communicator used to be
     # destroyed during interpreter finalization, where gloo's worker threads can no
     # longer take the GIL: the process then died in std::terminate after printing "ok".
-    # Exit hooks run last-registered first, so the check registered here runs after
-    # distcache's release hook.
+    # Exit hooks run last-registered first, so the check, registered before distcache
+    # is imported (importing distcache.comm registers the release hook), runs after it.
     proc = _python(
         f"""
         import atexit
-        import torch.distributed as dist
-        from distcache.errors import CommError
-        import distcache.comm
 
         held = {{}}
 
         def check():
+            from distcache.errors import CommError
+
             comm, sub = held["comm"], held["sub"]
             assert comm.group is None and sub.group is None, (comm.group, sub.group)
             try:
@@ -437,6 +436,9 @@ def test_process_groups_held_by_communicators_are_let_go_before_the_interpreter_
             print("released")
 
         atexit.register(check)
+        import torch.distributed as dist
+        import distcache.comm
+
         dist.init_process_group("gloo", init_method="file://{tmp_path}/rdv", rank=0, world_size=1)
         comm = distcache.comm.auto(timeout=30, chunk_bytes=4)
         assert comm.broadcast_bytes(b"0123456789", 0) == b"0123456789"
