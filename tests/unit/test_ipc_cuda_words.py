@@ -4,10 +4,9 @@ that needs no device (the device paths run in scripts/gpu_check.sh)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from distcache.ipc._cuda import _TensorWords  # noqa: E402
+from distcache.ipc._cuda import _TensorWords
 
 
 @pytest.mark.parametrize(("slots", "consumers", "padding"), [(100, 2, 20), (1024, 3, 0), (7, 1, 3)])
