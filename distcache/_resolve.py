@@ -31,7 +31,7 @@ from distcache.comm import Communicator, agree_on_error
 from distcache.config import Settings
 from distcache.errors import ConfigError, DistcacheError, PoolError
 from distcache.origins import Origin, open_origin
-from distcache.store import ArtifactPool
+from distcache.store import ArtifactPool, PoolLayout
 
 if TYPE_CHECKING:
     from distcache.integrations import Integration
@@ -56,7 +56,7 @@ def resolve_pool(
     if isinstance(pool, ArtifactPool):
         return pool
     root = Path(pool) if pool is not None else conf.pool_dir
-    if must_exist and not (root / "objects").is_dir():
+    if must_exist and not PoolLayout(root).is_pool():
         raise PoolError(
             f"no pool at {root} (no objects/ directory); pass --pool DIR or set "
             "DISTCACHE_POOL, or create one with 'distcache fetch' or 'distcache pool import'",

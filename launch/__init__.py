@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from distcache.errors import LaunchError, WorkspaceError
 from launch._detect import LAUNCHERS, MPI_LAUNCHERS, LaunchInfo, detect
-from launch._dist import gloo_group, init_process_group, rendezvous_address
+from launch._dist import gloo_group, init_process_group, publish_store, rendezvous_address
 from launch._nodelist import expand_nodelist
 from launch._rendezvous import Rendezvous, find_store
 
@@ -32,5 +32,6 @@ __all__ = [
     "find_store",
     "gloo_group",
     "init_process_group",
+    "publish_store",
     "rendezvous_address",
 ]

@@ -134,65 +134,94 @@ def _mpi_world(info: LaunchInfo) -> Any:
     return comm
 
 
-def mpi_publish(info: LaunchInfo, choose: Callable[[list[str]], tuple[str, int]]) -> tuple[str, int]:
-    """Agree on a rendezvous ``(host, port)`` over MPI; collective over ``COMM_WORLD``.
-
-    Every rank's host name is all-gathered; rank 0 calls ``choose(host_names)`` and its
-    answer is broadcast. If ``choose`` raises on rank 0, every rank raises (rather than
-    waiting in the broadcast forever).
+def agree_on_address(
+    rank: int,
+    allgather: Callable[[Any], list[Any]],
+    broadcast: Callable[[Any], Any],
+    choose: Callable[[list[str]], tuple[str, int]],
+) -> tuple[str, int]:
+    """Agree on a rendezvous ``(host, port)`` over any transport: every rank's host
+    name is all-gathered, rank 0 calls ``choose(host_names)`` and its answer is
+    broadcast. If ``choose`` raises on rank 0, every rank raises (rather than waiting
+    in the broadcast forever).
 
     Raises:
-        CommError: mpi4py is missing, or ``choose`` failed on rank 0.
-        LaunchError: MPI's rank or size contradicts ``info``.
+        CommError: ``choose`` failed on rank 0.
     """
-    comm = _mpi_world(info)
-    hosts = comm.allgather(socket.gethostname())
+    hosts = allgather(socket.gethostname())
     message: tuple[str, str, int] = ("", "", 0)
-    if info.rank == 0:
+    if rank == 0:
         try:
             host, port = choose(hosts)
             message = ("ok", host, port)
         except Exception as exc:
             message = ("error", f"{type(exc).__name__}: {exc}", 0)
-    status, host, port = comm.bcast(message, root=0)
+    status, host, port = broadcast(message)
     if status != "ok":
         raise CommError(
-            f"rank {info.rank}/{info.world_size} on {info.node_id}: rank 0 could not "
-            f"choose a rendezvous address: {host}",
+            f"rank {rank}: rank 0 could not choose a rendezvous address: {host}",
             op="rendezvous",
             rank=0,
         )
     return host, port
 
 
-def _mpi_store(info: LaunchInfo, timeout: timedelta) -> tuple[LaunchInfo, Store]:
+def mpi_publish(info: LaunchInfo, choose: Callable[[list[str]], tuple[str, int]]) -> tuple[str, int]:
+    """:func:`agree_on_address` over MPI; collective over ``COMM_WORLD``.
+
+    Raises:
+        CommError: mpi4py is missing, or ``choose`` failed on rank 0.
+        LaunchError: MPI's rank or size contradicts ``info``.
+    """
+    comm = _mpi_world(info)
+    return agree_on_address(info.rank, comm.allgather, lambda m: comm.bcast(m, root=0), choose)
+
+
+def publish_store(
+    rank: int,
+    size: int,
+    allgather: Callable[[Any], list[Any]],
+    broadcast: Callable[[Any], Any],
+    timeout: timedelta,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+) -> tuple[str, int, Store]:
+    """A ``TCPStore`` every rank reaches: rank 0 hosts it (on ``port``, else one the OS
+    picks and keeps bound, so no other process can take it between choosing and
+    listening) and its address travels over the given transport; the others connect.
+
+    Raises:
+        CommError: rank 0 could not host the store (on every rank alike).
+        RuntimeError, ValueError: this rank could not connect (torch's errors).
+    """
     import torch.distributed as dist
 
-    stores: list[Any] = []
+    hosted: list[Store] = []
 
     def open_master(hosts: list[str]) -> tuple[str, int]:
-        host = info.master_addr or rendezvous_address(hosts)
-        # Port 0: the OS picks a free port and the store keeps it bound, so no other
-        # process can take it between choosing and listening.
-        store = dist.TCPStore(
-            host,
-            info.master_port or 0,
-            info.world_size,
-            is_master=True,
-            timeout=timeout,
-            wait_for_workers=False,
-        )
-        stores.append(store)
-        return host, int(store.port)
+        where = host or rendezvous_address(hosts)
+        store = dist.TCPStore(where, port or 0, size, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+        hosted.append(store)
+        return where, int(store.port)
 
-    host, port = mpi_publish(info, open_master)
-    info = dataclasses.replace(info, master_addr=host, master_port=port)
-    if stores:
-        return info, stores[0]
+    where, chosen = agree_on_address(rank, allgather, broadcast, open_master)
+    if hosted:
+        return where, chosen, hosted[0]
+    return where, chosen, dist.TCPStore(where, chosen, size, is_master=False, timeout=timeout)
+
+
+def _mpi_store(info: LaunchInfo, timeout: timedelta) -> tuple[LaunchInfo, Store]:
+    comm = _mpi_world(info)
     try:
-        return info, dist.TCPStore(host, port, info.world_size, is_master=False, timeout=timeout)
+        host, port, store = publish_store(
+            info.rank, info.world_size, comm.allgather, lambda m: comm.bcast(m, root=0),
+            timeout, host=info.master_addr, port=info.master_port,
+        )
     except (RuntimeError, ValueError) as exc:
         raise _translate(exc, "connecting to the rendezvous store", info) from exc
+    return dataclasses.replace(info, master_addr=host, master_port=port), store
 
 
 def _export(info: LaunchInfo) -> None:

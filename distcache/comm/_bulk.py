@@ -11,7 +11,6 @@ communicator, so nothing races for a port and no launcher variable is needed.
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -20,7 +19,7 @@ from typing import Any
 from distcache.comm._base import Communicator, agree_on_error
 from distcache.comm._gloo import NcclCommunicator
 from distcache.errors import CommError, ConfigError, DistcacheError
-from launch import rendezvous_address
+from launch import publish_store
 
 log = logging.getLogger(__name__)
 
@@ -74,40 +73,22 @@ class BulkCommunicator:
 
 def shared_store(comm: Communicator, timeout: float) -> Any:
     """A ``TCPStore`` every rank of ``comm`` reaches: rank 0 hosts it on a port the OS
-    chooses and the address travels over ``comm``.
+    chooses and the address travels over ``comm`` (:func:`launch.publish_store`).
 
     Raises:
-        CommError: the store cannot be hosted or reached (on every rank alike).
-        LaunchError: ranks span hosts and rank 0's name resolves only to loopback.
+        CommError: the store cannot be hosted or reached.
     """
-    import torch.distributed as dist
-
-    hosts = comm.allgather_object(socket.gethostname(), timeout=timeout)
-    store = None
-    error: BaseException | None = None
-    address = b""
-    if comm.rank == 0:
-        try:
-            host = rendezvous_address(hosts)
-            store = dist.TCPStore(host, 0, comm.size, True, timeout=timedelta(seconds=timeout),
-                                  wait_for_workers=False)
-            address = f"{host}:{store.port}".encode()
-        except (RuntimeError, OSError, DistcacheError) as exc:
-            error = exc
-    flagged = comm.broadcast_bytes(b"" if error is not None else address if comm.rank == 0
-                                   else None, 0, timeout=timeout)
-    if not flagged:
-        raise CommError(f"rank 0 could not host the NCCL group's store: {error}",
-                        op="rendezvous", rank=comm.rank, backend="nccl")
-    if store is None:
-        host, _, port = flagged.decode().rpartition(":")
-        try:
-            store = dist.TCPStore(host, int(port), comm.size, False,
-                                  timeout=timedelta(seconds=timeout), wait_for_workers=False)
-        except (RuntimeError, OSError) as exc:
-            raise CommError(f"rank {comm.rank}: cannot reach the NCCL group's store at "
-                            f"{host}:{port}: {exc}", op="rendezvous", rank=comm.rank,
-                            backend="nccl") from exc
+    wait = timedelta(seconds=timeout)
+    try:
+        _, _, store = publish_store(
+            comm.rank, comm.size,
+            lambda obj: comm.allgather_object(obj, timeout=timeout),
+            lambda obj: comm.allgather_object(obj, timeout=timeout)[0],  # rank 0's answer
+            wait,
+        )
+    except (RuntimeError, ValueError) as exc:
+        raise CommError(f"rank {comm.rank}: cannot reach the NCCL group's store: {exc}",
+                        op="rendezvous", rank=comm.rank, backend="nccl") from exc
     return store
 
 
