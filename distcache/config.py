@@ -274,6 +274,9 @@ TABLE: tuple[Variable, ...] = (
              "*.cubin,*.so,*.h,*/checksums.txt,*.json",
              "comma-separated globs of the FlashInfer artifact names that are pooled",
              blank_is_unset=False),
+    Variable("DISTCACHE_LOG_JSON", "log_json", None, _path, "unset",
+             "file that structured events (prefetch reports, loader statistics) are "
+             "appended to, one JSON line each"),
 )
 
 #: ``variable -> (default as documented, meaning)``: the README's table, from :data:`TABLE`.
@@ -322,6 +325,8 @@ class Settings:
     #: Globs of the FlashInfer names that are pooled, or ``None`` for the
     #: integration's own default.
     flashinfer_families: tuple[str, ...] | None
+    #: File structured events are appended to, or ``None``.
+    log_json: Path | None
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
