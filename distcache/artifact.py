@@ -47,6 +47,15 @@ _BAD_CATEGORIES = {"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"}
 # A name that looks like "a/../b" in a log or a web UI must not be a different path
 # from the one it shows, and servers that fold Unicode (some CDNs, SMB) would see one.
 _SEPARATOR_LOOKALIKES = frozenset("\u2215\u2044\u29f8\u2216\u29f5\u29f9\u2571\u2572")
+# The names real manifests hold (ASCII letters, digits and a few punctuation marks in
+# segments of at most 255 bytes that are not dots only) pass every rule below by
+# construction: ASCII is NFC and folds to itself, and the set has no control
+# character, space, backslash or '*'. One regular expression accepts them; anything
+# else takes the rule-by-rule path. A family of 16,000 kernels is validated in
+# milliseconds instead of seconds.
+_FAST_SEGMENT = r"(?!\.+(?:/|\Z))[A-Za-z0-9_.+=,@%~-]{1,255}"
+_FAST_NAME = re.compile(rf"{_FAST_SEGMENT}(?:/+{_FAST_SEGMENT})*")
+_SLASHES = re.compile(r"/{2,}")
 
 
 def sha256_hex(data: bytes | bytearray | memoryview) -> str:
@@ -80,6 +89,13 @@ def validate_name(name: object) -> str:
     Raises:
         ArtifactNameError: the name is unsafe; ``reason`` says why.
     """
+    if type(name) is str and len(name) <= MAX_NAME_BYTES and _FAST_NAME.fullmatch(name):
+        return name if "//" not in name else _SLASHES.sub("/", name)
+    return _validate_slowly(name)
+
+
+def _validate_slowly(name: object) -> str:
+    """:func:`validate_name`, one rule at a time (and the reason for a rejection)."""
 
     def reject(reason: str) -> ArtifactNameError:
         return ArtifactNameError(
@@ -107,7 +123,7 @@ def validate_name(name: object) -> str:
         # Two spellings of one visible name would be two files here and one file on a
         # normalising filesystem (macOS, ZFS with normalization=formD).
         raise reject("not in Unicode NFC form")
-    normalised = re.sub(r"/{2,}", "/", name)
+    normalised = _SLASHES.sub("/", name)
     segments = normalised.split("/")
     for segment in segments:
         if segment == "":
