@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -91,3 +92,49 @@ def emit(args: argparse.Namespace, data: object, lines: Iterable[str]) -> None:
         return
     for line in lines:
         print(line)
+
+
+class _Bar:
+    """A :class:`~distcache.store._import.Progress` drawn with tqdm on stderr."""
+
+    def __init__(self) -> None:
+        self._bar: Any = None
+
+    def phase(self, label: str, total_bytes: int | None) -> None:
+        from tqdm import tqdm  # third-party and only worth its import time on a terminal
+
+        self.close()
+        self._bar = tqdm(total=total_bytes, desc=label, unit="B", unit_scale=True,
+                         unit_divisor=1024, file=sys.stderr, leave=False)
+
+    def advance(self, nbytes: int) -> None:
+        if self._bar is not None:
+            self._bar.update(nbytes)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def progress_bar(args: argparse.Namespace) -> _Bar | None:
+    """A byte progress bar on a terminal; ``None`` in logs, pipes and with ``--json``."""
+    if getattr(args, "json", False) or not sys.stderr.isatty():
+        return None
+    return _Bar()
+
+
+def confirm(args: argparse.Namespace, question: str) -> bool:
+    """Whether to go ahead with a removal: ``--yes``, else the answer to ``question``
+    on a terminal.
+
+    Raises:
+        UsageError: neither ``--yes`` nor a terminal to ask on.
+    """
+    if getattr(args, "yes", False):
+        return True
+    if not sys.stdin.isatty():
+        raise UsageError("refusing to remove without confirmation: pass --yes, or "
+                         "--dry-run to see what would be removed")
+    answer = input(f"{question} [y/N] ").strip().lower()
+    return answer in ("y", "yes")

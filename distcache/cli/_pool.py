@@ -1,7 +1,9 @@
-"""``distcache pool ls|stats|verify|gc|import|export``: inspect and maintain a pool.
+"""``distcache pool ls|stats|verify|gc|import|export|rm|prune``: inspect and maintain a
+pool.
 
 The inspecting actions never create a pool (a missing one is an error); ``import``
-creates it. ``import`` and ``export`` live in :mod:`distcache.cli._transfer`.
+creates it. ``import`` and ``export`` live in :mod:`distcache.cli._transfer`, ``rm``
+and ``prune`` in :mod:`distcache.cli._hygiene`.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ import argparse
 import dataclasses
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 from distcache._resolve import resolve_pool
 from distcache.cli._common import (
@@ -21,7 +22,8 @@ from distcache.cli._common import (
     emit,
     human_bytes,
 )
-from distcache.cli._transfer import run_export, run_import
+from distcache.cli._hygiene import PRUNE_HELP, RM_HELP, setup_prune, setup_rm
+from distcache.cli._transfer import IMPORT_HELP, setup_export, setup_import
 from distcache.config import parse_bytes, settings
 from distcache.store import ArtifactPool
 
@@ -30,8 +32,10 @@ def setup_pool(parser: argparse.ArgumentParser) -> None:
     """Add the pool actions to the ``pool`` subcommand's parser."""
     subparsers = parser.add_subparsers(dest="pool_command", metavar="ACTION", required=True)
 
-    def action(name: str, help: str) -> argparse.ArgumentParser:
-        return subparsers.add_parser(name, help=help, parents=[common_options()])
+    def action(name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
+        return subparsers.add_parser(name, help=help, parents=[common_options()],
+                                     description=description or help,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
 
     ls = action("ls", "list named artifacts present in the pool (sha256sum format)")
     add_json_option(ls)
@@ -47,13 +51,18 @@ def setup_pool(parser: argparse.ArgumentParser) -> None:
                     help="cap, e.g. 20G (default: DISTCACHE_POOL_MAX_BYTES)")
     add_json_option(gc)
     gc.set_defaults(run=run_gc)
-    imp = action("import", "add a directory's files (checked against its checksums.txt "
-                           "when present)")
-    imp.add_argument("directory", type=Path, metavar="DIR")
-    imp.set_defaults(run=run_import)
-    exp = action("export", "write every named artifact and checksums.txt under DIR")
-    exp.add_argument("directory", type=Path, metavar="DIR")
-    exp.set_defaults(run=run_export)
+    imp = action("import", "add a flashinfer-cubin wheel, a tarball or a directory, "
+                           "verified, all or nothing", IMPORT_HELP)
+    setup_import(imp)
+    add_json_option(imp)
+    exp = action("export", "write the named artifacts and checksums.txt under DIR, or "
+                           "into one tarball (--tar) for an air-gapped transfer")
+    setup_export(exp)
+    add_json_option(exp)
+    setup_rm(action("rm", "remove labels by name or glob, and the objects only they use",
+                    RM_HELP))
+    setup_prune(action("prune", "remove objects unused for a duration, and their labels",
+                       PRUNE_HELP))
 
 
 def existing_pool(args: argparse.Namespace) -> ArtifactPool:

@@ -1,109 +1,128 @@
-"""``distcache pool import DIR`` and ``pool export DIR``: move artifacts between a
-pool and a plain directory (a mirror laid out as ``DIR/<name>`` plus ``checksums.txt``,
-the same layout a :class:`~distcache.origins.DirOrigin` reads)."""
+"""``distcache pool import SRC`` and ``pool export DIR | --tar FILE``: move artifact
+sets between a pool and a wheel, a tarball or a plain directory (a mirror laid out as
+``DIR/<name>`` plus ``checksums.txt``, the layout a
+:class:`~distcache.origins.DirOrigin` reads).
+
+What import accepts, how it names and verifies, and why it is all or nothing:
+:mod:`distcache.store._import`. The tarball export: :mod:`distcache.store._export`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
-import sys
 from pathlib import Path
 
 from distcache._resolve import resolve_pool
-from distcache.artifact import Artifact, manifest_text, read_manifest, sha256_hex
-from distcache.cli._common import EXIT_ERROR, EXIT_OK, UsageError, human_bytes
+from distcache.artifact import Artifact, manifest_text, read_manifest
+from distcache.cli._common import EXIT_OK, UsageError, emit, human_bytes, progress_bar
 from distcache.config import settings
-from distcache.errors import DistcacheError
-from distcache.origins import DirOrigin
 from distcache.store import ArtifactPool
+from distcache.store._export import export_tar
+from distcache.store._import import import_set
+
+IMPORT_HELP = """\
+Import a flashinfer-cubin wheel (.whl), a tarball (.tar, .tar.gz, .tgz; e.g. one
+written by 'pool export --tar') or a directory into the pool.
+
+Names: a wheel's flashinfer_cubin/cubins/ tree is the root (its Python files and
+.dist-info are ignored); otherwise the top of the tarball or directory is. Each file is
+labelled with its path under the root, which is the name FlashInfer's loader asks for
+(<pin>/<path>), so one wheel serves every FlashInfer version whose pins it holds, and
+a cubin that did not change between versions is stored once.
+
+Verification: every checksums.txt under the root (one per pin in a wheel) lists files
+relative to its directory; each listed file must match its sha256. Files no manifest
+lists are skipped, unless the source has no checksums.txt at all. Files listed but
+absent from the source are reported, not imported.
+
+All or nothing: an unsafe member (absolute path, '..', symlink, hard link, device),
+an unreadable archive, conflicting manifests or a single sha256 mismatch refuses the
+whole import (exit 1) and nothing is added to the pool.
+"""
 
 
-def _files_under(directory: Path) -> list[str]:
-    names = []
-    for dirpath, dirnames, filenames in os.walk(directory):
-        dirnames.sort()
-        for filename in sorted(filenames):
-            path = Path(dirpath, filename)
-            if path.is_symlink() or not path.is_file():
-                continue
-            names.append(path.relative_to(directory).as_posix())
-    return names
+def setup_import(parser: argparse.ArgumentParser) -> None:
+    """Add the ``pool import`` arguments."""
+    parser.add_argument("source", type=Path, metavar="SRC",
+                        help="a .whl, a tarball or a directory")
+    parser.set_defaults(run=run_import)
 
 
-def _import_checked(pool: ArtifactPool, source: Path, manifest: Path,
-                    imported: list[Artifact], failures: list[str]) -> tuple[int, int]:
-    """Import what ``manifest`` lists, each verified; returns ``(new objects, bytes)``."""
-    mirror = DirOrigin(source)
-    new = nbytes = 0
-    for artifact in read_manifest(manifest):
-        try:
-            data = mirror.fetch(artifact)
-        except DistcacheError as exc:
-            failures.append(exc.message)
-            continue
-        new += not pool.has(artifact.sha256)
-        pool.put(data, artifact.sha256)
-        imported.append(artifact)
-        nbytes += len(data)
-    return new, nbytes
-
-
-def _import_loose(pool: ArtifactPool, source: Path,
-                  imported: list[Artifact]) -> tuple[int, int]:
-    """Import every regular file under ``source``, named by its relative path."""
-    new = nbytes = 0
-    for name in _files_under(source):
-        data = (source / name).read_bytes()
-        sha = sha256_hex(data)
-        new += not pool.has(sha)
-        pool.put(data, sha)
-        imported.append(Artifact(name, sha, len(data)))
-        nbytes += len(data)
-    return new, nbytes
+def setup_export(parser: argparse.ArgumentParser) -> None:
+    """Add the ``pool export`` arguments."""
+    parser.add_argument("directory", type=Path, metavar="DIR", nargs="?",
+                        help="write every named artifact and checksums.txt under DIR")
+    parser.add_argument("--tar", type=Path, metavar="FILE",
+                        help="write one tarball instead (.tar, .tar.gz/.tgz, .tar.xz), "
+                             "atomically; 'pool import FILE' reads it back")
+    parser.add_argument("--manifest", type=Path, metavar="M",
+                        help="export only the artifacts this checksums.txt lists (all "
+                             "must be in the pool)")
+    parser.set_defaults(run=run_export)
 
 
 def run_import(args: argparse.Namespace) -> int:
-    """``pool import DIR``: add a directory's files (verified against its
-    ``checksums.txt`` when there is one); exit 1 if any listed file did not match."""
-    source: Path = args.directory
-    if not source.is_dir():
-        raise UsageError(f"import: {source} is not a directory")
+    """``pool import SRC``: all or nothing; exit 1 (one line on stderr) if refused."""
     pool = resolve_pool(args.pool, settings())
-    manifest = source / "checksums.txt"
-    checked = manifest.is_file()
-    failures: list[str] = []
-    imported: list[Artifact] = []
-    if checked:
-        new, nbytes = _import_checked(pool, source, manifest, imported, failures)
+    bar = progress_bar(args)
+    try:
+        report = import_set(pool, args.source, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    notes = []
+    if report.manifests:
+        notes.append(f"{report.verified} checked against {report.manifests} checksums.txt")
     else:
-        new, nbytes = _import_loose(pool, source, imported)
-    pool.remember(imported)
-    note = " (checked against checksums.txt)" if checked else ""
-    print(f"imported {len(imported)} artifacts ({human_bytes(nbytes)}, {new} new objects) from "
-          f"{source}{note} into {pool.root}")
-    for message in failures:
-        print(f"distcache: not imported: {message}", file=sys.stderr)
-    return EXIT_ERROR if failures else EXIT_OK
+        notes.append("no checksums.txt: imported unchecked, hashed on the way in")
+    if report.unlisted:
+        notes.append(f"{report.unlisted} files listed in no checksums.txt skipped")
+    if report.absent:
+        notes.append(f"{report.absent} listed files not in the source "
+                     f"(e.g. {report.absent_examples[0]})")
+    data = {"root": pool.root, **dataclasses.asdict(report)}
+    emit(args, data, [
+        f"imported {report.artifacts} artifacts ({human_bytes(report.bytes)}, "
+        f"{report.new_objects} new objects) from {args.source} into {pool.root}",
+        *(f"  {note}" for note in notes)])
+    return EXIT_OK
+
+
+def _selection(pool: ArtifactPool, manifest: Path | None) -> list[Artifact]:
+    if manifest is not None:
+        return read_manifest(manifest)
+    return [Artifact(name, sha) for name, sha in sorted(pool.names().items()) if pool.has(sha)]
 
 
 def run_export(args: argparse.Namespace) -> int:
-    """``pool export DIR``: every named artifact present, plus ``checksums.txt``
-    (merged with one already there), written atomically."""
+    """``pool export DIR`` or ``pool export --tar FILE``."""
+    if (args.directory is None) == (args.tar is None):
+        raise UsageError("export: give either DIR or --tar FILE")
     pool = resolve_pool(args.pool, settings(), must_exist=True)
+    artifacts = _selection(pool, args.manifest)
+    if args.tar is not None:
+        bar = progress_bar(args)
+        try:
+            report = export_tar(pool, artifacts, args.tar, bar)
+        finally:
+            if bar is not None:
+                bar.close()
+        emit(args, {"root": pool.root, **dataclasses.asdict(report)}, [
+            f"exported {report.artifacts} artifacts ({human_bytes(report.bytes)}) and "
+            f"checksums.txt to {report.target}"])
+        return EXIT_OK
     target: Path = args.directory
     target.mkdir(parents=True, exist_ok=True)
     manifest = target / "checksums.txt"
     listed = {a.name: a for a in read_manifest(manifest)} if manifest.is_file() else {}
-    exported = 0
-    for name, sha in sorted(pool.names().items()):
-        if not pool.has(sha):
-            continue
-        artifact = Artifact(name, sha)
+    for artifact in artifacts:
         pool.materialize(artifact, target)
-        listed[name] = artifact
-        exported += 1
+        listed[artifact.name] = artifact
     tmp = target / f".checksums.txt.{os.getpid()}"
     tmp.write_text(manifest_text(sorted(listed.values(), key=lambda a: a.name)), encoding="utf-8")
     os.replace(tmp, manifest)
-    print(f"exported {exported} artifacts and checksums.txt to {target}")
+    emit(args, {"root": pool.root, "target": target, "artifacts": len(artifacts)},
+         [f"exported {len(artifacts)} artifacts and checksums.txt to {target}"])
     return EXIT_OK

@@ -1,0 +1,198 @@
+"""Import an artifact set into a pool: a ``flashinfer-cubin`` wheel, a tarball (such as
+``distcache pool export --tar`` writes) or a directory.
+
+Names. A wheel keeps FlashInfer's artifacts under ``flashinfer_cubin/cubins/``, laid
+out exactly as FlashInfer's loader asks for them (``get_artifact(<pin>/<path>)``,
+e.g. ``158f.../fmha/trtllm-gen/fmhaSm100aKernel_....cubin``). When a source has that
+directory, it is the root and everything outside it (the package's code, its
+``.dist-info``) is ignored; otherwise the root is the source's top. Each artifact is
+labelled with its path under the root, so the integration's lookups hit.
+
+Verification. Every ``checksums.txt`` under the root lists files relative to its own
+directory (one per pin in a wheel; one at the top of an exported set). Every file a
+manifest lists is hashed and must match; a ``checksums.txt`` file itself is labelled
+too (FlashInfer asks for it, pinned by its own sha256), except the one at the root,
+which describes the set. Files that no manifest lists are skipped, unless the source
+has no ``checksums.txt`` at all, where every file is imported under its path. Files a
+manifest lists but the source lacks (a wheel ships some pins' manifests without their
+files) are counted and reported, not an error.
+
+All or nothing. The first pass reads every member, checks it (see
+:mod:`distcache.store._sources`) and hashes it; any unsafe member, conflicting
+manifests or a single sha256 mismatch refuses the whole import before anything is
+written. The second pass publishes the objects, then records every label in one
+append. A failure during the second pass (a full disk) leaves some objects without
+labels: invisible to lookups by name, and collected by ``pool gc`` like any other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import posixpath
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from distcache.artifact import Artifact, decode_manifest, parse_checksums
+from distcache.errors import IntegrityError, ManifestError
+from distcache.store._pool import ArtifactPool
+from distcache.store._sources import kind_of, members, refuse
+
+#: Where a ``flashinfer-cubin`` wheel keeps FlashInfer's artifact tree.
+WHEEL_ROOT = "flashinfer_cubin/cubins/"
+MANIFEST = "checksums.txt"
+_SHOWN_MISMATCHES = 5
+
+
+class Progress(Protocol):
+    """Told how far an import or export has come (the CLI draws a bar on a terminal)."""
+
+    def phase(self, label: str, total_bytes: int | None) -> None: ...
+
+    def advance(self, nbytes: int) -> None: ...
+
+
+@dataclass
+class ImportReport:
+    """What :func:`import_set` did."""
+
+    source: str
+    kind: str
+    artifacts: int = 0  #: labels recorded
+    bytes: int = 0  #: bytes of the labelled artifacts
+    new_objects: int = 0  #: objects that were not in the pool before
+    manifests: int = 0  #: ``checksums.txt`` files read
+    verified: int = 0  #: files checked against a manifest
+    unlisted: int = 0  #: files under the root no manifest lists (skipped)
+    absent: int = 0  #: files a manifest lists that the source lacks (not imported)
+    ignored: int = 0  #: files outside the root (a wheel's code and metadata)
+    absent_examples: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Scan:
+    root: str = ""
+    files: dict[str, tuple[str, int]] = field(default_factory=dict)  # rel -> (sha, size)
+    manifests: dict[str, bytes] = field(default_factory=dict)  # rel -> text
+    ignored: int = 0
+
+
+def _root_of(path: str, root: str) -> str | None:
+    if not root:
+        return path
+    return path[len(root):] if path.startswith(root) else None
+
+
+def _scan(source: Path, kind: str, progress: Progress | None) -> _Scan:
+    # The first member under a wheel's artifact directory makes it the root; what was
+    # collected before it (the package's own files) is then outside the root.
+    scan = _Scan()
+    if progress is not None:
+        progress.phase("verifying", None)
+    for path, size, data in members(source, kind, want=lambda p: True):
+        if not scan.root and WHEEL_ROOT in path:
+            scan.root = path[: path.index(WHEEL_ROOT) + len(WHEEL_ROOT)]
+            scan.ignored += len(scan.files)
+            scan.files.clear()
+            scan.manifests.clear()
+        rel = _root_of(path, scan.root)
+        assert data is not None  # every member was wanted
+        if rel is None:
+            scan.ignored += 1
+        else:
+            scan.files[rel] = (hashlib.sha256(data).hexdigest(), size)
+            if posixpath.basename(rel) == MANIFEST:
+                scan.manifests[rel] = data
+        if progress is not None:
+            progress.advance(size)
+    return scan
+
+
+def _expected(source: Path, scan: _Scan) -> dict[str, str]:
+    expected: dict[str, str] = {}
+    for rel, data in sorted(scan.manifests.items()):
+        directory = posixpath.dirname(rel)
+        try:
+            listed = parse_checksums(decode_manifest(data, source=rel), prefix=directory)
+        except ManifestError as exc:
+            raise refuse(source, f"{rel} is malformed: {exc}") from exc
+        for artifact in listed:
+            other = expected.setdefault(artifact.name, artifact.sha256)
+            if other != artifact.sha256:
+                raise refuse(source, f"manifests disagree on {artifact.name}: {other} and "
+                                     f"{artifact.sha256} (in {rel})")
+    return expected
+
+
+def plan_import(source: Path, scan: _Scan, kind: str) -> tuple[list[Artifact], ImportReport]:
+    """The labels to record (every one verified) and the report, from a scan.
+
+    Raises:
+        IntegrityError: a listed file does not match its sha256 (nothing is imported).
+        ConfigError: a malformed or conflicting manifest.
+    """
+    expected = _expected(source, scan)
+    loose = not scan.manifests
+    report = ImportReport(source=str(source), kind=kind, manifests=len(scan.manifests),
+                          ignored=scan.ignored)
+    labels: list[Artifact] = []
+    mismatches: list[str] = []
+    for rel, (sha, size) in sorted(scan.files.items()):
+        if rel == MANIFEST:
+            continue
+        want = expected.get(rel)
+        if want is not None:
+            report.verified += 1
+            if want != sha:
+                mismatches.append(f"{rel}: checksums.txt says {want}, the file hashes to {sha}")
+                continue
+        elif not (loose or posixpath.basename(rel) == MANIFEST):
+            report.unlisted += 1
+            continue
+        labels.append(Artifact(rel, sha, size))
+        report.bytes += size
+    if mismatches:
+        shown = "; ".join(mismatches[:_SHOWN_MISMATCHES])
+        more = len(mismatches) - _SHOWN_MISMATCHES
+        raise IntegrityError(
+            f"cannot import {source}: sha256 mismatch for {len(mismatches)} file(s): {shown}"
+            f"{f'; and {more} more' if more > 0 else ''}; nothing was imported",
+            source=str(source), name=mismatches[0].split(":", 1)[0],
+        )
+    missing = sorted(set(expected) - set(scan.files))
+    report.absent = len(missing)
+    report.absent_examples = missing[:3]
+    report.artifacts = len(labels)
+    return labels, report
+
+
+def import_set(pool: ArtifactPool, source: Path,
+               progress: Progress | None = None) -> ImportReport:
+    """Import a wheel, tarball or directory into ``pool``, all or nothing (see the
+    module docstring).
+
+    Raises:
+        ConfigError: the source is missing, of an unknown kind, unreadable, or has an
+            unsafe member or a malformed or conflicting manifest.
+        IntegrityError: a file does not match its ``checksums.txt``.
+        PoolError: the pool cannot be written.
+    """
+    kind = kind_of(source)
+    scan = _scan(source, kind, progress)
+    labels, report = plan_import(source, scan, kind)
+    wanted = {scan.root + a.name: a for a in labels}
+    if progress is not None:
+        progress.phase("importing", report.bytes)
+    publish: Callable[[str], bool] = wanted.__contains__
+    for path, size, data in members(source, kind, want=publish):
+        artifact = wanted.get(path)
+        if artifact is None or data is None:
+            continue
+        report.new_objects += not pool.has(artifact.sha256)
+        # put() hashes again: a source changed since the first pass is refused here.
+        pool.put(data, artifact.sha256)
+        if progress is not None:
+            progress.advance(size)
+    pool.remember(labels)
+    return report
