@@ -277,6 +277,12 @@ TABLE: tuple[Variable, ...] = (
     Variable("DISTCACHE_LOG_JSON", "log_json", None, _path, "unset",
              "file that structured events (prefetch reports, loader statistics) are "
              "appended to, one JSON line each"),
+    Variable("DISTCACHE_OFFLINE", "offline", False, _bool, "0",
+             "1: no origin is contacted, by distcache or by FlashInfer's loader behind it; "
+             "a pool miss is an error naming the artifact"),
+    Variable("DISTCACHE_AUTOINSTALL", "autoinstall", False, _bool, "0",
+             "1: the start-up hook installed with the package puts the FlashInfer wrapper "
+             "into every Python process (workers an engine spawns itself)"),
 )
 
 #: ``variable -> (default as documented, meaning)``: the README's table, from :data:`TABLE`.
@@ -327,6 +333,10 @@ class Settings:
     flashinfer_families: tuple[str, ...] | None
     #: File structured events are appended to, or ``None``.
     log_json: Path | None
+    #: Never contact an origin.
+    offline: bool
+    #: The start-up hook installs the FlashInfer wrapper in every process.
+    autoinstall: bool
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)

@@ -188,11 +188,13 @@ def test_origin_failure_falls_back_to_flashinfer_and_logs_once(
     assert loader.stats.fallbacks == 2
 
 
-def test_flashinfer_raising_in_fallback_returns_empty_never_raises(
+def test_what_flashinfer_raises_in_the_fallback_passes_through_unchanged(
     pool: FakePool, cubin_dir: Path
 ) -> None:
     loader = make_loader(pool, cubin_dir, FakeOrigin({}, fail=True), FakeFlashInfer(raises=True))
-    assert loader(CUBIN_NAME, sha(CUBIN)) == b""
+    with pytest.raises(RuntimeError, match=r"^Artifact not found locally \(FLASHINFER_NO_DOWNLOAD\)$"):
+        loader(CUBIN_NAME, sha(CUBIN))
+    assert "OriginError" in loader.stats.failures[CUBIN_NAME]
 
 
 def test_unexpected_pool_error_never_reaches_the_caller(pool: FakePool, cubin_dir: Path) -> None:
@@ -291,7 +293,8 @@ def test_no_download_mode_asks_flashinfer_instead_of_the_origin(
     monkeypatch.setenv("FLASHINFER_NO_DOWNLOAD", "1")
     origin = FakeOrigin({CUBIN_NAME: CUBIN})
     loader = make_loader(pool, cubin_dir, origin, FakeFlashInfer(raises=True))
-    assert loader(CUBIN_NAME, sha(CUBIN)) == b""
+    with pytest.raises(RuntimeError, match="FLASHINFER_NO_DOWNLOAD"):
+        loader(CUBIN_NAME, sha(CUBIN))
     assert origin.calls == []
 
 

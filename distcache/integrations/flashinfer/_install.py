@@ -5,21 +5,42 @@ the module attribute up on every call, and a few FlashInfer modules import the
 function by name, so :func:`install` rebinds every one of those references. The
 installed wrapper is the process's one piece of integration state: FlashInfer has one
 loader per process.
+
+Where files go: when FlashInfer's ``FLASHINFER_CUBIN_DIR`` lies in site-packages (an
+installed ``flashinfer-cubin``) or is not writable, :func:`install` points every
+FlashInfer module's ``FLASHINFER_CUBIN_DIR`` at FlashInfer's own writable cache
+directory; the installed files stay readable (they are served and added to the pool)
+and are never written to.
+
+Offline: with ``DISTCACHE_OFFLINE=1`` the wrapper fetches nothing and
+``FLASHINFER_NO_DOWNLOAD=1`` is set for FlashInfer's own loader.
 """
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import logging
 import os
 import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from distcache import _events
 from distcache.config import settings
 from distcache.integrations.flashinfer._loader import Families, GetArtifact, PooledLoader
 from distcache.integrations.flashinfer._record import Recorder
-from distcache.integrations.flashinfer._upstream import LOADER_MODULE, cubin_dir, loader_module
+from distcache.integrations.flashinfer._upstream import (
+    CUBIN_DIR_VARIABLE,
+    LOADER_MODULE,
+    allow_downloads,
+    cubin_dir,
+    forbid_downloads,
+    loader_module,
+    writable_cubin_dir,
+)
 
 if TYPE_CHECKING:
     from distcache.origins import Origin
@@ -33,6 +54,11 @@ class _Installation:
     loader: PooledLoader
     original: GetArtifact
     key: tuple[int, int, str | None, Families]
+    #: FLASHINFER_CUBIN_DIR before it was repointed (None: not repointed).
+    installed_dir: Path | None = None
+    writable_dir: Path | None = None
+    #: FLASHINFER_NO_DOWNLOAD was set by install and is unset by uninstall.
+    set_no_download: bool = False
 
 
 _installed: _Installation | None = None
@@ -57,6 +83,32 @@ def _rebind(old: object, new: object) -> list[str]:
     return changed
 
 
+def _repoint(old: Path, new: Path) -> list[str]:
+    """Every FlashInfer module's ``FLASHINFER_CUBIN_DIR`` equal to ``old`` -> ``new``."""
+    changed = []
+    for module in _flashinfer_modules():
+        value = vars(module).get(CUBIN_DIR_VARIABLE)
+        if value is not None and Path(value) == old:
+            setattr(module, CUBIN_DIR_VARIABLE, new)
+            changed.append(module.__name__)
+    return changed
+
+
+def _choose_cubin_dir() -> tuple[Path | None, Path | None]:
+    """``(installed, writable)`` when FlashInfer's cubin directory must be moved to a
+    writable cache; ``(None, None)`` when it may be written as it is."""
+    current = cubin_dir()
+    target = writable_cubin_dir(current)
+    if current is None or target == current:
+        return None, None
+    if target is None:
+        log.warning("flashinfer: %s=%s is not writable and neither is FlashInfer's cache "
+                    "directory; files FlashInfer opens by path are not materialised",
+                    CUBIN_DIR_VARIABLE, current)
+        return current, None
+    return current, target
+
+
 def install(
     pool: ArtifactPool,
     origin: Origin | None = None,
@@ -68,7 +120,9 @@ def install(
 
     Rebinds ``flashinfer.jit.cubin_loader.get_artifact`` (and its ``get_cubin``
     alias, and every FlashInfer module that imported it by name) to a
-    :class:`PooledLoader`. Installing again with the same arguments returns the same
+    :class:`PooledLoader`. Moves ``FLASHINFER_CUBIN_DIR`` out of site-packages (see
+    the module's docstring); with ``DISTCACHE_OFFLINE=1`` sets
+    ``FLASHINFER_NO_DOWNLOAD=1``. Non-collective. Installing again with the same arguments returns the same
     loader; with different ones it replaces the loader. ``DISTCACHE_DISABLE=1`` or
     ``DISTCACHE_FLASHINFER=0`` make it a logged no-op that returns ``None``.
 
@@ -97,6 +151,10 @@ def install(
                 return _installed.loader
             _uninstall_locked()
         original: GetArtifact = sys.modules[LOADER_MODULE].get_artifact
+        installed_dir, writable_dir = _choose_cubin_dir()
+        # Without an explicit origin and DISTCACHE_ORIGIN, a miss goes to FlashInfer's
+        # own repository: its "not found" is the answer FlashInfer would get.
+        own_repository = origin is None and not conf.origins
         loader = PooledLoader(
             pool,
             original,
@@ -104,12 +162,41 @@ def install(
             cubin_dir=cubin_dir,
             families=fams,
             recorder=Recorder(record) if record is not None else None,
+            seed_dirs=lambda: (installed_dir,) if installed_dir is not None else (),
+            offline=conf.offline,
+            final_not_found=own_repository,
         )
         changed = _rebind(original, loader)
-        _installed = _Installation(loader=loader, original=original, key=key)
-    log.info("flashinfer: get_artifact served from pool %s (rebound %s)",
-             getattr(pool, "root", pool), ", ".join(changed))
+        if writable_dir is not None and installed_dir is not None:
+            moved = _repoint(installed_dir, writable_dir)
+            log.info("flashinfer: %s moved from %s to %s in %s; the installed files are "
+                     "read, never written", CUBIN_DIR_VARIABLE, installed_dir, writable_dir,
+                     ", ".join(moved))
+        _installed = _Installation(
+            loader=loader, original=original, key=key, installed_dir=installed_dir,
+            writable_dir=writable_dir,
+            set_no_download=forbid_downloads() if conf.offline else False,
+        )
+    log.info("flashinfer: get_artifact served from pool %s (rebound %s)%s",
+             getattr(pool, "root", pool), ", ".join(changed),
+             "; offline: no origin is contacted" if conf.offline else "")
     return loader
+
+
+def _report(loader: PooledLoader) -> None:
+    """The loader's statistics as a ``flashinfer.loader`` event (when it did anything)."""
+    stats = dataclasses.asdict(loader.stats)
+    failures = stats.pop("failures")
+    if any(stats.values()) or failures:
+        _events.emit("flashinfer.loader", pool=str(getattr(loader.pool, "root", "")),
+                     failures=len(failures), **stats)
+
+
+@atexit.register
+def _report_at_exit() -> None:
+    current = _installed
+    if current is not None:
+        _report(current.loader)
 
 
 def _uninstall_locked() -> None:
@@ -118,6 +205,11 @@ def _uninstall_locked() -> None:
         return
     # Modules imported after install() copied the loader; they are restored too.
     _rebind(_installed.loader, _installed.original)
+    if _installed.writable_dir is not None and _installed.installed_dir is not None:
+        _repoint(_installed.writable_dir, _installed.installed_dir)
+    if _installed.set_no_download:
+        allow_downloads()
+    _report(_installed.loader)
     if _installed.loader.recorder is not None:
         _installed.loader.recorder.close()
     _installed = None

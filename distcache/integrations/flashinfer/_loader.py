@@ -1,8 +1,16 @@
 """The loader wrapper: a drop-in for FlashInfer's ``get_artifact`` backed by a pool.
 
 Policy only; :mod:`distcache.integrations.flashinfer._install` puts it into FlashInfer.
-It never raises (its caller may be FlashInfer's ctypes callback, which an exception
-cannot cross; see shared/reference/research-flashinfer_cubins.md, §1.6).
+distcache's own failures never raise (its caller may be FlashInfer's ctypes callback,
+which an exception cannot cross; see shared/reference/research-flashinfer_cubins.md,
+§1.6): FlashInfer's own function answers instead. What FlashInfer's own function
+raises (``FLASHINFER_NO_DOWNLOAD``'s "not found locally", say) passes through
+unchanged, exactly as it would without distcache.
+
+Two answers are final and FlashInfer's function is not asked: a name the origin
+FlashInfer itself would use says it does not have (its retrying download of the same
+URL would cost minutes for the same answer), and, with ``DISTCACHE_OFFLINE=1``, a
+miss while FlashInfer's download cannot be switched off.
 """
 
 from __future__ import annotations
@@ -15,9 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from distcache import _events
 from distcache.artifact import Artifact, check_sha256, path_under, sha256_hex, validate_name
 from distcache.config import Settings, settings
-from distcache.errors import ArtifactNameError
+from distcache.errors import ArtifactNameError, ArtifactNotFound
 from distcache.integrations.flashinfer._record import Recorder
 from distcache.integrations.flashinfer._upstream import default_origin, no_download
 
@@ -84,10 +93,22 @@ class LoaderStats:
     passthrough: int = 0  #: not a pooled family: FlashInfer's own function
     fallbacks: int = 0  #: distcache failed; FlashInfer's own function answered
     rejected: int = 0  #: unsafe name: answered ``b""`` without touching a file
+    offline_misses: int = 0  #: DISTCACHE_OFFLINE and not in the pool
+    not_found: int = 0  #: FlashInfer's own origin has no such artifact: final
     failures: dict[str, str] = field(default_factory=dict)  #: name -> first reason
 
 
 GetArtifact = Callable[..., bytes]
+
+#: ``_load``'s answer when FlashInfer's own function is to answer instead.
+_ASK_FLASHINFER = object()
+
+
+def fetch_hint(artifact: Artifact) -> str:
+    """The commands that bring ``artifact`` into an offline pool."""
+    return (f"on a connected machine run: printf '%s  %s\\n' {artifact.sha256} {artifact.name} "
+            "> need.txt && distcache fetch --manifest need.txt && distcache pool export "
+            "--tar need.tar; then here: distcache pool import need.tar")
 
 
 class PooledLoader:
@@ -102,6 +123,11 @@ class PooledLoader:
             FlashInfer keeps it as a module attribute that users repoint).
         families: which names are pooled and materialised.
         recorder: appends every served ``(name, sha256)`` to a usage record.
+        seed_dirs: read-only directories (an installed ``flashinfer-cubin``) whose
+            valid files are served and added to the pool, never written to.
+        offline: never fetch; a miss is logged with :func:`fetch_hint`.
+        final_not_found: an :class:`~distcache.errors.ArtifactNotFound` from the
+            origin is final (the origin is FlashInfer's own repository).
     """
 
     def __init__(
@@ -113,6 +139,9 @@ class PooledLoader:
         cubin_dir: Callable[[], Path | None] = lambda: None,
         families: Families | None = None,
         recorder: Recorder | None = None,
+        seed_dirs: Callable[[], Iterable[Path]] = tuple,
+        offline: bool = False,
+        final_not_found: bool = False,
     ) -> None:
         self.pool = pool
         self.original = original
@@ -120,6 +149,9 @@ class PooledLoader:
         self.cubin_dir = cubin_dir
         self.families = families or Families()
         self.recorder = recorder
+        self.seed_dirs = seed_dirs
+        self.offline = offline
+        self.final_not_found = final_not_found
         self.stats = LoaderStats()
         self._lock = threading.Lock()
         self.__name__ = "get_artifact"
@@ -127,12 +159,15 @@ class PooledLoader:
 
     def __call__(self, file_name: Any, sha256: Any, session: Any = None) -> bytes:
         try:
-            return self._load(file_name, sha256, session)
-        except Exception as exc:  # nothing may cross the ctypes callback
+            answer = self._load(file_name, sha256)
+        except Exception as exc:  # distcache's own failure: FlashInfer answers
             self._note("fallbacks", str(file_name), f"unexpected {type(exc).__name__}: {exc}")
-            return self._fallback(file_name, sha256, session)
+            answer = _ASK_FLASHINFER
+        if isinstance(answer, bytes):
+            return answer
+        return self._fallback(file_name, sha256, session)
 
-    def _load(self, file_name: Any, sha256: Any, session: Any) -> bytes:
+    def _load(self, file_name: Any, sha256: Any) -> bytes | object:
         try:
             name = validate_name(file_name)
         except ArtifactNameError as exc:
@@ -144,42 +179,71 @@ class PooledLoader:
             check_sha256(sha256)
         except ValueError:
             self._bump("passthrough")
-            return self._fallback(file_name, sha256, session)
+            return _ASK_FLASHINFER
         if not self.families.is_pooled(name):
             self._bump("passthrough")
-            return self._fallback(file_name, sha256, session)
+            return _ASK_FLASHINFER
         artifact = Artifact(name, sha256)
         try:
             data, in_cubin_dir = self._resolve(artifact)
-            if data is not None and not in_cubin_dir and self.families.is_materialized(name):
+            if data and not in_cubin_dir and self.families.is_materialized(name):
                 self._materialize(artifact)
+        except ArtifactNotFound as exc:
+            if not self.final_not_found:
+                self._note("fallbacks", name, f"{type(exc).__name__}: {exc}")
+                return _ASK_FLASHINFER
+            self._bump("not_found")
+            log.error("flashinfer artifact %s (sha256 %s): %s; FlashInfer's own repository "
+                      "has no such file, so its download of the same URL is not tried",
+                      name, sha256, exc)
+            _events.emit("flashinfer.not_found", name=name, sha256=sha256, reason=str(exc))
+            return b""
         except Exception as exc:
             self._note("fallbacks", name, f"{type(exc).__name__}: {exc}")
-            return self._fallback(file_name, sha256, session)
+            return _ASK_FLASHINFER
         if data is None:
-            # FLASHINFER_NO_DOWNLOAD: FlashInfer's own function says what is missing.
-            self._bump("fallbacks")
-            return self._fallback(file_name, sha256, session)
+            return self._miss_without_download(artifact)
         self._record(name, sha256)
         return data
 
+    def _miss_without_download(self, artifact: Artifact) -> bytes | object:
+        """Not in the pool and downloads are off: say what is missing and how to get
+        it; FlashInfer's own function then answers (it raises its own clear error
+        under ``FLASHINFER_NO_DOWNLOAD``), unless it would download."""
+        if not self.offline:
+            self._bump("fallbacks")
+            return _ASK_FLASHINFER
+        self._bump("offline_misses")
+        pool = getattr(self.pool, "root", self.pool)
+        log.error("flashinfer artifact %s (sha256 %s) is not in the pool %s and "
+                  "DISTCACHE_OFFLINE=1 forbids downloads; %s",
+                  artifact.name, artifact.sha256, pool, fetch_hint(artifact))
+        _events.emit("flashinfer.offline_miss", name=artifact.name, sha256=artifact.sha256,
+                     pool=str(pool))
+        return _ASK_FLASHINFER if no_download() else b""
+
     def _resolve(self, artifact: Artifact) -> tuple[bytes | None, bool]:
-        """The artifact's bytes (``None``: FLASHINFER_NO_DOWNLOAD and a miss), and
-        whether they came from a valid file in FlashInfer's cubin directory."""
+        """The artifact's bytes (``None``: downloads are off and nothing local has
+        it), and whether they came from a valid file in FlashInfer's cubin directory."""
         data = self.pool.get(artifact.sha256)
         if data is not None:
             self._bump("hits")
             return data, False
         root = self.cubin_dir()
         data = _valid_bytes(root, artifact) if root is not None else None
+        in_cubin_dir = data is not None
+        for seed in () if in_cubin_dir else self.seed_dirs():
+            data = _valid_bytes(seed, artifact)
+            if data is not None:
+                break
         if data is not None:
             self._bump("local")
             try:
                 self.pool.put(data, artifact.sha256)
             except Exception as exc:
                 log.debug("could not add %s to the pool: %s", artifact.name, exc)
-            return data, True
-        if no_download():
+            return data, in_cubin_dir
+        if self.offline or no_download():
             return None, False
         origin = self.origin if self.origin is not None else default_origin()
         data = self.pool.fetch(artifact, origin)
@@ -197,12 +261,14 @@ class PooledLoader:
         self.pool.materialize(artifact, Path(root))
 
     def _fallback(self, file_name: Any, sha256: Any, session: Any) -> bytes:
+        """FlashInfer's own function; what it raises passes through unchanged."""
         try:
             data = self.original(file_name, sha256, session)
         except Exception as exc:
-            self._note("failures", str(file_name), f"FlashInfer: {type(exc).__name__}: {exc}",
-                       count=False)
-            return b""
+            with self._lock:
+                self.stats.failures.setdefault(str(file_name),
+                                               f"FlashInfer: {type(exc).__name__}: {exc}")
+            raise
         if not isinstance(data, bytes | bytearray):
             return b""
         data = bytes(data)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import site
 import sys
+import sysconfig
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -24,8 +26,10 @@ if TYPE_CHECKING:
     from distcache.origins import Origin
 
 LOADER_MODULE = "flashinfer.jit.cubin_loader"
+ENV_MODULE = "flashinfer.jit.env"
 REPOSITORY_VARIABLE = "FLASHINFER_CUBINS_REPOSITORY"
 CUBIN_DIR_VARIABLE = "FLASHINFER_CUBIN_DIR"
+NO_DOWNLOAD_VARIABLE = "FLASHINFER_NO_DOWNLOAD"
 
 _origins: dict[tuple[str, ...], Origin] = {}
 _origins_lock = threading.Lock()
@@ -89,7 +93,77 @@ def repository() -> str | None:
 
 def no_download() -> bool:
     """FlashInfer's ``FLASHINFER_NO_DOWNLOAD``: any non-empty value forbids downloads."""
-    return bool(os.environ.get("FLASHINFER_NO_DOWNLOAD"))
+    return bool(os.environ.get(NO_DOWNLOAD_VARIABLE))
+
+
+def forbid_downloads() -> bool:
+    """Set ``FLASHINFER_NO_DOWNLOAD=1`` so that FlashInfer's own loader contacts no
+    origin either (it reads the variable at every call). Returns whether it was unset
+    before (the caller restores it then)."""
+    was_unset = not no_download()
+    if was_unset:
+        os.environ[NO_DOWNLOAD_VARIABLE] = "1"
+    return was_unset
+
+
+def allow_downloads() -> None:
+    """Undo :func:`forbid_downloads`."""
+    os.environ.pop(NO_DOWNLOAD_VARIABLE, None)
+
+
+def _install_roots() -> list[Path]:
+    """Directories packages are installed into (site-packages, dist-packages)."""
+    roots: set[str] = set()
+    for key in ("purelib", "platlib"):
+        roots.add(sysconfig.get_path(key))
+    try:
+        roots.update(site.getsitepackages())
+        roots.add(site.getusersitepackages())
+    except AttributeError:  # a virtualenv's old site.py
+        pass
+    return [Path(r).resolve() for r in roots if r]
+
+
+def is_installed_location(path: Path) -> bool:
+    """True when ``path`` lies in an installation directory (site-packages, a
+    package's own directory), where materialising must never write."""
+    resolved = path.resolve()
+    if any(part in ("site-packages", "dist-packages") for part in resolved.parts):
+        return True
+    return any(resolved.is_relative_to(root) for root in _install_roots())
+
+
+def _writable(path: Path) -> bool:
+    """True when ``path`` (or its first existing ancestor) accepts new files."""
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            return False
+        probe = probe.parent
+    return probe.is_dir() and os.access(probe, os.W_OK | os.X_OK)
+
+
+def flashinfer_cache_dir() -> Path:
+    """Where FlashInfer keeps cubins when no package provides them: its
+    ``FLASHINFER_CACHE_DIR / "cubins"`` when its ``env`` module is loaded, else the
+    same default computed here (``$FLASHINFER_WORKSPACE_BASE`` or ``~``, then
+    ``.cache/flashinfer/cubins``)."""
+    env = sys.modules.get(ENV_MODULE)
+    cache = getattr(env, "FLASHINFER_CACHE_DIR", None) if env is not None else None
+    if cache is None:
+        base = os.environ.get("FLASHINFER_WORKSPACE_BASE") or str(Path.home())
+        cache = Path(base) / ".cache" / "flashinfer"
+    return Path(cache) / "cubins"
+
+
+def writable_cubin_dir(current: Path | None) -> Path | None:
+    """The directory materialised files go to: ``current`` when it is writable and
+    not an installation directory, else FlashInfer's own cache directory (``None``
+    when that is not writable either)."""
+    if current is not None and not is_installed_location(current) and _writable(current):
+        return current
+    fallback = flashinfer_cache_dir()
+    return fallback if _writable(fallback) and not is_installed_location(fallback) else None
 
 
 def default_origin() -> Origin:
