@@ -94,7 +94,8 @@ def test_import_refuses_files_that_do_not_match_checksums(
     done = run("--pool", str(tmp_path / "p"), "pool", "import", str(artifact_dir))
     assert done.returncode == 1
     assert "sha256 mismatch" in done.stderr and artifacts[0].name in done.stderr
-    assert len(_objects(tmp_path / "p")) == len(artifacts) - 1
+    assert "nothing was imported" in done.stderr
+    assert _objects(tmp_path / "p") == []
 
 
 def test_import_without_checksums_takes_every_regular_file(tmp_path: Path, run: Run) -> None:
@@ -102,7 +103,6 @@ def test_import_without_checksums_takes_every_regular_file(tmp_path: Path, run: 
     (src / "a").mkdir(parents=True)
     (src / "a" / "k1.cubin").write_bytes(b"one")
     (src / "k2.cubin").write_bytes(b"two")
-    (src / "link.cubin").symlink_to(src / "k2.cubin")
     assert run("--pool", str(tmp_path / "p"), "pool", "import", str(src)).returncode == 0
     listed = run("--pool", str(tmp_path / "p"), "pool", "ls").stdout
     assert listed == (f"{sha256_hex(b'one')}  a/k1.cubin\n{sha256_hex(b'two')}  k2.cubin\n")
