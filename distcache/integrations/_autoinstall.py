@@ -1,0 +1,138 @@
+"""Putting the FlashInfer wrapper into a process whose code never calls distcache.
+
+Engines start their own workers (vLLM's engine core and workers, SGLang's schedulers,
+TensorRT-LLM's MPI ranks), so ``distcache.init`` cannot reach them. Two hooks run
+:func:`arm` in each such process: vLLM's ``vllm.general_plugins`` entry point, and the
+start-up hook installed with the package (``distcache-autoinstall.pth``, active only
+with ``DISTCACHE_AUTOINSTALL=1``).
+
+:func:`arm` is non-collective, idempotent and never raises. It imports nothing heavy:
+when FlashInfer's loader is already imported the wrapper is installed at once;
+otherwise a post-import hook installs it the moment FlashInfer's loader module has
+been executed, so a process that never uses FlashInfer pays nothing. The pool is
+``DISTCACHE_POOL``; the origin is ``DISTCACHE_ORIGIN``, else FlashInfer's own
+repository at each miss; ``DISTCACHE_OFFLINE=1`` contacts none.
+``DISTCACHE_DISABLE=1`` or ``DISTCACHE_FLASHINFER=0`` turn the hooks off.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import logging
+import sys
+import threading
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: FlashInfer's loader module (``_upstream.LOADER_MODULE``; importing that module here
+#: would cost the import of the whole integration at interpreter start).
+LOADER_MODULE = "flashinfer.jit.cubin_loader"
+
+_lock = threading.Lock()
+_sources: list[str] = []
+
+
+def arm(source: str) -> bool:
+    """Install the wrapper now, or as soon as FlashInfer's loader is imported.
+
+    Args:
+        source: what armed it, for logs (``"vllm"``, ``"startup"``).
+
+    Returns:
+        ``True`` when the wrapper is installed or will be; ``False`` when the hooks
+        are disabled, FlashInfer is not installed, or arming failed (logged). Never
+        raises.
+    """
+    try:
+        from distcache.config import settings
+
+        conf = settings()
+        if conf.disable or not conf.flashinfer:
+            log.debug("distcache %s hook: disabled (DISTCACHE_DISABLE / DISTCACHE_FLASHINFER)",
+                      source)
+            return False
+        if LOADER_MODULE in sys.modules:
+            return install_now(source)
+        if importlib.util.find_spec("flashinfer") is None:
+            log.debug("distcache %s hook: FlashInfer is not installed", source)
+            return False
+        with _lock:
+            _sources.append(source)
+            if not any(isinstance(f, _LoaderHook) for f in sys.meta_path):
+                sys.meta_path.insert(0, _LoaderHook())
+        return True
+    except Exception as exc:
+        log.warning("distcache %s hook: not armed: %s: %s", source, type(exc).__name__, exc)
+        return False
+
+
+def install_now(source: str) -> bool:
+    """Install the wrapper from the settings alone (non-collective); keep an installed
+    one. Never raises; returns whether a wrapper is installed."""
+    try:
+        from distcache.config import settings
+        from distcache.integrations.flashinfer import install, installed
+        from distcache.origins import open_origin
+        from distcache.store import ArtifactPool
+
+        if installed() is not None:
+            return True
+        conf = settings()
+        origin = None if conf.offline or not conf.origins else open_origin(list(conf.origins))
+        loader = install(ArtifactPool(conf.pool_dir, max_bytes=conf.pool_max_bytes), origin)
+        log.info("distcache %s hook: FlashInfer's loader is served from %s", source,
+                 conf.pool_dir)
+        return loader is not None
+    except Exception as exc:
+        log.warning("distcache %s hook: FlashInfer wrapper not installed: %s: %s",
+                    source, type(exc).__name__, exc)
+        return False
+
+
+class _LoaderHook(importlib.abc.MetaPathFinder):
+    """Finds FlashInfer's loader module with the other finders and installs the
+    wrapper right after the module has run; then removes itself."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != LOADER_MODULE:
+            return None
+        for finder in list(sys.meta_path):
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _InstallAfter(spec.loader)
+        return spec
+
+
+class _InstallAfter(importlib.abc.Loader):
+    """Delegates to FlashInfer's own loader, then installs the wrapper."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        create = getattr(self.inner, "create_module", None)
+        return create(spec) if create is not None else None
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.inner.exec_module(module)
+        with _lock:
+            sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _LoaderHook)]
+            sources = ",".join(dict.fromkeys(_sources)) or "startup"
+            _sources.clear()
+        install_now(sources)
