@@ -7,18 +7,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 from distcache.artifact import Artifact
-from distcache.errors import ArtifactNotFound, IntegrityError, OriginError
-
-
-class _Store(Protocol):
-    """The part of the pool a download publishes into."""
-
-    def has(self, sha256: str) -> bool: ...
-    def put(self, data: bytes | bytearray | memoryview, sha256: str | None = None) -> str: ...
+from distcache.errors import ArtifactNotFound, IntegrityError, OriginError, PoolError
 
 
 class Origin(Protocol):
@@ -26,6 +20,15 @@ class Origin(Protocol):
 
     def describe(self) -> str: ...
     def fetch(self, artifact: Artifact) -> bytes: ...
+    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int: ...
+
+
+class _Store(Protocol):
+    """The part of the pool a download publishes into."""
+
+    def has(self, sha256: str) -> bool: ...
+    def download(self, artifact: Artifact, origin: Origin) -> int: ...
+    def batch(self) -> AbstractContextManager[None]: ...
 
 
 @dataclass
@@ -53,7 +56,8 @@ def download_objects(
 ) -> Downloaded:
     """Fetch ``artifacts`` from ``origin`` into ``pool`` with ``workers`` threads.
 
-    Publication is atomic (``pool.put`` verifies, then renames), so any rank sharing
+    Publication is atomic (``pool.download`` streams the verified bytes into a
+    temporary file, then links it), so any rank sharing
     the pool may do this. A failure confined to one artifact (its bytes do not match
     the digest, or the origin has no such file:
     :class:`~distcache.errors.ArtifactNotFound`) does not stop the others: they are
@@ -84,12 +88,13 @@ def download_objects(
         try:
             if pool.has(artifact.sha256):
                 return  # published since discovery: a concurrent job, a resumed run
-            data = origin.fetch(artifact)
-            pool.put(data, artifact.sha256)  # verifies again, publishes atomically
+            # Streamed into the pool, verified by the origin as it streams, published
+            # atomically; made durable with the rest of the batch.
+            size = pool.download(artifact, origin)
             with lock:
                 if not finished.is_set():
                     result.downloads += 1
-                    result.origin_bytes += len(data)
+                    result.origin_bytes += size
         except Exception as exc:
             with lock:
                 if not finished.is_set():
@@ -116,26 +121,36 @@ def download_objects(
         threading.Thread(target=work, name=f"distcache-fetch-{i}", daemon=True)
         for i in range(max(1, min(workers, len(artifacts))))
     ]
-    for t in threads:
-        t.start()
-    if finished.wait(timeout):
+
+    def run() -> Downloaded:
         for t in threads:
-            t.join()
-        return result
-    stop.set()
-    with lock:
-        finished.set()  # freeze the figures: late finishers no longer count
-        stalled = sorted(running.values())
-        name = stalled[0] if stalled else artifacts[0].name
-        if result.failure is None:
-            result.failure = (
-                name,
-                OriginError(
-                    f"download of {name} from {origin.describe()} did not finish within "
-                    f"{timeout:g} s ({len(stalled)} still running); the origin is stalling: "
-                    "check it, or raise DISTCACHE_TIMEOUT",
-                    name=name,
-                    timeout=timeout,
-                ),
-            )
-        return Downloaded(result.downloads, result.origin_bytes, result.failure)
+            t.start()
+        if finished.wait(timeout):
+            for t in threads:
+                t.join()
+            return result
+        stop.set()
+        with lock:
+            finished.set()  # freeze the figures: late finishers no longer count
+            stalled = sorted(running.values())
+            name = stalled[0] if stalled else artifacts[0].name
+            if result.failure is None:
+                result.failure = (
+                    name,
+                    OriginError(
+                        f"download of {name} from {origin.describe()} did not finish within "
+                        f"{timeout:g} s ({len(stalled)} still running); the origin is stalling: "
+                        "check it, or raise DISTCACHE_TIMEOUT",
+                        name=name,
+                        timeout=timeout,
+                    ),
+                )
+            return Downloaded(result.downloads, result.origin_bytes, result.failure)
+
+    try:
+        with pool.batch():
+            return run()
+    except PoolError as exc:
+        # The batch's flush failed: what was published may not survive a power loss.
+        return Downloaded(result.downloads, result.origin_bytes,
+                          result.failure or (artifacts[0].name, exc))

@@ -21,13 +21,15 @@ holds one bucket plus one artifact copy. :class:`StreamStats` records the peak.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
 from distcache.collective._audience import split_audiences
 from distcache.collective._plan import Plan
 from distcache.comm import Communicator
+from distcache.errors import PoolError
 
 MAGIC = b"DCB1"
 _ENTRY = struct.Struct("<Iq")
@@ -170,8 +172,9 @@ def receive_stream(
 class _Store(Protocol):
     """The part of the pool that sources read from and receivers publish into."""
 
-    def get(self, sha256: str) -> bytes | None: ...
+    def get(self, sha256: str, *, trust_own: bool = False) -> bytes | None: ...
     def put(self, data: bytes | bytearray | memoryview, sha256: str | None = None) -> str: ...
+    def batch(self) -> AbstractContextManager[None]: ...
 
 
 def move_objects(
@@ -206,24 +209,39 @@ def move_objects(
     if not is_writer:
         return None
     mine = pool_ids[comm.rank]
-    failure: tuple[int, BaseException] | None = None
+    # The first (object index, error) this rank met, shared with the reader.
+    failed: list[tuple[int, BaseException]] = []
 
     def read(indices: tuple[int, ...]) -> Iterator[tuple[int, bytes | None]]:
-        nonlocal failure
         for index in indices:
             data: bytes | None = None
             try:
-                data = pool.get(plan.objects[index])
+                # Receivers hash what arrives; an object this process published
+                # itself in this run (hashed as it was written) is not hashed again.
+                data = pool.get(plan.objects[index], trust_own=True)
                 if data is None:
                     raise FileNotFoundError(
                         f"object {plan.objects[index]} vanished from pool {mine} (or was corrupt)"
                     )
             except Exception as exc:
-                failure = failure or (index, exc)
+                failed.append((index, exc))
             yield index, data
             del data
 
     comms = split_audiences(wcomm, comm.rank, writers, plan.audiences)
+    try:
+        # What the receivers publish is made durable once, when the move ends.
+        with pool.batch():
+            _move(comm, plan, pool, comms, read, mine, bucket_bytes, stats, timeout, failed)
+    except PoolError as exc:  # the batch's flush
+        failed.append((0, exc))
+    return failed[0] if failed else None
+
+
+def _move(comm: Communicator, plan: Plan, pool: _Store, comms: list[Communicator | None],
+          read: Callable[[tuple[int, ...]], Iterator[tuple[int, bytes | None]]], mine: str,
+          bucket_bytes: int, stats: StreamStats, timeout: float | None,
+          failed: list[tuple[int, BaseException]]) -> None:
     for audience, acomm in zip(plan.audiences, comms, strict=True):
         if acomm is None:
             continue
@@ -246,11 +264,10 @@ def move_objects(
                     # Only objects past the audience cap reach a pool that has them.
                     stats.discarded_bytes += len(view)
                     continue
-                if failure is not None:
+                if failed:
                     continue
                 try:
                     pool.put(view, plan.objects[index])
                     stats.published += 1
                 except Exception as exc:
-                    failure = (index, exc)
-    return failure
+                    failed.append((index, exc))

@@ -9,6 +9,7 @@ hard timeout, so a regression fails instead of hanging the suite.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -435,11 +436,17 @@ class _NoPool:
     def has(self, sha256: str) -> bool:
         return False
 
-    def get(self, sha256: str) -> bytes | None:
+    def get(self, sha256: str, *, trust_own: bool = False) -> bytes | None:
         return None
 
     def put(self, data: Any, sha256: str | None = None) -> str:
         raise AssertionError("nothing to publish")
+
+    def download(self, artifact: Any, origin: Any) -> int:
+        raise AssertionError("nothing to download")
+
+    def batch(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def remember(self, artifacts: Any) -> None:
         return None

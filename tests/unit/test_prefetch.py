@@ -6,6 +6,7 @@ pool id, as ranks on one filesystem would see) and a counting origin.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 import threading
@@ -58,7 +59,7 @@ class FakePool:
     def has(self, sha256: str) -> bool:
         return sha256 in self.store.objects
 
-    def get(self, sha256: str) -> bytes | None:
+    def get(self, sha256: str, *, trust_own: bool = False) -> bytes | None:
         return self.store.objects.get(sha256)
 
     def put(self, data: bytes | bytearray | memoryview, sha256: str | None = None) -> str:
@@ -72,6 +73,14 @@ class FakePool:
                 self.store.objects[sha] = bytes(data)
                 self.store.journal.append(sha)
         return sha
+
+    def download(self, artifact: Artifact, origin: Any) -> int:
+        data = origin.fetch(artifact)
+        self.put(data, artifact.sha256)
+        return len(data)
+
+    def batch(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def remember(self, artifacts: Iterable[Artifact]) -> None:
         with self.store.lock:

@@ -1,0 +1,117 @@
+"""Durability per batch: one flush for a batch of publications, and a torn object
+(what a power loss inside a batch can leave) is quarantined and fetched again."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from distcache.artifact import Artifact
+from distcache.collective import prefetch
+from distcache.comm import LocalCommunicator
+from distcache.origins import DirOrigin
+from distcache.store import _fs, _objects
+from distcache.store._pool import ArtifactPool
+
+
+def _blobs(n: int) -> list[bytes]:
+    return [f"kernel {i} ".encode() * (50 + i) for i in range(n)]
+
+
+def _mirror(tmp_path: Path, blobs: list[bytes]) -> list[Artifact]:
+    mirror = tmp_path / "mirror"
+    arts = []
+    for i, data in enumerate(blobs):
+        path = mirror / f"k/{i}.cubin"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        arts.append(Artifact(f"k/{i}.cubin", hashlib.sha256(data).hexdigest(), len(data)))
+    return arts
+
+
+def _count(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    calls = {"fsync": 0, "syncfs": 0}
+    real_fsync, real_sync = os.fsync, _fs.sync_filesystem
+
+    def fsync(fd: int) -> None:
+        calls["fsync"] += 1
+        real_fsync(fd)
+
+    def sync(path: str | os.PathLike[str]) -> bool:
+        calls["syncfs"] += 1
+        return real_sync(path)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(_objects, "sync_filesystem", sync)
+    return calls
+
+
+def test_a_batch_flushes_once_instead_of_per_object(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    calls = _count(monkeypatch)
+    with pool.batch():
+        for data in _blobs(20):
+            pool.put(data)
+        assert calls == {"fsync": 0, "syncfs": 0}
+    assert calls["syncfs"] == 1
+    assert calls["fsync"] == (0 if _fs._syncfs() is not None else 20 + 20)
+
+
+def test_outside_a_batch_each_object_is_fsynced_with_its_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    calls = _count(monkeypatch)
+    pool.put(b"one object")
+    assert calls == {"fsync": 2, "syncfs": 0}
+
+
+def test_without_syncfs_a_batch_fsyncs_each_file_then_each_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    monkeypatch.setattr(_objects, "sync_filesystem", lambda path: False)
+    synced: list[str] = []
+    monkeypatch.setattr(_objects, "fsync_path", lambda path: synced.append(str(path)))
+    dirs: list[str] = []
+    monkeypatch.setattr(_objects, "fsync_dir", lambda path: dirs.append(str(path)))
+    with pool.batch():
+        shas = [pool.put(data) for data in _blobs(5)]
+    assert sorted(synced) == sorted(pool.layout.object_path(s) for s in shas)
+    assert sorted(dirs) == sorted({pool.layout.fanout(s) for s in shas})
+
+
+def test_a_torn_object_from_a_batch_is_quarantined_and_fetched_again(tmp_path: Path) -> None:
+    blobs = _blobs(8)
+    arts = _mirror(tmp_path, blobs)
+    pool = ArtifactPool(tmp_path / "pool")
+    origin = DirOrigin(tmp_path / "mirror")
+    first = prefetch(arts, comm=LocalCommunicator(), pool=pool, origin=origin)
+    assert first.downloads == 8
+    # What a power loss before the batch's flush can leave: linked, bytes torn.
+    torn = pool.layout.object_path(arts[3].sha256)
+    os.chmod(torn, 0o644)
+    with open(torn, "r+b") as f:
+        f.truncate(len(blobs[3]) // 2)
+    reopened = ArtifactPool(tmp_path / "pool")
+    assert reopened.get(arts[3].sha256) is None
+    assert reopened.quarantined == 1
+    again = prefetch(arts, comm=LocalCommunicator(), pool=reopened, origin=origin)
+    assert again.downloads == 1
+    assert reopened.get(arts[3].sha256) == blobs[3]
+
+
+def test_trusting_its_own_objects_skips_hashing_only_for_what_this_pool_published(
+        tmp_path: Path) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    sha = pool.put(b"published here")
+    assert pool.get(sha, trust_own=True) == b"published here"
+    other = ArtifactPool(tmp_path / "pool")
+    path = other.layout.object_path(sha)
+    os.chmod(path, 0o644)
+    Path(path).write_bytes(b"published herE")
+    # Another pool object never trusts it: verified, quarantined.
+    assert other.get(sha, trust_own=True) is None
+    assert other.quarantined == 1
