@@ -36,12 +36,16 @@ _MAX_REDIRECTS = 5
 _SECRET_HEADERS = ("authorization", "cookie", "proxy-authorization")
 
 
+#: The distribution's name on the package index (the import name is ``distcache``).
+DISTRIBUTION = "distcache-kernels"
+
+
 @functools.cache
 def _user_agent() -> str:
     # Read from the installed distribution: importing the ``distcache`` package for its
     # ``__version__`` would make the origins depend on the package that re-exports them.
     try:
-        return f"distcache/{metadata.version('distcache')}"
+        return f"distcache/{metadata.version(DISTRIBUTION)}"
     except metadata.PackageNotFoundError:  # run from a source tree that is not installed
         return "distcache"
 

@@ -180,3 +180,13 @@ def test_a_miss_is_fetched_once_per_pool_not_per_worker(seeded: dict[str, Any]) 
     assert seeded["origin"].total_requests == 1
 
 
+
+
+def test_user_agent_reads_the_installed_distribution() -> None:
+    from importlib import metadata
+
+    from distcache.origins._http import DISTRIBUTION, _user_agent
+
+    assert _user_agent() == f"distcache/{metadata.version(DISTRIBUTION)}"
+    assert metadata.distribution(DISTRIBUTION).entry_points.select(
+        group="console_scripts", name="distcache")
