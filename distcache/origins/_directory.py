@@ -30,6 +30,7 @@ class DirOrigin(BaseOrigin):
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        self._resolved: Path | None = None
 
     def describe(self) -> str:
         return f"dir:{self.path}"
@@ -37,34 +38,53 @@ class DirOrigin(BaseOrigin):
     def __repr__(self) -> str:
         return f"DirOrigin({str(self.path)!r})"
 
-    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
-        candidate = path_under(self.path, artifact.name)
-        root = self.path.resolve()
+    def _root(self) -> Path:
+        # Resolved once: a family of thousands of files pays for it once, not per file.
+        if self._resolved is None:
+            self._resolved = self.path.resolve()
+        return self._resolved
+
+    def _open(self, artifact: Artifact, candidate: Path) -> int:
+        """Open ``candidate`` (following symlinks) and check that the file reached is
+        inside the mirror. The kernel names the file an fd reached in one call
+        (``/proc/self/fd``), so the per-component walk of ``resolve`` is paid only
+        where ``/proc`` is missing."""
         try:
-            real = candidate.resolve(strict=True)
+            # O_NONBLOCK: a FIFO planted in the mirror must not hang the open.
+            fd = os.open(candidate, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             raise ArtifactNotFound(
                 f"{artifact.name} is not in mirror {self.path} (looked for {candidate}); "
                 "add it to the mirror or put another origin after this one",
                 url=str(candidate), name=artifact.name,
             ) from None
-        except (OSError, RuntimeError) as exc:
-            raise OriginError(
-                f"cannot resolve {candidate} in mirror {self.path}: {exc}",
-                url=str(candidate), status=None, name=artifact.name,
-            ) from exc
-        if not real.is_relative_to(root):
-            raise OriginError(
-                f"refused {candidate}: it is a symlink to {real}, outside mirror {root}; "
-                "mirrors must hold their files (or links within themselves)",
-                url=str(candidate), status=None, name=artifact.name,
-            )
+        except OSError as exc:
+            raise OriginError(f"cannot read {candidate} in mirror {self.path}: {exc}",
+                              url=str(candidate), status=None, name=artifact.name) from exc
+        try:
+            try:
+                real = Path(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                real = candidate.resolve(strict=True)
+            root = self._root()
+            if not real.is_relative_to(root):
+                raise OriginError(
+                    f"refused {candidate}: it is a symlink to {real}, outside mirror {root}; "
+                    "mirrors must hold their files (or links within themselves)",
+                    url=str(candidate), status=None, name=artifact.name,
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
+        candidate = path_under(self.path, artifact.name)
+        fd = self._open(artifact, candidate)
         digest = hashlib.sha256()
         count = 0
         limit = artifact.size
         try:
-            # O_NONBLOCK: a FIFO planted in the mirror must not hang the open.
-            fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             with open(fd, "rb") as src:
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
                     raise OriginError(
