@@ -15,8 +15,10 @@ torch is imported lazily: importing this package does not load it.
 
 from __future__ import annotations
 
-from distcache.ipc._cuda import CudaPool, probe_cuda_ipc
-from distcache.ipc._ref import FeatureRef, PoolDescriptor
+from distcache.ipc._cuda import CudaPool
+from distcache.ipc._descriptor import PoolDescriptor
+from distcache.ipc._probe import probe_cuda_ipc
+from distcache.ipc._ref import FeatureRef
 from distcache.ipc._registry import PoolRegistry
 from distcache.ipc._shm import ShmPool
 

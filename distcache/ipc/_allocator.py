@@ -1,19 +1,17 @@
 """Leases in a producer pool: a best-fit free list of aligned ranges plus a table of
-generation-tagged slots whose ready/ack words live in the shared segment itself.
+generation-tagged slots whose ready/lease/audience/ack words live in the shared segment
+(layout: :mod:`distcache.ipc._layout`).
 
-Segment layout (both backends)::
-
-    [slot 0: ready, ack[0..A)] [slot 1: ...] ... [pad to 256] [data ........]
-
-Each word is a little-endian uint32. The producer writes a slot's ready word (the
-lease's generation) after the feature's bytes; each consumer writes its own ack word
-when it is done, by writing shared memory, so releasing a feature needs no collective
-and no message. The producer returns a range to the free list only when every
-consumer's ack equals the lease's generation (a stale ack of an earlier use of the slot
-never frees it), and it does so lazily, when an allocation would otherwise fail. This
-follows SGLang's stream-ordered feature pool (see the CUDA IPC research notes, 1.6): a
-free list rather than a ring, because features are not consumed in FIFO order under
-aborts, retries and caching.
+Each lease names its audience, the consumers that must acknowledge it (every consumer
+by default, or only the declared readers). Each consumer writes its own ack word when
+it is done, by writing shared memory, so releasing a feature needs no collective and
+no message. The producer returns a range to the free list only when every consumer
+of the audience acked the lease's generation (a stale ack of an earlier use of the
+slot never frees it) or is gone (left, or died: :mod:`distcache.ipc._consumers`), and
+it does so lazily, when an allocation would otherwise fail. This follows SGLang's
+stream-ordered feature pool (see the CUDA IPC research notes, 1.6): a free list
+rather than a ring, because features are not consumed in FIFO order under aborts,
+retries and caching.
 
 This module is the bookkeeping only, over any :class:`ControlWords`; the pool object
 that owns the memory and hands out refs is :class:`distcache.ipc._producer.ProducerPool`.
@@ -22,61 +20,12 @@ that owns the memory and hands out refs is :class:`distcache.ipc._producer.Produ
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from distcache.errors import IpcError
-from distcache.ipc._ref import MAX_GENERATION
-
-ALIGNMENT = 256
-WORD_BYTES = 4
-
-
-def align_up(value: int, alignment: int = ALIGNMENT) -> int:
-    return (value + alignment - 1) // alignment * alignment
-
-
-def header_bytes(slots: int, ack_words: int) -> int:
-    """Bytes of control words before the data region, rounded up to the alignment."""
-    return align_up(max(1, slots * (1 + ack_words) * WORD_BYTES))
-
-
-class ControlWords(Protocol):
-    """The ready/ack words of every slot, wherever they live (host or device memory)."""
-
-    def get(self, index: int) -> int: ...
-
-    def set(self, index: int, value: int) -> None: ...
-
-    def rows(self, slots: list[int], width: int) -> list[list[int]]:
-        """Words ``[slot*stride, slot*stride + width)`` of each slot (one batched read)."""
-        ...
-
-
-class WordArray:
-    """:class:`ControlWords` over a writable host buffer (an ``mmap``, a ``bytearray``).
-
-    Aligned 4-byte stores and loads are single instructions on the platforms we run
-    on; the producer's data writes precede its ready store in program order, and
-    x86-64 keeps stores in order (on weakly ordered CPUs a fence would be needed).
-    """
-
-    def __init__(self, buffer: memoryview, stride: int) -> None:
-        self._words = buffer.cast("B").cast("I")
-        self._stride = stride
-
-    def get(self, index: int) -> int:
-        return int(self._words[index])
-
-    def set(self, index: int, value: int) -> None:
-        self._words[index] = value
-
-    def rows(self, slots: list[int], width: int) -> list[list[int]]:
-        words, stride = self._words, self._stride
-        return [list(words[s * stride : s * stride + width]) for s in slots]
-
-    def release(self) -> None:
-        self._words.release()
+from distcache.ipc._layout import ALIGNMENT, ControlWords, Layout, align_up, audience_words
+from distcache.ipc._wire import MAX_GENERATION
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +42,9 @@ class Lease:
 class SlotAllocator:
     """Best-fit allocation of aligned ranges, tied to generation-tagged slots.
 
-    Not thread-safe: a pool has one producer; the pool serialises calls.
+    Not thread-safe: a pool has one producer; the pool serialises calls. ``gone(i)``
+    tells whether consumer ``i`` left or died (its leases are then released without
+    its ack); by default nobody is ever gone.
     """
 
     def __init__(
@@ -105,8 +56,10 @@ class SlotAllocator:
         ack_words: int,
         words: ControlWords,
         consumers: int | None = None,
+        gone: Callable[[int], bool] | None = None,
     ) -> None:
-        if data_start % ALIGNMENT or data_start < slots * (1 + ack_words) * WORD_BYTES:
+        self.layout = Layout(slots, ack_words)
+        if data_start % ALIGNMENT or data_start < self.layout.words * 4:
             raise IpcError(f"data_start={data_start} overlaps the control words or is unaligned")
         if capacity < ALIGNMENT or slots < 1:
             raise IpcError(f"a pool needs >= {ALIGNMENT} bytes and >= 1 slot")
@@ -115,21 +68,23 @@ class SlotAllocator:
         self.slots = slots
         self.ack_words = ack_words
         self.words = words
-        self.stride = 1 + ack_words
+        self.stride = self.layout.stride
         self._consumers = consumers
+        self._gone = gone if gone is not None else (lambda index: False)
         # Free ranges as parallel sorted lists of starts and ends (absolute offsets).
         self._starts = [data_start]
         self._ends = [data_start + capacity - capacity % ALIGNMENT]
         self._free_slots = list(reversed(range(slots)))
         self._generations = [0] * slots
         self._leases: dict[int, Lease] = {}
+        self._audiences: dict[int, tuple[int, ...]] = {}
 
     @property
     def consumers(self) -> int | None:
         return self._consumers
 
     def bind(self, consumers: int) -> None:
-        """Fix how many consumers must ack each lease.
+        """Fix how many consumers the pool has (each lease's audience is among them).
 
         Raises:
             IpcError: more consumers than ack words, or already bound differently.
@@ -154,19 +109,34 @@ class SlotAllocator:
     def free_ranges(self) -> list[tuple[int, int]]:
         return list(zip(self._starts, self._ends, strict=True))
 
-    def allocate(self, nbytes: int) -> Lease | None:
-        """A lease for ``nbytes``, or None when no range or slot is free even after
-        reclaiming acknowledged leases.
+    def allocate(self, nbytes: int, audience: tuple[int, ...] | None = None) -> Lease | None:
+        """A lease for ``nbytes`` read by consumer indices ``audience`` (None: every
+        consumer), or None when no range or slot is free even after reclaiming.
+
+        The slot's lease and audience words are written before this returns, so a
+        consumer that receives the ref finds them in place.
 
         Raises:
-            IpcError: no consumer count is bound yet.
+            IpcError: no consumer count is bound yet, or the audience names an index
+                that is not a consumer.
         """
         if self._consumers is None:
             raise IpcError("the pool's consumers are not known yet; exchange the pool first")
+        readers = tuple(range(self._consumers)) if audience is None else audience
+        if any(not 0 <= i < self._consumers for i in readers):
+            raise IpcError(
+                f"audience {readers} names a consumer index outside 0..{self._consumers - 1}"
+            )
         size = align_up(max(nbytes, 1))
         lease = self._try_allocate(nbytes, size)
         if lease is None and self.reclaim():
             lease = self._try_allocate(nbytes, size)
+        if lease is not None:
+            self._audiences[lease.slot] = readers
+            layout, words = self.layout, self.words
+            for w, value in enumerate(audience_words(list(readers), layout.mask_words)):
+                words.set(layout.mask(lease.slot) + w, value)
+            words.set(layout.lease(lease.slot), lease.generation)
         return lease
 
     def _try_allocate(self, nbytes: int, size: int) -> Lease | None:
@@ -194,21 +164,42 @@ class SlotAllocator:
         self._leases[slot] = lease
         return lease
 
-    def publish(self, lease: Lease) -> None:
-        """Mark the lease's bytes as written: its slot's ready word = its generation."""
+    def ready_word(self, lease: Lease) -> int:
+        """Index of the word that says the lease's bytes landed (checks it is live).
+
+        Raises:
+            IpcError: the lease is not outstanding.
+        """
         self._check_live(lease.slot, lease.generation)
-        self.words.set(lease.slot * self.stride, lease.generation)
+        return self.layout.ready(lease.slot)
+
+    def publish(self, lease: Lease) -> None:
+        """Mark the lease's bytes as written, from the host: ready word = generation."""
+        self.words.set(self.ready_word(lease), lease.generation)
 
     def reclaim(self) -> int:
-        """Free every lease whose consumers have all acknowledged it. Returns the count."""
+        """Free every lease each of whose readers acknowledged it or is gone; the
+        count freed. Gone-ness is asked at most once per consumer per call."""
         if not self._leases:
             return 0
-        width = 1 + (self._consumers or 0)
+        width, base = self.stride, self.layout.ack_base
         slots = list(self._leases)
+        gone: dict[int, bool] = {}
         freed = 0
         for slot, row in zip(slots, self.words.rows(slots, width), strict=True):
             generation = self._leases[slot].generation
-            if row[0] == generation and all(w == generation for w in row[1:]):
+            if row[0] != generation:
+                continue
+            done = True
+            for i in self._audiences[slot]:
+                if row[base + i] == generation:
+                    continue
+                if i not in gone:
+                    gone[i] = self._gone(i)
+                if not gone[i]:
+                    done = False
+                    break
+            if done:
                 self._release(slot)
                 freed += 1
         return freed
@@ -232,9 +223,14 @@ class SlotAllocator:
 
     def _release(self, slot: int) -> None:
         lease = self._leases.pop(slot)
-        # Clear the ready word first: a late resolve of this (slot, generation) must
-        # fail its ready check rather than read whatever the range holds next.
-        self.words.set(slot * self.stride, 0)
+        del self._audiences[slot]
+        # Clear the lease word first: a late resolve of this (slot, generation) must
+        # fail its check rather than read whatever the range holds next.
+        layout, words = self.layout, self.words
+        words.set(layout.lease(slot), 0)
+        words.set(layout.ready(slot), 0)
+        for w in range(layout.mask_words):
+            words.set(layout.mask(slot) + w, 0)
         self._free_slots.append(slot)
         self._insert_free(lease.offset, lease.offset + lease.size)
 

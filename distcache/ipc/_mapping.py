@@ -1,47 +1,74 @@
 """A peer pool mapped into this process, and what serving needs of it precomputed.
 
 The registry keeps one :class:`Entry` per mapped pool; everything the per-feature path
-reads (bounds, the ack word's index, typed views of the segment) is computed here once
-at map time.
+reads (bounds, this consumer's ack word and audience bit, typed views of the segment)
+is computed here once at map time. What differs between backends is how readiness and
+acknowledgement are ordered: :class:`Mapping` says it in four hooks.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
-from distcache.ipc._allocator import ControlWords
-from distcache.ipc._cuda import CudaMapping
-from distcache.ipc._ref import PoolDescriptor, itemsize
+from distcache.ipc._consumers import ConsumerTable
+from distcache.ipc._descriptor import PoolDescriptor
+from distcache.ipc._devmap import CudaMapping
+from distcache.ipc._layout import ControlWords, Layout
 from distcache.ipc._shm import ShmMapping
+from distcache.ipc._wire import itemsize
+
+log = logging.getLogger(__name__)
 
 
 class Mapping(Protocol):
     """A peer pool mapped into this process (host shared memory or CUDA IPC)."""
 
     descriptor: PoolDescriptor
+    #: The device this process's views and copies live on; None for host memory.
+    device: Any
+    #: True when the ready word is final before a ref can arrive (host memory), so
+    #: it is checked on the host; False when readiness is ordered on a stream.
+    host_ready: bool
 
     @property
     def words(self) -> ControlWords: ...
 
     def view(self, offset: int, nbytes: int) -> Any: ...
 
-    def close(self) -> None: ...
+    def order_ready(self, index: int, generation: int, stream: Any) -> None:
+        """Make work queued next on ``stream`` wait until word ``index`` is ``generation``."""
+        ...
+
+    def write_ack(self, index: int, generation: int, stream: Any) -> None:
+        """Write ``generation`` into word ``index`` after the work queued on ``stream``."""
+        ...
+
+    def settle(self) -> None:
+        """Wait for this process's queued work on the pool (teardown only)."""
+        ...
+
+    def close(self, leave: Callable[[], None]) -> None:
+        """Unmap; call ``leave`` once this process can no longer touch the memory."""
+        ...
 
 
-#: The widest itemsize in :data:`~distcache.ipc._ref.DTYPES`; typed views of a
+#: The widest itemsize in :data:`~distcache.ipc._wire.DTYPES`; typed views of a
 #: segment cover a multiple of it.
 _MAX_ITEMSIZE = 8
 
 
 class Entry:
-    """One mapped peer pool and what ``resolve``/``ack`` need of it, precomputed at map
-    time so the per-feature path is attribute reads, integer compares and one
-    ``as_strided``: no descriptor walks, no dtype look-ups, no intermediate tensors."""
+    """One mapped peer pool and what ``resolve``/``fetch``/``ack`` need of it,
+    precomputed at map time so the per-feature path is attribute reads, integer
+    compares and one ``as_strided``: no descriptor walks, no intermediate tensors."""
 
     __slots__ = (
         "_typed",
         "_whole",
-        "ack_base",
+        "ack_off",
+        "bit",
         "data_start",
         "descriptor",
         "end",
@@ -49,51 +76,65 @@ class Entry:
         "get_word",
         "index",
         "mapping",
-        "set_word",
+        "mask_off",
         "slots",
         "stride",
+        "table",
     )
 
     def __init__(self, mapping: Mapping, descriptor: PoolDescriptor, index: int) -> None:
         self.mapping = mapping
         self.descriptor = descriptor
-        self.index = index  # this rank's consumer index (its ack word)
+        self.index = index  # this rank's consumer index (its ack word, its audience bit)
+        layout = Layout(descriptor.slots, descriptor.ack_words)
         self.epoch = descriptor.epoch
         self.slots = descriptor.slots
-        self.stride = 1 + descriptor.ack_words
-        self.ack_base = 1 + index
+        self.stride = layout.stride
+        self.ack_off = layout.ack_base + index
+        self.mask_off = 2 + index // 32
+        self.bit = 1 << (index % 32)
         self.data_start = descriptor.data_start
         # Typed views span whole elements of every dtype; a feature must end inside
-        # both the data region and that span (a forged, unaligned capacity only
-        # shrinks what resolves).
-        usable = descriptor.segment_bytes - descriptor.segment_bytes % _MAX_ITEMSIZE
-        self.end = min(descriptor.data_start + descriptor.capacity, usable)
-        words = mapping.words
-        self.get_word = words.get
-        self.set_word = words.set
+        # that span (a forged, unaligned capacity only shrinks what resolves).
+        self.end = descriptor.data_start + descriptor.capacity - descriptor.capacity % _MAX_ITEMSIZE
+        self.get_word = mapping.words.get
+        self.table = ConsumerTable(mapping.words, layout)
+        self.table.join(index)
         self._whole: Any = None
         #: dtype name -> (the segment viewed as that dtype, its storage offset, itemsize)
         self._typed: dict[str, tuple[Any, int, int]] = {}
 
     def typed(self, dtype: str) -> tuple[Any, int, int]:
-        """The whole segment as a ``dtype`` tensor (made once per dtype per mapping)."""
+        """The data region as a ``dtype`` tensor (made once per dtype per mapping), the
+        storage offset that segment offset 0 would have in it, and the itemsize: the
+        element at segment byte ``o`` is at ``base + o // itemsize``."""
         found = self._typed.get(dtype)
         if found is None:
             import torch
 
             if self._whole is None:
-                usable = self.descriptor.segment_bytes
-                self._whole = self.mapping.view(0, usable - usable % _MAX_ITEMSIZE)
+                self._whole = self.mapping.view(self.data_start, self.end - self.data_start)
             size = itemsize(dtype)
             view = self._whole.view(getattr(torch, dtype))
-            found = self._typed[dtype] = (view, view.storage_offset(), size)
+            found = self._typed[dtype] = (
+                view,
+                view.storage_offset() - self.data_start // size,
+                size,
+            )
         return found
 
     def close(self) -> None:
+        """Leave the pool in order: queued work on it lands, the producer learns this
+        consumer acknowledges nothing more (its leases are released), then unmap."""
+        try:
+            self.mapping.settle()
+        except Exception as exc:  # teardown must reach the unmap whatever happens
+            log.warning("pool %s: pending work did not settle: %s", self.descriptor.pool_id, exc)
         # The cached views must go first: a live view of a host segment defers its unmap.
         self._typed.clear()
         self._whole = None
-        self.mapping.close()
+        table, index = self.table, self.index
+        self.mapping.close(lambda: table.leave(index))
 
 
 def open_mapping(descriptor: PoolDescriptor, device: int | None) -> Mapping:

@@ -20,13 +20,17 @@ from collections.abc import Sequence
 from typing import Any, Self
 
 from distcache.errors import IpcError
-from distcache.ipc._allocator import ControlWords, SlotAllocator, align_up, header_bytes
-from distcache.ipc._ref import FeatureRef, PoolDescriptor, check_pool_id, itemsize
+from distcache.ipc._allocator import Lease, SlotAllocator
+from distcache.ipc._consumers import ConsumerTable
+from distcache.ipc._descriptor import PoolDescriptor
+from distcache.ipc._layout import ControlWords, Layout, align_up
+from distcache.ipc._ref import FeatureRef
+from distcache.ipc._wire import check_pool_id, itemsize
 
 log = logging.getLogger(__name__)
 
 #: Ack words per slot when the consumers are only known at exchange time (one
-#: slot is then 256 bytes of control words).
+#: slot row is then 66 words: ready, lease, two audience words, 62 + 1 acks).
 DEFAULT_ACK_WORDS = 63
 DEFAULT_SLOTS = 1024
 
@@ -65,7 +69,8 @@ class ProducerPool:
         self.device = device
         self._explicit = tuple(int(r) for r in consumers) if consumers is not None else None
         self.ack_words = len(self._explicit) if self._explicit is not None else DEFAULT_ACK_WORDS
-        self.data_start = header_bytes(slots, self.ack_words)
+        self.layout = Layout(slots, self.ack_words)
+        self.data_start = self.layout.header_bytes
         self.owner: int | None = None
         self.node_id = ""
         self.consumers: tuple[int, ...] | None = None
@@ -73,15 +78,21 @@ class ProducerPool:
         self.full_count = 0
         self._lock = threading.Lock()
         self._closed = False
+        self._bound = False
         self._alloc: SlotAllocator | None = None
+        self._table: ConsumerTable | None = None
+        # Consumer rank -> its index (ack word); set at bind.
+        self._index: dict[int, int] = {}
 
     def _start(self, words: ControlWords) -> None:
+        self._table = ConsumerTable(words, self.layout)
         self._alloc = SlotAllocator(
             self.capacity,
             data_start=self.data_start,
             slots=self.slots,
             ack_words=self.ack_words,
             words=words,
+            gone=self._table.gone,
         )
         if self._explicit is not None:
             self._alloc.bind(len(self._explicit))
@@ -99,21 +110,38 @@ class ProducerPool:
     def _free(self) -> None:
         raise NotImplementedError
 
+    def _publish(self, lease: Lease) -> None:
+        """Mark the lease ready once its bytes are written (the host backend writes
+        the word now; the CUDA backend orders the write after the copy on its stream)."""
+        self._allocator().publish(lease)
+
+    #: Whether the pool's memory still has a system-wide name (backends set it).
+    _linked = False
+
     def unlink(self) -> None:
         """Remove the pool's system-wide name, if it has one; existing mappings stay."""
 
     # -- protocol -------------------------------------------------------------------
-    def bind(self, owner: int, consumers: Sequence[int], node_id: str = "") -> None:
+    def bind(self, owner: int | None, consumers: Sequence[int], node_id: str = "") -> None:
         """Fix the owner rank and the consumer ranks (the registry does this at exchange).
 
-        ``consumers`` is ignored when the pool was created with explicit consumers.
+        ``owner`` is None for a producer that is not a rank of the consumers'
+        communicator: it binds its pool to the consumer ranks itself and sends
+        :meth:`descriptor` (``.pack()``) over any channel; each consumer maps it with
+        :meth:`PoolRegistry.add`. ``consumers`` is ignored when the pool was created
+        with explicit consumers.
 
         Raises:
             IpcError: the owner is among the consumers, or there are more consumers than
                 ack words per slot.
         """
-        ranks = self._explicit if self._explicit is not None else tuple(consumers)
-        if owner in ranks:
+        ranks = self._explicit if self._explicit is not None else tuple(int(r) for r in consumers)
+        if len(set(ranks)) != len(ranks):
+            raise IpcError(
+                f"pool {self.pool_id}: consumer ranks {list(ranks)} repeat a rank",
+                pool_id=self.pool_id,
+            )
+        if owner is not None and owner in ranks:
             raise IpcError(
                 f"pool {self.pool_id}: owner rank {owner} cannot consume its own pool",
                 pool_id=self.pool_id,
@@ -127,6 +155,8 @@ class ProducerPool:
         with self._lock:
             self._allocator().bind(len(ranks))
             self.owner, self.consumers, self.node_id = owner, ranks, node_id
+            self._index = {rank: i for i, rank in enumerate(ranks)}
+            self._bound = True
 
     def descriptor(self) -> PoolDescriptor:
         """How a consumer maps this pool.
@@ -135,7 +165,7 @@ class ProducerPool:
             IpcError: the pool is closed or not bound to an owner and consumers yet.
         """
         self._check_open()
-        if self.owner is None or self.consumers is None:
+        if not self._bound or self.consumers is None:
             raise IpcError(
                 f"pool {self.pool_id} is not bound to an owner yet; exchange it first",
                 pool_id=self.pool_id,
@@ -155,16 +185,27 @@ class ProducerPool:
             handle=self._handle(),
         )
 
-    def put(self, tensor: Any, *, with_descriptor: bool = False) -> FeatureRef | None:
+    def put(
+        self,
+        tensor: Any,
+        consumers: Sequence[int] | None = None,
+        *,
+        with_descriptor: bool = False,
+    ) -> FeatureRef | None:
         """Copy a contiguous tensor into a lease; None when the pool is full.
 
-        A full pool answers at once (the caller sends a copy instead) and is logged
-        once per pool, not per call. ``with_descriptor`` makes the ref carry the pool's
-        descriptor, so a consumer that has not mapped this epoch can map it.
+        ``consumers`` are the ranks that will read the feature, and the only ones that
+        must acknowledge it: None means every consumer of the pool; under attention-DP
+        pass the one scheduler that takes it. A consumer that leaves or dies releases
+        its part of every lease. A full pool answers at once (the caller retries after
+        :meth:`reclaim`, or sends a copy) and is logged once per pool, not per call.
+        ``with_descriptor`` makes the ref carry the pool's descriptor, so a consumer
+        that has not mapped this epoch can map it.
 
         Raises:
-            IpcError: the pool is closed or not exchanged yet, or the tensor is not
-                contiguous, on the wrong device, or of an unsupported dtype.
+            IpcError: the pool is closed or not exchanged yet; the tensor is not
+                contiguous, on the wrong device, or of an unsupported dtype; or
+                ``consumers`` is empty or names a rank that is not a consumer.
         """
         self._check_open()
         self._check_tensor(tensor)
@@ -172,19 +213,21 @@ class ProducerPool:
             raise IpcError(
                 "put() needs a contiguous tensor; call .contiguous() first", pool_id=self.pool_id
             )
+        audience = self._audience(consumers)
         dtype = str(tensor.dtype).removeprefix("torch.")
         nbytes = int(tensor.numel()) * itemsize(dtype)
         with self._lock:
             self._check_open()
             alloc = self._allocator()
-            lease = alloc.allocate(nbytes)
+            lease = alloc.allocate(nbytes, audience)
             if lease is None:
                 self.full_count += 1
                 level = logging.WARNING if self.full_count == 1 else logging.DEBUG
                 log.log(
                     level,
                     "IPC pool %s is full (%d bytes, %d leases in flight): features "
-                    "are sent by copy until consumers acknowledge; consider a larger pool",
+                    "wait or are sent by copy until consumers acknowledge; consider a "
+                    "larger pool",
                     self.pool_id,
                     self.capacity,
                     alloc.in_flight,
@@ -192,10 +235,11 @@ class ProducerPool:
                 return None
             try:
                 self._write(lease.offset, tensor)
+                self._publish(lease)
             except BaseException:
                 alloc.cancel(lease.slot, lease.generation)
                 raise
-            alloc.publish(lease)
+            self._unlink_when_mapped()
         return FeatureRef(
             pool_id=self.pool_id,
             epoch=self.epoch,
@@ -208,6 +252,49 @@ class ProducerPool:
             generation=lease.generation,
             descriptor=self.descriptor() if with_descriptor else None,
         )
+
+    def _audience(self, consumers: Sequence[int] | None) -> tuple[int, ...] | None:
+        if consumers is None:
+            return None
+        if not self._bound:
+            raise IpcError(
+                f"pool {self.pool_id} is not bound to its consumers yet; exchange it first",
+                pool_id=self.pool_id,
+            )
+        try:
+            audience = tuple(sorted({self._index[int(rank)] for rank in consumers}))
+        except (KeyError, TypeError, ValueError):
+            raise IpcError(
+                f"pool {self.pool_id}: readers {list(consumers)!r} are not all consumers of "
+                f"the pool (consumers: {list(self.consumers or ())})",
+                pool_id=self.pool_id,
+            ) from None
+        if not audience:
+            raise IpcError(
+                f"pool {self.pool_id}: put() needs at least one reader, or consumers=None "
+                "for all of them",
+                pool_id=self.pool_id,
+            )
+        return audience
+
+    def _unlink_when_mapped(self) -> None:
+        # A producer outside the consumers' group has no exchange barrier after which
+        # to unlink: it unlinks once every consumer's row says it mapped the pool.
+        table, ranks = self._table, self.consumers
+        if (
+            self._linked
+            and self.owner is None
+            and table is not None
+            and ranks is not None
+            and table.all_joined(len(ranks))
+        ):
+            self.unlink()
+
+    def holders(self) -> list[int]:
+        """Consumer ranks that still map this pool (not left, not dead)."""
+        if self._table is None or self.consumers is None:
+            return []
+        return [self.consumers[i] for i in self._table.holding(len(self.consumers))]
 
     def cancel(self, ref: FeatureRef) -> None:
         """Free a lease whose ref was never sent.
@@ -226,7 +313,9 @@ class ProducerPool:
             self._allocator().cancel(ref.slot, ref.generation)
 
     def reclaim(self) -> int:
-        """Free every lease all consumers acknowledged (``put`` also does this lazily)."""
+        """Free every lease whose readers all acknowledged it, left or died (``put``
+        also does this lazily, when it would otherwise find the pool full). Never
+        blocks: it reads the consumers' words and asks the kernel whether they live."""
         with self._lock:
             self._check_open()
             return self._allocator().reclaim()

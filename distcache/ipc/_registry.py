@@ -1,13 +1,17 @@
-"""The consumer side: every peer pool mapped exactly once, refs resolved to views.
+"""The consumer side: every peer pool mapped exactly once; refs fetched or viewed.
 
 :meth:`PoolRegistry.exchange` is the one collective, run at init: ranks agree on the
-backend (a CUDA IPC capability probe on every rank; if any rank cannot use it, the
-whole group uses shared memory), bind each pool to its consumers, all-gather the pool
-descriptors, map every peer pool once, meet at a barrier, and then each owner unlinks
-its segment names. Serving after that is local: :meth:`resolve` is a dictionary look-up,
-bounds and generation checks, and a strided view; :meth:`ack` is one word written to
-shared memory. Mapping per message instead costs milliseconds per feature on GPUs
-(SGLang's traces: 32 opens = 293 ms, 32 closes = 220 ms).
+backend (:mod:`distcache.ipc._probe`: a trial export and open; if any rank cannot use
+CUDA IPC, the whole group uses shared memory), bind each pool to its consumers,
+all-gather the pool descriptors, map every peer pool once, meet at a barrier, and then
+each owner unlinks its segment names. A pool whose producer is not a rank of the group
+is mapped with :meth:`PoolRegistry.add` from its packed descriptor.
+
+Serving after that is local: a dictionary look-up, bounds and lease checks on host
+words, then either :meth:`fetch` (a copy into this process's memory, then the ack) or
+:meth:`view` (zero-copy, acked on exit). Mapping per message instead costs
+milliseconds per feature on GPUs (SGLang's traces: 32 opens = 293 ms, 32 closes =
+220 ms).
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ from typing import Any
 
 from distcache.comm._base import Communicator, agree_on_error
 from distcache.errors import IpcError, StaleHandleError
-from distcache.ipc._allocator import ALIGNMENT
-from distcache.ipc._cuda import CudaPool, probe_cuda_ipc
+from distcache.ipc._cuda import CudaPool
+from distcache.ipc._descriptor import PoolDescriptor, gathered_descriptors
+from distcache.ipc._layout import ALIGNMENT
 from distcache.ipc._mapping import Entry, close_all, open_mapping
+from distcache.ipc._probe import agree_backend
 from distcache.ipc._producer import ProducerPool
-from distcache.ipc._ref import FeatureRef, PoolDescriptor
+from distcache.ipc._ref import FeatureRef
 
 log = logging.getLogger(__name__)
 
@@ -78,21 +84,8 @@ class PoolRegistry:
                 rank).
             CollectiveTimeout: a rank did not arrive within ``timeout``.
         """
-        has_cuda = any(isinstance(p, CudaPool) for p in pools)
-        probe = probe_cuda_ipc(device)
-        votes = comm.allgather_object((comm.node_id, has_cuda, probe), timeout=timeout)
-        nodes = [node for node, _, _ in votes]
-        backend = "shm"
-        if any(wants for _, wants, _ in votes):
-            failures = [(r, p[1]) for r, (_, _, p) in enumerate(votes) if not p[0]]
-            if failures:
-                log.warning(
-                    "CUDA IPC is unusable on rank(s) %s; the group shares features "
-                    "through host shared memory instead",
-                    failures,
-                )
-            else:
-                backend = "cuda"
+        wants = any(isinstance(p, CudaPool) for p in pools)
+        backend, nodes = agree_backend(comm, wants, device, timeout)
         registry = cls(comm.rank, device=device, backend=backend)
         error: BaseException | None = None
         try:
@@ -107,19 +100,7 @@ class PoolRegistry:
         agree_on_error(comm, error, timeout=timeout)
         gathered = comm.allgather_object(mine, timeout=timeout)
         try:
-            seen: dict[str, int] = {}
-            descriptors = []
-            for rank, packed in enumerate(gathered):
-                for blob in packed:
-                    desc = PoolDescriptor.unpack(blob)
-                    if seen.setdefault(desc.pool_id, rank) != rank or desc.owner != rank:
-                        raise IpcError(
-                            f"pool id {desc.pool_id} is claimed by ranks "
-                            f"{seen[desc.pool_id]} and {rank}",
-                            pool_id=desc.pool_id,
-                        )
-                    descriptors.append(desc)
-            for desc in descriptors:
+            for desc in gathered_descriptors(gathered):
                 if desc.owner != comm.rank and comm.rank in desc.consumers:
                     registry.add(desc)
         except Exception as exc:
@@ -135,15 +116,20 @@ class PoolRegistry:
         log.info("rank %d mapped %d peer pool(s) over %s", comm.rank, len(registry.opens), backend)
         return registry
 
-    def add(self, descriptor: PoolDescriptor) -> None:
-        """Map a peer pool (once; a later epoch of the same pool replaces the mapping).
+    def add(self, descriptor: PoolDescriptor | bytes) -> None:
+        """Map a peer pool once: a :class:`PoolDescriptor` or its ``pack()`` bytes, as
+        received over any channel from a producer that need not be a rank of this
+        registry's group. Adding a mapped epoch again is a no-op; a later epoch of
+        the same pool replaces the mapping.
 
         Raises:
-            IpcError: the pool is this rank's own, this rank is not one of its
-                consumers, or mapping failed.
+            IpcError: the bytes are not a descriptor, the pool is this rank's own,
+                this rank is not one of its consumers, or mapping failed.
             StaleHandleError: the descriptor names an epoch older than the mapped one.
         """
         self._check_open()
+        if not isinstance(descriptor, PoolDescriptor):
+            descriptor = PoolDescriptor.unpack(descriptor)
         if descriptor.owner == self.rank or descriptor.pool_id in self.own:
             raise IpcError(
                 f"pool {descriptor.pool_id} is owned by this rank; it is never mapped",
@@ -186,37 +172,61 @@ class PoolRegistry:
                 old.close()
 
     # -- serving --------------------------------------------------------------------
-    def resolve(self, ref: FeatureRef) -> Any:
-        """A zero-copy tensor view of the feature ``ref`` names.
+    def fetch(self, ref: FeatureRef, out: Any = None, stream: Any = None) -> Any:
+        """Copy the feature into this process's memory and acknowledge it: the engine's
+        default, safe whatever the caller does with the result afterwards.
+
+        ``out`` (same shape and dtype; any device on a host pool) receives the copy;
+        by default a new contiguous tensor on the pool's device in this process (CPU
+        for a shared-memory pool). On a shared-memory pool the copy is done when this
+        returns and the ack follows it. On a CUDA pool nothing waits on the host: the
+        wait for the producer's ready word, the copy and the ack are queued in that
+        order on ``stream`` (default: the current stream of the mapping's device), so
+        the result is ready for work queued after it on ``stream``; using it on
+        another stream needs the usual event or ``wait_stream``.
 
         Raises:
-            StaleHandleError: ``ref`` names an epoch that is not mapped and carries no
-                descriptor of a newer one.
-            IpcError: unknown pool, out-of-bounds offset or size, a slot or generation
-                that is not ready, or the registry is closed.
+            StaleHandleError / IpcError: as for :meth:`resolve`; ``out`` has another
+                shape or dtype.
         """
-        # The serving hot path. A FeatureRef is immutable and was validated when it was
-        # built or decoded (dtype known, nbytes == numel * itemsize, strides inside
-        # nbytes), so what is left to check here is the ref against this pool: epoch,
-        # bounds, alignment, slot, and the slot's ready word.
-        entry = self._checked(ref)
-        typed, base, size = entry.typed(ref.dtype)
-        # One as_strided over the pool's typed view: no intermediate slice tensors.
-        # torch checks the view against the storage as well.
-        return typed.as_strided(ref.shape, ref.strides, base + ref.offset // size)
+        entry, row = self._checked(ref)
+        src = self._view(entry, ref)
+        mapping = entry.mapping
+        if out is not None and (tuple(out.shape) != ref.shape or out.dtype != src.dtype):
+            raise IpcError(
+                f"fetch(out=...) needs shape {ref.shape} and dtype {ref.dtype}, got "
+                f"{tuple(out.shape)} {out.dtype}",
+                pool_id=ref.pool_id,
+            )
+        if mapping.host_ready:
+            if out is None:
+                out = src.clone(memory_format=_contiguous())
+            else:
+                out.copy_(src)  # synchronous from pageable host memory, to any device
+            mapping.write_ack(row + entry.ack_off, ref.generation, None)
+            return out
+        import torch
 
-    def ack(self, ref: FeatureRef) -> None:
-        """Tell the producer this rank is done with ``ref`` (writes this rank's ack word).
-
-        Raises:
-            StaleHandleError / IpcError: as for :meth:`resolve`.
-        """
-        entry = self._checked(ref)
-        entry.set_word(ref.slot * entry.stride + entry.ack_base, ref.generation)
+        if stream is None:
+            stream = torch.cuda.current_stream(mapping.device)
+        with torch.cuda.stream(stream):
+            mapping.order_ready(row, ref.generation, stream)
+            if out is None:
+                out = torch.empty(ref.shape, dtype=src.dtype, device=mapping.device)
+            out.copy_(src, non_blocking=True)
+            mapping.write_ack(row + entry.ack_off, ref.generation, stream)
+        return out
 
     @contextmanager
     def view(self, ref: FeatureRef) -> Iterator[Any]:
-        """``with registry.view(ref) as t:`` resolves, and acks on exit.
+        """``with registry.view(ref) as t:`` a zero-copy view, acknowledged at exit.
+
+        Safe only inside the block: once acknowledged, the producer may reuse the
+        range for the next feature, so ``t`` (and any view of it) must not be kept.
+        On a CUDA pool, readiness is ordered on the current stream at entry and the
+        ack is written on the current stream at exit, after the work queued on it:
+        queue every use of ``t`` on that stream (or make it wait for the others
+        before the block ends). On shared memory the ack is written at exit.
 
         Raises:
             StaleHandleError / IpcError: as for :meth:`resolve`.
@@ -226,6 +236,39 @@ class PoolRegistry:
             yield tensor
         finally:
             self.ack(ref)
+
+    def resolve(self, ref: FeatureRef) -> Any:
+        """A zero-copy tensor view of the feature ``ref`` names (the low-level half of
+        :meth:`view`; pair it with :meth:`ack`). On a CUDA pool, work queued after it
+        on the current stream waits for the producer's copy.
+
+        Raises:
+            StaleHandleError: ``ref`` names an epoch that is not mapped and carries no
+                descriptor of a newer one.
+            IpcError: unknown pool, out-of-bounds offset or size; a slot that holds
+                another lease, a feature this rank is not a declared reader of or has
+                already acknowledged; or the registry is closed.
+        """
+        entry, row = self._checked(ref)
+        entry.mapping.order_ready(row, ref.generation, None)
+        return self._view(entry, ref)
+
+    def ack(self, ref: FeatureRef) -> None:
+        """Tell the producer this rank is done with ``ref`` (writes this rank's ack
+        word; on a CUDA pool, after the work queued on the current stream).
+
+        Raises:
+            StaleHandleError / IpcError: as for :meth:`resolve`.
+        """
+        entry, row = self._checked(ref)
+        entry.mapping.write_ack(row + entry.ack_off, ref.generation, None)
+
+    @staticmethod
+    def _view(entry: Entry, ref: FeatureRef) -> Any:
+        typed, base, size = entry.typed(ref.dtype)
+        # One as_strided over the pool's typed view: no intermediate slice tensors.
+        # torch checks the view against the storage as well.
+        return typed.as_strided(ref.shape, ref.strides, base + ref.offset // size)
 
     def close(self) -> None:
         """Unmap every peer pool exactly once (idempotent)."""
@@ -246,12 +289,16 @@ class PoolRegistry:
         if self._closed:
             raise IpcError("the pool registry is closed")
 
-    def _checked(self, ref: FeatureRef) -> Entry:
-        """The mapped pool of ``ref``, after the epoch, bounds and ready-word checks."""
+    def _checked(self, ref: FeatureRef) -> tuple[Entry, int]:
+        """The mapped pool of ``ref`` and the index of its slot row, after the epoch,
+        bounds and lease checks (all on host words: nothing here waits on a device)."""
+        # The serving hot path. A FeatureRef is immutable and was validated when it was
+        # built or decoded (dtype known, nbytes == numel * itemsize, strides inside
+        # nbytes), so what is left to check is the ref against this pool.
         entry = self._entries.get(ref.pool_id)  # emptied by close()
         if entry is None or entry.epoch != ref.epoch:
             entry = self._entry(ref)
-        slot, offset = ref.slot, ref.offset
+        slot, offset, generation = ref.slot, ref.offset, ref.generation
         if (
             slot >= entry.slots
             or offset < entry.data_start
@@ -259,14 +306,27 @@ class PoolRegistry:
             or offset + ref.nbytes > entry.end
         ):
             raise self._out_of_bounds(ref, entry)
-        ready = entry.get_word(slot * entry.stride)
-        if ready != ref.generation:
+        row = slot * entry.stride
+        get = entry.get_word
+        # The lease word is written before the ref leaves the producer and cleared
+        # only when the lease is released, which cannot happen before this rank (a
+        # declared, live reader) acknowledged it.
+        problem = None
+        lease = get(row + 1)
+        if lease != generation:
+            problem = f"was released, cancelled or never issued (the slot holds generation {lease})"
+        elif not get(row + entry.mask_off) & entry.bit:
+            problem = f"was not declared for rank {self.rank} (put(..., consumers=[...]))"
+        elif get(row + entry.ack_off) == generation:
+            problem = "was already acknowledged by this rank"
+        elif entry.mapping.host_ready and get(row) != generation:
+            problem = "was never published"
+        if problem is not None:
             raise IpcError(
-                f"slot {slot} of pool {ref.pool_id} holds generation {ready}, not "
-                f"{ref.generation}: the feature was released, cancelled or never published",
+                f"feature in slot {slot} generation {generation} of pool {ref.pool_id} {problem}",
                 pool_id=ref.pool_id,
             )
-        return entry
+        return entry, row
 
     @staticmethod
     def _out_of_bounds(ref: FeatureRef, entry: Entry) -> IpcError:
@@ -315,3 +375,9 @@ class PoolRegistry:
             "the producer restarted; resend the feature",
             pool_id=ref.pool_id,
         )
+
+
+def _contiguous() -> Any:
+    import torch
+
+    return torch.contiguous_format

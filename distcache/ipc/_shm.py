@@ -18,13 +18,13 @@ import mmap
 import os
 import re
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from distcache.errors import IpcError, PoolError
-from distcache.ipc._allocator import WordArray
+from distcache.ipc._descriptor import PoolDescriptor
+from distcache.ipc._layout import Layout, WordArray
 from distcache.ipc._producer import DEFAULT_SLOTS, ProducerPool
-from distcache.ipc._ref import PoolDescriptor
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,85 @@ def _unmap(mm: mmap.mmap, what: str) -> None:
 def _unlink_quietly(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def create_segment(path: str, size: int, pool_id: str) -> mmap.mmap:
+    """Create, reserve and map a new zeroed segment of ``size`` bytes at ``path``.
+
+    Raises:
+        PoolError: ``/dev/shm`` has too little free space, or creating it failed.
+    """
+    try:
+        stat = os.statvfs(SHM_DIR)
+    except OSError as exc:
+        raise PoolError(f"cannot use {SHM_DIR}: {exc}", path=SHM_DIR) from exc
+    free = stat.f_bavail * stat.f_frsize
+    if size > free:
+        raise PoolError(
+            f"IPC pool {pool_id} needs {size} bytes of {SHM_DIR} but only {free} are "
+            "free; use a smaller pool or give the container more shared memory "
+            "(docker --shm-size, or an emptyDir with medium: Memory)",
+            path=SHM_DIR,
+        )
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise PoolError(f"cannot create {path}: {exc}", path=path) from exc
+    try:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            raise PoolError(
+                f"cannot reserve {size} bytes for IPC pool {pool_id} in {SHM_DIR}: "
+                f"{exc}; free space or enlarge {SHM_DIR}",
+                path=path,
+            ) from exc
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        _unlink_quietly(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def open_segment(name: str, size: int, descriptor: PoolDescriptor) -> mmap.mmap:
+    """Map the existing segment ``name`` of a peer's pool, which must be ``size`` bytes.
+
+    Raises:
+        IpcError: the name is not a distcache segment, it cannot be opened, or its
+            size differs (a forged descriptor must not make us map past its end,
+            where an access would be SIGBUS rather than an error).
+    """
+    if not _NAME_RE.match(name):
+        raise IpcError(
+            f"pool {descriptor.pool_id}: {name!r} is not a distcache segment name",
+            pool_id=descriptor.pool_id,
+        )
+    path = os.path.join(SHM_DIR, name)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise IpcError(
+            f"cannot open segment {path} of pool {descriptor.pool_id} (owner "
+            f"{_owner(descriptor)}): {exc}; the owner unlinks it once every consumer "
+            "mapped it, so a pool must be mapped during PoolRegistry.exchange, or "
+            "added before its producer's consumers all joined",
+            pool_id=descriptor.pool_id,
+        ) from exc
+    try:
+        found = os.fstat(fd).st_size
+        if found != size:
+            raise IpcError(
+                f"segment {path} is {found} bytes, descriptor says {size}",
+                pool_id=descriptor.pool_id,
+            )
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def _owner(descriptor: PoolDescriptor) -> str:
+    return "outside the group" if descriptor.owner is None else f"rank {descriptor.owner}"
 
 
 class _Memory:
@@ -95,39 +174,8 @@ class ShmPool(ProducerPool):
         super().__init__(capacity_bytes, consumers=consumers, name=name, slots=slots, device=-1)
         self.segment = f"distcache.{self.pool_id}.{self.epoch:x}"
         self.path = os.path.join(SHM_DIR, self.segment)
-        size = self.data_start + self.capacity
-        try:
-            stat = os.statvfs(SHM_DIR)
-        except OSError as exc:
-            raise PoolError(f"cannot use {SHM_DIR}: {exc}", path=SHM_DIR) from exc
-        free = stat.f_bavail * stat.f_frsize
-        if size > free:
-            raise PoolError(
-                f"IPC pool {self.pool_id} needs {size} bytes of {SHM_DIR} but only {free} are "
-                "free; use a smaller pool or give the container more shared memory "
-                "(docker --shm-size, or an emptyDir with medium: Memory)",
-                path=SHM_DIR,
-            )
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise PoolError(f"cannot create {self.path}: {exc}", path=self.path) from exc
-        try:
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                raise PoolError(
-                    f"cannot reserve {size} bytes for IPC pool {self.pool_id} in {SHM_DIR}: "
-                    f"{exc}; free space or enlarge {SHM_DIR}",
-                    path=self.path,
-                ) from exc
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            _unlink_quietly(self.path)
-            raise
-        finally:
-            os.close(fd)
-        self._mem = _Memory(mm, self.data_start, 1 + self.ack_words)
+        mm = create_segment(self.path, self.data_start + self.capacity, self.pool_id)
+        self._mem = _Memory(mm, self.data_start, self.layout.stride)
         self._linked = True
         self._finalizer = weakref.finalize(self, _unlink_quietly, self.path)
         self._start(self._mem.words)
@@ -161,44 +209,46 @@ class ShmPool(ProducerPool):
 
 
 class ShmMapping:
-    """A consumer's one mapping of a peer's :class:`ShmPool`."""
+    """A consumer's one mapping of a peer's :class:`ShmPool`.
+
+    Everything is host memory: the producer wrote the ready word before the ref left
+    it, so readiness is checked on the host, and an ack is one store, made after the
+    reads it follows (``stream`` arguments are accepted and unused).
+    """
+
+    #: The device consumers' tensors live on (None: host memory).
+    device = None
+    #: The ready word is final by the time a ref arrives: check it on the host.
+    host_ready = True
 
     def __init__(self, descriptor: PoolDescriptor) -> None:
-        name = descriptor.handle.decode("ascii", "replace")
-        if descriptor.backend != "shm" or not _NAME_RE.match(name):
+        if descriptor.backend != "shm":
             raise IpcError(
-                f"pool {descriptor.pool_id}: {name!r} is not a distcache segment name",
+                f"pool {descriptor.pool_id} is a {descriptor.backend} pool, not shm",
                 pool_id=descriptor.pool_id,
             )
         self.descriptor = descriptor
-        path = os.path.join(SHM_DIR, name)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError as exc:
-            raise IpcError(
-                f"cannot open segment {path} of pool {descriptor.pool_id} (owner rank "
-                f"{descriptor.owner}): {exc}; the owner unlinks it after the exchange barrier, "
-                "so pools must be mapped during PoolRegistry.exchange",
-                pool_id=descriptor.pool_id,
-            ) from exc
-        try:
-            size = os.fstat(fd).st_size
-            # A forged descriptor must not make us map past the end of the file, where
-            # an access would be SIGBUS rather than an error.
-            if size != descriptor.segment_bytes:
-                raise IpcError(
-                    f"segment {path} is {size} bytes, descriptor says {descriptor.segment_bytes}",
-                    pool_id=descriptor.pool_id,
-                )
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self._mem = _Memory(mm, descriptor.data_start, 1 + descriptor.ack_words)
+        name = descriptor.handle.decode("ascii", "replace")
+        mm = open_segment(name, descriptor.segment_bytes, descriptor)
+        stride = Layout(descriptor.slots, descriptor.ack_words).stride
+        self._mem = _Memory(mm, descriptor.data_start, stride)
         self.words = self._mem.words
 
     def view(self, offset: int, nbytes: int) -> Any:
         """uint8 tensor over ``[offset, offset + nbytes)`` of the segment (zero-copy)."""
         return self._mem.base()[offset : offset + nbytes]
 
-    def close(self) -> None:
+    def order_ready(self, index: int, generation: int, stream: Any) -> None:
+        """Nothing to order: the host already saw the ready word."""
+
+    def write_ack(self, index: int, generation: int, stream: Any) -> None:
+        self.words.set(index, generation)
+
+    def settle(self) -> None:
+        """Nothing is in flight on host memory."""
+
+    def close(self, leave: Callable[[], None]) -> None:
+        """Mark this consumer gone (``leave``), then unmap (deferred while views live:
+        host memory outlives the producer's unmap, so nothing can be freed under them)."""
+        leave()
         self._mem.close(f"mapping of pool {self.descriptor.pool_id}")

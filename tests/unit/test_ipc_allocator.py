@@ -5,14 +5,18 @@ from __future__ import annotations
 import pytest
 
 from distcache.errors import IpcError
-from distcache.ipc._allocator import ALIGNMENT, Lease, SlotAllocator, WordArray, header_bytes
+from distcache.ipc._allocator import Lease, SlotAllocator
+from distcache.ipc._layout import ALIGNMENT, Layout, WordArray, header_bytes
 
 
 class Pool:
     """An allocator over a bytearray, with helpers to play the consumers."""
 
     def __init__(self, capacity: int, *, slots: int = 8, consumers: int = 2) -> None:
-        self.stride = 1 + consumers
+        self.gone = set()
+        self.layout = Layout(slots, consumers)
+        self.consumers = consumers
+        self.stride = self.layout.stride
         self.start = header_bytes(slots, consumers)
         self.memory = bytearray(self.start)
         self.words = WordArray(memoryview(self.memory), self.stride)
@@ -23,20 +27,24 @@ class Pool:
             ack_words=consumers,
             words=self.words,
             consumers=consumers,
+            gone=self.gone.__contains__,
         )
 
-    def put(self, nbytes: int) -> Lease:
-        lease = self.alloc.allocate(nbytes)
+    #: Consumer indices that left or died.
+    gone: set[int]
+
+    def put(self, nbytes: int, audience: tuple[int, ...] | None = None) -> Lease:
+        lease = self.alloc.allocate(nbytes, audience)
         assert lease is not None
         self.alloc.publish(lease)
         return lease
 
     def ack(self, lease: Lease, consumer: int, generation: int | None = None) -> None:
         gen = lease.generation if generation is None else generation
-        self.words.set(lease.slot * self.stride + 1 + consumer, gen)
+        self.words.set(self.layout.ack(lease.slot, consumer), gen)
 
     def ack_all(self, lease: Lease) -> None:
-        for consumer in range(self.stride - 1):
+        for consumer in range(self.consumers):
             self.ack(lease, consumer)
 
 
@@ -119,13 +127,58 @@ def test_unpublished_lease_is_not_reclaimed_even_if_acked() -> None:
     assert pool.alloc.reclaim() == 0
 
 
-def test_release_clears_the_ready_word() -> None:
-    pool = Pool(1024)
+def test_release_clears_the_ready_lease_and_audience_words() -> None:
+    pool = Pool(1024, consumers=40)  # two audience words
     lease = pool.put(1)
-    assert pool.words.get(lease.slot * pool.stride) == lease.generation
+    layout = pool.layout
+    assert pool.words.get(layout.ready(lease.slot)) == lease.generation
+    assert pool.words.get(layout.lease(lease.slot)) == lease.generation
+    assert [pool.words.get(layout.mask(lease.slot) + w) for w in (0, 1)] == [0xFFFFFFFF, 0xFF]
     pool.ack_all(lease)
     assert pool.alloc.reclaim() == 1
-    assert pool.words.get(lease.slot * pool.stride) == 0
+    words = [pool.words.get(i) for i in range(lease.slot * layout.stride, layout.ack(lease.slot, 0))]
+    assert words == [0, 0, 0, 0]
+
+
+def test_a_declared_reader_alone_frees_its_lease() -> None:
+    pool = Pool(256, slots=4, consumers=3)
+    lease = pool.put(256, audience=(1,))
+    mask = pool.words.get(pool.layout.mask(lease.slot))
+    assert mask == 0b010
+    assert pool.alloc.allocate(1) is None  # the one range is held
+    pool.ack(lease, 0)
+    pool.ack(lease, 2)
+    assert pool.alloc.reclaim() == 0  # the others' acks mean nothing for it
+    pool.ack(lease, 1)
+    assert pool.alloc.reclaim() == 1
+
+
+def test_audience_outside_the_consumers_is_refused() -> None:
+    pool = Pool(1024, consumers=2)
+    with pytest.raises(IpcError, match="outside"):
+        pool.alloc.allocate(1, (2,))
+    assert pool.alloc.in_flight == 0
+
+
+def test_a_gone_consumer_releases_its_part_of_every_lease() -> None:
+    pool = Pool(1024, slots=8, consumers=2)
+    both = pool.put(256)
+    pool.put(256, audience=(1,))
+    pool.ack(both, 0)
+    assert pool.alloc.reclaim() == 0
+    pool.gone.add(1)  # consumer 1 left or died with both leases unacknowledged
+    assert pool.alloc.reclaim() == 2
+    assert pool.alloc.free_bytes == pool.alloc.capacity
+
+
+def test_gone_is_asked_once_per_consumer_per_reclaim() -> None:
+    pool = Pool(4096, slots=16, consumers=2)
+    asked: list[int] = []
+    pool.alloc._gone = lambda i: asked.append(i) or False  # type: ignore[assignment]
+    for _ in range(10):
+        pool.put(256)
+    assert pool.alloc.reclaim() == 0
+    assert asked == [0]  # consumer 0 blocks every lease; asked once, not ten times
 
 
 def test_cancel_frees_a_lease_that_was_never_sent() -> None:
