@@ -5,7 +5,8 @@ Run it on every rank of the job (``mpirun -n N distcache prefetch ...``, ``srun`
 per job and broadcast to the pools that lack it.
 
     distcache prefetch --manifest FILE [--manifest FILE ...] [--origin URL]
-    distcache prefetch --flashinfer [--record DIR] [--family NAME ...] [--origin URL]
+    distcache prefetch --flashinfer [--record DIR] [--family NAME ...] [--arch SM ...]
+    distcache prefetch ... --dry-run [--json]   (not collective: what this pool lacks)
 
 The ``distcache`` command registers :func:`setup`; :func:`add_parser` builds a
 stand-alone parser. The handler :func:`run` returns the exit status.
@@ -14,6 +15,8 @@ stand-alone parser. The handler :func:`run` returns the exit status.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
 import sys
 from typing import Any
@@ -25,6 +28,7 @@ from distcache.config import settings
 from distcache.errors import ConfigError, DistcacheError
 from distcache.integrations.flashinfer import FlashInfer
 from distcache.integrations.flashinfer import prefetch as flashinfer_prefetch
+from distcache.integrations.flashinfer._warm import ARCH_RULE
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +68,17 @@ def setup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--origin", metavar="URL",
                         help="origin URL or directory (default: DISTCACHE_ORIGIN, then "
                              "FlashInfer's FLASHINFER_CUBINS_REPOSITORY with --flashinfer)")
+    parser.add_argument("--arch", action="append", default=[], metavar="SM",
+                        help="keep only the family kernels GPUs of this architecture can "
+                             "load, e.g. sm_90 or sm_100 (repeatable). " + ARCH_RULE)
     parser.add_argument("--timeout", type=float, metavar="SECONDS",
                         help="collective timeout (default: DISTCACHE_TIMEOUT)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="not collective: list what this process's pool lacks, "
+                             "download nothing (a family's checksums.txt must be in the "
+                             "pool for its files to be listed)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the result as one JSON document instead of text")
     parser.set_defaults(run=run)
 
 
@@ -78,14 +91,31 @@ def run(args: argparse.Namespace) -> int:
         print("distcache prefetch: --flashinfer needs --record DIR and/or --family NAME",
               file=sys.stderr)
         return 2
+    if args.arch and not args.family:
+        print("distcache prefetch: --arch filters whole families: it needs --flashinfer "
+              "--family NAME", file=sys.stderr)
+        return 2
     try:
+        if args.dry_run:
+            from distcache.cli._dryrun import run_dry_run  # reads FlashInfer's pins
+
+            return run_dry_run(args)
         report, rank = _prefetch(args)
     except DistcacheError as exc:
-        print(f"distcache prefetch: {exc}", file=sys.stderr)
+        print(f"distcache prefetch: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     if rank == 0:
-        print(report.summary() if report is not None else "nothing to prefetch: no artifacts listed")
+        _print_report(args, report)
     return 0
+
+
+def _print_report(args: argparse.Namespace, report: PrefetchReport | None) -> None:
+    if args.json:
+        fields = dataclasses.asdict(report) if report is not None else {}
+        print(json.dumps({"summary": report.summary() if report is not None else None,
+                          **fields}, default=str))
+        return
+    print(report.summary() if report is not None else "nothing to prefetch: no artifacts listed")
 
 
 def _prefetch(args: argparse.Namespace) -> tuple[PrefetchReport | None, int]:
@@ -100,7 +130,7 @@ def _prefetch(args: argparse.Namespace) -> tuple[PrefetchReport | None, int]:
             origin = resolve_origin(args.origin, conf, [FlashInfer()])
             warmed = flashinfer_prefetch(comm=comm, pool=pool, record=args.record,
                                          origin=origin, families=tuple(args.family),
-                                         timeout=conf.timeout)
+                                         archs=tuple(args.arch), timeout=conf.timeout)
             return warmed, comm.rank
         origin = resolve_origin(args.origin, conf)
         if origin is None:

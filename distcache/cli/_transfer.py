@@ -18,6 +18,7 @@ from distcache._resolve import resolve_pool
 from distcache.artifact import Artifact, manifest_text, read_manifest
 from distcache.cli._common import EXIT_OK, UsageError, emit, human_bytes, progress_bar
 from distcache.config import settings
+from distcache.integrations.flashinfer._warm import arch_filter
 from distcache.store import ArtifactPool
 from distcache.store._export import export_tar
 from distcache.store._import import import_set
@@ -47,6 +48,9 @@ def setup_import(parser: argparse.ArgumentParser) -> None:
     """Add the ``pool import`` arguments."""
     parser.add_argument("source", type=Path, metavar="SRC",
                         help="a .whl, a tarball or a directory")
+    parser.add_argument("--arch", action="append", default=[], metavar="SM",
+                        help="import only what GPUs of this architecture can load, e.g. "
+                             "sm_90 or sm_100 (repeatable; see 'prefetch --help')")
     parser.set_defaults(run=run_import)
 
 
@@ -65,10 +69,11 @@ def setup_export(parser: argparse.ArgumentParser) -> None:
 
 def run_import(args: argparse.Namespace) -> int:
     """``pool import SRC``: all or nothing; exit 1 (one line on stderr) if refused."""
+    keep = arch_filter(args.arch) if args.arch else None
     pool = resolve_pool(args.pool, settings())
     bar = progress_bar(args)
     try:
-        report = import_set(pool, args.source, bar)
+        report = import_set(pool, args.source, bar, keep)
     finally:
         if bar is not None:
             bar.close()
@@ -77,6 +82,9 @@ def run_import(args: argparse.Namespace) -> int:
         notes.append(f"{report.verified} checked against {report.manifests} checksums.txt")
     else:
         notes.append("no checksums.txt: imported unchecked, hashed on the way in")
+    if report.filtered:
+        notes.append(f"{report.filtered} files for other architectures left out "
+                     f"(--arch {' '.join(args.arch)})")
     if report.unlisted:
         notes.append(f"{report.unlisted} files listed in no checksums.txt skipped")
     if report.absent:

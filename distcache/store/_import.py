@@ -67,6 +67,7 @@ class ImportReport:
     unlisted: int = 0  #: files under the root no manifest lists (skipped)
     absent: int = 0  #: files a manifest lists that the source lacks (not imported)
     ignored: int = 0  #: files outside the root (a wheel's code and metadata)
+    filtered: int = 0  #: verified files left out by the caller's filter (``--arch``)
     absent_examples: list[str] = field(default_factory=list)
 
 
@@ -125,8 +126,10 @@ def _expected(source: Path, scan: _Scan) -> dict[str, str]:
     return expected
 
 
-def plan_import(source: Path, scan: _Scan, kind: str) -> tuple[list[Artifact], ImportReport]:
-    """The labels to record (every one verified) and the report, from a scan.
+def plan_import(source: Path, scan: _Scan, kind: str,
+                keep: Callable[[str], bool] | None = None) -> tuple[list[Artifact], ImportReport]:
+    """The labels to record (every one verified, and wanted by ``keep``) and the
+    report, from a scan.
 
     Raises:
         IntegrityError: a listed file does not match its sha256 (nothing is imported).
@@ -150,6 +153,9 @@ def plan_import(source: Path, scan: _Scan, kind: str) -> tuple[list[Artifact], I
         elif not (loose or posixpath.basename(rel) == MANIFEST):
             report.unlisted += 1
             continue
+        if keep is not None and not keep(rel):
+            report.filtered += 1
+            continue
         labels.append(Artifact(rel, sha, size))
         report.bytes += size
     if mismatches:
@@ -167,10 +173,11 @@ def plan_import(source: Path, scan: _Scan, kind: str) -> tuple[list[Artifact], I
     return labels, report
 
 
-def import_set(pool: ArtifactPool, source: Path,
-               progress: Progress | None = None) -> ImportReport:
+def import_set(pool: ArtifactPool, source: Path, progress: Progress | None = None,
+               keep: Callable[[str], bool] | None = None) -> ImportReport:
     """Import a wheel, tarball or directory into ``pool``, all or nothing (see the
-    module docstring).
+    module docstring). ``keep`` selects among the verified files by name (every file
+    is still verified).
 
     Raises:
         ConfigError: the source is missing, of an unknown kind, unreadable, or has an
@@ -180,7 +187,7 @@ def import_set(pool: ArtifactPool, source: Path,
     """
     kind = kind_of(source)
     scan = _scan(source, kind, progress)
-    labels, report = plan_import(source, scan, kind)
+    labels, report = plan_import(source, scan, kind, keep)
     wanted = {scan.root + a.name: a for a in labels}
     if progress is not None:
         progress.phase("importing", report.bytes)

@@ -72,7 +72,7 @@ def _checked_path(source: Path, raw: str) -> str:
                                     reason="an absolute path or a '..' segment")
         return validate_name(path)
     except ArtifactNameError as exc:
-        raise refuse(source, f"unsafe member {raw!r} ({exc.reason})") from exc
+        raise refuse(source, f"unsafe member {raw!r} ({getattr(exc, 'reason', exc)})") from exc
 
 
 def members(source: Path, kind: str, want: Callable[[str], bool]) -> Iterator[Member]:

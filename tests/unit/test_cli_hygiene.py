@@ -12,10 +12,20 @@ from pathlib import Path
 import pytest
 
 from distcache.artifact import sha256_hex
+from tests.unit.test_pool_import import (
+    FILES,
+    PIN,
+    Run,
+    cli_runner,
+    make_wheel,
+    objects,
+    pool_labels,
+)
 
-from tests.unit.test_pool_import import FILES, PIN, Run, make_wheel, objects, pool_labels, run
 
-__all__ = ["run"]  # the fixture, re-used
+@pytest.fixture
+def run(tmp_path: Path) -> Run:
+    return cli_runner(tmp_path)
 
 
 @pytest.fixture

@@ -30,8 +30,8 @@ class Run(Protocol):
     def __call__(self, *args: str, input: str | None = None) -> subprocess.CompletedProcess[str]: ...
 
 
-@pytest.fixture
-def run(tmp_path: Path) -> Run:
+def cli_runner(tmp_path: Path) -> Run:
+    """Run ``python -m distcache ARGS`` with no DISTCACHE_* settings and a private cache."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTCACHE_")}
     env.update({"XDG_CACHE_HOME": str(tmp_path / "xdg"), "PYTHONPATH": str(REPO)})
 
@@ -41,6 +41,11 @@ def run(tmp_path: Path) -> Run:
                               check=False, input=input)
 
     return run
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Run:
+    return cli_runner(tmp_path)
 
 
 def _sha(data: bytes) -> str:

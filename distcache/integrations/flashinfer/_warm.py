@@ -10,13 +10,17 @@ A family is one of FlashInfer's artifact pins (``ArtifactPath``). Its
 ``checksums.txt`` lists every file with its sha256, and FlashInfer pins the sha256
 of that manifest itself (``CheckSumHash``), so the chain of trust ends in the
 installed FlashInfer package.
+
+Architectures. A family holds kernels for several GPU architectures; ``archs``
+keeps only those a node's GPUs can load (:func:`arch_filter` has the rule).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import fields, is_dataclass
 from typing import TYPE_CHECKING
 
@@ -34,6 +38,59 @@ if TYPE_CHECKING:
     from distcache.store import ArtifactPool
 
 log = logging.getLogger(__name__)
+
+
+# FlashInfer spells the architecture a kernel was built for in its name or directory:
+# "fmhaSm100aKernel_...", "..._sm100f.cubin", "cute-dsl/x86_64/sm_103a/...".
+_ARCH_TOKEN = re.compile(r"sm_?(\d{2,3})([af]?)(?![0-9])", re.IGNORECASE)
+_ARCH_ARG = re.compile(r"(?:sm_?)?(\d{2,3})[af]?|(\d{1,2})\.(\d)", re.IGNORECASE)
+
+ARCH_RULE = """\
+A name that mentions an architecture (sm100a, Sm100a, _sm100f, sm_103a/) is kept when
+it can run on one of the given GPUs: 'a' (architecture-specific) kernels on exactly that
+architecture, 'f' (family) and plain kernels on that architecture and the later ones of
+the same major version (sm100f on sm_100 and sm_103). Names that mention none
+(headers, checksums.txt, deep-gemm) are always kept."""
+
+
+def parse_arch(text: str) -> int:
+    """The compute capability in ``text`` as an integer: ``"sm_90"``, ``"sm_100a"``,
+    ``"100"`` and ``"10.0"`` give 90, 100, 100, 100.
+
+    Raises:
+        ConfigError: none of those forms.
+    """
+    match = _ARCH_ARG.fullmatch(text.strip())
+    if match is None:
+        raise ConfigError(f"--arch: bad GPU architecture {text!r}: expected e.g. sm_90, "
+                          "sm_100a or 9.0", variable="--arch", value=text)
+    if match.group(1) is not None:
+        return int(match.group(1))
+    return int(match.group(2)) * 10 + int(match.group(3))
+
+
+def _runs_on(built: int, kind: str, gpu: int) -> bool:
+    if kind == "a":
+        return built == gpu
+    return built // 10 == gpu // 10 and gpu >= built
+
+
+def arch_filter(archs: Iterable[str]) -> Callable[[str], bool]:
+    """Whether an artifact name is wanted on a node with GPUs of ``archs`` (see
+    :data:`ARCH_RULE`); every name when ``archs`` is empty.
+
+    Raises:
+        ConfigError: a malformed architecture.
+    """
+    gpus = sorted({parse_arch(a) for a in archs})
+
+    def wanted(name: str) -> bool:
+        tokens = _ARCH_TOKEN.findall(name)
+        if not gpus or not tokens:
+            return True
+        return any(_runs_on(int(num), kind.lower(), gpu) for num, kind in tokens for gpu in gpus)
+
+    return wanted
 
 
 def _pins() -> dict[str, tuple[str, str | None]]:
@@ -209,10 +266,12 @@ def prefetch(
     record: str | os.PathLike[str] | None = None,
     origin: Origin | None = None,
     families: Sequence[str] = (),
+    archs: Sequence[str] = (),
     timeout: float | None = None,
 ) -> PrefetchReport:
     """Collective: make every artifact any rank recorded (plus ``manifest`` and whole
     ``families``) present in every rank's pool, fetching each from the origin once.
+``archs`` (e.g. ``("sm_90",)``) keeps only the family kernels those GPUs can load.
 
     Every rank must call it. Record files are read on each rank where the directory
     is visible and the union is taken across ranks. ``origin`` defaults to
@@ -221,13 +280,15 @@ def prefetch(
     Raises:
         ManifestError: one name with two digests across records or manifests (on
             every rank), or a malformed record.
-        ConfigError: unreadable manifest, unknown family, no origin.
+        ConfigError: unreadable manifest, unknown family, bad architecture, no origin.
         OriginError: a family's pinned manifest could not be fetched.
         PrefetchError: the collective fetch failed (on every rank).
         CollectiveTimeout: not every rank arrived in time.
     """
     error: BaseException | None = None
+    keep: Callable[[str], bool] = arch_filter(())
     try:
+        keep = arch_filter(archs)
         if origin is None:
             origin = default_origin()
     except DistcacheError as exc:
@@ -236,7 +297,8 @@ def prefetch(
     assert origin is not None  # resolved above, or every rank raised
     manifests: list[ManifestSpec] = [manifest] if manifest is not None else []
     if families:
-        manifests.append(expand_families(comm, pool, origin, families, timeout=timeout))
+        listed = expand_families(comm, pool, origin, families, timeout=timeout)
+        manifests.append([a for a in listed if keep(a.name)])
     report = prefetch_manifests(comm, pool, origin, manifests=manifests,
                                 integrations=[FlashInfer(record)] if record is not None else [],
                                 timeout=timeout)
