@@ -1,10 +1,14 @@
 """The ``distcache`` command: inspect and fill artifact pools, check a machine.
 
     distcache [--pool DIR] [--verbose] pool ls|stats|verify|gc [--json]
-    distcache [--pool DIR] [--verbose] pool import DIR|export DIR
+    distcache [--pool DIR] pool import WHEEL|TARBALL|DIR [--arch SM ...] [--json]
+    distcache [--pool DIR] pool export DIR | --tar FILE [--manifest M] [--json]
+    distcache [--pool DIR] pool rm NAME|GLOB ... [--yes|--dry-run] [--json]
+    distcache [--pool DIR] pool prune --older-than DURATION [--yes|--dry-run] [--json]
     distcache [--pool DIR] fetch --manifest FILE [--origin URL ...] [--jobs N] [--json]
     distcache [--pool DIR] doctor [--json]
-    distcache [--pool DIR] prefetch --manifest FILE | --flashinfer [--record DIR]  (every rank)
+    distcache [--pool DIR] prefetch --manifest FILE | --flashinfer [--record DIR]
+              [--family NAME ... [--arch SM ...]] [--dry-run] [--json]  (every rank)
 
 The pool is ``--pool``, else ``DISTCACHE_POOL``, else ``$XDG_CACHE_HOME/distcache``;
 ``--pool`` and ``--verbose`` may stand before or after any subcommand. ``--json``
@@ -18,7 +22,7 @@ Exit codes:
     130  interrupted
 
 One module per subcommand (``_pool``, ``_transfer`` for pool import/export,
-``_fetch``, ``_doctor``, ``_prefetch``), registered through one table in ``_main``;
+``_hygiene`` for pool rm/prune, ``_fetch``, ``_doctor``, ``_prefetch`` and ``_dryrun``), registered through one table in ``_main``;
 the option convention, exit codes and text-or-JSON output are in ``_common``. Only
 the CLI configures logging. Nothing here imports torch, except ``doctor`` on a
 machine with an NVIDIA device node where torch is installed, and ``prefetch`` when
