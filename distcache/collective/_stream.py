@@ -14,13 +14,18 @@ A length of -1 marks an artifact the source could not read (the source reports t
 failure; the stream goes on, so every rank keeps calling the same broadcasts).
 Chunking of messages over 2 GiB is the communicator's job.
 
-Memory: the sender holds one bucket plus the artifact that did not fit; a receiver
-holds one bucket plus one artifact copy. :class:`StreamStats` records the peak.
+Within an audience the sources take turns, one bucket each, and a receiver publishes
+(hashes and writes) each bucket on a thread while the next one arrives, so every rank
+is busy at once. Memory: the sender holds one bucket plus the artifact that did not
+fit; a receiver holds at most three buckets (arriving, queued, being published).
+:class:`StreamStats` records the peak of what the protocol held.
 """
 
 from __future__ import annotations
 
+import queue
 import struct
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -113,60 +118,73 @@ def decode_bucket(message: bytes) -> tuple[bool, list[tuple[int, memoryview | No
     return bool(flags & _LAST), entries
 
 
-def send_stream(
-    comm: Communicator,
-    items: Iterable[tuple[int, bytes | None]],
-    *,
-    bucket_bytes: int,
-    stats: StreamStats,
-    timeout: float | None = None,
-) -> None:
-    """Broadcast ``items`` from ``comm.rank`` in buckets of about ``bucket_bytes``.
+def bucket_messages(
+    items: Iterable[tuple[int, bytes | None]], *, bucket_bytes: int, stats: StreamStats
+) -> Iterator[bytes]:
+    """The bucket messages of ``items``, of about ``bucket_bytes`` each, the last one
+    flagged (at least one, possibly empty, so receivers stay in step).
 
     ``items`` is consumed lazily (a generator reading from the pool keeps memory at
     one bucket plus one artifact). An artifact larger than ``bucket_bytes`` travels
-    alone. At least one (possibly empty) bucket is always sent, the last one flagged,
-    so receivers following :func:`receive_stream` stay in step.
+    alone.
     """
     body = bytearray()
     table: list[tuple[int, int]] = []
-
-    def flush(last: bool) -> None:
-        nonlocal body, table
-        message = _finish(body, table, last)
-        stats.broadcasts += 1
-        stats.bytes_sent += len(message)
-        comm.broadcast_bytes(bytes(message), comm.rank, timeout=timeout)
-        body, table = bytearray(), []
-
     for index, data in items:
         size = 0 if data is None else len(data)
         stats.hold(len(body) + size)
         if table and len(body) + size > bucket_bytes:
-            flush(last=False)
+            yield _message(body, table, stats, last=False)
+            body, table = bytearray(), []
         _append(body, table, index, data)
         del data
-    flush(last=True)
+    yield _message(body, table, stats, last=True)
 
 
-def receive_stream(
-    comm: Communicator, root: int, *, stats: StreamStats, timeout: float | None = None
-) -> Iterator[tuple[int, memoryview | None]]:
-    """Yield ``(index, payload view or None)`` from ``root``'s stream until its last bucket.
+def _message(body: bytearray, table: list[tuple[int, int]], stats: StreamStats, *,
+             last: bool) -> bytes:
+    message = bytes(_finish(body, table, last))
+    stats.broadcasts += 1
+    stats.bytes_sent += len(message)
+    return message
 
-    Raises:
-        ValueError: a malformed bucket arrived.
-        CollectiveTimeout: the root (or a peer) did not arrive in time.
-    """
-    while True:
-        message = comm.broadcast_bytes(None, root, timeout=timeout)
-        last, entries = decode_bucket(message)
-        # Payloads are published straight from views into the message: no copies.
-        stats.hold(len(message))
-        yield from entries
-        del entries, message
-        if last:
-            return
+
+class _Publisher:
+    """Publishes received buckets on a thread of its own, one bucket behind the
+    protocol, so that hashing and writing one bucket overlap the transfer of the next
+    (hashing and file writes release the GIL). At most one bucket waits in the queue:
+    memory stays a few buckets."""
+
+    def __init__(self, pool: _Store, objects: Sequence[str], stats: StreamStats,
+                 failed: list[tuple[int, BaseException]]) -> None:
+        self._pool = pool
+        self._objects = objects
+        self._stats = stats
+        self._failed = failed
+        self._queue: queue.Queue[list[tuple[int, memoryview]] | None] = queue.Queue(1)
+        self._thread = threading.Thread(target=self._run, name="distcache-publish",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, entries: list[tuple[int, memoryview]]) -> None:
+        if entries:
+            self._queue.put(entries)
+
+    def _run(self) -> None:
+        while (entries := self._queue.get()) is not None:
+            for index, view in entries:
+                if self._failed:
+                    break
+                try:
+                    self._pool.put(view, self._objects[index])
+                    self._stats.published += 1
+                except Exception as exc:
+                    self._failed.append((index, exc))
+            del entries
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
 
 
 class _Store(Protocol):
@@ -192,9 +210,9 @@ def move_objects(
     Every rank calls it. Writers are split off into their own communicator (unless
     every rank is a writer), and from it one communicator per audience smaller than
     every writer (:func:`distcache.collective._audience.split_audiences`). Within each audience,
-    each source streams its objects from its pool, and every other rank of the
-    audience verifies and publishes (``pool.put`` checks the digest) those its pool
-    lacks as each bucket arrives. A failure does not stop the protocol: the rank keeps
+    the sources stream their objects from their pools in turns, a bucket each, and
+    every other rank of the audience verifies and publishes (``pool.put`` checks the
+    digest) those its pool lacks as each bucket arrives. A failure does not stop the protocol: the rank keeps
     taking every bucket so its peers stay in step, and returns the first
     ``(object index, error)`` for the caller to agree on.
 
@@ -242,32 +260,52 @@ def _move(comm: Communicator, plan: Plan, pool: _Store, comms: list[Communicator
           read: Callable[[tuple[int, ...]], Iterator[tuple[int, bytes | None]]], mine: str,
           bucket_bytes: int, stats: StreamStats, timeout: float | None,
           failed: list[tuple[int, BaseException]]) -> None:
-    for audience, acomm in zip(plan.audiences, comms, strict=True):
-        if acomm is None:
-            continue
-        # Learn the audience communicator's rank order rather than assume it.
-        world_of = acomm.allgather_object(comm.rank, timeout=timeout)
-        root_of = {world: sub for sub, world in enumerate(world_of)}
-        for source, indices in audience.sends:
-            if source == comm.rank:
-                send_stream(
-                    acomm, read(indices), bucket_bytes=bucket_bytes, stats=stats, timeout=timeout
-                )
+    publisher = _Publisher(pool, plan.objects, stats, failed)
+    try:
+        for audience, acomm in zip(plan.audiences, comms, strict=True):
+            if acomm is None:
                 continue
-            stream = receive_stream(acomm, root_of[source], stats=stats, timeout=timeout)
-            for index, view in stream:
-                # A missing entry is reported by its source.
-                if view is None:
-                    continue
-                stats.received_bytes += len(view)
-                if mine not in plan.lacking[index]:
-                    # Only objects past the audience cap reach a pool that has them.
-                    stats.discarded_bytes += len(view)
-                    continue
-                if failed:
-                    continue
-                try:
-                    pool.put(view, plan.objects[index])
-                    stats.published += 1
-                except Exception as exc:
-                    failed.append((index, exc))
+            # Learn the audience communicator's rank order rather than assume it.
+            world_of = acomm.allgather_object(comm.rank, timeout=timeout)
+            root_of = {world: sub for sub, world in enumerate(world_of)}
+            # The sources take turns, one bucket each, until each has sent its last:
+            # every rank receives while it publishes, instead of one source at a time
+            # keeping the others idle. Every rank sees the same "last" flags, so all
+            # take the same turns.
+            outgoing = {source: bucket_messages(read(indices), bucket_bytes=bucket_bytes,
+                                                stats=stats)
+                        for source, indices in audience.sends if source == comm.rank}
+            active = [source for source, _ in audience.sends]
+            while active:
+                for source in list(active):
+                    if source == comm.rank:
+                        message = next(outgoing[source])
+                        acomm.broadcast_bytes(message, root_of[source], timeout=timeout)
+                    else:
+                        message = acomm.broadcast_bytes(None, root_of[source], timeout=timeout)
+                        stats.hold(len(message))
+                    last, entries = decode_bucket(message)
+                    if last:
+                        active.remove(source)
+                    if source != comm.rank:
+                        publisher.submit(_wanted(entries, plan, mine, stats))
+                    del message, entries
+    finally:
+        publisher.close()
+
+
+def _wanted(entries: list[tuple[int, memoryview | None]], plan: Plan, mine: str,
+            stats: StreamStats) -> list[tuple[int, memoryview]]:
+    """The received entries this rank's pool lacks (a missing entry is reported by its
+    source; one its pool holds is counted and thrown away)."""
+    keep = []
+    for index, view in entries:
+        if view is None:
+            continue
+        stats.received_bytes += len(view)
+        if mine not in plan.lacking[index]:
+            # Only objects past the audience cap reach a pool that has them.
+            stats.discarded_bytes += len(view)
+            continue
+        keep.append((index, view))
+    return keep
