@@ -37,7 +37,7 @@ from typing import Protocol
 from distcache.artifact import Artifact, decode_manifest, parse_checksums
 from distcache.errors import IntegrityError, ManifestError
 from distcache.store._pool import ArtifactPool
-from distcache.store._sources import kind_of, members, refuse
+from distcache.store._sources import kind_of, members, refuse, total_bytes
 
 #: Where a ``flashinfer-cubin`` wheel keeps FlashInfer's artifact tree.
 WHEEL_ROOT = "flashinfer_cubin/cubins/"
@@ -90,7 +90,7 @@ def _scan(source: Path, kind: str, progress: Progress | None) -> _Scan:
     # collected before it (the package's own files) is then outside the root.
     scan = _Scan()
     if progress is not None:
-        progress.phase("verifying", None)
+        progress.phase("verifying", total_bytes(source, kind))
     for path, size, data in members(source, kind, want=lambda p: True):
         if not scan.root and WHEEL_ROOT in path:
             scan.root = path[: path.index(WHEEL_ROOT) + len(WHEEL_ROOT)]

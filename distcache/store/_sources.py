@@ -91,6 +91,21 @@ def members(source: Path, kind: str, want: Callable[[str], bool]) -> Iterator[Me
         yield path, size, data
 
 
+def total_bytes(source: Path, kind: str) -> int | None:
+    """The bytes of every file in ``source``, where that is cheap to know (a zip's
+    directory, a directory tree); ``None`` for a tarball, which is read once."""
+    try:
+        if kind == "zip":
+            with zipfile.ZipFile(source) as archive:
+                return sum(info.file_size for info in archive.infolist())
+        if kind == "dir":
+            return sum(os.lstat(os.path.join(d, f)).st_size
+                       for d, _dirs, files in os.walk(source) for f in files)
+    except (OSError, zipfile.BadZipFile):
+        pass  # the first pass reports what is wrong with the source
+    return None
+
+
 def _zip_members(source: Path, want: Callable[[str], bool]) -> Iterator[Member]:
     try:
         archive = zipfile.ZipFile(source)

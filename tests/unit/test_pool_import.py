@@ -8,9 +8,12 @@ import hashlib
 import io
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 import zipfile
 from pathlib import Path
 from typing import Protocol
@@ -240,3 +243,45 @@ def test_import_of_something_else_is_a_clear_error(tmp_path: Path, run: Run) -> 
     assert "not a wheel (.whl), a tarball" in done.stderr
     missing = run("--pool", str(tmp_path / "pool"), "pool", "import", str(tmp_path / "nope.whl"))
     assert missing.returncode == 1 and "no such file or directory" in missing.stderr
+
+
+def _on_a_terminal(args: list[str], env: dict[str, str]) -> tuple[int, bytes]:
+    """Run ``python -m distcache ARGS`` on a pseudo-terminal of 120 columns."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: give the terminal a size, as a real one has
+        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+        os.execvpe(sys.executable, [sys.executable, "-m", "distcache", *args], env)
+    out = b""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if not select.select([fd], [], [], 1.0)[0]:
+            continue
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    else:
+        os.kill(pid, signal.SIGKILL)
+    os.close(fd)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), out
+
+
+def test_progress_shows_on_a_terminal_and_not_in_logs(tmp_path: Path, run: Run) -> None:
+    wheel = make_wheel(tmp_path / "w.whl")
+    logged = run("--pool", str(tmp_path / "one"), "pool", "import", str(wheel))
+    assert logged.returncode == 0 and logged.stderr == ""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTCACHE_")}
+    env["PYTHONPATH"] = str(REPO)
+    code, out = _on_a_terminal(["--pool", str(tmp_path / "two"), "pool", "import", str(wheel)],
+                               env)
+    assert code == 0, out
+    assert b"verifying" in out and b"importing" in out and b"imported 4 artifacts" in out
