@@ -45,7 +45,7 @@ def run_dry_run(args: argparse.Namespace) -> int:
     keep = arch_filter(args.arch)
     parts: list[tuple[str, list[Artifact]]] = []
     for path in args.manifest or ():
-        parts.append((path, [a for a in read_manifest(path) if keep(a.name)]))
+        parts.append((path, read_manifest(path)))
     unexpanded: list[str] = []
     if args.flashinfer:
         parts.append(("usage record", FlashInfer(args.record).manifest()))

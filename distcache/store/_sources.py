@@ -64,8 +64,15 @@ def kind_of(source: Path) -> str:
                          "directory")
 
 
+def _is_top(raw: str) -> bool:
+    # "tar -C DIR -cf set.tar ." writes the top directory itself as "." or "./".
+    return raw.strip("/") in ("", ".")
+
+
 def _checked_path(source: Path, raw: str) -> str:
-    path = raw[2:] if raw.startswith("./") else raw
+    path = raw
+    while path.startswith("./"):
+        path = path[2:]
     try:
         if path.startswith("/") or ".." in path.split("/"):
             raise ArtifactNameError(f"member {raw!r}", name=raw,
@@ -113,6 +120,8 @@ def _zip_members(source: Path, want: Callable[[str], bool]) -> Iterator[Member]:
         raise refuse(source, f"not a readable wheel or zip archive ({exc})") from exc
     with archive:
         for info in archive.infolist():
+            if info.is_dir() and _is_top(info.filename):
+                continue
             path = _checked_path(source, info.filename.rstrip("/") if info.is_dir()
                                  else info.filename)
             mode = info.external_attr >> 16
@@ -135,6 +144,8 @@ def _tar_members(source: Path, want: Callable[[str], bool]) -> Iterator[Member]:
         # Stream mode ("r|*"): members are read in order, once, with bounded memory.
         with tarfile.open(source, mode="r|*") as archive:
             for info in archive:
+                if info.isdir() and _is_top(info.name):
+                    continue
                 path = _checked_path(source, info.name.rstrip("/") if info.isdir()
                                      else info.name)
                 if info.isdir():

@@ -203,6 +203,20 @@ def test_an_unpacked_wheel_directory_imports_like_the_wheel(tmp_path: Path, run:
     assert pool_labels(run, tmp_path / "pool") == expected_labels()
 
 
+def test_a_tarball_of_a_directory_made_with_dot_imports(tmp_path: Path, run: Run) -> None:
+    # What "tar -C src -czf set.tgz ." writes: a "./" entry, then "./<pin>/...".
+    wheel = make_wheel(tmp_path / "w.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(tmp_path / "site")
+    with tarfile.open(tmp_path / "set.tgz", "w:gz") as archive:
+        archive.add(tmp_path / "site" / "flashinfer_cubin" / "cubins", arcname=".")
+    with tarfile.open(tmp_path / "set.tgz") as archive:
+        assert archive.getnames()[0] == "."
+    done = run("--pool", str(tmp_path / "pool"), "pool", "import", str(tmp_path / "set.tgz"))
+    assert done.returncode == 0, done.stderr
+    assert pool_labels(run, tmp_path / "pool") == expected_labels()
+
+
 def test_export_tar_round_trips_into_a_fresh_pool(tmp_path: Path, run: Run) -> None:
     first, second = str(tmp_path / "one"), str(tmp_path / "two")
     assert run("--pool", first, "pool", "import",
