@@ -261,6 +261,9 @@ TABLE: tuple[Variable, ...] = (
              "largest single message (must stay under 2 GiB)"),
     Variable("DISTCACHE_DOWNLOADS_PER_RANK", "downloads_per_rank", 4, _int(1), "4",
              "concurrent origin downloads per rank"),
+    Variable("DISTCACHE_DOWNLOADS_PER_JOB", "downloads_per_job", 64, _int(1), "64",
+             "concurrent origin downloads over the whole job (at most this many ranks "
+             "download, sharing it); set it to what a rate-limiting origin allows"),
     Variable("DISTCACHE_NODE_ID", "node_id", None, _text, "hostname",
              "node identity used to group ranks"),
     Variable("DISTCACHE_TRANSPORT", "transport", "default", _transport, "default",
@@ -320,6 +323,8 @@ class Settings:
     chunk_bytes: int
     #: Concurrent downloads per rank.
     downloads_per_rank: int
+    #: Concurrent downloads over the whole job.
+    downloads_per_job: int
     #: Node identity override, or ``None`` for the hostname.
     node_id: str | None
     #: How the prefetch moves bulk bytes: ``"default"`` or ``"nccl"``.

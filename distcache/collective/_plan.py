@@ -126,6 +126,17 @@ class Plan:
         return sum(len(missing) for i, missing in enumerate(self.lacking) if i not in self.lost)
 
 
+def download_threads(plan: Plan, rank: int, per_rank: int, per_job: int) -> int:
+    """Threads ``rank`` downloads with: ``per_rank``, unless the job's ``per_job``
+    connections shared over the plan's downloaders (the first ones get the remainder)
+    give it fewer; at least 1 for a downloader."""
+    ranks = sorted(plan.downloads)
+    if rank not in plan.downloads:
+        return 0
+    share, extra = divmod(per_job, len(ranks))
+    return max(1, min(per_rank, share + (1 if ranks.index(rank) < extra else 0)))
+
+
 def make_plan(
     objects: Sequence[str],
     sizes: Sequence[int | None],
@@ -135,6 +146,7 @@ def make_plan(
     *,
     allow_downloads: bool = True,
     max_audiences: int = MAX_AUDIENCES,
+    max_downloaders: int | None = None,
 ) -> Plan:
     """Plan one collective.
 
@@ -148,6 +160,8 @@ def make_plan(
             ``lost`` instead of being assigned a downloader.
         max_audiences: most audiences smaller than every writer (see
             :func:`distcache.collective._audience.group_by_audience`).
+        max_downloaders: most ranks that download (the first ones in node-interleaved
+            order, so the downloads still spread over nodes); ``None``: every rank.
 
     Raises:
         ValueError: inconsistent lengths or a pool without a have-set.
@@ -173,6 +187,8 @@ def make_plan(
     lost: list[int] = []
     if allow_downloads:
         order = node_interleaved(node_ids)
+        if max_downloaders is not None:
+            order = order[: max(1, max_downloaders)]
         position = {rank: pos for pos, rank in enumerate(order)}
         load = {rank: (0, 0) for rank in order}
         for i in sorted(missing_everywhere, key=lambda i: (-(sizes[i] or 0), i)):

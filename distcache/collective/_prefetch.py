@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 from distcache.artifact import Artifact, manifest_text
 from distcache.collective._download import Origin
-from distcache.collective._plan import make_plan
+from distcache.collective._plan import download_threads, make_plan
 from distcache.collective._report import PrefetchReport
 from distcache.collective._run import Pool, Run, discover
 from distcache.comm import Communicator
@@ -54,6 +54,7 @@ def prefetch(
     timeout: float | None = None,
     bucket_bytes: int | None = None,
     downloads_per_rank: int | None = None,
+    downloads_per_job: int | None = None,
 ) -> PrefetchReport:
     """Collective: make every rank's pool hold every artifact, fetching each missing
     one from ``origin`` exactly once per job.
@@ -62,7 +63,9 @@ def prefetch(
     do not matter). ``timeout`` bounds every wait (default ``DISTCACHE_TIMEOUT``);
     ``bucket_bytes`` is the size of one broadcast (``DISTCACHE_BUCKET_BYTES``);
     ``downloads_per_rank`` the download threads per rank
-    (``DISTCACHE_DOWNLOADS_PER_RANK``).
+    (``DISTCACHE_DOWNLOADS_PER_RANK``) and ``downloads_per_job`` the most concurrent
+    origin downloads over all ranks (``DISTCACHE_DOWNLOADS_PER_JOB``): at most that
+    many ranks download, sharing it.
 
     Raises:
         ManifestMismatchError: ranks passed different lists (on every rank).
@@ -72,7 +75,8 @@ def prefetch(
         ConfigError: a bad setting.
     """
     conf = settings(
-        timeout=timeout, bucket_bytes=bucket_bytes, downloads_per_rank=downloads_per_rank
+        timeout=timeout, bucket_bytes=bucket_bytes, downloads_per_rank=downloads_per_rank,
+        downloads_per_job=downloads_per_job,
     )
     run = Run("prefetch", comm, pool, conf.timeout)
 
@@ -99,12 +103,15 @@ def prefetch(
             have = discover(run, objects, pool_ids)
         with run.phase("plan"):
             plan = make_plan(
-                objects, [artifact_of[s].size for s in objects], pool_ids, node_ids, have
+                objects, [artifact_of[s].size for s in objects], pool_ids, node_ids, have,
+                max_downloaders=conf.downloads_per_job,
             )
         with run.phase("fetch"):
             mine = plan.downloads.get(comm.rank, ())
             todo = [artifact_of[plan.objects[i]] for i in mine]
-            failure = run.download(todo, origin, conf.downloads_per_rank) if todo else None
+            threads = download_threads(plan, comm.rank, conf.downloads_per_rank,
+                                       conf.downloads_per_job)
+            failure = run.download(todo, origin, threads) if todo else None
             if plan.downloads:
                 run.check(failure)
         with run.phase("move"):

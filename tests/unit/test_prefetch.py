@@ -787,3 +787,55 @@ def test_audiences_past_the_cap_still_fill_every_pool() -> None:
     report = reports[0]
     assert report.discarded_bytes > 0, "what is past the cap goes to every writer"
     assert report.received_bytes - report.discarded_bytes == 2 * sum(map(len, blobs.values()))
+
+
+class ConcurrencyOrigin(FakeOrigin):
+    """Records the most downloads that were in flight at once."""
+
+    def __init__(self, blobs: dict[str, bytes]) -> None:
+        super().__init__(blobs)
+        self.now = 0
+        self.most = 0
+
+    def fetch(self, artifact: Artifact) -> bytes:
+        with self._lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        try:
+            threading.Event().wait(0.01)
+            return super().fetch(artifact)
+        finally:
+            with self._lock:
+                self.now -= 1
+
+
+@pytest.mark.parametrize("per_job", [1, 3, 5])
+def test_the_job_cap_bounds_concurrent_downloads_over_all_ranks(per_job: int) -> None:
+    arts, blobs = make_blobs(40)
+    origin = ConcurrencyOrigin(blobs)
+    pools, stores = make_pools(8, LAYOUTS["node-local"])
+    group = group8()
+    reports = ok(run_ranks(group, lambda r: prefetch(
+        arts, comm=group.comm(r), pool=pools[r], origin=origin, bucket_bytes=8000,
+        downloads_per_rank=4, downloads_per_job=per_job)))
+    assert origin.total == 40 and origin.most <= per_job
+    assert len(reports[0].downloaders) == min(per_job, 8)
+    # The downloaders spread over the nodes.
+    assert len({r // 2 for r in reports[0].downloaders}) == min(per_job, 4)
+    for store in stores.values():
+        assert store.objects == blobs
+
+
+def test_download_threads_share_the_job_cap() -> None:
+    from distcache.collective._plan import download_threads
+
+    plan = make_plan(["a" * 64, "b" * 64, "c" * 64], [1, 1, 1], ["p", "q", "r"],
+                     ["n0", "n1", "n2"], {"p": [False] * 3, "q": [False] * 3,
+                                           "r": [False] * 3})
+    assert [download_threads(plan, r, 4, 5) for r in range(3)] == [2, 2, 1]
+    assert [download_threads(plan, r, 1, 64) for r in range(3)] == [1, 1, 1]
+    capped = make_plan(["a" * 64, "b" * 64], [1, 1], ["p", "q", "r"], ["n0", "n1", "n2"],
+                       {"p": [False] * 2, "q": [False] * 2, "r": [False] * 2},
+                       max_downloaders=1)
+    assert list(capped.downloads) == [0]
+    assert [download_threads(capped, r, 4, 1) for r in range(3)] == [1, 0, 0]
