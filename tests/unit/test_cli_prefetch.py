@@ -4,12 +4,17 @@ line, and the architecture rule ``--arch`` applies."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
+from distcache import cli
+from distcache.artifact import sha256_hex
 from distcache.errors import ConfigError
+from distcache.integrations.flashinfer import _warm as warm
 from distcache.integrations.flashinfer._warm import arch_filter, parse_arch
+from distcache.store import ArtifactPool
 from tests.unit.test_pool_import import (
     PIN,
     Run,
@@ -133,3 +138,28 @@ def test_parse_arch_refuses_anything_else(text: str) -> None:
 ])
 def test_arch_filter_follows_the_documented_rule(name: str, archs: list[str], kept: bool) -> None:
     assert arch_filter(archs)(name) is kept
+
+
+def test_family_prefetch_with_arch_fetches_only_what_those_gpus_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in [k for k in os.environ if k.startswith("DISTCACHE_")]:
+        monkeypatch.delenv(name)
+    files = {"fmhaSm100aKernel_X.cubin": b"sm100a", "Gemm_X_sm100f.cubin": b"sm100f",
+             "fmhaSm90aKernel_X.cubin": b"sm90a", "include/flashinferMetaInfo.h": b"h"}
+    listing = "".join(f"{sha256_hex(d)}  {n}\n" for n, d in files.items()).encode()
+    mirror = tmp_path / "mirror" / "pin" / "fam"
+    for name, data in {**files, "checksums.txt": listing}.items():
+        (mirror / name).parent.mkdir(parents=True, exist_ok=True)
+        (mirror / name).write_bytes(data)
+    monkeypatch.setattr(warm, "_pins", lambda: {"TESTFAM": ("pin/fam/", sha256_hex(listing))})
+    pool = tmp_path / "pool"
+    code = cli.main(["--pool", str(pool), "prefetch", "--flashinfer", "--family", "TESTFAM",
+                     "--arch", "sm_103", "--origin", str(tmp_path / "mirror"), "--json"])
+    assert code == 0
+    # The family's checksums.txt came first, in a collective of its own; the report is
+    # the second one: the sm100f kernel (which runs on sm_103) and the header.
+    assert json.loads(capsys.readouterr().out)["downloads"] == 2
+    assert set(ArtifactPool(pool).names()) == {
+        "pin/fam/checksums.txt", "pin/fam/Gemm_X_sm100f.cubin",
+        "pin/fam/include/flashinferMetaInfo.h"}
