@@ -18,7 +18,7 @@ from distcache._resolve import resolve_pool
 from distcache.artifact import Artifact, manifest_text, read_manifest
 from distcache.cli._common import EXIT_OK, UsageError, emit, human_bytes, progress_bar
 from distcache.config import settings
-from distcache.integrations.flashinfer._warm import arch_filter
+from distcache.integrations.flashinfer._warm import ARCH_RULE, arch_filter
 from distcache.store import ArtifactPool
 from distcache.store._export import export_tar
 from distcache.store._import import import_set
@@ -30,8 +30,9 @@ written by 'pool export --tar') or a directory into the pool.
 Names: a wheel's flashinfer_cubin/cubins/ tree is the root (its Python files and
 .dist-info are ignored); otherwise the top of the tarball or directory is. Each file is
 labelled with its path under the root, which is the name FlashInfer's loader asks for
-(<pin>/<path>), so one wheel serves every FlashInfer version whose pins it holds, and
-a cubin that did not change between versions is stored once.
+(<pin>/<path>). FlashInfer asks by name and sha256 and the pool stores by content, so
+a wheel of one FlashInfer version also serves every kernel another version left
+unchanged, and such a kernel is stored once.
 
 Verification: every checksums.txt under the root (one per pin in a wheel) lists files
 relative to its directory; each listed file must match its sha256. Files no manifest
@@ -41,7 +42,8 @@ absent from the source are reported, not imported.
 All or nothing: an unsafe member (absolute path, '..', symlink, hard link, device),
 an unreadable archive, conflicting manifests or a single sha256 mismatch refuses the
 whole import (exit 1) and nothing is added to the pool.
-"""
+
+With --arch: """ + ARCH_RULE + "\n"
 
 
 def setup_import(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +52,7 @@ def setup_import(parser: argparse.ArgumentParser) -> None:
                         help="a .whl, a tarball or a directory")
     parser.add_argument("--arch", action="append", default=[], metavar="SM",
                         help="import only what GPUs of this architecture can load, e.g. "
-                             "sm_90 or sm_100 (repeatable; see 'prefetch --help')")
+                             "sm_90 or sm_100 (repeatable; the rule is above)")
     parser.set_defaults(run=run_import)
 
 
