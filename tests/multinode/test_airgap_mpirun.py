@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -93,11 +94,15 @@ def test_air_gapped_start_serves_every_rank_from_the_pool(tmp_path: Path) -> Non
 def test_air_gapped_start_from_a_flashinfer_cubin_wheel(tmp_path: Path) -> None:
     wheel = Path(os.environ["DISTCACHE_TEST_CUBIN_WHEEL"])
     pool = tmp_path / "pool"
+    started = time.monotonic()
     imported = cli("pool", "--pool", pool, "import", wheel, timeout=1800)
+    seconds = time.monotonic() - started
     assert imported.returncode == 0, imported.stderr
     listed = cli("pool", "--pool", pool, "ls")
     assert listed.returncode == 0, listed.stderr
     cubins = [ln for ln in listed.stdout.splitlines() if ln.endswith(".cubin")]
+    print(f"imported {wheel.name} in {seconds:.0f} s: {len(listed.stdout.splitlines())} "
+          f"names, {len(cubins)} cubins")
     sample = cubins[:: max(1, len(cubins) // 24)][:24]
     checksums = tmp_path / "wanted.txt"
     checksums.write_text("".join(ln + "\n" for ln in sample))
