@@ -6,7 +6,7 @@ time budget, and with rules for which failures stop the other downloads.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import BinaryIO, Protocol
@@ -53,6 +53,7 @@ def download_objects(
     *,
     workers: int,
     timeout: float | None = None,
+    on_done: Callable[[int], None] | None = None,
 ) -> Downloaded:
     """Fetch ``artifacts`` from ``origin`` into ``pool`` with ``workers`` threads.
 
@@ -71,6 +72,7 @@ def download_objects(
     of this rank stop waiting for it after the collective's timeout anyway. A download
     still running then is abandoned to its (daemon) thread, reported as an
     :class:`~distcache.errors.OriginError`, and whatever it publishes later is whole.
+    ``on_done(nbytes)`` is called after each download (for a progress bar).
     """
     result = Downloaded()
     if not artifacts:
@@ -95,6 +97,8 @@ def download_objects(
                 if not finished.is_set():
                     result.downloads += 1
                     result.origin_bytes += size
+            if on_done is not None:
+                on_done(size)
         except Exception as exc:
             with lock:
                 if not finished.is_set():

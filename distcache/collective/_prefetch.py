@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from distcache.artifact import Artifact, manifest_text
 from distcache.collective._download import Origin
 from distcache.collective._plan import download_threads, make_plan
+from distcache.collective._progress import Progress, bytes_for_rank0
 from distcache.collective._report import PrefetchReport
 from distcache.collective._run import Pool, Run, discover
 from distcache.comm import Communicator
@@ -106,6 +107,10 @@ def prefetch(
                 objects, [artifact_of[s].size for s in objects], pool_ids, node_ids, have,
                 max_downloaders=conf.downloads_per_job,
             )
+        if comm.rank == 0:
+            run.progress = Progress(
+                bytes_for_rank0(plan, [artifact_of[s].size for s in objects], pool_ids),
+                enabled=True)
         with run.phase("fetch"):
             mine = plan.downloads.get(comm.rank, ())
             todo = [artifact_of[plan.objects[i]] for i in mine]

@@ -14,15 +14,18 @@ turned into the same kind of error by :meth:`Run.guarded`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol, TypeVar
 
+from distcache._events import emit
 from distcache.artifact import Artifact
 from distcache.collective._download import Origin, download_objects
 from distcache.collective._plan import Plan, decode_bitmap, elect_writers, encode_bitmap
+from distcache.collective._progress import Progress
 from distcache.collective._report import PHASES, PrefetchReport
 from distcache.collective._stream import StreamStats, move_objects
 from distcache.comm import Communicator
@@ -65,6 +68,8 @@ class Run:
         self.stream = StreamStats()
         self.downloads = 0
         self.origin_bytes = 0
+        #: Rank 0's bar on a terminal (see ``_progress``); a no-op elsewhere.
+        self.progress = Progress(0, enabled=False)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -128,7 +133,8 @@ class Run:
         # wait ``timeout`` there: a budget short of theirs lets this rank's failure
         # reach them in time, so that every rank raises the same error.
         got = download_objects(
-            self.pool, origin, artifacts, workers=workers, timeout=self.timeout * _FETCH_SHARE
+            self.pool, origin, artifacts, workers=workers, timeout=self.timeout * _FETCH_SHARE,
+            on_done=self.progress.update,
         )
         self.downloads += got.downloads
         self.origin_bytes += got.origin_bytes
@@ -147,6 +153,7 @@ class Run:
             bucket_bytes=bucket_bytes,
             stats=self.stream,
             timeout=self.timeout,
+            on_done=self.progress.update,
         )
         if failed is None:
             return None
@@ -192,7 +199,11 @@ class Run:
             peak_bytes=max(f["peak"] for f in figures),
             seconds={p: max(f["seconds"][p] for f in figures) for p in PHASES},
         )
+        self.progress.close()
         log.info("%s", report.summary())
+        if self.comm.rank == 0:
+            emit(f"{self.operation}.report", ranks=self.comm.size, node=self.comm.node_id,
+                 **dataclasses.asdict(report))
         return report
 
 

@@ -156,8 +156,10 @@ class _Publisher:
     memory stays a few buckets."""
 
     def __init__(self, pool: _Store, objects: Sequence[str], stats: StreamStats,
-                 failed: list[tuple[int, BaseException]]) -> None:
+                 failed: list[tuple[int, BaseException]],
+                 on_done: Callable[[int], None] | None) -> None:
         self._pool = pool
+        self._on_done = on_done
         self._objects = objects
         self._stats = stats
         self._failed = failed
@@ -178,6 +180,8 @@ class _Publisher:
                 try:
                     self._pool.put(view, self._objects[index])
                     self._stats.published += 1
+                    if self._on_done is not None:
+                        self._on_done(len(view))
                 except Exception as exc:
                     self._failed.append((index, exc))
             del entries
@@ -204,6 +208,7 @@ def move_objects(
     bucket_bytes: int,
     stats: StreamStats,
     timeout: float | None = None,
+    on_done: Callable[[int], None] | None = None,
 ) -> tuple[int, BaseException] | None:
     """Collective over ``comm``: carry out ``plan.audiences`` among the pools' writers.
 
@@ -250,7 +255,8 @@ def move_objects(
     try:
         # What the receivers publish is made durable once, when the move ends.
         with pool.batch():
-            _move(comm, plan, pool, comms, read, mine, bucket_bytes, stats, timeout, failed)
+            _move(comm, plan, pool, comms, read, mine, bucket_bytes, stats, timeout, failed,
+                  on_done)
     except PoolError as exc:  # the batch's flush
         failed.append((0, exc))
     return failed[0] if failed else None
@@ -259,8 +265,9 @@ def move_objects(
 def _move(comm: Communicator, plan: Plan, pool: _Store, comms: list[Communicator | None],
           read: Callable[[tuple[int, ...]], Iterator[tuple[int, bytes | None]]], mine: str,
           bucket_bytes: int, stats: StreamStats, timeout: float | None,
-          failed: list[tuple[int, BaseException]]) -> None:
-    publisher = _Publisher(pool, plan.objects, stats, failed)
+          failed: list[tuple[int, BaseException]],
+          on_done: Callable[[int], None] | None) -> None:
+    publisher = _Publisher(pool, plan.objects, stats, failed, on_done)
     try:
         for audience, acomm in zip(plan.audiences, comms, strict=True):
             if acomm is None:

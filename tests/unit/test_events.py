@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,3 +65,54 @@ def test_lines_from_several_processes_never_interleave(tmp_path: Path) -> None:
     records = [json.loads(line) for line in target.read_text().splitlines()]
     assert len(records) == 600
     assert {(r["tag"], r["i"]) for r in records} == {(t, i) for t in range(3) for i in range(200)}
+
+
+def _family(tmp_path: Path) -> list[Any]:
+    import hashlib
+
+    from distcache.artifact import Artifact
+
+    arts = []
+    for i in range(5):
+        data = f"kernel {i}".encode() * 1000
+        path = tmp_path / "mirror" / f"k{i}.cubin"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        arts.append(Artifact(f"k{i}.cubin", hashlib.sha256(data).hexdigest(), len(data)))
+    return arts
+
+
+def test_a_prefetch_appends_its_report_as_one_event(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from distcache.collective import prefetch
+    from distcache.comm import LocalCommunicator
+    from distcache.origins import DirOrigin
+    from distcache.store import ArtifactPool
+
+    target = tmp_path / "events.jsonl"
+    monkeypatch.setenv("DISTCACHE_LOG_JSON", str(target))
+    arts = _family(tmp_path)
+    prefetch(arts, comm=LocalCommunicator(), pool=ArtifactPool(tmp_path / "pool"),
+             origin=DirOrigin(tmp_path / "mirror"))
+    (record,) = [json.loads(line) for line in target.read_text().splitlines()]
+    assert record["event"] == "prefetch.report"
+    assert record["downloads"] == 5 and record["artifacts"] == 5 and record["ranks"] == 1
+    assert set(record["seconds"]) >= {"fetch", "move"}
+
+
+def test_rank0_shows_a_progress_bar_on_a_terminal_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from distcache.collective import _progress, prefetch
+    from distcache.comm import LocalCommunicator
+    from distcache.origins import DirOrigin
+    from distcache.store import ArtifactPool
+
+    arts = _family(tmp_path)
+    origin = DirOrigin(tmp_path / "mirror")
+    prefetch(arts[:2], comm=LocalCommunicator(), pool=ArtifactPool(tmp_path / "a"),
+             origin=origin)
+    assert "distcache prefetch" not in capsys.readouterr().err
+    monkeypatch.setattr(_progress, "_terminal", lambda: True)
+    prefetch(arts, comm=LocalCommunicator(), pool=ArtifactPool(tmp_path / "b"), origin=origin)
+    assert "distcache prefetch" in capsys.readouterr().err

@@ -1,0 +1,57 @@
+"""Rank 0's progress bar for a collective prefetch: bytes its pool still needs, shown
+on a terminal only (a job's log file gets the summary line, not a bar's redraws)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+from distcache.collective._plan import Plan
+
+
+def bytes_for_rank0(plan: Plan, sizes: list[int | None], pool_ids: list[str]) -> int:
+    """Bytes rank 0 will download itself or receive into its pool as its writer."""
+    own = sum(sizes[i] or 0 for i in plan.downloads.get(0, ()))
+    pool = pool_ids[0]
+    if plan.writers.get(pool) != 0:
+        return own
+    received = sum(sizes[i] or 0 for source, indices in plan.sends if source != 0
+                   for i in indices if pool in plan.lacking[i])
+    return own + received
+
+
+class Progress:
+    """A thread-safe byte counter shown as a ``tqdm`` bar when ``enabled`` and stderr
+    is a terminal; otherwise every call is a no-op."""
+
+    def __init__(self, total: int, *, enabled: bool, desc: str = "distcache prefetch") -> None:
+        self._bar: Any = None
+        self._lock = threading.Lock()
+        if enabled and total > 0 and _terminal():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                             desc=desc, leave=False, file=sys.stderr)
+
+    @property
+    def shown(self) -> bool:
+        return self._bar is not None
+
+    def update(self, nbytes: int) -> None:
+        if self._bar is not None:
+            with self._lock:
+                self._bar.update(nbytes)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            with self._lock:
+                self._bar.close()
+                self._bar = None
+
+
+def _terminal() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
