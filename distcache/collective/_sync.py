@@ -5,6 +5,8 @@ download after warm-up) reaches every other pool. The origin is never contacted.
 from __future__ import annotations
 
 import logging
+import struct
+import zlib
 from dataclasses import dataclass, field
 
 from distcache.artifact import Artifact
@@ -24,6 +26,37 @@ class SyncState:
     sends every object id each time."""
 
     cursors: dict[str, int] = field(default_factory=dict)
+
+
+def encode_gained(shas: list[str], names: dict[str, str]) -> bytes:
+    """What a writer's journal gained, compactly: the digests as raw 32-byte values
+    and the labels as ``<index into them> <name>`` lines, zlib-compressed (a whole
+    journal of a kernel family is a few hundred kilobytes, not megabytes of pickled
+    hex strings)."""
+    position = {sha: i for i, sha in enumerate(shas)}
+    text = "\n".join(f"{position[sha]} {name}" for name, sha in sorted(names.items())
+                     if sha in position)
+    digests = b"".join(bytes.fromhex(sha) for sha in shas)
+    return struct.pack("<I", len(shas)) + digests + zlib.compress(text.encode("utf-8"))
+
+
+def decode_gained(blob: bytes) -> tuple[list[str], dict[str, str]]:
+    """The inverse of :func:`encode_gained`.
+
+    Raises:
+        ValueError: the blob is malformed.
+    """
+    (count,) = struct.unpack_from("<I", blob)
+    end = 4 + 32 * count
+    if len(blob) < end:
+        raise ValueError(f"journal digest list is cut short ({len(blob)} < {end} bytes)")
+    shas = [blob[4 + 32 * i : 4 + 32 * (i + 1)].hex() for i in range(count)]
+    text = zlib.decompress(blob[end:]).decode("utf-8")
+    names: dict[str, str] = {}
+    for line in text.split("\n") if text else ():
+        index, name = line.split(" ", 1)
+        names[name] = shas[int(index)]
+    return shas, names
 
 
 def sync(
@@ -55,7 +88,7 @@ def sync(
             node_ids = [i[1] for i in infos]
             is_writer = elect_writers(pool_ids)[pool_ids[comm.rank]] == comm.rank
         with run.phase("discover"):
-            gained: tuple[list[str], dict[str, str]] | None = None
+            gained: bytes | None = None
             failure: Failure | None = None
             cursor = 0
             if is_writer:
@@ -63,15 +96,17 @@ def sync(
                     start = state.cursors.get(pool.pool_id, 0) if state is not None else 0
                     shas, cursor = pool.journal_since(start)
                     new = set(shas)
-                    gained = (shas, {n: s for n, s in pool.names().items() if s in new})
+                    gained = encode_gained(
+                        shas, {n: s for n, s in pool.names().items() if s in new})
                 except Exception as exc:
                     failure = run.failure("discover", None, exc)
             reports = comm.allgather_object((gained, failure), timeout=run.timeout)
             run.raise_first(f for _, f in reports)
-            objects = sorted({s for g, _ in reports if g is not None for s in g[0]})
+            decoded = [decode_gained(g) for g, _ in reports if g is not None]
+            objects = sorted({s for shas, _ in decoded for s in shas})
             labels: dict[str, str] = {}
-            for g, _ in reports:  # rank order: the lowest writer's label wins a conflict
-                for name, sha in (g[1] if g is not None else {}).items():
+            for _, names in decoded:  # rank order: the lowest writer's label wins a conflict
+                for name, sha in names.items():
                     labels.setdefault(name, sha)
             have = discover(run, objects, pool_ids)
         with run.phase("plan"):

@@ -839,3 +839,16 @@ def test_download_threads_share_the_job_cap() -> None:
                        max_downloaders=1)
     assert list(capped.downloads) == [0]
     assert [download_threads(capped, r, 4, 1) for r in range(3)] == [1, 0, 0]
+
+
+def test_a_journal_exchange_is_compact_and_round_trips() -> None:
+    import pickle
+
+    from distcache.collective._sync import decode_gained, encode_gained
+
+    shas = [sha256_hex(str(i).encode()) for i in range(2000)]
+    names = {f"cubins/family/kernel_{i:05d}_sm100f.cubin": s for i, s in enumerate(shas)}
+    blob = encode_gained(shas, names)
+    assert decode_gained(blob) == (shas, names)
+    assert len(blob) < len(pickle.dumps((shas, names))) / 2
+    assert decode_gained(encode_gained([], {})) == ([], {})
