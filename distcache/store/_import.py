@@ -192,14 +192,17 @@ def import_set(pool: ArtifactPool, source: Path, progress: Progress | None = Non
     if progress is not None:
         progress.phase("importing", report.bytes)
     publish: Callable[[str], bool] = wanted.__contains__
-    for path, size, data in members(source, kind, want=publish):
-        artifact = wanted.get(path)
-        if artifact is None or data is None:
-            continue
-        report.new_objects += not pool.has(artifact.sha256)
-        # put() hashes again: a source changed since the first pass is refused here.
-        pool.put(data, artifact.sha256)
-        if progress is not None:
-            progress.advance(size)
+    # One flush for the whole set rather than an fsync per object; the labels are
+    # recorded only once the objects are durable.
+    with pool.batch():
+        for path, size, data in members(source, kind, want=publish):
+            artifact = wanted.get(path)
+            if artifact is None or data is None:
+                continue
+            report.new_objects += not pool.has(artifact.sha256)
+            # put() hashes again: a source changed since the first pass is refused here.
+            pool.put(data, artifact.sha256)
+            if progress is not None:
+                progress.advance(size)
     pool.remember(labels)
     return report
