@@ -15,10 +15,12 @@ from distcache.artifact import sha256_hex
 from tests.unit.test_pool_import import (
     FILES,
     PIN,
+    REPO,
     Run,
     cli_runner,
     make_wheel,
     objects,
+    on_a_terminal,
     pool_labels,
 )
 
@@ -49,6 +51,16 @@ def test_rm_without_yes_and_without_a_terminal_refuses(pool: Path, run: Run) -> 
     done = run("--pool", str(pool), "pool", "rm", f"{PIN}/*")
     assert done.returncode == 2 and "pass --yes" in done.stderr
     assert len(objects(pool)) == 4
+
+
+@pytest.mark.parametrize(("answer", "code"), [(b"n\n", 1), (b"y\n", 0)])
+def test_rm_on_a_terminal_asks_first(pool: Path, answer: bytes, code: int) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTCACHE_")}
+    env["PYTHONPATH"] = str(REPO)
+    got, out = on_a_terminal(["--pool", str(pool), "pool", "rm", f"{PIN}/*Sm90a*"], env, answer)
+    assert got == code, out
+    assert b"[y/N]" in out
+    assert len(objects(pool)) == (4 if code else 3)
 
 
 def test_rm_removes_the_labels_and_the_objects_only_they_use(pool: Path, run: Run) -> None:

@@ -259,8 +259,10 @@ def test_import_of_something_else_is_a_clear_error(tmp_path: Path, run: Run) -> 
     assert missing.returncode == 1 and "no such file or directory" in missing.stderr
 
 
-def _on_a_terminal(args: list[str], env: dict[str, str]) -> tuple[int, bytes]:
-    """Run ``python -m distcache ARGS`` on a pseudo-terminal of 120 columns."""
+def on_a_terminal(args: list[str], env: dict[str, str],
+                  answer: bytes | None = None) -> tuple[int, bytes]:
+    """Run ``python -m distcache ARGS`` on a pseudo-terminal of 120 columns; type
+    ``answer`` once it asks a question."""
     import fcntl
     import pty
     import struct
@@ -282,6 +284,9 @@ def _on_a_terminal(args: list[str], env: dict[str, str]) -> tuple[int, bytes]:
         if not chunk:
             break
         out += chunk
+        if answer is not None and b"[y/N]" in out:
+            os.write(fd, answer)
+            answer = None
     else:
         os.kill(pid, signal.SIGKILL)
     os.close(fd)
@@ -295,7 +300,7 @@ def test_progress_shows_on_a_terminal_and_not_in_logs(tmp_path: Path, run: Run) 
     assert logged.returncode == 0 and logged.stderr == ""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTCACHE_")}
     env["PYTHONPATH"] = str(REPO)
-    code, out = _on_a_terminal(["--pool", str(tmp_path / "two"), "pool", "import", str(wheel)],
+    code, out = on_a_terminal(["--pool", str(tmp_path / "two"), "pool", "import", str(wheel)],
                                env)
     assert code == 0, out
     assert b"verifying" in out and b"importing" in out and b"imported 4 artifacts" in out
