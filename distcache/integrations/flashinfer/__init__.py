@@ -8,11 +8,16 @@ by name. :func:`install` rebinds every one of those references to a
 it, fetched once per pool (single downloader) otherwise, and FlashInfer's own
 function is still the fallback for anything distcache cannot serve.
 
-The loader never raises: an exception cannot cross the ctypes callback, and a
-callback that returns without handing over bytes leaves FlashInfer's C++ side holding
-the previous kernel (see shared/reference/research-flashinfer_cubins.md, §1.6). On
-any failure it logs the reason once per artifact and returns what FlashInfer's own
-function returns, or ``b""``.
+distcache's own failures never raise: an exception cannot cross the ctypes callback,
+and a callback that returns without handing over bytes leaves FlashInfer's C++ side
+holding the previous kernel (see shared/reference/research-flashinfer_cubins.md,
+§1.6). On such a failure the loader logs the reason once per artifact and FlashInfer's
+own function answers; what that function raises passes through unchanged, as it would
+without distcache. ``DISTCACHE_OFFLINE=1`` contacts no origin (FlashInfer's
+``FLASHINFER_NO_DOWNLOAD`` is set too), and a "not found" from FlashInfer's own
+repository is final. Engines that start their own processes get the wrapper through
+``distcache.integrations.vllm`` (a vLLM general plugin) or the opt-in start-up hook
+(``DISTCACHE_AUTOINSTALL=1``).
 
 :class:`FlashInfer` is the :class:`~distcache.integrations.Integration` that
 ``distcache.init`` composes. Importing this package imports neither FlashInfer nor
