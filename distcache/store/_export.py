@@ -64,8 +64,9 @@ def export_tar(pool: ArtifactPool, artifacts: list[Artifact], target: Path,
     ``checksums.txt`` into the tarball ``target``, atomically.
 
     Raises:
-        PoolError: an artifact is missing from the pool or corrupt there (nothing is
-            written), or the target cannot be written.
+        PoolError: an artifact is missing from the pool or corrupt there, or the
+            target's directory does not exist (nothing is written in either case).
+        OSError: the target cannot be written (the temporary file is removed).
     """
     absent = missing_from(pool, artifacts)
     if absent:
@@ -74,6 +75,9 @@ def export_tar(pool: ArtifactPool, artifacts: list[Artifact], target: Path,
                         f"{pool.root}: {names}; fetch them first (distcache fetch "
                         "--manifest FILE)", path=str(pool.root))
     target = target.absolute()
+    if not target.parent.is_dir():
+        raise PoolError(f"cannot export to {target}: {target.parent} is not a directory",
+                        path=str(target))
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     now = time.time()
     total = 0

@@ -247,6 +247,8 @@ def test_export_tar_of_a_manifest_needs_every_artifact(tmp_path: Path, run: Run)
     assert done.returncode == 1 and "not/in/pool.cubin" in done.stderr
     assert not (tmp_path / "b.tar").exists()
     assert list(tmp_path.glob(".b.tar*")) == []
+    nowhere = run("--pool", pool, "pool", "export", "--tar", str(tmp_path / "no" / "c.tar"))
+    assert nowhere.returncode == 1 and "is not a directory" in nowhere.stderr
 
 
 def test_import_of_something_else_is_a_clear_error(tmp_path: Path, run: Run) -> None:
