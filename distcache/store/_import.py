@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Protocol
 
 from distcache.artifact import Artifact, decode_manifest, parse_checksums
-from distcache.errors import IntegrityError, ManifestError
+from distcache.errors import ArtifactNameError, IntegrityError, ManifestError
 from distcache.store._pool import ArtifactPool
 from distcache.store._sources import kind_of, members, refuse, total_bytes
 
@@ -116,7 +116,7 @@ def _expected(source: Path, scan: _Scan) -> dict[str, str]:
         directory = posixpath.dirname(rel)
         try:
             listed = parse_checksums(decode_manifest(data, source=rel), prefix=directory)
-        except ManifestError as exc:
+        except (ManifestError, ArtifactNameError) as exc:
             raise refuse(source, f"{rel} is malformed: {exc}") from exc
         for artifact in listed:
             other = expected.setdefault(artifact.name, artifact.sha256)

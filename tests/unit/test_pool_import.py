@@ -127,6 +127,16 @@ def test_checksum_mismatch_refuses_the_whole_import(tmp_path: Path, run: Run) ->
     assert pool_labels(run, tmp_path / "pool") == {}
 
 
+@pytest.mark.parametrize("listing", [b"not a checksums line\n",
+                                     f"{'1' * 64}  ../../outside.cubin\n".encode()])
+def test_a_malformed_checksums_txt_is_refused(tmp_path: Path, run: Run, listing: bytes) -> None:
+    wheel = make_wheel(tmp_path / "w.whl", manifest=checksums(FILES) + listing)
+    done = run("--pool", str(tmp_path / "pool"), "pool", "import", str(wheel))
+    assert done.returncode == 1
+    assert "checksums.txt is malformed" in done.stderr and "nothing was imported" in done.stderr
+    assert objects(tmp_path / "pool") == []
+
+
 @pytest.mark.parametrize("damage", ["truncated", "bad-crc", "not-a-zip"])
 def test_a_corrupt_wheel_is_refused_with_nothing_published(tmp_path: Path, run: Run,
                                                            damage: str) -> None:
