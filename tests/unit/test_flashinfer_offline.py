@@ -166,3 +166,16 @@ def test_pool_commands_never_import_torch(tmp_path: Path) -> None:
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[0, 0, 0, 0] []"
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_not_found_is_final_only_at_flashinfers_own_repository(
+    world: dict[str, object], loader_module: object, tmp_path: Path, same: bool,
+) -> None:
+    from distcache.origins import open_origin
+
+    url = world["origin"].url  # type: ignore[attr-defined]
+    other = tmp_path / "other-origin"
+    other.mkdir()
+    loader = fi.install(world["pool"], open_origin(url if same else str(other)))  # type: ignore[arg-type]
+    assert loader is not None and loader.final_not_found is same

@@ -35,14 +35,18 @@ from distcache.integrations.flashinfer._record import Recorder
 from distcache.integrations.flashinfer._upstream import (
     CUBIN_DIR_VARIABLE,
     LOADER_MODULE,
+    REPOSITORY_VARIABLE,
     allow_downloads,
     cubin_dir,
     forbid_downloads,
+    loader_attr,
     loader_module,
+    repository,
     writable_cubin_dir,
 )
 
 if TYPE_CHECKING:
+    from distcache.config import Settings
     from distcache.origins import Origin
     from distcache.store import ArtifactPool
 
@@ -92,6 +96,16 @@ def _repoint(old: Path, new: Path) -> list[str]:
             setattr(module, CUBIN_DIR_VARIABLE, new)
             changed.append(module.__name__)
     return changed
+
+
+def _is_flashinfers_repository(origin: Origin | None, conf: Settings) -> bool:
+    """True when misses go to the repository FlashInfer's own loader would download
+    from: then its "not found" is the answer FlashInfer would get, after retries."""
+    repo = (repository() or str(loader_attr(REPOSITORY_VARIABLE) or "")).rstrip("/")
+    if origin is not None:
+        return origin.describe().rstrip("/") == repo
+    specs = [spec.rstrip("/") for spec in conf.origins]
+    return not specs or specs == [repo]
 
 
 def _choose_cubin_dir() -> tuple[Path | None, Path | None]:
@@ -152,9 +166,7 @@ def install(
             _uninstall_locked()
         original: GetArtifact = sys.modules[LOADER_MODULE].get_artifact
         installed_dir, writable_dir = _choose_cubin_dir()
-        # Without an explicit origin and DISTCACHE_ORIGIN, a miss goes to FlashInfer's
-        # own repository: its "not found" is the answer FlashInfer would get.
-        own_repository = origin is None and not conf.origins
+        own_repository = _is_flashinfers_repository(origin, conf)
         loader = PooledLoader(
             pool,
             original,
