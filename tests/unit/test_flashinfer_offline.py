@@ -158,6 +158,9 @@ def test_pool_commands_never_import_torch(tmp_path: Path) -> None:
         f"  ['pool', '--pool', {str(tmp_path / 'pool')!r}, 'stats'],\n"
         f"  ['pool', '--pool', {str(tmp_path / 'pool')!r}, 'ls'],\n"
         f"  ['pool', '--pool', {str(tmp_path / 'pool')!r}, 'verify'],\n"
+        f"  ['pool', '--pool', {str(tmp_path / 'pool2')!r}, 'import', {str(tmp_path / 'set')!r}],\n"
+        f"  ['pool', '--pool', {str(tmp_path / 'pool2')!r}, 'export', '--tar', "
+        f"{str(tmp_path / 'set.tar')!r}],\n"
         "]]\n"
         "print(codes, sorted(m for m in sys.modules if m.split('.')[0] in "
         "('torch', 'mpi4py', 'flashinfer')))\n"
@@ -165,7 +168,8 @@ def test_pool_commands_never_import_torch(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", code, "go"], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().splitlines()[-1] == "[0, 0, 0, 0] []"
+    assert done.stdout.strip().splitlines()[-1] == "[0, 0, 0, 0, 0, 0] []"
+    assert (tmp_path / "set.tar").stat().st_size > 0
 
 
 @pytest.mark.parametrize("same", [True, False])
