@@ -186,7 +186,7 @@ class PooledLoader:
         artifact = Artifact(name, sha256)
         try:
             data, in_cubin_dir = self._resolve(artifact)
-            if data and not in_cubin_dir and self.families.is_materialized(name):
+            if data is not None and not in_cubin_dir and self.families.is_materialized(name):
                 self._materialize(artifact)
         except ArtifactNotFound as exc:
             if not self.final_not_found:
