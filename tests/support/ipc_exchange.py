@@ -23,6 +23,17 @@ Run as a script under ``mpirun`` (the communicator is ``COMM_WORLD``)::
     mpirun -n 4 python tests/support/ipc_exchange.py exchange shm|cuda PREFIX OUTDIR
     mpirun -n 4 python tests/support/ipc_exchange.py kill VICTIM_RANK PREFIX OUTDIR
 
+and, without ``mpirun``, as a producer that is no rank of its consumers' group::
+
+    python tests/support/ipc_exchange.py outside CONSUMERS PREFIX COUNT
+
+``outside`` binds a 1 MiB pool to consumer ranks ``0..CONSUMERS-1`` with no owner
+rank and writes length-prefixed frames to stdout: the packed descriptor, then one
+frame per feature (its index, its reader, its packed ref), a ``FLUSH`` frame each time
+it has to wait for acknowledgements, and an empty frame at the end. It never drops a
+feature: a full pool is retried after a reclaim until the deadline. Once stdin
+closes it writes a JSON summary frame and exits.
+
 ``kill`` makes rank VICTIM_RANK SIGKILL itself mid-burst (rank 0 with leases in flight
 in its own pool, any other rank while it holds resolved, unacknowledged views), so the
 caller can check that nothing is left in ``/dev/shm``.
@@ -38,8 +49,10 @@ import random
 import signal
 import struct
 import sys
+import time
 import traceback
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +64,19 @@ from distcache.ipc import CudaPool, FeatureRef, PoolRegistry, ShmPool
 from distcache.ipc._producer import ProducerPool
 from distcache.ipc._shm import SHM_DIR
 
-__all__ = ["FEATURES", "run_exchange", "run_kill", "shm_names"]
+__all__ = [
+    "FEATURES",
+    "FLUSH",
+    "feature",
+    "parse_outside_item",
+    "put_waiting",
+    "read_frame",
+    "run_exchange",
+    "run_kill",
+    "serve_outside",
+    "shm_names",
+    "write_frame",
+]
 
 PRODUCER = 0
 FEATURES = 10_000
@@ -490,6 +515,98 @@ def run_kill(comm: Communicator, victim: int, prefix: str, outdir: Path) -> None
     raise AssertionError("the victim never died")
 
 
+FLUSH = b"flush"
+_FRAME = struct.Struct("<I")
+_OUTSIDE_ITEM = struct.Struct("<II")  # feature index, reader rank
+
+
+def write_frame(stream: Any, payload: bytes) -> None:
+    stream.write(_FRAME.pack(len(payload)) + payload)
+
+
+def read_frame(stream: Any) -> bytes:
+    head = stream.read(_FRAME.size)
+    if len(head) != _FRAME.size:
+        raise EOFError("the producer closed its pipe")
+    (length,) = _FRAME.unpack(head)
+    payload = stream.read(length)
+    if len(payload) != length:
+        raise EOFError("the producer closed its pipe mid-frame")
+    return bytes(payload)
+
+
+def feature(i: int) -> torch.Tensor:
+    """Feature ``i`` of the declared-reader runs: 8-64 KiB of seeded bytes, a dtype."""
+    rng = random.Random(i)
+    dtype = DTYPES[i % len(DTYPES)]
+    numel = rng.randrange(8 << 10, (64 << 10) + 1) // dtype.itemsize
+    raw = bytearray(rng.randbytes(numel * dtype.itemsize))
+    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(_shape(i, numel))
+
+
+def put_waiting(
+    pool: ProducerPool,
+    tensor: torch.Tensor,
+    readers: list[int],
+    deadline: float,
+    on_full: Callable[[], None] = lambda: None,
+) -> tuple[FeatureRef, int]:
+    """``pool.put``, retried after a reclaim while the pool is full: (ref, waits).
+    ``on_full`` runs once, before the first wait (to hand out what was sent).
+
+    Raises:
+        AssertionError: the pool stayed full until ``deadline`` (a drop).
+    """
+    waits = 0
+    while True:
+        ref = pool.put(tensor, readers)
+        if ref is not None:
+            return ref, waits
+        if waits == 0:
+            on_full()
+        waits += 1
+        assert time.monotonic() < deadline, f"the pool stayed full: {pool.in_flight} leases held"
+        if not pool.reclaim():
+            time.sleep(0.0005)
+
+
+def serve_outside(consumers: int, prefix: str, count: int, out: Any, inp: Any) -> None:
+    """The ``outside`` scenario (see the module doc)."""
+    deadline = time.monotonic() + TIMEOUT
+    with ShmPool(1 << 20, name=f"{prefix}-outside") as pool:
+        pool.bind(owner=None, consumers=list(range(consumers)))
+        write_frame(out, pool.descriptor().pack())
+        out.flush()
+        waits = 0
+
+        def flush() -> None:
+            write_frame(out, FLUSH)  # let the consumers take what was sent
+            out.flush()
+
+        for i in range(count):
+            reader = i % consumers
+            ref, waited = put_waiting(pool, feature(i), [reader], deadline, flush)
+            waits += waited
+            write_frame(out, _OUTSIDE_ITEM.pack(i, reader) + ref.pack())
+        write_frame(out, b"")
+        out.flush()
+        inp.read()  # the consumers are done when they close our stdin
+        pool.reclaim()
+        summary = {
+            "sent": count,
+            "waits": waits,
+            "in_flight": pool.in_flight,
+            "linked": pool._linked,
+        }
+        write_frame(out, json.dumps(summary).encode())
+        out.flush()
+
+
+def parse_outside_item(payload: bytes) -> tuple[int, int, FeatureRef]:
+    index, reader = _OUTSIDE_ITEM.unpack_from(payload)
+    return index, reader, FeatureRef.unpack(payload[_OUTSIDE_ITEM.size :])
+
+
 def _die(outdir: Path, rank: int, holding: int) -> None:
     (outdir / f"killed.{rank}").write_text(str(holding))
     os.kill(os.getpid(), signal.SIGKILL)
@@ -499,6 +616,9 @@ def main(argv: list[str]) -> int:
     from distcache.comm import from_mpi
 
     scenario, arg, prefix, outdir = argv
+    if scenario == "outside":
+        serve_outside(int(arg), prefix, int(outdir), sys.stdout.buffer, sys.stdin.buffer)
+        return 0
     comm = from_mpi()
     if scenario == "kill":
         run_kill(comm, int(arg), prefix, Path(outdir))
