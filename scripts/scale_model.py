@@ -6,9 +6,17 @@ alpha and per-byte cost beta) and the artifact set it used. For each strategy of
 benchmark it predicts the cold-start time of a job and the requests the origin sees:
 
 every      each rank downloads every artifact itself (FlashInfer's own behaviour)
-rank0      rank 0 downloads everything, then broadcasts it to every rank
+rank0      rank 0 downloads everything, then broadcasts it to one receiver per node
 distcache  downloads spread over ranks, then a bucketed broadcast to one writer per
            node (node-local pools; the node's other ranks read the same pool)
+
+rank0 and distcache get the same concurrency: C = min(ranks x downloads per rank,
+downloads per job) connections to the origin in all, so their times differ only by
+how the downloads are spread. What distcache buys over ``every`` is stated next to
+time: origin requests, egress bytes, the peak connections the origin sees (its
+rate-limit exposure, as a multiple of ``--origin-connections``) and the requests of
+the first burst beyond what the origin admits in one request latency
+(``--origin-rps`` x latency): those stall or are refused with 429.
 
 Assumptions (stated, not measured here): ``--gpus-per-node`` ranks per node; the origin
 (a CDN) serves at most ``--origin-aggregate`` bytes/s and ``--origin-rps`` requests/s in
@@ -41,25 +49,36 @@ def bcast_time(nbytes: float, participants: int, alpha: float, beta: float, buck
 def predict(nodes: int, p: dict[str, float]) -> dict[str, dict[str, float]]:
     ranks = nodes * int(p["gpus_per_node"])
     k, size = p["artifacts"], p["artifact_bytes"]
-    lat, bw, conc = p["request_latency_s"], p["origin_bandwidth_Bps"], int(p["downloads_per_rank"])
+    lat, bw, per_rank = p["request_latency_s"], p["origin_bandwidth_Bps"], int(p["downloads_per_rank"])
     agg, rps = p["origin_aggregate_Bps"], p["origin_rps"]
     alpha, beta, bucket = p["bcast_alpha_s"], p["bcast_beta_s_per_byte"], p["bucket_bytes"]
+    # The same total concurrency for rank0 and distcache.
+    conc = int(min(ranks * per_rank, p["downloads_per_job"]))
+    admitted = rps * lat
 
     def origin_floor(requests: float, nbytes: float) -> float:
         return max(nbytes / agg, requests / rps)
 
+    def row(seconds: float, requests: float, connections: float) -> dict[str, float]:
+        connections = burst = min(connections, requests)
+        return {"seconds": seconds, "origin_requests": requests, "egress_bytes":
+                size * requests / k, "peak_connections": connections,
+                "rate_limit_exposure": connections / p["origin_connections"],
+                "first_burst_stalls": max(0.0, burst - admitted)}
+
     every_req = ranks * k
-    every = max(fetch_time(k, size, lat, bw, conc), origin_floor(every_req, ranks * size))
+    every = max(fetch_time(k, size, lat, bw, per_rank), origin_floor(every_req, ranks * size))
     rank0 = max(fetch_time(k, size, lat, bw, conc), origin_floor(k, size)) + bcast_time(
-        size, ranks, alpha, beta, bucket)
-    downloaders = max(1, min(ranks, int(k)))
-    spread = max(fetch_time(k / downloaders, size / downloaders, lat, bw, conc),
+        size, nodes, alpha, beta, bucket)
+    downloaders = max(1, min(ranks, int(k), int(p["downloads_per_job"])))
+    threads = max(1, min(per_rank, conc // downloaders))
+    spread = max(fetch_time(k / downloaders, size / downloaders, lat, bw, threads),
                  origin_floor(k, size))
     dist = spread + bcast_time(size, nodes, alpha, beta, bucket)
     return {
-        "every": {"seconds": every, "origin_requests": every_req},
-        "rank0": {"seconds": rank0, "origin_requests": k},
-        "distcache": {"seconds": dist, "origin_requests": k},
+        "every": row(every, every_req, ranks * per_rank),
+        "rank0": row(rank0, k, conc),
+        "distcache": row(dist, k, downloaders * threads),
     }
 
 
@@ -76,6 +95,10 @@ def main() -> int:
     parser.add_argument("--origin-rps", type=float, default=1000.0,
                         help="origin total requests/s before it queues or refuses")
     parser.add_argument("--bucket-bytes", type=float, default=64 << 20)
+    parser.add_argument("--downloads-per-job", type=int, default=64,
+                        help="cap on concurrent downloads over the job (DISTCACHE_DOWNLOADS_PER_JOB)")
+    parser.add_argument("--origin-connections", type=float, default=256.0,
+                        help="concurrent connections the origin allows one client")
     args = parser.parse_args()
 
     bench = json.loads(args.bench.read_text())
@@ -89,6 +112,8 @@ def main() -> int:
         "origin_aggregate_Bps": args.origin_aggregate,
         "origin_rps": args.origin_rps,
         "bucket_bytes": args.bucket_bytes,
+        "downloads_per_job": args.downloads_per_job,
+        "origin_connections": args.origin_connections,
         **{key: float(v) for key, v in measured.items()},
     }
     nodes_axis = [2**i for i in range(13)]
@@ -97,12 +122,14 @@ def main() -> int:
     print(f"scale model from {args.bench}: {int(k)} artifacts, "
           f"{params['artifact_bytes'] / 1e6:.1f} MB, {args.gpus_per_node} GPUs/node")
     print("measured: " + ", ".join(f"{key}={measured[key]:.3g}" for key in measured))
-    print(f"{'nodes':>6} | {'every s':>9} {'requests':>10} | {'rank0 s':>8} | "
-          f"{'distcache s':>11} {'requests':>8}")
+    print(f"{'nodes':>6} | {'every s':>8} {'requests':>9} {'conns':>7} {'stalls':>7} | "
+          f"{'rank0 s':>8} | {'distcache s':>11} {'requests':>8} {'conns':>5} {'stalls':>6}")
     for n, row in table.items():
-        print(f"{n:>6} | {row['every']['seconds']:>9.1f} {row['every']['origin_requests']:>10.0f}"
-              f" | {row['rank0']['seconds']:>8.1f} | {row['distcache']['seconds']:>11.2f} "
-              f"{row['distcache']['origin_requests']:>8.0f}")
+        e, r, d = row["every"], row["rank0"], row["distcache"]
+        print(f"{n:>6} | {e['seconds']:>8.2f} {e['origin_requests']:>9.0f} "
+              f"{e['peak_connections']:>7.0f} {e['first_burst_stalls']:>7.0f} | "
+              f"{r['seconds']:>8.3f} | {d['seconds']:>11.3f} {d['origin_requests']:>8.0f} "
+              f"{d['peak_connections']:>5.0f} {d['first_burst_stalls']:>6.0f}")
 
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"parameters": params, "nodes": nodes_axis,
