@@ -1,0 +1,175 @@
+#!/usr/bin/env python3
+"""The README's benchmark figures, rendered from the committed JSON in ``docs/bench/``.
+
+Each block of figures in README.md sits between ``<!-- figures:NAME -->`` and
+``<!-- /figures:NAME -->`` and is exactly what :func:`render` makes of the JSON that the
+benchmark script wrote (named as the script writes it). ``tests/unit/test_readme_figures.py``
+checks that every block matches, so a figure cannot drift from its measurement.
+After a benchmark run, copy its JSON into ``docs/bench/`` and rewrite the blocks:
+
+    python scripts/readme_figures.py --write
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "docs" / "bench"
+README = ROOT / "README.md"
+BLOCK = re.compile(r"(<!-- figures:(\w+) -->\n)(.*?)(<!-- /figures:\2 -->)", re.DOTALL)
+
+
+def _load(name: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((BENCH / name).read_text())
+    return data
+
+
+def _s(x: float) -> str:
+    return f"{x:.3f}" if x < 10 else f"{x:.1f}"
+
+
+def _n(row: dict[str, Any], key: str, scale: float = 1.0, spec: str = ".0f") -> str:
+    """``row[key] / scale`` with thousands separators, or a dash when absent."""
+    return "-" if key not in row else f"{row[key] / scale:,{spec}}"
+
+
+def prefetch() -> str:
+    d = _load("bench_prefetch.json")
+    cfg = d["config"]
+    ranks = cfg["ranks"]
+    by = {(r["strategy"], r["ranks"]): r for r in d["results"]}
+    labels = {"per-rank": "(a) every rank downloads into its own directory",
+              "shared-dir": "(b) shared directory, check-download-rename, no coordination",
+              "lazy-fetch": "(c) distcache lazy `pool.fetch`",
+              "prefetch": "**(d) distcache `prefetch`**",
+              "warm": "**(e) distcache warm start**",
+              "fi-per-rank": "(f) FlashInfer's loader, directory per rank",
+              "fi-per-node": "(g) FlashInfer's loader, directory per node",
+              "engine": "**(h) engine start-up: distcache + FlashInfer, 2 nodes**",
+              "engine-warm": "**(i) engine start-up, warm**"}
+    axis = " / ".join(str(n) for n in ranks)
+    lines = [f"K = {cfg['artifacts']} artifacts ({cfg['artifact_bytes'] / 1e6:.1f} MB), "
+             f"{cfg['injected_latency_s'] * 1e3:g} ms per request, "
+             f"{cfg['bandwidth_cap_Bps'] / 1e6:g} MB/s origin cap, "
+             f"{cfg['downloads_per_rank']} downloads per rank; "
+             f"floor = ceil(K / concurrent downloads) x latency + bytes / bandwidth.", "",
+             f"| strategy | origin requests (N = {axis}) | wall s (N = {axis}) | "
+             f"x floor (N = {axis}) |", "|---|---:|---:|---:|"]
+    for strategy, label in labels.items():
+        rows = [by.get((strategy, n)) for n in ranks]
+        if not any(rows):
+            continue
+        cell = [("-" if r is None else str(r["origin_requests"])) for r in rows]
+        wall = [("-" if r is None else _s(r["wall_s"])) for r in rows]
+        ratio = [("-" if r is None or "vs_floor" not in r else f"{r['vs_floor']:.2f}")
+                 for r in rows]
+        lines.append(f"| {label} | {' / '.join(cell)} | {' / '.join(wall)} | "
+                     f"{' / '.join(ratio)} |")
+    baselines = d.get("baselines", [d["baseline"]])
+    lines += ["", "| one process fetching the set once | threads | wall s | x floor |",
+              "|---|---:|---:|---:|"]
+    for b in baselines:
+        threads = b.get("concurrent_downloads", cfg["downloads_per_rank"])
+        ratio = f"{b['vs_floor']:.2f}" if "vs_floor" in b else "-"
+        lines.append(f"| baseline | {threads} | {_s(b['wall_s'])} | {ratio} |")
+    lines += ["", "Targets, as the script checked them:", ""]
+    lines += [f"- {'holds' if t['holds'] else '**fails**'}: {t['target']}: {t['observed']}"
+              for t in d["targets"]]
+    return "\n".join(lines) + "\n"
+
+
+def scale() -> str:
+    d = _load("scale_model.json")
+    p = d["parameters"]
+    picks = [n for n in (1, 8, 64, 1024, 4096) if str(n) in d["predictions"]]
+    lines = [f"From the measured request latency {p['request_latency_s']:.3f} s, "
+             f"per-connection bandwidth {p['origin_bandwidth_Bps'] / 1e6:.0f} MB/s, "
+             f"broadcast alpha = {p['bcast_alpha_s'] * 1e6:.0f} us and "
+             f"beta = {p['bcast_beta_s_per_byte'] * 1e9:.2f} ns/B per tree hop; "
+             f"{int(p['gpus_per_node'])} ranks per node, an origin capped at "
+             f"{p['origin_aggregate_Bps'] * 8 / 1e9:g} Gbit/s and "
+             f"{p['origin_rps']:g} requests/s.", "",
+             "| nodes | strategy | seconds | origin requests | egress MB | peak connections "
+             "| first-burst stalls |", "|---:|---|---:|---:|---:|---:|---:|"]
+    for n in picks:
+        for strategy in ("every", "rank0", "distcache"):
+            r = d["predictions"][str(n)][strategy]
+            lines.append(
+                f"| {n:,} | {strategy} | {_s(r['seconds'])} | {r['origin_requests']:,.0f} | "
+                f"{_n(r, 'egress_bytes', 1e6, '.1f')} | {_n(r, 'peak_connections')} | "
+                f"{_n(r, 'first_burst_stalls')} |")
+    return "\n".join(lines) + "\n"
+
+
+def pool() -> str:
+    d = _load("bench_pool.json")
+    rows = {r["path"]: r for r in d["rows"]}
+    direct, got = rows["direct read + sha256"], rows["pool.get (verified)"]
+    return (f"{d['count']:,} artifacts ({d['bytes'] / 1e6:.0f} MB): `pool.get` including "
+            f"SHA-256 verification vs reading the same files and hashing them: "
+            f"{got['objects_per_s']:,.0f} vs {direct['objects_per_s']:,.0f} objects/s, "
+            f"{got['mb_per_s']:,.0f} vs {direct['mb_per_s']:,.0f} MB/s, "
+            f"**ratio {d['ratio_pool_over_direct']:.3f}** against the direct read "
+            f"(target <= 1.2).\n")
+
+
+def family() -> str:
+    d = _load("bench_family.json")
+    rows, ratios = d["rows"], d["ratios"]
+    floor = rows["copy_floor"]
+    lines = [f"{d['artifacts']:,} artifacts, {d['bytes'] / 1e9:.2f} GB ({d['source']}), "
+             f"directory origin. Floors measured in the same run: one copy "
+             f"(`cp` + `sha256sum`) {floor['total_s']:.2f} s; one `os.stat` per object "
+             f"{rows['stat_floor_s'] * 1e3:.1f} ms.", "",
+             "| run | seconds | ratio | against | downloads | peak RSS per rank |",
+             "|---|---:|---:|---|---:|---:|"]
+    for key, ratio_key, against in (
+            ("cold_1", "cold_1_vs_copy_floor", "copy floor"),
+            ("cold_2x2", "cold_2x2_vs_copy_floor", "copy floor"),
+            ("warm_1", "warm_1_vs_stat_floor", "stat floor"),
+            ("warm_2x2", "warm_2x2_vs_stat_floor", "stat floor")):
+        r = rows[key]
+        rss = max(x["maxrss_bytes"] for x in r["ranks"]) / 1e6
+        target = d["targets"].get(ratio_key)
+        note = "" if target is None else f" (target <= {target:g})"
+        lines.append(f"| {key.replace('_', ' ')} | {_s(r['wall_s'])} | "
+                     f"{ratios[ratio_key]:.2f}x{note} | {against} | "
+                     f"{r['report']['downloads']:,} | {rss:.0f} MB |")
+    return "\n".join(lines) + "\n"
+
+
+RENDERERS: dict[str, Callable[[], str]] = {
+    "prefetch": prefetch, "scale": scale, "pool": pool, "family": family}
+
+
+def render(name: str) -> str:
+    return RENDERERS[name]()
+
+
+def rewrite(text: str) -> str:
+    return BLOCK.sub(lambda m: m.group(1) + render(m.group(2)) + m.group(4), text)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="rewrite README.md's blocks")
+    args = parser.parse_args()
+    text = README.read_text()
+    new = rewrite(text)
+    if args.write:
+        README.write_text(new)
+        print("README.md blocks rewritten" if new != text else "README.md already current")
+        return 0
+    sys.stdout.write(new)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
