@@ -35,10 +35,16 @@ The garbage collector is paused while timing. Features are bfloat16 ``[rows, 102
 tensors (an embedding block); only views are taken, no bytes are copied, so the cost
 is the per-feature overhead, not bandwidth.
 
-Targets (host shm backend): (c) resolve + ack costs at most 2x the floor and at least
-10x less than (a); (b) and (c) open each pool once per consumer. The ratio to (a') is
-reported next to it. Only views are timed: a fresh mapping per feature also pays a page
-fault per page the consumer then touches, which (a) and (a') do not show here.
+* (d) registry fetch: ``fetch(ref, out=...)``, the engine's default: the checks, a
+  copy into the consumer's own preallocated tensor, then the ack; next to its floor,
+  one ``as_strided`` + ``copy_`` into the same tensor from a buffer already mapped.
+
+Targets (host shm backend), stated against the fair baselines: (c) resolve + ack costs
+at most 2x the one-op floor and at least 10x less than the lean attach (a'); (d) fetch
+costs at most 2x its copy floor; (b), (c) and (d) open each pool once per consumer.
+The bare-slice floor and (a) are reported for reference. Views are timed without
+touching their bytes: a fresh mapping per feature also pays a page fault per page the
+consumer then touches, which (a) and (a') do not show here.
 
 Writes a table to stdout and bench_ipc.json / bench_ipc.png into --out.
 
@@ -81,6 +87,8 @@ METHODS = (
     "handle_cache",
     "registry_resolve",
     "registry_resolve_ack",
+    "floor_copy",
+    "registry_fetch",
 )
 LABELS = {
     "floor": "floor: bare slice of a mapped buffer",
@@ -90,9 +98,14 @@ LABELS = {
     "handle_cache": "(b) lazy per-process handle cache",
     "registry_resolve": "(c) registry resolve",
     "registry_resolve_ack": "(c) registry resolve + ack",
+    "floor_copy": "floor, copy: as_strided + copy_ into out",
+    "registry_fetch": "(d) registry fetch into out (copy+ack)",
 }
-MAX_FLOOR_RATIO = 2.0
-MIN_SPEEDUP_VS_OPEN = 10.0
+#: Targets, against the fair baselines: the one-op floor (the least torch does for a
+#: view) and the lean attach (a') (the least any open-per-feature design pays).
+MAX_ONE_OP_FLOOR_RATIO = 2.0
+MAX_COPY_FLOOR_RATIO = 2.0
+MIN_SPEEDUP_VS_LEAN_OPEN = 10.0
 
 
 # -- set-up ---------------------------------------------------------------------------
@@ -173,6 +186,7 @@ def measure(
     rows = size // (2 * COLUMNS)
     shape = (rows, COLUMNS) if rows * 2 * COLUMNS == size else (size // 2,)
     feature = torch.randn(shape).to(DTYPE)
+    out = torch.empty(shape, dtype=DTYPE)
     samples: dict[str, list[float]] = {m: [] for m in METHODS}
     open_counts: dict[str, Counter[str]] = {
         "open_per_feature": Counter(),
@@ -227,6 +241,19 @@ def measure(
         del view
         samples["handle_cache"].append(t1 - t0)
 
+    def floor_copy(ref: FeatureRef) -> None:
+        typed = floors[ref.pool_id].typed
+        t0 = clock()
+        out.copy_(typed.as_strided(ref.shape, ref.strides, ref.offset // 2))
+        t1 = clock()
+        samples["floor_copy"].append(t1 - t0)
+
+    def registry_fetch(ref: FeatureRef) -> None:
+        t0 = clock()
+        registry.fetch(ref, out=out)
+        t1 = clock()
+        samples["registry_fetch"].append(t1 - t0)
+
     def registry_path(ref: FeatureRef) -> None:
         t0 = clock()
         view = registry.resolve(ref)
@@ -238,7 +265,7 @@ def measure(
         samples["registry_resolve_ack"].append(t2 - t0)
 
     baseline: list[Callable[[FeatureRef], None]] = [
-        floor, floor_one_op, open_per_feature, open_per_feature_lean, handle_cache,
+        floor, floor_one_op, open_per_feature, open_per_feature_lean, handle_cache, floor_copy,
     ]  # fmt: skip
     gc.collect()
     gc.disable()
@@ -247,9 +274,11 @@ def measure(
             k = i % len(reg_pools)
             ref_b = base_pools[k].put(feature)
             ref_c = reg_pools[k].put(feature)
-            if ref_b is None or ref_c is None:
+            ref_d = reg_pools[1 - k].put(feature)
+            if ref_b is None or ref_c is None or ref_d is None:
                 raise RuntimeError("pool full: leases were not freed")
-            steps = [(fn, ref_b) for fn in baseline] + [(registry_path, ref_c)]
+            steps = [(fn, ref_b) for fn in baseline]
+            steps += [(registry_path, ref_c), (registry_fetch, ref_d)]
             shift = i % len(steps)
             for fn, ref in steps[shift:] + steps[:shift]:
                 fn(ref)
@@ -289,12 +318,12 @@ def print_table(rows: list[dict[str, Any]], opens: dict[str, dict[str, int]]) ->
             size = ""
         t = row["targets"]
         print(
-            f"{'':>9}  (c) resolve+ack / floor {t['registry_over_floor']:.2f}x "
-            f"(resolve {t['resolve_over_floor']:.2f}x); (a) / (c) resolve+ack "
-            f"{t['open_over_registry']:.1f}x (resolve {t['open_over_resolve']:.1f}x); "
-            f"(a') / (c) resolve+ack {t['lean_open_over_registry']:.1f}x "
-            f"(resolve {t['lean_open_over_resolve']:.1f}x); (c) resolve+ack / one-op floor "
-            f"{t['registry_over_one_op_floor']:.2f}x (resolve {t['resolve_over_one_op_floor']:.2f}x)"
+            f"{'':>9}  (c) resolve+ack / one-op floor {t['registry_over_one_op_floor']:.2f}x "
+            f"(resolve {t['resolve_over_one_op_floor']:.2f}x); (a') / (c) resolve+ack "
+            f"{t['lean_open_over_registry']:.1f}x (resolve {t['lean_open_over_resolve']:.1f}x); "
+            f"(d) fetch / copy floor {t['fetch_over_copy_floor']:.2f}x; for reference: "
+            f"(c) / bare-slice floor {t['registry_over_floor']:.2f}x, (a) / (c) "
+            f"{t['open_over_registry']:.1f}x"
         )
     print("opens per consumer, per pool, over the whole run:")
     for method, counts in opens.items():
@@ -330,25 +359,22 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
 
 # -- main ---------------------------------------------------------------------------
 def row_targets(stats: dict[str, dict[str, float]]) -> dict[str, Any]:
-    floor = stats["floor"]["median_us"]
-    resolve = stats["registry_resolve"]["median_us"]
-    resolve_ack = stats["registry_resolve_ack"]["median_us"]
-    opened = stats["open_per_feature"]["median_us"]
-    lean = stats["open_per_feature_lean"]["median_us"]
-    one_op = stats["floor_one_op"]["median_us"]
+    med = {m: stats[m]["median_us"] for m in METHODS}
+    resolve, resolve_ack = med["registry_resolve"], med["registry_resolve_ack"]
     targets: dict[str, Any] = {
-        "registry_over_floor": round(resolve_ack / floor, 3),
-        "resolve_over_floor": round(resolve / floor, 3),
-        "open_over_registry": round(opened / resolve_ack, 2),
-        "open_over_resolve": round(opened / resolve, 2),
-        "lean_open_over_registry": round(lean / resolve_ack, 2),
-        "lean_open_over_resolve": round(lean / resolve, 2),
-        "registry_over_one_op_floor": round(resolve_ack / one_op, 3),
-        "resolve_over_one_op_floor": round(resolve / one_op, 3),
+        "registry_over_one_op_floor": round(resolve_ack / med["floor_one_op"], 3),
+        "resolve_over_one_op_floor": round(resolve / med["floor_one_op"], 3),
+        "lean_open_over_registry": round(med["open_per_feature_lean"] / resolve_ack, 2),
+        "lean_open_over_resolve": round(med["open_per_feature_lean"] / resolve, 2),
+        "fetch_over_copy_floor": round(med["registry_fetch"] / med["floor_copy"], 3),
+        # For reference: the bare-slice floor and the standard library's attach.
+        "registry_over_floor": round(resolve_ack / med["floor"], 3),
+        "open_over_registry": round(med["open_per_feature"] / resolve_ack, 2),
     }
     targets["met"] = (
-        targets["registry_over_floor"] <= MAX_FLOOR_RATIO
-        and targets["open_over_registry"] >= MIN_SPEEDUP_VS_OPEN
+        targets["registry_over_one_op_floor"] <= MAX_ONE_OP_FLOOR_RATIO
+        and targets["lean_open_over_registry"] >= MIN_SPEEDUP_VS_LEAN_OPEN
+        and targets["fetch_over_copy_floor"] <= MAX_COPY_FLOOR_RATIO
     )
     return targets
 
@@ -440,19 +466,20 @@ def main() -> int:
     once = once and len(opens["registry_resolve_ack"]) == len(reg_pools)
     once = once and len(opens["handle_cache"]) == len(base_pools)
     summary = {
-        "registry_within_2x_floor": all(
-            r["targets"]["registry_over_floor"] <= MAX_FLOOR_RATIO for r in rows
+        "registry_within_2x_one_op_floor": all(
+            r["targets"]["registry_over_one_op_floor"] <= MAX_ONE_OP_FLOOR_RATIO for r in rows
         ),
-        "registry_10x_below_open_per_feature": all(
-            r["targets"]["open_over_registry"] >= MIN_SPEEDUP_VS_OPEN for r in rows
+        "registry_10x_below_lean_attach": all(
+            r["targets"]["lean_open_over_registry"] >= MIN_SPEEDUP_VS_LEAN_OPEN for r in rows
+        ),
+        "fetch_within_2x_copy_floor": all(
+            r["targets"]["fetch_over_copy_floor"] <= MAX_COPY_FLOOR_RATIO for r in rows
         ),
         "one_open_per_consumer_per_pool": once,
     }
     print_table(rows, opens)
     for name, ok in summary.items():
         print(f"target {name}: {'met' if ok else 'MISSED'}")
-    lean_ok = all(r["targets"]["lean_open_over_registry"] >= MIN_SPEEDUP_VS_OPEN for r in rows)
-    print(f"(for reference) registry 10x below the lean attach (a'): {'yes' if lean_ok else 'no'}")
 
     result = {
         "benchmark": "ipc consumer per-feature path, host shm backend",
@@ -474,10 +501,10 @@ def main() -> int:
         "rows": rows,
         "opens_per_consumer": opens,
         "targets": {
-            "max_registry_over_floor": MAX_FLOOR_RATIO,
-            "min_open_over_registry": MIN_SPEEDUP_VS_OPEN,
+            "max_registry_over_one_op_floor": MAX_ONE_OP_FLOOR_RATIO,
+            "min_lean_attach_over_registry": MIN_SPEEDUP_VS_LEAN_OPEN,
+            "max_fetch_over_copy_floor": MAX_COPY_FLOOR_RATIO,
             **summary,
-            "reference_registry_10x_below_lean_attach": lean_ok,
         },
     }
     json_path = args.out / "bench_ipc.json"

@@ -155,10 +155,11 @@ class CudaMapping:
     def settle(self) -> None:
         drv.synchronize(self._ordinal)
 
-    def close(self, leave: Callable[[], None]) -> None:
+    def close(self, leave: Callable[[], None] | None = None) -> None:
         """Drop this mapping's references; the device memory is unmapped, and then
         ``leave`` runs, when the last view of it dies."""
         if self._peer is not None:
-            self._peer.leave.append(leave)
+            if leave is not None:
+                self._peer.leave.append(leave)
             self._peer = None
             self._data = None

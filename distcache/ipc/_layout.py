@@ -118,6 +118,11 @@ class WordArray:
         self._words = buffer.cast("B").cast("I")
         self._stride = stride
 
+    @property
+    def array(self) -> memoryview:
+        """The words as a uint32 memoryview (the serving path indexes it directly)."""
+        return self._words
+
     def get(self, index: int) -> int:
         return int(self._words[index])
 

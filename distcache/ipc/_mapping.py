@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from distcache.ipc._consumers import ConsumerTable
 from distcache.ipc._descriptor import PoolDescriptor
 from distcache.ipc._devmap import CudaMapping
-from distcache.ipc._layout import ControlWords, Layout
+from distcache.ipc._layout import Layout, WordArray
 from distcache.ipc._shm import ShmMapping
 from distcache.ipc._wire import itemsize
 
@@ -33,7 +33,7 @@ class Mapping(Protocol):
     host_ready: bool
 
     @property
-    def words(self) -> ControlWords: ...
+    def words(self) -> WordArray: ...
 
     def view(self, offset: int, nbytes: int) -> Any: ...
 
@@ -49,7 +49,7 @@ class Mapping(Protocol):
         """Wait for this process's queued work on the pool (teardown only)."""
         ...
 
-    def close(self, leave: Callable[[], None]) -> None:
+    def close(self, leave: Callable[[], None] | None = None) -> None:
         """Unmap; call ``leave`` once this process can no longer touch the memory."""
         ...
 
@@ -73,13 +73,14 @@ class Entry:
         "descriptor",
         "end",
         "epoch",
-        "get_word",
+        "host",
         "index",
         "mapping",
         "mask_off",
         "slots",
         "stride",
         "table",
+        "words",
     )
 
     def __init__(self, mapping: Mapping, descriptor: PoolDescriptor, index: int) -> None:
@@ -97,7 +98,9 @@ class Entry:
         # Typed views span whole elements of every dtype; a feature must end inside
         # that span (a forged, unaligned capacity only shrinks what resolves).
         self.end = descriptor.data_start + descriptor.capacity - descriptor.capacity % _MAX_ITEMSIZE
-        self.get_word = mapping.words.get
+        #: The control words, indexed directly on the serving path.
+        self.words = mapping.words.array
+        self.host = mapping.host_ready
         self.table = ConsumerTable(mapping.words, layout)
         self.table.join(index)
         self._whole: Any = None

@@ -203,7 +203,7 @@ class PoolRegistry:
                 out = src.clone(memory_format=_contiguous())
             else:
                 out.copy_(src)  # synchronous from pageable host memory, to any device
-            mapping.write_ack(row + entry.ack_off, ref.generation, None)
+            entry.words[row + entry.ack_off] = ref.generation
             return out
         import torch
 
@@ -250,8 +250,10 @@ class PoolRegistry:
                 already acknowledged; or the registry is closed.
         """
         entry, row = self._checked(ref)
-        entry.mapping.order_ready(row, ref.generation, None)
-        return self._view(entry, ref)
+        if not entry.host:
+            entry.mapping.order_ready(row, ref.generation, None)
+        typed, base, size = entry.typed(ref.dtype)
+        return typed.as_strided(ref.shape, ref.strides, base + ref.offset // size)
 
     def ack(self, ref: FeatureRef) -> None:
         """Tell the producer this rank is done with ``ref`` (writes this rank's ack
@@ -261,7 +263,10 @@ class PoolRegistry:
             StaleHandleError / IpcError: as for :meth:`resolve`.
         """
         entry, row = self._checked(ref)
-        entry.mapping.write_ack(row + entry.ack_off, ref.generation, None)
+        if entry.host:
+            entry.words[row + entry.ack_off] = ref.generation
+        else:
+            entry.mapping.write_ack(row + entry.ack_off, ref.generation, None)
 
     @staticmethod
     def _view(entry: Entry, ref: FeatureRef) -> Any:
@@ -307,19 +312,19 @@ class PoolRegistry:
         ):
             raise self._out_of_bounds(ref, entry)
         row = slot * entry.stride
-        get = entry.get_word
+        words = entry.words
         # The lease word is written before the ref leaves the producer and cleared
         # only when the lease is released, which cannot happen before this rank (a
         # declared, live reader) acknowledged it.
         problem = None
-        lease = get(row + 1)
+        lease = words[row + 1]
         if lease != generation:
             problem = f"was released, cancelled or never issued (the slot holds generation {lease})"
-        elif not get(row + entry.mask_off) & entry.bit:
+        elif not words[row + entry.mask_off] & entry.bit:
             problem = f"was not declared for rank {self.rank} (put(..., consumers=[...]))"
-        elif get(row + entry.ack_off) == generation:
+        elif words[row + entry.ack_off] == generation:
             problem = "was already acknowledged by this rank"
-        elif entry.mapping.host_ready and get(row) != generation:
+        elif entry.host and words[row] != generation:
             problem = "was never published"
         if problem is not None:
             raise IpcError(

@@ -247,8 +247,9 @@ class ShmMapping:
     def settle(self) -> None:
         """Nothing is in flight on host memory."""
 
-    def close(self, leave: Callable[[], None]) -> None:
+    def close(self, leave: Callable[[], None] | None = None) -> None:
         """Mark this consumer gone (``leave``), then unmap (deferred while views live:
         host memory outlives the producer's unmap, so nothing can be freed under them)."""
-        leave()
+        if leave is not None:
+            leave()
         self._mem.close(f"mapping of pool {self.descriptor.pool_id}")

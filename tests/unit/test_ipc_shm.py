@@ -85,7 +85,7 @@ def test_consumer_process_resolves_values_zero_copy_and_acks(consumer: Connectio
     assert pool.in_flight == 0
     consumer.send_bytes(b"stop")
     assert _recv(consumer) == "closed"
-    producer_view.close(lambda: None)
+    producer_view.close()
     pool.close()
     assert not os.path.exists(pool.path)
 
