@@ -93,30 +93,48 @@ class CudaPool(ProducerPool):
         self._slot_streams: dict[int, int] = {}
         self.segment = f"distcache.{self.pool_id}.{self.epoch:x}"
         self.path = os.path.join(SHM_DIR, self.segment)
-        words_bytes = align_up(self.data_start, mmap.PAGESIZE)
-        self._ptr = drv.mem_alloc(index, self.capacity)
+        self._ptr = 0
+        #: Why this pool cannot be exported with CUDA IPC ("" when it can): the
+        #: exchange then votes for host memory instead of failing on this rank.
+        self.unusable = ""
         try:
-            ipc = drv.ipc_handle(index, self._ptr)
-            self._mm = create_segment(self.path, words_bytes, self.pool_id)
+            self._allocate(index)
+        except IpcError as exc:
+            self.unusable = str(exc)
+            log.warning(
+                "CUDA IPC pool %s cannot be exported (%s); the group will share host memory",
+                self.pool_id,
+                exc,
+            )
+
+    def _allocate(self, index: int) -> None:
+        import torch
+
+        words_bytes = align_up(self.data_start, mmap.PAGESIZE)
+        ptr = drv.mem_alloc(index, self.capacity)
+        try:
+            ipc = drv.ipc_handle(index, ptr)
+            mm = create_segment(self.path, words_bytes, self.pool_id)
             try:
-                self._addr = drv.buffer_address(self._mm)
-                self._dev_words = drv.host_register(index, self._addr, words_bytes)
+                addr = drv.buffer_address(mm)
+                self._dev_words = drv.host_register(index, addr, words_bytes)
             except BaseException:
-                self._mm.close()
-                os.unlink(self.path)
+                mm.close()
+                _unlink_quietly(self.path)
                 raise
         except BaseException:
-            drv.mem_free(index, self._ptr)
+            drv.mem_free(index, ptr)
             raise
+        self._ptr, self._mm, self._addr = ptr, mm, addr
         self._linked = True
         self._finalizer = weakref.finalize(self, _unlink_quietly, self.path)
         self._share = pack_handle(
             ipc, drv.device_uuid(index), self.capacity, words_bytes, self.segment
         )
         self._data: Any = torch.as_tensor(
-            drv.DeviceArray(self._ptr, self.capacity, None), device=torch.device("cuda", index)
+            drv.DeviceArray(ptr, self.capacity, None), device=torch.device("cuda", index)
         )
-        self._words = WordArray(memoryview(self._mm)[: self.data_start], self.layout.stride)
+        self._words = WordArray(memoryview(mm)[: self.data_start], self.layout.stride)
         self._start(self._words)
 
     def fall_back_to_host(self) -> None:
@@ -172,13 +190,32 @@ class CudaPool(ProducerPool):
         """
         if self._host is not None:
             self._check_tensor(tensor)
-            return self._host.put(tensor.cpu(), consumers, with_descriptor=with_descriptor)
+            ref = self._host.put(tensor.cpu(), consumers, with_descriptor=with_descriptor)
+            self.full_count = self._host.full_count
+            return ref
+        if self.unusable:
+            raise IpcError(
+                f"CUDA IPC pool {self.pool_id} is unusable ({self.unusable}); exchange it "
+                "so that it falls back to host memory",
+                pool_id=self.pool_id,
+            )
         return super().put(tensor, consumers, with_descriptor=with_descriptor)
 
+    @property
+    def in_flight(self) -> int:
+        return self._host.in_flight if self._host is not None else super().in_flight
+
+    @property
+    def free_bytes(self) -> int:
+        return self._host.free_bytes if self._host is not None else super().free_bytes
+
     def bind(self, owner: int | None, consumers: Sequence[int], node_id: str = "") -> None:
-        if self._host is not None:
-            self._host.bind(owner, consumers, node_id)
-        super().bind(owner, consumers, node_id)
+        if self._host is None:
+            super().bind(owner, consumers, node_id)
+            return
+        self._host.bind(owner, consumers, node_id)
+        self.owner, self.consumers, self.node_id = owner, self._host.consumers, node_id
+        self._bound = True
 
     def descriptor(self) -> PoolDescriptor:
         if self._host is not None:

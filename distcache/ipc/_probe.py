@@ -109,14 +109,17 @@ def agree_backend(
     wants_cuda: bool,
     device: int | None,
     timeout: float | None,
+    failure: str = "",
 ) -> tuple[str, list[str]]:
-    """Collective: ``("cuda" | "shm", node id of every rank)``; see the module doc."""
+    """Collective: ``("cuda" | "shm", node id of every rank)``; see the module doc.
+    ``failure`` is a reason this rank already knows CUDA IPC cannot work (a pool
+    that could not be exported)."""
     votes = comm.allgather_object((comm.node_id, wants_cuda), timeout=timeout)
     nodes = [node for node, _ in votes]
     exporters = [rank for rank, (_, wants) in enumerate(votes) if wants]
     if not exporters:
         return "shm", nodes
-    reason, uuid, handle, ptr = _export(device)
+    reason, uuid, handle, ptr = (failure, b"", b"", 0) if failure else _export(device)
     try:
         trials = comm.allgather_object((reason, uuid, handle), timeout=timeout)
         failures = [(r, t[0]) for r, t in enumerate(trials) if t[0]]

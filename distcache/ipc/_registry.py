@@ -84,8 +84,9 @@ class PoolRegistry:
                 rank).
             CollectiveTimeout: a rank did not arrive within ``timeout``.
         """
-        wants = any(isinstance(p, CudaPool) for p in pools)
-        backend, nodes = agree_backend(comm, wants, device, timeout)
+        cuda = [p for p in pools if isinstance(p, CudaPool)]
+        failure = "; ".join(p.unusable for p in cuda if p.unusable)
+        backend, nodes = agree_backend(comm, bool(cuda), device, timeout, failure)
         registry = cls(comm.rank, device=device, backend=backend)
         error: BaseException | None = None
         try:
