@@ -320,7 +320,10 @@ class PoolRegistry:
         problem = None
         lease = words[row + 1]
         if lease != generation:
-            problem = f"was released, cancelled or never issued (the slot holds generation {lease})"
+            problem = (
+                "is not leased: it was released, cancelled or never issued (the slot "
+                f"holds generation {lease})"
+            )
         elif not words[row + entry.mask_off] & entry.bit:
             problem = f"was not declared for rank {self.rank} (put(..., consumers=[...]))"
         elif words[row + entry.ack_off] == generation:
