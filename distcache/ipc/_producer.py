@@ -118,6 +118,11 @@ class ProducerPool:
     #: Whether the pool's memory still has a system-wide name (backends set it).
     _linked = False
 
+    @property
+    def linked(self) -> bool:
+        """Whether consumers can still map the pool by name (until :meth:`unlink`)."""
+        return self._linked
+
     def unlink(self) -> None:
         """Remove the pool's system-wide name, if it has one; existing mappings stay."""
 

@@ -596,7 +596,7 @@ def serve_outside(consumers: int, prefix: str, count: int, out: Any, inp: Any) -
             "sent": count,
             "waits": waits,
             "in_flight": pool.in_flight,
-            "linked": pool._linked,
+            "linked": pool.linked,
         }
         write_frame(out, json.dumps(summary).encode())
         out.flush()
