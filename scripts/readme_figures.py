@@ -121,6 +121,9 @@ def pool() -> str:
 
 
 def family() -> str:
+    if not (BENCH / "bench_family.json").exists():
+        return ("_Not measured in the committed figures yet: run the command above, then "
+                "`python scripts/readme_figures.py --write`._\n")
     d = _load("bench_family.json")
     rows, ratios = d["rows"], d["ratios"]
     floor = rows["copy_floor"]
