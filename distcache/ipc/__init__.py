@@ -1,14 +1,18 @@
 """IPC pools: producers lease features in shared memory (host or GPU), consumers map
-every peer pool exactly once at init and resolve small refs to zero-copy views.
+every peer pool exactly once and take small refs by copy (``fetch``) or view.
 
 ::
 
     pool = ShmPool(64 << 20)                     # or CudaPool(64 << 20, device)
     registry = PoolRegistry.exchange(comm, [pool])   # collective, once
-    ref = pool.put(tensor)                       # None: pool full, send a copy
+    ref = pool.put(tensor, consumers=[3])        # None: pool full; [3]: rank 3 reads it
     send(ref.pack())                             # a few dozen bytes, no pickle
-    with registry.view(FeatureRef.unpack(data)) as t:   # on a consumer
-        use(t)                                   # acked on exit
+    t = registry.fetch(FeatureRef.unpack(data))  # on rank 3: its own copy, then the ack
+    with registry.view(ref) as t: ...            # or zero-copy, acked on exit
+
+A producer outside the consumers' communicator binds its pool with ``owner=None``
+and sends ``pool.descriptor().pack()`` over any channel; consumers map it once with
+``registry.add(data)``.
 
 torch is imported lazily: importing this package does not load it.
 """

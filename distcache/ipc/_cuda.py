@@ -33,7 +33,6 @@ loads neither.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import mmap
 import os
@@ -50,7 +49,7 @@ from distcache.ipc._devmap import pack_handle, stream_handle
 from distcache.ipc._layout import WORD_BYTES, WordArray, align_up
 from distcache.ipc._producer import DEFAULT_SLOTS, ProducerPool
 from distcache.ipc._ref import FeatureRef
-from distcache.ipc._shm import SHM_DIR, ShmPool, create_segment
+from distcache.ipc._shm import SHM_DIR, ShmPool, create_segment, unlink_quietly
 
 log = logging.getLogger(__name__)
 
@@ -120,14 +119,14 @@ class CudaPool(ProducerPool):
                 self._dev_words = drv.host_register(index, addr, words_bytes)
             except BaseException:
                 mm.close()
-                _unlink_quietly(self.path)
+                unlink_quietly(self.path)
                 raise
         except BaseException:
             drv.mem_free(index, ptr)
             raise
         self._ptr, self._mm, self._addr = ptr, mm, addr
         self._linked = True
-        self._finalizer = weakref.finalize(self, _unlink_quietly, self.path)
+        self._finalizer = weakref.finalize(self, unlink_quietly, self.path)
         self._share = pack_handle(
             ipc, drv.device_uuid(index), self.capacity, words_bytes, self.segment
         )
@@ -251,7 +250,7 @@ class CudaPool(ProducerPool):
     def _unlink_words(self) -> None:
         if self._linked:
             self._linked = False
-            _unlink_quietly(self.path)
+            unlink_quietly(self.path)
             self._finalizer.detach()
 
     def _free(self) -> None:
@@ -287,8 +286,3 @@ class CudaPool(ProducerPool):
             self._ptr = 0
             self._mm.close()
             self._unlink_words()
-
-
-def _unlink_quietly(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)

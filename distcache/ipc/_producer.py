@@ -38,8 +38,9 @@ DEFAULT_SLOTS = 1024
 class ProducerPool:
     """What both backends share: leases, ``put``, ``cancel``, the descriptor.
 
-    A backend provides the memory (``_words``, ``_write``, ``_handle``) and its
-    lifetime (``_free``, ``unlink``).
+    A backend provides the memory (``_write``, ``_publish``, ``_handle``,
+    ``_check_tensor``) and its lifetime (``_free``, ``unlink``); the control words go
+    to :meth:`_start`.
     """
 
     backend = ""

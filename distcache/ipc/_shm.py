@@ -41,7 +41,7 @@ def _unmap(mm: mmap.mmap, what: str) -> None:
         log.warning("%s: tensors still view the segment; it is unmapped when they are freed", what)
 
 
-def _unlink_quietly(path: str) -> None:
+def unlink_quietly(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
 
@@ -79,7 +79,7 @@ def create_segment(path: str, size: int, pool_id: str) -> mmap.mmap:
             ) from exc
         return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
-        _unlink_quietly(path)
+        unlink_quietly(path)
         raise
     finally:
         os.close(fd)
@@ -177,7 +177,7 @@ class ShmPool(ProducerPool):
         mm = create_segment(self.path, self.data_start + self.capacity, self.pool_id)
         self._mem = _Memory(mm, self.data_start, self.layout.stride)
         self._linked = True
-        self._finalizer = weakref.finalize(self, _unlink_quietly, self.path)
+        self._finalizer = weakref.finalize(self, unlink_quietly, self.path)
         self._start(self._mem.words)
 
     def _handle(self) -> bytes:
@@ -200,7 +200,7 @@ class ShmPool(ProducerPool):
         """Remove the segment's name from ``/dev/shm`` (idempotent); mappings survive."""
         if self._linked:
             self._linked = False
-            _unlink_quietly(self.path)
+            unlink_quietly(self.path)
             self._finalizer.detach()
 
     def _free(self) -> None:
