@@ -148,6 +148,12 @@ class CudaPool(ProducerPool):
             log.info("IPC pool %s falls back to host shared memory", self.pool_id)
 
     def _handle(self) -> bytes:
+        if self.unusable:
+            raise IpcError(
+                f"CUDA IPC pool {self.pool_id} has no handle ({self.unusable}); call "
+                "fall_back_to_host() or exchange it",
+                pool_id=self.pool_id,
+            )
         return self._share
 
     def _check_tensor(self, tensor: Any) -> None:
