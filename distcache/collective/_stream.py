@@ -126,24 +126,31 @@ def bucket_messages(
 
     ``items`` is consumed lazily (a generator reading from the pool keeps memory at
     one bucket plus one artifact). An artifact larger than ``bucket_bytes`` travels
-    alone.
+    alone. Payloads are copied once, by the join that makes the message.
     """
-    body = bytearray()
+    parts: list[bytes] = []
     table: list[tuple[int, int]] = []
+    held = 0
     for index, data in items:
         size = 0 if data is None else len(data)
-        stats.hold(len(body) + size)
-        if table and len(body) + size > bucket_bytes:
-            yield _message(body, table, stats, last=False)
-            body, table = bytearray(), []
-        _append(body, table, index, data)
+        stats.hold(held + size)
+        if table and held + size > bucket_bytes:
+            yield _message(parts, table, stats, last=False)
+            parts, table, held = [], [], 0
+        if data is None:
+            table.append((index, -1))
+        else:
+            parts.append(data)
+            table.append((index, size))
+            held += size
         del data
-    yield _message(body, table, stats, last=True)
+    yield _message(parts, table, stats, last=True)
 
 
-def _message(body: bytearray, table: list[tuple[int, int]], stats: StreamStats, *,
+def _message(parts: list[bytes], table: list[tuple[int, int]], stats: StreamStats, *,
              last: bool) -> bytes:
-    message = bytes(_finish(body, table, last))
+    parts.append(bytes(_finish(bytearray(), table, last)))
+    message = b"".join(parts)
     stats.broadcasts += 1
     stats.bytes_sent += len(message)
     return message
