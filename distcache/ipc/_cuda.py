@@ -107,8 +107,6 @@ class CudaPool(ProducerPool):
             )
 
     def _allocate(self, index: int) -> None:
-        import torch
-
         words_bytes = align_up(self.data_start, mmap.PAGESIZE)
         ptr = drv.mem_alloc(index, self.capacity)
         try:
@@ -130,9 +128,7 @@ class CudaPool(ProducerPool):
         self._share = pack_handle(
             ipc, drv.device_uuid(index), self.capacity, words_bytes, self.segment
         )
-        self._data: Any = torch.as_tensor(
-            drv.DeviceArray(ptr, self.capacity, None), device=torch.device("cuda", index)
-        )
+        self._data: Any = drv.device_tensor(ptr, self.capacity, None, index)
         self._words = WordArray(memoryview(mm)[: self.data_start], self.layout.stride)
         self._start(self._words)
 

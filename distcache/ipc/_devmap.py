@@ -135,9 +135,7 @@ class CudaMapping:
             ) from exc
         self.words = words
         self._peer: _Peer | None = _Peer(ordinal, ptr, mm, addr, words)
-        self._data: Any = torch.as_tensor(
-            drv.DeviceArray(ptr, nbytes, self._peer), device=self.device
-        )
+        self._data: Any = drv.device_tensor(ptr, nbytes, self._peer, ordinal)
 
     def view(self, offset: int, nbytes: int) -> Any:
         start = offset - self.descriptor.data_start

@@ -197,6 +197,14 @@ def buffer_address(buffer: Any) -> int:
         del view
 
 
+def device_tensor(ptr: int, nbytes: int, owner: Any, ordinal: int) -> Any:
+    """A uint8 torch tensor over ``nbytes`` of device memory at ``ptr`` (no copy); it
+    keeps ``owner`` alive as long as any view of it lives."""
+    import torch
+
+    return torch.as_tensor(DeviceArray(ptr, nbytes, owner), device=torch.device("cuda", ordinal))
+
+
 class DeviceArray:
     """``nbytes`` of device memory at ``ptr`` as a ``__cuda_array_interface__`` object:
     ``torch.as_tensor(array, device=...)`` views it without copying, and keeps the
