@@ -50,7 +50,8 @@ def _device(comm: Communicator) -> torch.device:
 def _pool(comm: Communicator, capacity: int, name: str) -> ProducerPool:
     device = _device(comm)
     if device.type == "cuda":
-        return CudaPool(capacity, device, name=name)
+        # A short teardown wait: the restart case closes a pool its consumers still map.
+        return CudaPool(capacity, device, name=name, teardown_timeout=1.0)
     return ShmPool(capacity, name=name)
 
 
