@@ -184,7 +184,8 @@ class PoolRegistry:
         wait for the producer's ready word, the copy and the ack are queued in that
         order on ``stream`` (default: the current stream of the mapping's device), so
         the result is ready for work queued after it on ``stream``; using it on
-        another stream needs the usual event or ``wait_stream``.
+        another stream needs the usual event or ``wait_stream`` (an ``out`` in
+        pageable host memory makes the copy, and so ``fetch``, synchronous).
 
         Raises:
             StaleHandleError / IpcError: as for :meth:`resolve`; ``out`` has another
