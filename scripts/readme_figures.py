@@ -148,8 +148,51 @@ def family() -> str:
     return "\n".join(lines) + "\n"
 
 
+def ipc() -> str:
+    d = _load("bench_ipc.json")
+    t = d["targets"]
+    cols = [("floor_one_op", "one-op floor"), ("open_per_feature_lean", "(a') lean attach"),
+            ("open_per_feature", "(a) SharedMemory attach"), ("handle_cache", "(b) lazy cache"),
+            ("registry_resolve_ack", "(c) resolve + ack"), ("floor_copy", "copy floor"),
+            ("registry_fetch", "(d) fetch")]
+    lines = ["| feature | " + " | ".join(label for _, label in cols) + " |",
+             "|---:|" + "---:|" * len(cols)]
+    over_floor, under_attach, fetch_ratio = [], [], []
+    for row in d["rows"]:
+        m = {k: v["median_us"] for k, v in row["methods"].items()}
+        size = row["feature_bytes"]
+        label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+        lines.append(f"| {label} | " + " | ".join(f"{m[k]:.2f}" for k, _ in cols) + " |")
+        over_floor.append(m["registry_resolve_ack"] / m["floor_one_op"])
+        under_attach.append(m["open_per_feature_lean"] / m["registry_resolve_ack"])
+        fetch_ratio.append(m["registry_fetch"] / m["floor_copy"])
+
+    def span(xs: list[float]) -> str:
+        return f"{min(xs):.2f}-{max(xs):.2f}x"
+
+    def verdict(ok: bool) -> str:
+        return "holds" if ok else "missed"
+
+    opens = d["opens_per_consumer"]
+    lines += ["", f"µs per feature, median of {d['rows'][0]['iters']:,} per size. "
+              f"(c) resolve + ack is {span(over_floor)} the one-op floor (target <= "
+              f"{t['max_registry_over_one_op_floor']:g}x: "
+              f"{verdict(t['registry_within_2x_one_op_floor'])}) and {span(under_attach)} "
+              f"cheaper than the lean attach (a') (target >= "
+              f"{t['min_lean_attach_over_registry']:g}x: "
+              f"{verdict(t['registry_10x_below_lean_attach'])}); (d) fetch is "
+              f"{span(fetch_ratio)} its copy floor (target <= "
+              f"{t['max_fetch_over_copy_floor']:g}x: {verdict(t['fetch_within_2x_copy_floor'])}). "
+              f"Opens per consumer per pool: (a) "
+              f"{max(opens['open_per_feature'].values()):,}, (b) "
+              f"{max(opens['handle_cache'].values())}, (c)/(d) "
+              f"{max(opens['registry_resolve_ack'].values())}."]
+    return "\n".join(lines) + "\n"
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
-    "prefetch": prefetch, "scale": scale, "pool": pool, "family": family}
+    "prefetch": prefetch, "scale": scale, "pool": pool, "family": family,
+    "ipc": ipc}
 
 
 def render(name: str) -> str:
