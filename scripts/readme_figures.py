@@ -190,9 +190,35 @@ def ipc() -> str:
     return "\n".join(lines) + "\n"
 
 
+def soak() -> str:
+    d = _load("soak.json")
+    faults = ", ".join(f"{k} {v}" for k, v in d["faults"].items())
+    killed_during = d["outcomes"].get("killed_during_round", 0)
+    killed_after = d["outcomes"].get("killed_after_round", 0)
+    rows = [("seed", f"{d['seed']}"),
+            ("fault rounds / clean rounds", f"{d['rounds']:,} / {d['clean_rounds']:,}"),
+            ("mpirun jobs", f"{d['jobs']:,}"),
+            ("rounds with a SIGKILLed rank (during / after the round)",
+             f"{killed_during + killed_after:,} ({killed_during} / {killed_after})"),
+            ("fault rounds that failed collectively (PrefetchError on every rank)",
+             f"{d['outcomes'].get('failed', 0):,}"),
+            ("hangs", f"{d['hangs']}"), ("corrupt objects served", f"{d['corrupt_served']}"),
+            ("deliberately corrupted objects found and quarantined",
+             f"{d['corrupt_detected']:,}"),
+            ("objects lost", f"{d['lost']}"), ("partial objects visible", f"{d['partial']}"),
+            ("temp files leaked", f"{d['tmp_leaks']}"),
+            ("clean-round origin requests = objects missing everywhere",
+             f"{d['clean_requests']:,} = {d['clean_expected']:,}"),
+            ("violations", f"{len(d['violations'])}"),
+            ("wall time", f"{d['seconds'] / 60:.1f} min")]
+    lines = ["| long soak | |", "|---|---:|", *(f"| {k} | {v} |" for k, v in rows), "",
+             f"Faults drawn: {faults}."]
+    return "\n".join(lines) + "\n"
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
     "prefetch": prefetch, "scale": scale, "pool": pool, "family": family,
-    "ipc": ipc}
+    "ipc": ipc, "soak": soak}
 
 
 def render(name: str) -> str:
