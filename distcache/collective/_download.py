@@ -54,7 +54,6 @@ def download_objects(
     workers: int,
     timeout: float | None = None,
     on_done: Callable[[int], None] | None = None,
-    on_finish: Callable[[Artifact, bool], None] | None = None,
 ) -> Downloaded:
     """Fetch ``artifacts`` from ``origin`` into ``pool`` with ``workers`` threads.
 
@@ -73,10 +72,7 @@ def download_objects(
     of this rank stop waiting for it after the collective's timeout anyway. A download
     still running then is abandoned to its (daemon) thread, reported as an
     :class:`~distcache.errors.OriginError`, and whatever it publishes later is whole.
-    ``on_done(nbytes)`` is called after each download (for a progress bar), and
-    ``on_finish(artifact, ok)`` once per artifact that a worker took up: ``ok`` when
-    the pool holds it, so that it can be streamed at once (an artifact never taken
-    up by the time budget's end, or still running then, gets no call).
+    ``on_done(nbytes)`` is called after each download (for a progress bar).
     """
     result = Downloaded()
     if not artifacts:
@@ -88,12 +84,12 @@ def download_objects(
     running: dict[int, str] = {}
     left = [len(artifacts)]
 
-    def one(artifact: Artifact) -> bool:
+    def one(artifact: Artifact) -> None:
         if stop.is_set():
-            return False
+            return
         try:
             if pool.has(artifact.sha256):
-                return True  # published since discovery: a concurrent job, a resumed run
+                return  # published since discovery: a concurrent job, a resumed run
             # Streamed into the pool, verified by the origin as it streams, published
             # atomically; made durable with the rest of the batch.
             size = pool.download(artifact, origin)
@@ -103,14 +99,12 @@ def download_objects(
                     result.origin_bytes += size
             if on_done is not None:
                 on_done(size)
-            return True
         except Exception as exc:
             with lock:
                 if not finished.is_set():
                     result.failure = result.failure or (artifact.name, exc)
             if not _only_this_artifact(exc):
                 stop.set()
-            return False
 
     def work() -> None:
         me = threading.get_ident()
@@ -120,9 +114,7 @@ def download_objects(
                     return
                 artifact = todo.pop()
                 running[me] = artifact.name
-            ok = one(artifact)
-            if on_finish is not None:
-                on_finish(artifact, ok)
+            one(artifact)
             with lock:
                 running.pop(me, None)
                 left[0] -= 1

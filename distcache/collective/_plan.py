@@ -14,16 +14,10 @@ Decisions the plan encodes:
   therefore spread over *all* ranks, interleaved across nodes, largest first onto the
   least-loaded rank. With one shared pool this puts every rank to work and nothing
   moves over the communicator at all.
-* **Sources are writers, reading from their pool.** An artifact downloaded by rank r
-  is sent by the writer of r's pool, which reads it back from the pool. The
-  downloader never holds the bytes for the move, which keeps memory bounded by a
-  bucket, not by the list.
-* **Pipelined when bytes move** (``pipelined=True``, what prefetch asks for). With
-  more than one pool, only writers download, each with the download threads of every
-  rank of its pool, so a source knows in-process the moment each of its downloads is
-  published and streams it while the rest are still downloading (see
-  :mod:`distcache.collective._pipeline`), instead of moving only after the last
-  download of the job. The job's concurrency is unchanged.
+* **Sources are writers, reading from their pool after the fetch phase.** An artifact
+  downloaded by rank r is sent by the writer of r's pool, which reads it back from the
+  pool once every download has finished. The downloader never holds the bytes for the
+  move, which keeps memory bounded by a bucket, not by the list.
 * **One source per lack-set.** Objects that some pools already hold are sent by a
   holder; all objects lacked by the same set of pools share one source (the least
   loaded holder, lowest rank first), so they form one audience
@@ -102,8 +96,6 @@ class Plan:
     audiences: tuple[Audience, ...]
     #: Objects that no pool has and no rank may download (sync only).
     lost: tuple[int, ...]
-    #: Writers download for the ranks of their pools and stream while downloading.
-    pipelined: bool = False
 
     @property
     def sends(self) -> tuple[Send, ...]:
@@ -134,18 +126,13 @@ class Plan:
         return sum(len(missing) for i, missing in enumerate(self.lacking) if i not in self.lost)
 
 
-def download_threads(plan: Plan, rank: int, per_rank: int, per_job: int,
-                     pool_ids: Sequence[str] = ()) -> int:
+def download_threads(plan: Plan, rank: int, per_rank: int, per_job: int) -> int:
     """Threads ``rank`` downloads with: ``per_rank``, unless the job's ``per_job``
     connections shared over the plan's downloaders (the first ones get the remainder)
-    give it fewer; at least 1 for a downloader. In a pipelined plan a writer
-    downloads for every rank of its pool (``pool_ids``, per rank), with their
-    ``per_rank`` threads together."""
+    give it fewer; at least 1 for a downloader."""
     ranks = sorted(plan.downloads)
     if rank not in plan.downloads:
         return 0
-    if plan.pipelined and pool_ids:
-        per_rank *= sum(1 for p in pool_ids if p == pool_ids[rank])
     share, extra = divmod(per_job, len(ranks))
     return max(1, min(per_rank, share + (1 if ranks.index(rank) < extra else 0)))
 
@@ -160,7 +147,6 @@ def make_plan(
     allow_downloads: bool = True,
     max_audiences: int = MAX_AUDIENCES,
     max_downloaders: int | None = None,
-    pipelined: bool = False,
 ) -> Plan:
     """Plan one collective.
 
@@ -176,8 +162,6 @@ def make_plan(
             :func:`distcache.collective._audience.group_by_audience`).
         max_downloaders: most ranks that download (the first ones in node-interleaved
             order, so the downloads still spread over nodes); ``None``: every rank.
-        pipelined: with more than one pool, only writers download (each for the
-            ranks of its pool), so that sources can stream while downloading.
 
     Raises:
         ValueError: inconsistent lengths or a pool without a have-set.
@@ -203,9 +187,6 @@ def make_plan(
     lost: list[int] = []
     if allow_downloads:
         order = node_interleaved(node_ids)
-        pipelined = pipelined and len(pools) > 1 and bool(missing_everywhere)
-        if pipelined:
-            order = [rank for rank in order if writers[pool_ids[rank]] == rank]
         if max_downloaders is not None:
             order = order[: max(1, max_downloaders)]
         position = {rank: pos for pos, rank in enumerate(order)}
@@ -264,5 +245,4 @@ def make_plan(
         downloads={r: tuple(sorted(v)) for r, v in sorted(downloads.items())},
         audiences=audiences,
         lost=tuple(lost),
-        pipelined=pipelined and bool(downloads),
     )

@@ -105,29 +105,24 @@ def prefetch(
         with run.phase("plan"):
             plan = make_plan(
                 objects, [artifact_of[s].size for s in objects], pool_ids, node_ids, have,
-                max_downloaders=conf.downloads_per_job, pipelined=True,
+                max_downloaders=conf.downloads_per_job,
             )
         if comm.rank == 0:
             run.progress = Progress(
                 bytes_for_rank0(plan, [artifact_of[s].size for s in objects], pool_ids),
                 enabled=True)
-        threads = download_threads(plan, comm.rank, conf.downloads_per_rank,
-                                   conf.downloads_per_job, pool_ids)
-        if plan.pipelined:
-            # Sources stream their downloads as they are published (see _pipeline).
-            run.fetch_and_move(plan, artifact_of, origin, threads, pool_ids,
-                               conf.bucket_bytes)
-        else:
-            with run.phase("fetch"):
-                mine = plan.downloads.get(comm.rank, ())
-                todo = [artifact_of[plan.objects[i]] for i in mine]
-                failure = run.download(todo, origin, threads) if todo else None
-                if plan.downloads:
-                    run.check(failure)
-            with run.phase("move"):
-                if plan.sends:
-                    name_of = {sha: a.name for sha, a in artifact_of.items()}
-                    run.check(run.move(plan, pool_ids, name_of, conf.bucket_bytes))
+        with run.phase("fetch"):
+            mine = plan.downloads.get(comm.rank, ())
+            todo = [artifact_of[plan.objects[i]] for i in mine]
+            threads = download_threads(plan, comm.rank, conf.downloads_per_rank,
+                                       conf.downloads_per_job)
+            failure = run.download(todo, origin, threads) if todo else None
+            if plan.downloads:
+                run.check(failure)
+        with run.phase("move"):
+            if plan.sends:
+                name_of = {sha: a.name for sha, a in artifact_of.items()}
+                run.check(run.move(plan, pool_ids, name_of, conf.bucket_bytes))
         with run.phase("publish"):
             failure = None
             if plan.writers[pool_ids[comm.rank]] == comm.rank:

@@ -15,9 +15,7 @@ turned into the same kind of error by :meth:`Run.guarded`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
@@ -26,12 +24,10 @@ from typing import Any, Protocol, TypeVar
 from distcache._events import emit
 from distcache.artifact import Artifact
 from distcache.collective._download import Origin, download_objects
-from distcache.collective._pipeline import Arrivals
-from distcache.collective._pipeline import ready_messages as _ready
 from distcache.collective._plan import Plan, decode_bitmap, elect_writers, encode_bitmap
 from distcache.collective._progress import Progress
 from distcache.collective._report import PHASES, PrefetchReport
-from distcache.collective._stream import MakeMessages, StreamStats, move_objects
+from distcache.collective._stream import StreamStats, move_objects
 from distcache.comm import Communicator
 from distcache.errors import CommError, PrefetchError
 
@@ -99,9 +95,7 @@ class Run:
         found = [f for f in failures if f is not None]
         if not found:
             return
-        # A failed download shows up in the move too (as a missing entry): the
-        # download is the cause, so fetch failures come before move failures.
-        phase, artifact, rank, host, cause = min(found, key=lambda f: (f[0] == "move", f[2]))
+        phase, artifact, rank, host, cause = min(found, key=lambda f: f[2])
         what = artifact if artifact is not None else "(no single artifact)"
         raise PrefetchError(
             f"{self.operation} failed in {phase} on rank {rank}/{self.comm.size} ({host}) "
@@ -134,14 +128,13 @@ class Run:
 
     # -- fetch ---------------------------------------------------------------------
 
-    def download(self, artifacts: list[Artifact], origin: Origin, workers: int, *,
-                 on_finish: Callable[[Artifact, bool], None] | None = None) -> Failure | None:
+    def download(self, artifacts: list[Artifact], origin: Origin, workers: int) -> Failure | None:
         # Peers entered the agreement that follows when these downloads started, and
         # wait ``timeout`` there: a budget short of theirs lets this rank's failure
         # reach them in time, so that every rank raises the same error.
         got = download_objects(
             self.pool, origin, artifacts, workers=workers, timeout=self.timeout * _FETCH_SHARE,
-            on_done=self.progress.update, on_finish=on_finish,
+            on_done=self.progress.update,
         )
         self.downloads += got.downloads
         self.origin_bytes += got.origin_bytes
@@ -150,8 +143,7 @@ class Run:
     # -- move ----------------------------------------------------------------------
 
     def move(
-        self, plan: Plan, pool_ids: list[str], name_of: Mapping[str, str], bucket_bytes: int,
-        *, make_messages: MakeMessages | None = None,
+        self, plan: Plan, pool_ids: list[str], name_of: Mapping[str, str], bucket_bytes: int
     ) -> Failure | None:
         failed = move_objects(
             self.comm,
@@ -162,58 +154,11 @@ class Run:
             stats=self.stream,
             timeout=self.timeout,
             on_done=self.progress.update,
-            make_messages=make_messages,
         )
         if failed is None:
             return None
         sha = plan.objects[failed[0]]
         return self.failure("move", name_of.get(sha, sha), failed[1])
-
-    # -- fetch and move, pipelined -----------------------------------------------------
-
-    def fetch_and_move(
-        self, plan: Plan, objects: Mapping[str, Artifact], origin: Origin, workers: int,
-        pool_ids: list[str], bucket_bytes: int,
-    ) -> None:
-        """Collective: download this rank's share on threads while the move streams
-        each download as it is published (a plan made with ``pipelined=True``), then
-        agree on any failure (the same PrefetchError on every rank).
-
-        ``fetch`` is timed as the downloads ran; ``move`` as the rest of the wall.
-        """
-        start = time.monotonic()
-        mine = plan.downloads.get(self.comm.rank, ())
-        index_of = {plan.objects[i]: i for i in mine}
-        arrivals = Arrivals(mine)
-        got: list[Failure | None] = [None]
-
-        def fetch() -> None:
-            try:
-                got[0] = self.download([objects[plan.objects[i]] for i in mine], origin,
-                                       workers, on_finish=lambda a, ok: arrivals.finished(
-                                           index_of[a.sha256], ok))
-            except Exception as exc:  # the stream must end whatever happens here
-                got[0] = self.failure("fetch", None, exc)
-            finally:
-                self.seconds["fetch"] += time.monotonic() - start
-                arrivals.close()
-
-        fetcher = threading.Thread(target=fetch, name="distcache-fetcher", daemon=True)
-        if mine:
-            fetcher.start()
-        else:
-            arrivals.close()
-        name_of = {sha: a.name for sha, a in objects.items()}
-        make = functools.partial(_ready, arrivals=arrivals, bucket_bytes=bucket_bytes,
-                                 stats=self.stream)
-        try:
-            moved = self.move(plan, pool_ids, name_of, bucket_bytes, make_messages=make)
-        finally:
-            if mine:
-                # The downloads end within their budget (a share of the timeout).
-                fetcher.join(self.timeout)
-        self.seconds["move"] += max(0.0, time.monotonic() - start - self.seconds["fetch"])
-        self.check(got[0] or moved)
 
     # -- publish -------------------------------------------------------------------
 

@@ -147,20 +147,6 @@ def bucket_messages(
     yield _message(parts, table, stats, last=True)
 
 
-def message_of(items: Iterable[tuple[int, bytes | None]], stats: StreamStats, *,
-               last: bool) -> bytes:
-    """One bucket message of ``items`` (payloads copied once, by the join)."""
-    parts: list[bytes] = []
-    table: list[tuple[int, int]] = []
-    for index, data in items:
-        if data is None:
-            table.append((index, -1))
-        else:
-            parts.append(data)
-            table.append((index, len(data)))
-    return _message(parts, table, stats, last=last)
-
-
 def _message(parts: list[bytes], table: list[tuple[int, int]], stats: StreamStats, *,
              last: bool) -> bytes:
     parts.append(bytes(_finish(bytearray(), table, last)))
@@ -212,10 +198,6 @@ class _Publisher:
         self._thread.join()
 
 
-#: ``(indices, read) -> messages``: one source's bucket messages for one send.
-MakeMessages = Callable[[tuple[int, ...], Callable[[int], bytes | None]], Iterator[bytes]]
-
-
 class _Store(Protocol):
     """The part of the pool that sources read from and receivers publish into."""
 
@@ -234,13 +216,8 @@ def move_objects(
     stats: StreamStats,
     timeout: float | None = None,
     on_done: Callable[[int], None] | None = None,
-    make_messages: MakeMessages | None = None,
 ) -> tuple[int, BaseException] | None:
     """Collective over ``comm``: carry out ``plan.audiences`` among the pools' writers.
-
-    ``make_messages(indices, read)`` gives this rank's bucket messages for one of its
-    sends (default: :func:`bucket_messages` of ``read`` over ``indices``, in order); a
-    pipelined source passes :func:`distcache.collective._pipeline.ready_messages`.
 
     Every rank calls it. Writers are split off into their own communicator (unless
     every rank is a writer), and from it one communicator per audience smaller than
@@ -265,39 +242,36 @@ def move_objects(
     # The first (object index, error) this rank met, shared with the reader.
     failed: list[tuple[int, BaseException]] = []
 
-    def read_one(index: int) -> bytes | None:
-        try:
-            # Receivers hash what arrives; an object this process published
-            # itself in this run (hashed as it was written) is not hashed again.
-            data = pool.get(plan.objects[index], trust_own=True)
-            if data is None:
-                raise FileNotFoundError(
-                    f"object {plan.objects[index]} vanished from pool {mine} (or was corrupt)"
-                )
-            return data
-        except Exception as exc:
-            failed.append((index, exc))
-            return None
-
-    def messages(indices: tuple[int, ...]) -> Iterator[bytes]:
-        if make_messages is not None:
-            return make_messages(indices, read_one)
-        return bucket_messages(((i, read_one(i)) for i in indices),
-                               bucket_bytes=bucket_bytes, stats=stats)
+    def read(indices: tuple[int, ...]) -> Iterator[tuple[int, bytes | None]]:
+        for index in indices:
+            data: bytes | None = None
+            try:
+                # Receivers hash what arrives; an object this process published
+                # itself in this run (hashed as it was written) is not hashed again.
+                data = pool.get(plan.objects[index], trust_own=True)
+                if data is None:
+                    raise FileNotFoundError(
+                        f"object {plan.objects[index]} vanished from pool {mine} (or was corrupt)"
+                    )
+            except Exception as exc:
+                failed.append((index, exc))
+            yield index, data
+            del data
 
     comms = split_audiences(wcomm, comm.rank, writers, plan.audiences)
     try:
         # What the receivers publish is made durable once, when the move ends.
         with pool.batch():
-            _move(comm, plan, pool, comms, messages, mine, stats, timeout, failed, on_done)
+            _move(comm, plan, pool, comms, read, mine, bucket_bytes, stats, timeout, failed,
+                  on_done)
     except PoolError as exc:  # the batch's flush
         failed.append((0, exc))
     return failed[0] if failed else None
 
 
 def _move(comm: Communicator, plan: Plan, pool: _Store, comms: list[Communicator | None],
-          messages: Callable[[tuple[int, ...]], Iterator[bytes]], mine: str,
-          stats: StreamStats, timeout: float | None,
+          read: Callable[[tuple[int, ...]], Iterator[tuple[int, bytes | None]]], mine: str,
+          bucket_bytes: int, stats: StreamStats, timeout: float | None,
           failed: list[tuple[int, BaseException]],
           on_done: Callable[[int], None] | None) -> None:
     publisher = _Publisher(pool, plan.objects, stats, failed, on_done)
@@ -312,7 +286,8 @@ def _move(comm: Communicator, plan: Plan, pool: _Store, comms: list[Communicator
             # every rank receives while it publishes, instead of one source at a time
             # keeping the others idle. Every rank sees the same "last" flags, so all
             # take the same turns.
-            outgoing = {source: messages(indices)
+            outgoing = {source: bucket_messages(read(indices), bucket_bytes=bucket_bytes,
+                                                stats=stats)
                         for source, indices in audience.sends if source == comm.rank}
             active = [source for source, _ in audience.sends]
             while active:
