@@ -223,7 +223,10 @@ def driver(args: argparse.Namespace) -> None:
     if args.cubins is not None and args.cubins.suffix == ".whl":
         mirror, source = extract_wheel(args.cubins, work / "wheel"), args.cubins.name
     elif args.cubins is not None:
-        mirror, source = args.cubins, "directory"
+        wheels = sorted(p.name.removesuffix(".dist-info")
+                        for p in args.cubins.glob("flashinfer_cubin-*.dist-info"))
+        mirror = args.cubins
+        source = f"{wheels[0]} wheel, unpacked" if wheels else "a directory of cubins"
     elif (found := installed_cubins()) is not None:
         mirror, source = found, "flashinfer-cubin (installed)"
     else:
@@ -252,7 +255,9 @@ def driver(args: argparse.Namespace) -> None:
     }
     met = {k: ratios[k] <= v for k, v in TARGETS.items()}
     out = {
-        "script": "scripts/bench_family.py", "argv": sys.argv[1:], "source": source,
+        "script": "scripts/bench_family.py", "source": source,
+        # Paths of this machine stay out of the figures: only their last component.
+        "argv": [Path(a).name if os.sep in a else a for a in sys.argv[1:]],
         "artifacts": len(arts), "bytes": total, "machine": platform.platform(),
         "cpus": os.cpu_count(), "rows": rows, "ratios": ratios, "targets": TARGETS,
         "met": met,
