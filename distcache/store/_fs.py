@@ -32,6 +32,7 @@ import ctypes
 import errno
 import functools
 import os
+import re
 import secrets
 import stat
 import time
@@ -55,9 +56,12 @@ def is_hex(text: str, length: int) -> bool:
     return len(text) == length and _HEX.issuperset(text)
 
 
+_SHA_SHAPE = re.compile(r"[0-9a-f]{64}")
+
+
 def is_sha(text: str) -> bool:
     """Whether ``text`` has the shape of a sha256 hex digest."""
-    return is_hex(text, 64)
+    return _SHA_SHAPE.fullmatch(text) is not None
 
 
 def pool_error(what: str, path: str | os.PathLike[str], exc: OSError) -> PoolError:

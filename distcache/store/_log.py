@@ -121,6 +121,16 @@ class NamesIndex:
             except TypeError:  # an unhashable (forged) name is held by no one
                 return False
 
+    def refreshed_holds(self, pairs: Iterable[tuple[str, str]]) -> bool:
+        """:meth:`holds`, after reading what was appended since the last read (a
+        process that has not read the log yet learns it here, once).
+
+        Raises:
+            PoolError: the log cannot be read.
+        """
+        self._refresh()
+        return self.holds(pairs)
+
     def record(self, wanted: Iterable[tuple[str, str]]) -> None:
         """Append a record for each already validated ``(name, sha)`` whose label
         differs from the current one (callers skip what :meth:`holds` already).

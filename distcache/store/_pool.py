@@ -340,9 +340,9 @@ class ArtifactPool:
             PoolError: the index cannot be written.
         """
         pairs = [(a.name, a.sha256) for a in artifacts]
-        # A hit must stay a few syscalls: labels this process already holds cost
-        # neither I/O nor validation (held names were validated when recorded or read).
-        if self._names_index.holds(pairs):
+        # Labels this process holds, or finds in the log on its first read, cost no
+        # validation (held names were validated when recorded or read).
+        if self._names_index.holds(pairs) or self._names_index.refreshed_holds(pairs):
             return
         self._names_index.record([(validate_name(n), check_sha256(s)) for n, s in pairs])
 
