@@ -13,7 +13,7 @@ from distcache.collective._download import Origin
 from distcache.collective._plan import download_threads, make_plan
 from distcache.collective._progress import Progress, bytes_for_rank0
 from distcache.collective._report import PrefetchReport
-from distcache.collective._run import Pool, Run, discover
+from distcache.collective._run import Failure, Pool, Run, discover
 from distcache.comm import Communicator
 from distcache.config import settings
 from distcache.errors import ManifestError, ManifestMismatchError
@@ -111,25 +111,27 @@ def prefetch(
             run.progress = Progress(
                 bytes_for_rank0(plan, [artifact_of[s].size for s in objects], pool_ids),
                 enabled=True)
-        with run.phase("fetch"):
-            mine = plan.downloads.get(comm.rank, ())
-            todo = [artifact_of[plan.objects[i]] for i in mine]
-            threads = download_threads(plan, comm.rank, conf.downloads_per_rank,
-                                       conf.downloads_per_job)
-            failure = run.download(todo, origin, threads) if todo else None
-            if plan.downloads:
-                run.check(failure)
-        with run.phase("move"):
-            if plan.sends:
-                name_of = {sha: a.name for sha, a in artifact_of.items()}
-                run.check(run.move(plan, pool_ids, name_of, conf.bucket_bytes))
+        flushed: list[Failure] = []
+        with run.durable(flushed):
+            with run.phase("fetch"):
+                mine = plan.downloads.get(comm.rank, ())
+                todo = [artifact_of[plan.objects[i]] for i in mine]
+                threads = download_threads(plan, comm.rank, conf.downloads_per_rank,
+                                           conf.downloads_per_job)
+                failure = run.download(todo, origin, threads) if todo else None
+                if plan.downloads:
+                    run.check(failure)
+            with run.phase("move"):
+                if plan.sends:
+                    name_of = {sha: a.name for sha, a in artifact_of.items()}
+                    run.check(run.move(plan, pool_ids, name_of, conf.bucket_bytes))
         with run.phase("publish"):
-            failure = None
+            failure = flushed[0] if flushed else None
             if plan.writers[pool_ids[comm.rank]] == comm.rank:
                 try:
                     pool.remember(listing)
                 except Exception as exc:
-                    failure = run.failure("publish", None, exc)
+                    failure = failure or run.failure("publish", None, exc)
         return run.finish(plan, len(listing), failure)
 
     return run.guarded(body)

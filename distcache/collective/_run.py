@@ -29,7 +29,7 @@ from distcache.collective._progress import Progress
 from distcache.collective._report import PHASES, PrefetchReport
 from distcache.collective._stream import StreamStats, move_objects
 from distcache.comm import Communicator
-from distcache.errors import CommError, PrefetchError
+from distcache.errors import CommError, PoolError, PrefetchError
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,31 @@ class Run:
                 cause=f"{type(exc).__name__}: {exc}",
                 phase="collective",
             ) from exc
+
+    # -- durability ----------------------------------------------------------------
+
+    @contextmanager
+    def durable(self, flushed: list[Failure]) -> Iterator[None]:
+        """One pool batch around the fetch and the move: what both publish is flushed
+        once, when the body ends (one ``syncfs`` per rank, not one per step). A flush
+        that fails is appended to ``flushed`` (the publish phase agrees on it); when
+        the body raises, that error wins and a failing flush is only logged."""
+        batch = self.pool.batch()
+        batch.__enter__()
+        try:
+            yield
+        except BaseException as exc:
+            try:
+                batch.__exit__(type(exc), exc, exc.__traceback__)
+            except PoolError as flush:
+                log.warning("%s: flushing the pool after a failure failed too: %s",
+                            self.operation, flush)
+            raise
+        try:
+            with self.phase("publish"):
+                batch.__exit__(None, None, None)
+        except PoolError as exc:
+            flushed.append(self.failure("publish", None, exc))
 
     # -- fetch ---------------------------------------------------------------------
 

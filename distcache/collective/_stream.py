@@ -34,6 +34,7 @@ from typing import Protocol
 from distcache.collective._audience import split_audiences
 from distcache.collective._plan import Plan
 from distcache.comm import Communicator
+from distcache.comm._base import lend_broadcast
 from distcache.errors import PoolError
 
 MAGIC = b"DCB1"
@@ -89,7 +90,7 @@ def _finish(body: bytearray, table: list[tuple[int, int]], last: bool) -> bytear
     return body
 
 
-def decode_bucket(message: bytes) -> tuple[bool, list[tuple[int, memoryview | None]]]:
+def decode_bucket(message: bytes | bytearray) -> tuple[bool, list[tuple[int, memoryview | None]]]:
     """Unpack a bucket: ``(last, [(index, payload view or None), ...])``.
 
     Raises:
@@ -120,37 +121,31 @@ def decode_bucket(message: bytes) -> tuple[bool, list[tuple[int, memoryview | No
 
 def bucket_messages(
     items: Iterable[tuple[int, bytes | None]], *, bucket_bytes: int, stats: StreamStats
-) -> Iterator[bytes]:
+) -> Iterator[bytearray]:
     """The bucket messages of ``items``, of about ``bucket_bytes`` each, the last one
     flagged (at least one, possibly empty, so receivers stay in step).
 
     ``items`` is consumed lazily (a generator reading from the pool keeps memory at
     one bucket plus one artifact). An artifact larger than ``bucket_bytes`` travels
-    alone. Payloads are copied once, by the join that makes the message.
+    alone. Each payload is copied once, into the message being built, which the
+    broadcast then sends in place.
     """
-    parts: list[bytes] = []
+    body = bytearray()
     table: list[tuple[int, int]] = []
-    held = 0
     for index, data in items:
         size = 0 if data is None else len(data)
-        stats.hold(held + size)
-        if table and held + size > bucket_bytes:
-            yield _message(parts, table, stats, last=False)
-            parts, table, held = [], [], 0
-        if data is None:
-            table.append((index, -1))
-        else:
-            parts.append(data)
-            table.append((index, size))
-            held += size
+        stats.hold(len(body) + size)
+        if table and len(body) + size > bucket_bytes:
+            yield _sealed(body, table, stats, last=False)
+            body, table = bytearray(), []
+        _append(body, table, index, data)
         del data
-    yield _message(parts, table, stats, last=True)
+    yield _sealed(body, table, stats, last=True)
 
 
-def _message(parts: list[bytes], table: list[tuple[int, int]], stats: StreamStats, *,
-             last: bool) -> bytes:
-    parts.append(bytes(_finish(bytearray(), table, last)))
-    message = b"".join(parts)
+def _sealed(body: bytearray, table: list[tuple[int, int]], stats: StreamStats, *,
+            last: bool) -> bytearray:
+    message = _finish(body, table, last)
     stats.broadcasts += 1
     stats.bytes_sent += len(message)
     return message
@@ -292,11 +287,13 @@ def _move(comm: Communicator, plan: Plan, pool: _Store, comms: list[Communicator
             active = [source for source, _ in audience.sends]
             while active:
                 for source in list(active):
+                    # The root lends its message and receivers own theirs: no copies.
+                    message: bytes | bytearray
                     if source == comm.rank:
                         message = next(outgoing[source])
-                        acomm.broadcast_bytes(message, root_of[source], timeout=timeout)
+                        lend_broadcast(acomm, message, root_of[source], timeout=timeout)
                     else:
-                        message = acomm.broadcast_bytes(None, root_of[source], timeout=timeout)
+                        message = lend_broadcast(acomm, None, root_of[source], timeout=timeout)
                         stats.hold(len(message))
                     last, entries = decode_bucket(message)
                     if last:

@@ -15,7 +15,9 @@ transport's errors (:meth:`BackendCommunicator._timed_out`,
 * ``_payload_buffer(data, total)``: a buffer holding the root's ``data``, or
   ``total`` bytes to receive into;
 * ``_broadcast_span(buffer, start, stop, root, budget)``: one chunk, in place;
-* ``_buffer_bytes(buffer) -> bytes``: the received payload;
+* ``_buffer_bytes(buffer) -> bytes``: the received payload (and, optionally,
+  ``_lent_buffer``/``_owned_buffer``: the same without copies, for
+  :meth:`BackendCommunicator.broadcast_buffer`);
 * ``_allgather_lengths(length, budget) -> list[int]``: every rank's ``length``;
 * ``_allgather_payloads(mine, lengths, budget)``: every rank's bytes, in rank
   order (refusing, with :meth:`BackendCommunicator._too_large`, what exceeds one
@@ -215,16 +217,34 @@ class BackendCommunicator(ABC):
     def broadcast_bytes(
         self, data: bytes | None, root: int, *, timeout: float | None = None
     ) -> bytes:
+        received = self._broadcast(data, root, timeout, lend=False)
+        return received if isinstance(received, bytes) else bytes(received)
+
+    def broadcast_buffer(
+        self, data: bytearray | None, root: int, *, timeout: float | None = None
+    ) -> bytes | bytearray:
+        """:meth:`broadcast_bytes` for bulk data, without its copies where the transport
+        allows: the root lends ``data`` (it must not change it afterwards, even when
+        this raises) and every other rank gets a buffer of its own."""
+        return self._broadcast(data, root, timeout, lend=True)
+
+    def _broadcast(self, data: bytes | bytearray | None, root: int, timeout: float | None,
+                   *, lend: bool) -> bytes | bytearray:
         check_broadcast(self._rank, self._size, root, data)
         budget = self._budget(timeout)
         mine = data if self._rank == root else None
         total = self._broadcast_length(0 if mine is None else len(mine), root, budget)
-        buffer = self._payload_buffer(mine, total)
+        if lend:
+            buffer = self._lent_buffer(mine, total)
+        else:
+            buffer = self._payload_buffer(None if mine is None else bytes(mine), total)
         for start, stop in chunk_spans(total, self._chunk_bytes):
             self._broadcast_span(buffer, start, stop, root, budget)
             self.chunk_messages += 1
         self.payload_bytes += total
-        return mine if isinstance(mine, bytes) else self._buffer_bytes(buffer)
+        if mine is not None:
+            return mine
+        return self._owned_buffer(buffer) if lend else self._buffer_bytes(buffer)
 
     def allgather_object(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
         budget = self._budget(timeout)
@@ -299,6 +319,15 @@ class BackendCommunicator(ABC):
 
     @abstractmethod
     def _buffer_bytes(self, buffer: Any) -> bytes: ...
+
+    def _lent_buffer(self, data: bytes | bytearray | None, total: int) -> Any:
+        """What :meth:`broadcast_buffer` sends from or receives into; a transport that
+        can use the root's ``bytearray`` in place says so here."""
+        return self._payload_buffer(None if data is None else bytes(data), total)
+
+    def _owned_buffer(self, buffer: Any) -> bytes | bytearray:
+        """The received payload of :meth:`broadcast_buffer`, uncopied where possible."""
+        return self._buffer_bytes(buffer)
 
     @abstractmethod
     def _allgather_lengths(self, length: int, budget: Budget) -> list[int]: ...

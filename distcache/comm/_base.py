@@ -84,7 +84,7 @@ def hostname() -> str:
     return socket.gethostname()
 
 
-def check_broadcast(rank: int, size: int, root: int, data: bytes | None) -> None:
+def check_broadcast(rank: int, size: int, root: int, data: bytes | bytearray | None) -> None:
     """The argument checks every ``broadcast_bytes`` makes before it communicates.
 
     Raises:
@@ -94,6 +94,19 @@ def check_broadcast(rank: int, size: int, root: int, data: bytes | None) -> None
         raise ValueError(f"root {root} is out of range for a communicator of size {size}")
     if rank == root and data is None:
         raise ValueError("broadcast_bytes: the root rank must pass data")
+
+
+def lend_broadcast(comm: Communicator, data: bytearray | None, root: int, *,
+                   timeout: float | None = None) -> bytes | bytearray:
+    """Broadcast bulk ``data`` from ``root`` without the copies ``broadcast_bytes`` makes
+    where ``comm`` offers ``broadcast_buffer`` (distcache's own communicators do): the
+    root lends ``data`` and must not change it afterwards. Any other communicator gets
+    a plain ``broadcast_bytes``."""
+    lend = getattr(comm, "broadcast_buffer", None)
+    if lend is not None:
+        received: bytes | bytearray = lend(data, root, timeout=timeout)
+        return received
+    return comm.broadcast_bytes(None if data is None else bytes(data), root, timeout=timeout)
 
 
 def chunk_spans(total: int, chunk: int) -> Iterator[tuple[int, int]]:

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
-from distcache.comm._base import Communicator, agree_on_error
+from distcache.comm._base import Communicator, agree_on_error, lend_broadcast
 from distcache.comm._gloo import NcclCommunicator
 from distcache.errors import CommError, ConfigError, DistcacheError
 from launch import publish_store
@@ -57,6 +57,10 @@ class BulkCommunicator:
     def broadcast_bytes(self, data: bytes | None, root: int, *,
                         timeout: float | None = None) -> bytes:
         return self.bulk.broadcast_bytes(data, root, timeout=timeout)
+
+    def broadcast_buffer(self, data: bytearray | None, root: int, *,
+                         timeout: float | None = None) -> bytes | bytearray:
+        return lend_broadcast(self.bulk, data, root, timeout=timeout)
 
     def allgather_object(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
         return self.control.allgather_object(obj, timeout=timeout)

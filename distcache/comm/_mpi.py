@@ -184,6 +184,14 @@ class MpiCommunicator(BackendCommunicator):
     def _buffer_bytes(self, buffer: bytearray) -> bytes:
         return bytes(buffer)
 
+    def _lent_buffer(self, data: bytes | bytearray | None, total: int) -> bytearray:
+        # The root's own bytearray is sent in place; an abandoned request keeps it alive.
+        return data if isinstance(data, bytearray) else self._payload_buffer(
+            None if data is None else bytes(data), total)
+
+    def _owned_buffer(self, buffer: bytearray) -> bytearray:
+        return buffer
+
     def _allgather_lengths(self, length: int, budget: Budget) -> list[int]:
         INT64_T = self._MPI.INT64_T
         mine, sizes = array("q", [length]), array("q", [0] * self._size)

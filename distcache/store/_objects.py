@@ -24,7 +24,7 @@ the rules of DESIGN.md ("Artifacts and the pool") for each object:
   family of thousands of small kernels. A power loss inside a batch can leave a
   linked object with torn bytes; that is safe because every read is verified: the
   torn object is quarantined and reported as a miss, and the next prefetch fetches
-  it again.
+  it again (:mod:`distcache.store._durability`).
 
 Recency for LRU collection is the object's mtime, refreshed by reads at most once per
 ``stamp_interval`` seconds (atime is useless on ``noatime`` mounts); a reader that
@@ -45,15 +45,14 @@ from pathlib import Path
 
 from distcache.artifact import Artifact, sha256_hex
 from distcache.errors import IntegrityError
+from distcache.store._durability import Durability
 from distcache.store._fs import (
     NO_LINK,
     READ_FLAGS,
     fsync_dir,
-    fsync_path,
     make_dir,
     pool_error,
     read_fd,
-    sync_filesystem,
     temp_file,
     unlink_quietly,
     write_all,
@@ -100,50 +99,20 @@ class ObjectStore:
         #: Objects this store moved to ``quarantine/``.
         self.quarantined = 0
         self._guard = threading.Lock()
-        # Batches open (any thread), and what their publications left to flush.
-        self._batches = 0
-        self._unsynced: list[str] = []
+        self._durability = Durability(str(layout.objects))
         #: Objects this store published and has not flushed yet, then flushed (a
         #: source may send them without hashing them again: receivers verify).
         self.fresh: set[str] = set()
 
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
+    def batch(self) -> contextlib.AbstractContextManager[None]:
         """Defer the durability of publications until the outermost batch ends, then
-        flush them together (see the module docstring). Nested and concurrent
-        batches (threads of one process) share one flush, at the end of the last.
+        flush them together (:mod:`distcache.store._durability`).
 
         Raises:
             PoolError: the flush failed (an I/O error): what was published may not
                 survive a power loss.
         """
-        with self._guard:
-            self._batches += 1
-        try:
-            yield
-        finally:
-            with self._guard:
-                self._batches -= 1
-                pending = self._unsynced if self._batches == 0 else []
-                if self._batches == 0:
-                    self._unsynced = []
-            if pending:
-                self._flush(pending)
-
-    def _flush(self, paths: list[str]) -> None:
-        try:
-            if sync_filesystem(self.layout.objects):
-                return
-            directories = set()
-            for path in paths:
-                with contextlib.suppress(FileNotFoundError):  # collected meanwhile
-                    fsync_path(path)
-                directories.add(os.path.dirname(path))
-            for directory in sorted(directories):
-                fsync_dir(directory)
-        except OSError as exc:
-            raise pool_error("cannot flush published objects under", self.layout.objects,
-                             exc) from exc
+        return self._durability.batch()
 
     def has(self, sha: str) -> bool:
         """Whether a regular file is present for ``sha`` (no hashing)."""
@@ -241,10 +210,10 @@ class ObjectStore:
         """
         final = self.layout.object_path(sha)
         directory = self.layout.fanout(sha)
-        with self._guard:
-            deferred = self._batches > 0
+        deferred = self._durability.deferred
         try:
             os.fchmod(fd, self.file_mode)
+            size = os.fstat(fd).st_size if deferred else 0
             if not deferred:
                 os.fsync(fd)
             self._clear_fanout(directory, sha)
@@ -258,12 +227,11 @@ class ObjectStore:
             return False
         with self._guard:
             self.fresh.add(sha)
-            if self._batches > 0:
-                self._unsynced.append(final)
-                return True
+        if self._durability.published(final, size):
+            return True
         if deferred:
             # The batch ended while this was being written: flush it now.
-            self._flush([final])
+            self._durability.flush([final])
         else:
             fsync_dir(directory)
         return True

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import pytest
 
 from distcache.comm import Communicator, agree_on_error
+from distcache.comm._base import lend_broadcast
 from distcache.errors import CollectiveTimeout, CommError, IntegrityError, RemoteError
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -62,6 +63,26 @@ def test_broadcast_of_exact_multiple_of_chunk_sends_no_empty_tail(
     before = small.chunk_messages  # type: ignore[attr-defined]
     assert small.broadcast_bytes(sent if small.rank == 0 else None, 0) == sent
     assert small.chunk_messages - before == 2  # type: ignore[attr-defined]
+
+
+def test_lent_broadcast_sends_the_roots_buffer_in_place_and_gives_receivers_their_own(
+    comm_factory: Callable[..., Communicator],
+) -> None:
+    small = comm_factory(chunk_bytes=1 * MiB)
+    root = small.size - 1
+    sent = bytearray(_payload(root, 3 * MiB + 5))
+    got = lend_broadcast(small, sent if small.rank == root else None, root)
+    assert got == sent
+    if small.rank == root:
+        assert got is sent  # lent, not copied
+    else:
+        # A buffer of this rank's own: changing it changes nobody else's.
+        assert isinstance(got, bytes | bytearray)
+        if isinstance(got, bytearray):
+            got[0] ^= 0xFF
+    assert small.broadcast_bytes(b"after" if small.rank == 0 else None, 0) == b"after"
+    # Plain broadcast_bytes still returns bytes, also from a lent-capable transport.
+    assert type(small.broadcast_bytes(bytes(sent) if small.rank == 0 else None, 0)) is bytes
 
 
 def test_broadcast_rejects_bad_root_and_missing_data_before_communicating(

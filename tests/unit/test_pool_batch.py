@@ -12,8 +12,9 @@ import pytest
 from distcache.artifact import Artifact
 from distcache.collective import prefetch
 from distcache.comm import LocalCommunicator
+from distcache.errors import PoolError
 from distcache.origins import DirOrigin
-from distcache.store import _fs, _objects
+from distcache.store import _durability, _fs
 from distcache.store._pool import ArtifactPool
 
 
@@ -45,7 +46,7 @@ def _count(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
         return real_sync(path)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(_objects, "sync_filesystem", sync)
+    monkeypatch.setattr(_durability, "sync_filesystem", sync)
     return calls
 
 
@@ -72,11 +73,11 @@ def test_outside_a_batch_each_object_is_fsynced_with_its_directory(
 def test_without_syncfs_a_batch_fsyncs_each_file_then_each_directory(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pool = ArtifactPool(tmp_path / "pool")
-    monkeypatch.setattr(_objects, "sync_filesystem", lambda path: False)
+    monkeypatch.setattr(_durability, "sync_filesystem", lambda path: False)
     synced: list[str] = []
-    monkeypatch.setattr(_objects, "fsync_path", lambda path: synced.append(str(path)))
+    monkeypatch.setattr(_durability, "fsync_path", lambda path: synced.append(str(path)))
     dirs: list[str] = []
-    monkeypatch.setattr(_objects, "fsync_dir", lambda path: dirs.append(str(path)))
+    monkeypatch.setattr(_durability, "fsync_dir", lambda path: dirs.append(str(path)))
     with pool.batch():
         shas = [pool.put(data) for data in _blobs(5)]
     assert sorted(synced) == sorted(pool.layout.object_path(s) for s in shas)
@@ -115,3 +116,55 @@ def test_trusting_its_own_objects_skips_hashing_only_for_what_this_pool_publishe
     # Another pool object never trusts it: verified, quarantined.
     assert other.get(sha, trust_own=True) is None
     assert other.quarantined == 1
+
+
+def test_a_long_batch_starts_writing_back_in_the_background_and_still_flushes_at_its_end(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    blobs = _blobs(12)
+    monkeypatch.setattr(_durability.Durability, "writeback_bytes", len(blobs[0]) * 3)
+    synced: list[str] = []
+
+    def sync(path: str | os.PathLike[str]) -> bool:
+        synced.append(str(path))
+        return True
+
+    monkeypatch.setattr(_durability, "sync_filesystem", sync)
+    with pool.batch():
+        for data in blobs:
+            pool.put(data)
+    # A background flush started once 3 blobs were published (more may have, one at
+    # a time, depending on timing); the batch joined them, then flushed once more.
+    assert 2 <= len(synced) <= 1 + 4
+    assert set(synced) == {str(pool.layout.objects)}
+
+
+def test_a_failed_background_flush_fails_the_batch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    monkeypatch.setattr(_durability.Durability, "writeback_bytes", 1)
+    calls: list[int] = []
+
+    def sync(path: str | os.PathLike[str]) -> bool:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(5, "Input/output error", str(path))
+        return True
+
+    monkeypatch.setattr(_durability, "sync_filesystem", sync)
+    with pytest.raises(PoolError, match="cannot flush"), pool.batch():
+        pool.put(b"one object")
+    # The next batch starts clean: the error was reported once.
+    with pool.batch():
+        pool.put(b"another object")
+
+
+def test_a_prefetch_flushes_its_downloads_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    arts = _mirror(tmp_path, _blobs(10))
+    pool = ArtifactPool(tmp_path / "pool")
+    calls = _count(monkeypatch)
+    report = prefetch(arts, comm=LocalCommunicator(), pool=pool,
+                      origin=DirOrigin(tmp_path / "mirror"))
+    assert report.downloads == 10
+    assert calls["syncfs"] == 1
