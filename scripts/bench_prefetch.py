@@ -45,6 +45,8 @@ fetching the K artifacts once with the same concurrency) and the cost parameters
 
     python -m scripts.bench_prefetch --out bench-results/
 
+``BENCH_PROFILE_DIR=DIR`` writes each rank's cProfile of its timed part there.
+
 Run it from the repository root, as a module: it starts its ranks with the test
 harness's process runner (:mod:`tests.support.process`), which is importable from
 there and is not part of the installed library.
@@ -294,11 +296,22 @@ def worker(args: argparse.Namespace) -> None:
     # Start-up: from the driver's launch to this rank's readiness to start.
     startup = time.time() - args.launched_at
     comm.barrier()
+    profile_dir = os.environ.get("BENCH_PROFILE_DIR")
+    profiler = None
+    if profile_dir:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     start = time.perf_counter()
     complete, extras = run_strategy(
         args.worker, comm, arts, args.url, args.run_dir, args.downloads_per_rank
     )
     seconds = time.perf_counter() - start
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(os.path.join(
+            profile_dir, f"{args.worker}-n{comm.size}-rank{comm.rank}.pstats"))
     comm.barrier()
     wall = time.perf_counter() - start
     if args.worker == "warm":

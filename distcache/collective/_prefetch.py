@@ -13,7 +13,7 @@ from distcache.collective._download import Origin
 from distcache.collective._plan import download_threads, make_plan
 from distcache.collective._progress import Progress, bytes_for_rank0
 from distcache.collective._report import PrefetchReport
-from distcache.collective._run import Failure, Pool, Run, discover
+from distcache.collective._run import Pool, Run, discover
 from distcache.comm import Communicator
 from distcache.config import settings
 from distcache.errors import ManifestError, ManifestMismatchError
@@ -111,8 +111,7 @@ def prefetch(
             run.progress = Progress(
                 bytes_for_rank0(plan, [artifact_of[s].size for s in objects], pool_ids),
                 enabled=True)
-        flushed: list[Failure] = []
-        with run.durable(flushed):
+        with run.durable():
             with run.phase("fetch"):
                 mine = plan.downloads.get(comm.rank, ())
                 todo = [artifact_of[plan.objects[i]] for i in mine]
@@ -126,12 +125,12 @@ def prefetch(
                     name_of = {sha: a.name for sha, a in artifact_of.items()}
                     run.check(run.move(plan, pool_ids, name_of, conf.bucket_bytes))
         with run.phase("publish"):
-            failure = flushed[0] if flushed else None
+            failure = None
             if plan.writers[pool_ids[comm.rank]] == comm.rank:
                 try:
                     pool.remember(listing)
                 except Exception as exc:
-                    failure = failure or run.failure("publish", None, exc)
+                    failure = run.failure("publish", None, exc)
         return run.finish(plan, len(listing), failure)
 
     return run.guarded(body)

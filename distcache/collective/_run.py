@@ -29,7 +29,7 @@ from distcache.collective._progress import Progress
 from distcache.collective._report import PHASES, PrefetchReport
 from distcache.collective._stream import StreamStats, move_objects
 from distcache.comm import Communicator
-from distcache.errors import CommError, PoolError, PrefetchError
+from distcache.errors import CommError, PrefetchError
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class Pool(Protocol):
     def get(self, sha256: str, *, trust_own: bool = False) -> bytes | None: ...
     def put(self, data: bytes | bytearray | memoryview, sha256: str | None = None) -> str: ...
     def download(self, artifact: Artifact, origin: Origin) -> int: ...
-    def batch(self) -> AbstractContextManager[None]: ...
+    def batch(self, *, wait: bool = True) -> AbstractContextManager[None]: ...
     def remember(self, artifacts: Iterable[Artifact]) -> None: ...
     def names(self) -> dict[str, str]: ...
     def journal_since(self, cursor: int = 0) -> tuple[list[str], int]: ...
@@ -129,27 +129,13 @@ class Run:
     # -- durability ----------------------------------------------------------------
 
     @contextmanager
-    def durable(self, flushed: list[Failure]) -> Iterator[None]:
+    def durable(self) -> Iterator[None]:
         """One pool batch around the fetch and the move: what both publish is flushed
-        once, when the body ends (one ``syncfs`` per rank, not one per step). A flush
-        that fails is appended to ``flushed`` (the publish phase agrees on it); when
-        the body raises, that error wins and a failing flush is only logged."""
-        batch = self.pool.batch()
-        batch.__enter__()
-        try:
+        once, when the body ends, on a thread of its own (a rank never waits on a
+        ``syncfs`` that may be flushing other programs' writes too; every read is
+        verified, so durability is not what makes an object correct)."""
+        with self.pool.batch(wait=False):
             yield
-        except BaseException as exc:
-            try:
-                batch.__exit__(type(exc), exc, exc.__traceback__)
-            except PoolError as flush:
-                log.warning("%s: flushing the pool after a failure failed too: %s",
-                            self.operation, flush)
-            raise
-        try:
-            with self.phase("publish"):
-                batch.__exit__(None, None, None)
-        except PoolError as exc:
-            flushed.append(self.failure("publish", None, exc))
 
     # -- fetch ---------------------------------------------------------------------
 

@@ -104,7 +104,7 @@ class ObjectStore:
         #: source may send them without hashing them again: receivers verify).
         self.fresh: set[str] = set()
 
-    def batch(self) -> contextlib.AbstractContextManager[None]:
+    def batch(self, *, wait: bool = True) -> contextlib.AbstractContextManager[None]:
         """Defer the durability of publications until the outermost batch ends, then
         flush them together (:mod:`distcache.store._durability`).
 
@@ -112,7 +112,7 @@ class ObjectStore:
             PoolError: the flush failed (an I/O error): what was published may not
                 survive a power loss.
         """
-        return self._durability.batch()
+        return self._durability.batch(wait=wait)
 
     def has(self, sha: str) -> bool:
         """Whether a regular file is present for ``sha`` (no hashing)."""

@@ -244,17 +244,16 @@ class ArtifactPool:
         self.remember([artifact])
         return data
 
-    def batch(self) -> AbstractContextManager[None]:
+    def batch(self, *, wait: bool = True) -> AbstractContextManager[None]:
         """A context in which publications are made durable together when it ends
-        (one filesystem flush instead of an ``fsync`` per object and directory).
-
-        Safe because every read is verified: after a power loss inside a batch, an
-        object with torn bytes is quarantined when read and fetched again.
+        (one filesystem flush, not an ``fsync`` per object and directory; with
+        ``wait=False`` on a thread of its own, logging a failure). Safe because every
+        read is verified: a torn object after a power loss is quarantined and fetched.
 
         Raises:
-            PoolError: (on exit) the flush failed.
+            PoolError: (on exit, waiting) the flush failed.
         """
-        return self._store.batch()
+        return self._store.batch(wait=wait)
 
     def download(self, artifact: Artifact, origin: SupportsFetchInto) -> int:
         """Stream ``artifact`` from ``origin`` into the pool, publish it, return its

@@ -445,7 +445,7 @@ class _NoPool:
     def download(self, artifact: Any, origin: Any) -> int:
         raise AssertionError("nothing to download")
 
-    def batch(self) -> contextlib.AbstractContextManager[None]:
+    def batch(self, *, wait: bool = True) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
     def remember(self, artifacts: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -159,12 +160,44 @@ def test_a_failed_background_flush_fails_the_batch(
         pool.put(b"another object")
 
 
-def test_a_prefetch_flushes_its_downloads_once(
+def test_a_prefetch_flushes_its_downloads_once_without_waiting_for_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     arts = _mirror(tmp_path, _blobs(10))
     pool = ArtifactPool(tmp_path / "pool")
-    calls = _count(monkeypatch)
+    started, release = threading.Event(), threading.Event()
+
+    def slow_sync(path: str | os.PathLike[str]) -> bool:
+        started.set()
+        assert release.wait(30)
+        return True
+
+    monkeypatch.setattr(_durability, "sync_filesystem", slow_sync)
     report = prefetch(arts, comm=LocalCommunicator(), pool=pool,
                       origin=DirOrigin(tmp_path / "mirror"))
+    # It returned while its one flush was still running, every object readable.
     assert report.downloads == 10
-    assert calls["syncfs"] == 1
+    assert started.wait(30)
+    assert all(pool.get(a.sha256) is not None for a in arts)
+    flushers = [t for t in threading.enumerate() if t.name == "distcache-flush"]
+    assert len(flushers) == 1 and not flushers[0].daemon
+    release.set()
+    flushers[0].join(30)
+    assert not flushers[0].is_alive()
+
+
+def test_a_batch_that_does_not_wait_logs_a_failed_flush(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+
+    def failing(path: str | os.PathLike[str]) -> bool:
+        raise OSError(5, "Input/output error", str(path))
+
+    monkeypatch.setattr(_durability, "sync_filesystem", failing)
+    with pool.batch(wait=False):
+        sha = pool.put(b"kept and readable")
+    for thread in threading.enumerate():
+        if thread.name == "distcache-flush":
+            thread.join(30)
+    assert pool.get(sha) == b"kept and readable"
+    assert any("cannot flush" in r.getMessage() and r.levelname == "ERROR"
+               for r in caplog.records)

@@ -79,7 +79,7 @@ class FakePool:
         self.put(data, artifact.sha256)
         return len(data)
 
-    def batch(self) -> contextlib.AbstractContextManager[None]:
+    def batch(self, *, wait: bool = True) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
     def remember(self, artifacts: Iterable[Artifact]) -> None:

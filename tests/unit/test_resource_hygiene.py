@@ -30,8 +30,18 @@ SHM_DIR = "/dev/shm"
 pytestmark = pytest.mark.timeout(120)
 
 
+def settled() -> None:
+    """Wait for the flushes prefetches leave running in the background (one thread at
+    a time per pool; each ends when nothing is left to flush)."""
+    for thread in threading.enumerate():
+        if thread.name == "distcache-flush":
+            thread.join(60)
+
+
 def census(pool: ArtifactPool | None = None) -> dict[str, object]:
-    """What a leak would grow: open descriptors, live threads, shm segments, temp files."""
+    """What a leak would grow: open descriptors, live threads, shm segments, temp files
+    (after the background flushes are done)."""
+    settled()
     found: dict[str, object] = {
         "fds": len(os.listdir("/proc/self/fd")),
         "threads": sorted(t.name for t in threading.enumerate()),
