@@ -20,8 +20,10 @@ Measured, in this order, each in fresh processes:
 
 Before the first step every file of the set is read once, and before each step the
 page cache is flushed (``sync``, untimed), so every step reads the set from memory and
-none pays for another's writes. Distcache's times include making what it published
-durable (one flush per rank); the copy floor's ``cp`` does not flush.
+none pays for another's writes. Neither side waits for the disk: the floor's ``cp``
+does not flush, and a prefetch returns once its objects are published and verified,
+its one flush per rank running on in the background (the process waits for it before
+it exits, untimed).
 ``BENCH_PROFILE_DIR=DIR`` writes each rank's cProfile of its prefetch there.
 
 Times are barrier to barrier (the maximum over ranks); peak RSS is per rank. Targets:

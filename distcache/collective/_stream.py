@@ -38,8 +38,6 @@ from distcache.comm._base import lend_broadcast
 from distcache.errors import PoolError
 
 MAGIC = b"DCB1"
-#: Payload bytes of a stream's first bucket (each next one doubles, to bucket_bytes).
-FIRST_BUCKET_BYTES = 1 << 20
 _ENTRY = struct.Struct("<Iq")
 _TRAILER = struct.Struct("<4sBI")
 _LAST = 1
@@ -131,22 +129,15 @@ def bucket_messages(
     one bucket plus one artifact). An artifact larger than ``bucket_bytes`` travels
     alone. Each payload is copied once, into the message being built, which the
     broadcast then sends in place.
-
-    The first bucket is small (:data:`FIRST_BUCKET_BYTES`) and each next one twice
-    the last, up to ``bucket_bytes``: receivers start publishing early, and what they
-    publish after the last bucket arrives is small, while a large move still travels
-    in full-sized buckets.
     """
     body = bytearray()
     table: list[tuple[int, int]] = []
-    limit = min(bucket_bytes, FIRST_BUCKET_BYTES)
     for index, data in items:
         size = 0 if data is None else len(data)
         stats.hold(len(body) + size)
-        if table and len(body) + size > limit:
+        if table and len(body) + size > bucket_bytes:
             yield _sealed(body, table, stats, last=False)
             body, table = bytearray(), []
-            limit = min(bucket_bytes, limit * 2)
         _append(body, table, index, data)
         del data
     yield _sealed(body, table, stats, last=True)
