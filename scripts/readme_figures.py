@@ -148,6 +148,29 @@ def family() -> str:
     return "\n".join(lines) + "\n"
 
 
+def downloads() -> str:
+    d = _load("bench_downloads.json")
+    sets = sorted({r["set"] for r in d["rows"]}, key=[r["set"] for r in d["rows"]].index)
+    caps = sorted({r["cap"] for r in d["rows"]})
+    cell = {(r["set"], r["cap"]): r for r in d["rows"]}
+    sizes = ", ".join(f"{s} {cell[s, caps[0]]['artifacts']:,} artifacts "
+                      f"({cell[s, caps[0]]['bytes'] / 1e6:.0f} MB)" for s in sets)
+    lines = [f"One process against a loopback origin with {d['latency_s'] * 1e3:.0f} ms per "
+             f"request and {d['bandwidth_Bps'] / 1e6:.0f} MB/s in all; {sizes}; the median "
+             f"of {d['reps']} runs per cell, in seconds, with the ratio to the floor at that "
+             "concurrency (ceil(K / cap) x latency + bytes / bandwidth).", "",
+             "| cap | requests/s at most | " + " | ".join(sets) + " |",
+             "|---:|---:|" + "---:|" * len(sets)]
+    for cap in caps:
+        row = " | ".join(f"{_s(cell[s, cap]['wall_s'])} ({cell[s, cap]['vs_floor']:.2f}x)"
+                         for s in sets)
+        lines.append(f"| {cap} | {cell[sets[0], cap]['peak_requests_per_s']:,.0f} | {row} |")
+    best = ", ".join(f"{s} {_s(v)} s" for s, v in d["best_s"].items())
+    lines += ["", f"Best: {best}. Smallest cap within {d['within']:g}x of the best on every "
+              f"set: **{d['chosen_cap']}**."]
+    return "\n".join(lines) + "\n"
+
+
 def ipc() -> str:
     d = _load("bench_ipc.json")
     t = d["targets"]
@@ -218,7 +241,7 @@ def soak() -> str:
 
 RENDERERS: dict[str, Callable[[], str]] = {
     "prefetch": prefetch, "scale": scale, "pool": pool, "family": family,
-    "ipc": ipc, "soak": soak}
+    "downloads": downloads, "ipc": ipc, "soak": soak}
 
 
 def render(name: str) -> str:

@@ -95,7 +95,7 @@ def main() -> int:
     parser.add_argument("--origin-rps", type=float, default=1000.0,
                         help="origin total requests/s before it queues or refuses")
     parser.add_argument("--bucket-bytes", type=float, default=64 << 20)
-    parser.add_argument("--downloads-per-job", type=int, default=64,
+    parser.add_argument("--downloads-per-job", type=int, default=32,
                         help="cap on concurrent downloads over the job (DISTCACHE_DOWNLOADS_PER_JOB)")
     parser.add_argument("--origin-connections", type=float, default=256.0,
                         help="concurrent connections the origin allows one client")

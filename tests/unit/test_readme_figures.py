@@ -22,6 +22,7 @@ BENCH = REPO / "docs" / "bench"
 WRITTEN_AS = {
     "bench_prefetch.json": "scripts/bench_prefetch.py",
     "bench_family.json": "scripts/bench_family.py",
+    "bench_downloads.json": "scripts/bench_downloads.py",
     "bench_pool.json": "scripts/bench_pool.py",
     "bench_ipc.json": "scripts/bench_ipc.py",
     "scale_model.json": "scripts/scale_model.py",
