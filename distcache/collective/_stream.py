@@ -16,8 +16,10 @@ Chunking of messages over 2 GiB is the communicator's job.
 
 Within an audience the sources take turns, one bucket each, and a receiver publishes
 (hashes and writes) each bucket on a thread while the next one arrives, so every rank
-is busy at once. Memory: the sender holds one bucket plus the artifact that did not
-fit; a receiver holds at most three buckets (arriving, queued, being published).
+is busy at once; a source builds its next bucket on a thread while the current one
+travels. Memory: the sender holds two buckets (one sent, the next built) plus the
+artifact that did not fit; a receiver holds at most three buckets (arriving, queued,
+being published).
 :class:`StreamStats` records the peak of what the protocol held.
 """
 
@@ -193,6 +195,60 @@ class _Publisher:
         self._thread.join()
 
 
+class _ReadAhead:
+    """A source's bucket messages, each built on a thread of its own while the one
+    before is broadcast and the peers' buckets arrive, so that reading from the pool
+    and filling the next message overlap the transfer instead of holding the peers
+    idle. At most one message waits, built, beside the one being sent."""
+
+    def __init__(self, messages: Iterator[bytearray]) -> None:
+        self._messages = messages
+        self._queue: queue.Queue[tuple[bytearray | None, BaseException | None]] = queue.Queue(1)
+        self._stop = threading.Event()
+        # Released when the protocol takes a message: one is built ahead, no more.
+        self._taken = threading.Semaphore(1)
+        self._thread = threading.Thread(target=self._run, name="distcache-read-ahead",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while self._turn():  # the message before was taken: build the next
+                message = next(self._messages, None)
+                if message is None or not self._offer((message, None)):
+                    return
+                del message
+        except BaseException as exc:  # handed to the protocol's thread, raised there
+            self._offer((None, exc))
+
+    def _turn(self) -> bool:
+        while not self._stop.is_set():
+            if self._taken.acquire(timeout=0.1):
+                return True
+        return False
+
+    def _offer(self, item: tuple[bytearray | None, BaseException | None]) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __next__(self) -> bytearray:
+        message, exc = self._queue.get()
+        self._taken.release()
+        if exc is not None:
+            raise exc
+        assert message is not None
+        return message
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 class _Store(Protocol):
     """The part of the pool that sources read from and receivers publish into."""
 
@@ -281,28 +337,41 @@ def _move(comm: Communicator, plan: Plan, pool: _Store, comms: list[Communicator
             # every rank receives while it publishes, instead of one source at a time
             # keeping the others idle. Every rank sees the same "last" flags, so all
             # take the same turns.
-            outgoing = {source: bucket_messages(read(indices), bucket_bytes=bucket_bytes,
-                                                stats=stats)
+            outgoing = {source: _ReadAhead(bucket_messages(read(indices),
+                                                           bucket_bytes=bucket_bytes,
+                                                           stats=stats))
                         for source, indices in audience.sends if source == comm.rank}
-            active = [source for source, _ in audience.sends]
-            while active:
-                for source in list(active):
-                    # The root lends its message and receivers own theirs: no copies.
-                    message: bytes | bytearray
-                    if source == comm.rank:
-                        message = next(outgoing[source])
-                        lend_broadcast(acomm, message, root_of[source], timeout=timeout)
-                    else:
-                        message = lend_broadcast(acomm, None, root_of[source], timeout=timeout)
-                        stats.hold(len(message))
-                    last, entries = decode_bucket(message)
-                    if last:
-                        active.remove(source)
-                    if source != comm.rank:
-                        publisher.submit(_wanted(entries, plan, mine, stats))
-                    del message, entries
+            try:
+                _take_turns(comm, audience.sends, acomm, root_of, outgoing, publisher, plan,
+                            mine, stats, timeout)
+            finally:
+                for ahead in outgoing.values():
+                    ahead.close()
     finally:
         publisher.close()
+
+
+def _take_turns(comm: Communicator, sends: Sequence[tuple[int, tuple[int, ...]]],
+                acomm: Communicator, root_of: dict[int, int], outgoing: dict[int, _ReadAhead],
+                publisher: _Publisher, plan: Plan, mine: str, stats: StreamStats,
+                timeout: float | None) -> None:
+    active = [source for source, _ in sends]
+    while active:
+        for source in list(active):
+            # The root lends its message and receivers own theirs: no copies.
+            message: bytes | bytearray
+            if source == comm.rank:
+                message = next(outgoing[source])
+                lend_broadcast(acomm, message, root_of[source], timeout=timeout)
+            else:
+                message = lend_broadcast(acomm, None, root_of[source], timeout=timeout)
+                stats.hold(len(message))
+            last, entries = decode_bucket(message)
+            if last:
+                active.remove(source)
+            if source != comm.rank:
+                publisher.submit(_wanted(entries, plan, mine, stats))
+            del message, entries
 
 
 def _wanted(entries: list[tuple[int, memoryview | None]], plan: Plan, mine: str,
