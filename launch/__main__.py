@@ -184,9 +184,8 @@ def _prefetch(
     its SHA-256 before it would download, so an unmodified engine then loads locally).
 
     The communicator comes from :func:`distcache.comm.adopt` and is distcache's own:
-    under MPI a duplicate of the world, freed before PROGRAM starts (this wrapper keeps
-    MPI initialised, as mpi4py finalizes it only at exit; PROGRAM is a separate process
-    and makes its own ``MPI_Init``); under torchrun or srun a private gloo group on the
+    under MPI a duplicate of the world, freed before PROGRAM starts, and MPI is
+    finalized here (PROGRAM is a separate process and makes its own ``MPI_Init``); under torchrun or srun a private gloo group on the
     launcher's rendezvous store (srun: a store rank 0 hosts one port above
     ``MASTER_PORT``), discarded before PROGRAM starts. torch.distributed's default
     group is never initialised here, so PROGRAM's ``init_process_group`` finds
@@ -206,6 +205,17 @@ def _prefetch(
         session.close()
     finally:
         adopted.close()
+        _finalize_mpi()
+
+
+def _finalize_mpi() -> None:
+    """Finalize MPI if the prefetch initialised it, before PROGRAM starts: PROGRAM's
+    ranks make their own ``MPI_Init`` under this rank's identity, and a wrapper still
+    holding its shared-memory endpoints could take a fragment meant for them (a crash
+    in ``MPI_Finalize`` at the wrapper's exit)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
 
 
 def _materialize_dir(option: str | None) -> Path | None:
