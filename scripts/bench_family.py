@@ -160,6 +160,7 @@ def worker(args: argparse.Namespace) -> None:
     comm.barrier()
     if profiler is not None:
         profiler.disable()
+        os.makedirs(profile_dir, exist_ok=True)
         profiler.dump_stats(os.path.join(profile_dir, f"rank{comm.rank}-{os.getpid()}.pstats"))
     wall = time.perf_counter() - start
     mine = {"wall_s": wall, "rank": comm.rank, "node": comm.node_id,
