@@ -130,8 +130,8 @@ class Run:
 
     @contextmanager
     def durable(self) -> Iterator[None]:
-        """One pool batch around the fetch and the move: what both publish is flushed
-        once, when the body ends, on a thread of its own (a rank never waits on a
+        """One pool batch around a prefetch's fetch and move (a sync's move): what they
+        publish is flushed once, when the body ends, on a thread of its own (a rank never waits on a
         ``syncfs`` that may be flushing other programs' writes too; every read is
         verified, so durability is not what makes an object correct)."""
         with self.pool.batch(wait=False):

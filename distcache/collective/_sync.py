@@ -118,7 +118,9 @@ def sync(
                     "sync: %d object(s) listed in a journal are in no pool any more", len(plan.lost)
                 )
         name_of = {sha: name for name, sha in sorted(labels.items(), reverse=True)}
-        with run.phase("move"):
+        # What the move publishes is flushed once, in the background, as a prefetch's
+        # is: a serving loop's safe point does not wait on a ``syncfs``.
+        with run.durable(), run.phase("move"):
             if plan.sends:
                 run.check(run.move(plan, pool_ids, name_of, conf.bucket_bytes))
         with run.phase("publish"):

@@ -676,6 +676,37 @@ def test_real_pools_sync_spreads_a_lazy_fetch(tmp_path: Path) -> None:
         assert pool.get(art.sha256) == data and pool.names() == {art.name: art.sha256}
 
 
+def test_sync_returns_before_the_flush_of_what_it_moved(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from distcache.store import _durability
+    from distcache.store._pool import ArtifactPool
+
+    started, release = threading.Event(), threading.Event()
+
+    def slow_sync(path: object) -> bool:
+        started.set()
+        assert release.wait(30)
+        return True
+
+    data = b"moved at a safe point" * 100
+    art = Artifact("cubins/moved.cubin", sha256_hex(data))
+    pools = [ArtifactPool(tmp_path / f"rank{r}") for r in range(2)]
+    pools[1].put(data, art.sha256)
+    pools[1].remember([art])
+    monkeypatch.setattr(_durability, "sync_filesystem", slow_sync)
+    group = ThreadGroup(2, timeout=20)
+    reports = ok(run_ranks(group, lambda r: sync(comm=group.comm(r), pool=pools[r])))
+    # Both ranks returned while the receiving pool's one flush was still running.
+    assert reports[0].objects_published == 1
+    assert started.wait(30)
+    flushers = [t for t in threading.enumerate() if t.name == "distcache-flush"]
+    assert len(flushers) == 1 and flushers[0].is_alive() and not flushers[0].daemon
+    assert pools[0].get(art.sha256) == data
+    release.set()
+    flushers[0].join(30)
+    assert not flushers[0].is_alive()
+
+
 # -- bytes go only to the pools that lack them -------------------------------------
 
 
