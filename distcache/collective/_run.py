@@ -131,7 +131,8 @@ class Run:
     @contextmanager
     def durable(self) -> Iterator[None]:
         """One pool batch around a prefetch's fetch and move (a sync's move): what they
-        publish is flushed once, when the body ends, on a thread of its own (a rank never waits on a
+        publish is written back every 64 MiB as it goes and flushed when the body
+        ends, on a thread of its own (a failed flush is logged, not raised) (a rank never waits on a
         ``syncfs`` that may be flushing other programs' writes too; every read is
         verified, so durability is not what makes an object correct)."""
         with self.pool.batch(wait=False):

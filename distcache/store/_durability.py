@@ -10,14 +10,22 @@ read quarantines and reports as a miss.
 
 Every :attr:`Durability.writeback_bytes` published inside a batch, a background
 ``syncfs`` starts writing them back, so that the disk works while the batch goes on
-(hashing, receiving) and the final flush finds little left. A background flush that
-fails is raised when the batch ends, like a failing final flush.
+(hashing, receiving) and the final flush finds little left. Each writeback keeps its
+own error, handed to whoever finishes that batch's flush: a failed writeback fails
+the flush of the batch it belonged to, and no other.
 
 A batch may also end without waiting for its flush (``batch(wait=False)``): a
-prefetch does, so that an engine's start-up never waits on a ``syncfs`` that may
-also be flushing other programs' writes on the same filesystem; the objects are
-published and verified when it returns, and only their survival of a power loss
-in the next moments depends on that flush.
+prefetch and a sync do, so that an engine's start-up or serving loop never waits on a
+``syncfs`` that may also be flushing other programs' writes on the same filesystem;
+the objects are published and verified when they return, and only their survival of
+a power loss in the next moments depends on that flush. It runs on one non-daemon
+thread per store, so the process waits for it before exiting; its failure is logged
+at ERROR, not raised. A batch nested in another of the same thread takes that one's
+``wait``. When batches of several threads overlap, the last to end flushes for all
+of them, and waits if any of them asked to.
+
+A child forked while a batch or a flush runs starts with none: its parent flushes
+what it published.
 """
 
 from __future__ import annotations
@@ -26,12 +34,29 @@ import contextlib
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Iterator
 
 from distcache.errors import PoolError
 from distcache.store._fs import fsync_dir, fsync_path, pool_error, sync_filesystem
 
 logger = logging.getLogger(__name__)
+
+
+class _Writeback(threading.Thread):
+    """A background ``syncfs`` of ``root`` that keeps its own error."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(name="distcache-writeback", daemon=True)
+        self.root = root
+        self.error: OSError | None = None
+
+    def run(self) -> None:
+        try:
+            sync_filesystem(self.root)
+        except OSError as exc:
+            logger.warning("background flush of %s failed: %s", self.root, exc)
+            self.error = exc
 
 
 class Durability:
@@ -42,17 +67,25 @@ class Durability:
 
     def __init__(self, root: str) -> None:
         self.root = root
+        self._reset()
+        _live.add(self)
+
+    def _reset(self) -> None:
+        """No batch open and nothing pending (at creation, and in a forked child)."""
         self._guard = threading.Lock()
-        # Batches open (any thread), what their publications left to flush, and the
-        # background flush with the bytes published since it last started.
+        # Per thread: the wait of the batch it has open (a nested one inherits it).
+        self._local = threading.local()
+        # Batches open (any thread), whether one of them asked to wait, what their
+        # publications left to flush, their writebacks (the last one may run) and
+        # the bytes published since it started.
         self._batches = 0
+        self._wait = False
         self._unsynced: list[str] = []
+        self._writebacks: list[_Writeback] = []
         self._unflushed_bytes = 0
-        self._writeback: threading.Thread | None = None
-        self._error: OSError | None = None
         # Flushes of batches that did not wait, and the one thread doing them.
         self._later: list[str] = []
-        self._later_writebacks: list[threading.Thread] = []
+        self._later_writebacks: list[_Writeback] = []
         self._flusher: threading.Thread | None = None
 
     @property
@@ -65,68 +98,82 @@ class Durability:
     def batch(self, *, wait: bool = True) -> Iterator[None]:
         """Defer the durability of publications until the outermost batch ends, then
         flush them together. Nested and concurrent batches (threads of one process)
-        share one flush, at the end of the last. With ``wait=False`` the outermost
-        batch ends at once and its flush runs on a thread of its own (the process
-        waits for it before exiting); a failure there is logged, not raised.
+        share one flush, at the end of the last, which waits for it if any of them
+        asked to; a batch nested in one of the same thread takes that one's ``wait``.
+        With ``wait=False`` (and no other thread's batch that waits) the
+        outermost batch ends at once and its flush runs on a thread of its own (the
+        process waits for it before exiting); a failure there is logged, not raised.
 
         Raises:
             PoolError: the flush failed (an I/O error): what was published may not
                 survive a power loss.
         """
+        outer: bool | None = getattr(self._local, "wait", None)
+        if outer is not None:
+            wait = outer
+        self._local.wait = wait
         with self._guard:
             self._batches += 1
+            self._wait = self._wait or wait
         try:
             yield
         finally:
+            self._local.wait = outer
             with self._guard:
                 self._batches -= 1
                 last = self._batches == 0
-                pending, writeback = (self._unsynced, self._writeback) if last else ([], None)
                 if last:
-                    self._unsynced, self._writeback, self._unflushed_bytes = [], None, 0
-            if last and wait:
-                self._finish(pending, writeback)
+                    pending, writebacks, waits = self._unsynced, self._writebacks, self._wait
+                    self._unsynced, self._writebacks = [], []
+                    self._unflushed_bytes, self._wait = 0, False
+            if last and waits:
+                self._finish(pending, writebacks)
             elif last and pending:
-                self._flush_later(pending, writeback)
+                self._flush_later(pending, writebacks)
 
-    def _finish(self, pending: list[str], writeback: threading.Thread | None) -> None:
-        if writeback is not None:
+    def _finish(self, pending: list[str], writebacks: list[_Writeback]) -> None:
+        for writeback in writebacks:
             writeback.join()
-        with self._guard:
-            early, self._error = self._error, None
+        early = next((w.error for w in writebacks if w.error is not None), None)
         if pending:
             self.flush(pending)
         if early is not None:
             raise pool_error("cannot flush published objects under", self.root, early)
 
-    def _flush_later(self, pending: list[str], writeback: threading.Thread | None) -> None:
+    def _flush_later(self, pending: list[str], writebacks: list[_Writeback]) -> None:
         """Hand a batch's flush to the background flusher, starting it if none runs:
         one flusher at a time, however many batches end meanwhile."""
         with self._guard:
             self._later.extend(pending)
-            if writeback is not None:
-                self._later_writebacks.append(writeback)
+            self._later_writebacks.extend(writebacks)
             if self._flusher is not None:
                 return
-            self._flusher = threading.Thread(target=self._flush_in_background,
-                                             name="distcache-flush")
-            self._flusher.start()
+            flusher = threading.Thread(target=self._flush_in_background,
+                                       name="distcache-flush")
+            flusher.start()  # raises (no thread left) before it is taken as running
+            self._flusher = flusher
 
     def _flush_in_background(self) -> None:
-        while True:
+        try:
+            while True:
+                with self._guard:
+                    pending, self._later = self._later, []
+                    writebacks, self._later_writebacks = self._later_writebacks, []
+                    if not pending:
+                        self._flusher = None
+                        return
+                try:
+                    self._finish(pending, writebacks)
+                except PoolError as exc:
+                    logger.error("%s; the objects stay verified on every read, so a torn "
+                                 "one is fetched again, but check the disk", exc)
+        except BaseException:
+            # Not a flush failure: a defect. Say so, and let the next batch start a
+            # flusher again rather than hand its flush to one that is gone.
+            logger.exception("the background flush of %s stopped", self.root)
             with self._guard:
-                pending, self._later = self._later, []
-                writebacks, self._later_writebacks = self._later_writebacks, []
-                if not pending:
-                    self._flusher = None
-                    return
-            for writeback in writebacks[:-1]:
-                writeback.join()
-            try:
-                self._finish(pending, writebacks[-1] if writebacks else None)
-            except PoolError as exc:
-                logger.error("%s; the objects stay verified on every read, so a torn one "
-                             "is fetched again, but check the disk", exc)
+                self._flusher = None
+            raise
 
     def published(self, path: str, size: int) -> bool:
         """Record the publication of ``path`` (``size`` bytes) in the open batch;
@@ -136,22 +183,14 @@ class Durability:
                 return False
             self._unsynced.append(path)
             self._unflushed_bytes += size
-            running = self._writeback is not None and self._writeback.is_alive()
+            running = bool(self._writebacks) and self._writebacks[-1].is_alive()
             if self._unflushed_bytes < self.writeback_bytes or running:
                 return True
             self._unflushed_bytes = 0
-            self._writeback = threading.Thread(target=self._write_back,
-                                               name="distcache-writeback", daemon=True)
-            self._writeback.start()
+            writeback = _Writeback(self.root)
+            writeback.start()
+            self._writebacks.append(writeback)
         return True
-
-    def _write_back(self) -> None:
-        try:
-            sync_filesystem(self.root)
-        except OSError as exc:
-            logger.warning("background flush of %s failed: %s", self.root, exc)
-            with self._guard:
-                self._error = self._error or exc
 
     def flush(self, paths: list[str]) -> None:
         """Make ``paths`` (published objects) and their directories durable.
@@ -171,3 +210,16 @@ class Durability:
                 fsync_dir(directory)
         except OSError as exc:
             raise pool_error("cannot flush published objects under", self.root, exc) from exc
+
+
+#: Every store's durability in this process, reset in a forked child (its threads
+#: and open batches stayed in the parent, which flushes what it published).
+_live: weakref.WeakSet[Durability] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for durability in list(_live):
+        durability._reset()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

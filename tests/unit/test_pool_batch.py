@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -201,3 +203,133 @@ def test_a_batch_that_does_not_wait_logs_a_failed_flush(
     assert pool.get(sha) == b"kept and readable"
     assert any("cannot flush" in r.getMessage() and r.levelname == "ERROR"
                for r in caplog.records)
+
+
+def _threads(name: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == name]
+
+
+def test_a_failed_writeback_fails_its_own_batch_not_a_flush_in_the_background(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    monkeypatch.setattr(_durability.Durability, "writeback_bytes", 1)
+    calls: list[int] = []
+    release, failed = threading.Event(), threading.Event()
+
+    def sync(path: str | os.PathLike[str]) -> bool:
+        calls.append(1)
+        if len(calls) == 1:  # batch A's writeback: held until B's has failed
+            assert release.wait(30)
+        elif len(calls) == 2:  # batch B's writeback
+            failed.set()
+            raise OSError(5, "Input/output error", str(path))
+        return True
+
+    monkeypatch.setattr(_durability, "sync_filesystem", sync)
+    with pool.batch(wait=False):  # A: its flush goes to the background flusher
+        pool.put(b"published by A")
+    [flusher] = _threads("distcache-flush")
+    with pytest.raises(PoolError, match="cannot flush"), pool.batch():  # B
+        pool.put(b"published by B")
+        assert failed.wait(30)
+        for writeback in _threads("distcache-writeback"):
+            if writeback.is_alive() and len(calls) >= 2:
+                writeback.join(0.5)  # B's, which failed; A's is still held
+        # A's flush finishes now, after B's writeback failed but before B ends.
+        release.set()
+        flusher.join(30)
+        assert not flusher.is_alive()
+    # B's failure was B's to raise; A's flush had none and logged none.
+    assert not any(r.levelname == "ERROR" for r in caplog.records)
+
+
+def test_overlapping_batches_wait_for_their_flush_when_one_asked_to(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    flushed_by: list[str] = []
+
+    def sync(path: str | os.PathLike[str]) -> bool:
+        flushed_by.append(threading.current_thread().name)
+        return True
+
+    monkeypatch.setattr(_durability, "sync_filesystem", sync)
+    opened, close = threading.Event(), threading.Event()
+
+    def waiting_batch() -> None:  # another thread's batch that asks to wait
+        with pool.batch():
+            opened.set()
+            assert close.wait(30)
+
+    other = threading.Thread(target=waiting_batch, name="other")
+    with pool.batch(wait=False):
+        other.start()
+        assert opened.wait(30)
+        sha = pool.put(b"kept durable before the last batch returns")
+        close.set()
+        other.join(30)
+    # The batch that did not ask to wait ended last, so it flushed for both, here.
+    assert flushed_by == [threading.current_thread().name]
+    assert not [t for t in _threads("distcache-flush") if t.is_alive()]
+    assert pool.get(sha) == b"kept durable before the last batch returns"
+
+
+def test_a_batch_nested_in_one_that_does_not_wait_does_not_wait_either(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    started, release = threading.Event(), threading.Event()
+
+    def slow_sync(path: str | os.PathLike[str]) -> bool:
+        started.set()
+        assert release.wait(30)
+        return True
+
+    monkeypatch.setattr(_durability, "sync_filesystem", slow_sync)
+    with pool.batch(wait=False), pool.batch():  # what a prefetch's steps open inside it
+        pool.put(b"flushed in the background")
+    assert started.wait(30)
+    [flusher] = _threads("distcache-flush")
+    release.set()
+    flusher.join(30)
+    assert not flusher.is_alive()
+
+
+def test_a_child_forked_during_a_background_flush_flushes_its_own_batches(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    release = threading.Event()
+    parent = os.getpid()
+
+    def sync(path: str | os.PathLike[str]) -> bool:
+        if os.getpid() == parent:
+            assert release.wait(30)  # the parent's flush is still running at the fork
+        return True
+
+    monkeypatch.setattr(_durability, "sync_filesystem", sync)
+    with pool.batch(wait=False):
+        pool.put(b"the parent's object")
+    [flusher] = _threads("distcache-flush")
+    pid = os.fork()
+    if pid == 0:  # the child: no flusher of its parent's, so its own batch starts one
+        code = 1
+        try:
+            with pool.batch(wait=False):
+                pool.put(b"the child's object")
+            mine = _threads("distcache-flush")
+            if len(mine) == 1:
+                mine[0].join(30)
+                code = 0 if not mine[0].is_alive() else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    done, status = os.waitpid(pid, os.WNOHANG)
+    while done == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        done, status = os.waitpid(pid, os.WNOHANG)
+    if done == 0:  # the child is stuck on state it inherited: fail, do not hang
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    release.set()
+    flusher.join(30)
+    assert done != 0, "the forked child did not finish its batch within 30 s"
+    assert os.waitstatus_to_exitcode(status) == 0
