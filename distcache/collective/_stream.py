@@ -53,7 +53,9 @@ class StreamStats:
     broadcasts: int = 0
     #: Bytes of those messages (payloads and tables).
     bytes_sent: int = 0
-    #: Largest number of artifact bytes this rank held at once for a transfer.
+    #: Largest number of bytes this rank held at once for a transfer: as a source,
+    #: the bucket in flight, the one being built and the artifact that did not fit;
+    #: as a receiver, the buckets arrived and not yet published (the larger of the two).
     peak_bytes: int = 0
     #: Objects this rank published into its pool from received buckets.
     published: int = 0
@@ -62,8 +64,13 @@ class StreamStats:
     #: Of those, bytes of objects its pool already held, thrown away.
     discarded_bytes: int = 0
 
+    def __post_init__(self) -> None:
+        # The read-ahead thread and the protocol's thread both record what they hold.
+        self._guard = threading.Lock()
+
     def hold(self, nbytes: int) -> None:
-        self.peak_bytes = max(self.peak_bytes, nbytes)
+        with self._guard:
+            self.peak_bytes = max(self.peak_bytes, nbytes)
 
 
 def encode_bucket(items: Iterable[tuple[int, bytes | None]], *, last: bool) -> bytearray:
@@ -134,11 +141,15 @@ def bucket_messages(
     """
     body = bytearray()
     table: list[tuple[int, int]] = []
+    sealed = 0  # the message yielded last, which may still be in flight
     for index, data in items:
         size = 0 if data is None else len(data)
-        stats.hold(len(body) + size)
+        stats.hold(sealed + len(body) + size)
         if table and len(body) + size > bucket_bytes:
-            yield _sealed(body, table, stats, last=False)
+            message = _sealed(body, table, stats, last=False)
+            sealed = len(message)
+            yield message
+            del message
             body, table = bytearray(), []
         _append(body, table, index, data)
         del data
@@ -167,17 +178,35 @@ class _Publisher:
         self._objects = objects
         self._stats = stats
         self._failed = failed
-        self._queue: queue.Queue[list[tuple[int, memoryview]] | None] = queue.Queue(1)
+        self._queue: queue.Queue[tuple[list[tuple[int, memoryview]], int] | None] = (
+            queue.Queue(1))
+        # Bytes of received buckets not yet published (their views keep them alive).
+        self._held = 0
+        self._guard = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="distcache-publish",
                                         daemon=True)
         self._thread.start()
 
-    def submit(self, entries: list[tuple[int, memoryview]]) -> None:
+    def arrived(self, nbytes: int) -> None:
+        """A bucket of ``nbytes`` was received: held until :meth:`submit` lets it go."""
+        with self._guard:
+            self._held += nbytes
+            self._stats.hold(self._held)
+
+    def submit(self, entries: list[tuple[int, memoryview]], nbytes: int) -> None:
+        """Publish ``entries``, views into the bucket of ``nbytes`` that arrived."""
         if entries:
-            self._queue.put(entries)
+            self._queue.put((entries, nbytes))
+        else:
+            self._release(nbytes)
+
+    def _release(self, nbytes: int) -> None:
+        with self._guard:
+            self._held -= nbytes
 
     def _run(self) -> None:
-        while (entries := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            entries, nbytes = item
             for index, view in entries:
                 if self._failed:
                     break
@@ -188,7 +217,8 @@ class _Publisher:
                         self._on_done(len(view))
                 except Exception as exc:
                     self._failed.append((index, exc))
-            del entries
+            del entries, item
+            self._release(nbytes)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -311,7 +341,8 @@ def move_objects(
 
     comms = split_audiences(wcomm, comm.rank, writers, plan.audiences)
     try:
-        # What the receivers publish is made durable once, when the move ends.
+        # What the receivers publish is flushed once: with the batch of the prefetch or
+        # sync around this move (in the background), else when the move ends.
         with pool.batch():
             _move(comm, plan, pool, comms, read, mine, bucket_bytes, stats, timeout, failed,
                   on_done)
@@ -365,12 +396,12 @@ def _take_turns(comm: Communicator, sends: Sequence[tuple[int, tuple[int, ...]]]
                 lend_broadcast(acomm, message, root_of[source], timeout=timeout)
             else:
                 message = lend_broadcast(acomm, None, root_of[source], timeout=timeout)
-                stats.hold(len(message))
+                publisher.arrived(len(message))
             last, entries = decode_bucket(message)
             if last:
                 active.remove(source)
             if source != comm.rank:
-                publisher.submit(_wanted(entries, plan, mine, stats))
+                publisher.submit(_wanted(entries, plan, mine, stats), len(message))
             del message, entries
 
 

@@ -225,6 +225,21 @@ class TorchCommunicator(BackendCommunicator):
     def _buffer_bytes(self, buffer: torch.Tensor) -> bytes:
         return self._to_bytes(buffer)
 
+    def _lent_buffer(self, data: bytes | bytearray | None, total: int) -> torch.Tensor:
+        # The root's bytearray is sent in place on the CPU (the tensor keeps it alive
+        # for as long as the transport may read it); a device gets its one copy.
+        if data is None or not isinstance(data, bytearray) or len(data) == 0:
+            return self._payload_buffer(None if data is None else bytes(data), total)
+        tensor = self._torch.frombuffer(data, dtype=self._torch.uint8)
+        return tensor.to(self._device) if self._device.type != "cpu" else tensor
+
+    def _owned_buffer(self, buffer: torch.Tensor) -> bytearray:
+        # One copy out of the tensor, kept as the receiver's own buffer.
+        host = bytearray(buffer.numel())
+        if host:
+            self._torch.frombuffer(host, dtype=self._torch.uint8).copy_(buffer)
+        return host
+
     def _allgather_lengths(self, length: int, budget: Budget) -> list[int]:
         torch = self._torch
         mine = torch.tensor([length], dtype=torch.int64, device=self._device)

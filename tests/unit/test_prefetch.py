@@ -344,7 +344,7 @@ def test_many_small_artifacts_travel_in_few_broadcasts() -> None:
     assert group.calls == [3 + 1 + 1 + 4 + 1] * 4
 
 
-def test_memory_in_flight_is_bounded_by_one_bucket_plus_the_largest_artifact() -> None:
+def test_memory_in_flight_is_bounded_by_a_few_buckets() -> None:
     arts, blobs = make_blobs(60, low=1000, high=20_000, seed=3)
     origin = FakeOrigin(blobs)
     pools, stores = make_pools(4, lambda r: f"rank{r}")
@@ -361,7 +361,12 @@ def test_memory_in_flight_is_bounded_by_one_bucket_plus_the_largest_artifact() -
     largest = max(map(len, blobs.values()))
     overhead = 16 * len(arts) + 16  # bucket tables and trailer
     report = reports[0]
-    assert 0 < report.peak_bytes <= bucket + largest + overhead
+    # A source holds the bucket in flight, the next one it builds and the artifact
+    # that did not fit (2 x bucket + largest); a receiver at most three buckets (one
+    # arriving, one queued, one being published). Every artifact here is smaller than
+    # a bucket, so no message exceeds bucket + its table.
+    assert largest < bucket
+    assert bucket < report.peak_bytes <= 3 * bucket + overhead
     assert report.broadcasts >= sum(map(len, blobs.values())) // (bucket + largest)
     assert all(s.objects == blobs for s in stores.values())
 
