@@ -59,7 +59,9 @@ def prefetch() -> str:
              f"{cfg['injected_latency_s'] * 1e3:g} ms per request, "
              f"{cfg['bandwidth_cap_Bps'] / 1e6:g} MB/s origin cap, "
              f"{cfg['downloads_per_rank']} downloads per rank; "
-             f"floor = ceil(K / concurrent downloads) x latency + bytes / bandwidth.", "",
+             f"floor = ceil(K / concurrent downloads) x latency + bytes / bandwidth."
+             + (f" Each cell is the run with the median wall time of {cfg['repeat']}."
+                if cfg.get("repeat", 1) > 1 else ""), "",
              f"| strategy | origin requests (N = {axis}) | wall s (N = {axis}) | "
              f"x floor (N = {axis}) |", "|---|---:|---:|---:|"]
     for strategy, label in labels.items():
