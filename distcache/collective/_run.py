@@ -23,11 +23,12 @@ from typing import Any, Protocol, TypeVar
 
 from distcache._events import emit
 from distcache.artifact import Artifact
+from distcache.collective._bucket import StreamStats
 from distcache.collective._download import Origin, download_objects
 from distcache.collective._plan import Plan, decode_bitmap, elect_writers, encode_bitmap
 from distcache.collective._progress import Progress
 from distcache.collective._report import PHASES, PrefetchReport
-from distcache.collective._stream import StreamStats, move_objects
+from distcache.collective._stream import move_objects
 from distcache.comm import Communicator
 from distcache.errors import CommError, PrefetchError
 

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 
 from distcache.collective._audience import Audience
+from distcache.collective._bucket import decode_bucket, encode_bucket
 from distcache.collective._plan import (
     decode_bitmap,
     elect_writers,
@@ -14,7 +15,6 @@ from distcache.collective._plan import (
     make_plan,
     node_interleaved,
 )
-from distcache.collective._stream import decode_bucket, encode_bucket
 
 SHAS = [f"{i:064x}" for i in range(40)]
 

@@ -162,10 +162,9 @@ def test_a_failed_background_flush_fails_the_batch(
         pool.put(b"another object")
 
 
-def test_a_prefetch_flushes_its_downloads_once_without_waiting_for_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    arts = _mirror(tmp_path, _blobs(10))
-    pool = ArtifactPool(tmp_path / "pool")
+def _hold_flushes(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Make every ``syncfs`` wait until the second event is set; the first is set
+    when one started."""
     started, release = threading.Event(), threading.Event()
 
     def slow_sync(path: str | os.PathLike[str]) -> bool:
@@ -174,6 +173,14 @@ def test_a_prefetch_flushes_its_downloads_once_without_waiting_for_it(
         return True
 
     monkeypatch.setattr(_durability, "sync_filesystem", slow_sync)
+    return started, release
+
+
+def test_a_prefetch_flushes_its_downloads_once_without_waiting_for_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    arts = _mirror(tmp_path, _blobs(10))
+    pool = ArtifactPool(tmp_path / "pool")
+    started, release = _hold_flushes(monkeypatch)
     report = prefetch(arts, comm=LocalCommunicator(), pool=pool,
                       origin=DirOrigin(tmp_path / "mirror"))
     # It returned while its one flush was still running, every object readable.
@@ -277,14 +284,7 @@ def test_overlapping_batches_wait_for_their_flush_when_one_asked_to(
 def test_a_batch_nested_in_one_that_does_not_wait_does_not_wait_either(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pool = ArtifactPool(tmp_path / "pool")
-    started, release = threading.Event(), threading.Event()
-
-    def slow_sync(path: str | os.PathLike[str]) -> bool:
-        started.set()
-        assert release.wait(30)
-        return True
-
-    monkeypatch.setattr(_durability, "sync_filesystem", slow_sync)
+    started, release = _hold_flushes(monkeypatch)
     with pool.batch(wait=False), pool.batch():  # what a prefetch's steps open inside it
         pool.put(b"flushed in the background")
     assert started.wait(30)

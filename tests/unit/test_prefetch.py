@@ -19,9 +19,9 @@ import pytest
 
 from distcache.artifact import Artifact, sha256_hex, verify_bytes
 from distcache.collective import PHASES, PrefetchReport, SyncState, prefetch, sync
+from distcache.collective._bucket import decode_bucket
 from distcache.collective._download import download_objects
 from distcache.collective._plan import make_plan
-from distcache.collective._stream import decode_bucket
 from distcache.comm import LocalCommunicator, ThreadGroup
 from distcache.comm._base import Communicator
 from distcache.errors import (
