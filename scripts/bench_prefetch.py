@@ -457,6 +457,15 @@ def driver(args: argparse.Namespace) -> None:
             bcast, _ = launch(2, BCAST, common, work / "bcast", work / "bcast.json")
             measured.update(bcast)
 
+            def one_run(n: int, strategy: str, argv: list[str], concurrent: int,
+                        run_dir: Path, result: Path | None = None) -> dict[str, Any]:
+                """One mpirun of ``strategy`` on ``n`` ranks, as a row with its floor."""
+                server.reset()
+                ranks, launch_s = launch(n, strategy, argv, run_dir,
+                                         (result or run_dir).with_suffix(".json"))
+                row = summarize(strategy, n, ranks, server.stats(), launch_s)
+                return with_floor(row, concurrent, args, total_bytes)
+
             def with_threads(threads: int) -> list[str]:
                 return ["--mirror", str(mirror), "--url", server.url,
                         "--downloads-per-rank", str(threads)]
@@ -465,14 +474,9 @@ def driver(args: argparse.Namespace) -> None:
             # total concurrency of each N (the fair comparison for N ranks).
             for threads in sorted({FLASHINFER_THREADS,
                                    *(n * args.downloads_per_rank for n in ranks_axis)}):
-                runs = []
-                for rep in range(args.repeat):
-                    server.reset()
-                    ranks, launch_s = launch(1, BASELINE, with_threads(threads),
-                                             work / f"baseline{threads}-{rep}",
-                                             work / f"baseline{threads}-{rep}.json")
-                    row = summarize(BASELINE, 1, ranks, server.stats(), launch_s)
-                    runs.append(with_floor(row, threads, args, total_bytes))
+                runs = [one_run(1, BASELINE, with_threads(threads), threads,
+                                work / f"baseline{threads}-{rep}")
+                        for rep in range(args.repeat)]
                 baselines[threads] = median_run(runs)
                 print_row(baselines[threads], header=len(baselines) == 1)
             # Each repetition runs every strategy in order on fresh directories (warm
@@ -484,12 +488,9 @@ def driver(args: argparse.Namespace) -> None:
                     for strategy in strategies:
                         if strategy in TWO_NODES and n < 2:
                             continue
-                        server.reset()
-                        ranks, launch_s = launch(n, strategy, common, run_dir,
-                                                 work / f"n{n}-{rep}-{strategy}.json")
-                        row = summarize(strategy, n, ranks, server.stats(), launch_s)
                         cells.setdefault((n, strategy), []).append(
-                            with_floor(row, n * args.downloads_per_rank, args, total_bytes))
+                            one_run(n, strategy, common, n * args.downloads_per_rank,
+                                    run_dir, work / f"n{n}-{rep}-{strategy}"))
                 for strategy in strategies:
                     if (n, strategy) in cells:
                         rows.append(median_run(cells[n, strategy]))

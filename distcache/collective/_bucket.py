@@ -117,7 +117,8 @@ def bucket_messages(
     flagged (at least one, possibly empty, so receivers stay in step).
 
     ``items`` is consumed lazily (a generator reading from the pool keeps memory at
-    one bucket plus one artifact). An artifact larger than ``bucket_bytes`` travels
+    the bucket being built and one artifact, beside the message yielded before while
+    it travels). An artifact larger than ``bucket_bytes`` travels
     alone. Each payload is copied once, into the message being built, which the
     broadcast then sends in place.
     """

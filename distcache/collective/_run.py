@@ -133,9 +133,9 @@ class Run:
     def durable(self) -> Iterator[None]:
         """One pool batch around a prefetch's fetch and move (a sync's move): what they
         publish is written back every 64 MiB as it goes and flushed when the body
-        ends, on a thread of its own (a failed flush is logged, not raised) (a rank never waits on a
-        ``syncfs`` that may be flushing other programs' writes too; every read is
-        verified, so durability is not what makes an object correct)."""
+        ends, on a thread of its own, whose failure is logged, not raised. A rank never
+        waits on a ``syncfs`` that may be flushing other programs' writes too; every
+        read is verified, so durability is not what makes an object correct."""
         with self.pool.batch(wait=False):
             yield
 

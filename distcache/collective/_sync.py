@@ -118,8 +118,7 @@ def sync(
                     "sync: %d object(s) listed in a journal are in no pool any more", len(plan.lost)
                 )
         name_of = {sha: name for name, sha in sorted(labels.items(), reverse=True)}
-        # What the move publishes is flushed once, in the background, as a prefetch's
-        # is: a serving loop's safe point does not wait on a ``syncfs``.
+        # A serving loop's safe point does not wait on the flush (see Run.durable).
         with run.durable(), run.phase("move"):
             if plan.sends:
                 run.check(run.move(plan, pool_ids, name_of, conf.bucket_bytes))

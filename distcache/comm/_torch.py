@@ -186,19 +186,25 @@ class TorchCommunicator(BackendCommunicator):
             raise RuntimeError(f"collective timed out after {wait:g} s (polled)")
         work.wait()
 
-    def _bytes_tensor(self, data: bytes | bytearray) -> torch.Tensor:
+    def _bytes_tensor(self, data: bytes | bytearray, *, lend: bool = False) -> torch.Tensor:
+        """``data`` as a uint8 tensor on this group's device; with ``lend``, a
+        bytearray is used in place on the CPU (the tensor keeps it alive)."""
         torch = self._torch
         if len(data) == 0:
             return torch.empty(0, dtype=torch.uint8, device=self._device)
-        tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buffer = data if lend and isinstance(data, bytearray) else bytearray(data)
+        tensor = torch.frombuffer(buffer, dtype=torch.uint8)
         return tensor.to(self._device) if self._device.type != "cpu" else tensor
 
-    def _to_bytes(self, tensor: torch.Tensor) -> bytes:
-        if tensor.numel() == 0:
-            return b""
+    def _to_host(self, tensor: torch.Tensor) -> bytearray:
+        """One copy of ``tensor`` into a bytearray of its own."""
         host = bytearray(tensor.numel())
-        self._torch.frombuffer(host, dtype=self._torch.uint8).copy_(tensor)
-        return bytes(host)
+        if host:
+            self._torch.frombuffer(host, dtype=self._torch.uint8).copy_(tensor)
+        return host
+
+    def _to_bytes(self, tensor: torch.Tensor) -> bytes:
+        return bytes(self._to_host(tensor))
 
     def _global(self, rank: int) -> int:
         return int(self._dist.get_global_rank(self._group, rank))
@@ -226,19 +232,13 @@ class TorchCommunicator(BackendCommunicator):
         return self._to_bytes(buffer)
 
     def _lent_buffer(self, data: bytes | bytearray | None, total: int) -> torch.Tensor:
-        # The root's bytearray is sent in place on the CPU (the tensor keeps it alive
-        # for as long as the transport may read it); a device gets its one copy.
-        if data is None or not isinstance(data, bytearray) or len(data) == 0:
-            return self._payload_buffer(None if data is None else bytes(data), total)
-        tensor = self._torch.frombuffer(data, dtype=self._torch.uint8)
-        return tensor.to(self._device) if self._device.type != "cpu" else tensor
+        # The root's bytearray is sent in place on the CPU; a device gets its one copy.
+        if data is None:
+            return self._payload_buffer(None, total)
+        return self._bytes_tensor(data, lend=True)
 
     def _owned_buffer(self, buffer: torch.Tensor) -> bytearray:
-        # One copy out of the tensor, kept as the receiver's own buffer.
-        host = bytearray(buffer.numel())
-        if host:
-            self._torch.frombuffer(host, dtype=self._torch.uint8).copy_(buffer)
-        return host
+        return self._to_host(buffer)
 
     def _allgather_lengths(self, length: int, budget: Budget) -> list[int]:
         torch = self._torch
