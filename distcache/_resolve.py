@@ -7,6 +7,13 @@ defaults. :func:`prefetch_manifests` is the one start-up prefetch: manifests eve
 rank passes alike, plus what each rank's integrations want (usage records differ per
 rank, so those are united across ranks first), merged by
 :func:`distcache.artifact.merge_manifests` and fetched once per job.
+
+What some pool of the job holds needs no origin: without one (or with
+``DISTCACHE_OFFLINE=1``) the pools' writers first report what they hold, and only an
+artifact that no pool holds is an error, one per job, raised alike on every rank, that
+names what is missing, where, and the command that fetches it
+(:func:`missing_error`). What some pools hold and others lack moves between them as
+usual; the origin is never asked.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import os
 import zlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 from distcache.artifact import (
     Artifact,
@@ -28,8 +35,8 @@ from distcache.artifact import (
 from distcache.collective import PrefetchReport
 from distcache.collective import prefetch as collective_prefetch
 from distcache.comm import Communicator, agree_on_error
-from distcache.config import Settings
-from distcache.errors import ConfigError, DistcacheError, PoolError
+from distcache.config import Settings, settings
+from distcache.errors import ConfigError, DistcacheError, OriginError, PoolError
 from distcache.origins import Origin, open_origin
 from distcache.store import ArtifactPool, PoolLayout
 
@@ -38,6 +45,9 @@ if TYPE_CHECKING:
 
 #: A ``sha256sum``-format file, or a list of artifacts.
 ManifestSpec = str | os.PathLike[str] | Sequence[Artifact]
+
+#: Names a missing-artifact error lists before "and N more".
+_SHOWN_NAMES = 5
 
 
 def resolve_pool(
@@ -95,16 +105,20 @@ def prefetch_manifests(
     manifests: Sequence[ManifestSpec] = (),
     integrations: Sequence[Integration] = (),
     timeout: float | None = None,
+    offline: bool | None = None,
 ) -> PrefetchReport | None:
     """Collective: every artifact of ``manifests`` (the same on every rank) and of any
     rank's ``integrations`` reaches every pool, each fetched from ``origin`` once.
 
     Returns ``None`` (on every rank alike) when there is nothing to prefetch. Nothing
-    collective runs when neither manifests nor integrations are given.
+    collective runs when neither manifests nor integrations are given. Without an
+    origin, or ``offline`` (default ``DISTCACHE_OFFLINE``), nothing is downloaded:
+    what some pool holds reaches the others, and an artifact no pool holds is an error.
 
     Raises:
         ConfigError: ``manifests`` is a single path, a manifest cannot be read, or
-            there is something to fetch and no origin (on every rank).
+            some artifact is in no pool and there is no origin or downloads are off
+            (on every rank; :func:`missing_error`).
         ManifestError: a malformed manifest or record, or one name with two digests
             (on every rank).
         ManifestMismatchError: ranks passed different manifests (on every rank).
@@ -140,13 +154,106 @@ def prefetch_manifests(
             agree_on_error(comm, error, timeout=timeout)
     if not artifacts:
         return None
-    if origin is None:
-        raise ConfigError(
-            f"{len(artifacts)} artifact(s) to prefetch but no origin: pass origin=... or "
-            "set DISTCACHE_ORIGIN",
-            variable="DISTCACHE_ORIGIN", value=None,
-        )
+    if offline is None:
+        offline = settings().offline
+    if origin is None or offline:
+        held, where = held_anywhere(comm, pool, artifacts, timeout=timeout)
+        missing = [a for a, found in zip(artifacts, held, strict=True) if not found]
+        if missing:
+            files = [s for s in manifests if isinstance(s, str | os.PathLike)]
+            raise missing_error(missing, offline=offline, where=where, manifests=files)
+        origin = NoOrigin(offline)
     return collective_prefetch(artifacts, comm=comm, pool=pool, origin=origin, timeout=timeout)
+
+
+class NoOrigin:
+    """The origin of a prefetch whose every artifact some pool holds: the collective
+    moves what pools lack from the pools that hold it and never asks this. An object
+    removed from its pool between the check and the collective's own discovery
+    makes it fail here, not a request."""
+
+    def __init__(self, offline: bool) -> None:
+        self._why = "DISTCACHE_OFFLINE=1 forbids downloads" if offline else "no origin is set"
+
+    def describe(self) -> str:
+        return "no origin"
+
+    def fetch(self, artifact: Artifact) -> bytes:
+        raise OriginError(
+            f"{artifact.name} left every pool during the prefetch and {self._why}; "
+            "run the prefetch again", name=artifact.name)
+
+    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
+        return len(self.fetch(artifact))
+
+
+def held_anywhere(comm: Communicator, pool: ArtifactPool, artifacts: Sequence[Artifact], *,
+                  timeout: float | None = None) -> tuple[list[bool], list[str]]:
+    """Collective: per artifact, whether some rank's pool holds it, and one
+    ``"pool ID at ROOT on HOST (ranks ...)"`` per pool (the same on every rank). Each
+    pool is read once, by the lowest rank that uses it.
+
+    Raises:
+        PoolError: a pool could not be read (on every rank alike).
+        CollectiveTimeout: not every rank arrived in time.
+    """
+    seen = [tuple(s) for s in comm.allgather_object(
+        (pool.pool_id, str(pool.root), comm.node_id), timeout=timeout)]
+    ranks: dict[tuple[str, ...], list[int]] = {}
+    for rank, key in enumerate(seen):
+        ranks.setdefault(key, []).append(rank)
+    bitmap: bytes | None = None
+    failure: str | None = None
+    if next(r for r, s in enumerate(seen) if s[0] == pool.pool_id) == comm.rank:
+        try:
+            flags = bytearray((len(artifacts) + 7) // 8)
+            for i, artifact in enumerate(artifacts):
+                if pool.has(artifact.sha256):
+                    flags[i >> 3] |= 1 << (i & 7)
+            bitmap = bytes(flags)
+        except (DistcacheError, OSError) as exc:
+            failure = f"rank {comm.rank} ({comm.node_id}): {type(exc).__name__}: {exc}"
+    gathered = comm.allgather_object((bitmap, failure), timeout=timeout)
+    failed = next((f for _, f in gathered if f is not None), None)
+    if failed is not None:
+        raise PoolError(f"cannot tell what the pools hold: {failed}", path=None)
+    maps = [b for b, _ in gathered if b is not None]
+    held = [any(m[i >> 3] & (1 << (i & 7)) for m in maps) for i in range(len(artifacts))]
+    where = [f"pool {pid} at {root} on {host} (rank{'s' if len(r) > 1 else ''} "
+             f"{', '.join(map(str, r))})" for (pid, root, host), r in ranks.items()]
+    return held, where
+
+
+def missing_error(
+    missing: Sequence[Artifact],
+    *,
+    offline: bool,
+    where: Sequence[str],
+    manifests: Sequence[str | os.PathLike[str]] = (),
+) -> ConfigError:
+    """The one error for artifacts that are in no pool when nothing may be downloaded:
+    how many, the first names, the pools that lack them, and the command that fetches
+    them. Built from data every rank holds alike, so every rank raises the same text."""
+    names = ", ".join(a.name for a in missing[:_SHOWN_NAMES])
+    more = f" and {len(missing) - _SHOWN_NAMES} more" if len(missing) > _SHOWN_NAMES else ""
+    manifest = " ".join(f"--manifest {os.fspath(m)}" for m in manifests[:1]) or (
+        "--manifest need.txt (the names and digests, in sha256sum format)")
+    fetch = f"distcache fetch {manifest} --origin URL"
+    if offline:
+        why = "DISTCACHE_OFFLINE=1 forbids downloads"
+        todo = (f"on a machine that reaches an origin run '{fetch}' and 'distcache pool "
+                "export', then 'distcache pool import' here; or unset DISTCACHE_OFFLINE")
+        variable, value = "DISTCACHE_OFFLINE", "1"
+    else:
+        why = "no origin is set"
+        todo = (f"run '{fetch}', or set DISTCACHE_ORIGIN=URL (origin=... in "
+                "distcache.init, --origin URL on the command line)")
+        variable, value = "DISTCACHE_ORIGIN", None
+    return ConfigError(
+        f"{len(missing)} artifact(s) are in no pool and {why}: {names}{more}; "
+        f"lacking from {'; '.join(where) or 'the pool'}; {todo}",
+        variable=variable, value=value,
+    )
 
 
 def _read(spec: ManifestSpec, index: int) -> tuple[str, list[Artifact]]:

@@ -224,8 +224,10 @@ def init(
         The process's session; a second call returns the same one.
 
     Raises:
-        ConfigError: a bad argument or ``DISTCACHE_*`` value, or artifacts to
-            prefetch without an origin.
+        ConfigError: a bad argument or ``DISTCACHE_*`` value, or artifacts that no
+            pool of the job holds while there is no origin or ``DISTCACHE_OFFLINE=1``
+            (one error, on every rank, naming them; what the pools hold needs no
+            origin).
         ManifestError: a malformed manifest, or one name with two digests.
         ManifestMismatchError: ranks passed different manifests (on every rank).
         PrefetchError: a download or transfer failed (on every rank).
@@ -273,7 +275,7 @@ def init(
             ) as moving:
                 session.report = prefetch_manifests(moving, the_pool, the_origin,
                                                     manifests=manifests, integrations=chosen,
-                                                    timeout=conf.timeout)
+                                                    timeout=conf.timeout, offline=conf.offline)
             if session.report is not None:
                 _log_rank0(comm, "prefetch: %s", session.report.summary())
             for integration in chosen:

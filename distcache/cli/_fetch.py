@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-from distcache._resolve import resolve_origin, resolve_pool
+from distcache._resolve import NoOrigin, missing_error, resolve_origin, resolve_pool
 from distcache.artifact import Artifact, read_manifest
 from distcache.cli._common import (
     EXIT_ERROR,
@@ -62,12 +62,17 @@ def run_fetch(args: argparse.Namespace) -> int:
     if jobs < 1:
         raise UsageError(f"fetch: --jobs must be >= 1, got {jobs}")
     origin = resolve_origin(args.origin or None, conf)
-    if origin is None:
-        raise UsageError("fetch: no origin; pass --origin URL or set DISTCACHE_ORIGIN")
     artifacts = read_manifest(args.manifest, args.prefix)
     pool = resolve_pool(args.pool, conf)
     pool.remember(artifacts)
     present = {a.sha256 for a in artifacts if pool.has(a.sha256)}
+    if origin is None or conf.offline:
+        # What the pool holds needs no origin; what it lacks is one error, not one a file.
+        missing = [a for a in artifacts if a.sha256 not in present]
+        if missing:
+            raise missing_error(missing, offline=conf.offline, where=[f"pool at {pool.root}"],
+                                manifests=[args.manifest])
+        origin = NoOrigin(conf.offline)
     failures: list[tuple[Artifact, BaseException]] = []
     downloaded = nbytes = 0
     bar = _progress(len(artifacts))

@@ -25,7 +25,7 @@ from distcache._resolve import prefetch_manifests, resolve_origin, resolve_pool
 from distcache.collective import PrefetchReport
 from distcache.comm import adopt
 from distcache.config import settings
-from distcache.errors import ConfigError, DistcacheError
+from distcache.errors import DistcacheError
 from distcache.integrations.flashinfer import FlashInfer
 from distcache.integrations.flashinfer import prefetch as flashinfer_prefetch
 from distcache.integrations.flashinfer._warm import ARCH_RULE
@@ -132,12 +132,11 @@ def _prefetch(args: argparse.Namespace) -> tuple[PrefetchReport | None, int]:
                                          origin=origin, families=tuple(args.family),
                                          archs=tuple(args.arch), timeout=conf.timeout)
             return warmed, comm.rank
+        # No origin is needed for what the pools hold; prefetch_manifests names
+        # whatever no pool holds (and honours DISTCACHE_OFFLINE).
         origin = resolve_origin(args.origin, conf)
-        if origin is None:
-            raise ConfigError("no origin: pass --origin URL or set DISTCACHE_ORIGIN",
-                              variable="DISTCACHE_ORIGIN", value=None)
         report = prefetch_manifests(comm, pool, origin, manifests=args.manifest,
-                                    timeout=conf.timeout)
+                                    timeout=conf.timeout, offline=conf.offline)
         return report, comm.rank
     finally:
         adopted.close()

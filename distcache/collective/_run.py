@@ -30,7 +30,8 @@ from distcache.collective._progress import Progress
 from distcache.collective._report import PHASES, PrefetchReport
 from distcache.collective._stream import move_objects
 from distcache.comm import Communicator
-from distcache.errors import CommError, PrefetchError
+from distcache.config import settings
+from distcache.errors import CommError, ConfigError, PrefetchError
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,15 @@ class Run:
     # -- fetch ---------------------------------------------------------------------
 
     def download(self, artifacts: list[Artifact], origin: Origin, workers: int) -> Failure | None:
+        if settings().offline:
+            # No request from any path: a caller that handed the collective an origin
+            # anyway gets one failure for this rank's share, agreed on like any other.
+            shown = ", ".join(a.name for a in artifacts[:3])
+            more = f" and {len(artifacts) - 3} more" if len(artifacts) > 3 else ""
+            return self.failure("fetch", artifacts[0].name, ConfigError(
+                f"{len(artifacts)} artifact(s) are in no pool and DISTCACHE_OFFLINE=1 forbids "
+                f"downloads: {shown}{more}; import them with 'distcache pool import' or "
+                "unset DISTCACHE_OFFLINE", variable="DISTCACHE_OFFLINE", value="1"))
         # Peers entered the agreement that follows when these downloads started, and
         # wait ``timeout`` there: a budget short of theirs lets this rank's failure
         # reach them in time, so that every rank raises the same error.
