@@ -7,28 +7,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import BinaryIO, Protocol
 
 from distcache.artifact import Artifact
 from distcache.errors import ArtifactNotFound, IntegrityError, OriginError, PoolError
-
-
-class Origin(Protocol):
-    """The part of :class:`distcache.origins.Origin` the collective uses."""
-
-    def describe(self) -> str: ...
-    def fetch(self, artifact: Artifact) -> bytes: ...
-    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int: ...
-
-
-class _Store(Protocol):
-    """The part of the pool a download publishes into."""
-
-    def has(self, sha256: str) -> bool: ...
-    def download(self, artifact: Artifact, origin: Origin) -> int: ...
-    def batch(self) -> AbstractContextManager[None]: ...
+from distcache.origins import Origin
+from distcache.store import Pool
 
 
 @dataclass
@@ -47,7 +31,7 @@ def _only_this_artifact(exc: BaseException) -> bool:
 
 
 def download_objects(
-    pool: _Store,
+    pool: Pool,
     origin: Origin,
     artifacts: Sequence[Artifact],
     *,

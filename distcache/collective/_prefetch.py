@@ -9,14 +9,15 @@ import itertools
 from collections.abc import Iterable
 
 from distcache.artifact import Artifact, manifest_text
-from distcache.collective._download import Origin
 from distcache.collective._plan import download_threads, make_plan
 from distcache.collective._progress import Progress, bytes_for_rank0
 from distcache.collective._report import PrefetchReport
-from distcache.collective._run import Pool, Run, discover
+from distcache.collective._run import Run, discover
 from distcache.comm import Communicator
 from distcache.config import settings
 from distcache.errors import ManifestError, ManifestMismatchError
+from distcache.origins import Origin
+from distcache.store import Pool
 
 
 def _agreed_list(artifacts: Iterable[Artifact]) -> list[Artifact]:

@@ -18,13 +18,13 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Protocol, TypeVar
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
 from distcache._events import emit
 from distcache.artifact import Artifact
 from distcache.collective._bucket import StreamStats
-from distcache.collective._download import Origin, download_objects
+from distcache.collective._download import download_objects
 from distcache.collective._plan import Plan, decode_bitmap, elect_writers, encode_bitmap
 from distcache.collective._progress import Progress
 from distcache.collective._report import PHASES, PrefetchReport
@@ -32,6 +32,8 @@ from distcache.collective._stream import move_objects
 from distcache.comm import Communicator
 from distcache.config import settings
 from distcache.errors import CommError, ConfigError, PrefetchError
+from distcache.origins import Origin
+from distcache.store import Pool
 
 log = logging.getLogger(__name__)
 
@@ -41,21 +43,6 @@ _FETCH_SHARE = 0.75
 #: (phase, artifact name or None, rank, host, "Type: message")
 Failure = tuple[str, str | None, int, str, str]
 _T = TypeVar("_T")
-
-
-class Pool(Protocol):
-    """The part of :class:`distcache.store.ArtifactPool` the collective uses."""
-
-    @property
-    def pool_id(self) -> str: ...
-    def has(self, sha256: str) -> bool: ...
-    def get(self, sha256: str, *, trust_own: bool = False) -> bytes | None: ...
-    def put(self, data: bytes | bytearray | memoryview, sha256: str | None = None) -> str: ...
-    def download(self, artifact: Artifact, origin: Origin) -> int: ...
-    def batch(self, *, wait: bool = True) -> AbstractContextManager[None]: ...
-    def remember(self, artifacts: Iterable[Artifact]) -> None: ...
-    def names(self) -> dict[str, str]: ...
-    def journal_since(self, cursor: int = 0) -> tuple[list[str], int]: ...
 
 
 class Run:

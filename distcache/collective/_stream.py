@@ -17,8 +17,6 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
-from typing import Protocol
 
 from distcache.collective._audience import split_audiences
 from distcache.collective._bucket import StreamStats, bucket_messages, decode_bucket
@@ -26,6 +24,7 @@ from distcache.collective._plan import Plan
 from distcache.comm import Communicator
 from distcache.comm._base import lend_broadcast
 from distcache.errors import PoolError
+from distcache.store import Pool
 
 
 class _Publisher:
@@ -34,7 +33,7 @@ class _Publisher:
     (hashing and file writes release the GIL). At most one bucket waits in the queue:
     memory stays a few buckets."""
 
-    def __init__(self, pool: _Store, objects: Sequence[str], stats: StreamStats,
+    def __init__(self, pool: Pool, objects: Sequence[str], stats: StreamStats,
                  failed: list[tuple[int, BaseException]],
                  on_done: Callable[[int], None] | None) -> None:
         self._pool = pool
@@ -143,18 +142,10 @@ class _ReadAhead:
         self._thread.join()
 
 
-class _Store(Protocol):
-    """The part of the pool that sources read from and receivers publish into."""
-
-    def get(self, sha256: str, *, trust_own: bool = False) -> bytes | None: ...
-    def put(self, data: bytes | bytearray | memoryview, sha256: str | None = None) -> str: ...
-    def batch(self) -> AbstractContextManager[None]: ...
-
-
 def move_objects(
     comm: Communicator,
     plan: Plan,
-    pool: _Store,
+    pool: Pool,
     *,
     pool_ids: Sequence[str],
     bucket_bytes: int,
@@ -215,7 +206,7 @@ def move_objects(
     return failed[0] if failed else None
 
 
-def _move(comm: Communicator, plan: Plan, pool: _Store, comms: list[Communicator | None],
+def _move(comm: Communicator, plan: Plan, pool: Pool, comms: list[Communicator | None],
           read: Callable[[tuple[int, ...]], Iterator[tuple[int, bytes | None]]], mine: str,
           bucket_bytes: int, stats: StreamStats, timeout: float | None,
           failed: list[tuple[int, BaseException]],

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from distcache.artifact import Artifact
 from distcache.collective._plan import elect_writers, make_plan
 from distcache.collective._report import PrefetchReport
-from distcache.collective._run import Failure, Pool, Run, discover
+from distcache.collective._run import Failure, Run, discover
 from distcache.comm import Communicator
 from distcache.config import settings
+from distcache.store import Pool
 
 log = logging.getLogger(__name__)
 

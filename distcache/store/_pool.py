@@ -24,7 +24,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import TYPE_CHECKING
 
 from distcache.artifact import Artifact, check_sha256, sha256_hex, validate_name
 from distcache.config import settings
@@ -45,14 +45,10 @@ from distcache.store._objects import ObjectStore, check_size
 from distcache.store._report import GcReport, PoolStats, VerifyReport
 from distcache.store.layout import PoolLayout
 
+if TYPE_CHECKING:
+    from distcache.origins import Origin
+
 logger = logging.getLogger(__name__)
-
-
-class SupportsFetchInto(Protocol):
-    """The part of the Origin protocol the pool uses."""
-
-    def describe(self) -> str: ...
-    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int: ...
 
 
 class ArtifactPool:
@@ -211,7 +207,7 @@ class ArtifactPool:
         with self._guard:
             self._approx_bytes = size
 
-    def fetch(self, artifact: Artifact, origin: SupportsFetchInto) -> bytes:
+    def fetch(self, artifact: Artifact, origin: Origin) -> bytes:
         """The verified bytes of ``artifact``: from the pool, else from ``origin``.
 
         On a miss, one process per pool downloads while the others wait (at most
@@ -255,7 +251,7 @@ class ArtifactPool:
         """
         return self._store.batch(wait=wait)
 
-    def download(self, artifact: Artifact, origin: SupportsFetchInto) -> int:
+    def download(self, artifact: Artifact, origin: Origin) -> int:
         """Stream ``artifact`` from ``origin`` into the pool, publish it, return its
         size. The origin verifies as the bytes stream in (its contract): hashed once.
 
@@ -264,8 +260,8 @@ class ArtifactPool:
             OriginError: the origin cannot deliver (passed through).
             PoolError: the pool cannot be written.
         """
-        if not hasattr(origin, "fetch_into"):  # an origin with only ``fetch``
-            data = origin.fetch(artifact)  # type: ignore[attr-defined]
+        if not hasattr(origin, "fetch_into"):  # a duck-typed origin with only ``fetch``
+            data = origin.fetch(artifact)
             return len(data) if self.put(data, artifact.sha256) else 0
         fd, tmp = self._store.temp_file(artifact.sha256[:16])
         try:
@@ -279,7 +275,7 @@ class ArtifactPool:
             unlink_quietly(tmp)
 
     @staticmethod
-    def _stream_in(fd: int, tmp: str, artifact: Artifact, origin: SupportsFetchInto) -> int:
+    def _stream_in(fd: int, tmp: str, artifact: Artifact, origin: Origin) -> int:
         try:
             with open(fd, "w+b", closefd=False) as out:
                 origin.fetch_into(artifact, out)
@@ -292,7 +288,7 @@ class ArtifactPool:
             # as a bare OSError from its write.
             raise pool_error("cannot write", tmp, exc) from exc
 
-    def _download(self, artifact: Artifact, origin: SupportsFetchInto) -> bytes:
+    def _download(self, artifact: Artifact, origin: Origin) -> bytes:
         fd, tmp = self._store.temp_file(artifact.sha256[:16])
         source = origin.describe()
         try:
