@@ -12,7 +12,6 @@ barrier, so a crash leaks nothing; mappings outlive the name.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import mmap
 import os
@@ -25,6 +24,7 @@ from distcache.errors import IpcError, PoolError
 from distcache.ipc._descriptor import PoolDescriptor
 from distcache.ipc._layout import Layout, WordArray
 from distcache.ipc._producer import DEFAULT_SLOTS, ProducerPool
+from distcache.store._fs import unlink_quietly
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +39,6 @@ def _unmap(mm: mmap.mmap, what: str) -> None:
         # Views handed out are still alive; unmapping now would leave them pointing at
         # nothing. The mapping goes away with the last of them.
         log.warning("%s: tensors still view the segment; it is unmapped when they are freed", what)
-
-
-def unlink_quietly(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
 
 
 def create_segment(path: str, size: int, pool_id: str) -> mmap.mmap:
