@@ -183,3 +183,36 @@ def test_not_found_is_final_only_at_flashinfers_own_repository(
     other.mkdir()
     loader = fi.install(world["pool"], open_origin(url if same else str(other)))  # type: ignore[arg-type]
     assert loader is not None and loader.final_not_found is same
+
+
+def test_a_download_the_pool_cannot_publish_is_served_once_and_flashinfer_is_not_asked(
+    world: dict[str, object], loader_module: object, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import errno
+    import os
+
+    artifacts: list[Artifact] = world["artifacts"]  # type: ignore[assignment]
+    origin: LoopbackOrigin = world["origin"]  # type: ignore[assignment]
+    real_link = os.link
+
+    def objects_not_writable(src: str, dst: str, *args: object, **kwargs: object) -> None:
+        if f"{os.sep}objects{os.sep}" in os.fspath(dst):
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(dst))
+        real_link(src, dst, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "link", objects_not_writable)
+    loader = fi.install(world["pool"])  # type: ignore[arg-type]
+    assert loader is not None
+    get = loader_module.get_artifact  # type: ignore[attr-defined]
+    root = world["pool"].root  # type: ignore[attr-defined]
+    with caplog.at_level(logging.WARNING):
+        for artifact in artifacts[1:]:
+            data = get(artifact.name, artifact.sha256)
+            assert sha256_hex(data) == artifact.sha256
+    # One request each: FlashInfer's own download (the same origin) was not asked.
+    assert origin.total_requests == len(artifacts) - 1
+    assert (loader.stats.fallbacks, loader.stats.unpublished) == (0, len(artifacts) - 1)
+    logged = [r.getMessage() for r in caplog.records if "cannot take downloads" in r.getMessage()]
+    assert len(logged) == 1 and str(root) in logged[0], logged
+    assert not any(world["pool"].has(a.sha256) for a in artifacts[1:])  # type: ignore[attr-defined]

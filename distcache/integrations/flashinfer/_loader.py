@@ -11,22 +11,30 @@ Two answers are final and FlashInfer's function is not asked: a name the origin
 FlashInfer itself would use says it does not have (its retrying download of the same
 URL would cost minutes for the same answer), and, with ``DISTCACHE_OFFLINE=1``, a
 miss while FlashInfer's download cannot be switched off.
+
+A verified download is never thrown away: when the pool cannot take it (``objects/``
+not writable, a full disk), the caller gets the bytes the origin delivered, the
+failure is logged once per pool, and FlashInfer's function is not asked to download
+them again. A file FlashInfer opens by path is then written into its cubin directory
+from those bytes.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import logging
+import os
+import tempfile
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from distcache import _events
 from distcache.artifact import Artifact, check_sha256, path_under, sha256_hex, validate_name
 from distcache.config import Settings, settings
-from distcache.errors import ArtifactNameError, ArtifactNotFound
+from distcache.errors import ArtifactNameError, ArtifactNotFound, PoolError
 from distcache.integrations.flashinfer._record import Recorder
 from distcache.integrations.flashinfer._upstream import default_origin, no_download
 
@@ -95,6 +103,7 @@ class LoaderStats:
     rejected: int = 0  #: unsafe name: answered ``b""`` without touching a file
     offline_misses: int = 0  #: DISTCACHE_OFFLINE and not in the pool
     not_found: int = 0  #: FlashInfer's own origin has no such artifact: final
+    unpublished: int = 0  #: downloaded and served, but the pool could not take it
     failures: dict[str, str] = field(default_factory=dict)  #: name -> first reason
 
 
@@ -154,6 +163,8 @@ class PooledLoader:
         self.final_not_found = final_not_found
         self.stats = LoaderStats()
         self._lock = threading.Lock()
+        #: Pools whose publication failure was logged (once each).
+        self._unwritable: set[str] = set()
         self.__name__ = "get_artifact"
         self.__doc__ = getattr(original, "__doc__", None)
 
@@ -185,9 +196,9 @@ class PooledLoader:
             return _ASK_FLASHINFER
         artifact = Artifact(name, sha256)
         try:
-            data, in_cubin_dir = self._resolve(artifact)
+            data, in_cubin_dir, pooled = self._resolve(artifact)
             if data is not None and not in_cubin_dir and self.families.is_materialized(name):
-                self._materialize(artifact)
+                self._materialize(artifact, None if pooled else data)
         except ArtifactNotFound as exc:
             if not self.final_not_found:
                 self._note("fallbacks", name, f"{type(exc).__name__}: {exc}")
@@ -222,13 +233,14 @@ class PooledLoader:
                      pool=str(pool))
         return _ASK_FLASHINFER if no_download() else b""
 
-    def _resolve(self, artifact: Artifact) -> tuple[bytes | None, bool]:
+    def _resolve(self, artifact: Artifact) -> tuple[bytes | None, bool, bool]:
         """The artifact's bytes (``None``: downloads are off and nothing local has
-        it), and whether they came from a valid file in FlashInfer's cubin directory."""
+        it), whether they came from a valid file in FlashInfer's cubin directory, and
+        whether the pool holds them."""
         data = self.pool.get(artifact.sha256)
         if data is not None:
             self._bump("hits")
-            return data, False
+            return data, False, True
         root = self.cubin_dir()
         data = _valid_bytes(root, artifact) if root is not None else None
         in_cubin_dir = data is not None
@@ -238,19 +250,47 @@ class PooledLoader:
                 break
         if data is not None:
             self._bump("local")
+            pooled = True
             try:
                 self.pool.put(data, artifact.sha256)
             except Exception as exc:
+                pooled = False
                 log.debug("could not add %s to the pool: %s", artifact.name, exc)
-            return data, in_cubin_dir
+            return data, in_cubin_dir, pooled
         if self.offline or no_download():
-            return None, False
+            return None, False, False
         origin = self.origin if self.origin is not None else default_origin()
-        data = self.pool.fetch(artifact, origin)
+        keeping = _Keeping(origin)
+        try:
+            data = self.pool.fetch(artifact, keeping)
+        except PoolError as exc:
+            # Publishing failed after the origin delivered (or before it was asked):
+            # the caller gets the verified bytes either way, and nothing downloads twice.
+            self._unpublished(exc)
+            kept = keeping.kept
+            data = kept if kept is not None and sha256_hex(kept) == artifact.sha256 else (
+                origin.fetch(artifact))
+            self._bump("fetched")
+            return data, False, False
         self._bump("fetched")
-        return data, False
+        return data, False, True
 
-    def _materialize(self, artifact: Artifact) -> None:
+    def _unpublished(self, exc: PoolError) -> None:
+        self._bump("unpublished")
+        where = str(getattr(self.pool, "root", self.pool))
+        with self._lock:
+            first = where not in self._unwritable
+            self._unwritable.add(where)
+        if first:
+            log.warning("flashinfer: pool %s cannot take downloads (%s); what is downloaded is "
+                        "served from memory and fetched again by the next process: make the "
+                        "pool writable or point DISTCACHE_POOL elsewhere", where, exc)
+        else:
+            log.debug("flashinfer: pool %s still cannot take downloads: %s", where, exc)
+
+    def _materialize(self, artifact: Artifact, data: bytes | None) -> None:
+        """Place ``artifact`` under FlashInfer's cubin directory: linked from the pool,
+        or written from ``data`` when the pool does not hold it."""
         root = self.cubin_dir()
         if root is None:
             return
@@ -258,7 +298,19 @@ class PooledLoader:
         # swap the inode under a compiler that is reading it.
         if _valid_bytes(root, artifact) is not None:
             return
-        self.pool.materialize(artifact, Path(root))
+        if data is None:
+            self.pool.materialize(artifact, Path(root))
+            return
+        target = path_under(Path(root), artifact.name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".distcache-", dir=target.parent)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(data)
+            os.replace(tmp, target)
+        except BaseException:
+            os.unlink(tmp)
+            raise
 
     def _fallback(self, file_name: Any, sha256: Any, session: Any) -> bytes:
         """FlashInfer's own function; what it raises passes through unchanged."""
@@ -298,6 +350,37 @@ class PooledLoader:
                 self.stats.failures[name] = reason
         if first:
             log.warning("flashinfer artifact %s: %s; using FlashInfer's own loader", name, reason)
+
+
+class _Keeping:
+    """``origin``, keeping a copy of the verified bytes it delivered to the pool, so
+    that a publication that fails after them does not cost a second download."""
+
+    def __init__(self, origin: Origin) -> None:
+        self._origin = origin
+        self.kept: bytes | None = None
+
+    def describe(self) -> str:
+        return self._origin.describe()
+
+    def fetch(self, artifact: Artifact) -> bytes:
+        self.kept = self._origin.fetch(artifact)
+        return self.kept
+
+    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
+        if not hasattr(self._origin, "fetch_into"):
+            data = self.fetch(artifact)
+            out.write(data)
+            return len(data)
+        start = out.tell()
+        size = self._origin.fetch_into(artifact, out)
+        try:
+            # The pool's own temporary file: read back what was just written (page cache).
+            out.seek(start)
+            self.kept = out.read()
+        except (OSError, ValueError):
+            self.kept = None
+        return size
 
 
 def _valid_bytes(root: Path, artifact: Artifact) -> bytes | None:
