@@ -37,7 +37,7 @@ from distcache.collective import prefetch as collective_prefetch
 from distcache.comm import Communicator, agree_on_error
 from distcache.config import Settings, settings
 from distcache.errors import ConfigError, DistcacheError, OriginError, PoolError
-from distcache.origins import Origin, open_origin
+from distcache.origins import Credentials, Origin, open_origin
 from distcache.store import ArtifactPool, PoolLayout
 
 if TYPE_CHECKING:
@@ -83,17 +83,23 @@ def resolve_origin(
     """The origin to use: ``origin`` when given, else ``DISTCACHE_ORIGIN``, else the
     first default an integration offers; ``None`` when there is none.
 
+    ``DISTCACHE_ORIGIN_TOKEN`` goes to the host of the first http(s) entry of
+    ``DISTCACHE_ORIGIN``, or of ``origin`` when ``DISTCACHE_ORIGIN`` has none; an
+    integration's default gets only a ``DISTCACHE_ORIGIN_TOKENS`` entry for its host.
+
     Raises:
         ConfigError: a spec names an unknown scheme or a directory that is not one.
     """
     if origin is not None:
-        return open_origin(origin)
+        given = [origin] if isinstance(origin, str) or not isinstance(origin, Sequence) else origin
+        return open_origin(origin, credentials=Credentials.from_settings(conf, given))
+    credentials = Credentials.from_settings(conf)
     if conf.origins:
-        return open_origin(list(conf.origins))
+        return open_origin(list(conf.origins), credentials=credentials)
     for integration in integrations:
         spec = integration.default_origin()
         if spec:
-            return open_origin(spec)
+            return open_origin(spec, credentials=credentials)
     return None
 
 

@@ -246,7 +246,12 @@ TABLE: tuple[Variable, ...] = (
              "origin URL(s) or directories, comma-separated, tried in order",
              blank_is_unset=False),
     Variable("DISTCACHE_ORIGIN_TOKEN", "origin_token", None, _text, "unset",
-             "bearer token sent to HTTP(S) origins (never logged)"),
+             "bearer token sent only to the host of the first http(s) entry of "
+             "DISTCACHE_ORIGIN (never logged)"),
+    Variable("DISTCACHE_ORIGIN_TOKENS", "origin_tokens", None, _text, "unset",
+             "bearer tokens per host: host[:port]=token,... (never logged)"),
+    Variable("DISTCACHE_MAX_ARTIFACT_BYTES", "max_artifact_bytes", 4 << 30, _bytes, "4G",
+             "largest body accepted for an artifact of unknown size"),
     Variable("DISTCACHE_TIMEOUT", "timeout", 600.0, _seconds, "600",
              "seconds any collective may take before every rank raises"),
     Variable("DISTCACHE_HTTP_TIMEOUT", "http_timeout", 30.0, _seconds, "30",
@@ -307,8 +312,12 @@ class Settings:
     pool_max_bytes: int | None
     #: Origins tried in order (URLs or directories); empty when unset.
     origins: tuple[str, ...]
-    #: Bearer token for HTTP(S) origins.
-    origin_token: str | None
+    #: Bearer token for the first HTTP(S) origin (never in ``repr``).
+    origin_token: str | None = dataclasses.field(repr=False)
+    #: Bearer tokens per host (``host[:port]=token,...``), unparsed (never in ``repr``).
+    origin_tokens: str | None = dataclasses.field(repr=False)
+    #: Largest body accepted for an artifact of unknown size.
+    max_artifact_bytes: int
     #: Seconds a collective may take.
     timeout: float
     #: Seconds per HTTP connect/read.

@@ -10,7 +10,8 @@ in engine code keeps working::
     ├── ConfigError (ValueError)            a bad argument or DISTCACHE_* value
     ├── IntegrityError                      bytes did not match their SHA-256
     ├── OriginError                         an origin could not deliver an artifact
-    │   └── ArtifactNotFound                the origin answered: it has no such artifact
+    │   ├── ArtifactNotFound                the origin answered: it has no such artifact
+    │   └── OriginUnreachable               no connection at all: the origin is down for the run
     ├── PoolError (OSError)                 the on-disk pool could not be used
     ├── CommError                           a communicator backend failed
     │   └── CollectiveTimeout (TimeoutError)  a collective did not complete in time
@@ -46,6 +47,7 @@ __all__ = [
     "ManifestError",
     "ManifestMismatchError",
     "OriginError",
+    "OriginUnreachable",
     "PoolError",
     "PrefetchError",
     "RemoteError",
@@ -143,7 +145,7 @@ class OriginError(DistcacheError):
     """An origin could not deliver an artifact. Attributes: ``url``, ``status``,
     ``name``, ``failures`` (one error per origin, from a chain), ``timeout``."""
 
-    attributes = ("url", "status", "name", "failures", "timeout")
+    attributes: ClassVar[tuple[str, ...]] = ("url", "status", "name", "failures", "timeout")
 
 
 class PoolError(DistcacheError, OSError):
@@ -198,6 +200,15 @@ class ArtifactNotFound(OriginError):
     """The origin answered that it has no such artifact (an HTTP 404, a missing file in
     a mirror, every member of a chain missing it). Definitive: retrying the same origin
     will not help. Attributes: those of :class:`OriginError`."""
+
+
+class OriginUnreachable(OriginError):
+    """The origin cannot be reached at all: the connection was refused or its host
+    name does not resolve. The origin is marked down for the rest of the run, so the
+    remaining artifacts fail at once instead of each being retried. Attributes: those
+    of :class:`OriginError`, plus ``cause`` (a short text: "connection refused")."""
+
+    attributes: ClassVar[tuple[str, ...]] = ("cause",)
 
 
 class LaunchError(DistcacheError, ValueError):

@@ -16,11 +16,16 @@ scheme        origin                                 example
 ``http``      :class:`HttpOrigin` (the whole URL)    ``http://mirror.local/cubins``
 ``https``     :class:`HttpOrigin` (the whole URL)    ``https://cdn.example/cubins``
 ``file``      :class:`DirOrigin` (the URL's path)    ``file:///shared/mirror``
-(none)        :class:`DirOrigin` (the path as is)    ``/shared/mirror``
+(none)        :class:`DirOrigin` (an existing dir)   ``/shared/mirror``
 ============  =====================================  ==============================
 
-Any other ``scheme://`` is a :class:`~distcache.errors.ConfigError` naming the spec
-and the known schemes. A new kind of origin (S3, a model hub) is one private module
+Any other ``scheme://``, or a spec without one that is not an existing directory, is a
+:class:`~distcache.errors.ConfigError` naming the spec (and the known schemes).
+
+Credentials belong to a host (:class:`Credentials`): ``DISTCACHE_ORIGIN_TOKEN`` goes to
+the host of the first http(s) entry of ``DISTCACHE_ORIGIN`` only,
+``DISTCACHE_ORIGIN_TOKENS`` binds one token per host, and no token follows a redirect
+to another scheme, host or port. A new kind of origin (S3, a model hub) is one private module
 with a class over :class:`BaseOrigin` (implement ``describe`` and ``fetch_into``) and
 one entry in the table.
 """
@@ -29,8 +34,17 @@ from __future__ import annotations
 
 from distcache.origins._base import BaseOrigin, Origin
 from distcache.origins._chain import OriginChain
+from distcache.origins._credentials import Credentials
 from distcache.origins._directory import DirOrigin
 from distcache.origins._http import HttpOrigin
 from distcache.origins._open import open_origin
 
-__all__ = ["BaseOrigin", "DirOrigin", "HttpOrigin", "Origin", "OriginChain", "open_origin"]
+__all__ = [
+    "BaseOrigin",
+    "Credentials",
+    "DirOrigin",
+    "HttpOrigin",
+    "Origin",
+    "OriginChain",
+    "open_origin",
+]

@@ -7,7 +7,13 @@ from collections.abc import Sequence
 from typing import Any, BinaryIO, cast
 
 from distcache.artifact import Artifact
-from distcache.errors import ArtifactNotFound, ConfigError, IntegrityError, OriginError
+from distcache.errors import (
+    ArtifactNotFound,
+    ConfigError,
+    IntegrityError,
+    OriginError,
+    OriginUnreachable,
+)
 from distcache.origins._base import BaseOrigin, Origin, rewind
 
 logger = logging.getLogger(__name__)
@@ -35,7 +41,11 @@ class OriginChain(BaseOrigin):
     An ``OriginError`` or ``IntegrityError`` from one origin is logged and the next
     is tried. When every origin fails, the error lists each failure and ``failures``
     holds ``(origin, message)`` pairs; it is an :class:`ArtifactNotFound` when every
-    origin answered that it has no such artifact, an ``OriginError`` otherwise.
+    origin answered that it has no such artifact, an :class:`OriginUnreachable` when
+    every origin is unreachable, an ``OriginError`` otherwise.
+
+    An origin that raised ``OriginUnreachable`` (a refused connection, an unknown
+    host) is skipped for the chain's lifetime, with one warning.
 
     Raises:
         ConfigError: no origins.
@@ -46,6 +56,8 @@ class OriginChain(BaseOrigin):
             raise ConfigError("an origin chain needs at least one origin",
                               variable="origins", value=())
         self.origins: tuple[Origin, ...] = tuple(origins)
+        # Index -> why that origin is down; written once per origin, read by every thread.
+        self._down: dict[int, OriginUnreachable] = {}
 
     def describe(self) -> str:
         return " -> ".join(o.describe() for o in self.origins)
@@ -67,14 +79,25 @@ class OriginChain(BaseOrigin):
         start = out.tell() if out.seekable() else None
         counted = _CountingWriter(out)
         failures: list[tuple[str, str]] = []
-        missing = 0
+        missing = down = 0
         for index, origin in enumerate(self.origins):
+            known = self._down.get(index)
+            if known is not None:
+                failures.append((origin.describe(), known.message))
+                down += 1
+                continue
             counted.written = 0
             try:
                 return origin.fetch_into(artifact, out if start is not None else cast(BinaryIO, counted))
             except (OriginError, IntegrityError) as exc:
                 failures.append((origin.describe(), exc.message))
                 missing += isinstance(exc, ArtifactNotFound)
+                if isinstance(exc, OriginUnreachable):
+                    down += 1
+                    if self._down.setdefault(index, exc) is exc:
+                        logger.warning("%s; skipping it for the rest of this run",
+                                       exc.message.split(";", 1)[0])
+                    continue
                 if not rewind(out, start) and counted.written:
                     break  # bytes already went into a stream that cannot be rewound
                 if index < len(self.origins) - 1:
@@ -82,6 +105,11 @@ class OriginChain(BaseOrigin):
                                    origin.describe(), artifact.name, exc.message,
                                    self.origins[index + 1].describe())
         listed = "; ".join(f"[{label}] {message}" for label, message in failures)
+        if down == len(self.origins):
+            raise OriginUnreachable(
+                f"every origin is unreachable, {artifact.name} not fetched: {listed}",
+                url=self.describe(), name=artifact.name, failures=failures,
+                cause="; ".join(sorted({str(getattr(e, "cause", "")) for e in self._down.values()})))
         error = ArtifactNotFound if missing == len(self.origins) else OriginError
         raise error(
             f"no origin could deliver {artifact.name} (sha256 {artifact.sha256}), "

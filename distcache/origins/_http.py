@@ -4,8 +4,13 @@ A CDN under load (the cubin repository when a thousand ranks start at once) answ
 429 and 5xx, drops connections mid-body and occasionally serves the wrong bytes.
 :class:`HttpOrigin` retries those with jittered exponential backoff under a total cap,
 honours ``Retry-After``, verifies every byte against the artifact's SHA-256 while
-streaming, and follows redirects only to the same scheme and host (or hosts the
-caller allowed), so a bearer token never leaves for another server.
+streaming, and follows redirects itself (requests drops ``Authorization`` on a
+redirect to another host or port, but keeps it from http to https of one host, and
+keeps every other header, a caller's credential headers included, on any redirect):
+only to the same scheme and host (or hosts the caller allowed), with credentials only
+for the origin's own scheme, host and port. A refused connection or an unknown host marks the origin
+down: the remaining artifacts fail at once with that cause instead of each being
+retried.
 """
 
 from __future__ import annotations
@@ -25,9 +30,23 @@ from requests.adapters import HTTPAdapter
 
 from distcache.artifact import Artifact
 from distcache.config import settings
-from distcache.errors import ArtifactNotFound, ConfigError, IntegrityError, OriginError
+from distcache.errors import (
+    ArtifactNotFound,
+    ConfigError,
+    IntegrityError,
+    OriginError,
+    OriginUnreachable,
+)
 from distcache.origins._base import BaseOrigin, rewind
-from distcache.origins._response import TRANSIENT, Backoff, Fatal, Retry, read_response
+from distcache.origins._credentials import clean_token, host_key
+from distcache.origins._response import (
+    TRANSIENT,
+    Backoff,
+    Fatal,
+    Retry,
+    read_response,
+    unreachable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +83,17 @@ class HttpOrigin(BaseOrigin):
 
     ``timeout`` (seconds per connect/read) and ``retries`` (extra attempts per
     artifact) resolve as: argument > ``DISTCACHE_HTTP_TIMEOUT`` /
-    ``DISTCACHE_HTTP_RETRIES`` > 30 s / 4. A bearer token is read from
-    ``DISTCACHE_ORIGIN_TOKEN`` at construction and sent only to ``base_url``'s host;
-    it never appears in :meth:`describe`, ``repr``, logs or errors.
+    ``DISTCACHE_HTTP_RETRIES`` > 30 s / 4. ``max_bytes`` caps the body of an
+    artifact of unknown size: argument > ``DISTCACHE_MAX_ARTIFACT_BYTES`` > 4 GiB.
+
+    ``token`` is a bearer token sent only to ``base_url``'s scheme, host and port (the
+    origin reads no variable for it: :func:`open_origin` binds
+    ``DISTCACHE_ORIGIN_TOKEN`` to one origin); it never appears in :meth:`describe`,
+    ``repr``, logs or errors.
+
+    A refused connection or a host name that does not resolve is not retried: the
+    origin is marked down for its lifetime and every later fetch raises
+    :class:`~distcache.errors.OriginUnreachable` with the same cause at once.
 
     Redirects are followed (at most 5) only to the same scheme and host, or to a
     host in ``allow_redirect_hosts`` with the same scheme.
@@ -77,7 +104,8 @@ class HttpOrigin(BaseOrigin):
     ``backoff_total``. ``sleep`` is the function that waits (tests pass a recorder).
 
     Raises:
-        ConfigError: a scheme other than http/https, no host, or a bad timeout/retries.
+        ConfigError: a scheme other than http/https, no host, a bad timeout, retries
+            or max_bytes, or a token with control or non-ASCII characters.
     """
 
     def __init__(
@@ -87,6 +115,8 @@ class HttpOrigin(BaseOrigin):
         timeout: float | None = None,
         retries: int | None = None,
         headers: Mapping[str, str] | None = None,
+        token: str | None = None,
+        max_bytes: int | None = None,
         allow_redirect_hosts: Iterable[str] = (),
         pool_size: int = 16,
         backoff_base: float = 0.5,
@@ -110,12 +140,18 @@ class HttpOrigin(BaseOrigin):
         if retries is not None and retries < 0:
             raise ConfigError(f"retries must be >= 0, got {retries}",
                               variable="retries", value=retries)
-        resolved = settings(http_timeout=timeout, http_retries=retries)
+        if max_bytes is not None and max_bytes < 1:
+            raise ConfigError(f"max_bytes must be >= 1, got {max_bytes}",
+                              variable="max_bytes", value=max_bytes)
+        resolved = settings(http_timeout=timeout, http_retries=retries,
+                            max_artifact_bytes=max_bytes)
         self.base_url = base_url.rstrip("/")
         self.timeout: float = resolved.http_timeout
         self.retries: int = resolved.http_retries
+        self.max_bytes: int = resolved.max_artifact_bytes
         self._scheme = parts.scheme
-        self._origin_host = self._host_key(base_url)
+        self._origin_host = host_key(base_url)
+        self._down: tuple[str, str] | None = None  # (cause, reason) once unreachable
         self._allowed_hosts = {h.lower() for h in allow_redirect_hosts}
         self._backoff = Backoff(backoff_base, backoff_max, retry_after_max, backoff_total)
         self._sleep = sleep
@@ -126,7 +162,7 @@ class HttpOrigin(BaseOrigin):
             "Accept-Encoding": "identity",
         }
         self._headers.update(headers or {})
-        self._token = self._clean_token(resolved.origin_token)
+        self._token = clean_token(token, "the origin's token")
         # Values never to show in a message: requests quotes a header value it refuses
         # (a token read from a file with its newline) in the exception text.
         raw_secrets = [v for k, v in self._headers.items()
@@ -167,6 +203,8 @@ class HttpOrigin(BaseOrigin):
         """
         url = self.url_for(artifact)
         where = redact_url(url)
+        if self._down is not None:
+            raise self._unreachable(artifact, where)
         start = out.tell() if out.seekable() else None
         attempts = self.retries + 1
         waited = 0.0
@@ -175,11 +213,18 @@ class HttpOrigin(BaseOrigin):
             written = [0]
             try:
                 return self._attempt(url, artifact, out, written)
+            except _Unreachable as exc:
+                if self._down is None:
+                    self._down = (exc.cause, exc.reason)
+                    logger.debug("origin %s marked down for this run: %s", self.describe(),
+                                 exc.reason)
+                raise self._unreachable(artifact, where) from None
             except Fatal as exc:
                 # A 404 is definitive: the origin answered that it has no such file.
                 error = ArtifactNotFound if exc.status == 404 else OriginError
+                advice = exc.advice or self._advice(exc.status)
                 raise error(
-                    f"GET {where} failed: {exc.reason}; {self._advice(exc.status)}",
+                    f"GET {where} failed: {exc.reason}; {advice}",
                     url=where, status=exc.status, name=artifact.name,
                 ) from exc
             except Retry as exc:
@@ -221,29 +266,14 @@ class HttpOrigin(BaseOrigin):
 
     # -- one attempt ---------------------------------------------------------------
 
-    @staticmethod
-    def _clean_token(token: str | None) -> str | None:
-        if token is None:
-            return None
-        # Surrounding whitespace is what `export TOKEN=$(cat file)` and friends leave
-        # behind; anything unprintable left inside would only fail later, in a header
-        # error that quotes the value.
-        token = token.strip()
-        if not token:
-            return None
-        if not token.isprintable() or not token.isascii():
-            raise ConfigError(
-                "DISTCACHE_ORIGIN_TOKEN holds control or non-ASCII characters; "
-                "set it to the bare token",
-                variable="DISTCACHE_ORIGIN_TOKEN", value="<redacted>",
-            )
-        return token
-
-    @staticmethod
-    def _host_key(url: str) -> tuple[str, str, int | None]:
-        parts = urlsplit(url)
-        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
-        return (parts.scheme, (parts.hostname or "").lower(), port)
+    def _unreachable(self, artifact: Artifact, where: str) -> OriginUnreachable:
+        assert self._down is not None
+        cause, reason = self._down
+        return OriginUnreachable(
+            f"origin {self.describe()} is unreachable: {reason}; nothing more is fetched "
+            "from it in this run; check the URL and that the server is up, or set "
+            "DISTCACHE_ORIGIN to a mirror",
+            url=where, name=artifact.name, cause=cause)
 
     @staticmethod
     def _advice(status: int | None) -> str:
@@ -254,7 +284,7 @@ class HttpOrigin(BaseOrigin):
         return "check the network and the origin, or set DISTCACHE_ORIGIN to a mirror"
 
     def _headers_for(self, url: str) -> dict[str, str]:
-        if self._host_key(url) != self._origin_host:
+        if host_key(url) != self._origin_host:
             # Credentials are for the origin only, never for a host it redirects to.
             return {k: v for k, v in self._headers.items() if k.lower() not in _SECRET_HEADERS}
         headers = dict(self._headers)
@@ -267,12 +297,21 @@ class HttpOrigin(BaseOrigin):
         for _ in range(_MAX_REDIRECTS + 1):
             failure: Retry | Fatal | None = None
             cause: BaseException | None = None
+            headers = self._headers_for(current)
             try:
                 response = self._session.get(
-                    current, headers=self._headers_for(current), stream=True,
-                    timeout=self.timeout, allow_redirects=False,
+                    current, headers=headers, stream=True, timeout=self.timeout,
+                    allow_redirects=False,
+                    # requests replaces an Authorization header with ~/.netrc's entry
+                    # for the host unless an auth is given: the bound token wins.
+                    auth=_as_given if "Authorization" in headers else None,
                 )
             except TRANSIENT as exc:
+                down = unreachable(exc)
+                if down is not None:
+                    where = "" if current == url else (
+                        f" at the redirect target {redact_url(current)}")
+                    raise _Unreachable(down, down + where) from None
                 failure, cause = Retry(f"{type(exc).__name__}: {self._scrub(exc)}"), exc
             except (requests.RequestException, urllib3.exceptions.HTTPError, ValueError) as exc:
                 # ValueError: even with allow_redirects=False, requests parses a
@@ -294,7 +333,7 @@ class HttpOrigin(BaseOrigin):
                              status=response.status_code)
             try:
                 target = urljoin(current, location)
-                scheme, host, _port = self._host_key(target)
+                scheme, host, _port = host_key(target)
             except ValueError:
                 # A port out of range or a broken IPv6 literal: urlsplit raises.
                 raise Fatal(f"refused redirect to a malformed URL {location[:200]!r}",
@@ -318,4 +357,18 @@ class HttpOrigin(BaseOrigin):
         return text.splitlines()[0][:300] if text.strip() else ""
 
     def _attempt(self, url: str, artifact: Artifact, out: BinaryIO, written: list[int]) -> int:
-        return read_response(self._get(url), artifact, out, written, self.timeout)
+        return read_response(self._get(url), artifact, out, written, self.timeout,
+                             self.max_bytes)
+
+
+def _as_given(request: requests.PreparedRequest) -> requests.PreparedRequest:
+    return request
+
+
+class _Unreachable(Exception):
+    """No connection to the host at all: a refused connect or a failed name lookup."""
+
+    def __init__(self, cause: str, reason: str) -> None:
+        super().__init__(reason)
+        self.cause = cause
+        self.reason = reason

@@ -1,35 +1,46 @@
 """From the ``DISTCACHE_ORIGIN`` syntax to an origin: :func:`open_origin`.
 
 A spec's URL scheme picks its origin's factory in :data:`SCHEMES`; a spec without
-``scheme://`` is a directory path. Adding a kind of origin is one module beside this
-one and one entry in the table.
+``scheme://`` is a directory path, and must be an existing directory
+(``127.0.0.1:8000`` is a server written without its scheme, not a mirror). Adding a
+kind of origin is one module beside this one and one entry in the table. Each factory
+gets the spec and the :class:`Credentials` in force, and takes only what is bound to
+its own host.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from urllib.parse import unquote, urlsplit
 
+from distcache.config import settings
 from distcache.errors import ConfigError
 from distcache.origins._base import Origin
 from distcache.origins._chain import OriginChain
+from distcache.origins._credentials import Credentials
 from distcache.origins._directory import DirOrigin
 from distcache.origins._http import HttpOrigin, redact_url
 
 
-def _file_url(spec: str) -> Origin:
+def _file_url(spec: str, credentials: Credentials) -> Origin:
     return DirOrigin(unquote(urlsplit(spec).path))
 
 
-#: URL scheme (lower case) -> the factory that turns the whole spec into an origin.
-SCHEMES: Mapping[str, Callable[[str], Origin]] = {
-    "http": HttpOrigin,
-    "https": HttpOrigin,
+def _http_url(spec: str, credentials: Credentials) -> Origin:
+    return HttpOrigin(spec, token=credentials.token_for(spec))
+
+
+#: URL scheme (lower case) -> the factory that turns the whole spec, given the
+#: credentials in force, into an origin.
+SCHEMES: Mapping[str, Callable[[str, Credentials], Origin]] = {
+    "http": _http_url,
+    "https": _http_url,
     "file": _file_url,
 }
 
 
-def _open_one(spec: str) -> Origin:
+def _open_one(spec: str, credentials: Credentials) -> Origin:
     text = spec.strip()
     if not text:
         raise ConfigError("empty origin; give a URL or a directory", variable="origin", value=spec)
@@ -39,7 +50,7 @@ def _open_one(spec: str) -> Origin:
         raise ConfigError(f"origin {_label(text)!r} is not a valid URL ({exc})",
                           variable="origin", value=_label(text)) from None
     if factory is not None:
-        return factory(text)
+        return factory(text, credentials)
     if "://" in text:
         # Only a spec that spells ``scheme://`` is a URL: "C:\\mirror" or "a:b" are paths.
         scheme = text.split("://", 1)[0]
@@ -48,6 +59,17 @@ def _open_one(spec: str) -> Origin:
             f"origin {_label(text)!r}: scheme {scheme}:// is not supported; "
             f"use one of {known}, or a directory path",
             variable="origin", value=scheme)
+    if not os.path.isdir(text):
+        # "127.0.0.1:8000" or "mirror.example/cubins" is a server missing its scheme far
+        # more often than a mirror directory that does not exist yet.
+        what = "a file" if os.path.exists(text) else "no such directory"
+        fix = ("give the path of an existing mirror directory"
+               if text.startswith(("/", ".", "~")) or os.sep in text.split("/", 1)[0]
+               else f"write http://{text} or https://{text} for a server, or give the path "
+                    "of an existing mirror directory")
+        raise ConfigError(
+            f"origin {text!r} has no scheme and is not an existing directory ({what}); {fix}",
+            variable="origin", value=text)
     return DirOrigin(text)
 
 
@@ -59,16 +81,28 @@ def _label(url: str) -> str:
         return url.split("://", 1)[0] + "://..."
 
 
-def open_origin(spec: str | Origin | Sequence[str | Origin]) -> Origin:
+def open_origin(
+    spec: str | Origin | Sequence[str | Origin],
+    *,
+    credentials: Credentials | None = None,
+) -> Origin:
     """An origin from a spec: a URL whose scheme is in :data:`SCHEMES` (``http(s)://``
-    -> :class:`HttpOrigin`, ``file://`` -> :class:`DirOrigin`), a path ->
-    :class:`DirOrigin`, an Origin as is; a comma-separated string or a sequence ->
-    :class:`OriginChain` (a single entry is returned unwrapped).
+    -> :class:`HttpOrigin`, ``file://`` -> :class:`DirOrigin`), an existing
+    directory -> :class:`DirOrigin`, an Origin as is; a comma-separated string or a
+    sequence -> :class:`OriginChain` (a single entry is returned unwrapped).
+
+    Each HTTP(S) origin gets the bearer token ``credentials`` binds to its scheme, host
+    and port, and none when there is none; by default the settings' credentials
+    (:meth:`Credentials.from_settings`: ``DISTCACHE_ORIGIN_TOKEN`` for the host of the
+    first http(s) entry of ``DISTCACHE_ORIGIN`` only, and ``DISTCACHE_ORIGIN_TOKENS``).
 
     Raises:
-        ConfigError: an empty spec, or a ``scheme://`` not in :data:`SCHEMES` (the
-            message names the spec and the known schemes).
+        ConfigError: an empty spec, a ``scheme://`` not in :data:`SCHEMES` (the
+            message names the spec and the known schemes), a spec without a scheme
+            that is not an existing directory, or malformed credentials.
     """
+    if credentials is None:
+        credentials = Credentials.from_settings(settings())
     items: list[Origin] = []
     specs: Sequence[str | Origin] = [spec] if isinstance(spec, str) or not isinstance(
         spec, Sequence) else spec
@@ -78,7 +112,7 @@ def open_origin(spec: str | Origin | Sequence[str | Origin]) -> Origin:
             if not parts:
                 raise ConfigError("empty origin; give a URL or a directory",
                                   variable="origin", value=item)
-            items.extend(_open_one(p) for p in parts)
+            items.extend(_open_one(p, credentials) for p in parts)
         elif isinstance(item, Origin):
             items.append(item)
         else:

@@ -3,9 +3,11 @@
 :func:`read_response` turns a response into the artifact's bytes in ``out`` or into a
 :class:`Retry` (another attempt may fix it: overload, a cut or stalled body, wrong
 bytes from one cache node) or a :class:`Fatal` (it will not: 404, 403, a refused
-redirect). Bytes are hashed and counted as they stream, so nothing past the
-artifact's declared size reaches ``out`` and a digest mismatch is known the moment
-the body ends. :class:`Backoff` decides how long to wait before the next attempt.
+redirect, a body over the byte cap). Bytes are hashed and counted as they stream, so
+nothing past the artifact's declared size (or, for an artifact of unknown size, past
+the cap) reaches ``out`` and a digest mismatch is known the moment the body ends.
+:class:`Backoff` decides how long to wait before the next attempt;
+:func:`unreachable` tells a refused connection or an unknown host from the rest.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import hashlib
 import http.client
 import random
 import re
+import socket
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
@@ -27,9 +31,13 @@ from distcache.artifact import Artifact
 
 _CHUNK = 256 * 1024
 # `timeout` bounds each socket read, so a server that drips a byte at a time could hold
-# an attempt forever. An attempt may take `timeout` plus the body at this rate; past
-# that it is abandoned and retried like a cut body.
+# an attempt forever. A body must keep this rate over every window of `timeout`
+# seconds (at least _MIN_WINDOW); below it the attempt is abandoned and retried like a
+# cut body. A window, not the whole body: a healthy body of unknown size (an artifact
+# from checksums.txt has no size) at 1 MiB/s must not be judged against a budget
+# computed for an unknown length.
 _MIN_RATE_BPS = 64 * 1024
+_MIN_WINDOW = 2.0
 # ASCII digits only: str.isdigit() also accepts "²" and other digits int() refuses.
 _CONTENT_LENGTH = re.compile(r"[0-9]{1,20}\Z")
 # Statuses worth another try: the server is overloaded or a proxy timed out.
@@ -66,10 +74,33 @@ class Retry(Exception):
 class Fatal(Exception):
     """A failed attempt that retrying cannot fix."""
 
-    def __init__(self, reason: str, *, status: int | None = None) -> None:
+    def __init__(self, reason: str, *, status: int | None = None,
+                 advice: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.status = status
+        self.advice = advice  # what to do, when the status alone does not say
+
+
+def unreachable(exc: BaseException) -> str | None:
+    """A short cause ("connection refused", "host name does not resolve (...)") when
+    ``exc`` (from requests) is a refused connection or a failed name lookup; ``None``
+    for every other failure (timeouts, resets and TLS errors may pass)."""
+    seen: set[int] = set()
+    stack: list[BaseException] = [exc]
+    while stack:
+        error = stack.pop()
+        if id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(error, socket.gaierror):
+            return f"host name does not resolve ({error.strerror or error})"
+        linked = [error.__cause__, error.__context__, getattr(error, "reason", None),
+                  *error.args]
+        stack.extend(e for e in linked if isinstance(e, BaseException))
+    return None
 
 
 @dataclass(frozen=True)
@@ -115,15 +146,16 @@ def retry_after(value: str | None) -> float | None:
 
 
 def read_response(response: requests.Response, artifact: Artifact, out: BinaryIO,
-                  written: list[int], timeout: float) -> int:
+                  written: list[int], timeout: float, max_bytes: int) -> int:
     """Stream a (non-redirect) response's body into ``out``, verifying it against
     ``artifact``; return the byte count. ``written[0]`` counts what reached ``out``,
-    also when this raises. ``timeout`` is the origin's per-read timeout; the body may
-    take that plus its size at the minimum rate.
+    also when this raises. ``timeout`` is the origin's per-read timeout and the length
+    of the window the minimum rate is judged over; ``max_bytes`` caps a body of unknown
+    size (nothing past it reaches ``out``).
 
     Raises:
         Retry: an overloaded server, a cut, stalled or overlong body, wrong bytes.
-        Fatal: any other status than 200.
+        Fatal: any other status than 200, or a body of unknown size over ``max_bytes``.
     """
     with response:
         status = response.status_code
@@ -140,13 +172,18 @@ def read_response(response: requests.Response, artifact: Artifact, out: BinaryIO
             # not worth a byte of bandwidth or disk.
             raise Retry("announced size mismatch",
                         integrity=(f"{limit} bytes", f"Content-Length {expected_len}"))
+        cap = max_bytes if limit is None else limit
+        if limit is None and expected_len is not None and expected_len > cap:
+            raise _over_cap(cap, f"announced Content-Length {expected_len}")
         digest = hashlib.sha256()
-        budget = timeout + (limit or expected_len or _CHUNK) / _MIN_RATE_BPS
+        window = _Window(max(timeout, _MIN_WINDOW), time.monotonic())
         try:
-            for chunk in _body(response, budget):
-                if limit is not None and written[0] + len(chunk) > limit:
-                    # Checked before writing: nothing past the declared size
-                    # reaches ``out``.
+            for chunk in _body(response, window, written):
+                if written[0] + len(chunk) > cap:
+                    # Checked before writing: nothing past the declared size or the
+                    # cap reaches ``out``.
+                    if limit is None:
+                        raise _over_cap(cap, f"more than {cap} bytes")
                     raise Retry("body longer than the artifact's size",
                                 integrity=(f"{limit} bytes", f"more than {limit}"))
                 if expected_len is not None and written[0] + len(chunk) > expected_len:
@@ -154,9 +191,10 @@ def read_response(response: requests.Response, artifact: Artifact, out: BinaryIO
                 digest.update(chunk)
                 out.write(chunk)
                 written[0] += len(chunk)
-        except _Stalled:
-            raise Retry(f"body stalled: {written[0]} bytes in {budget:.1f} s "
-                        f"(slower than {_MIN_RATE_BPS // 1024} KiB/s)") from None
+        except _Stalled as stalled:
+            raise Retry(f"body stalled: {stalled.nbytes} bytes in the last "
+                        f"{stalled.seconds:.1f} s, {written[0]} in all (slower than "
+                        f"{_MIN_RATE_BPS // 1024} KiB/s)") from None
         except TRANSIENT as exc:
             raise Retry(f"body cut short after {written[0]} bytes "
                         f"({type(exc).__name__})") from exc
@@ -170,21 +208,59 @@ def read_response(response: requests.Response, artifact: Artifact, out: BinaryIO
     return written[0]
 
 
+def _over_cap(cap: int, found: str) -> Fatal:
+    return Fatal(f"body of an artifact of unknown size exceeds the cap of {cap} bytes "
+                 f"({found})",
+                 advice="give the artifact's size in the manifest, or raise "
+                        "DISTCACHE_MAX_ARTIFACT_BYTES if it really is this large")
+
+
 class _Stalled(Exception):
-    """The body arrived slower than the attempt's budget allows."""
+    """The body arrived slower than the minimum rate over a whole window."""
+
+    def __init__(self, nbytes: int, seconds: float) -> None:
+        super().__init__(nbytes, seconds)
+        self.nbytes = nbytes
+        self.seconds = seconds
 
 
-def _body(response: requests.Response, budget: float) -> Iterator[bytes]:
-    """The decoded body in pieces as they arrive, until the attempt's ``budget``
-    (seconds) runs out. ``read1`` returns whatever one socket read brings, so a server
-    dripping bytes is noticed after its first piece past the budget, not after the
-    whole body (iter_content blocks until a full chunk has arrived)."""
+class _Window:
+    """Bytes received over the last ``seconds`` (at least): a few samples, at most one
+    per eighth of the window, so a fast body costs nothing to watch."""
+
+    def __init__(self, seconds: float, now: float) -> None:
+        self.seconds = seconds
+        self.start = now
+        self._samples: deque[tuple[float, int]] = deque([(now, 0)])
+
+    def check(self, now: float, total: int) -> None:
+        """Raise :class:`_Stalled` when, a window after the start, the bytes since the
+        oldest sample still inside the window (plus one before it) are below the
+        minimum rate.
+
+        Raises:
+            _Stalled: slower than ``_MIN_RATE_BPS`` over the window.
+        """
+        if now - self._samples[-1][0] >= self.seconds / 8:
+            self._samples.append((now, total))
+        while len(self._samples) > 1 and self._samples[1][0] <= now - self.seconds:
+            self._samples.popleft()
+        since, base = self._samples[0]
+        span = now - since
+        if now - self.start >= self.seconds and total - base < _MIN_RATE_BPS * span:
+            raise _Stalled(total - base, span)
+
+
+def _body(response: requests.Response, window: _Window, written: list[int]) -> Iterator[bytes]:
+    """The decoded body in pieces as they arrive, judged by ``window`` after each one
+    (``written[0]`` counts what was accepted). ``read1`` returns whatever one socket
+    read brings, so a server dripping bytes is noticed after its first piece past a
+    window, not after the whole body (iter_content blocks until a full chunk has
+    arrived)."""
     raw = response.raw
-    start = time.monotonic()
     while True:
         piece = raw.read1(_CHUNK, decode_content=True)
         if not piece:
             return
         yield piece
-        if time.monotonic() - start > budget:
-            raise _Stalled
+        window.check(time.monotonic(), written[0])

@@ -2,34 +2,39 @@
 
 :class:`LoopbackOrigin` serves the files under a directory the way a CDN serves
 FlashInfer's cubin repository, counts every artifact request, and misbehaves when told
-to (server errors, rate limiting, truncated or wrong bodies, hangs, redirects), so
-origin and prefetch tests run against real sockets without leaving the machine.
-Other processes (MPI ranks) read the counters with ``GET /_stats`` and clear them
-with ``POST /_reset``.
+to (server errors, rate limiting, truncated or wrong bodies, bodies without a
+length or without an end, hangs, redirects), so origin and prefetch tests run against
+real sockets without leaving the machine. It records the headers of every artifact
+request (a test asserts that a host never saw an ``Authorization`` header). Other
+processes (MPI ranks) read the counters with ``GET /_stats`` and clear them with
+``POST /_reset``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import logging
-import re
 import socket
 import threading
-import time
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import TracebackType
 from typing import Any
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import quote
 
 from distcache.artifact import path_under
 from distcache.errors import ArtifactNameError
-
-logger = logging.getLogger(__name__)
+from distcache.testing._loopback_wire import (
+    CHUNK,
+    Bandwidth,
+    Handler,
+    Server,
+    endless,
+    normalise,
+    pieces_of,
+    send_chunked,
+    shutdown_all,
+)
 
 #: Faults :meth:`LoopbackOrigin.inject` accepts, with their parameters.
 FAULTS: dict[str, str] = {
@@ -41,9 +46,12 @@ FAULTS: dict[str, str] = {
     "hang": "accept and never answer, for seconds (default 30) or until stop()",
     "latency": "wait seconds (default 1.0) before answering normally",
     "redirect": "answer status (default 302) with Location: location, or base + '/' + path",
+    "chunked": "send the file with Transfer-Encoding: chunked and no Content-Length",
+    "endless": "send a chunked body that never ends, until the client hangs up or stop()",
 }
 
-_CHUNK = 64 * 1024
+#: Headers kept for :attr:`LoopbackOrigin.request_headers` (the latest requests).
+_HEADERS_KEPT = 4096
 
 
 @dataclass
@@ -53,116 +61,6 @@ class _Fault:
     remaining: int | None
     params: dict[str, Any] = field(default_factory=dict)
 
-
-class _Bandwidth:
-    """An aggregate rate cap shared by every connection.
-
-    Each chunk reserves the next free interval on one virtual clock and is sent
-    when its interval ends, so N concurrent downloads share the rate instead of
-    each getting it.
-    """
-
-    def __init__(self, bytes_per_second: float, stopping: threading.Event) -> None:
-        self._rate = float(bytes_per_second)
-        self._stopping = stopping
-        self._lock = threading.Lock()
-        self._next = time.monotonic()
-
-    def wait(self, nbytes: int) -> None:
-        with self._lock:
-            now = time.monotonic()
-            start = max(self._next, now)
-            self._next = start + nbytes / self._rate
-            until = self._next
-        delay = until - time.monotonic()
-        if delay > 0:
-            self._stopping.wait(delay)
-
-
-def _normalise(raw_path: str) -> str:
-    return re.sub(r"/{2,}", "/", unquote(urlsplit(raw_path).path)).lstrip("/")
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    # Headers and body leave in separate writes; with Nagle on, each response then
-    # waits for the client's delayed ACK (~40 ms on loopback) and every count per
-    # second measured against this server would be about that latency.
-    disable_nagle_algorithm = True
-    server: _Server
-
-    def setup(self) -> None:
-        super().setup()
-        self.server.owner._track(self.connection, add=True)
-
-    def finish(self) -> None:
-        try:
-            super().finish()
-        except OSError:
-            pass
-        finally:
-            self.server.owner._track(self.connection, add=False)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        logger.debug("loopback origin: " + format, *args)
-
-    def do_GET(self) -> None:
-        try:
-            if urlsplit(self.path).path == "/_stats":
-                self.send_body(200, json.dumps(self.server.owner.stats()).encode())
-            else:
-                self.server.owner._serve(self)
-        except OSError:
-            # The client went away (timeout, retry): nothing to answer.
-            self.close_connection = True
-
-    def do_POST(self) -> None:
-        raw_length = (self.headers.get("Content-Length") or "0").strip()
-        if not raw_length.isascii() or not raw_length.isdigit() or int(raw_length) > 1 << 20:
-            self.send_body(400, b"bad Content-Length\n")
-            self.close_connection = True
-            return
-        if int(raw_length):
-            self.rfile.read(int(raw_length))
-        if urlsplit(self.path).path == "/_reset":
-            self.server.owner.reset()
-            self.send_body(200, b'{"reset": true}')
-        else:
-            self.send_body(404, b"not found\n")
-
-    def send_head(self, status: int, length: int, headers: dict[str, str] | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Length", str(length))
-        self.send_header("Content-Type", "application/octet-stream")
-        for key, value in (headers or {}).items():
-            self.send_header(key, value)
-        self.end_headers()
-
-    def send_body(
-        self, status: int, body: bytes, headers: dict[str, str] | None = None
-    ) -> None:
-        self.send_head(status, len(body), headers)
-        self.wfile.write(body)
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    # socketserver's default backlog of 5 drops the connects of a burst of ranks,
-    # which then retry after ~1 s and distort every count-per-second figure.
-    request_queue_size = 256
-    owner: LoopbackOrigin
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        logger.debug("loopback origin: error handling %s", client_address, exc_info=True)
-
-
-def _shutdown_all(server: _Server, stopping: threading.Event, conns: set[socket.socket]) -> None:
-    stopping.set()
-    server.shutdown()
-    for conn in list(conns):
-        with contextlib.suppress(OSError):
-            conn.shutdown(socket.SHUT_RDWR)
-    server.server_close()
 
 
 class LoopbackOrigin:
@@ -197,14 +95,14 @@ class LoopbackOrigin:
         self.root = Path(root).resolve()
         self.latency = latency
         self._stopping = threading.Event()
-        self._bandwidth = _Bandwidth(bandwidth, self._stopping) if bandwidth else None
+        self._bandwidth = Bandwidth(bandwidth, self._stopping) if bandwidth else None
         self._lock = threading.Lock()
         self._requests: Counter[str] = Counter()
         self._bytes_sent = 0
         self._faults: list[_Fault] = []
-        self._last_headers: dict[str, str] = {}
+        self._headers: deque[dict[str, str]] = deque(maxlen=_HEADERS_KEPT)
         self._conns: set[socket.socket] = set()
-        self._server = _Server((host, port), _Handler)
+        self._server = Server((host, port), Handler)
         self._server.owner = self
         address = self._server.server_address
         self.host: str = str(address[0])
@@ -217,7 +115,7 @@ class LoopbackOrigin:
         )
         self._thread.start()
         self._finalizer = weakref.finalize(
-            self, _shutdown_all, self._server, self._stopping, self._conns
+            self, shutdown_all, self._server, self._stopping, self._conns
         )
 
     # -- lifetime ---------------------------------------------------------------
@@ -268,7 +166,14 @@ class LoopbackOrigin:
     def last_headers(self) -> dict[str, str]:
         """The headers (lower-case names) of the latest artifact GET."""
         with self._lock:
-            return dict(self._last_headers)
+            return dict(self._headers[-1]) if self._headers else {}
+
+    @property
+    def request_headers(self) -> list[dict[str, str]]:
+        """The headers (lower-case names) of every artifact GET since the last
+        :meth:`reset`, oldest first (the latest 4096)."""
+        with self._lock:
+            return [dict(h) for h in self._headers]
 
     def stats(self) -> dict[str, Any]:
         """The counters as ``GET /_stats`` returns them."""
@@ -285,6 +190,7 @@ class LoopbackOrigin:
             self._requests.clear()
             self._bytes_sent = 0
             self._faults.clear()
+            self._headers.clear()
 
     def inject(
         self, fault: str, path: str | None = None, count: int | None = 1, **params: Any
@@ -302,7 +208,7 @@ class LoopbackOrigin:
             raise ValueError(f"count must be >= 1 or None, got {count}")
         if fault == "redirect" and "location" not in params and "base" not in params:
             raise ValueError("the redirect fault needs location=URL or base=URL")
-        target = _normalise(path) if path is not None else None
+        target = normalise(path) if path is not None else None
         with self._lock:
             self._faults.append(_Fault(fault, target, count, dict(params)))
 
@@ -343,11 +249,11 @@ class LoopbackOrigin:
             return None
         return real
 
-    def _serve(self, h: _Handler) -> None:
-        name = _normalise(h.path)
+    def _serve(self, h: Handler) -> None:
+        name = normalise(h.path)
         with self._lock:
             self._requests[name] += 1
-            self._last_headers = {k.lower(): v for k, v in h.headers.items()}
+            self._headers.append({k.lower(): v for k, v in h.headers.items()})
         fault = self._take_fault(name)
         if self.latency:
             self._stopping.wait(self.latency)
@@ -373,6 +279,9 @@ class LoopbackOrigin:
             location = params.get("location") or f"{str(params['base']).rstrip('/')}/{quote(name)}"
             h.send_body(int(params.get("status", 302)), b"", {"Location": str(location)})
             return
+        if kind == "endless":
+            send_chunked(h, endless(), self._bandwidth, self._stopping, self._sent)
+            return
         path = self._resolve(name)
         if path is None:
             h.send_body(404, b"not found\n")
@@ -381,13 +290,16 @@ class LoopbackOrigin:
         if kind == "wrong_bytes" and data:
             middle = len(data) // 2
             data = data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :]
+        if kind == "chunked":
+            send_chunked(h, pieces_of(data), self._bandwidth, self._stopping, self._sent)
+            return
         h.send_head(200, len(data))
         if kind == "truncate":
             data = data[: int(len(data) * float(params.get("fraction", 0.5)))]
             h.close_connection = True
         view = memoryview(data)
-        for offset in range(0, len(view), _CHUNK):
-            chunk = view[offset : offset + _CHUNK]
+        for offset in range(0, len(view), CHUNK):
+            chunk = view[offset : offset + CHUNK]
             if self._bandwidth is not None:
                 self._bandwidth.wait(len(chunk))
             if self._stopping.is_set():

@@ -18,6 +18,7 @@ from distcache.errors import (
     ConfigError,
     IntegrityError,
     OriginError,
+    OriginUnreachable,
 )
 from distcache.origins import (
     BaseOrigin,
@@ -228,17 +229,23 @@ def test_injected_not_found_is_not_retried(
     assert origin_server.total_requests == 1
 
 
-def test_connection_refused_is_retried_then_reported(
+def test_connection_refused_is_not_retried_and_marks_the_origin_down(
     artifact_dir: Path, artifacts: list[Artifact], sleeps: Sleeps
 ) -> None:
     server = LoopbackOrigin(artifact_dir)
     url = server.url
     server.stop()
     origin = HttpOrigin(url, timeout=2, retries=2, sleep=sleeps)
-    with pytest.raises(OriginError, match="ConnectionError") as info:
+    with pytest.raises(OriginUnreachable, match="unreachable: connection refused") as info:
         origin.fetch(artifacts[0])
-    assert len(sleeps) == 2
+    assert sleeps == []
     assert info.value.status is None
+    assert info.value.cause == "connection refused"
+    # The same port serving again does not matter: the origin is down for its lifetime.
+    with LoopbackOrigin(artifact_dir, port=int(url.rsplit(":", 1)[1])) as again:
+        with pytest.raises(OriginUnreachable, match="connection refused"):
+            origin.fetch(artifacts[1])
+        assert again.total_requests == 0
 
 
 def test_same_host_redirect_is_followed(
@@ -276,9 +283,9 @@ def test_redirect_to_an_allowed_host_is_followed_without_the_token(
     sleeps: Sleeps,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("DISTCACHE_ORIGIN_TOKEN", TOKEN)
     with LoopbackOrigin(artifact_dir, host="127.0.0.2") as other:
-        origin = HttpOrigin(origin_server.url, allow_redirect_hosts=["127.0.0.2"], sleep=sleeps)
+        origin = HttpOrigin(origin_server.url, token=TOKEN, allow_redirect_hosts=["127.0.0.2"],
+                            sleep=sleeps)
         origin_server.inject("redirect", base=other.url)
         assert sha256_hex(origin.fetch(artifacts[0])) == artifacts[0].sha256
         assert origin_server.last_headers["authorization"] == f"Bearer {TOKEN}"
@@ -316,9 +323,13 @@ def test_token_is_sent_but_never_shown(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    monkeypatch.setenv("DISTCACHE_ORIGIN", origin_server.url)
     monkeypatch.setenv("DISTCACHE_ORIGIN_TOKEN", TOKEN)
     caplog.set_level(logging.DEBUG)
-    origin = HttpOrigin(origin_server.url, retries=2, sleep=sleeps)
+    origin = open_origin(origin_server.url)
+    assert isinstance(origin, HttpOrigin)
+    origin.retries = 2
+    origin._sleep = sleeps
     origin.fetch(artifacts[0])
     assert origin_server.last_headers["authorization"] == f"Bearer {TOKEN}"
     messages = [origin.describe(), repr(origin), str(vars(origin).get("base_url"))]
@@ -544,8 +555,28 @@ def test_open_origin_unknown_scheme_names_the_spec_and_the_known_schemes() -> No
 
 
 def test_open_origin_treats_a_colon_without_slashes_as_a_path(tmp_path: Path) -> None:
+    (tmp_path / "a:b").mkdir()
     origin = open_origin(str(tmp_path / "a:b"))
     assert isinstance(origin, DirOrigin) and origin.path == tmp_path / "a:b"
+
+
+@pytest.mark.parametrize("spec", ["127.0.0.1:42505", "mirror.example/cubins", "localhost"])
+def test_an_origin_without_a_scheme_that_is_not_a_directory_is_refused(
+    spec: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="no scheme and is not an existing directory") as info:
+        open_origin(spec)
+    assert f"http://{spec}" in info.value.message
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(ConfigError, match=r"\(a file\); give the path"):
+        open_origin(str(tmp_path / "a-file"))
+    with pytest.raises(ConfigError, match=r"\(no such directory\); give the path"):
+        open_origin(str(tmp_path / "missing"))
+    (tmp_path / spec.split("/")[0]).mkdir()
+    if "/" in spec:
+        (tmp_path / spec).mkdir()
+    assert isinstance(open_origin(spec), DirOrigin)  # a directory of that name is one
 
 
 def test_open_origin_rejects_a_malformed_url_as_a_config_error() -> None:
@@ -572,7 +603,7 @@ class _MemoryOrigin(BaseOrigin):
 def test_a_new_scheme_is_one_entry_in_the_scheme_table(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setitem(SCHEMES, "mem", lambda spec: _MemoryOrigin(spec, {}))
+    monkeypatch.setitem(SCHEMES, "mem", lambda spec, _credentials: _MemoryOrigin(spec, {}))
     chain = open_origin(f"mem://bucket/cubins,{tmp_path}")
     assert isinstance(chain, OriginChain)
     assert [type(o) for o in chain.origins] == [_MemoryOrigin, DirOrigin]
@@ -612,12 +643,14 @@ def test_chain_needs_at_least_one_origin() -> None:
         OriginChain([])
 
 
-def test_http_origin_env_token_read_at_construction(
+def test_http_origin_reads_no_token_from_the_environment(
     origin_server: LoopbackOrigin, artifacts: list[Artifact], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    origin = HttpOrigin(origin_server.url)
+    # The variable is bound to one origin by open_origin; an HttpOrigin built directly
+    # sends only the token it was given.
     monkeypatch.setenv("DISTCACHE_ORIGIN_TOKEN", TOKEN)
-    origin.fetch(artifacts[0])
+    monkeypatch.setenv("DISTCACHE_ORIGIN", origin_server.url)
+    HttpOrigin(origin_server.url).fetch(artifacts[0])
     assert "authorization" not in origin_server.last_headers
     assert os.environ["DISTCACHE_ORIGIN_TOKEN"] == TOKEN
 

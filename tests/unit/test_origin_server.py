@@ -19,7 +19,7 @@ import requests
 from distcache.artifact import Artifact, parse_checksums, sha256_hex, validate_name
 from distcache.comm._backend import poll_until
 from distcache.testing import LoopbackOrigin, make_artifacts
-from distcache.testing._origin_server import _Bandwidth
+from distcache.testing._loopback_wire import Bandwidth as _Bandwidth
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -45,7 +45,7 @@ import pytest
 
 from distcache.artifact import Artifact, sha256_hex
 from distcache.errors import ConfigError, DistcacheError, IntegrityError, OriginError, PoolError
-from distcache.origins import DirOrigin, HttpOrigin, OriginChain
+from distcache.origins import DirOrigin, HttpOrigin, OriginChain, open_origin
 from distcache.store._pool import ArtifactPool
 from distcache.testing import LoopbackOrigin
 
@@ -528,7 +528,7 @@ def test_the_bearer_token_never_appears_in_logs_errors_or_reprs(
     opened: list[HttpOrigin] = []
 
     def make(**kwargs: Any) -> HttpOrigin:
-        opened.append(HttpOrigin(origin_server.url, retries=1, timeout=5,
+        opened.append(HttpOrigin(origin_server.url, token=TOKEN + "\n", retries=1, timeout=5,
                                  sleep=lambda _s: None, **kwargs))
         return opened[-1]
 
@@ -579,8 +579,9 @@ def test_an_unusable_token_is_a_config_error_that_does_not_quote_it(
     # A token with a control character used to fail inside requests, whose error
     # (then ours, then the logs) quoted the whole header value.
     monkeypatch.setenv("DISTCACHE_ORIGIN_TOKEN", token)
+    monkeypatch.setenv("DISTCACHE_ORIGIN", "http://127.0.0.1:9")
     with pytest.raises(ConfigError) as info:
-        HttpOrigin("http://127.0.0.1:9")
+        open_origin("http://127.0.0.1:9")
     shown = "\n".join(_texts(info.value))
     assert "s3cr3t" not in shown
 

@@ -1,0 +1,151 @@
+"""Which host a bearer token belongs to: :class:`Credentials`.
+
+A token is bound to one host (scheme, host name, port), never to "every HTTP origin":
+with ``DISTCACHE_ORIGIN=https://private-mirror,https://public-cdn`` the CDN must not
+receive the mirror's token, nor must an integration's default origin (FlashInfer's
+public repository) or a host a redirect points to. Two settings bind tokens:
+
+- ``DISTCACHE_ORIGIN_TOKEN`` belongs to the first ``http(s)://`` entry of
+  ``DISTCACHE_ORIGIN``; when ``DISTCACHE_ORIGIN`` has none, to the first of the origin
+  list given explicitly (``--origin``, ``init(origin=...)``). Never to anything else.
+- ``DISTCACHE_ORIGIN_TOKENS=host[:port]=token,...`` binds one token per host; a host
+  without a port means the scheme's default port (443 for https, 80 for http). It
+  wins over ``DISTCACHE_ORIGIN_TOKEN`` for the host they share.
+
+``~/.netrc`` keeps working as requests reads it: per host, for a host no token here is
+bound to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from distcache.config import Settings
+from distcache.errors import ConfigError
+
+#: (scheme, lower-case host name, port); the port is the scheme's default when omitted.
+HostKey = tuple[str, str, int | None]
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+_TOKENS_VARIABLE = "DISTCACHE_ORIGIN_TOKENS"
+
+
+def host_key(url: str) -> HostKey:
+    """``url``'s (scheme, host, port), the unit a credential is bound to.
+
+    Raises:
+        ValueError: the port is not a number or is out of range, or a broken IPv6
+            literal (from urlsplit).
+    """
+    parts = urlsplit(url)
+    port = parts.port or _DEFAULT_PORTS.get(parts.scheme)
+    return (parts.scheme, (parts.hostname or "").lower(), port)
+
+
+def clean_token(token: str | None, variable: str) -> str | None:
+    """``token`` without the surrounding whitespace ``$(cat file)`` leaves; ``None``
+    when nothing is left.
+
+    Raises:
+        ConfigError: a control or non-ASCII character inside (the message never
+            quotes the value).
+    """
+    if token is None:
+        return None
+    token = token.strip()
+    if not token:
+        return None
+    if not token.isprintable() or not token.isascii():
+        # Left in, it would fail later inside requests, whose error quotes the header.
+        raise ConfigError(f"{variable} holds control or non-ASCII characters; set it to "
+                          "the bare token", variable=variable, value="<redacted>")
+    return token
+
+
+def _http_entries(specs: Iterable[object]) -> list[str]:
+    entries: list[str] = []
+    for spec in specs:
+        if isinstance(spec, str):
+            entries.extend(p.strip() for p in spec.split(",")
+                           if p.strip().lower().startswith(("http://", "https://")))
+    return entries
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """Bearer tokens by :data:`HostKey`; :meth:`token_for` answers for one URL.
+
+    The tokens never show in ``repr`` (only the hosts they are bound to do).
+    """
+
+    tokens: Mapping[HostKey, str] = field(default_factory=dict, repr=False)
+
+    def token_for(self, url: str) -> str | None:
+        """The token bound to ``url``'s scheme, host and port, or ``None``."""
+        try:
+            return self.tokens.get(host_key(url))
+        except ValueError:
+            return None
+
+    def __repr__(self) -> str:
+        hosts = sorted(f"{s}://{h}:{p}" for s, h, p in self.tokens)
+        return f"Credentials(hosts={hosts})"
+
+    @classmethod
+    def none(cls) -> Credentials:
+        """No token for any host."""
+        return cls({})
+
+    @classmethod
+    def from_settings(cls, conf: Settings, explicit: Iterable[object] = ()) -> Credentials:
+        """The tokens ``conf`` binds (see the module docstring): ``DISTCACHE_ORIGIN_TOKEN``
+        to the first HTTP(S) entry of ``conf.origins``, else of ``explicit`` (the
+        origin list given as an argument); then ``DISTCACHE_ORIGIN_TOKENS``.
+
+        Raises:
+            ConfigError: a malformed ``DISTCACHE_ORIGIN_TOKENS`` entry or an unusable
+                token (never quoted).
+        """
+        tokens: dict[HostKey, str] = {}
+        token = clean_token(conf.origin_token, "DISTCACHE_ORIGIN_TOKEN")
+        if token is not None:
+            first = _http_entries(conf.origins) or _http_entries(explicit)
+            if first:
+                # A malformed URL: open_origin refuses it itself, naming it.
+                with contextlib.suppress(ValueError):
+                    tokens[host_key(first[0])] = token
+        tokens.update(parse_tokens(conf.origin_tokens))
+        return cls(tokens)
+
+
+def parse_tokens(text: str | None) -> dict[HostKey, str]:
+    """``host[:port]=token,...`` (``DISTCACHE_ORIGIN_TOKENS``) -> tokens by host, each
+    bound for both http and https on the port given, or on each scheme's default port.
+
+    Raises:
+        ConfigError: an entry without ``=``, without a host, or with a bad port or an
+            unusable token; the message names the entry's position, never a token.
+    """
+    tokens: dict[HostKey, str] = {}
+    if text is None:
+        return tokens
+    for position, entry in enumerate((e for e in text.split(",") if e.strip()), 1):
+        host, sep, raw = entry.partition("=")
+        host = host.strip().lower()
+        token = clean_token(raw, _TOKENS_VARIABLE) if sep else None
+        try:
+            parts = urlsplit(f"//{host}")
+            name, port = parts.hostname, parts.port
+        except ValueError:
+            name = port = None
+        if not sep or token is None or not name or "/" in host or "@" in host:
+            raise ConfigError(
+                f"{_TOKENS_VARIABLE}: entry {position} is not host[:port]=token "
+                "(e.g. mirror.example=TOKEN,cdn.example:8443=OTHER)",
+                variable=_TOKENS_VARIABLE, value=f"entry {position}")
+        for scheme, default in _DEFAULT_PORTS.items():
+            tokens[(scheme, name, port or default)] = token
+    return tokens
