@@ -19,6 +19,7 @@ from launch._detect import LAUNCHERS, MPI_LAUNCHERS, LaunchInfo, detect
 from launch._dist import gloo_group, init_process_group, publish_store, rendezvous_address
 from launch._nodelist import expand_nodelist
 from launch._rendezvous import Rendezvous, find_store
+from launch._sources import run_id
 
 __all__ = [
     "LAUNCHERS",
@@ -34,4 +35,5 @@ __all__ = [
     "init_process_group",
     "publish_store",
     "rendezvous_address",
+    "run_id",
 ]

@@ -142,14 +142,29 @@ def _check_bounds(values: Mapping[str, tuple[int, str]], pairs: list[tuple[str, 
             )
 
 
+#: Ports derived from a Slurm job id: ``[SLURM_PORT_LOW, SLURM_PORT_HIGH]``, so that the
+#: port and distcache's store one above it (:data:`launch._rendezvous.PORT_OFFSET`) both
+#: stay below Linux's ephemeral range (32768-60999 by default,
+#: ``net.ipv4.ip_local_port_range``): a port in that range may already be the local end
+#: of any outgoing connection on rank 0's node, and its bind then fails at random.
+SLURM_PORT_LOW = 10000
+SLURM_PORT_HIGH = 32766
+
+
+def slurm_port(job: str, step: str = "0") -> int:
+    """The port every rank of Slurm job ``job``, step ``step`` derives, with no
+    communication (as Lightning and submitit do); hashing spreads concurrent jobs on
+    one node over ``[SLURM_PORT_LOW, SLURM_PORT_HIGH]``."""
+    key = f"{job}.{step}".encode()
+    span = SLURM_PORT_HIGH - SLURM_PORT_LOW + 1
+    return SLURM_PORT_LOW + int.from_bytes(hashlib.sha256(key).digest()[:4], "big") % span
+
+
 def _slurm_port(env: Mapping[str, str]) -> int | None:
     job = env.get("SLURM_JOB_ID")
     if job is None:
         return None
-    # Every rank derives the same port from the job and step, with no communication
-    # (as Lightning and submitit do); hashing spreads concurrent jobs on one node.
-    key = f"{job}.{env.get('SLURM_STEP_ID', '0')}".encode()
-    return 20000 + int.from_bytes(hashlib.sha256(key).digest()[:4], "big") % 30000
+    return slurm_port(job, env.get("SLURM_STEP_ID", "0"))
 
 
 def _master(

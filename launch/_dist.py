@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from distcache.config import settings
 from distcache.errors import CollectiveTimeout, CommError, LaunchError
 from launch._detect import LaunchInfo, detect
+from launch._rendezvous import host_store
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Store
@@ -189,7 +190,8 @@ def publish_store(
 ) -> tuple[str, int, Store]:
     """A ``TCPStore`` every rank reaches: rank 0 hosts it (on ``port``, else one the OS
     picks and keeps bound, so no other process can take it between choosing and
-    listening) and its address travels over the given transport; the others connect.
+    listening; on ``host``'s address only, :func:`launch._rendezvous.host_store`) and its
+    address travels over the given transport; the others connect.
 
     Raises:
         CommError: rank 0 could not host the store (on every rank alike).
@@ -201,8 +203,11 @@ def publish_store(
 
     def open_master(hosts: list[str]) -> tuple[str, int]:
         where = host or rendezvous_address(hosts)
-        store = dist.TCPStore(where, port or 0, size, is_master=True, timeout=timeout,
-                              wait_for_workers=False)
+        # Listens on ``where`` only (not every interface) where torch allows it.
+        store = host_store(where, port or 0, size, timeout, spans_hosts=len(set(hosts)) > 1,
+                           what="the job's rendezvous store",
+                           hint="set MASTER_PORT to a free port below 32768, or unset it "
+                                "to let the OS choose one")
         hosted.append(store)
         return where, int(store.port)
 

@@ -12,12 +12,24 @@ distcache's private gloo groups rendezvous here, never on the engine's process g
   free for the engine.
 
 Under MPI distcache uses a duplicate of the MPI world instead and needs no store.
+
+A store distcache hosts (:func:`host_store`) listens on the address the launcher names
+(``MASTER_ADDR``, the step's first node), not on every interface: torch's
+``TCPStore`` binds its server to every interface whatever ``host_name`` says
+(``host_name`` only tells clients where to connect), so distcache binds the socket
+itself and hands it over (``master_listen_fd``). Where that address is loopback but the
+job spans hosts (a host name that resolves to ``127.0.1.1`` on its own host), or is not
+an address of this host at all, the store listens on every interface, as torch's does.
+The store has no authentication: whoever reaches the port can read and write its keys.
 """
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import logging
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -71,17 +83,101 @@ def find_store(
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     port = info.master_port if agent else info.master_port + PORT_OFFSET
     host_it = not agent and info.rank == 0
-    try:
-        store = dist.TCPStore(info.master_addr, port, info.world_size, host_it,
-                              timeout=wait, wait_for_workers=False)
-    except (RuntimeError, OSError) as exc:
-        role = "host" if host_it else "reach"
-        raise CommError(
-            f"rank {info.rank}/{info.world_size}: cannot {role} the rendezvous store at "
-            f"{info.master_addr}:{port}: {exc}; check that the port is free on rank 0's "
-            "host and reachable from every node",
-            op="rendezvous", rank=info.rank, backend="gloo",
-        ) from exc
+    if host_it:
+        derived = "SLURM_JOB_ID" in info.source
+        store = host_store(
+            info.master_addr, port, info.world_size, wait, spans_hosts=not info.single_node,
+            what=f"distcache's rendezvous store (MASTER_PORT {info.master_port} + {PORT_OFFSET})",
+            hint=("the port was derived from SLURM_JOB_ID; set MASTER_PORT" if derived else
+                  "set MASTER_PORT") + " to a port whose next port is free on rank 0's host "
+                 f"too, below the ephemeral range ({EPHEMERAL_LOW}-60999)",
+        )
+    else:
+        try:
+            store = dist.TCPStore(info.master_addr, port, info.world_size, False,
+                                  timeout=wait)
+        except (RuntimeError, OSError) as exc:
+            raise CommError(
+                f"rank {info.rank}/{info.world_size}: cannot reach the rendezvous store at "
+                f"{info.master_addr}:{port}: {exc}; check that rank 0 started and that the "
+                "port is reachable from every node",
+                op="rendezvous", rank=info.rank, backend="gloo",
+            ) from exc
     source = "torchrun agent store" if agent else f"store hosted by rank 0 on port {port}"
     log.debug("rendezvous: %s at %s:%d", source, info.master_addr, port)
     return Rendezvous(store, info.rank, info.world_size, source)
+
+
+#: The lowest port of Linux's default ephemeral range (``net.ipv4.ip_local_port_range``).
+EPHEMERAL_LOW = 32768
+
+
+def _listener(addr: str, port: int, spans_hosts: bool, what: str,
+              hint: str) -> socket.socket | None:
+    """A socket listening on ``addr:port`` only, or ``None`` where the store must
+    listen on every interface (see the module docstring).
+
+    Raises:
+        CommError: the port is in use (``hint`` says what to do) or cannot be bound.
+    """
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            addr, port, type=socket.SOCK_STREAM)[0]
+    except (OSError, IndexError) as exc:
+        log.warning("%s: %r does not resolve on this host (%s); listening on every "
+                    "interface", what, addr, exc)
+        return None
+    ip = str(sockaddr[0])
+    if ipaddress.ip_address(ip.split("%")[0]).is_loopback and spans_hosts:
+        log.info("%s: %r is %s on this host, which other hosts cannot reach; listening on "
+                 "every interface", what, addr, ip)
+        return None
+    sock = socket.socket(family, kind, proto)
+    try:
+        # The port may have served the same purpose a moment ago (the launch wrapper's
+        # store, then its program's), its connections still in TIME_WAIT.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRNOTAVAIL:
+            log.warning("%s: %r (%s) is not an address of this host; listening on every "
+                        "interface", what, addr, ip)
+            return None
+        raise _bind_error(addr, port, what, hint, exc) from exc
+    return sock
+
+
+def _bind_error(addr: str, port: int, what: str, hint: str, exc: BaseException) -> CommError:
+    in_use = getattr(exc, "errno", None) == errno.EADDRINUSE or "in use" in str(exc).lower()
+    why = f"port {port} is in use on this host" if in_use else f"the bind failed ({exc})"
+    return CommError(f"cannot listen on {addr}:{port} for {what}: {why}; {hint}",
+                     op="rendezvous", rank=0, backend="gloo")
+
+
+def host_store(addr: str, port: int, size: int, timeout: timedelta, *, spans_hosts: bool,
+               what: str, hint: str) -> Any:
+    """Host a ``TCPStore`` server for ``size`` users on ``addr:port`` (``port`` 0: one
+    the OS picks; read the store's ``port``), listening on ``addr`` only where torch
+    allows it (see the module docstring).
+
+    Raises:
+        CommError: the port is in use or cannot be bound (the message names the port
+            and says what to do, with ``hint``), or torch could not start the server.
+    """
+    import torch.distributed as dist
+
+    sock = _listener(addr, port, spans_hosts, what, hint)
+    try:
+        if sock is None:
+            return dist.TCPStore(addr, port, size, True, timeout=timeout,
+                                 wait_for_workers=False)
+        store = dist.TCPStore(addr, int(sock.getsockname()[1]), size, True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=sock.fileno())
+    except (RuntimeError, OSError) as exc:
+        if sock is not None:
+            sock.close()
+        raise _bind_error(addr, port, what, hint, exc) from exc
+    sock.detach()  # the server owns the descriptor now and closes it
+    return store

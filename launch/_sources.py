@@ -18,6 +18,11 @@ agreement rules between launchers live in :mod:`launch._detect`.
    script has job-level ``SLURM_*`` variables but no step, and is a single process
    (lightseekorg/tokenspeed PR #873).
 
+:func:`run_id` reads which job and restart attempt this is (``TORCHELASTIC_RUN_ID`` and
+``TORCHELASTIC_RESTART_COUNT``, Open MPI's ``OMPI_MCA_ess_base_jobid`` or PMIx's
+``PMIX_NAMESPACE``, Slurm's ``SLURM_JOB_ID``, ``SLURM_STEP_ID`` and
+``SLURM_RESTART_COUNT``), which scopes every key distcache writes to a shared store.
+
 ``OMPI_COMM_WORLD_NODE_RANK`` is not used: it is the process's rank on its node across
 all jobs, not the node's index (docs.open-mpi.org, "environment variables").
 """
@@ -200,3 +205,38 @@ def slurm(env: Mapping[str, str]) -> Signal | None:
 
 INNER = (torchrun, openmpi, mpich, pmix)
 """The readers of launchers that start ranks directly, innermost first."""
+
+
+#: Variables that name a job, innermost launcher first, and the variable that counts
+#: its restarts. Only the innermost present one counts: an outer launcher's variables
+#: under torchrun describe the agent, and may differ between nodes of one run.
+_JOB_VARIABLES = (
+    ("torchrun", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"),
+    ("openmpi", "OMPI_MCA_ess_base_jobid", None),  # Open MPI 4
+    ("pmix", "PMIX_NAMESPACE", None),  # Open MPI 5 (PRRTE), srun --mpi=pmix
+    ("slurm", "SLURM_JOB_ID", "SLURM_RESTART_COUNT"),
+)
+
+
+def run_id(env: Mapping[str, str]) -> tuple[str, int, tuple[str, ...]]:
+    """``(job, attempt, variables)``: the launcher's name for this job (every rank of a
+    run reads the same; ``""`` when no launcher names one), the restart attempt (``0``
+    unless the launcher counts restarts) and the variables both came from.
+
+    Raises:
+        LaunchError: a restart count is not an integer >= 0.
+    """
+    for launcher, job_var, attempt_var in _JOB_VARIABLES:
+        job = env.get(job_var)
+        if not job:
+            continue
+        used = [job_var]
+        if launcher == "slurm":
+            # Every srun step is a run of its own, with its own ranks.
+            job = f"{job}.{env.get('SLURM_STEP_ID', '0')}"
+            used += ["SLURM_STEP_ID"] if "SLURM_STEP_ID" in env else []
+        attempt = 0 if attempt_var is None else read_int(env, attempt_var)
+        if attempt_var is not None and attempt is not None:
+            used.append(attempt_var)
+        return f"{launcher}:{job}", attempt or 0, tuple(used)
+    return "", 0, ()

@@ -4,8 +4,11 @@
 group made for the prefetch and closed after it; the control plane (the small
 all-gathers, barriers and agreements) stays on distcache's own MPI or gloo
 communicator, where timeouts can be bounded on the host. The NCCL group meets on a
-store rank 0 hosts on a port the OS chooses; its address travels over the control
-communicator, so nothing races for a port and no launcher variable is needed.
+store rank 0 hosts on a port the OS chooses, listening on the address it publishes
+only (:func:`launch.publish_store`); its address travels over the control
+communicator, so nothing races for a port and no launcher variable is needed. The
+group meets under the control communicator's run scope where it has one, else under a
+scope agreed on that fresh store.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 from distcache.comm._base import Communicator, agree_on_error, lend_broadcast
 from distcache.comm._gloo import NcclCommunicator
+from distcache.comm._scope import RunScope
 from distcache.errors import CommError, ConfigError, DistcacheError
 from launch import publish_store
 
@@ -53,6 +57,12 @@ class BulkCommunicator:
     @property
     def backend(self) -> str:
         return f"{self.control.backend}+{self.bulk.backend}"
+
+    @property
+    def scope(self) -> RunScope | None:
+        """The control communicator's run scope, where it has one."""
+        found: RunScope | None = getattr(self.control, "scope", None)
+        return found
 
     def broadcast_bytes(self, data: bytes | None, root: int, *,
                         timeout: float | None = None) -> bytes:
@@ -116,9 +126,11 @@ def bulk_transport(comm: Communicator, transport: str, timeout: float) -> Iterat
         return
     bulk = None
     error: BaseException | None = None
+    scope: RunScope | None = getattr(comm, "scope", None)
     try:
         bulk = NcclCommunicator(shared_store(comm, timeout), comm.rank, comm.size,
-                                timeout=timeout, node_id=comm.node_id)
+                                scope=scope, prefix=None if scope is None else scope.key("nccl"),
+                                run=("", 0), timeout=timeout, node_id=comm.node_id)
     except DistcacheError as exc:
         error = exc
     agree_on_error(comm, error, timeout=timeout)

@@ -1,36 +1,38 @@
 """distcache's own gloo process group: never the engine's, never the default group.
 
-The group is built directly on a rendezvous store (:func:`launch.find_store`) under a
-key prefix of distcache's own, so making it runs no collective on any group of the
-engine, and torch.distributed's global state (the default group, the group registry)
-is never touched: ``torch.distributed.is_initialized()`` stays what the engine made it.
-Collectives are issued on the group object itself. A timed-out collective stays queued
-on this group only; the communicator then refuses further use and the engine's groups
-carry on (the engine's watchdog never sees distcache's work).
+The group is built directly on a rendezvous store (:func:`launch.find_store`) under the
+prefix of a run scope (:mod:`distcache.comm._scope`) agreed when it is made, so making
+it runs no collective on any group of the engine, and a store shared with other
+adoptions (the ``python -m launch`` wrapper's, an earlier ``init``'s, a previous
+restart attempt's, another job's) never hands it a stale peer address. torch.distributed's
+global state (the default group, the group registry) is never touched:
+``torch.distributed.is_initialized()`` stays what the engine made it. Collectives are
+issued on the group object itself. A timed-out collective stays queued on this group
+only; the communicator then refuses further use and the engine's groups carry on (the
+engine's watchdog never sees distcache's work).
 
-Splits build their own groups from the same store under a prefix per partition and
-per time the partition was made, so only the members of a part rendezvous, and a part
-made again after :data:`~distcache.comm._backend.MAX_CHILDREN` evicted it does not
-meet stale keys.
+Splits build their own groups from the same store under the parent's scope, a prefix
+per partition and per time the partition was made, so only the members of a part
+rendezvous, and a part made again after :data:`~distcache.comm._backend.MAX_CHILDREN`
+evicted it does not meet stale keys.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
+import os
+import time
 from datetime import timedelta
 from typing import Any, Self
 
+from distcache.comm._scope import RunScope, meet, share_secret
 from distcache.comm._torch import TorchCommunicator, import_torch
 from distcache.config import settings
-from distcache.errors import CommError
+from distcache.errors import CommError, DistcacheError
+from launch import run_id
 
 log = logging.getLogger(__name__)
-
-# Groups made in this process: ranks make their groups in the same order (init and
-# the CLI are collective), so the n-th group has the same prefix on every rank.
-_generation = itertools.count()
 
 
 class GlooCommunicator(TorchCommunicator):
@@ -40,12 +42,19 @@ class GlooCommunicator(TorchCommunicator):
         store: a ``torch.distributed.Store`` every rank of the group reaches.
         rank: this process's rank in the group.
         size: the number of ranks.
-        prefix: the key prefix this group rendezvous under (default: a fresh one).
+        scope: the run scope to meet under; default: agree on a fresh one over
+            ``store`` with every rank (:func:`~distcache.comm._scope.meet`), for the
+            job and attempt ``run`` names.
+        run: ``(job, attempt)`` when agreeing on a scope (default: what the
+            launcher's variables say, :func:`launch.run_id`).
+        prefix: the key prefix the group meets under (default: the scope's).
+        until: the ``time.monotonic()`` by which the group must be made (default:
+            ``timeout`` from now).
         timeout, chunk_bytes, node_id: as for every communicator.
 
     Raises:
-        CommError: torch.distributed is missing, or the group could not be made (a
-            peer did not arrive within ``timeout``).
+        CommError: torch.distributed is missing, or the group could not be made.
+        CollectiveTimeout: a peer did not arrive by ``until``.
         ConfigError: a ``DISTCACHE_*`` variable has a bad value.
     """
 
@@ -58,21 +67,34 @@ class GlooCommunicator(TorchCommunicator):
         rank: int,
         size: int,
         *,
+        scope: RunScope | None = None,
+        run: tuple[str, int] | None = None,
         prefix: str | None = None,
+        until: float | None = None,
         timeout: float | None = None,
         chunk_bytes: int | None = None,
         node_id: str | None = None,
     ) -> None:
         torch, dist = import_torch()
-        self._store = store
-        self._prefix = prefix if prefix is not None else f"distcache/g{next(_generation)}"
-        self._made: dict[tuple[int, ...], int] = {}
-        # The timeout applies to the rendezvous too: a peer that never comes makes the
+        # The timeout bounds the rendezvous too: a peer that never comes makes the
         # constructor raise instead of waiting for torch's default 30 minutes.
         wait = settings(timeout=timeout).timeout
+        until = time.monotonic() + wait if until is None else until
+        self._store = store
+        self._made: dict[tuple[int, ...], int] = {}
+        if scope is None:
+            job, attempt = run if run is not None else run_id(os.environ)[:2]
+            nonce = meet(store, rank, size, job, attempt, until)
+            # The secret comes over the group once it is made, never through the store.
+            scope = RunScope(job, attempt, nonce, b"")
+            agreed = False
+        else:
+            agreed = True
+        self._prefix = scope.prefix if prefix is None else prefix
+        left = max(until - time.monotonic(), 0.001)
         try:
             group = self._make_group(torch, dist, dist.PrefixStore(self._prefix, store), rank,
-                                     size, timedelta(seconds=wait))
+                                     size, timedelta(seconds=left))
         except RuntimeError as exc:
             raise CommError(
                 f"rank {rank}/{size}: cannot make distcache's {self._kind} group under "
@@ -82,6 +104,14 @@ class GlooCommunicator(TorchCommunicator):
             ) from exc
         self._setup(torch, dist, group, rank, size, self._kind, timeout=timeout,
                     chunk_bytes=chunk_bytes, node_id=node_id)
+        if not agreed:
+            try:
+                secret = share_secret(self, until)
+            except DistcacheError:
+                self.close()
+                raise
+            scope = RunScope(scope.job, scope.attempt, scope.nonce, secret)
+        self._scope = scope
 
     @staticmethod
     def _make_group(torch: Any, dist: Any, store: Any, rank: int, size: int,
@@ -92,6 +122,11 @@ class GlooCommunicator(TorchCommunicator):
     def prefix(self) -> str:
         """The store key prefix this group met under."""
         return self._prefix
+
+    @property
+    def scope(self) -> RunScope:
+        """The run scope every rank of this group agreed on (splits share it)."""
+        return self._scope
 
     def _repr_extra(self) -> str:
         return f"prefix={self._prefix!r}, "
@@ -125,8 +160,8 @@ class GlooCommunicator(TorchCommunicator):
         partition = hashlib.sha256(repr(colors).encode()).hexdigest()[:16]
         prefix = f"{self._prefix}/split-{partition}-{times}/{color}"
         log.debug("split %s: ranks %s under %r", self._prefix, members, prefix)
-        return type(self)(self._store, members.index(self._rank), len(members), prefix=prefix,
-                          **self._inherited())
+        return type(self)(self._store, members.index(self._rank), len(members),
+                          scope=self._scope, prefix=prefix, **self._inherited())
 
 
 class NcclCommunicator(GlooCommunicator):

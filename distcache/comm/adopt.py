@@ -15,6 +15,10 @@ Every communicator made here is distcache's own, never the engine's:
   adopted or destroyed here, whether the engine made it before or after;
 * one rank: a world-size-1 :class:`~distcache.comm.LocalCommunicator`.
 
+Every adoption agrees on a :class:`~distcache.comm._scope.RunScope` (the launcher's
+job id, the restart attempt, a nonce, a secret of the run): :attr:`Adopted.scope`. Keys
+and names distcache derives from it never meet another adoption's.
+
 :meth:`Adopted.close` discards what :func:`adopt` made; the engine's communicators are
 untouched by it, by a distcache timeout and by a distcache failure.
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -37,8 +42,10 @@ from distcache.comm._base import Communicator
 from distcache.comm._gloo import GlooCommunicator
 from distcache.comm._local import LocalCommunicator
 from distcache.comm._mpi import MpiCommunicator
+from distcache.comm._scope import RunScope, fresh, share
 from distcache.config import settings
-from launch import LaunchInfo, detect, find_store
+from distcache.errors import DistcacheError
+from launch import LaunchInfo, detect, find_store, run_id
 
 __all__ = ["Adopted", "Choice", "adopt", "auto", "choose", "launcher_is_mpi",
            "torch_is_initialised"]
@@ -92,6 +99,9 @@ class Adopted:
 
     comm: Communicator
     choice: Choice
+    #: What every rank agreed on for this adoption; keys and names derive from it, and
+    #: its secret (never logged) authenticates peers of this run.
+    scope: RunScope
     #: Where a gloo group met ("the engine's default store", ...); "" otherwise.
     rendezvous: str = ""
 
@@ -122,7 +132,8 @@ def adopt(
         TypeError: an unknown option.
         CommError: the backend chosen cannot be used (mpi4py missing, the rendezvous
             store unreachable).
-        CollectiveTimeout: not every rank came to make the communicator in time.
+        CollectiveTimeout: not every rank came to make the communicator (and agree
+            on the run scope) in time.
         LaunchError: the launcher variables contradict each other, or the rendezvous
             address is missing.
         ConfigError: a ``DISTCACHE_*`` variable has a bad value.
@@ -134,19 +145,32 @@ def adopt(
     if info is None:
         info = detect(env)
     choice = choose(info)
+    job, attempt, _ = run_id(env)
+    wait = settings(timeout=options.get("timeout")).timeout
+    # One deadline for the whole adoption: reaching the store, agreeing on the scope,
+    # making the group and sharing the secret all fit in the timeout together.
+    until = time.monotonic() + wait
     if choice == "mpi":
         log.debug("communicator: a duplicate of the MPI world")
-        return Adopted(MpiCommunicator(**options), choice)
+        mpi = MpiCommunicator(**options)
+        try:
+            scope = share(mpi, job, attempt, until)
+        except DistcacheError:
+            mpi.close()
+            raise
+        return Adopted(mpi, choice, scope)
     if choice == "gloo":
-        wait = settings(timeout=options.get("timeout")).timeout
         meeting = find_store(info, wait, env)
         log.debug("communicator: distcache's own gloo group on %s", meeting.source)
-        comm = GlooCommunicator(meeting.store, meeting.rank, meeting.world_size, **options)
-        return Adopted(comm, choice, meeting.source)
+        gloo = GlooCommunicator(meeting.store, meeting.rank, meeting.world_size,
+                                run=(job, attempt), until=until, **options)
+        log.debug("run scope: job %r, attempt %d, nonce %s", gloo.scope.job,
+                  gloo.scope.attempt, gloo.scope.nonce)
+        return Adopted(gloo, choice, gloo.scope, meeting.source)
     node_id = options.get("node_id")
     if node_id is None:
         node_id = settings().node_id
-    return Adopted(LocalCommunicator(node_id), choice)
+    return Adopted(LocalCommunicator(node_id), choice, fresh(job, attempt))
 
 
 def auto(**options: Any) -> Communicator:

@@ -266,9 +266,58 @@ def test_slurm_port_is_derived_from_job_and_step_identically_on_every_rank() -> 
     }
     assert len(ports) == 1
     (port,) = ports
-    assert port is not None and 20000 <= port < 50000
+    assert port is not None and port < 32768
     next_step = detect({**SLURM_THREE_NODES, "SLURM_STEP_ID": "3"}, hostname=HOST)
     assert next_step.master_port != port
+
+
+@pytest.mark.parametrize("step", ["0", "1", "7", "batch"])
+def test_slurm_ports_and_the_store_above_them_stay_below_the_ephemeral_range(step: str) -> None:
+    # Linux hands out 32768-60999 to outgoing connections: a port there may be taken by
+    # any connection on rank 0's node, and distcache's store listens one above it.
+    from launch._detect import SLURM_PORT_HIGH, SLURM_PORT_LOW
+    from launch._rendezvous import EPHEMERAL_LOW, PORT_OFFSET
+
+    jobs = [str(j) for j in range(1, 20_001)] + [f"{j}_{t}" for j in (5, 987654) for t in range(50)]
+    ports = [detect({**SLURM_THREE_NODES, "SLURM_JOB_ID": job, "SLURM_STEP_ID": step},
+                    hostname=HOST).master_port for job in jobs[::97]]
+    ports += [launch._detect.slurm_port(job, step) for job in jobs]
+    assert all(p is not None and p >= 10000 for p in ports)
+    assert max(p + PORT_OFFSET for p in ports if p is not None) < EPHEMERAL_LOW == 32768
+    assert (SLURM_PORT_LOW, SLURM_PORT_HIGH + PORT_OFFSET) == (10000, 32767)
+    # Spread over the range, so that concurrent jobs on one node rarely meet.
+    assert len(set(ports)) > 10_000
+    assert min(ports) < 10_100 and max(p for p in ports if p is not None) > 32_600
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        (TORCHRUN, ("torchrun:none", 0)),
+        ({**TORCHRUN, "TORCHELASTIC_RUN_ID": "job-a", "TORCHELASTIC_RESTART_COUNT": "2"},
+         ("torchrun:job-a", 2)),
+        (OPENMPI5, ("pmix:prterun-vm-4872@1", 0)),
+        ({**OPENMPI_TWO_HOSTS, "OMPI_MCA_ess_base_jobid": "3141"}, ("openmpi:3141", 0)),
+        (SLURM_THREE_NODES, ("slurm:48213.2", 0)),
+        ({**SLURM_THREE_NODES, "SLURM_STEP_ID": "4", "SLURM_RESTART_COUNT": "1"},
+         ("slurm:48213.4", 1)),
+        # Under torchrun, the outer launcher's variables describe the agent.
+        (TORCHRUN_IN_SRUN, ("torchrun:none", 0)),
+        (MPICH_HYDRA, ("", 0)),
+        ({}, ("", 0)),
+    ],
+)
+def test_the_run_id_names_the_innermost_launchers_job_and_attempt(
+    env: dict[str, str], expected: tuple[str, int]
+) -> None:
+    job, attempt, used = launch.run_id(env)
+    assert (job, attempt) == expected
+    assert set(used) <= set(env)
+
+
+def test_a_malformed_restart_count_is_a_launch_error() -> None:
+    with pytest.raises(LaunchError, match="TORCHELASTIC_RESTART_COUNT"):
+        launch.run_id({**TORCHRUN, "TORCHELASTIC_RESTART_COUNT": "two"})
 
 
 def test_explicit_master_variables_win_over_slurm_derivation() -> None:

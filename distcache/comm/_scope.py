@@ -1,0 +1,188 @@
+"""The run scope: what every rank agrees on once, when distcache adopts its communicator.
+
+A :class:`RunScope` is the launcher's job id, the restart attempt, a nonce chosen for
+this adoption and a secret of this run. Every store key and group name distcache makes
+derives from :attr:`RunScope.prefix`, so two adoptions never meet each other's keys:
+the ``python -m launch`` wrapper and the program it starts, two ``init``/``close``
+cycles in one process, a torchrun restart, two jobs sharing one agent store.
+
+Agreeing on a store that outlives processes (torchrun's agent store lives as long as
+the agent, across worker restarts; torch's workers are plain clients of it, and only
+the agents' own keys carry a ``torch.rendezvous.<run id>.<round>`` prefix):
+
+1. each rank counts its adoptions in this ``(job, attempt)`` on the store itself
+   (``store.add``, atomic). Ranks adopt in the same order (adopting is collective), so
+   the n-th adoption of every rank is the same meeting, whichever process makes it and
+   however late a rank comes; a count kept in a process (the wrapper's, then its
+   program's) would start at 0 again;
+2. rank 0 claims meeting n with a fresh nonce (``compare_set`` on an absent key: an
+   existing one means another process claimed it, refused); the others wait for it, up
+   to the deadline. A meeting's key is written once, so no rank can read a nonce of an
+   earlier meeting, wrapper or attempt;
+3. the group meets under ``<job>/<attempt>/<n>/<nonce>``; rank 0's secret travels over
+   the group once it is made, never through the store (whoever can read the store need
+   not learn it).
+
+A rank that gave up on meeting n (its timeout passed) and adopts again is one meeting
+ahead of a peer that comes late to meeting n: both raise within their timeouts, and a
+restart (a new attempt) starts the counts again.
+
+Values read from the store are parsed strictly (a nonce is 32 hex digits), never
+unpickled. The secret is never logged: it is left out of ``repr``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from distcache.comm._base import Communicator
+from distcache.errors import CollectiveTimeout, CommError
+
+#: Every key distcache writes to a store it shares starts with this.
+ROOT = "distcache"
+NONCE_BYTES = 16
+SECRET_BYTES = 32
+_NONCE = re.compile(rb"[0-9a-f]{%d}" % (2 * NONCE_BYTES))
+
+
+@dataclass(frozen=True, slots=True)
+class RunScope:
+    """One adoption's identity, the same on every rank of it."""
+
+    job: str
+    """The launcher's name for the run (:func:`launch.run_id`); ``""`` when none."""
+    attempt: int
+    """The restart attempt (:func:`launch.run_id`)."""
+    nonce: str
+    """32 hex digits rank 0 chose for this adoption."""
+    secret: bytes = field(repr=False)
+    """32 random bytes from rank 0, for authenticating peers; never logged."""
+
+    @property
+    def prefix(self) -> str:
+        """The store prefix every key and group name of this adoption starts with."""
+        return f"{job_root(self.job, self.attempt)}/{self.nonce}"
+
+    def key(self, *parts: str) -> str:
+        """A store key (or group name) of this adoption: ``prefix/part/...``."""
+        return "/".join((self.prefix, *parts))
+
+    @property
+    def tag(self) -> str:
+        """A short name for this adoption, safe in file names (temp names, probes)."""
+        return self.nonce[:16]
+
+
+def job_root(job: str, attempt: int) -> str:
+    """The store prefix of one job's attempt; the job id is hashed, so that whatever
+    characters a launcher puts in it, keys stay short and unambiguous."""
+    digest = hashlib.sha256(job.encode()).hexdigest()[:16]
+    return f"{ROOT}/{digest}/{attempt}"
+
+
+def fresh(job: str, attempt: int) -> RunScope:
+    """A scope of this process alone (a world of one)."""
+    return RunScope(job, attempt, secrets.token_hex(NONCE_BYTES),
+                    secrets.token_bytes(SECRET_BYTES))
+
+
+def _left(until: float) -> float:
+    return max(until - time.monotonic(), 0.001)
+
+
+def _timed_out(exc: BaseException) -> bool:
+    return isinstance(exc, TimeoutError) or "timeout" in str(exc).lower()
+
+
+def parse_nonce(raw: bytes, where: str) -> str:
+    """A nonce read from a store, checked to be exactly what :func:`meet` writes.
+
+    Raises:
+        CommError: anything else is in the key.
+    """
+    if not _NONCE.fullmatch(raw):
+        raise CommError(
+            f"the store key {where!r} holds {raw[:80]!r}, not a nonce of "
+            f"{2 * NONCE_BYTES} hex digits; something other than distcache wrote it",
+            op="rendezvous", backend="gloo",
+        )
+    return raw.decode()
+
+
+def meet(store: Any, rank: int, size: int, job: str, attempt: int, until: float) -> str:
+    """Agree with every rank on this adoption's nonce over ``store`` (see the module
+    docstring); returns it. Collective over the ``size`` ranks; waits no later than
+    ``until`` (a ``time.monotonic()`` value).
+
+    Raises:
+        CollectiveTimeout: rank 0 did not claim the meeting by ``until``.
+        CommError: the store failed, or holds something other than a nonce.
+    """
+    root = job_root(job, attempt)
+    where = "(counting)"
+    try:
+        count = int(store.add(f"{root}/adoptions/rank{rank}", 1))
+        where = f"{root}/{count}/nonce"
+        if rank == 0:
+            nonce = secrets.token_hex(NONCE_BYTES)
+            found = store.compare_set(where, "", nonce)
+            if parse_nonce(bytes(found), where) != nonce:
+                raise CommError(
+                    f"rank 0/{size}: adoption {count} of job {job!r} attempt {attempt} was "
+                    f"already claimed under {where!r}: two processes run as rank 0 of one "
+                    "job on one store; give each run its own id (torchrun --rdzv-id)",
+                    op="rendezvous", rank=rank, backend="gloo",
+                )
+            return nonce
+        store.wait([where], timedelta(seconds=_left(until)))
+        return parse_nonce(bytes(store.get(where)), where)
+    except (RuntimeError, OSError) as exc:
+        if _timed_out(exc):
+            raise CollectiveTimeout(
+                f"rank {rank}/{size}: rank 0 did not open distcache's adoption under "
+                f"{where!r} in time ({exc}); every rank must call distcache.init (or "
+                "the same collective) within the timeout",
+                op="rendezvous", rank=rank, timeout=round(until - time.monotonic(), 3),
+            ) from exc
+        raise CommError(f"rank {rank}/{size}: the rendezvous store failed at {where!r}: "
+                        f"{exc}", op="rendezvous", rank=rank, backend="gloo") from exc
+
+
+def share_secret(comm: Communicator, until: float) -> bytes:
+    """Rank 0's fresh secret, on every rank of ``comm``. Collective.
+
+    Raises:
+        CollectiveTimeout: not every rank came by ``until``.
+        CommError: rank 0's message is not a secret.
+    """
+    mine = secrets.token_bytes(SECRET_BYTES) if comm.rank == 0 else None
+    got = comm.broadcast_bytes(mine, 0, timeout=_left(until))
+    if len(got) != SECRET_BYTES:
+        raise CommError(f"rank {comm.rank}: rank 0 sent a secret of {len(got)} bytes, "
+                        f"expected {SECRET_BYTES}", op="init", rank=comm.rank)
+    return bytes(got)
+
+
+def share(comm: Communicator, job: str, attempt: int, until: float) -> RunScope:
+    """A scope rank 0 chooses, on every rank of ``comm`` (a communicator that needs no
+    store, such as a duplicate of the MPI world). Collective.
+
+    Raises:
+        CollectiveTimeout: not every rank came by ``until``.
+        CommError: rank 0's message is not a nonce and a secret.
+    """
+    mine = None
+    if comm.rank == 0:
+        mine = secrets.token_hex(NONCE_BYTES).encode() + secrets.token_bytes(SECRET_BYTES)
+    got = bytes(comm.broadcast_bytes(mine, 0, timeout=_left(until)))
+    if len(got) != 2 * NONCE_BYTES + SECRET_BYTES:
+        raise CommError(f"rank {comm.rank}: rank 0 sent a scope of {len(got)} bytes, "
+                        f"expected {2 * NONCE_BYTES + SECRET_BYTES}", op="init", rank=comm.rank)
+    nonce = parse_nonce(got[: 2 * NONCE_BYTES], "rank 0's scope")
+    return RunScope(job, attempt, nonce, got[2 * NONCE_BYTES:])
