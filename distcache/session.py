@@ -277,7 +277,7 @@ def init(
                                                     manifests=manifests, integrations=chosen,
                                                     timeout=conf.timeout, offline=conf.offline)
             if session.report is not None:
-                _log_rank0(comm, "prefetch: %s", session.report.summary())
+                _log_rank0(comm, "%s", session.report.summary())
             for integration in chosen:
                 with _phase(phases, integration.name):
                     integration.install(the_pool, the_origin)

@@ -5,13 +5,16 @@ codes, and the one function that prints a result as text or as JSON."""
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from distcache.config import settings
+from distcache.errors import PoolError
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -22,6 +25,44 @@ EXIT_INTERRUPTED = 130
 
 class UsageError(Exception):
     """Bad usage detected after parsing (exit code 2)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` that names an unknown option even when a required
+    argument is also missing: argparse checks required arguments first, so
+    ``distcache --frobnicate`` would otherwise say "the following arguments are
+    required: COMMAND". Subparsers are built with the same class."""
+
+    _parsing: tuple[str, ...] = ()
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._parsing = tuple(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith(("the following arguments are required", "one of the arguments")):
+            unknown = self.unknown_options(self._parsing)
+            if unknown:
+                message = f"unrecognized arguments: {' '.join(unknown)}"
+        super().error(message)
+
+    def unknown_options(self, tokens: Iterable[str]) -> list[str]:
+        """The tokens of ``tokens`` that look like options this parser does not have
+        (unique prefixes of long options count as known, as argparse allows them)."""
+        known = list(self._option_string_actions)
+        unknown = []
+        for token in tokens:
+            if token == "--":
+                break
+            if not token.startswith("-") or token == "-" or token[1:2].isdigit():
+                continue
+            if token.startswith("--"):
+                name = token.split("=", 1)[0]
+                if not any(option.startswith(name) for option in known if option[:2] == "--"):
+                    unknown.append(token)
+            elif token[:2] not in known:
+                unknown.append(token)
+        return unknown
 
 
 def human_bytes(nbytes: float | None) -> str:
@@ -44,6 +85,19 @@ def one_line(exc: BaseException) -> str:
     return " ".join(text.split())
 
 
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def not_writable(root: str | os.PathLike[str], exc: PoolError) -> PoolError:
+    """The one error for a pool that refused a write (``exc``, the first refusal):
+    it names the pool and the cause, in place of one line per artifact."""
+    what = "is not writable" if exc.errno in _NOT_WRITABLE else "cannot be written"
+    return PoolError(
+        f"pool {os.fspath(root)} {what}: {exc}; nothing more was fetched: check its "
+        "mount and permissions, or pass --pool DIR", path=os.fspath(root), errno=exc.errno,
+    )
+
+
 def pool_root(args: argparse.Namespace) -> Path:
     """The pool directory: ``--pool``, else ``DISTCACHE_POOL``, else the default.
 
@@ -55,15 +109,16 @@ def pool_root(args: argparse.Namespace) -> Path:
     return settings().pool_dir
 
 
-def common_options() -> argparse.ArgumentParser:
+def common_options() -> Parser:
     """A parent parser with ``--pool`` and ``--verbose``, for every level of subcommand."""
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     # SUPPRESS lets the options also follow a subcommand without resetting them.
     common.add_argument("--pool", metavar="DIR", default=argparse.SUPPRESS,
                         help="pool directory (default: DISTCACHE_POOL, else "
                              "$XDG_CACHE_HOME/distcache)")
-    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                        help="debug logging and tracebacks on errors")
+    common.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                        help="every rank's progress and debug lines, tracebacks on "
+                             "errors (-vv: also HTTP connections)")
     return common
 
 

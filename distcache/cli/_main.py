@@ -1,11 +1,10 @@
 """The ``distcache`` parser, built from :data:`SUBCOMMANDS`, and the run loop: logging
-set-up, and the mapping from what a handler raises to an exit code and one line on
-stderr."""
+set-up (:func:`distcache._logging.configure_logging`), and the mapping from what a
+handler raises to an exit code and one line on stderr."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import traceback
@@ -13,11 +12,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from distcache import __version__
+from distcache._logging import configure_logging
 from distcache.cli._common import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
+    Parser,
     UsageError,
     common_options,
     one_line,
@@ -64,7 +65,7 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (every subcommand in :data:`SUBCOMMANDS`)."""
     common = common_options()
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="distcache", parents=[common], epilog=_EPILOG,
         description="Fetch kernel artifacts once per job; inspect and maintain artifact pools.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -77,27 +78,6 @@ def build_parser() -> argparse.ArgumentParser:
                                     formatter_class=argparse.RawDescriptionHelpFormatter)
         sub.setup(child)
     return parser
-
-
-def _configure_logging(verbose: bool) -> Callable[[], None]:
-    """Send log records to stderr; return the function that undoes it, so that
-    calling :func:`main` in-process leaves the caller's logging as it was."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("distcache: %(levelname)s: %(message)s"))
-    root = logging.getLogger()
-    quiet = logging.getLogger("urllib3")
-    saved = (root.level, quiet.level)
-    root.addHandler(handler)
-    root.setLevel(logging.DEBUG if verbose else logging.WARNING)
-    if not verbose:
-        quiet.setLevel(logging.ERROR)
-
-    def restore() -> None:
-        root.removeHandler(handler)
-        root.setLevel(saved[0])
-        quiet.setLevel(saved[1])
-
-    return restore
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -114,8 +94,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse: --help, --version, or bad usage
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     args.pool = getattr(args, "pool", None)
-    args.verbose = getattr(args, "verbose", False)
-    restore_logging = _configure_logging(args.verbose)
+    args.verbose = getattr(args, "verbose", 0)
+    # Not collective yet: ``prefetch`` sets the rank once it has joined the job.
+    restore_logging = configure_logging(args.verbose, None)
     try:
         return _run(parser, args)
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from collections.abc import Iterator
 
@@ -25,6 +26,7 @@ from distcache.cli._common import (
 from distcache.cli._hygiene import PRUNE_HELP, RM_HELP, setup_prune, setup_rm
 from distcache.cli._transfer import IMPORT_HELP, setup_export, setup_import
 from distcache.config import parse_bytes, settings
+from distcache.errors import PoolError
 from distcache.store import ArtifactPool
 
 
@@ -127,7 +129,17 @@ def run_gc(args: argparse.Namespace) -> int:
                 f"{report.kept} objects ({human_bytes(report.kept_bytes)})")
     else:
         line = (f"removed {report.removed} objects ({human_bytes(report.freed_bytes)}), kept "
-                f"{report.kept} ({human_bytes(report.kept_bytes)}) under a cap of "
+                f"{report.kept} ({human_bytes(report.kept_bytes)}) with a cap of "
                 f"{human_bytes(report.max_bytes)}")
     emit(args, {"root": pool.root, **dataclasses.asdict(report)}, [line])
+    if report.max_bytes is not None and report.kept_bytes > report.max_bytes:
+        # Asked to get under the cap and could not: a read-only or foreign-owned pool.
+        cause = ("the pool is not writable" if not os.access(pool.layout.objects, os.W_OK)
+                 else "see the warnings above")
+        raise PoolError(
+            f"pool gc: {pool.root} still holds {human_bytes(report.kept_bytes)} in "
+            f"{report.kept} objects, over the cap of {human_bytes(report.max_bytes)}: "
+            f"removed {report.removed}, the others could not be removed ({cause})",
+            path=str(pool.root),
+        )
     return EXIT_OK

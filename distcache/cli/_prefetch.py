@@ -19,16 +19,22 @@ import dataclasses
 import json
 import logging
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
+from distcache._logging import configure_logging
 from distcache._resolve import prefetch_manifests, resolve_origin, resolve_pool
+from distcache.cli._interrupt import Stopper
 from distcache.collective import PrefetchReport
-from distcache.comm import adopt
+from distcache.comm import Communicator, adopt
 from distcache.config import settings
-from distcache.errors import DistcacheError
+from distcache.errors import ConfigError, DistcacheError
 from distcache.integrations.flashinfer import FlashInfer
 from distcache.integrations.flashinfer import prefetch as flashinfer_prefetch
 from distcache.integrations.flashinfer._warm import ARCH_RULE
+from distcache.origins import Origin
+from distcache.store import ArtifactPool
 
 log = logging.getLogger(__name__)
 
@@ -121,13 +127,22 @@ def _print_report(args: argparse.Namespace, report: PrefetchReport | None) -> No
 def _prefetch(args: argparse.Namespace) -> tuple[PrefetchReport | None, int]:
     # Settings -> communicator -> pool -> origin -> prefetch, as distcache.init does.
     conf = settings(timeout=args.timeout)
+    started = time.perf_counter()
     adopted = adopt()
+    stopper: Stopper | None = None
+    pool: ArtifactPool | None = None
     try:
         comm = adopted.comm
+        configure_logging(getattr(args, "verbose", 0), comm.rank)  # progress: rank 0 only
+        log.info("comm: %s backend, %d rank(s) (%.2f s)", comm.backend, comm.size,
+                 time.perf_counter() - started)
         pool = resolve_pool(args.pool, conf)
+        log.info("pool: %s (id %s)", pool.root, pool.pool_id)
         if args.flashinfer:
+            _check_record(comm, args.record, conf.timeout)
             # FlashInfer's own repository is the fallback origin (prefetch resolves it).
             origin = resolve_origin(args.origin, conf, [FlashInfer()])
+            stopper, origin = _stoppable(origin)
             warmed = flashinfer_prefetch(comm=comm, pool=pool, record=args.record,
                                          origin=origin, families=tuple(args.family),
                                          archs=tuple(args.arch), timeout=conf.timeout)
@@ -135,8 +150,39 @@ def _prefetch(args: argparse.Namespace) -> tuple[PrefetchReport | None, int]:
         # No origin is needed for what the pools hold; prefetch_manifests names
         # whatever no pool holds (and honours DISTCACHE_OFFLINE).
         origin = resolve_origin(args.origin, conf)
+        stopper, origin = _stoppable(origin)
         report = prefetch_manifests(comm, pool, origin, manifests=args.manifest,
                                     timeout=conf.timeout, offline=conf.offline)
         return report, comm.rank
+    except KeyboardInterrupt:
+        # The downloads run on the collective's daemon threads: stop them at their
+        # next write and remove their temporary files, rather than leave them to the
+        # stale sweep.
+        if stopper is not None and pool is not None:
+            stopper.interrupt(pool.layout.tmp, ())
+        raise
     finally:
         adopted.close()
+
+
+def _stoppable(origin: Origin | None) -> tuple[Stopper | None, Origin | None]:
+    if origin is None:
+        return None, None
+    stopper = Stopper(origin)
+    return stopper, stopper.origin
+
+
+def _check_record(comm: Communicator, record: str | None, timeout: float | None) -> None:
+    """Collective: refuse a ``--record`` directory that no rank can see (a typo would
+    otherwise prefetch nothing and succeed); one that only some ranks see is read
+    where it is, as the usage record of a multi-node job is."""
+    if record is None:
+        return
+    seen = comm.allgather_object(Path(record).is_dir(), timeout=timeout)
+    if not any(seen):
+        where = "this machine" if comm.size == 1 else f"any of the {comm.size} ranks"
+        raise ConfigError(
+            f"--record {record}: no such directory on {where}; pass the directory the "
+            "engine's runs recorded into (the FlashInfer integration's record=...)",
+            variable="--record", value=record,
+        )

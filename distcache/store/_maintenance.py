@@ -12,6 +12,7 @@ a pool object: :class:`~distcache.store._pool.ArtifactPool` calls them as its ``
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -50,6 +51,8 @@ def gc(layout: PoolLayout, max_bytes: int | None) -> GcReport:
                 pass
             except OSError as exc:
                 logger.warning("cannot remove %s during gc: %s", path, exc)
+                if exc.errno == errno.EROFS:
+                    break  # the whole pool is read-only: no other object can go either
                 continue
             removed += 1
             freed += size

@@ -1,0 +1,103 @@
+"""Logging for the programs distcache ships (the ``distcache`` command and
+``python -m launch``); the library itself only logs.
+
+The rule, for a job of many ranks writing to one terminal or one log file: by
+default rank 0 prints its progress (one line per phase) and every rank prints its
+warnings and errors (a command that is not collective prints only its warnings); ``-v`` prints every rank's progress and debug lines, each
+tagged with its rank. Each record is written once: the handler sits on the
+``distcache`` (and ``launch``) loggers, which stop propagating to the root logger
+while it is installed, so an application that also configures logging does not
+print the same line a second time.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from typing import TextIO
+
+#: The loggers the programs configure: the library's and the launch wrapper's.
+LOGGERS = ("distcache", "launch")
+#: Third-party loggers kept quiet unless ``-vv``: urllib3 logs every connection.
+_NOISY = ("urllib3",)
+
+
+class _RankFilter(logging.Filter):
+    """Lets progress (INFO and below) through only where it should be printed, and
+    tags each record with the rank."""
+
+    def __init__(self, verbose: int, rank: int | None) -> None:
+        super().__init__()
+        self.verbose = verbose
+        self.rank = rank
+        self.tag = "" if rank is None else f"rank {rank}: "
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.distcache_rank = self.tag
+        if record.levelno >= logging.WARNING or self.verbose > 0:
+            return True
+        return self.rank == 0
+
+
+class _Formatter(logging.Formatter):
+    """``distcache: <message>`` for progress, ``distcache: WARNING: <message>`` for
+    the rest; ``rank N: `` after the prefix under a launcher (rank 0 only with -v)."""
+
+    def __init__(self, verbose: int) -> None:
+        super().__init__()
+        self.verbose = verbose
+
+    def format(self, record: logging.LogRecord) -> str:
+        tag = getattr(record, "distcache_rank", "")
+        if tag == "rank 0: " and self.verbose == 0 and record.levelno < logging.WARNING:
+            tag = ""  # only rank 0 prints progress: no tag needed to tell ranks apart
+        level = "" if record.levelno == logging.INFO else f"{record.levelname}: "
+        text = f"distcache: {tag}{level}{record.getMessage()}"
+        if record.exc_info and self.verbose > 0:
+            text += "\n" + self.formatException(record.exc_info)
+        return text
+
+
+def configure_logging(
+    verbose: int, rank: int | None, *, stream: TextIO | None = None
+) -> Callable[[], None]:
+    """Print distcache's log records on ``stream`` (default: stderr).
+
+    ``verbose`` 0: progress (INFO) from rank 0 only, WARNING and above from every
+    rank; ``rank`` None is a command that is not collective, whose result is what it
+    prints on stdout, so only its warnings. 1: DEBUG from every rank. 2 or more: also
+    the HTTP library's connection lines. Calling it again replaces the earlier set-up
+    (the CLI learns the rank only once a collective command joins the job).
+
+    Returns:
+        A function that restores the loggers as they were before the first call
+        (calling :func:`distcache.cli.main` in-process leaves logging as it was).
+    """
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(_Formatter(verbose))
+    handler.addFilter(_RankFilter(verbose, rank))
+    handler.set_name("distcache")
+    level = logging.DEBUG if verbose > 0 else logging.INFO
+    loggers = [logging.getLogger(name) for name in LOGGERS]
+    noisy = [logging.getLogger(name) for name in _NOISY]
+    saved = [(lg, lg.level, lg.propagate, list(lg.handlers)) for lg in loggers + noisy]
+    for lg in loggers:
+        for old in [h for h in lg.handlers if h.get_name() == "distcache"]:
+            lg.removeHandler(old)
+        lg.addHandler(handler)
+        lg.setLevel(level)
+        lg.propagate = False
+    for lg in noisy:
+        lg.setLevel(logging.DEBUG if verbose > 1 else logging.ERROR)
+
+    def restore() -> None:
+        for lg, old_level, old_propagate, old_handlers in saved:
+            for h in list(lg.handlers):
+                lg.removeHandler(h)
+            for h in old_handlers:
+                lg.addHandler(h)
+            lg.setLevel(old_level)
+            lg.propagate = old_propagate
+
+    return restore
