@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""The README's benchmark figures, rendered from the committed JSON in ``docs/bench/``.
+"""The documentation's benchmark figures, rendered from the committed JSON in ``docs/bench/``.
 
-Each block of figures in README.md sits between ``<!-- figures:NAME -->`` and
-``<!-- /figures:NAME -->`` and is exactly what :func:`render` makes of the JSON that the
-benchmark script wrote (named as the script writes it). ``tests/unit/test_readme_figures.py``
-checks that every block matches, so a figure cannot drift from its measurement.
-After a benchmark run, copy its JSON into ``docs/bench/`` and rewrite the blocks:
+Each block of figures sits between ``<!-- figures:NAME -->`` and
+``<!-- /figures:NAME -->`` in one of the pages (README.md and ``docs/*.md``: most in
+``docs/benchmarks.md``, the soak's in ``docs/reliability.md``) and is exactly what
+:func:`render` makes of the JSON that the benchmark script wrote (named as the script
+writes it). ``tests/unit/test_readme_figures.py`` checks that every block matches, so a
+figure cannot drift from its measurement. After a benchmark run, copy its JSON into
+``docs/bench/`` and rewrite the blocks:
 
     python scripts/readme_figures.py --write
 """
@@ -22,7 +24,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "docs" / "bench"
-README = ROOT / "README.md"
+
+
+def pages() -> list[Path]:
+    """The pages figure blocks may live in: README.md, then ``docs/*.md``."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"(<!-- figures:(\w+) -->\n)(.*?)(<!-- /figures:\2 -->)", re.DOTALL)
 
 
@@ -79,8 +85,8 @@ def prefetch() -> str:
               "|---|---:|---:|---:|"]
     for b in baselines:
         threads = b.get("concurrent_downloads", cfg["downloads_per_rank"])
-        ratio = f"{b['vs_floor']:.2f}" if "vs_floor" in b else "-"
-        lines.append(f"| baseline | {threads} | {_s(b['wall_s'])} | {ratio} |")
+        vs_floor = f"{b['vs_floor']:.2f}" if "vs_floor" in b else "-"
+        lines.append(f"| baseline | {threads} | {_s(b['wall_s'])} | {vs_floor} |")
     lines += ["", "Targets, as the script checked them:", ""]
     lines += [f"- {'holds' if t['holds'] else '**fails**'}: {t['target']}: {t['observed']}"
               for t in d["targets"]]
@@ -256,15 +262,22 @@ def rewrite(text: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="rewrite README.md's blocks")
+    parser.add_argument("--write", action="store_true",
+                        help="rewrite the blocks in place (default: print the pages that hold "
+                             "blocks, rewritten)")
     args = parser.parse_args()
-    text = README.read_text()
-    new = rewrite(text)
-    if args.write:
-        README.write_text(new)
-        print("README.md blocks rewritten" if new != text else "README.md already current")
-        return 0
-    sys.stdout.write(new)
+    for page in pages():
+        text = page.read_text()
+        if not BLOCK.search(text):
+            continue
+        new = rewrite(text)
+        name = page.relative_to(ROOT)
+        if args.write:
+            if new != text:
+                page.write_text(new)
+            print(f"{name}: blocks rewritten" if new != text else f"{name}: already current")
+        else:
+            sys.stdout.write(new)
     return 0
 
 

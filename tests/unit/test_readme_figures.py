@@ -1,8 +1,9 @@
-"""Every benchmark figure the README quotes is what the committed JSON says.
+"""Every benchmark figure the documentation quotes is what the committed JSON says.
 
-The README's figures live in ``<!-- figures:NAME -->`` blocks that
-``scripts/readme_figures.py`` renders from ``docs/bench/*.json``; a block that differs
-from its rendering is a figure that drifted from its measurement.
+The figures live in ``<!-- figures:NAME -->`` blocks, in README.md or ``docs/*.md``
+(most in ``docs/benchmarks.md``), that ``scripts/readme_figures.py`` renders from
+``docs/bench/*.json``; a block that differs from its rendering is a figure that drifted
+from its measurement.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from types import ModuleType
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-README = (REPO / "README.md").read_text()
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+TEXT = {page: page.read_text() for page in PAGES}
 BENCH = REPO / "docs" / "bench"
 # The JSON each script writes, by the name it writes it under.
 WRITTEN_AS = {
@@ -39,17 +41,30 @@ def _renderer() -> ModuleType:
     return module
 
 
-BLOCKS = re.findall(r"<!-- figures:(\w+) -->\n(.*?)<!-- /figures:\1 -->", README, re.DOTALL)
+FIGURES = re.compile(r"<!-- figures:(\w+) -->\n(.*?)<!-- /figures:\1 -->", re.DOTALL)
+BLOCKS = [(name, block) for text in TEXT.values() for name, block in FIGURES.findall(text)]
+#: Images a page shows, as (page, link relative to the page).
+IMAGES = [(page, link) for page, text in TEXT.items()
+          for link in re.findall(r"!\[[^\]]*\]\(([^)\s]+\.png)\)", text)]
 
 
-def test_the_readme_has_figure_blocks() -> None:
-    assert {name for name, _ in BLOCKS} >= {"prefetch", "scale", "pool"}
+def test_the_pages_have_figure_blocks() -> None:
+    names = [name for name, _ in BLOCKS]
+    assert set(names) == set(_renderer().RENDERERS), "every figure the script renders is shown"
+    assert len(names) == len(set(names)), f"a block appears twice: {sorted(names)}"
+    assert FIGURES.findall(TEXT[REPO / "docs" / "benchmarks.md"])
+
+
+def test_the_script_rewrites_every_page_that_holds_blocks() -> None:
+    holding = {page for page, text in TEXT.items() if FIGURES.search(text)}
+    assert holding <= set(_renderer().pages())
+    assert REPO / "docs" / "reliability.md" in holding
 
 
 @pytest.mark.parametrize("name,block", BLOCKS, ids=[name for name, _ in BLOCKS])
 def test_each_block_is_its_json_rendered(name: str, block: str) -> None:
     assert block == _renderer().render(name), (
-        f"README figures:{name} differ from docs/bench; run "
+        f"figures:{name} differ from docs/bench; run "
         "`python scripts/readme_figures.py --write`")
 
 
@@ -61,16 +76,19 @@ def test_committed_json_is_named_as_its_script_writes_it() -> None:
         json.loads(path.read_text())
 
 
-def test_images_the_readme_shows_are_committed_next_to_their_json() -> None:
-    for image in re.findall(r"\]\((docs/bench/[\w.]+\.png)\)", README):
-        assert (REPO / image).exists(), image
-        assert (REPO / image).with_suffix(".json").exists(), image
+def test_images_the_pages_show_are_committed_next_to_their_json() -> None:
+    assert IMAGES
+    for page, link in IMAGES:
+        image = (page.parent / link).resolve()
+        assert image.is_relative_to(BENCH.resolve()), f"{page.name}: {link} is not in docs/bench"
+        assert image.exists(), f"{page.name}: {link}"
+        assert image.with_suffix(".json").exists(), f"{page.name}: {link}"
 
 
 def test_a_committed_soak_records_its_seed() -> None:
     soak = BENCH / "soak.json"
     if not soak.exists():
-        assert "docs/bench/soak.json" not in README
+        assert not any("soak.json" in text for text in TEXT.values())
         return
     assert isinstance(json.loads(soak.read_text())["seed"], int)
 
