@@ -106,10 +106,13 @@ class OriginChain(BaseOrigin):
                                    self.origins[index + 1].describe())
         listed = "; ".join(f"[{label}] {message}" for label, message in failures)
         if down == len(self.origins):
+            causes = [f"{o.describe()} ({getattr(self._down[i], 'cause', None)})"
+                      for i, o in enumerate(self.origins)]
             raise OriginUnreachable(
-                f"every origin is unreachable, {artifact.name} not fetched: {listed}",
+                f"every origin is unreachable: {', '.join(causes)}; nothing more is fetched "
+                "in this run; check the URLs and that the servers are up",
                 url=self.describe(), name=artifact.name, failures=failures,
-                cause="; ".join(sorted({str(getattr(e, "cause", "")) for e in self._down.values()})))
+                cause="; ".join(causes))
         error = ArtifactNotFound if missing == len(self.origins) else OriginError
         raise error(
             f"no origin could deliver {artifact.name} (sha256 {artifact.sha256}), "
