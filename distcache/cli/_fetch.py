@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from concurrent.futures import ThreadPoolExecutor, as_completed
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +23,12 @@ from distcache.cli._common import (
     add_json_option,
     emit,
     human_bytes,
+    not_writable,
     one_line,
 )
+from distcache.cli._interrupt import Interrupted, Stopper, run_threads
 from distcache.config import settings
-from distcache.errors import DistcacheError, OriginUnreachable
+from distcache.errors import DistcacheError, OriginUnreachable, PoolError
 
 #: Failures printed to stderr one per line; the rest are counted.
 _SHOWN_FAILURES = 10
@@ -64,7 +66,10 @@ def run_fetch(args: argparse.Namespace) -> int:
     origin = resolve_origin(args.origin or None, conf)
     artifacts = read_manifest(args.manifest, args.prefix)
     pool = resolve_pool(args.pool, conf)
-    pool.remember(artifacts)
+    try:
+        pool.remember(artifacts)
+    except PoolError as exc:
+        raise not_writable(pool.root, exc) from exc
     present = {a.sha256 for a in artifacts if pool.has(a.sha256)}
     if origin is None or conf.offline:
         # What the pool holds needs no origin; what it lacks is one error, not one a file.
@@ -76,22 +81,38 @@ def run_fetch(args: argparse.Namespace) -> int:
     failures: list[tuple[Artifact, BaseException]] = []
     downloaded = nbytes = 0
     bar = _progress(len(artifacts))
-    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="distcache-fetch") as workers:
-        futures = {workers.submit(pool.fetch, a, origin): a for a in artifacts}
-        for future in as_completed(futures):
-            artifact = futures[future]
-            try:
-                data = future.result()
-            except DistcacheError as exc:
-                failures.append((artifact, exc))
-            else:
-                if artifact.sha256 not in present:
-                    downloaded += 1
-                    nbytes += len(data)
+    # Daemon workers behind a Stopper: Ctrl-C stops the running downloads at their
+    # next write and removes their temporary files, and leaves the queue undone.
+    stopper = Stopper(origin)
+    threads: list[threading.Thread] = []
+    unwritable: PoolError | None = None
+    try:
+        for artifact, data, error in run_threads(lambda a: pool.fetch(a, stopper.origin),
+                                                 artifacts, jobs, threads=threads):
+            if isinstance(error, PoolError) and unwritable is None:
+                # The pool cannot take any artifact: stop, and say so once.
+                unwritable = error
+                stopper.stop()
+            if isinstance(error, Interrupted) and unwritable is not None:
+                continue
+            if error is not None and not isinstance(error, DistcacheError):
+                raise error
+            if isinstance(error, DistcacheError):
+                failures.append((artifact, error))
+            elif data is not None and artifact.sha256 not in present:
+                downloaded += 1
+                nbytes += len(data)
             if bar is not None:
                 bar.update(1)
-    if bar is not None:
-        bar.close()
+    except KeyboardInterrupt:
+        stopper.interrupt(pool.layout.tmp, threads)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    if unwritable is not None:
+        stopper.interrupt(pool.layout.tmp, threads)
+        raise not_writable(pool.root, unwritable)
     failures.sort(key=lambda failure: failure[0].name)
     fetched = len(artifacts) - len(failures)
     summary = {
