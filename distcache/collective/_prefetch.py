@@ -13,6 +13,7 @@ from distcache.collective._plan import download_threads, make_plan
 from distcache.collective._progress import Progress, bytes_for_rank0
 from distcache.collective._report import PrefetchReport
 from distcache.collective._run import Run, discover
+from distcache.collective._sharing import agree_pools
 from distcache.comm import Communicator
 from distcache.config import settings
 from distcache.errors import ManifestError, ManifestMismatchError
@@ -98,8 +99,9 @@ def prefetch(
             dup = next((n for n, m in itertools.pairwise(names) if n == m), None)
             if dup is not None:
                 raise ManifestError(f"{dup} is listed with two digests", line=0, text=dup)
-            pool_ids = [i[2] for i in infos]
             node_ids = [i[3] for i in infos]
+            # Equal ids are a claim; the ranks that see one directory share a writer.
+            pool_ids = agree_pools(run, [i[2] for i in infos], node_ids)
             objects = sorted(artifact_of)
         with run.phase("discover"):
             have = discover(run, objects, pool_ids)
@@ -118,9 +120,8 @@ def prefetch(
                 todo = [artifact_of[plan.objects[i]] for i in mine]
                 threads = download_threads(plan, comm.rank, conf.downloads_per_rank,
                                            conf.downloads_per_job)
-                failure = run.download(todo, origin, threads) if todo else None
-                if plan.downloads:
-                    run.check(failure)
+                if plan.downloads:  # progress extends the phase; silence ends it
+                    run.fetch(todo, origin, threads)
             with run.phase("move"):
                 if plan.sends:
                     name_of = {sha: a.name for sha, a in artifact_of.items()}

@@ -13,6 +13,7 @@ from distcache.artifact import Artifact
 from distcache.collective._plan import elect_writers, make_plan
 from distcache.collective._report import PrefetchReport
 from distcache.collective._run import Failure, Run, discover
+from distcache.collective._sharing import agree_pools
 from distcache.comm import Communicator
 from distcache.config import settings
 from distcache.store import Pool
@@ -85,8 +86,8 @@ def sync(
     def body() -> PrefetchReport:
         with run.phase("agree"):
             infos = comm.allgather_object((pool.pool_id, comm.node_id), timeout=run.timeout)
-            pool_ids = [i[0] for i in infos]
             node_ids = [i[1] for i in infos]
+            pool_ids = agree_pools(run, [i[0] for i in infos], node_ids)
             is_writer = elect_writers(pool_ids)[pool_ids[comm.rank]] == comm.rank
         with run.phase("discover"):
             gained: bytes | None = None

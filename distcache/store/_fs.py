@@ -33,7 +33,6 @@ import errno
 import functools
 import os
 import re
-import secrets
 import stat
 import time
 from pathlib import Path
@@ -281,26 +280,3 @@ def create_once(path: Path, data: bytes, *, tmp: str, mode: int, what: str) -> b
             os.close(fd)
         unlink_quietly(tmp)
 
-
-def load_pool_id(path: Path, *, tmp: str, mode: int) -> str:
-    """The pool id in ``path``, creating it first when absent (through the fresh
-    temporary name ``tmp``).
-
-    Raises:
-        PoolError: it cannot be read or created, or holds something else.
-    """
-    text = read_small_file(path, "pool id")
-    if text is None:
-        create_once(path, f"{secrets.token_hex(16)}\n".encode("ascii"), tmp=tmp, mode=mode,
-                    what="pool id")
-        text = read_small_file(path, "pool id")
-    if text is None:
-        raise PoolError(f"{path} vanished while it was being created; open the pool again",
-                        path=str(path))
-    if is_hex(text, 32):
-        return text
-    raise PoolError(
-        f"{path} holds {text[:40]!r}, not a pool id (32 hex digits); "
-        "the pool root may be something else",
-        path=str(path),
-    )

@@ -30,13 +30,8 @@ from distcache.artifact import Artifact, check_sha256, sha256_hex, validate_name
 from distcache.config import settings
 from distcache.errors import ConfigError, IntegrityError, PoolError
 from distcache.store import _maintenance
-from distcache.store._fs import (
-    load_pool_id,
-    make_dir,
-    pool_error,
-    process_umask,
-    unlink_quietly,
-)
+from distcache.store._fs import make_dir, pool_error, process_umask, unlink_quietly
+from distcache.store._identity import PoolIdentity
 from distcache.store._locking import FileLock
 from distcache.store._log import Journal, NamesIndex
 from distcache.store._maintenance import STALE_TMP_SECONDS
@@ -98,12 +93,18 @@ class ArtifactPool:
         self._store = ObjectStore(self.layout, host=host, file_mode=file_mode, setgid=setgid)
         self._names_index = NamesIndex(self.layout.names_log, 0o666)
         self._journal = Journal(self.layout.journal_log, 0o666)
-        self.pool_id = load_pool_id(self.layout.pool_id_file, mode=file_mode,
-                                    tmp=self.layout.temp_path("pool_id", host))
+        #: The pool's identity: its ``pool_id``, and the probes a collective places
+        #: to show which ranks see this directory (a copy takes a fresh id).
+        self.identity = PoolIdentity(self.layout, host=host, mode=file_mode)
         self.sweep()
 
     def __repr__(self) -> str:
         return f"ArtifactPool({str(self.root)!r}, pool_id={self.pool_id!r})"
+
+    @property
+    def pool_id(self) -> str:
+        """The pool's id (32 hex digits; see :class:`~distcache.store._identity.PoolIdentity`)."""
+        return self.identity.pool_id
 
     @property
     def quarantined(self) -> int:

@@ -1,4 +1,5 @@
-"""What a pool is to its callers: the :class:`Pool` protocol.
+"""What a pool is to its callers: the :class:`Pool` protocol (and its
+:class:`Identity`).
 
 :class:`~distcache.store.ArtifactPool` implements it; the collective (downloads,
 moves, discovery, sync) and the test stand-ins rely on nothing else. It is declared
@@ -18,14 +19,30 @@ if TYPE_CHECKING:
     from distcache.origins import Origin
 
 
+class Identity(Protocol):
+    """Who a pool is, and how a collective proves that ranks see the same directory
+    (see :class:`~distcache.store._identity.PoolIdentity`)."""
+
+    @property
+    def pool_id(self) -> str: ...
+    def probe(self, name: str, token: str) -> AbstractContextManager[bool]: ...
+    def sees(self, name: str, token: str) -> bool: ...
+    def renew(self) -> str: ...
+    def reload(self) -> str: ...
+
+
 class Pool(Protocol):
     """A content-addressed store of verified artifact bytes (see
     :class:`~distcache.store.ArtifactPool` for what each method raises)."""
 
     @property
     def pool_id(self) -> str:
-        """The pool's identity: equal on every process that opens the same pool."""
+        """The pool's id: equal on every process that opens the same pool (and on a
+        copy of it, until a collective finds the copy: ``identity``)."""
         ...
+
+    @property
+    def identity(self) -> Identity: ...
 
     def has(self, sha256: str) -> bool: ...
     def get(self, sha256: str, *, trust_own: bool = False) -> bytes | None: ...

@@ -3,12 +3,16 @@
 A pool root holds::
 
     format                      the format version (a decimal integer), written once
-    pool_id                     stable identity, written once (atomically) at creation
+    pool_id                     stable identity, written atomically at creation and
+                                replaced once when the pool is found to be a copy
     objects/<sha[:2]>/<sha>     the bytes, read-only (0444 less the umask)
     tmp/                        process-unique temporary files; stale ones are swept
+    tmp/probe.<name>            a collective's proof that ranks see this directory,
+                                named for one run, removed when the check ends
     quarantine/<sha>.<ns>.<pid>.<hex>
                                 objects that failed verification, kept for inspection
     locks/<sha>.lock            per-object download locks (kernel-released; economy only)
+    locks/pool_id.lock          held while a copied pool takes a fresh ``pool_id``
     names.log                   append-only "name -> sha" labels, last entry wins
     journal.log                 append-only list of shas published into this pool
 
@@ -131,6 +135,15 @@ class PoolLayout:
     def lock_path(self, sha: str) -> Path:
         """``locks/<sha>.lock``, the download lock of ``sha``."""
         return self.locks / f"{sha}.lock"
+
+    def id_lock_path(self) -> Path:
+        """``locks/pool_id.lock``, held while ``pool_id`` is replaced."""
+        return self.locks / "pool_id.lock"
+
+    def probe_path(self, name: str) -> str:
+        """``tmp/probe.<name>``, where a collective places the probe ``name`` (a
+        stale one is swept with the other temporary files)."""
+        return f"{self.tmp}{os.sep}probe.{name}"
 
     def temp_path(self, tag: str, host: str) -> str:
         """A fresh, process-unique name in ``tmp/`` (``tag``, ``host``, pid and random

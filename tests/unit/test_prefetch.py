@@ -11,7 +11,7 @@ import random
 import sys
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +46,42 @@ class Store:
         self.journal: list[str] = []
         self.lock = threading.Lock()
         self.fail_put: type[Exception] | None = None
+        self.probes: dict[str, str] = {}
+
+
+class FakeIdentity:
+    """The probes of one 'filesystem': a pool sees only those placed in its Store."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    @property
+    def pool_id(self) -> str:
+        return self.store.pool_id
+
+    @contextlib.contextmanager
+    def probe(self, name: str, token: str) -> Iterator[bool]:
+        self.store.probes[name] = token
+        try:
+            yield True
+        finally:
+            del self.store.probes[name]
+
+    def sees(self, name: str, token: str) -> bool:
+        return self.store.probes.get(name) == token
+
+    def renew(self) -> str:
+        self.store.pool_id = f"{self.store.pool_id}+"
+        return self.store.pool_id
+
+    def reload(self) -> str:
+        return self.store.pool_id
 
 
 class FakePool:
     def __init__(self, store: Store) -> None:
         self.store = store
+        self.identity = FakeIdentity(store)
 
     @property
     def pool_id(self) -> str:
@@ -304,8 +335,10 @@ def test_second_prefetch_touches_neither_origin_nor_communicator_bytes(layout: s
     assert origin.total == 10
     assert reports[0].downloads == 0 and reports[0].broadcast_bytes == 0
     assert reports[0].pool_hits == 10 and reports[0].objects_published == 0
-    # agree, discover, report: three all-gathers and nothing else
-    assert [a - b for a, b in zip(group.calls, calls_before, strict=True)] == [3] * 8
+    # agree, discover, report: three all-gathers, and where ranks claim one pool the
+    # probe round that shows they see it (two); nothing else
+    probe_round = 0 if layout == "per-rank" else 2
+    assert [a - b for a, b in zip(group.calls, calls_before, strict=True)] == [3 + probe_round] * 8
 
 
 def test_partial_pools_get_only_what_they_lack_and_nothing_is_downloaded() -> None:
@@ -745,8 +778,9 @@ def test_replaced_node_receives_everything_and_warm_writers_receive_nothing() ->
     assert report.received_bytes == total and report.discarded_bytes == 0
     assert total <= report.broadcast_bytes < total + 16 * len(arts) + 16 * report.broadcasts
     assert report.objects_published == 20 and report.pool_hits == 0
-    # Every rank: agree, discover, writers' split, move check, report.
-    assert group.calls == [5] * 10
+    # Every rank: agree, the probe round (two), discover, writers' split, move check,
+    # report.
+    assert group.calls == [7] * 10
 
 
 def test_sync_after_a_one_rank_warm_up_reaches_only_the_pools_that_lack_it() -> None:

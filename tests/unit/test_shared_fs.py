@@ -23,6 +23,7 @@ import codecs
 import contextlib
 import grp
 import io
+import json
 import logging
 import os
 import pickle
@@ -44,10 +45,23 @@ from typing import Any, BinaryIO
 import pytest
 
 from distcache.artifact import Artifact, sha256_hex
-from distcache.errors import ConfigError, DistcacheError, IntegrityError, OriginError, PoolError
+from distcache.collective import prefetch
+from distcache.comm import Communicator, ThreadGroup
+from distcache.errors import (
+    CollectiveTimeout,
+    CommError,
+    ConfigError,
+    DistcacheError,
+    IntegrityError,
+    OriginError,
+    PoolError,
+    PrefetchError,
+)
 from distcache.origins import DirOrigin, HttpOrigin, OriginChain, open_origin
+from distcache.store._identity import PoolIdentity
 from distcache.store._pool import ArtifactPool
-from distcache.testing import LoopbackOrigin
+from distcache.testing import LoopbackOrigin, make_artifacts
+from tests.unit.test_comm_local import run_ranks
 
 CHILD_TIMEOUT = 60.0
 
@@ -596,3 +610,279 @@ def test_a_token_rejected_by_the_http_stack_is_not_quoted_in_the_error(
             pytest.raises(OriginError) as info:
         origin.fetch(artifacts[0])
     assert "hidden-credential" not in "\n".join(_texts(info.value))
+
+
+# -- copies of one pool: equal ids, different directories ---------------------------
+#
+# Thread-ranks with real pools: a "node" is a directory. A copy made with copytree
+# keeps its template's pool_id, as a container image or an rsync'd disk does.
+
+
+class CountingOrigin:
+    """Serves artifacts from a directory and counts every request."""
+
+    def __init__(self, root: Path) -> None:
+        self.inner = DirOrigin(root)
+        self.requests = 0
+        self.lock = threading.Lock()
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+    def fetch(self, artifact: Artifact) -> bytes:
+        with self.lock:
+            self.requests += 1
+        return self.inner.fetch(artifact)
+
+    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
+        with self.lock:
+            self.requests += 1
+        return self.inner.fetch_into(artifact, out)
+
+
+class Copies:
+    """A template pool holding the first artifact, and directories made from it."""
+
+    def __init__(self, root: Path, count: int = 4) -> None:
+        self.root = root
+        self.mirror = root / "mirror"
+        self.artifacts = make_artifacts(self.mirror, count, min_size=500, max_size=5000, seed=3)
+        self.origin = CountingOrigin(self.mirror)
+        template = ArtifactPool(root / "template")
+        first = self.artifacts[0]
+        template.put((self.mirror / first.name).read_bytes(), first.sha256)
+        template.remember([first])
+        self.template_id = template.pool_id
+
+    def copy(self, name: str) -> Path:
+        target = self.root / name
+        if not target.exists():
+            shutil.copytree(self.root / "template", target, symlinks=True)
+        return target
+
+    def complete(self, root: Path) -> bool:
+        pool = ArtifactPool(root)
+        return (sorted(pool.objects()) == sorted(a.sha256 for a in self.artifacts)
+                and pool.names() == {a.name: a.sha256 for a in self.artifacts})
+
+
+def _probe_files(root: Path) -> list[str]:
+    return sorted(p.name for p in (root / "tmp").glob("probe.*"))
+
+
+def _events(path: Path, event: str) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line]
+    return [r for r in records if r["event"] == event]
+
+
+def _prefetch_all(copies: Copies, group: ThreadGroup, roots: list[Path],
+                  **kwargs: Any) -> list[Any]:
+    def body(comm: Communicator) -> Any:
+        pool = ArtifactPool(roots[comm.rank])
+        return pool, prefetch(copies.artifacts, comm=comm, pool=pool, origin=copies.origin,
+                              **kwargs)
+
+    return run_ranks(group, body)
+
+
+def _ok(results: list[Any]) -> list[Any]:
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+def test_copies_of_one_pool_are_told_apart_filled_and_renamed_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events = tmp_path / "events.jsonl"
+    monkeypatch.setenv("DISTCACHE_LOG_JSON", str(events))
+    copies = Copies(tmp_path)
+    nodes = ["a", "a", "b", "b", "c", "c", "d", "d"]
+    roots = [copies.copy(f"node-{n}") for n in nodes]
+    group = ThreadGroup(8, nodes, timeout=20)
+
+    results = _ok(_prefetch_all(copies, group, roots))
+
+    reports = [report for _, report in results]
+    assert all(r.pools == 4 for r in reports), reports[0]
+    assert reports[0].writers == (0, 2, 4, 6)
+    # Each missing artifact came from the origin once, and crossed to the other copies.
+    assert copies.origin.requests == 3
+    for n in "abcd":
+        assert copies.complete(tmp_path / f"node-{n}"), n
+        assert _probe_files(tmp_path / f"node-{n}") == []
+    # The copy that showed the first probe kept the id; every other took a fresh one,
+    # and every rank on it knows the new id.
+    ids = [pool.pool_id for pool, _ in results]
+    assert ids[0] == ids[1] == copies.template_id
+    assert len(set(ids)) == 4 and ids[2] == ids[3] and ids[4] == ids[5] and ids[6] == ids[7]
+    assert [ArtifactPool(tmp_path / f"node-{n}").pool_id for n in "abcd"] == ids[::2]
+    assert len(_events(events, "pool.renewed")) == 3
+
+    # The next run: distinct ids, so one probe per pool and nothing from the origin.
+    copies.origin.requests = 0
+    events.unlink()
+    again = _ok(_prefetch_all(copies, ThreadGroup(8, nodes, timeout=20), roots))
+    assert copies.origin.requests == 0
+    assert all(report.pools == 4 and report.downloads == 0 for _, report in again)
+    probes = _events(events, "pool.probe")
+    assert sorted(p["root"] for p in probes) == sorted(str(r) for r in roots[::2])
+    assert _events(events, "pool.renewed") == []
+
+
+def test_a_copy_shared_by_two_nodes_is_one_pool_with_one_fresh_id(tmp_path: Path) -> None:
+    copies = Copies(tmp_path)
+    # a: node-local copy; b: another node-local copy; c and d mount one shared copy.
+    nodes = ["a", "a", "b", "c", "c", "d", "d"]
+    place = {"a": "copy-a", "b": "copy-b", "c": "copy-cd", "d": "copy-cd"}
+    roots = [copies.copy(place[n]) for n in nodes]
+
+    results = _ok(_prefetch_all(copies, ThreadGroup(7, nodes, timeout=20), roots))
+
+    report = results[0][1]
+    assert report.pools == 3 and report.writers == (0, 2, 3)
+    assert copies.origin.requests == 3
+    for name in ("copy-a", "copy-b", "copy-cd"):
+        assert copies.complete(tmp_path / name), name
+        assert _probe_files(tmp_path / name) == []
+    ids = [pool.pool_id for pool, _ in results]
+    assert ids[0] == ids[1] == copies.template_id
+    assert len({ids[2], ids[3], copies.template_id}) == 3
+    assert ids[3:] == [ids[3]] * 4
+    assert ArtifactPool(tmp_path / "copy-cd").pool_id == ids[3]
+
+
+def test_a_pool_every_rank_shares_has_one_writer_one_download_each_and_no_probe_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events = tmp_path / "events.jsonl"
+    monkeypatch.setenv("DISTCACHE_LOG_JSON", str(events))
+    copies = Copies(tmp_path)
+    shared_root = copies.copy("shared")
+    nodes = ["a", "a", "b", "b"]
+
+    results = _ok(_prefetch_all(copies, ThreadGroup(4, nodes, timeout=20), [shared_root] * 4))
+
+    report = results[0][1]
+    assert report.pools == 1 and report.writers == (0,)
+    assert report.downloads == 3 and copies.origin.requests == 3
+    assert report.broadcast_bytes == 0
+    assert {pool.pool_id for pool, _ in results} == {copies.template_id}
+    assert ArtifactPool(shared_root).pool_id == copies.template_id
+    assert copies.complete(shared_root) and _probe_files(shared_root) == []
+    assert len(_events(events, "pool.probe")) == 1
+
+
+def test_pools_with_distinct_ids_are_never_probed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events = tmp_path / "events.jsonl"
+    monkeypatch.setenv("DISTCACHE_LOG_JSON", str(events))
+    copies = Copies(tmp_path)
+    roots = [tmp_path / f"rank{r}" for r in range(3)]
+    group = ThreadGroup(3, ["a", "b", "c"], timeout=20)
+
+    results = _ok(_prefetch_all(copies, group, roots))
+
+    assert results[0][1].pools == 3
+    assert _events(events, "pool.probe") == []
+
+
+def test_a_claimant_that_cannot_place_a_probe_is_a_pool_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copies = Copies(tmp_path)
+    shared_root = copies.copy("shared")
+    real = PoolIdentity.probe
+
+    @contextlib.contextmanager
+    def refused(self: PoolIdentity, name: str, token: str) -> Iterator[bool]:
+        if threading.current_thread().name.endswith("-rank0"):
+            yield False  # as on a read-only pool
+            return
+        with real(self, name, token) as placed:
+            yield placed
+
+    monkeypatch.setattr(PoolIdentity, "probe", refused)
+    nodes = ["a", "a", "b", "b"]
+
+    def body(comm: Communicator) -> Any:
+        threading.current_thread().name = f"t-rank{comm.rank}"
+        pool = ArtifactPool(shared_root)
+        return pool, prefetch(copies.artifacts, comm=comm, pool=pool, origin=copies.origin)
+
+    results = _ok(run_ranks(ThreadGroup(4, nodes, timeout=20), body))
+
+    # Rank 0 showed nothing: it is alone. Ranks 1 and 2 then probed for their nodes,
+    # and all three saw both probes: one pool. Nothing is renamed: no copy was shown.
+    assert results[0][1].pools == 2 and results[0][1].writers == (0, 1)
+    assert {pool.pool_id for pool, _ in results} == {copies.template_id}
+    assert ArtifactPool(shared_root).pool_id == copies.template_id
+    assert copies.complete(shared_root) and _probe_files(shared_root) == []
+
+
+def test_a_failing_probe_round_fails_every_rank_alike_and_leaves_no_probe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copies = Copies(tmp_path)
+    nodes = ["a", "b"]
+    roots = [copies.copy("copy-a"), copies.copy("copy-b"), copies.copy("copy-b")]
+
+    def broken(self: PoolIdentity) -> str:
+        raise RuntimeError("renewal went wrong")
+
+    monkeypatch.setattr(PoolIdentity, "renew", broken)
+    results = _prefetch_all(copies, ThreadGroup(3, [*nodes, "b"], timeout=20), roots)
+
+    assert all(isinstance(r, PrefetchError) for r in results), results
+    assert len({str(r) for r in results}) == 1
+    assert {r.phase for r in results} == {"agree"} and {r.rank for r in results} == {1}
+    assert "renewal went wrong" in str(results[0])
+    assert _probe_files(roots[0]) == [] and _probe_files(roots[1]) == []
+
+
+def test_a_peer_lost_during_the_probe_round_times_out_and_the_probe_is_removed(
+    tmp_path: Path,
+) -> None:
+    copies = Copies(tmp_path)
+    root = copies.copy("shared")
+    group = ThreadGroup(2, ["a", "b"], timeout=20)
+
+    during: list[list[str]] = []
+
+    class Vanishing:
+        """Rank 1 takes part in the agreement and the probe offer, then is gone."""
+
+        def __init__(self, inner: Communicator) -> None:
+            self.inner = inner
+            self.gathers = 0
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+        def allgather_object(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
+            self.gathers += 1
+            if self.gathers == 3:  # where it would say which probes it saw
+                during.append(_probe_files(root))
+                raise CommError("this rank is gone", op="allgather_object")
+            return self.inner.allgather_object(obj, timeout=timeout)
+
+    def body(comm: Communicator) -> Any:
+        pool = ArtifactPool(root)
+        if comm.rank == 1:
+            comm = Vanishing(comm)  # type: ignore[assignment]
+        return prefetch(copies.artifacts, comm=comm, pool=pool, origin=copies.origin,
+                        timeout=2)
+
+    start = time.monotonic()
+    results = run_ranks(group, body)
+
+    assert all(isinstance(r, PrefetchError) for r in results), results
+    assert isinstance(results[0].__cause__, CollectiveTimeout)
+    assert time.monotonic() - start < 30
+    assert len(during) == 1 and len(during[0]) == 1  # rank 0's probe, while it waited
+    assert _probe_files(root) == []  # and gone once it gave up
+    assert copies.origin.requests == 0
