@@ -1,13 +1,16 @@
 """Fetching missing artifacts from the origin: each rank downloads its share of the
-plan into its own pool (:func:`download_objects`), with a few worker threads, under a
-time budget, and with rules for which failures stop the other downloads.
+plan into its own pool (:class:`Downloads`), with a few worker threads, with rules for
+which failures stop the other downloads, and a clock of the last progress (a byte
+arriving, an artifact published) that tells a slow origin from a stalled one.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, BinaryIO, cast
 
 from distcache.artifact import Artifact
 from distcache.errors import ArtifactNotFound, IntegrityError, OriginError, PoolError
@@ -30,6 +33,162 @@ def _only_this_artifact(exc: BaseException) -> bool:
     return isinstance(exc, IntegrityError | ArtifactNotFound)
 
 
+class _Ticking:
+    """A file the origin streams into that notes each write as progress."""
+
+    def __init__(self, out: BinaryIO, tick: Callable[[], None]) -> None:
+        self._out = out
+        self._tick = tick
+
+    def write(self, data: Any) -> int:
+        written = self._out.write(data)
+        self._tick()
+        return written
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._out, name)
+
+
+class _Watched:
+    """``origin``, with every byte it streams into the pool counted as progress."""
+
+    def __init__(self, origin: Origin, tick: Callable[[], None]) -> None:
+        self._origin = origin
+        self._tick = tick
+
+    def describe(self) -> str:
+        return self._origin.describe()
+
+    def fetch(self, artifact: Artifact) -> bytes:
+        return self._origin.fetch(artifact)
+
+    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
+        return self._origin.fetch_into(artifact, cast(BinaryIO, _Ticking(out, self._tick)))
+
+
+class Downloads:
+    """One rank's downloads of ``artifacts`` from ``origin`` into ``pool``, on
+    ``workers`` daemon threads started at once.
+
+    Publication is atomic (``pool.download`` streams the verified bytes into a
+    temporary file, then links it), so any rank sharing the pool may do this. A
+    failure confined to one artifact (its bytes do not match the digest, or the origin
+    has no such file: :class:`~distcache.errors.ArtifactNotFound`) does not stop the
+    others: they are published, so that the next job fetches only what failed. Any
+    other failure (the origin is unreachable, the pool cannot be written) stops new
+    downloads from starting. The first failure is returned by :meth:`result`, not
+    raised, so the caller can agree on it with its peers.
+
+    Nothing here bounds the time the downloads take: :meth:`idle` says how long ago
+    the last byte arrived or the last artifact was published, and the caller decides
+    when that is a stall (an origin can hold a download for ever while answering each
+    read in time). :meth:`abandon` leaves what still runs to its thread; whatever it
+    publishes later is whole. ``on_done(nbytes)`` is called after each download (for a
+    progress bar).
+    """
+
+    def __init__(self, pool: Pool, origin: Origin, artifacts: Sequence[Artifact], *,
+                 workers: int, on_done: Callable[[int], None] | None = None) -> None:
+        self._pool = pool
+        self._label = origin.describe()
+        self._origin: Origin = (_Watched(origin, self._tick) if hasattr(origin, "fetch_into")
+                                else origin)
+        self._on_done = on_done
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._finished = threading.Event()
+        self._todo = list(reversed(artifacts))
+        self._running: dict[int, str] = {}
+        self._left = len(artifacts)
+        self._result = Downloaded()
+        self._last = time.monotonic()
+        if not artifacts:
+            self._finished.set()
+        for i in range(max(1, min(workers, len(artifacts))) if artifacts else 0):
+            threading.Thread(target=self._work, name=f"distcache-fetch-{i}", daemon=True).start()
+
+    @property
+    def origin(self) -> str:
+        """The origin's label."""
+        return self._label
+
+    def _tick(self) -> None:
+        self._last = time.monotonic()
+
+    def wait(self, timeout: float | None) -> bool:
+        """Whether every download ended, waiting at most ``timeout`` seconds."""
+        return self._finished.wait(timeout)
+
+    def idle(self) -> float:
+        """Seconds since the last progress (since the start, before any)."""
+        return max(0.0, time.monotonic() - self._last)
+
+    def running(self) -> list[str]:
+        """The artifacts being downloaded now, sorted."""
+        with self._lock:
+            return sorted(self._running.values())
+
+    def result(self) -> Downloaded:
+        """What the downloads did (final once :meth:`wait` returned ``True``)."""
+        with self._lock:
+            got = self._result
+            return Downloaded(got.downloads, got.origin_bytes, got.failure)
+
+    def abandon(self) -> Downloaded:
+        """Start nothing more, freeze the figures (late finishers no longer count),
+        and return them."""
+        self._stop.set()
+        with self._lock:
+            self._finished.set()
+            got = self._result
+            return Downloaded(got.downloads, got.origin_bytes, got.failure)
+
+    def _one(self, artifact: Artifact) -> None:
+        if self._stop.is_set():
+            return
+        try:
+            if self._pool.has(artifact.sha256):
+                return  # published since discovery: a concurrent job, a resumed run
+            # Streamed into the pool, verified by the origin as it streams, published
+            # atomically; made durable with the rest of the batch.
+            size = self._pool.download(artifact, self._origin)
+            self._tick()
+            with self._lock:
+                if not self._finished.is_set():
+                    self._result.downloads += 1
+                    self._result.origin_bytes += size
+            if self._on_done is not None:
+                self._on_done(size)
+        except Exception as exc:
+            with self._lock:
+                if not self._finished.is_set():
+                    self._result.failure = self._result.failure or (artifact.name, exc)
+            if not _only_this_artifact(exc):
+                self._stop.set()
+
+    def _work(self) -> None:
+        me = threading.get_ident()
+        while True:
+            with self._lock:
+                if not self._todo:
+                    return
+                artifact = self._todo.pop()
+                self._running[me] = artifact.name
+            self._one(artifact)
+            with self._lock:
+                self._running.pop(me, None)
+                self._left -= 1
+                if self._left == 0:
+                    self._finished.set()
+
+
+def stall_message(name: str, origin: str, timeout: float, idle: float, where: str) -> str:
+    """What a download that made no progress for ``timeout`` seconds is reported as."""
+    return (f"download of {name} from {origin} did not finish within {timeout:g} s of its "
+            f"last progress: {where} received no byte and published nothing for {idle:.1f} s; "
+            "the origin is stalling: check it, or raise DISTCACHE_TIMEOUT")
+
+
 def download_objects(
     pool: Pool,
     origin: Origin,
@@ -39,106 +198,26 @@ def download_objects(
     timeout: float | None = None,
     on_done: Callable[[int], None] | None = None,
 ) -> Downloaded:
-    """Fetch ``artifacts`` from ``origin`` into ``pool`` with ``workers`` threads.
-
-    Publication is atomic (``pool.download`` streams the verified bytes into a
-    temporary file, then links it), so any rank sharing
-    the pool may do this. A failure confined to one artifact (its bytes do not match
-    the digest, or the origin has no such file:
-    :class:`~distcache.errors.ArtifactNotFound`) does not stop the others: they are
-    published, so that the next job fetches only what failed. Any other failure (the
-    origin is unreachable, the pool cannot be written) stops new downloads from
-    starting. The first failure is returned, not raised, so the caller can agree on it
-    with its peers.
-
-    ``timeout`` bounds the whole call: an origin can stall a download for ever while
-    bounding each read (a server that sends one byte per read timeout), and the peers
-    of this rank stop waiting for it after the collective's timeout anyway. A download
-    still running then is abandoned to its (daemon) thread, reported as an
-    :class:`~distcache.errors.OriginError`, and whatever it publishes later is whole.
-    ``on_done(nbytes)`` is called after each download (for a progress bar).
-    """
-    result = Downloaded()
-    if not artifacts:
-        return result
-    lock = threading.Lock()
-    stop = threading.Event()
-    finished = threading.Event()
-    todo = list(reversed(artifacts))
-    running: dict[int, str] = {}
-    left = [len(artifacts)]
-
-    def one(artifact: Artifact) -> None:
-        if stop.is_set():
-            return
-        try:
-            if pool.has(artifact.sha256):
-                return  # published since discovery: a concurrent job, a resumed run
-            # Streamed into the pool, verified by the origin as it streams, published
-            # atomically; made durable with the rest of the batch.
-            size = pool.download(artifact, origin)
-            with lock:
-                if not finished.is_set():
-                    result.downloads += 1
-                    result.origin_bytes += size
-            if on_done is not None:
-                on_done(size)
-        except Exception as exc:
-            with lock:
-                if not finished.is_set():
-                    result.failure = result.failure or (artifact.name, exc)
-            if not _only_this_artifact(exc):
-                stop.set()
-
-    def work() -> None:
-        me = threading.get_ident()
-        while True:
-            with lock:
-                if not todo:
-                    return
-                artifact = todo.pop()
-                running[me] = artifact.name
-            one(artifact)
-            with lock:
-                running.pop(me, None)
-                left[0] -= 1
-                if left[0] == 0:
-                    finished.set()
-
-    threads = [
-        threading.Thread(target=work, name=f"distcache-fetch-{i}", daemon=True)
-        for i in range(max(1, min(workers, len(artifacts))))
-    ]
-
-    def run() -> Downloaded:
-        for t in threads:
-            t.start()
-        if finished.wait(timeout):
-            for t in threads:
-                t.join()
-            return result
-        stop.set()
-        with lock:
-            finished.set()  # freeze the figures: late finishers no longer count
-            stalled = sorted(running.values())
-            name = stalled[0] if stalled else artifacts[0].name
-            if result.failure is None:
-                result.failure = (
-                    name,
-                    OriginError(
-                        f"download of {name} from {origin.describe()} did not finish within "
-                        f"{timeout:g} s ({len(stalled)} still running); the origin is stalling: "
-                        "check it, or raise DISTCACHE_TIMEOUT",
-                        name=name,
-                        timeout=timeout,
-                    ),
-                )
-            return Downloaded(result.downloads, result.origin_bytes, result.failure)
-
+    """:class:`Downloads` of ``artifacts``, waited for in one pool batch. ``timeout``
+    bounds the time without progress, not the whole call: a download that received no
+    byte for that long is reported as an :class:`~distcache.errors.OriginError` and
+    abandoned."""
+    downloads = Downloads(pool, origin, artifacts, workers=workers, on_done=on_done)
+    beat = 1.0 if timeout is None else min(1.0, timeout / 4)
     try:
         with pool.batch():
-            return run()
+            while not downloads.wait(beat):
+                if timeout is not None and downloads.idle() >= timeout:
+                    idle, stalled = downloads.idle(), downloads.running()
+                    got = downloads.abandon()
+                    name = stalled[0] if stalled else artifacts[0].name
+                    return Downloaded(got.downloads, got.origin_bytes, got.failure or (
+                        name, OriginError(stall_message(name, downloads.origin, timeout, idle,
+                                                        "this process"),
+                                          name=name, timeout=timeout)))
+            return downloads.result()
     except PoolError as exc:
         # The batch's flush failed: what was published may not survive a power loss.
-        return Downloaded(result.downloads, result.origin_bytes,
-                          result.failure or (artifacts[0].name, exc))
+        got = downloads.result()
+        return Downloaded(got.downloads, got.origin_bytes,
+                          got.failure or (artifacts[0].name, exc))

@@ -10,6 +10,20 @@ record. (:func:`distcache.comm.agree_on_error` re-raises each failing rank's *ow
 error; with two failing ranks that would not be the same error everywhere.) A
 :class:`~distcache.errors.CommError` (a peer that never arrives, a failed backend) is
 turned into the same kind of error by :meth:`Run.guarded`.
+
+Deadlines tell absence from slowness. ``timeout`` (``DISTCACHE_TIMEOUT``) bounds
+every wait for a peer: a collective that a peer does not enter within ``timeout``
+fails on every rank that waits. It does not bound how long work may take while it
+makes progress. In the fetch phase (:meth:`Run.fetch`) every rank enters a small
+all-gather at least every ``min(1 s, timeout / 4)`` (a heartbeat; a rank whose
+downloads are over enters at once), carrying whether its downloads are over and how
+long ago its last progress was (a byte arriving from the origin, an artifact
+published). The phase ends when every rank's downloads are over. It fails, on every
+rank alike, when a rank's downloads made no progress for ``timeout`` seconds (the
+lowest such rank is named: "the origin is stalling"), or when a rank misses a
+heartbeat by ``timeout`` (a peer that is gone, stopped or stuck: ``CollectiveTimeout``).
+So a slow, steady origin may take as long as it needs, and a silent one or a silent
+peer is reported within ``timeout`` plus one heartbeat.
 """
 
 from __future__ import annotations
@@ -24,7 +38,7 @@ from typing import Any, TypeVar
 from distcache._events import emit
 from distcache.artifact import Artifact
 from distcache.collective._bucket import StreamStats
-from distcache.collective._download import download_objects
+from distcache.collective._download import Downloads, stall_message
 from distcache.collective._plan import Plan, decode_bitmap, elect_writers, encode_bitmap
 from distcache.collective._progress import Progress
 from distcache.collective._report import PHASES, PrefetchReport
@@ -37,8 +51,8 @@ from distcache.store import Pool
 
 log = logging.getLogger(__name__)
 
-# Share of the collective timeout a rank may spend on its downloads (see Run.download).
-_FETCH_SHARE = 0.75
+#: Longest interval between two heartbeats of the fetch phase (see the module docstring).
+HEARTBEAT = 1.0
 
 #: (phase, artifact name or None, rank, host, "Type: message")
 Failure = tuple[str, str | None, int, str, str]
@@ -129,26 +143,64 @@ class Run:
 
     # -- fetch ---------------------------------------------------------------------
 
-    def download(self, artifacts: list[Artifact], origin: Origin, workers: int) -> Failure | None:
-        if settings().offline:
+    def fetch(self, artifacts: list[Artifact], origin: Origin, workers: int) -> None:
+        """Collective, entered by every rank when the plan has downloads: download this
+        rank's ``artifacts`` (maybe none) with ``workers`` threads, beating the heart
+        while they run, then raise the same error on every rank if any rank failed or
+        stalled (the rule: the module docstring).
+
+        Raises:
+            PrefetchError: a download failed or made no progress for ``timeout`` on
+                some rank (on every rank).
+            CommError: a peer missed a heartbeat by ``timeout``.
+        """
+        failure: Failure | None = None
+        job: Downloads | None = None
+        if artifacts and settings().offline:
             # No request from any path: a caller that handed the collective an origin
             # anyway gets one failure for this rank's share, agreed on like any other.
             shown = ", ".join(a.name for a in artifacts[:3])
             more = f" and {len(artifacts) - 3} more" if len(artifacts) > 3 else ""
-            return self.failure("fetch", artifacts[0].name, ConfigError(
+            failure = self.failure("fetch", artifacts[0].name, ConfigError(
                 f"{len(artifacts)} artifact(s) are in no pool and DISTCACHE_OFFLINE=1 forbids "
                 f"downloads: {shown}{more}; import them with 'distcache pool import' or "
                 "unset DISTCACHE_OFFLINE", variable="DISTCACHE_OFFLINE", value="1"))
-        # Peers entered the agreement that follows when these downloads started, and
-        # wait ``timeout`` there: a budget short of theirs lets this rank's failure
-        # reach them in time, so that every rank raises the same error.
-        got = download_objects(
-            self.pool, origin, artifacts, workers=workers, timeout=self.timeout * _FETCH_SHARE,
-            on_done=self.progress.update,
-        )
-        self.downloads += got.downloads
-        self.origin_bytes += got.origin_bytes
-        return None if got.failure is None else self.failure("fetch", *got.failure)
+        elif artifacts:
+            job = Downloads(self.pool, origin, artifacts, workers=workers,
+                            on_done=self.progress.update)
+        beat = min(HEARTBEAT, self.timeout / 4)
+        try:
+            while True:
+                done = job is None or job.wait(beat)
+                if done and job is not None:
+                    got = job.result()
+                    self.downloads += got.downloads
+                    self.origin_bytes += got.origin_bytes
+                    if got.failure is not None:
+                        failure = self.failure("fetch", *got.failure)
+                    job = None
+                running = job.running() if job is not None else []
+                # Plain values only: (over, seconds idle, running, origin, host, failure).
+                state = (done, 0.0 if job is None else job.idle(),
+                         running[0] if running else None,
+                         origin.describe(), self.comm.node_id, failure if done else None)
+                states = self.comm.allgather_object(state, timeout=self.timeout)
+                if all(s[0] for s in states):
+                    self.raise_first(s[5] for s in states)
+                    return
+                stalled = next((r for r, s in enumerate(states)
+                                if not s[0] and s[1] >= self.timeout), None)
+                if stalled is not None:
+                    _, idle, name, label, host, _ = states[stalled]
+                    where = f"rank {stalled}/{self.comm.size} ({host})"
+                    cause = "OriginError: " + stall_message(
+                        name or "(queued)", label, self.timeout, idle, where)
+                    self.raise_first([("fetch", name, stalled, host, cause)])
+        finally:
+            if job is not None:
+                got = job.abandon()
+                self.downloads += got.downloads
+                self.origin_bytes += got.origin_bytes
 
     # -- move ----------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,9 +29,11 @@ def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     yield
-    current = distcache.session.current()
-    if current is not None:
-        current.close()
+    from distcache.session import current
+
+    session = current()
+    if session is not None:
+        session.close()
 
 
 @pytest.fixture
@@ -143,10 +146,12 @@ def test_offline_fetch_and_prefetch_commands_make_no_request(
                     ["prefetch", "--manifest", str(manifest), "--origin", origin_server.url]):
         done = _cli(tmp_path, "--pool", pool, *command, **env)
         assert done.returncode == 1, done
-        lines = done.stderr.strip().splitlines()
+        # One error for the job (progress lines aside), not one per artifact.
+        lines = [line for line in done.stderr.splitlines() if "no pool" in line]
         assert len(lines) == 1, done.stderr
         assert f"{len(artifacts) - 1} artifact(s) are in no pool" in lines[0]
         assert "DISTCACHE_OFFLINE=1" in lines[0]
+        assert not any(a.name in done.stderr.replace(lines[0], "") for a in artifacts), done
     assert origin_server.total_requests == 0
     _fill(tmp_path / "pool", artifact_dir, artifacts)
     for command in (["fetch", "--manifest", str(manifest)],
@@ -154,3 +159,131 @@ def test_offline_fetch_and_prefetch_commands_make_no_request(
         done = _cli(tmp_path, "--pool", pool, *command, **env)
         assert done.returncode == 0, done
     assert origin_server.total_requests == 0
+
+
+# -- deadlines that tell absence from slowness -----------------------------------------
+
+SLOW = 0.25  # seconds the origin takes per artifact
+STEADY = 16  # artifacts: about 2 x the timeout below at one download at a time
+TIMEOUT = 2.0
+
+
+def _steady(tmp_path: Path) -> tuple[LoopbackOrigin, list[Artifact]]:
+    from distcache.artifact import parse_checksums
+    from distcache.testing import make_artifacts
+
+    make_artifacts(tmp_path / "slow", STEADY, min_size=200, max_size=400, seed=5)
+    listed = parse_checksums((tmp_path / "slow" / "checksums.txt").read_text())
+    return LoopbackOrigin(tmp_path / "slow", latency=SLOW), listed
+
+
+def _run_ranks(size: int, body: Any, join: float = 60) -> list[Any]:
+    import threading
+
+    out: list[Any] = [None] * size
+
+    def target(rank: int) -> None:
+        try:
+            out[rank] = body(rank)
+        except BaseException as exc:
+            out[rank] = exc
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return out
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_slow_steady_origin_finishes_although_the_fetch_outlasts_the_timeout(
+    tmp_path: Path, ranks: int
+) -> None:
+    import time
+
+    from distcache.collective import prefetch
+    from distcache.comm import ThreadGroup
+    from distcache.origins import open_origin
+
+    server, listed = _steady(tmp_path)
+    group = ThreadGroup(ranks, timeout=TIMEOUT)
+    pools = [ArtifactPool(tmp_path / f"pool{r}") for r in range(ranks)]
+    start = time.monotonic()
+    with server:
+        results = _run_ranks(ranks, lambda r: prefetch(
+            listed, comm=group.comm(r), pool=pools[r], origin=open_origin(server.url),
+            timeout=TIMEOUT, downloads_per_rank=1, downloads_per_job=1))
+        requests = server.total_requests
+    elapsed = time.monotonic() - start
+    for result in results:
+        assert not isinstance(result, BaseException), result
+        assert result.downloads == STEADY
+    assert requests == STEADY
+    # One download at a time: the phase outlasted the timeout and still finished.
+    assert elapsed > TIMEOUT
+    for pool in pools:
+        assert sorted(pool.objects()) == sorted(a.sha256 for a in listed)
+
+
+class _Silent:
+    """A rank's communicator that stops answering once ``when()`` holds (a process
+    stopped or stuck mid-collective), until ``release`` is set."""
+
+    def __init__(self, inner: Any, when: Any) -> None:
+        import threading
+
+        self.inner, self.when = inner, when
+        self.release = threading.Event()
+        self.silent_since: float | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def allgather_object(self, obj: Any, *, timeout: float | None = None) -> Any:
+        import time
+
+        if self.when():
+            self.silent_since = self.silent_since or time.monotonic()
+            self.release.wait(60)
+        return self.inner.allgather_object(obj, timeout=timeout)
+
+
+def test_a_peer_silent_in_the_fetch_fails_the_others_within_the_timeout_despite_progress(
+    tmp_path: Path,
+) -> None:
+    import time
+
+    from distcache.collective import prefetch
+    from distcache.comm import ThreadGroup
+    from distcache.errors import CollectiveTimeout, PrefetchError
+    from distcache.origins import open_origin
+
+    server, listed = _steady(tmp_path)
+    group = ThreadGroup(2, timeout=TIMEOUT)
+    pools = [ArtifactPool(tmp_path / f"pool{r}") for r in range(2)]
+    failed_at: list[float] = [0.0, 0.0]
+    with server:
+        silent = _Silent(group.comm(1), lambda: server.total_requests > 0)
+
+        def body(rank: int) -> Any:
+            comm = group.comm(0) if rank == 0 else silent
+            try:
+                # Rank 0 downloads everything, slowly: its own progress never stalls.
+                return prefetch(listed, comm=comm, pool=pools[rank], origin=open_origin(
+                    server.url), timeout=TIMEOUT, downloads_per_rank=1, downloads_per_job=1)
+            finally:
+                failed_at[rank] = time.monotonic()
+                if rank == 0:
+                    silent.release.set()
+
+        results = _run_ranks(2, body)
+        requests = server.total_requests
+    assert isinstance(results[0], PrefetchError), results[0]
+    assert isinstance(results[0].__cause__, CollectiveTimeout)
+    assert silent.silent_since is not None
+    # Within the timeout of the silence, plus one heartbeat and a loaded machine's slack.
+    assert failed_at[0] - silent.silent_since < TIMEOUT + 3.0
+    assert requests < STEADY  # it failed while the origin was still delivering
+    assert isinstance(results[1], PrefetchError), results[1]
