@@ -45,7 +45,7 @@ from typing import Any, BinaryIO
 import pytest
 
 from distcache.artifact import Artifact, sha256_hex
-from distcache.collective import prefetch
+from distcache.collective import prefetch, sync
 from distcache.comm import Communicator, ThreadGroup
 from distcache.errors import (
     CollectiveTimeout,
@@ -886,3 +886,27 @@ def test_a_peer_lost_during_the_probe_round_times_out_and_the_probe_is_removed(
     assert len(during) == 1 and len(during[0]) == 1  # rank 0's probe, while it waited
     assert _probe_files(root) == []  # and gone once it gave up
     assert copies.origin.requests == 0
+
+
+def test_sync_tells_copies_apart_and_moves_what_one_of_them_gained(tmp_path: Path) -> None:
+    copies = Copies(tmp_path)
+    nodes = ["a", "a", "b", "b"]
+    roots = [copies.copy(f"copy-{n}") for n in nodes]
+    gained = copies.artifacts[1]
+    lazy = ArtifactPool(roots[3])  # a lazy download on node b after warm-up
+    lazy.put((copies.mirror / gained.name).read_bytes(), gained.sha256)
+    lazy.remember([gained])
+
+    def body(comm: Communicator) -> Any:
+        pool = ArtifactPool(roots[comm.rank])
+        return pool, sync(comm=comm, pool=pool)
+
+    results = _ok(run_ranks(ThreadGroup(4, nodes, timeout=20), body))
+
+    assert results[0][1].pools == 2 and results[0][1].writers == (0, 2)
+    for name in ("copy-a", "copy-b"):
+        pool = ArtifactPool(tmp_path / name)
+        assert gained.sha256 in set(pool.objects()), name
+        assert pool.names()[gained.name] == gained.sha256
+        assert _probe_files(tmp_path / name) == []
+    assert results[0][0].pool_id == copies.template_id != results[2][0].pool_id

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import stat
 import threading
 from pathlib import Path
@@ -14,7 +15,8 @@ import pytest
 import distcache.store
 from distcache.artifact import Artifact
 from distcache.errors import PoolError
-from distcache.store import _maintenance, layout
+from distcache.store import Identity, Pool, _maintenance, layout
+from distcache.store._identity import PoolIdentity
 from distcache.store._pool import ArtifactPool
 from distcache.store.layout import FORMAT_VERSION, PoolLayout
 
@@ -54,6 +56,8 @@ def test_layout_names_every_path_under_the_root(tmp_path: Path) -> None:
     assert at.lock_path(DIGEST) == root / "locks" / f"{DIGEST}.lock"
     assert Path(at.temp_path("tag", "host")).parent == root / "tmp"
     assert at.temp_path("tag", "host") != at.temp_path("tag", "host")
+    assert at.probe_path("ab" * 16) == str(root / "tmp" / f"probe.{'ab' * 16}")
+    assert at.id_lock_path() == root / "locks" / "pool_id.lock"
 
 
 def test_layout_of_a_relative_root_is_absolute_and_touches_nothing(
@@ -96,6 +100,14 @@ def test_front_exports_the_layout_and_the_report_types() -> None:
     assert isinstance(FORMAT_VERSION, int) and FORMAT_VERSION >= 1
     assert {"ArtifactPool", "GcReport", "PoolStats", "VerifyReport"} <= set(
         distcache.store.__all__)
+
+
+def test_the_pool_protocol_is_declared_once_and_the_pool_implements_it(tmp_path: Path) -> None:
+    assert {"Pool", "Identity"} <= set(distcache.store.__all__)
+    pool = ArtifactPool(tmp_path / "p")
+    assert {n for n in vars(Pool) if not n.startswith("_")} <= set(dir(pool))
+    assert {n for n in vars(Identity) if not n.startswith("_")} <= set(dir(pool.identity))
+    assert isinstance(pool.identity, PoolIdentity)
 
 
 def test_maintenance_works_on_a_layout_without_a_pool_object(tmp_path: Path) -> None:
@@ -251,3 +263,72 @@ def test_concurrent_creators_record_one_format(tmp_path: Path) -> None:
     assert errors == [] and versions == [FORMAT_VERSION] * 6
     assert (root / "format").read_text() == f"{FORMAT_VERSION}\n"
     assert os.listdir(root / "tmp") == []
+
+
+# -- identity: the pool id and the probes (distcache.store._identity) ----------------
+
+NAME, TOKEN = "1f" * 16, "c3" * 16
+
+
+def test_a_probe_is_readable_by_the_pool_s_readers_and_gone_after_its_block(
+    tmp_path: Path,
+) -> None:
+    pool = ArtifactPool(tmp_path / "p")
+    other = ArtifactPool(tmp_path / "p")  # another process opening the same directory
+    path = Path(pool.layout.probe_path(NAME))
+    with pool.identity.probe(NAME, TOKEN) as placed:
+        assert placed and path.read_text() == TOKEN
+        assert stat.S_IMODE(path.stat().st_mode) & 0o444 == 0o444 & ~_umask()
+        assert other.identity.sees(NAME, TOKEN)
+        assert not other.identity.sees(NAME, "c4" * 16)  # the content is the proof
+        assert not other.identity.sees("2f" * 16, TOKEN)
+    assert not path.exists() and not other.identity.sees(NAME, TOKEN)
+
+
+def test_a_probe_is_removed_when_its_block_fails(tmp_path: Path) -> None:
+    pool = ArtifactPool(tmp_path / "p")
+    with pytest.raises(RuntimeError), pool.identity.probe(NAME, TOKEN):
+        raise RuntimeError("the collective failed")
+    assert list((tmp_path / "p" / "tmp").glob("probe.*")) == []
+
+
+@pytest.mark.parametrize("name", ["../../escape", "1f" * 15, "ZZ" * 16, "1f" * 16 + "/x"])
+def test_a_malformed_probe_name_from_a_peer_is_never_a_path(tmp_path: Path, name: str) -> None:
+    pool = ArtifactPool(tmp_path / "p")
+    (tmp_path / "escape").write_text(TOKEN)
+    with pool.identity.probe(name, TOKEN) as placed:
+        assert not placed
+    assert not pool.identity.sees(name, TOKEN)
+    assert list((tmp_path / "p" / "tmp").glob("probe.*")) == []
+
+
+def test_a_copy_renews_its_id_once_and_the_original_keeps_its_own(tmp_path: Path) -> None:
+    original = ArtifactPool(tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    copy, beside = ArtifactPool(tmp_path / "b"), ArtifactPool(tmp_path / "b")
+    assert copy.pool_id == original.pool_id == beside.pool_id
+
+    fresh = copy.identity.renew()
+
+    assert fresh != original.pool_id and copy.pool_id == fresh
+    assert ArtifactPool(tmp_path / "b").pool_id == fresh
+    assert ArtifactPool(tmp_path / "a").pool_id == original.pool_id
+    # Another process that still knows the old id adopts the renewal, never renews again.
+    assert beside.identity.renew() == fresh and beside.pool_id == fresh
+    assert ArtifactPool(tmp_path / "b").pool_id == fresh
+    assert list((tmp_path / "b" / "tmp").iterdir()) == []
+    assert original.identity.reload() == original.pool_id
+
+
+def test_a_pool_id_that_cannot_be_replaced_is_a_pool_error(tmp_path: Path) -> None:
+    pool = ArtifactPool(tmp_path / "p")
+    pool.layout.pool_id_file.unlink()
+    pool.layout.pool_id_file.mkdir()  # neither readable as an id nor replaceable
+    with pytest.raises(PoolError):
+        pool.identity.renew()
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
