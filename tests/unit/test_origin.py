@@ -6,8 +6,9 @@ import io
 import logging
 import os
 import pickle
+import time
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import pytest
 
@@ -29,6 +30,7 @@ from distcache.origins import (
     open_origin,
 )
 from distcache.origins._open import SCHEMES
+from distcache.store import ArtifactPool
 from distcache.testing import LoopbackOrigin
 
 TOKEN = "tok-5f1e2d3c4b5a69788796a5b4c3d2e1f0"
@@ -723,3 +725,97 @@ def test_http_origin_names_itself_in_the_user_agent(
 ) -> None:
     http.fetch(artifacts[0])
     assert origin_server.last_headers["user-agent"].startswith("distcache")
+
+
+# -- bodies without a Content-Length ---------------------------------------------------
+
+
+def test_a_healthy_chunked_body_at_1_mib_per_s_is_not_judged_against_its_unknown_length(
+    tmp_path: Path,
+) -> None:
+    # An artifact from checksums.txt has no size and the body no Content-Length: 12 MiB
+    # at 1 MiB/s takes 12 s, far past a budget computed for an unknown length.
+    data = os.urandom(12 << 20)
+    (tmp_path / "big.so").write_bytes(data)
+    with LoopbackOrigin(tmp_path, bandwidth=1 << 20) as server:
+        server.inject("chunked", count=None)
+        origin = HttpOrigin(server.url, timeout=2, retries=0)
+        out = io.BytesIO()
+        assert origin.fetch_into(Artifact("big.so", sha256_hex(data)), out) == len(data)
+        assert "content-length" not in {k.lower() for k in server.request_headers[0]}
+        assert server.total_requests == 1
+    assert sha256_hex(out.getvalue()) == sha256_hex(data)
+
+
+def test_a_body_that_slows_to_a_drip_after_a_fast_start_is_stalled(tmp_path: Path) -> None:
+    # Judged over a window, not over the whole body: 4 MiB fast, then nearly nothing,
+    # is abandoned a window after the drip starts, not once the average sinks.
+    data = os.urandom(5 << 20)
+    (tmp_path / "k.so").write_bytes(data)
+    with LoopbackOrigin(tmp_path) as server:
+        server.inject("chunked", count=None)
+        origin = HttpOrigin(server.url, timeout=2, retries=0)
+        fast = _Pacer(server, after=4 << 20, rate=16 * 1024)
+        started = time.monotonic()
+        with pytest.raises(OriginError, match="body stalled") as info:
+            origin.fetch_into(Artifact("k.so", sha256_hex(data)), fast)
+        assert time.monotonic() - started < 30
+    assert "in the last" in info.value.message
+    assert fast.tell() == 0  # rewound: nothing of the failed attempt is kept
+
+
+class _Pacer(io.BytesIO):
+    """An output that, past ``after`` bytes, accepts them at ``rate`` bytes/s only: a
+    slow consumer slows the socket reads just as a slow server does."""
+
+    def __init__(self, server: LoopbackOrigin, *, after: int, rate: float) -> None:
+        super().__init__()
+        self.after = after
+        self.rate = rate
+
+    def write(self, data: Any) -> int:
+        if self.tell() + len(data) > self.after:
+            time.sleep(len(data) / self.rate)
+        return super().write(data)
+
+
+def test_an_endless_body_is_refused_at_the_cap_and_nothing_reaches_the_pool(
+    origin_server: LoopbackOrigin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DISTCACHE_MAX_ARTIFACT_BYTES", "1M")
+    origin = open_origin(origin_server.url)
+    assert isinstance(origin, HttpOrigin) and origin.max_bytes == 1 << 20
+    origin_server.inject("endless", count=None)
+    pool = ArtifactPool(tmp_path / "pool")
+    unsized = Artifact("fmha/endless.cubin", sha256_hex(b"never"))
+    started = time.monotonic()
+    with pytest.raises(OriginError, match="exceeds the cap of 1048576 bytes") as info:
+        pool.fetch(unsized, origin)
+    assert time.monotonic() - started < 10
+    assert "DISTCACHE_MAX_ARTIFACT_BYTES" in info.value.message
+    assert origin_server.total_requests == 1  # a body over the cap is not retried
+    assert not pool.has(unsized.sha256)
+    assert [p for p in (tmp_path / "pool").rglob("*") if p.is_file()
+            and (p.suffix == ".tmp" or "objects" in p.parts)] == []
+
+
+def test_a_body_announced_over_the_cap_is_refused_before_a_byte_is_read(
+    origin_server: LoopbackOrigin, artifacts: list[Artifact]
+) -> None:
+    big = max(artifacts, key=lambda a: a.size or 0)
+    assert big.size is not None
+    origin = HttpOrigin(origin_server.url, max_bytes=big.size - 1, retries=3)
+    out = io.BytesIO()
+    with pytest.raises(OriginError, match=f"announced Content-Length {big.size}"):
+        origin.fetch_into(Artifact(big.name, big.sha256), out)
+    assert out.getvalue() == b"" and origin_server.total_requests == 1
+    # The cap is for unknown sizes: a declared size is its own limit.
+    assert origin.fetch_into(big, out) == big.size
+
+
+def test_a_bad_byte_cap_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match="max_bytes"):
+        HttpOrigin("http://127.0.0.1:9", max_bytes=0)
+    monkeypatch.setenv("DISTCACHE_MAX_ARTIFACT_BYTES", "lots")
+    with pytest.raises(ConfigError, match="DISTCACHE_MAX_ARTIFACT_BYTES"):
+        HttpOrigin("http://127.0.0.1:9")

@@ -176,6 +176,46 @@ def test_redirect_fault_points_at_another_base(
     assert response.headers["Location"] == f"http://mirror.invalid/x/{artifacts[0].name}"
 
 
+def test_chunked_fault_sends_the_file_without_a_content_length(
+    origin_server: LoopbackOrigin, artifacts: list[Artifact]
+) -> None:
+    origin_server.inject("chunked")
+    response = requests.get(f"{origin_server.url}/{artifacts[0].name}", timeout=10)
+    assert response.headers.get("Transfer-Encoding") == "chunked"
+    assert "Content-Length" not in response.headers
+    assert sha256_hex(response.content) == artifacts[0].sha256
+    assert origin_server.bytes_sent == artifacts[0].size
+
+
+def test_endless_fault_never_ends_the_body(
+    origin_server: LoopbackOrigin, artifacts: list[Artifact]
+) -> None:
+    origin_server.inject("endless")
+    with requests.get(f"{origin_server.url}/{artifacts[0].name}", timeout=10,
+                      stream=True) as response:
+        assert "Content-Length" not in response.headers
+        received = 0
+        for piece in response.iter_content(1 << 16):
+            received += len(piece)
+            if received > 8 << 20:
+                break
+    assert received > 8 << 20
+
+
+def test_every_request_s_headers_are_recorded_until_reset(
+    origin_server: LoopbackOrigin, artifacts: list[Artifact]
+) -> None:
+    for value in ("Bearer one", None, "Bearer two"):
+        headers = {"Authorization": value} if value else {}
+        requests.get(f"{origin_server.url}/{artifacts[0].name}", headers=headers, timeout=10)
+    requests.get(f"{origin_server.url}/_stats", timeout=10)  # not an artifact request
+    seen = [h.get("authorization") for h in origin_server.request_headers]
+    assert seen == ["Bearer one", None, "Bearer two"]
+    assert origin_server.last_headers["authorization"] == "Bearer two"
+    origin_server.reset()
+    assert origin_server.request_headers == [] and origin_server.last_headers == {}
+
+
 def test_unknown_faults_and_bad_counts_are_rejected(origin_server: LoopbackOrigin) -> None:
     with pytest.raises(ValueError, match="unknown fault"):
         origin_server.inject("teapot")
