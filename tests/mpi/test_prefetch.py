@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -159,3 +161,71 @@ def test_each_pool_receives_only_the_objects_it_lacks(
         assert report.received_bytes == lacked and report.discarded_bytes == 0
         assert report.objects_published == K
     assert stats(url)["total_requests"] == 0
+
+
+# -- deadlines: progress extends the fetch, silence ends it ---------------------------
+
+STEADY = 12  # artifacts, one download at a time for the whole job
+SLOW = 0.25  # seconds the origin takes for each
+SHORT = 2.0  # DISTCACHE_TIMEOUT: well under the STEADY * SLOW the fetch takes
+
+
+@pytest.fixture
+def slow_origin(comm: Communicator, shared_tmp: Path) -> Iterator[tuple[Any, str, list[Artifact]]]:
+    """Rank 0 serves STEADY artifacts at SLOW seconds each; every rank gets the URL."""
+    mirror = shared_tmp / "slow"
+    server = None
+    if comm.rank == 0:
+        from distcache.testing import LoopbackOrigin, make_artifacts
+
+        make_artifacts(mirror, STEADY, min_size=200, max_size=2_000, seed=11)
+        server = LoopbackOrigin(mirror, latency=SLOW)
+    url = comm.broadcast_bytes(server.url.encode() if server is not None else None, 0).decode()
+    try:
+        yield server, url, parse_checksums((mirror / "checksums.txt").read_text())
+    finally:
+        comm.barrier()
+        if server is not None:
+            server.stop()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_slow_steady_origin_finishes_on_every_rank_past_the_timeout(
+    comm: Communicator, shared_tmp: Path, slow_origin: tuple[Any, str, list[Artifact]]
+) -> None:
+    _, url, artifacts = slow_origin
+    pool = ArtifactPool(shared_tmp / "pools" / f"rank{comm.rank}")
+    start = time.monotonic()
+    report = prefetch(artifacts, comm=comm, pool=pool, origin=HttpOrigin(url, retries=0),
+                      timeout=SHORT, downloads_per_rank=1, downloads_per_job=1)
+    elapsed = time.monotonic() - start
+    assert report.downloads == STEADY and stats(url)["total_requests"] == STEADY
+    assert sorted(pool.objects()) == sorted(a.sha256 for a in artifacts)
+    # Every rank waited for the one downloader for longer than the timeout.
+    assert min(comm.allgather_object(elapsed)) > SHORT
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_download_that_stalls_fails_every_rank_alike_within_the_timeout(
+    comm: Communicator, shared_tmp: Path, slow_origin: tuple[Any, str, list[Artifact]]
+) -> None:
+    server, url, artifacts = slow_origin
+    stuck = artifacts[len(artifacts) // 2]
+    if server is not None:
+        server.inject("hang", path=stuck.name, seconds=60)
+    comm.barrier()
+    pool = ArtifactPool(shared_tmp / "pools" / f"rank{comm.rank}")
+    start = time.monotonic()
+    with pytest.raises(PrefetchError) as caught:
+        prefetch(artifacts, comm=comm, pool=pool, origin=HttpOrigin(url, retries=0),
+                 timeout=SHORT)
+    elapsed = time.monotonic() - start
+    err = caught.value
+    seen = comm.allgather_object((str(err), err.artifact, err.rank, elapsed))
+    assert len({s[:3] for s in seen}) == 1, seen
+    assert err.artifact == stuck.name and "did not finish within" in str(err)
+    # The other artifacts arrive at once; the stalled one is given up after the timeout
+    # without progress, plus a heartbeat and a loaded machine's slack.
+    assert max(s[3] for s in seen) < SHORT + 6.0, seen
+    if server is not None:
+        server.stop()  # wakes the hung handler
