@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 import distcache
-from distcache.artifact import manifest_text
+from distcache.artifact import Artifact, manifest_text, parse_checksums
 from distcache.comm._base import Communicator
+from distcache.errors import ConfigError
 from distcache.ipc import FeatureRef, ShmPool
+from distcache.store import ArtifactPool
 from distcache.testing import LoopbackOrigin, make_artifacts
 
 
@@ -83,3 +85,35 @@ def test_init_adopts_the_world_and_fetches_each_artifact_once(
         producer.close()
         for srv in servers:
             srv.stop()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_warm_pool_starts_every_rank_without_an_origin(
+    comm: Communicator, shared_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("DISTCACHE_ORIGIN", raising=False)
+    monkeypatch.delenv("DISTCACHE_OFFLINE", raising=False)
+    origin_root = shared_tmp / "origin"
+    if comm.rank == 0:
+        artifacts = make_artifacts(origin_root, 6, min_size=2_000, max_size=20_000, seed=4)
+        (shared_tmp / "manifest.txt").write_text(manifest_text(artifacts))
+        warm = ArtifactPool(shared_tmp / "pools" / "even")
+        for a in artifacts:
+            warm.put((origin_root / a.name).read_bytes(), a.sha256)
+    comm.barrier()
+    listed = parse_checksums((shared_tmp / "manifest.txt").read_text())
+    # Even ranks share the warm pool; odd ranks start empty and receive it from them.
+    pool_dir = shared_tmp / "pools" / ("even" if comm.rank % 2 == 0 else "odd")
+    with distcache.init(pool=pool_dir, manifests=[shared_tmp / "manifest.txt"],
+                        flashinfer=False) as session:
+        assert session.report is not None and session.report.downloads == 0
+        assert session.pool is not None
+        assert all(session.pool.has(a.sha256) for a in listed)
+
+    # What no pool holds is one error, the same on every rank, naming it.
+    absent = Artifact("cubins/absent/none.cubin", "0" * 64)
+    with pytest.raises(ConfigError) as caught:
+        distcache.init(pool=pool_dir, manifests=[[*listed, absent]], flashinfer=False)
+    text = str(caught.value)
+    assert "1 artifact(s) are in no pool and no origin is set" in text and absent.name in text
+    assert len(set(comm.allgather_object(text))) == 1
