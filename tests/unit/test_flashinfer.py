@@ -669,6 +669,8 @@ def test_default_origin_reads_flashinfer_repository_at_call_time(
     loader_module: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("DISTCACHE_ORIGIN", raising=False)
+    for mirror in ("mirror-a", "mirror-b", "mirror-c"):
+        (tmp_path / mirror).mkdir()
     monkeypatch.setenv("FLASHINFER_CUBINS_REPOSITORY", str(tmp_path / "mirror-a"))
     assert str(tmp_path / "mirror-a") in fi.default_origin().describe()
     monkeypatch.delenv("FLASHINFER_CUBINS_REPOSITORY")
