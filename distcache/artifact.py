@@ -199,11 +199,17 @@ def verify_bytes(data: bytes | bytearray | memoryview, sha256: str, *, source: s
         )
 
 
-def parse_checksums(text: str, prefix: str = "") -> list[Artifact]:
+def _at(source: str | None, lineno: int) -> str:
+    """Where a manifest line is, for messages: ``FILE:LINE`` or ``line LINE``."""
+    return f"{source}:{lineno}" if source else f"line {lineno}"
+
+
+def parse_checksums(text: str, prefix: str = "", *, source: str | None = None) -> list[Artifact]:
     """Parse ``sha256sum`` output (``<sha>  <name>`` or ``<sha> *<name>`` per line).
 
     Blank lines and ``#`` comments are skipped. ``prefix`` is joined in front of every
-    name. The same name listed twice with the same digest is kept once.
+    name. The same name listed twice with the same digest is kept once. ``source``
+    (the file the text came from) leads every error message, as ``FILE:LINE``.
 
     Raises:
         ManifestError: a malformed line, or one name with two digests (with the line
@@ -220,9 +226,10 @@ def parse_checksums(text: str, prefix: str = "") -> list[Artifact]:
         parts = line.split(None, 1)
         if len(parts) != 2 or not _SHA_RE.match(parts[0].lower()):
             raise ManifestError(
-                f"line {lineno}: expected '<64 hex sha256>  <name>', got {raw[:120]!r}",
+                f"{_at(source, lineno)}: expected '<64 hex sha256>  <name>', got {raw[:120]!r}",
                 line=lineno,
                 text=raw,
+                source=source,
             )
         digest, name = parts[0].lower(), parts[1].strip()
         if name.startswith("*"):
@@ -232,23 +239,25 @@ def parse_checksums(text: str, prefix: str = "") -> list[Artifact]:
             artifact = Artifact(full, digest)
         except ArtifactNameError as exc:
             raise ArtifactNameError(
-                f"line {lineno}: {exc.message}", name=full, reason=getattr(exc, "reason", ""),
-                line=lineno,
+                f"{_at(source, lineno)}: {exc.message}", name=full,
+                reason=getattr(exc, "reason", ""), line=lineno,
             ) from None
         previous = out.get(artifact.name)
         if previous is not None and previous.sha256 != digest:
             raise ManifestError(
-                f"line {lineno}: {artifact.name} is listed with two digests "
+                f"{_at(source, lineno)}: {artifact.name} is listed with two digests "
                 f"({previous.sha256} and {digest})",
                 line=lineno,
                 text=raw,
+                source=source,
             )
         out[artifact.name] = artifact
     return list(out.values())
 
 
-def decode_manifest(data: bytes, *, source: str = "manifest") -> str:
-    """The text of a manifest's bytes.
+def decode_manifest(data: bytes, *, source: str | None = None) -> str:
+    """The text of a manifest's bytes (``source``: the file they came from, for
+    the message).
 
     Raises:
         ManifestError: the bytes are not UTF-8 (with the line number).
@@ -258,8 +267,9 @@ def decode_manifest(data: bytes, *, source: str = "manifest") -> str:
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
         raise ManifestError(
-            f"line {line}: {source} is not UTF-8 (byte {exc.start})",
+            f"{_at(source, line)}: the manifest is not UTF-8 (byte {exc.start})",
             line=line, text=data.split(b"\n")[line - 1][:120].decode("utf-8", "replace"),
+            source=source,
         ) from None
 
 
@@ -268,8 +278,9 @@ def read_manifest(path: str | os.PathLike[str], prefix: str = "") -> list[Artifa
 
     Raises:
         ConfigError: the file cannot be read (names it and the reason).
-        ManifestError: a malformed line or bytes that are not UTF-8.
-        ArtifactNameError: an unsafe name.
+        ManifestError: a malformed line or bytes that are not UTF-8 (the message
+            starts with ``PATH:LINE``; ``source`` is the path).
+        ArtifactNameError: an unsafe name (the message starts with ``PATH:LINE``).
     """
     where = Path(path)
     try:
@@ -279,7 +290,7 @@ def read_manifest(path: str | os.PathLike[str], prefix: str = "") -> list[Artifa
             f"cannot read manifest {where}: {exc.strerror or exc}", variable="manifest",
             value=str(where),
         ) from exc
-    return parse_checksums(decode_manifest(data, source=str(where)), prefix)
+    return parse_checksums(decode_manifest(data, source=str(where)), prefix, source=str(where))
 
 
 def manifest_text(artifacts: Iterable[Artifact]) -> str:

@@ -11,35 +11,59 @@ Files are ``sha256sum`` format (``<sha256>  <name>``), one per process
 (``<host>-<pid>[-rank<r>].txt``). Each line is written with a single ``write()`` on
 an ``O_APPEND`` descriptor, which POSIX makes atomic with respect to other appenders,
 so processes sharing a directory (even sharing a file) never interleave lines.
+
+The record is compacted when it is read (:func:`read_record`), so that it does not
+grow by one file per process per launch: the files this host's finished processes
+wrote are merged into one file per host, ``<host>.compact.txt``, which replaces the
+previous one atomically, and are then removed. A writer holds a shared ``flock`` on
+its file while it is open; the compactor merges only the files it can lock
+exclusively (whose writers are gone), and a writer that reopens a file the compactor
+removed opens a new one. The record is bounded: at most :data:`MAX_ENTRIES` names
+are kept, the least recently recorded dropped first. A name recorded with two digests
+(FlashInfer was upgraded) keeps the newest (the later file by modification time, the
+later line within a file), with one warning, and the compacted file holds only that.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import re
 import socket
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from distcache.artifact import Artifact, merge_manifests
+from distcache.artifact import Artifact
 from distcache.errors import ArtifactNameError, ManifestError, PoolError
 
 log = logging.getLogger(__name__)
 
 RECORD_SUFFIX = ".txt"
+#: The per-host file that read_record merges finished processes' files into.
+COMPACT_SUFFIX = ".compact" + RECORD_SUFFIX
+#: At most this many names are kept (a family of FlashInfer kernels is ~16,000; a
+#: deployment uses a small part of it); the least recently recorded go first.
+MAX_ENTRIES = 100_000
+#: How long a reader waits for another process's compaction before reading without.
+_LOCK_WAIT_SECONDS = 10.0
 _LINE_RE = re.compile(r"^([0-9a-f]{64})  (\S.*)$")
 # The launcher variables that carry a global rank, most specific first. The rank is
 # only a readable tag in the file name; host and pid already make it unique.
 _RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
 
 
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
+
+
 def record_file_name(environ: Mapping[str, str] | None = None) -> str:
     """``<host>-<pid>[-rank<r>].txt`` for this process."""
     env = os.environ if environ is None else environ
-    host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
-    name = f"{host}-{os.getpid()}"
+    name = f"{_host()}-{os.getpid()}"
     for var in _RANK_VARS:
         value = env.get(var, "").strip()
         if value.isdigit():
@@ -72,10 +96,7 @@ class Recorder:
             line = f"{sha256}  {name}\n".encode()
             try:
                 if self._fd is None:
-                    self.directory.mkdir(parents=True, exist_ok=True)
-                    self._fd = os.open(
-                        self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644
-                    )
+                    self._fd = self._open()
                 # One write per line: O_APPEND makes each write land whole at the end.
                 written = os.write(self._fd, line)
                 if written != len(line):
@@ -87,6 +108,22 @@ class Recorder:
             self._seen.add(key)
             return True
 
+    def _open(self) -> int:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
+                         0o644)
+            try:
+                # Shared: tells a compactor this file is live. It waits only while a
+                # compaction holds the file; one that removed it meanwhile leaves it
+                # unlinked, and the line goes to a new file instead.
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                if os.fstat(fd).st_nlink > 0:
+                    return fd
+            except OSError:
+                return fd  # no flock here (some network filesystems): append anyway
+            os.close(fd)
+
     def close(self) -> None:
         """Close the file; idempotent. A later :meth:`add` reopens it."""
         with self._lock:
@@ -95,32 +132,180 @@ class Recorder:
                 self._fd = None
 
 
-def read_record(directory: str | os.PathLike[str]) -> dict[str, str]:
-    """``name -> sha256`` from every record file in ``directory`` (missing: empty).
+
+def read_record(
+    directory: str | os.PathLike[str], *, max_entries: int = MAX_ENTRIES
+) -> dict[str, str]:
+    """``name -> sha256`` from every record file in ``directory`` (missing: empty),
+    at most ``max_entries`` names (the most recently recorded); compacts this
+    host's files on the way (see the module's docstring). A name recorded with two
+    digests keeps the newest, with one warning.
 
     A final line without a newline is a write cut short by a crash and is skipped.
 
     Raises:
-        ManifestError: a malformed line, or one name recorded with two digests.
+        ManifestError: a malformed line.
         ArtifactNameError: a recorded name is unsafe.
         PoolError: the directory cannot be read.
     """
     root = Path(directory)
-    try:
-        files = sorted(p for p in root.iterdir() if p.name.endswith(RECORD_SUFFIX))
-    except FileNotFoundError:
+    if not root.exists():
         return {}
+    resolved: dict[str, tuple[str, str]] = {}
+    with _compaction_lock(root) as locked:
+        if locked:
+            resolved = _compact(root, max_entries)
+        for _attempt in range(3):
+            try:
+                files = [path for _mtime, path in _record_files(root)]
+                entries, conflicts = _newest(_read_files(files))
+                break
+            except FileNotFoundError:
+                # A compactor on another host published its merged file and removed
+                # the ones it merged between the listing and the read: list again.
+                continue
+        else:
+            raise PoolError(f"usage record {root} kept changing while it was read; "
+                            "try again", path=str(root))
+    conflicts = {**resolved, **conflicts}
+    if conflicts:
+        name, (old, new) = next(iter(conflicts.items()))
+        log.warning("usage record %s: %d name(s) recorded with two digests (an upgrade?); "
+                    "kept the newest: %s %s..., was %s...", root, len(conflicts), name,
+                    new[:12], old[:12])
+    return dict(list(entries.items())[-max_entries:])
+
+
+def _record_files(root: Path) -> list[tuple[int, Path]]:
+    """``(mtime_ns, path)`` of the record files in ``root``, oldest first."""
+    try:
+        with os.scandir(root) as listing:
+            found = []
+            for entry in listing:
+                if entry.name.endswith(RECORD_SUFFIX) and not entry.name.startswith("."):
+                    with contextlib.suppress(FileNotFoundError):
+                        found.append((entry.stat().st_mtime_ns, entry.name))
+    except FileNotFoundError:
+        return []
     except OSError as exc:
         raise PoolError(f"cannot list usage record {root}: {exc.strerror}", path=str(root)) from exc
-    merged = merge_manifests(part for path in files for part in _lines(path))
-    return {a.name: a.sha256 for a in merged}
+    return [(mtime, root / name) for mtime, name in sorted(found)]
 
 
-def _lines(path: Path) -> Iterator[tuple[str, list[Artifact]]]:
-    """One ``("<file>:<line>", [artifact])`` part per recorded line, so that a name
-    recorded with two digests is reported with both places."""
+def _read_files(files: list[Path]) -> Iterator[Artifact]:
+    for path in files:
+        yield from _lines(path)
+
+
+def _newest(artifacts: Iterator[Artifact]) -> tuple[dict[str, str], dict[str, tuple[str, str]]]:
+    """``name -> sha256`` in recording order (a name seen again moves to the end), and
+    ``name -> (older, newer)`` for each name seen with two digests."""
+    entries: dict[str, str] = {}
+    conflicts: dict[str, tuple[str, str]] = {}
+    for artifact in artifacts:
+        previous = entries.pop(artifact.name, None)
+        if previous is not None and previous != artifact.sha256:
+            conflicts[artifact.name] = (previous, artifact.sha256)
+        entries[artifact.name] = artifact.sha256
+    return entries, conflicts
+
+
+@contextlib.contextmanager
+def _compaction_lock(root: Path) -> Iterator[bool]:
+    """Hold ``root/.compact.lock`` exclusively; yields whether it is held (False in a
+    directory this process cannot write: the record is then only read)."""
+    try:
+        fd = os.open(root / ".compact.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except OSError:
+        yield False
+        return
+    try:
+        yield _lock(fd)
+    finally:
+        os.close(fd)
+
+
+def _lock(fd: int) -> bool:
+    """Take an exclusive flock on ``fd`` within :data:`_LOCK_WAIT_SECONDS`; whether it
+    is held (a compactor that never finishes, or no flock here: read without it)."""
+    deadline = time.monotonic() + _LOCK_WAIT_SECONDS
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        except OSError:
+            return False
+
+
+def _compact(root: Path, max_entries: int) -> dict[str, tuple[str, str]]:
+    """Merge the files of this host's finished processes into ``<host>.compact.txt``
+    (written whole, then renamed into place), then remove them; returns the names
+    it found with two digests (``name -> (older, newer)``; only the newer is kept).
+    Never raises for want of permission or space: the record is then read as it is."""
+    host = _host()
+    mine = re.compile(re.escape(host) + r"-\d+(-rank\d+)?" + re.escape(RECORD_SUFFIX))
+    compact = root / (host + COMPACT_SUFFIX)
+    held: list[tuple[Path, int]] = []
+    try:
+        newest = 0
+        for mtime, path in _record_files(root):
+            if path == compact:
+                newest = max(newest, mtime)
+            if not mine.fullmatch(path.name):
+                continue
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while it is written
+            except OSError:
+                os.close(fd)
+                continue
+            held.append((path, fd))
+            newest = max(newest, mtime)
+        if not held:
+            return {}
+        sources = ([compact] if compact.exists() else []) + [path for path, _fd in held]
+        entries, conflicts = _newest(_read_files(sources))
+        kept = list(entries.items())[-max_entries:]
+        tmp = root / f".{host}.{os.getpid()}.compact.tmp"
+        try:
+            tmp.write_text("".join(f"{sha}  {name}\n" for name, sha in kept), encoding="utf-8")
+            # Dated as its newest source, so that it sorts among the files of live
+            # processes as what it merged would have: newest wins stays true.
+            os.utime(tmp, ns=(newest, newest))
+            os.replace(tmp, compact)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            log.debug("usage record %s not compacted: %s", root, exc)
+            return {}
+        for path, _fd in held:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        log.debug("usage record %s: merged %d file(s) into %s (%d names)", root, len(held),
+                  compact.name, len(kept))
+        return conflicts
+    finally:
+        for _path, fd in held:
+            os.close(fd)
+
+
+def _lines(path: Path) -> Iterator[Artifact]:
+    """The artifacts recorded in ``path``, in order.
+
+    Raises:
+        FileNotFoundError: the file is gone (a compactor removed it).
+    """
     try:
         text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise
     except (OSError, UnicodeDecodeError) as exc:
         raise PoolError(f"cannot read usage record {path}: {exc}", path=str(path)) from exc
     lines = text.split("\n")
@@ -135,13 +320,13 @@ def _lines(path: Path) -> Iterator[tuple[str, list[Artifact]]]:
                 f"{path}:{lineno}: expected '<64 hex sha256>  <name>', got {line[:120]!r}",
                 line=lineno,
                 text=line,
+                source=str(path),
             )
         sha, raw_name = match.groups()
         try:
-            artifact = Artifact(raw_name, sha)
+            yield Artifact(raw_name, sha)
         except ArtifactNameError as exc:
             raise ArtifactNameError(
                 f"{path}:{lineno}: {exc.message}", name=raw_name,
-                reason=getattr(exc, "reason", str(exc)),
+                reason=getattr(exc, "reason", str(exc)), line=lineno,
             ) from None
-        yield f"{path}:{lineno}", [artifact]
