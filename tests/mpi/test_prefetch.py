@@ -129,6 +129,8 @@ def test_a_replaced_pool_is_filled_from_one_warm_pool_and_no_other_receives(
     comm: Communicator, shared_tmp: Path, origin_url: tuple[str, list[Artifact]], layout: str
 ) -> None:
     url, artifacts = origin_url
+    if layout == "shared-pair" and comm.size < 3:
+        pytest.skip("shared-pair needs a rank outside the pair: run with 3 or more ranks")
     total = sum(len((shared_tmp / "mirror" / a.name).read_bytes()) for a in artifacts)
     last = comm.size - 1
     # Twice, with a fresh empty pool on the last rank: the second call reuses the
