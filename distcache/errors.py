@@ -14,7 +14,8 @@ in engine code keeps working::
     │   └── OriginUnreachable               no connection at all: the origin is down for the run
     ├── PoolError (OSError)                 the on-disk pool could not be used
     ├── CommError                           a communicator backend failed
-    │   └── CollectiveTimeout (TimeoutError)  a collective did not complete in time
+    │   ├── CollectiveTimeout (TimeoutError)  a collective did not complete in time
+    │   └── WireError (ValueError)          a payload is not plain data, or not distcache's
     ├── RemoteError                         an error raised on another rank
     ├── ManifestMismatchError               ranks disagree on a collective"s input
     ├── PrefetchError                       the collective prefetch failed (on any rank)
@@ -52,6 +53,7 @@ __all__ = [
     "PrefetchError",
     "RemoteError",
     "StaleHandleError",
+    "WireError",
     "WorkspaceError",
 ]
 
@@ -157,12 +159,21 @@ class PoolError(DistcacheError, OSError):
 class CommError(DistcacheError):
     """A communicator backend failed. Attributes: ``op``, ``rank``, ``backend``."""
 
-    attributes = ("op", "rank", "backend", "timeout")
+    attributes: ClassVar[tuple[str, ...]] = ("op", "rank", "backend", "timeout")
 
 
 class CollectiveTimeout(CommError, TimeoutError):
     """A collective did not complete within its timeout. Attributes: ``op``,
     ``timeout``, ``rank``."""
+
+
+class WireError(CommError, ValueError):
+    """A collective payload could not cross ranks: the sender holds a value that is not
+    plain data (``type_name`` names its type), or a peer's bytes are not a payload of
+    this distcache (``peer``: the rank that sent them). Attributes: those of
+    :class:`CommError`, ``peer``, ``type_name``."""
+
+    attributes = ("peer", "type_name")
 
 
 class RemoteError(DistcacheError):

@@ -3,7 +3,9 @@
 :class:`BackendCommunicator` implements the :class:`~distcache.comm._base.Communicator`
 protocol once: option resolution and checks, identity, the broken-after-timeout
 state and its refusal, the chunked broadcast (length first, then chunks of at most
-``chunk_bytes``), pickling for ``allgather_object``, the ``chunk_messages`` and
+``chunk_bytes``), the plain-data wire form of ``allgather_object``
+(:mod:`distcache.comm._codec`: no pickle, a malformed peer payload is a
+:class:`~distcache.errors.WireError`), the ``chunk_messages`` and
 ``payload_bytes`` counters, and ``split``'s agreement and per-partition child cache.
 
 A backend supplies only its transport. Each primitive starts one collective,
@@ -34,7 +36,6 @@ A subclass sets ``_rank`` and ``_size`` in its constructor, after calling
 
 from __future__ import annotations
 
-import pickle
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -42,6 +43,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple, Self
 
 from distcache.comm._base import MAX_MESSAGE_BYTES, check_broadcast, chunk_spans, hostname
+from distcache.comm._codec import decode_from, encode
 from distcache.config import settings
 from distcache.errors import CollectiveTimeout, CommError
 
@@ -247,10 +249,15 @@ class BackendCommunicator(ABC):
         return self._owned_buffer(buffer) if lend else self._buffer_bytes(buffer)
 
     def allgather_object(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
+        # A value that cannot be sent is refused before this rank enters the collective.
+        mine = encode(obj)
         budget = self._budget(timeout)
-        mine = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         lengths = self._allgather_lengths(len(mine), budget)
-        return [pickle.loads(part) for part in self._allgather_payloads(mine, lengths, budget)]
+        parts = self._allgather_payloads(mine, lengths, budget)
+        # This rank's own part is decoded too, so that every rank sees the same values.
+        where = f"rank {self._rank}/{self._size} ({self._node_id})"
+        return [decode_from(part, peer, where, rank=self._rank, backend=self._kind)
+                for peer, part in enumerate(parts)]
 
     def barrier(self, *, timeout: float | None = None) -> None:
         self._barrier(self._budget(timeout))

@@ -13,7 +13,9 @@ import socket
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
-from distcache.errors import DistcacheError, RemoteError
+from distcache import errors
+from distcache.comm._codec import encode
+from distcache.errors import DistcacheError, RemoteError, WireError
 
 #: No single message may exceed this: MPI counts are 32-bit and several transports
 #: misbehave at 2**31 bytes.
@@ -55,11 +57,15 @@ class Communicator(Protocol):
         ...
 
     def allgather_object(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
-        """Every rank's small picklable ``obj``, in rank order.
+        """Every rank's small ``obj``, in rank order: plain data only (None, bool, int,
+        float, str, bytes, lists, tuples, dicts with str or int keys; see
+        :mod:`distcache.comm._codec`), never a pickle.
 
         Raises:
             CollectiveTimeout: not every rank arrived in time.
             CommError: the backend failed.
+            WireError: ``obj`` is not plain data (on this rank, before it sends), or
+                a peer's payload is not one (naming the peer).
         """
         ...
 
@@ -125,29 +131,89 @@ def agree_on_error(
     """Collective: if any rank passes an error, every rank raises one.
 
     The rank that failed re-raises its own error; every other rank raises the lowest
-    failing rank's error when it is a (picklable) :class:`DistcacheError`, else a
-    :class:`RemoteError` that names the rank, its host and the original message.
+    failing rank's error, rebuilt from its description (:func:`describe_error`) when
+    it is one of the classes of :mod:`distcache.errors`, else a :class:`RemoteError`
+    that names the rank, its host and the original message. An error crosses ranks
+    as data (class name, message, declared attributes), never as a pickle.
 
     Raises:
         DistcacheError: some rank failed.
         CollectiveTimeout: not every rank arrived in time.
+        WireError: a peer's description is not one (the error names the peer).
     """
-    payload: tuple[str, str, BaseException | None] | None = None
-    if error is not None:
-        transportable: BaseException | None = error if isinstance(error, DistcacheError) else None
-        payload = (type(error).__name__, str(error), transportable)
+    payload = None if error is None else describe_error(error)
     gathered = comm.allgather_object((comm.node_id, payload), timeout=timeout)
-    failures = [(r, host, p) for r, (host, p) in enumerate(gathered) if p is not None]
+    failures = []
+    for rank, entry in enumerate(gathered):
+        if not (type(entry) is tuple and len(entry) == 2 and type(entry[0]) is str):
+            raise _bad_description(comm, rank, "not a (node id, description) pair")
+        if entry[1] is not None:
+            failures.append((rank, entry[0], entry[1]))
     if not failures:
         return
     if error is not None:
         raise error
-    rank, host, (type_name, text, exc) = failures[0]
-    if exc is not None:
-        raise exc
-    raise RemoteError(
-        f"rank {rank}/{comm.size} on {host} failed with {type_name}: {text}",
-        rank=rank,
-        host=host,
-        remote_type=type_name,
+    rank, host, description = failures[0]
+    if not (type(description) is tuple and len(description) == 4
+            and all(type(part) is str for part in description[:2])):
+        raise _bad_description(comm, rank, "not an error's description")
+    type_name, text, kind, attrs = description
+    if kind is None:
+        raise RemoteError(
+            f"rank {rank}/{comm.size} on {host} failed with {type_name}: {text}",
+            rank=rank,
+            host=host,
+            remote_type=type_name,
+        )
+    rebuilt = rebuild_error(kind, text, attrs)
+    if rebuilt is None:
+        raise _bad_description(comm, rank, f"an error of unknown class {kind!r}")
+    raise rebuilt
+
+
+#: The classes an error may be rebuilt as on another rank: distcache's own tree.
+_WIRE_ERRORS: dict[str, type[DistcacheError]] = {
+    name: getattr(errors, name) for name in errors.__all__
+}
+
+
+def describe_error(error: BaseException) -> tuple[str, str, str | None, dict[str, Any]]:
+    """``error`` as plain data: ``(type name, message, class to rebuild, attributes)``.
+
+    The class to rebuild is the nearest class of :mod:`distcache.errors` ``error``
+    derives from (None for any other error); the attributes are those it declares,
+    each as itself when it is plain data, else as its ``str``.
+    """
+    kind = next((k for k in type(error).__mro__ if _WIRE_ERRORS.get(k.__name__) is k), None)
+    attrs: dict[str, Any] = {}
+    if kind is not None:
+        assert issubclass(kind, DistcacheError)  # every class of the tree is one
+        for name in sorted(kind.declared()):
+            value = getattr(error, name, None)
+            try:
+                encode(value)
+            except WireError:
+                value = str(value)
+            attrs[name] = value
+    text = error.message if isinstance(error, DistcacheError) else str(error)
+    return (type(error).__name__, text, None if kind is None else kind.__name__, attrs)
+
+
+def rebuild_error(kind: Any, text: str, attrs: Any) -> DistcacheError | None:
+    """The error of class ``kind`` (a name from :mod:`distcache.errors`) that
+    :func:`describe_error` described, or None when ``kind`` names no such class.
+    Attributes the class does not declare are dropped."""
+    cls = _WIRE_ERRORS.get(kind) if type(kind) is str else None
+    if cls is None:
+        return None
+    declared = cls.declared()
+    given = attrs if type(attrs) is dict else {}
+    return cls(text, **{k: v for k, v in given.items() if k in declared})
+
+
+def _bad_description(comm: Communicator, peer: int, what: str) -> WireError:
+    return WireError(
+        f"agree_on_error on rank {comm.rank}/{comm.size} ({comm.node_id}): what rank "
+        f"{peer} sent is {what}; check that every rank runs the same distcache",
+        op="agree_on_error", rank=comm.rank, backend=comm.backend, peer=peer,
     )

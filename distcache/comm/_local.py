@@ -4,6 +4,9 @@
 runs N ranks as N threads of one process; it is how collective policy is tested at
 world size N without launching processes, and it honours timeouts like the real
 backends (a rank that never arrives makes the others raise ``CollectiveTimeout``).
+Both send ``allgather_object`` payloads in the wire form the real backends use
+(:mod:`distcache.comm._codec`), so a payload that could not cross ranks there fails
+here too, at world size 1 as well.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import threading
 from typing import Any
 
 from distcache.comm._base import Communicator, check_broadcast, hostname
+from distcache.comm._codec import decode, decode_from, encode
 from distcache.errors import CollectiveTimeout
 
 _DEFAULT_TIMEOUT = 600.0
@@ -47,7 +51,7 @@ class LocalCommunicator:
         return bytes(data)
 
     def allgather_object(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
-        return [obj]
+        return [decode(encode(obj))]
 
     def barrier(self, *, timeout: float | None = None) -> None:
         return None
@@ -148,7 +152,10 @@ class ThreadCommunicator:
         return bytes(self._group._exchange(self._rank, mine, "broadcast_bytes", timeout)[root])
 
     def allgather_object(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
-        return self._group._exchange(self._rank, obj, "allgather_object", timeout)
+        parts = self._group._exchange(self._rank, encode(obj), "allgather_object", timeout)
+        where = f"thread-rank {self._rank}/{self.size} ({self.node_id})"
+        return [decode_from(part, peer, where, rank=self._rank, backend="threads")
+                for peer, part in enumerate(parts)]
 
     def barrier(self, *, timeout: float | None = None) -> None:
         self._group._exchange(self._rank, None, "barrier", timeout)

@@ -7,7 +7,7 @@ blocking MPI call. MPI cannot cancel a started collective, so a communicator who
 collective timed out refuses further calls (a later call would be matched against
 the abandoned one); build a new communicator to continue.
 
-The policy (chunking, pickling, split's child cache) is
+The policy (chunking, the wire form of objects, split's child cache) is
 :class:`~distcache.comm._backend.BackendCommunicator`'s; this module moves bytes.
 mpi4py is imported in the constructor, never at module import: importing
 ``mpi4py.MPI`` calls ``MPI_Init``.
@@ -211,7 +211,7 @@ class MpiCommunicator(BackendCommunicator):
         total = sum(lengths)
         if total > MAX_MESSAGE_BYTES:
             raise self._too_large(
-                f"{total} pickled bytes over all ranks exceed one MPI message ({MAX_MESSAGE_BYTES})"
+                f"{total} encoded bytes over all ranks exceed one MPI message ({MAX_MESSAGE_BYTES})"
             )
         displs = [0] * self._size
         for i in range(1, self._size):

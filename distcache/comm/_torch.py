@@ -7,7 +7,7 @@ timed out is still queued in the backend and cannot be cancelled, so the communi
 refuses further calls afterwards; build a new one to continue.
 
 On NCCL, tensors live on the current CUDA device (NCCL moves only device memory); on
-every other backend they stay on the CPU. The policy (chunking, pickling, split's
+every other backend they stay on the CPU. The policy (chunking, the wire form, split's
 child cache) is :class:`~distcache.comm._backend.BackendCommunicator`'s; this module
 moves tensors. torch is imported in the constructor, never at module import.
 """
@@ -251,7 +251,7 @@ class TorchCommunicator(BackendCommunicator):
         longest = max(lengths)
         if longest > MAX_MESSAGE_BYTES:
             raise self._too_large(
-                f"a pickled object of {longest} bytes exceeds one message ({MAX_MESSAGE_BYTES})"
+                f"an encoded object of {longest} bytes exceeds one message ({MAX_MESSAGE_BYTES})"
             )
         # all_gather needs equal shapes: pad every rank's bytes to the longest.
         torch = self._torch

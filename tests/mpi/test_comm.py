@@ -5,14 +5,18 @@ Every body runs unchanged on MPI and on torch.distributed (``DISTCACHE_TEST_COMM
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import pickle
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from distcache.comm import Communicator, agree_on_error
 from distcache.comm._base import lend_broadcast
-from distcache.errors import CollectiveTimeout, CommError, IntegrityError, RemoteError
+from distcache.errors import CollectiveTimeout, CommError, IntegrityError, RemoteError, WireError
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -101,6 +105,51 @@ def test_allgather_object_returns_every_rank_object_in_rank_order(comm: Communic
     gathered = comm.allgather_object(mine)
     assert [g["rank"] for g in gathered] == list(range(comm.size))
     assert [len(g["blob"]) for g in gathered] == [r * 10_000 for r in range(comm.size)]
+
+
+class _Marker:
+    """Unpickling this creates ``path``: proof that a payload's code ran."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.mkdir, (str(self.path),))
+
+
+def test_a_pickle_sent_in_place_of_a_payload_is_refused_on_every_rank_and_never_runs(
+    comm_factory: Callable[..., Communicator], shared_tmp: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fresh: Any = comm_factory()
+    marker = shared_tmp / "payload-code-ran"
+    evil = pickle.dumps({"rank": _Marker(marker)})
+    if fresh.rank == 1:
+        # Rank 1's transport sends a pickle instead of what rank 1 encoded.
+        lengths, payloads = fresh._allgather_lengths, fresh._allgather_payloads
+        monkeypatch.setattr(fresh, "_allgather_lengths", lambda n, budget: lengths(len(evil), budget))
+        monkeypatch.setattr(fresh, "_allgather_payloads",
+                            lambda mine, sizes, budget: payloads(evil, sizes, budget))
+    with pytest.raises(WireError) as info:
+        fresh.allgather_object({"rank": fresh.rank})
+    assert (info.value.peer, info.value.rank) == (1, fresh.rank)  # type: ignore[attr-defined]
+    assert "a pickle?" in str(info.value)
+    monkeypatch.undo()
+    fresh.barrier()
+    assert not marker.exists()
+    # The collective itself completed: the communicator carries on.
+    assert fresh.allgather_object(fresh.rank) == list(range(fresh.size))
+    fresh.close()
+
+
+def test_a_value_that_is_not_plain_data_is_refused_on_the_sender(comm: Communicator) -> None:
+    @dataclasses.dataclass
+    class Report:
+        rank: int
+
+    with pytest.raises(WireError, match="Report"):
+        comm.allgather_object(Report(comm.rank))
+    assert comm.allgather_object(dataclasses.asdict(Report(comm.rank))) == [
+        {"rank": r} for r in range(comm.size)]
 
 
 def test_split_by_parity_gives_each_parity_its_own_communicator(comm: Communicator) -> None:

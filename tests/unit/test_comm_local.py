@@ -8,7 +8,10 @@ process group are process-wide state.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -19,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from distcache import errors
 from distcache.comm import (
     Communicator,
     LocalCommunicator,
@@ -28,7 +32,7 @@ from distcache.comm import (
 )
 from distcache.comm._base import MAX_MESSAGE_BYTES, chunk_spans
 from distcache.comm.adopt import launcher_is_mpi
-from distcache.errors import CollectiveTimeout, IntegrityError, RemoteError
+from distcache.errors import CollectiveTimeout, IntegrityError, RemoteError, WireError
 from tests.support.helpers import run_group
 
 GiB = 1 << 30
@@ -195,6 +199,118 @@ def test_thread_foreign_error_reaches_the_others_as_remote_error() -> None:
         assert isinstance(other, RemoteError)
         assert (other.rank, other.host, other.remote_type) == (1, "h1", "OSError")  # type: ignore[attr-defined]
         assert "rank 1/3 on h1 failed with OSError: disk full" in str(other)
+
+
+# -- what crosses between thread-ranks: plain data, never code ------------------------------
+
+
+class _Marker:
+    """Unpickling this creates ``path``: proof that a payload's code ran."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.mkdir, (str(self.path),))
+
+
+def test_a_pickle_injected_where_an_allgather_reads_is_refused_on_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = tmp_path / "ran"
+    evil = pickle.dumps({"rank": _Marker(marker)})
+    exchange = ThreadGroup._exchange
+
+    def forged(self: ThreadGroup, rank: int, obj: Any, op: str, timeout: float | None) -> Any:
+        # Rank 1's transport carries a pickle instead of what rank 1 encoded.
+        return exchange(self, rank, evil if rank == 1 and op == "allgather_object" else obj,
+                        op, timeout)
+
+    monkeypatch.setattr(ThreadGroup, "_exchange", forged)
+    group = ThreadGroup(3, node_ids=["h0", "h1", "h2"])
+    results = run_ranks(group, lambda c: c.allgather_object({"rank": c.rank}))
+    for rank, err in enumerate(results):
+        assert isinstance(err, WireError), err
+        assert (err.peer, err.rank, err.op) == (1, rank, "allgather_object")  # type: ignore[attr-defined]
+        assert "from rank 1" in str(err) and "a pickle?" in str(err)
+    assert not marker.exists()
+    # The same bytes, unpickled, would have run the object's code.
+    pickle.loads(evil)
+    assert marker.exists()
+
+
+def test_a_value_that_is_not_plain_data_is_refused_before_any_rank_communicates() -> None:
+    @dataclasses.dataclass
+    class Report:
+        count: int
+
+    group = ThreadGroup(2)
+    results = run_ranks(group, lambda c: c.allgather_object([Report(c.rank)]))
+    assert all(isinstance(r, WireError) and "Report at [0]" in str(r) for r in results)
+    assert group.calls == [0, 0]
+    with pytest.raises(WireError, match="set"):
+        local().allgather_object({1, 2})  # at world size 1 as well
+
+
+def test_every_distcache_error_crosses_ranks_as_itself_with_its_attributes() -> None:
+    classes = [getattr(errors, name) for name in errors.__all__]
+
+    def body(comm: Communicator) -> list[BaseException]:
+        seen = []
+        for cls in classes:
+            values = {name: f"{name}-value" for name in cls.declared()}
+            error = cls(f"{cls.__name__} on rank 1", **values) if comm.rank == 1 else None
+            try:
+                agree_on_error(comm, error)
+            except BaseException as exc:
+                seen.append(exc)
+        return seen
+
+    results = run_ranks(ThreadGroup(2), body)
+    for cls, got in zip(classes, results[0], strict=True):
+        assert type(got) is cls
+        assert str(got) == f"{cls.__name__} on rank 1"
+        assert {n: getattr(got, n) for n in cls.declared()} == {
+            n: f"{n}-value" for n in cls.declared()}
+
+
+def test_an_error_attribute_that_is_not_plain_data_arrives_as_text() -> None:
+    class FromAnEngine(IntegrityError):
+        pass
+
+    def body(comm: Communicator) -> None:
+        error = None
+        if comm.rank == 1:
+            error = FromAnEngine("bad bytes", sha256="ab" * 32, source=Path("/dev/null"),
+                                 name=ValueError("inner"))
+        agree_on_error(comm, error)
+
+    other, own = run_ranks(ThreadGroup(2), body)
+    assert type(own) is FromAnEngine
+    # The nearest class of distcache's tree is rebuilt; no class of the sender's own.
+    assert type(other) is IntegrityError
+    assert (other.sha256, other.source, other.name) == ("ab" * 32, "/dev/null", "inner")  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "forged",
+    [
+        ("KeyError", "x", "os.system", {}),  # not a class of distcache's tree
+        ("KeyError", "x", "Exception", {}),
+        ("KeyError", 3, None, {}),
+        "rm -rf /",
+    ],
+)
+def test_a_forged_error_description_is_a_wire_error_naming_the_peer(forged: Any) -> None:
+    def body(comm: Communicator) -> None:
+        if comm.rank == 1:  # speaks the protocol of agree_on_error with a forged entry
+            comm.allgather_object((comm.node_id, forged))
+        else:
+            agree_on_error(comm, None)
+
+    err, _ = run_ranks(ThreadGroup(2), body)
+    assert isinstance(err, WireError), err
+    assert (err.peer, err.op) == (1, "agree_on_error")  # type: ignore[attr-defined]
 
 
 # -- backend selection --------------------------------------------------------------------
