@@ -162,7 +162,7 @@ class HttpOrigin(BaseOrigin):
             "Accept-Encoding": "identity",
         }
         self._headers.update(headers or {})
-        self._token = clean_token(token, "the origin's token")
+        self._token = clean_token(token, "token")
         # Values never to show in a message: requests quotes a header value it refuses
         # (a token read from a file with its newline) in the exception text.
         raw_secrets = [v for k, v in self._headers.items()

@@ -85,7 +85,8 @@ class Fatal(Exception):
 def unreachable(exc: BaseException) -> str | None:
     """A short cause ("connection refused", "host name does not resolve (...)") when
     ``exc`` (from requests) is a refused connection or a failed name lookup; ``None``
-    for every other failure (timeouts, resets and TLS errors may pass)."""
+    for every other failure (timeouts, resets, TLS errors and a resolver's temporary
+    failure may pass)."""
     seen: set[int] = set()
     stack: list[BaseException] = [exc]
     while stack:
@@ -95,7 +96,9 @@ def unreachable(exc: BaseException) -> str | None:
         seen.add(id(error))
         if isinstance(error, ConnectionRefusedError):
             return "connection refused"
-        if isinstance(error, socket.gaierror):
+        if isinstance(error, socket.gaierror) and error.errno != socket.EAI_AGAIN:
+            # EAI_AGAIN is the resolver's "try again" (a DNS server under load as a
+            # thousand ranks start): retried like any transient failure.
             return f"host name does not resolve ({error.strerror or error})"
         linked = [error.__cause__, error.__context__, getattr(error, "reason", None),
                   *error.args]

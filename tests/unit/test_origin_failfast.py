@@ -80,6 +80,24 @@ def test_an_unresolvable_host_is_not_retried_and_fails_every_later_fetch_at_once
     assert info.value.cause == "host name does not resolve (Name or service not known)"
 
 
+def test_a_temporary_resolver_failure_is_retried_not_marked_down(
+    origin_server: LoopbackOrigin, artifacts: list[Artifact], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    failures = [socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")]
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    sleeps: list[float] = []
+    origin = HttpOrigin(origin_server.url, retries=2, sleep=sleeps.append)
+    assert sha256_hex(origin.fetch(artifacts[0])) == artifacts[0].sha256
+    assert len(sleeps) == 1 and origin_server.total_requests == 1
+
+
 def test_a_chain_skips_a_refused_origin_for_the_rest_of_the_run_with_one_warning(
     origin_server: LoopbackOrigin, artifacts: list[Artifact], tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
