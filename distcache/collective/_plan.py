@@ -6,9 +6,11 @@ deadlock-free by construction (every rank knows every broadcast that will happen
 
 Decisions the plan encodes:
 
-* **One writer per pool.** Ranks that report the same ``pool_id`` share a
-  filesystem; the lowest such rank is the pool's writer. Only writers take part in
-  moving bytes, and each pool receives each artifact exactly once.
+* **One writer per pool.** Ranks with the same pool label share a directory; the
+  lowest such rank is the pool's writer. Only writers take part in moving bytes, and
+  each pool receives each artifact exactly once. The labels are the pools' ids as
+  :func:`~distcache.collective._sharing.agree_pools` proved them, never the ids as
+  reported: a copied pool reports its template's id.
 * **Any rank may download.** Publication into a pool is atomic (temp file + rename),
   so a non-writer can publish a download straight into its own pool. Downloads are
   therefore spread over *all* ranks, interleaved across nodes, largest first onto the
@@ -54,7 +56,8 @@ def decode_bitmap(data: bytes, count: int) -> list[bool]:
 
 
 def elect_writers(pool_ids: Sequence[str]) -> dict[str, int]:
-    """``pool_id -> lowest rank`` that reported it (``pool_ids`` is indexed by rank)."""
+    """``pool label -> lowest rank`` that holds it (``pool_ids`` is indexed by rank, and
+    holds the labels :func:`~distcache.collective._sharing.agree_pools` returned)."""
     writers: dict[str, int] = {}
     for rank, pool_id in enumerate(pool_ids):
         writers.setdefault(pool_id, rank)
@@ -153,7 +156,8 @@ def make_plan(
     Args:
         objects: shas in agreed order.
         sizes: per object, its size when known (used to balance downloads).
-        pool_ids: per rank, the pool it uses.
+        pool_ids: per rank, the label of the pool it uses (proved shared, see
+            :func:`~distcache.collective._sharing.agree_pools`).
         node_ids: per rank, the node it runs on.
         have: per pool id, per object, whether the pool holds it.
         allow_downloads: False for ``sync``: objects no pool holds are reported in

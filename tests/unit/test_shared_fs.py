@@ -910,3 +910,31 @@ def test_sync_tells_copies_apart_and_moves_what_one_of_them_gained(tmp_path: Pat
         assert pool.names()[gained.name] == gained.sha256
         assert _probe_files(tmp_path / name) == []
     assert results[0][0].pool_id == copies.template_id != results[2][0].pool_id
+
+
+def test_two_jobs_probing_one_shared_pool_at_once_never_take_each_other_s_probe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events = tmp_path / "events.jsonl"
+    monkeypatch.setenv("DISTCACHE_LOG_JSON", str(events))
+    copies = Copies(tmp_path)
+    root = copies.copy("shared")
+    results: dict[str, list[Any]] = {}
+
+    def job(name: str) -> None:
+        results[name] = _prefetch_all(copies, ThreadGroup(3, ["a", "b", "c"], timeout=20),
+                                      [root] * 3)
+
+    jobs = [threading.Thread(target=job, args=(n,)) for n in ("one", "two")]
+    for t in jobs:
+        t.start()
+    for t in jobs:
+        t.join(60)
+    assert not any(t.is_alive() for t in jobs)
+
+    for name in ("one", "two"):
+        reports = [report for _, report in _ok(results[name])]
+        assert all(r.pools == 1 and r.writers == (0,) for r in reports), name
+    assert len(_events(events, "pool.probe")) == 2 and _events(events, "pool.renewed") == []
+    assert ArtifactPool(root).pool_id == copies.template_id
+    assert copies.complete(root) and _probe_files(root) == []
