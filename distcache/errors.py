@@ -11,7 +11,7 @@ in engine code keeps working::
     ├── IntegrityError                      bytes did not match their SHA-256
     ├── OriginError                         an origin could not deliver an artifact
     │   ├── ArtifactNotFound                the origin answered: it has no such artifact
-    │   └── OriginUnreachable               no connection at all: the origin is down for the run
+    │   └── OriginUnreachable               no connection at all: the origin is down for now
     ├── PoolError (OSError)                 the on-disk pool could not be used
     ├── CommError                           a communicator backend failed
     │   ├── CollectiveTimeout (TimeoutError)  a collective did not complete in time
@@ -215,9 +215,10 @@ class ArtifactNotFound(OriginError):
 
 class OriginUnreachable(OriginError):
     """The origin cannot be reached at all: the connection was refused or its host
-    name does not resolve. The origin is marked down for the rest of the run, so the
-    remaining artifacts fail at once instead of each being retried. Attributes: those
-    of :class:`OriginError`, plus ``cause`` (a short text: "connection refused")."""
+    name does not resolve. The origin is marked down for a minute (a command's whole
+    run), so the remaining artifacts fail at once instead of each being retried.
+    Attributes: those of :class:`OriginError`, plus ``cause`` (a short text:
+    "connection refused")."""
 
     attributes: ClassVar[tuple[str, ...]] = ("cause",)
 

@@ -45,7 +45,8 @@ class OriginChain(BaseOrigin):
     every origin is unreachable, an ``OriginError`` otherwise.
 
     An origin that raised ``OriginUnreachable`` (a refused connection, an unknown
-    host) is skipped for the chain's lifetime, with one warning.
+    host) answers at once while it is down (see :class:`HttpOrigin`): the chain moves
+    on to the next without a request, and warns once, not once per artifact.
 
     Raises:
         ConfigError: no origins.
@@ -56,8 +57,8 @@ class OriginChain(BaseOrigin):
             raise ConfigError("an origin chain needs at least one origin",
                               variable="origins", value=())
         self.origins: tuple[Origin, ...] = tuple(origins)
-        # Index -> why that origin is down; written once per origin, read by every thread.
-        self._down: dict[int, OriginUnreachable] = {}
+        # Indexes of the origins whose being down was logged; cleared when one delivers.
+        self._warned: set[int] = set()
 
     def describe(self) -> str:
         return " -> ".join(o.describe() for o in self.origins)
@@ -79,23 +80,20 @@ class OriginChain(BaseOrigin):
         start = out.tell() if out.seekable() else None
         counted = _CountingWriter(out)
         failures: list[tuple[str, str]] = []
-        missing = down = 0
+        missing = 0
+        down: list[str] = []
         for index, origin in enumerate(self.origins):
-            known = self._down.get(index)
-            if known is not None:
-                failures.append((origin.describe(), known.message))
-                down += 1
-                continue
             counted.written = 0
             try:
-                return origin.fetch_into(artifact, out if start is not None else cast(BinaryIO, counted))
+                count = origin.fetch_into(artifact, out if start is not None else cast(BinaryIO, counted))
             except (OriginError, IntegrityError) as exc:
                 failures.append((origin.describe(), exc.message))
                 missing += isinstance(exc, ArtifactNotFound)
                 if isinstance(exc, OriginUnreachable):
-                    down += 1
-                    if self._down.setdefault(index, exc) is exc:
-                        logger.warning("%s; skipping it for the rest of this run",
+                    down.append(f"{origin.describe()} ({getattr(exc, 'cause', None)})")
+                    if index not in self._warned:
+                        self._warned.add(index)
+                        logger.warning("%s; skipping it while it is down",
                                        exc.message.split(";", 1)[0])
                     continue
                 if not rewind(out, start) and counted.written:
@@ -104,15 +102,16 @@ class OriginChain(BaseOrigin):
                     logger.warning("origin %s failed for %s (%s); trying %s",
                                    origin.describe(), artifact.name, exc.message,
                                    self.origins[index + 1].describe())
+            else:
+                self._warned.discard(index)
+                return count
         listed = "; ".join(f"[{label}] {message}" for label, message in failures)
-        if down == len(self.origins):
-            causes = [f"{o.describe()} ({getattr(self._down[i], 'cause', None)})"
-                      for i, o in enumerate(self.origins)]
+        if len(down) == len(self.origins):
             raise OriginUnreachable(
-                f"every origin is unreachable: {', '.join(causes)}; nothing more is fetched "
-                "in this run; check the URLs and that the servers are up",
+                f"every origin is unreachable: {', '.join(down)}; check the URLs and that "
+                "the servers are up",
                 url=self.describe(), name=artifact.name, failures=failures,
-                cause="; ".join(causes))
+                cause="; ".join(down))
         error = ArtifactNotFound if missing == len(self.origins) else OriginError
         raise error(
             f"no origin could deliver {artifact.name} (sha256 {artifact.sha256}), "

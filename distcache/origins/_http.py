@@ -55,6 +55,11 @@ _MAX_REDIRECTS = 5
 _SECRET_HEADERS = ("authorization", "cookie", "proxy-authorization")
 
 
+#: Seconds an unreachable origin is not asked again: the whole of a command's run,
+#: while a process that serves for days (the FlashInfer wrapper) finds the origin again
+#: once it is back.
+DOWN_SECONDS = 60.0
+
 #: The distribution's name on the package index (the import name is ``distcache``).
 DISTRIBUTION = "distcache-kernels"
 
@@ -92,8 +97,9 @@ class HttpOrigin(BaseOrigin):
     ``repr``, logs or errors.
 
     A refused connection or a host name that does not resolve is not retried: the
-    origin is marked down for its lifetime and every later fetch raises
-    :class:`~distcache.errors.OriginUnreachable` with the same cause at once.
+    origin is marked down for :data:`DOWN_SECONDS` (a command's whole run) and every
+    fetch meanwhile raises :class:`~distcache.errors.OriginUnreachable` with the same
+    cause at once, without a request.
 
     Redirects are followed (at most 5) only to the same scheme and host, or to a
     host in ``allow_redirect_hosts`` with the same scheme.
@@ -151,7 +157,8 @@ class HttpOrigin(BaseOrigin):
         self.max_bytes: int = resolved.max_artifact_bytes
         self._scheme = parts.scheme
         self._origin_host = host_key(base_url)
-        self._down: tuple[str, str] | None = None  # (cause, reason) once unreachable
+        # (cause, reason, since when) while unreachable; replaced whole, never mutated.
+        self._down: tuple[str, str, float] | None = None
         self._allowed_hosts = {h.lower() for h in allow_redirect_hosts}
         self._backoff = Backoff(backoff_base, backoff_max, retry_after_max, backoff_total)
         self._sleep = sleep
@@ -203,8 +210,11 @@ class HttpOrigin(BaseOrigin):
         """
         url = self.url_for(artifact)
         where = redact_url(url)
-        if self._down is not None:
-            raise self._unreachable(artifact, where)
+        down = self._down
+        if down is not None:
+            if time.monotonic() - down[2] < DOWN_SECONDS:
+                raise self._unreachable(down, artifact, where)
+            self._down = None  # long enough: ask again
         start = out.tell() if out.seekable() else None
         attempts = self.retries + 1
         waited = 0.0
@@ -214,11 +224,12 @@ class HttpOrigin(BaseOrigin):
             try:
                 return self._attempt(url, artifact, out, written)
             except _Unreachable as exc:
-                if self._down is None:
-                    self._down = (exc.cause, exc.reason)
-                    logger.debug("origin %s marked down for this run: %s", self.describe(),
-                                 exc.reason)
-                raise self._unreachable(artifact, where) from None
+                down = self._down
+                if down is None:
+                    down = self._down = (exc.cause, exc.reason, time.monotonic())
+                    logger.debug("origin %s marked down for %.0f s: %s", self.describe(),
+                                 DOWN_SECONDS, exc.reason)
+                raise self._unreachable(down, artifact, where) from None
             except Fatal as exc:
                 # A 404 is definitive: the origin answered that it has no such file.
                 error = ArtifactNotFound if exc.status == 404 else OriginError
@@ -266,12 +277,12 @@ class HttpOrigin(BaseOrigin):
 
     # -- one attempt ---------------------------------------------------------------
 
-    def _unreachable(self, artifact: Artifact, where: str) -> OriginUnreachable:
-        assert self._down is not None
-        cause, reason = self._down
+    def _unreachable(self, down: tuple[str, str, float], artifact: Artifact,
+                     where: str) -> OriginUnreachable:
+        cause, reason, _since = down
         return OriginUnreachable(
-            f"origin {self.describe()} is unreachable: {reason}; nothing more is fetched "
-            "from it in this run; check the URL and that the server is up, or set "
+            f"origin {self.describe()} is unreachable: {reason}; it is not asked again for "
+            f"{DOWN_SECONDS:.0f} s; check the URL and that the server is up, or set "
             "DISTCACHE_ORIGIN to a mirror",
             url=where, name=artifact.name, cause=cause)
 

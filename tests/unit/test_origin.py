@@ -27,6 +27,7 @@ from distcache.origins import (
     HttpOrigin,
     Origin,
     OriginChain,
+    _http,
     open_origin,
 )
 from distcache.origins._open import SCHEMES
@@ -243,11 +244,30 @@ def test_connection_refused_is_not_retried_and_marks_the_origin_down(
     assert sleeps == []
     assert info.value.status is None
     assert info.value.cause == "connection refused"
-    # The same port serving again does not matter: the origin is down for its lifetime.
+    # The same port serving again does not matter while the origin is down...
     with LoopbackOrigin(artifact_dir, port=int(url.rsplit(":", 1)[1])) as again:
-        with pytest.raises(OriginUnreachable, match="connection refused"):
+        with pytest.raises(OriginUnreachable, match="not asked again for 60 s"):
             origin.fetch(artifacts[1])
         assert again.total_requests == 0
+
+
+def test_an_unreachable_origin_is_asked_again_once_it_has_been_down_long_enough(
+    artifact_dir: Path, artifacts: list[Artifact], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A process that serves for days must find its mirror again after a restart.
+    monkeypatch.setattr(_http, "DOWN_SECONDS", 0.2)
+    server = LoopbackOrigin(artifact_dir)
+    port = server.port
+    server.stop()
+    origin = HttpOrigin(server.url, retries=0)
+    with pytest.raises(OriginUnreachable):
+        origin.fetch(artifacts[0])
+    with LoopbackOrigin(artifact_dir, port=port) as again:
+        with pytest.raises(OriginUnreachable):
+            origin.fetch(artifacts[0])
+        time.sleep(0.3)
+        assert sha256_hex(origin.fetch(artifacts[0])) == artifacts[0].sha256
+        assert again.total_requests == 1
 
 
 def test_same_host_redirect_is_followed(
