@@ -197,7 +197,8 @@ def held_anywhere(comm: Communicator, pool: ArtifactPool, artifacts: Sequence[Ar
                   timeout: float | None = None) -> tuple[list[bool], list[str]]:
     """Collective: per artifact, whether some rank's pool holds it, and one
     ``"pool ID at ROOT on HOST (ranks ...)"`` per pool (the same on every rank). Each
-    pool is read once, by the lowest rank that uses it.
+    pool is read once per node, by the lowest rank there that uses it (a pool id is
+    only a claim until the collective proves that ranks see one directory).
 
     Raises:
         PoolError: a pool could not be read (on every rank alike).
@@ -210,7 +211,7 @@ def held_anywhere(comm: Communicator, pool: ArtifactPool, artifacts: Sequence[Ar
         ranks.setdefault(key, []).append(rank)
     bitmap: bytes | None = None
     failure: str | None = None
-    if next(r for r, s in enumerate(seen) if s[0] == pool.pool_id) == comm.rank:
+    if ranks[seen[comm.rank]][0] == comm.rank:
         try:
             flags = bytearray((len(artifacts) + 7) // 8)
             for i, artifact in enumerate(artifacts):
@@ -227,6 +228,8 @@ def held_anywhere(comm: Communicator, pool: ArtifactPool, artifacts: Sequence[Ar
     held = [any(m[i >> 3] & (1 << (i & 7)) for m in maps) for i in range(len(artifacts))]
     where = [f"pool {pid} at {root} on {host} (rank{'s' if len(r) > 1 else ''} "
              f"{', '.join(map(str, r))})" for (pid, root, host), r in ranks.items()]
+    if len(where) > _SHOWN_NAMES:
+        where = [*where[:_SHOWN_NAMES], f"{len(where) - _SHOWN_NAMES} more pools"]
     return held, where
 
 
