@@ -231,6 +231,8 @@ class HttpOrigin(BaseOrigin):
                                  DOWN_SECONDS, exc.reason)
                 raise self._unreachable(down, artifact, where) from None
             except Fatal as exc:
+                if written[0]:
+                    rewind(out, start)  # a body over the cap: drop what came before it
                 # A 404 is definitive: the origin answered that it has no such file.
                 error = ArtifactNotFound if exc.status == 404 else OriginError
                 advice = exc.advice or self._advice(exc.status)

@@ -187,6 +187,54 @@ def test_any_answer_is_the_exact_bytes_or_a_typed_error(
     server.close()
 
 
+class _Watched(io.BytesIO):
+    """An output that remembers the most it ever held (a rewind hides what was there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.most = 0
+
+    def write(self, data: Any) -> int:
+        count = super().write(data)
+        self.most = max(self.most, self.tell())
+        return count
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@FUZZ
+@given(
+    cap=st.sampled_from([1, 100, len(BODY) - 1, len(BODY), len(BODY) + 1, 3 * len(BODY)]),
+    body=bodies,
+    framing=st.sampled_from(["close", "chunked", "length"]),
+)
+def test_no_output_ever_holds_more_than_the_cap_for_an_artifact_of_unknown_size(
+    raw: Callable[[Responder], RawServer], cap: int, body: bytes, framing: str
+) -> None:
+    if framing == "chunked":
+        pieces = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 999]), body[i:i + 999])
+                          for i in range(0, len(body), 999))
+        answer = response("200 OK", [(b"Transfer-Encoding", b"chunked")], pieces + b"0\r\n\r\n")
+    elif framing == "length":
+        answer = response("200 OK", [(b"Content-Length", str(len(body)).encode())], body)
+    else:  # the body ends when the server closes
+        answer = response("200 OK", [], body)
+    server = raw(lambda _i, _r: answer)
+    out = _Watched()
+    try:
+        origin(server.url, max_bytes=cap).fetch_into(UNSIZED, out)
+        result = "ok"
+    except (OriginError, IntegrityError) as exc:
+        result = str(exc)
+    assert out.most <= cap
+    if result == "ok":
+        assert out.getvalue() == BODY and len(BODY) <= cap
+    else:
+        assert out.getvalue() == b""
+        if len(body) > cap:
+            assert f"exceeds the cap of {cap} bytes" in result
+    server.close()
+
+
 @pytest.mark.parametrize("length", [b"\xb2", b"\xd9\xa1\xd9\xa2"])
 def test_non_ascii_digits_in_content_length_are_ignored_not_a_crash(
     raw: Callable[[Responder], RawServer], length: bytes
