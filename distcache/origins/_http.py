@@ -8,9 +8,9 @@ streaming, and follows redirects itself (requests drops ``Authorization`` on a
 redirect to another host or port, but keeps it from http to https of one host, and
 keeps every other header, a caller's credential headers included, on any redirect):
 only to the same scheme and host (or hosts the caller allowed), with credentials only
-for the origin's own scheme, host and port. A refused connection or an unknown host marks the origin
-down: the remaining artifacts fail at once with that cause instead of each being
-retried.
+for the origin's own scheme, host and port. A refused connection or an unknown host
+marks the origin down: the remaining artifacts fail at once with that cause instead of
+each being retried.
 """
 
 from __future__ import annotations
@@ -205,8 +205,10 @@ class HttpOrigin(BaseOrigin):
         Raises:
             IntegrityError: every attempt delivered bytes with the wrong digest or size.
             ArtifactNotFound: the server answered 404 (never retried; ``status=404``).
+            OriginUnreachable: the connection was refused or the host name does not
+                resolve, now or less than :data:`DOWN_SECONDS` ago (never retried).
             OriginError: the origin cannot deliver it (``status`` is set when the
-                server answered).
+                server answered), or a body of unknown size exceeds ``max_bytes``.
         """
         url = self.url_for(artifact)
         where = redact_url(url)
