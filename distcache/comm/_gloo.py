@@ -29,7 +29,7 @@ from typing import Any, Self
 from distcache.comm._scope import RunScope, meet, share_secret
 from distcache.comm._torch import TorchCommunicator, import_torch
 from distcache.config import settings
-from distcache.errors import CommError, DistcacheError
+from distcache.errors import CollectiveTimeout, CommError, DistcacheError
 from launch import run_id
 
 log = logging.getLogger(__name__)
@@ -96,12 +96,12 @@ class GlooCommunicator(TorchCommunicator):
             group = self._make_group(torch, dist, dist.PrefixStore(self._prefix, store), rank,
                                      size, timedelta(seconds=left))
         except RuntimeError as exc:
-            raise CommError(
-                f"rank {rank}/{size}: cannot make distcache's {self._kind} group under "
-                f"{self._prefix!r}: {exc}; every rank must call distcache.init (or the "
-                "same collective) within the timeout",
-                op="init", rank=rank, backend=self._kind,
-            ) from exc
+            text = (f"rank {rank}/{size}: cannot make distcache's {self._kind} group under "
+                    f"{self._prefix!r}: {exc}; every rank must call distcache.init (or the "
+                    "same collective) within the timeout")
+            if "timeout" in str(exc).lower() and "connect" not in str(exc).lower():
+                raise CollectiveTimeout(text, op="init", rank=rank, timeout=wait) from exc
+            raise CommError(text, op="init", rank=rank, backend=self._kind) from exc
         self._setup(torch, dist, group, rank, size, self._kind, timeout=timeout,
                     chunk_bytes=chunk_bytes, node_id=node_id)
         if not agreed:

@@ -1,0 +1,160 @@
+"""Adoptions that share a rendezvous store never meet each other's keys: the launch
+wrapper and its program, two ``init`` cycles in one process, a restart, two jobs
+(``scope_prog.py`` is each rank)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from distcache.testing import LoopbackOrigin, make_artifacts
+from tests.launchers.procs import BIN, LAUNCH, PY, Result, base_env, run_group
+
+K = 5
+TORCHRUN_2 = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"]
+PROG = ["-m", "tests.launchers.scope_prog"]
+_CYCLE = re.compile(r"CYCLE (\d) (\d) (\d) ([0-9a-f]{32}) ([0-9a-f]{12}) (\d+)")
+_MET = re.compile(r"MET (\d) (\S+) (\S+) ([\d.]+) ([0-9a-f]{32})")
+_FAILED = re.compile(r"FAILED (\d) (\w+) ([\d.]+)")
+
+
+@pytest.fixture
+def origin(tmp_path: Path) -> Iterator[tuple[LoopbackOrigin, Path]]:
+    make_artifacts(tmp_path / "origin", K, min_size=1_000, max_size=5_000, seed=22)
+    with LoopbackOrigin(tmp_path / "origin") as srv:
+        yield srv, tmp_path / "origin" / "checksums.txt"
+
+
+def _cycles(output: str) -> list[tuple[str, ...]]:
+    return sorted(_CYCLE.findall(output), key=lambda row: (row[2], row[0]))
+
+
+def test_a_program_calling_init_under_the_launch_wrapper_under_torchrun_succeeds(
+    tmp_path: Path, origin: tuple[LoopbackOrigin, Path]
+) -> None:
+    # The wrapper's prefetch and the program's init meet on the same torchrun agent
+    # store, with the same ranks: each adoption must get keys of its own.
+    srv, manifest = origin
+    done = run_group(
+        [*TORCHRUN_2, *LAUNCH[1:], "--pool", str(tmp_path / "pool"), "--prefetch",
+         str(manifest), "--", PY, *PROG, "init", str(manifest), "1"],
+        base_env(DISTCACHE_ORIGIN=srv.url), timeout=150,
+    )
+    assert done.returncode == 0, done.output
+    rows = _cycles(done.output)
+    assert [(r[0], r[1], r[5]) for r in rows] == [("0", "2", str(K)), ("1", "2", str(K))], (
+        done.output)
+    assert srv.total_requests == K  # the wrapper fetched; the program found a warm pool
+
+
+def test_two_init_cycles_in_one_process_after_the_wrapper_each_get_a_scope_of_their_own(
+    tmp_path: Path, origin: tuple[LoopbackOrigin, Path]
+) -> None:
+    # Rank 1 comes 4 s late to each init: rank 0 must wait for it, not read an address
+    # an earlier adoption (the wrapper's, the first cycle's) left on the agent store.
+    srv, manifest = origin
+    done = run_group(
+        [*TORCHRUN_2, *LAUNCH[1:], "--pool", str(tmp_path / "pool"), "--prefetch",
+         str(manifest), "--", PY, *PROG, "init", str(manifest), "2", "4"],
+        base_env(DISTCACHE_ORIGIN=srv.url), timeout=150,
+    )
+    assert done.returncode == 0, done.output
+    rows = _cycles(done.output)
+    assert [(r[0], r[2]) for r in rows] == [("0", "0"), ("1", "0"), ("0", "1"), ("1", "1")], (
+        done.output)
+    by_cycle = [{(r[3], r[4]) for r in rows if r[2] == cycle} for cycle in ("0", "1")]
+    # Both ranks agree on each cycle's nonce and secret; the cycles differ.
+    assert [len(agreed) for agreed in by_cycle] == [1, 1], done.output
+    assert by_cycle[0] != by_cycle[1]
+    assert srv.total_requests == K
+
+
+# -- a store that outlives attempts and jobs, as torchrun's agent store does ------------
+
+
+@pytest.fixture
+def agent_store() -> Iterator[Any]:
+    """A TCPStore server on loopback that outlives every process started against it."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60),
+                          wait_for_workers=False)
+    yield store
+    del store
+
+
+def _worker_env(store: Any, job: str, attempt: int, rank: int) -> dict[str, str]:
+    return base_env(
+        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+        GROUP_RANK="0", GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
+        TORCHELASTIC_RUN_ID=job, TORCHELASTIC_RESTART_COUNT=str(attempt),
+    )
+
+
+def _workers(store: Any, ranks: list[tuple[str, int, int, float]], timeout: float,
+             *extra: str) -> list[Result]:
+    """Run ``(job, attempt, rank, delay)`` workers at once, each under a hard timeout."""
+    with ThreadPoolExecutor(len(ranks)) as pool:
+        runs = [pool.submit(run_group, [PY, *PROG, "adopt", str(delay), str(timeout), *extra],
+                            _worker_env(store, job, attempt, rank), 90)
+                for job, attempt, rank, delay in ranks]
+        return [run.result() for run in runs]
+
+
+def test_after_a_restart_on_the_same_agent_store_a_late_rank_still_meets_its_peer(
+    agent_store: Any,
+) -> None:
+    # Attempt 0 forms its group and dies without cleaning up, leaving its keys (and its
+    # peers' addresses) on the store; attempt 1's rank 1 comes 4 s late.
+    first = _workers(agent_store, [("job-a", 0, 0, 0.0), ("job-a", 0, 1, 0.0)], 10, "crash")
+    assert [r.returncode for r in first] == [0, 0], [r.output for r in first]
+    again = _workers(agent_store, [("job-a", 1, 0, 0.0), ("job-a", 1, 1, 4.0)], 10)
+    assert [r.returncode for r in again] == [0, 0], [r.output for r in again]
+    met = [_MET.search(r.output) for r in again]
+    assert all(met), [r.output for r in again]
+    rows = [m.groups() for m in met if m]
+    before = {m.group(5) for m in (_MET.search(r.output) for r in first) if m}
+    # One nonce, agreed by both ranks, and not attempt 0's.
+    assert len({row[4] for row in rows}) == 1 and not {row[4] for row in rows} & before
+    # Rank 0 waited for its late peer, within the timeout passed.
+    assert 3.0 < float(rows[0][3]) < 10.0, rows
+
+
+def test_a_rank_later_than_the_timeout_gets_a_typed_error_on_every_rank_in_time(
+    agent_store: Any,
+) -> None:
+    first = _workers(agent_store, [("job-a", 0, 0, 0.0), ("job-a", 0, 1, 0.0)], 10, "crash")
+    assert [r.returncode for r in first] == [0, 0], [r.output for r in first]
+    late = _workers(agent_store, [("job-a", 1, 0, 0.0), ("job-a", 1, 1, 4.0)], 2)
+    failed = [_FAILED.search(r.output) for r in late]
+    assert all(failed), [r.output for r in late]
+    for match in failed:
+        assert match is not None
+        assert match.group(2) in ("CollectiveTimeout", "CommError"), match.group(0)
+        # Within the 2 s passed, with a margin for a loaded machine.
+        assert float(match.group(3)) < 2.0 + 2.0, match.group(0)
+    # Rank 0 waited for its peer until the timeout, rather than failing at once against
+    # the address attempt 0's rank 1 left on the store.
+    rank0 = failed[0]
+    assert rank0 is not None
+    assert rank0.group(2) == "CollectiveTimeout", rank0.group(0)
+    assert float(rank0.group(3)) >= 1.5, rank0.group(0)
+
+
+def test_two_jobs_sharing_one_agent_store_never_meet(agent_store: Any) -> None:
+    runs = _workers(agent_store, [("job-a", 0, 0, 0.0), ("job-a", 0, 1, 0.0),
+                                  ("job-b", 0, 0, 0.0), ("job-b", 0, 1, 0.0)], 20)
+    assert [r.returncode for r in runs] == [0, 0, 0, 0], [r.output for r in runs]
+    rows = [m.groups() for m in (_MET.search(r.output) for r in runs) if m]
+    assert [(row[0], row[1], row[2]) for row in rows] == [
+        ("0", "job-a", "job-a,job-a"), ("1", "job-a", "job-a,job-a"),
+        ("0", "job-b", "job-b,job-b"), ("1", "job-b", "job-b,job-b"),
+    ], [r.output for r in runs]
+    assert rows[0][4] == rows[1][4] != rows[2][4] == rows[3][4]
