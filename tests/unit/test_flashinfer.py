@@ -17,7 +17,13 @@ import pytest
 
 from distcache.artifact import Artifact, merge_manifests, parse_checksums, path_under
 from distcache.comm import ThreadGroup
-from distcache.errors import ArtifactNameError, ConfigError, ManifestError, OriginError
+from distcache.errors import (
+    ArtifactNameError,
+    ConfigError,
+    ManifestError,
+    OriginError,
+    PoolError,
+)
 from distcache.integrations import flashinfer as fi
 from distcache.integrations.flashinfer import _warm as warm
 from distcache.integrations.flashinfer._record import (
@@ -206,6 +212,41 @@ def test_unexpected_pool_error_never_reaches_the_caller(pool: FakePool, cubin_di
     loader = make_loader(pool, cubin_dir, original=original)
     assert loader(CUBIN_NAME, sha(CUBIN)) == CUBIN
     assert "disk on fire" in loader.stats.failures[CUBIN_NAME]
+
+
+class UnwritablePool(FakePool):
+    """A pool whose ``objects/`` refuses every publication, after the download."""
+
+    def fetch(self, artifact: Artifact, origin: Any) -> bytes:
+        self.fetches += 1
+        origin.fetch(artifact)
+        raise PoolError("cannot publish objects/ab/...: Permission denied", path="objects")
+
+    def put(self, data: bytes, sha256: str | None = None) -> str:
+        raise PoolError("cannot publish: Permission denied", path="objects")
+
+    def materialize(self, artifact: Artifact, into_dir: Path) -> Path:
+        raise PoolError(f"{artifact.name} is not in the pool", path="objects")
+
+
+@pytest.mark.parametrize("name, data", [(CUBIN_NAME, CUBIN), (HEADER_NAME, HEADER)])
+def test_a_download_the_pool_cannot_publish_is_returned_and_flashinfer_is_not_asked(
+    tmp_path: Path, cubin_dir: Path, caplog: pytest.LogCaptureFixture, name: str, data: bytes
+) -> None:
+    pool = UnwritablePool(tmp_path / "pool")
+    origin, original = FakeOrigin({CUBIN_NAME: CUBIN, HEADER_NAME: HEADER}), FakeFlashInfer()
+    loader = make_loader(pool, cubin_dir, origin, original)
+    with caplog.at_level(logging.WARNING):
+        assert loader(name, sha(data)) == data
+        assert loader(name, sha(data)) == data
+    # A header FlashInfer opens by path is written from the bytes, and found there next.
+    downloads = 1 if name == HEADER_NAME else 2
+    assert origin.calls == [name] * downloads and original.calls == []
+    assert loader.stats.unpublished == downloads and loader.stats.fallbacks == 0
+    logged = [r for r in caplog.records if "cannot take downloads" in r.getMessage()]
+    assert len(logged) == 1  # once per pool
+    if name == HEADER_NAME:
+        assert path_under(cubin_dir, name).read_bytes() == HEADER
 
 
 @pytest.mark.parametrize(
