@@ -253,7 +253,8 @@ TABLE: tuple[Variable, ...] = (
     Variable("DISTCACHE_MAX_ARTIFACT_BYTES", "max_artifact_bytes", 4 << 30, _bytes, "4G",
              "largest body accepted for an artifact of unknown size"),
     Variable("DISTCACHE_TIMEOUT", "timeout", 600.0, _seconds, "600",
-             "seconds any collective may take before every rank raises"),
+             "seconds a rank waits for a peer, and a rank's downloads may go without "
+             "progress, before every rank raises; progress extends a fetch"),
     Variable("DISTCACHE_HTTP_TIMEOUT", "http_timeout", 30.0, _seconds, "30",
              "seconds per HTTP connect/read"),
     Variable("DISTCACHE_HTTP_RETRIES", "http_retries", 4, _int(0), "4",
