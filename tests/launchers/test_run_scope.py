@@ -5,6 +5,7 @@ wrapper and its program, two ``init`` cycles in one process, a restart, two jobs
 from __future__ import annotations
 
 import re
+import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -13,7 +14,9 @@ from typing import Any
 
 import pytest
 
+from distcache.errors import CommError
 from distcache.testing import LoopbackOrigin, make_artifacts
+from launch import detect, find_store, publish_store
 from tests.launchers.procs import BIN, LAUNCH, PY, Result, base_env, run_group
 
 K = 5
@@ -158,3 +161,85 @@ def test_two_jobs_sharing_one_agent_store_never_meet(agent_store: Any) -> None:
         ("0", "job-b", "job-b,job-b"), ("1", "job-b", "job-b,job-b"),
     ], [r.output for r in runs]
     assert rows[0][4] == rows[1][4] != rows[2][4] == rows[3][4]
+
+
+# -- the stores distcache hosts --------------------------------------------------------
+
+
+def _listening(port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net shows them) listening on ``port``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.partition(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                found.append(address)
+    return found
+
+
+def _two_free_ports() -> int:
+    """A port ``p`` such that ``p`` and ``p + 1`` are free on loopback just now."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
+        if port < 65535:
+            with socket.socket() as above:
+                try:
+                    above.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise AssertionError("no two adjacent free ports")
+
+
+LAUNCH_RANK0 = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1"}
+
+
+def test_the_store_rank0_hosts_listens_on_the_launchers_address_only() -> None:
+    port = _two_free_ports()
+    env = {**LAUNCH_RANK0, "MASTER_PORT": str(port)}
+    meeting = find_store(detect(env), 5, env)
+    # 127.0.0.1 only (0100007F), not every interface (00000000, or :: in tcp6).
+    assert _listening(port + 1) == ["0100007F"]
+    del meeting
+
+
+def test_the_bulk_store_listens_on_the_address_it_publishes_only() -> None:
+    host, port, store = publish_store(0, 1, lambda obj: [obj], lambda obj: obj,
+                                      timedelta(seconds=5))
+    assert host == "127.0.0.1" and _listening(port) == ["0100007F"]
+    del store
+
+
+def test_a_taken_store_port_is_a_clear_error_naming_the_port_and_the_way_out() -> None:
+    port = _two_free_ports()
+    with socket.socket() as squatter:
+        squatter.bind(("0.0.0.0", port + 1))
+        squatter.listen()
+        env = {**LAUNCH_RANK0, "MASTER_PORT": str(port)}
+        with pytest.raises(CommError, match=rf"127\.0\.0\.1:{port + 1}.*port {port + 1} "
+                           r"is in use.*set MASTER_PORT"):
+            find_store(detect(env), 5, env)
+
+
+def test_a_taken_port_derived_from_the_slurm_job_says_so() -> None:
+    for job in range(100, 200):
+        slurm = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "0",
+                 "SLURM_NODEID": "0", "SLURM_STEP_NUM_NODES": "1", "SLURM_JOB_ID": str(job),
+                 "SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "2"}
+        info = detect(slurm)
+        assert info.master_port is not None and info.master_port + 1 < 32768
+        with socket.socket() as squatter:
+            try:
+                squatter.bind(("0.0.0.0", info.master_port + 1))
+            except OSError:
+                continue  # taken already by something else: try another job
+            squatter.listen()
+            with pytest.raises(CommError, match=rf"port {info.master_port + 1} is in use.*"
+                               "derived from SLURM_JOB_ID; set MASTER_PORT"):
+                find_store(info, 5, slurm)
+        return
+    raise AssertionError("every derived port was taken")

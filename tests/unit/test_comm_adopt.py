@@ -1,14 +1,25 @@
-"""comm.adopt: the one choice of communicator, tested as the pure policy it is."""
+"""comm.adopt: the one choice of communicator, tested as the pure policy it is, and the
+run scope every adoption agrees on."""
 
 from __future__ import annotations
 
+import os
+import pickle
+import re
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
 
 import pytest
 
 from distcache.comm import adopt
 from distcache.comm._local import LocalCommunicator
+from distcache.comm._scope import job_root, meet
 from distcache.comm.adopt import Adopted, choose
+from distcache.errors import CollectiveTimeout, CommError
 from launch import detect
 
 OPENMPI_4 = {
@@ -93,3 +104,114 @@ def test_adopt_alone_gives_a_local_communicator() -> None:
 def test_adopt_rejects_unknown_options() -> None:
     with pytest.raises(TypeError, match="unknown option"):
         adopt(environ={}, colour="blue")
+
+
+def test_every_adoption_has_a_scope_whose_secret_is_never_shown() -> None:
+    first, second = adopt(environ={}), adopt(environ={})
+    for scope in (first.scope, second.scope):
+        assert re.fullmatch(r"[0-9a-f]{32}", scope.nonce) and len(scope.secret) == 32
+        assert scope.secret.hex() not in repr(scope) and "secret" not in repr(scope)
+        assert scope.prefix.startswith("distcache/") and scope.prefix.endswith(scope.nonce)
+    assert first.scope.nonce != second.scope.nonce
+    assert first.scope.secret != second.scope.secret
+
+
+def test_the_scope_names_the_launchers_job_and_attempt() -> None:
+    env = {**TORCHRUN_2, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "TORCHELASTIC_RUN_ID": "job-a", "TORCHELASTIC_RESTART_COUNT": "3"}
+    scope = adopt(environ=env).scope
+    assert (scope.job, scope.attempt) == ("torchrun:job-a", 3)
+    assert scope.prefix == f"{job_root('torchrun:job-a', 3)}/{scope.nonce}"
+    # Jobs and attempts never share a prefix.
+    roots = {job_root(job, attempt) for job in ("a", "b", "") for attempt in (0, 1)}
+    assert len(roots) == 6
+
+
+# -- agreeing on a nonce over a store shared with other adoptions ---------------------
+
+
+class _Store:
+    """The part of a ``torch.distributed.Store`` that :func:`meet` uses, in memory."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self._changed = threading.Condition()
+
+    def add(self, key: str, amount: int) -> int:
+        with self._changed:
+            value = int(self.data.get(key, b"0")) + amount
+            self.data[key] = str(value).encode()
+            self._changed.notify_all()
+            return value
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        with self._changed:
+            current = self.data.get(key)
+            if (current is None and expected == "") or current == expected.encode():
+                self.data[key] = desired.encode()
+                self._changed.notify_all()
+                return desired.encode()
+            return expected.encode() if current is None else current
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        with self._changed:
+            if not self._changed.wait_for(lambda: all(k in self.data for k in keys),
+                                          timeout.total_seconds()):
+                raise RuntimeError(f"wait timeout after {timeout}, keys: {keys}")
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+
+def _soon(seconds: float = 5.0) -> float:
+    return time.monotonic() + seconds
+
+
+def test_each_ranks_nth_adoption_meets_the_others_nth_however_late_it_comes() -> None:
+    store = _Store()
+    # Rank 0 adopts three times (the wrapper, then two inits) before rank 1 comes at
+    # all: rank 1 must still find each meeting's own nonce, not the latest.
+    claimed = [meet(store, 0, 2, "torchrun:j", 0, _soon()) for _ in range(3)]
+    found = [meet(store, 1, 2, "torchrun:j", 0, _soon()) for _ in range(3)]
+    assert found == claimed and len(set(claimed)) == 3
+
+
+def test_a_new_attempt_or_another_job_never_reads_an_earlier_nonce() -> None:
+    store = _Store()
+    old = meet(store, 0, 2, "torchrun:j", 0, _soon())
+    assert meet(store, 1, 2, "torchrun:j", 0, _soon()) == old
+    start = time.monotonic()
+    for job, attempt in (("torchrun:j", 1), ("torchrun:other", 0)):
+        with pytest.raises(CollectiveTimeout, match="rank 0 did not open"):
+            meet(store, 1, 2, job, attempt, time.monotonic() + 0.3)
+    assert time.monotonic() - start < 5.0  # each wait ends at its deadline
+    fresh_nonce = meet(store, 0, 2, "torchrun:j", 1, _soon())
+    assert fresh_nonce != old
+    # The late rank's count moved on with its timed-out try: its next adoption meets
+    # rank 0's second of attempt 1.
+    assert meet(store, 0, 2, "torchrun:j", 1, _soon()) == meet(
+        store, 1, 2, "torchrun:j", 1, _soon())
+
+
+def test_a_store_value_that_is_not_a_nonce_is_refused_never_unpickled() -> None:
+    class Boom:
+        def __reduce__(self) -> tuple[Any, tuple[str]]:
+            return (os.system, ("touch /nonexistent/should-never-run",))
+
+    store = _Store()
+    where = f"{job_root('j', 0)}/1/nonce"
+    store.data[where] = pickle.dumps(Boom())
+    with pytest.raises(CommError, match="not a nonce"):
+        meet(store, 1, 2, "j", 0, _soon())
+    # Rank 0 finding its meeting already claimed refuses too.
+    store.data[where] = b"0" * 32
+    with pytest.raises(CommError, match="already claimed"):
+        meet(store, 0, 2, "j", 0, _soon())
+
+
+def test_ranks_meeting_at_once_on_threads_agree() -> None:
+    store = _Store()
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            got = list(pool.map(lambda r: meet(store, r, 4, "j", 0, _soon()), range(4)))
+            assert len(set(got)) == 1
