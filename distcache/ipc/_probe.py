@@ -1,13 +1,16 @@
-"""Whether the group can share GPU pools with CUDA IPC, tested the way it would fail.
+"""Whether a node's ranks can share GPU pools with CUDA IPC, tested the way it would fail.
 
 :func:`probe_cuda_ipc` is what one process can check alone (platform, driver, device,
 stream memory operations, host registration, a trial export). :func:`agree_backend`
-is the collective at exchange: every rank that will produce a CUDA pool exports a
-small trial allocation, every other rank of its node checks peer access between the
-two devices and opens and closes that trial handle, and the group uses CUDA IPC only
-if every one of those steps worked on every rank. Otherwise the whole group shares
-host memory, and the log says which rank failed which step, so no request ever meets
-an unusable handle (e.g. WSL2's "invalid resource handle", SGLang issue 35385).
+is the collective at exchange, decided per node because pools are node-local: on each
+node that has a CUDA pool, its lowest rank runs the probe (once for the node; no other
+rank creates a CUDA context to vote), then every rank that will produce a CUDA pool
+exports a small trial allocation, every other rank of its node checks peer access
+between the two devices and opens and closes that trial handle, and the node uses
+CUDA IPC only if each of those steps worked on each of its ranks. Otherwise that node
+shares host memory, and its log says which rank failed which step, so no request
+ever meets an unusable handle (e.g. WSL2's "invalid resource handle", SGLang issue
+35385); another node's failure never moves this one.
 """
 
 from __future__ import annotations
@@ -75,15 +78,16 @@ def probe_cuda_ipc(device: int | None = None) -> tuple[bool, str]:
 
 
 def _export(device: int | None) -> tuple[str, bytes, bytes, int]:
-    """Probe, and export a trial allocation: (failure or "", uuid, handle, ptr)."""
-    usable, reason = probe_cuda_ipc(device)
-    if not usable:
-        return reason, b"", b"", 0
+    """Export a trial allocation: (failure or "", uuid, handle, ptr)."""
     try:
         ordinal = resolve_device(device)
         ptr = drv.mem_alloc(ordinal, _TRIAL_BYTES)
+    except Exception as exc:
+        return f"trial allocation failed: {exc}", b"", b"", 0
+    try:
         return "", drv.device_uuid(ordinal), drv.ipc_handle(ordinal, ptr), ptr
     except Exception as exc:
+        _free_quietly(device, ptr)
         return f"trial export failed: {exc}", b"", b"", 0
 
 
@@ -111,38 +115,80 @@ def agree_backend(
     timeout: float | None,
     failure: str = "",
 ) -> tuple[str, list[str]]:
-    """Collective: ``("cuda" | "shm", node id of every rank)``; see the module doc.
-    ``failure`` is a reason this rank already knows CUDA IPC cannot work (a pool
-    that could not be exported)."""
-    votes = comm.allgather_object((comm.node_id, wants_cuda), timeout=timeout)
-    nodes = [node for node, _ in votes]
-    exporters = [rank for rank, (_, wants) in enumerate(votes) if wants]
-    if not exporters:
+    """Collective: ``("cuda" | "shm" for this rank's node, node id of every rank)``;
+    see the module doc. ``failure`` is a reason this rank already knows CUDA IPC
+    cannot work (a pool that could not be exported).
+
+    Every rank takes part in every round, so the rounds stay in step; each node's
+    answer depends only on what its own ranks report.
+    """
+    votes = comm.allgather_object((comm.node_id, wants_cuda, failure), timeout=timeout)
+    nodes = [node for node, _, _ in votes]
+    here = nodes[comm.rank]
+    exporters = [rank for rank, (_, wants, _) in enumerate(votes) if wants]
+    # node -> (rank, what failed) for each node that cannot use CUDA IPC.
+    failed: dict[str, list[tuple[int, str]]] = {}
+    for rank, (node, wants, why) in enumerate(votes):
+        if wants and why:
+            failed.setdefault(node, []).append((rank, why))
+    viable = {nodes[r] for r in exporters} - set(failed)
+    if viable:
+        _probe_nodes(comm, nodes, viable, failed, device, timeout)
+    if viable - set(failed):
+        _trial_nodes(comm, nodes, exporters, failed, device, timeout)
+    if here in failed:
+        log.warning(
+            "CUDA IPC is unusable on node %s (%s); its pools are shared through host "
+            "shared memory instead",
+            here, "; ".join(f"rank {r}: {why}" for r, why in failed[here]),
+        )
         return "shm", nodes
-    reason, uuid, handle, ptr = (failure, b"", b"", 0) if failure else _export(device)
+    return ("cuda" if here in viable else "shm"), nodes
+
+
+def _probe_nodes(comm: Communicator, nodes: list[str], viable: set[str],
+                 failed: dict[str, list[tuple[int, str]]], device: int | None,
+                 timeout: float | None) -> None:
+    """Collective: the lowest rank of each node in ``viable`` probes for its node."""
+    prober = nodes.index(nodes[comm.rank]) == comm.rank and nodes[comm.rank] in viable
+    reason = None
+    if prober:
+        usable, why = probe_cuda_ipc(device)
+        reason = "" if usable else why
+    for rank, why in enumerate(comm.allgather_object(reason, timeout=timeout)):
+        if why:
+            failed.setdefault(nodes[rank], []).append((rank, why))
+
+
+def _trial_nodes(comm: Communicator, nodes: list[str], exporters: list[int],
+                 failed: dict[str, list[tuple[int, str]]], device: int | None,
+                 timeout: float | None) -> None:
+    """Collective: on every node still viable, each exporter's trial allocation is
+    opened and closed by the node's other ranks."""
+    here = nodes[comm.rank]
+    active = here not in failed and any(nodes[r] == here for r in exporters)
+    reason, uuid, handle, ptr = "", b"", b"", 0
+    if active and comm.rank in exporters:
+        reason, uuid, handle, ptr = _export(device)
     try:
         trials = comm.allgather_object((reason, uuid, handle), timeout=timeout)
-        failures = [(r, t[0]) for r, t in enumerate(trials) if t[0]]
+        for rank, (why, _, _) in enumerate(trials):
+            if why:
+                failed.setdefault(nodes[rank], []).append((rank, why))
         mine = ""
-        if not failures:
+        if active and here not in failed:
             for rank in exporters:
-                if rank != comm.rank and nodes[rank] == nodes[comm.rank]:
+                if rank != comm.rank and nodes[rank] == here:
                     _, peer_uuid, peer_handle = trials[rank]
                     mine = _try_open(device, peer_uuid, peer_handle) or mine
         opened = comm.allgather_object(mine, timeout=timeout)
-        failures += [(r, why) for r, why in enumerate(opened) if why]
+        for rank, why in enumerate(opened):
+            if why:
+                failed.setdefault(nodes[rank], []).append((rank, why))
     finally:
         if ptr:
             # Every rank closed the trial mapping before the last all-gather returned.
             _free_quietly(device, ptr)
-    if failures:
-        log.warning(
-            "CUDA IPC is unusable for this group (%s); every pool is shared through host "
-            "shared memory instead",
-            "; ".join(f"rank {r}: {why}" for r, why in failures),
-        )
-        return "shm", nodes
-    return "cuda", nodes
 
 
 def _free_quietly(device: int | None, ptr: int) -> None:

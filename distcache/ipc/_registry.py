@@ -1,10 +1,11 @@
 """The consumer side: every peer pool mapped exactly once; refs fetched or viewed.
 
-:meth:`PoolRegistry.exchange` is the one collective, run at init: ranks agree on the
-backend (:mod:`distcache.ipc._probe`: a trial export and open; if any rank cannot use
-CUDA IPC, the whole group uses shared memory), bind each pool to its consumers,
-all-gather the pool descriptors, map every peer pool once, meet at a barrier, and then
-each owner unlinks its segment names. A pool whose producer is not a rank of the group
+:meth:`PoolRegistry.exchange` is the one collective, run at init: each node agrees on
+its backend (:mod:`distcache.ipc._probe`: one probe per node, a trial export and open;
+if a rank of the node cannot use CUDA IPC, that node uses shared memory, and other
+nodes are not moved), bind each pool to its consumers, all-gather the pool
+descriptors, map every peer pool once, meet at a barrier, and then each owner unlinks
+its segment names. A pool whose producer is not a rank of the group
 is mapped with :meth:`PoolRegistry.add` from its packed descriptor.
 
 Serving after that is local: a dictionary look-up, bounds and lease checks on host
@@ -51,7 +52,7 @@ class PoolRegistry:
     def __init__(self, rank: int, *, device: int | None = None, backend: str = "shm") -> None:
         self.rank = rank
         self.device = device
-        #: The transport the group agreed on at exchange: ``"cuda"`` or ``"shm"``.
+        #: The transport this rank's node agreed on at exchange: ``"cuda"`` or ``"shm"``.
         self.backend = backend
         #: pool id -> number of times this process mapped it (1, or more after a
         #: producer restart was followed).

@@ -25,6 +25,8 @@ class FakeGpus:
         self.live: dict[int, int] = {}  # ptr -> rank that allocated it
         self.opened: list[tuple[int, bytes]] = []
         self.rank_of: dict[int, int] = {}
+        #: Ranks that made any driver call (a CUDA context, on a real GPU).
+        self.touched: set[int] = set()
         self._next = 0x1000
         self._lock = threading.Lock()
 
@@ -35,6 +37,14 @@ class FakeGpus:
         why = self.fail.get((self.rank(), name))
         if why:
             raise IpcError(f"{name} failed: {why}")
+
+    def _recorded(self, fake: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            with self._lock:
+                self.touched.add(self.rank())
+            return fake(*args)
+
+        return call
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         def mem_alloc(ordinal: int, nbytes: int) -> int:
@@ -75,14 +85,15 @@ class FakeGpus:
             "can_access_peer": lambda a, b: a == b or self.peer,
         }
         for name, fake in fakes.items():
-            monkeypatch.setattr(_driver, name, fake)
+            monkeypatch.setattr(_driver, name, self._recorded(fake))
         monkeypatch.setattr(_probe, "resolve_device", lambda device: 0)
         monkeypatch.setattr(_probe.platform, "system", lambda: "Linux")
         monkeypatch.setattr(_probe.platform, "release", lambda: "6.1.0")
 
 
-def _run(gpus: FakeGpus, wants: list[bool], failure: dict[int, str] | None = None) -> list[str]:
-    group = ThreadGroup(len(wants), timeout=30)
+def _run(gpus: FakeGpus, wants: list[bool], failure: dict[int, str] | None = None,
+         nodes: list[str] | None = None) -> list[str]:
+    group = ThreadGroup(len(wants), nodes, timeout=30)
     out: list[Any] = [None] * len(wants)
 
     def rank(r: int) -> None:
@@ -121,8 +132,8 @@ def test_no_cuda_pool_means_no_probe_at_all(same_gpu: FakeGpus) -> None:
     assert same_gpu.opened == [] and same_gpu.live == {}
 
 
-@pytest.mark.parametrize(("rank", "step"), [(1, "open"), (0, "export"), (2, "alloc")])
-def test_one_failing_step_on_one_rank_moves_the_whole_group_to_host_memory(
+@pytest.mark.parametrize(("rank", "step"), [(1, "open"), (0, "export"), (0, "alloc")])
+def test_one_failing_step_on_one_rank_moves_its_whole_node_to_host_memory(
     same_gpu: FakeGpus, rank: int, step: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     same_gpu.fail[(rank, step)] = "invalid resource handle"
@@ -130,6 +141,107 @@ def test_one_failing_step_on_one_rank_moves_the_whole_group_to_host_memory(
         assert _run(same_gpu, [True, False, False]) == ["shm"] * 3
     assert f"rank {rank}" in caplog.text and "invalid resource handle" in caplog.text
     assert same_gpu.live == {}
+
+
+# -- per node: one probe each, and one node's failure stays its own ----------------------
+
+
+class CountedProbes:
+    """A fake :func:`probe_cuda_ipc`: usable on the nodes in ``capable``; counts the
+    calls of each rank."""
+
+    def __init__(self, gpus: FakeGpus, nodes: list[str], capable: set[str]) -> None:
+        self.gpus, self.nodes, self.capable = gpus, nodes, capable
+        self.calls: list[int] = []
+
+    def __call__(self, device: int | None = None) -> tuple[bool, str]:
+        rank = self.gpus.rank()
+        self.calls.append(rank)
+        if self.nodes[rank] in self.capable:
+            return True, ""
+        return False, "no CUDA device is visible"
+
+
+TWO_NODES = ["a", "a", "a", "b", "b", "b"]
+
+
+@pytest.fixture
+def two_nodes(monkeypatch: pytest.MonkeyPatch) -> FakeGpus:
+    gpus = FakeGpus({r: (b"A" if TWO_NODES[r] == "a" else b"B") * 16 for r in range(6)})
+    gpus.install(monkeypatch)
+    return gpus
+
+
+def test_a_node_that_fails_the_probe_uses_host_memory_and_the_other_keeps_cuda(
+    two_nodes: FakeGpus, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    probes = CountedProbes(two_nodes, TWO_NODES, capable={"a"})
+    monkeypatch.setattr(_probe, "probe_cuda_ipc", probes)
+    # A CUDA pool on rank 1 of node a and on rank 4 of node b.
+    with caplog.at_level(logging.WARNING, logger="distcache.ipc._probe"):
+        got = _run(two_nodes, [False, True, False, False, True, False], nodes=TWO_NODES)
+    assert got == ["cuda"] * 3 + ["shm"] * 3
+    # Once per node, on its lowest rank, whether or not that rank has a CUDA pool.
+    assert sorted(probes.calls) == [0, 3]
+    # Node a's consumers opened its producer's trial; node b made no trial at all.
+    assert sorted(r for r, _ in two_nodes.opened) == [0, 2]
+    assert not two_nodes.touched & {3, 4, 5}
+    assert "node b" in caplog.text and "rank 3: no CUDA device is visible" in caplog.text
+    assert "node a" not in caplog.text
+    assert two_nodes.live == {}
+
+
+@pytest.mark.parametrize(("rank", "step"), [(5, "open"), (4, "export"), (4, "alloc")])
+def test_a_failing_trial_on_one_node_leaves_the_other_on_cuda(
+    two_nodes: FakeGpus, monkeypatch: pytest.MonkeyPatch, rank: int, step: str
+) -> None:
+    probes = CountedProbes(two_nodes, TWO_NODES, capable={"a", "b"})
+    monkeypatch.setattr(_probe, "probe_cuda_ipc", probes)
+    two_nodes.fail[(rank, step)] = "invalid resource handle"
+    got = _run(two_nodes, [True, False, False, False, True, False], nodes=TWO_NODES)
+    assert got == ["cuda"] * 3 + ["shm"] * 3
+    assert sorted(probes.calls) == [0, 3]
+    assert two_nodes.live == {}
+
+
+def test_a_node_without_a_cuda_pool_runs_no_probe_and_makes_no_driver_call(
+    two_nodes: FakeGpus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    probes = CountedProbes(two_nodes, TWO_NODES, capable={"a", "b"})
+    monkeypatch.setattr(_probe, "probe_cuda_ipc", probes)
+    got = _run(two_nodes, [False, False, True, False, False, False], nodes=TWO_NODES)
+    assert got == ["cuda"] * 3 + ["shm"] * 3
+    assert probes.calls == [0]
+    assert not two_nodes.touched & {3, 4, 5}
+
+
+def test_a_known_export_failure_moves_only_its_own_node(
+    two_nodes: FakeGpus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    probes = CountedProbes(two_nodes, TWO_NODES, capable={"a", "b"})
+    monkeypatch.setattr(_probe, "probe_cuda_ipc", probes)
+    got = _run(two_nodes, [True, False, False, True, False, False], {3: "cuMemAlloc failed"},
+               nodes=TWO_NODES)
+    assert got == ["cuda"] * 3 + ["shm"] * 3
+    assert probes.calls == [0]  # node b already knew: no probe there
+
+
+def test_the_real_probe_runs_once_per_node_and_not_on_every_rank(
+    two_nodes: FakeGpus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real, calls = _probe.probe_cuda_ipc, []
+
+    def counted(device: int | None = None) -> tuple[bool, str]:
+        calls.append(two_nodes.rank())
+        return real(device)
+
+    monkeypatch.setattr(_probe, "probe_cuda_ipc", counted)
+    got = _run(two_nodes, [True, True, True, False, False, True], nodes=TWO_NODES)
+    assert got == ["cuda"] * 6
+    assert sorted(calls) == [0, 3]
+    # Every rank opened each trial of its node's other exporters, and only those.
+    assert sorted(r for r, _ in two_nodes.opened) == [0, 0, 1, 1, 2, 2, 3, 4]
+    assert two_nodes.live == {}
 
 
 def test_a_pool_that_could_not_be_exported_votes_for_host_memory(same_gpu: FakeGpus) -> None:
