@@ -65,3 +65,13 @@ def test_what_the_pool_lacks_stops_the_launch_with_one_error_naming_it(tmp_path:
     assert errors, done.output
     assert all(f"{total - 3} artifact(s) are in no pool and no origin is set" in e for e in errors)
     assert all(f"distcache fetch --manifest {manifest} --origin URL" in e for e in errors)
+
+
+def test_the_prefetch_command_under_mpirun_needs_no_origin_for_a_warm_pool(
+    tmp_path: Path,
+) -> None:
+    pool, manifest, total = _warm(tmp_path, 5)
+    done = run_group([*MPIRUN_2, PY, "-m", "distcache", "--pool", str(pool), "prefetch",
+                      "--manifest", str(manifest)], _env(), timeout=180)
+    assert done.returncode == 0, done.output
+    assert f"{total} already everywhere" in done.output and "; 0 downloads" in done.output
