@@ -12,14 +12,19 @@
 
 The pool is ``--pool``, else ``DISTCACHE_POOL``, else ``$XDG_CACHE_HOME/distcache``;
 ``--pool`` and ``--verbose`` may stand before or after any subcommand. ``--json``
-prints a command's result as one JSON document on stdout instead of text.
+prints a command's result as one JSON document on stdout instead of text. Logging
+(:func:`distcache._logging.configure_logging`): a collective command prints rank 0's
+progress, one line per phase, and every rank's warnings; ``-v`` every rank's progress
+and debug lines, tagged with the rank; a command that is not collective prints its
+result and its warnings.
 
 Exit codes:
     0    success
-    1    an error: one line on stderr (``--verbose`` adds the traceback)
+    1    an error: one line on stderr (``--verbose`` adds the traceback); also a
+         ``pool gc`` that could not get under its cap
     2    bad usage (unknown command or option, missing argument)
     3    ``pool verify`` found corrupt objects (they were moved to quarantine/)
-    130  interrupted
+    130  interrupted (running downloads stop at once; their temporary files go)
 
 One module per subcommand (``_pool``, ``_transfer`` for pool import/export,
 ``_hygiene`` for pool rm/prune, ``_fetch``, ``_doctor``, ``_prefetch`` and ``_dryrun``), registered through one table in ``_main``;

@@ -33,7 +33,7 @@ R = TypeVar("R")
 
 #: How long an interrupted command waits for its workers to notice before it removes
 #: what they left and exits (a download in a socket read is not waited for).
-GRACE_SECONDS = 0.3
+GRACE_SECONDS = 0.1
 
 
 class Interrupted(Exception):

@@ -32,7 +32,8 @@ from distcache.errors import DistcacheError
 _EPILOG = """\
 exit codes:
   0    success
-  1    an error (one line on stderr; --verbose adds the traceback)
+  1    an error (one line on stderr; --verbose adds the traceback), or a
+       'pool gc' that could not get under its cap
   2    bad usage
   3    'pool verify' found corrupt objects (moved to quarantine/)
   130  interrupted
