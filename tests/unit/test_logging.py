@@ -114,3 +114,29 @@ def test_cli_prefetch_under_mpirun_with_verbose_prints_every_rank(tmp_path: Path
         tagged = [line for line in stderr.splitlines()
                   if line.startswith(f"distcache: rank {rank}: comm: ")]
         assert len(tagged) == 1, stderr
+
+
+def test_init_logs_the_prefetch_summary_once_without_a_doubled_prefix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stream: io.StringIO
+) -> None:
+    import distcache
+    from distcache.artifact import manifest_text
+
+    for var in [v for v in os.environ if v.startswith("DISTCACHE_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    artifacts = make_artifacts(tmp_path / "origin", 3, min_size=500, max_size=900, seed=4)
+    manifest = tmp_path / "checksums.txt"
+    manifest.write_text(manifest_text(artifacts))
+    restore = configure_logging(0, 0, stream=stream)
+    try:
+        with distcache.init(pool=tmp_path / "pool", origin=str(tmp_path / "origin"),
+                            manifests=[manifest], flashinfer=False):
+            pass
+    finally:
+        restore()
+    lines = stream.getvalue().splitlines()
+    summaries = [line for line in lines if "3 artifacts (" in line]
+    assert summaries == [next(line for line in lines if line.startswith("distcache: prefetch: 3"))]
+    assert not any("prefetch: prefetch:" in line for line in lines)
+    assert sum(line.startswith("distcache: pool: ") for line in lines) == 1
