@@ -162,7 +162,11 @@ def prefetch_manifests(
         return None
     if offline is None:
         offline = settings().offline
-    if origin is None or offline:
+    # Whether to look before fetching is decided alike on every rank: a rank without an
+    # origin (or offline) makes the whole job fetch nothing.
+    cannot = comm.allgather_object((origin is None, bool(offline)), timeout=timeout)
+    if origin is None or any(none or off for none, off in cannot):
+        offline = any(off for _, off in cannot)
         held, where = held_anywhere(comm, pool, artifacts, timeout=timeout)
         missing = [a for a, found in zip(artifacts, held, strict=True) if not found]
         if missing:

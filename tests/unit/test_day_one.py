@@ -287,3 +287,29 @@ def test_a_peer_silent_in_the_fetch_fails_the_others_within_the_timeout_despite_
     assert failed_at[0] - silent.silent_since < TIMEOUT + 3.0
     assert requests < STEADY  # it failed while the origin was still delivering
     assert isinstance(results[1], PrefetchError), results[1]
+
+
+def test_ranks_that_disagree_on_having_an_origin_fetch_nothing_and_fail_alike(
+    tmp_path: Path, artifact_dir: Path, artifacts: list[Artifact], manifest: Path,
+    origin_server: LoopbackOrigin,
+) -> None:
+    from distcache._resolve import prefetch_manifests
+    from distcache.comm import ThreadGroup
+    from distcache.origins import open_origin
+
+    group = ThreadGroup(2, timeout=20)
+    pools = [_fill(tmp_path / "warm", artifact_dir, artifacts), ArtifactPool(tmp_path / "cold")]
+    origins = [None, open_origin(origin_server.url)]  # only rank 1 has one
+    reports = _run_ranks(2, lambda r: prefetch_manifests(
+        group.comm(r), pools[r], origins[r], manifests=[manifest], timeout=20, offline=False))
+    for report in reports:
+        assert not isinstance(report, BaseException), report
+        assert report.downloads == 0
+    assert all(pools[1].has(a.sha256) for a in artifacts)  # moved from rank 0's pool
+    absent = Artifact("cubins/absent/none.cubin", "0" * 64)
+    errors = _run_ranks(2, lambda r: prefetch_manifests(
+        group.comm(r), pools[r], origins[r], manifests=[[*artifacts, absent]], timeout=20,
+        offline=False))
+    assert all(isinstance(e, ConfigError) for e in errors), errors
+    assert str(errors[0]) == str(errors[1]) and absent.name in str(errors[0])
+    assert origin_server.total_requests == 0
