@@ -7,26 +7,24 @@ Under any launcher (mpirun, srun, torchrun, or none) each rank's program gets th
 port and the address and port travel over MPI; elsewhere they come from
 :func:`launch._detect`.
 
-The program runs as a child in its own process group; SIGINT, SIGTERM, SIGHUP,
-SIGQUIT, SIGUSR1 and SIGUSR2 are forwarded to it, the child is killed if this process
-dies, and its exit status (or the signal that killed it) becomes ours.
+The program runs as a child in its own process group, as a shell runs a job (see
+:mod:`launch._child`): on a terminal it gets the terminal; SIGINT, SIGTERM, SIGHUP,
+SIGQUIT, SIGUSR1, SIGUSR2, SIGTSTP and SIGCONT are forwarded to it; it stops and
+continues with this process; it is killed if this process dies; and its exit status
+(or the signal that killed it) becomes ours.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import dataclasses
 import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
 from typing import NoReturn
 
 import distcache
@@ -34,6 +32,7 @@ from distcache.artifact import read_manifest
 from distcache.comm import adopt
 from distcache.errors import DistcacheError
 from distcache.integrations.flashinfer import FlashInfer
+from launch._child import run
 from launch._detect import LaunchInfo, detect
 from launch._dist import mpi_publish, rendezvous_address
 from launch._workspace import WorkspaceSlot, acquire_slot
@@ -41,15 +40,6 @@ from launch._workspace import WorkspaceSlot, acquire_slot
 log = logging.getLogger("launch")
 
 PROG = "python -m launch"
-FORWARDED = (
-    signal.SIGINT,
-    signal.SIGTERM,
-    signal.SIGHUP,
-    signal.SIGQUIT,
-    signal.SIGUSR1,
-    signal.SIGUSR2,
-)
-_PR_SET_PDEATHSIG = 1
 
 
 class _UsageError(Exception):
@@ -144,36 +134,6 @@ def child_environment(
             log.info("rank %d: exporting %s=%s", info.rank, name, value)
         env[name] = str(value)
     return env
-
-
-def _child_setup() -> None:
-    os.setpgid(0, 0)
-    # Die with the launcher: a killed launcher must not leave PROGRAM running.
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-
-
-def run(command: Sequence[str], env: dict[str, str]) -> int:
-    """Run ``command`` with signals forwarded; returns its exit status, or ``-SIG``."""
-    child: list[subprocess.Popen[bytes]] = []
-    pending: list[int] = []
-
-    def forward(signum: int, frame: FrameType | None) -> None:
-        if not child:
-            pending.append(signum)  # arrived while starting: delivered right after
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(child[0].pid, signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
-    try:
-        child.append(subprocess.Popen(list(command), env=env, preexec_fn=_child_setup))
-        for signum in pending:
-            forward(signum, None)
-        return child[0].wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _prefetch(
@@ -274,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         sys.exit(2)
     try:
-        status = run(command, env)
+        status = run(command, env, terminal=info.local_world_size == 1)
     except OSError as exc:
         print(f"{PROG}: error: cannot run {command[0]!r}: {exc.strerror or exc}", file=sys.stderr)
         sys.exit(127 if isinstance(exc, FileNotFoundError) else 126)

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
+from typing import Any
 
-from tests.launchers.procs import base_env, run_group
+import pytest
+
+from launch import _child
+from tests.launchers.procs import REPO, base_env, run_group
+from tests.support.process import kill_group
 
 PY = sys.executable
 LAUNCH = [PY, "-m", "launch"]
@@ -40,6 +49,68 @@ def test_signal_to_the_launcher_is_forwarded_to_the_program(tmp_path: Path) -> N
     done = run_group([*LAUNCH, "--", PY, "-c", program], base_env(), timeout=60)
     assert marker.exists(), done.output
     assert done.returncode == 5, done.output
+
+
+def test_program_starts_in_its_own_group_with_nothing_run_between_fork_and_exec(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A preexec_fn runs Python (ctypes, dlopen) in a child forked while the prefetch's
+    # threads may hold locks; subprocess's own process_group= is done in C.
+    calls: list[dict[str, Any]] = []
+    real = subprocess.Popen
+
+    def spy(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", spy)
+    status = _child.run([PY, "-c", "raise SystemExit(3)"], base_env(), terminal=False)
+    assert status == 3
+    assert len(calls) == 1
+    assert calls[0].get("preexec_fn") is None
+    assert calls[0].get("process_group") == 0
+
+
+def test_program_gets_sigpipe_and_sigxfsz_at_their_defaults() -> None:
+    # Python ignores both at start-up; PROGRAM must not inherit that from the wrapper.
+    done = run_group([*LAUNCH, "--", "cat", "/proc/self/status"], base_env(), timeout=60)
+    assert done.returncode == 0, done.output
+    ignored = int(next(line.split()[1] for line in done.output.splitlines()
+                       if line.startswith("SigIgn:")), 16)
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+        assert not ignored & (1 << (sig - 1)), (sig.name, done.output)
+
+
+def test_program_dies_with_a_killed_wrapper(tmp_path: Path) -> None:
+    pidfile = tmp_path / "pid"
+    code = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    proc = subprocess.Popen([*LAUNCH, "--", PY, "-c", code], env=base_env(), cwd=REPO,
+                            start_new_session=True)
+    pid = None
+    try:
+        deadline = time.monotonic() + 60
+        while not pidfile.exists() or not pidfile.read_text():
+            assert time.monotonic() < deadline, "the program did not start within 60s"
+            assert proc.poll() is None, f"python -m launch exited {proc.returncode}"
+            time.sleep(0.05)
+        pid = int(pidfile.read_text())
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while _alive(pid):
+            assert time.monotonic() < deadline, f"the program (pid {pid}) outlived its wrapper"
+            time.sleep(0.05)
+    finally:
+        kill_group(proc)
+        if pid is not None and _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    with contextlib.suppress(OSError):
+        text = Path(f"/proc/{pid}/stat").read_text()
+        return text[text.rindex(")") + 2] != "Z"
+    return False
 
 
 def test_bad_usage_is_one_line_and_non_zero() -> None:

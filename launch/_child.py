@@ -1,0 +1,238 @@
+"""Run PROGRAM as the launch wrapper's child, the way a shell runs a job.
+
+- **Its own process group.** A signal the wrapper forwards reaches PROGRAM and what
+  it started, once: a launcher that signals the wrapper's group does not reach
+  PROGRAM a second time behind the wrapper's back.
+- **The terminal.** When the wrapper is the foreground group of its controlling
+  terminal (typed at a shell), PROGRAM's group is made the foreground group, so
+  ``input()`` and ``breakpoint()`` read the terminal instead of stopping on SIGTTIN,
+  and Ctrl-C, Ctrl-\\ and Ctrl-Z reach PROGRAM directly. The wrapper takes the
+  terminal back when PROGRAM stops or exits. Under mpirun, srun and torchrun the
+  wrapper is not the foreground group (or has no terminal), and nothing changes.
+- **Job control.** INT, TERM, HUP, QUIT, USR1, USR2, TSTP and CONT sent to the wrapper
+  are forwarded. When PROGRAM stops, the wrapper stops too (so the shell sees the job
+  stopped); when the wrapper is continued, so is PROGRAM. A signal that ends PROGRAM
+  is followed by SIGCONT when PROGRAM is stopped, or a handler would never run.
+- **Nothing between fork and exec** but subprocess's own C code (``process_group=``):
+  the wrapper may hold threads (the prefetch's), and a ``preexec_fn`` calling into
+  ``ctypes`` there may deadlock. Dying with the wrapper (``PR_SET_PDEATHSIG``) is set
+  by a small exec shim instead: a fresh interpreter that sets it and execs PROGRAM
+  under the same process id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from types import FrameType
+
+log = logging.getLogger(__name__)
+
+#: Signals sent to the wrapper that are passed on to PROGRAM's process group.
+FORWARDED = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGTSTP,
+    signal.SIGCONT,
+)
+#: Signals that usually end PROGRAM: a stopped PROGRAM is continued after them.
+_ENDING = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT})
+#: Stops the kernel discards for an orphaned process group (POSIX job control).
+_JOB_STOPS = frozenset({signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU})
+
+#: argv: ``-c SHIM WRAPPER_PID PROGRAM [ARGS...]``. The interpreter's start-up
+#: ignores SIGPIPE and SIGXFSZ; PROGRAM gets them at their defaults, as subprocess
+#: gives them. Exit 127 / 126 as a shell does when PROGRAM cannot be run.
+SHIM = """\
+import os, signal, sys
+try:
+    import ctypes
+    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+except (ImportError, OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    os.kill(os.getpid(), signal.SIGKILL)
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+argv = sys.argv[2:]
+try:
+    os.execvp(argv[0], argv)
+except OSError as exc:
+    sys.stderr.write(f"python -m launch: error: cannot run {argv[0]!r}: {exc.strerror or exc}\\n")
+    os._exit(127 if isinstance(exc, FileNotFoundError) else 126)
+"""
+
+
+def shim_command(command: Sequence[str]) -> list[str]:
+    """The argv that runs ``command`` through :data:`SHIM`."""
+    return [sys.executable, "-I", "-S", "-c", SHIM, str(os.getpid()), *command]
+
+
+def _controlling_terminal() -> int | None:
+    try:
+        return os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
+    except OSError:
+        return None  # no controlling terminal: a daemon, a launcher's new session
+
+
+@contextlib.contextmanager
+def _ttou_blocked() -> Iterator[None]:
+    # tcsetpgrp from a background group raises SIGTTOU (which stops us) unless
+    # SIGTTOU is blocked or ignored; blocked, the call simply succeeds.
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTTOU})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _stop_signal_for_self(sig: int) -> int:
+    """``sig`` if it will stop this process, else SIGSTOP.
+
+    The kernel discards TSTP, TTIN and TTOU for an orphaned process group (one whose
+    members have no parent in another group of the same session, i.e. no shell to
+    continue it); SIGSTOP always stops. The group is certainly not orphaned when our
+    parent is in another group of our session, which is how a shell starts a job.
+    """
+    if sig not in _JOB_STOPS:
+        return signal.SIGSTOP
+    try:
+        parent = os.getppid()
+        if os.getsid(parent) == os.getsid(0) and os.getpgid(parent) != os.getpgrp():
+            return sig
+    except OSError:
+        pass
+    return signal.SIGSTOP
+
+
+class _Job:
+    def __init__(self, command: Sequence[str], env: dict[str, str], terminal: bool) -> None:
+        self.command = list(command)
+        self.env = env
+        self.tty = _controlling_terminal() if terminal else None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.pending: list[int] = []
+        self.stopped = False
+
+    # -- the terminal ---------------------------------------------------------------
+
+    def _foreground(self) -> int | None:
+        if self.tty is None:
+            return None
+        try:
+            return os.tcgetpgrp(self.tty)
+        except OSError:
+            return None
+
+    def _give_terminal(self) -> None:
+        """Make PROGRAM's group the terminal's foreground group, if it is ours now."""
+        if self.proc is None or self.tty is None or self._foreground() != os.getpgrp():
+            return
+        with _ttou_blocked(), contextlib.suppress(OSError):
+            os.tcsetpgrp(self.tty, self.proc.pid)
+            log.debug("gave the terminal to PROGRAM's process group %d", self.proc.pid)
+
+    def _take_terminal(self) -> None:
+        """Make our group the foreground group again, if PROGRAM's group has it."""
+        if self.proc is None or self.tty is None or self._foreground() != self.proc.pid:
+            return
+        with _ttou_blocked(), contextlib.suppress(OSError):
+            os.tcsetpgrp(self.tty, os.getpgrp())
+
+    # -- signals --------------------------------------------------------------------
+
+    def _signal_child(self, sig: int) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, sig)
+
+    def _resume(self) -> None:
+        self._give_terminal()
+        self.stopped = False
+        self._signal_child(signal.SIGCONT)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.proc is None:
+            self.pending.append(signum)  # arrived while starting: delivered right after
+            return
+        if signum == signal.SIGCONT:
+            self._resume()
+            return
+        self._signal_child(signum)
+        if signum in _ENDING and self.stopped:
+            self._signal_child(signal.SIGCONT)
+            self.stopped = False
+
+    def _child_stopped(self, sig: int) -> None:
+        assert self.proc is not None
+        self.stopped = True
+        if sig in (signal.SIGTTIN, signal.SIGTTOU) and self.tty is not None:
+            owner = self._foreground()
+            if owner == self.proc.pid:
+                # It read before the handover completed: it owns the terminal now.
+                self._resume()
+                return
+            if owner == os.getpgrp():
+                self._resume()  # we became the foreground (fg): pass it on
+                return
+        self._take_terminal()
+        own = _stop_signal_for_self(sig)
+        previous = signal.signal(own, signal.SIG_DFL) if own != signal.SIGSTOP else None
+        try:
+            signal.raise_signal(own)  # returns once we are continued
+        finally:
+            if previous is not None:
+                signal.signal(own, previous)
+        if self.stopped:  # the SIGCONT handler has not run yet
+            self._resume()
+
+    # -- the run --------------------------------------------------------------------
+
+    def run(self) -> int:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in FORWARDED}
+        try:
+            self.proc = subprocess.Popen(shim_command(self.command), env=self.env, process_group=0)
+            self._give_terminal()
+            for signum in self.pending:
+                self._on_signal(signum, None)
+            return self._wait(self.proc)
+        finally:
+            if self.proc is not None and self.proc.returncode is None:
+                # Leaving by an exception: PROGRAM must not outlive us.
+                self._signal_child(signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(self.proc.pid, 0)
+                self.proc.returncode = -signal.SIGKILL
+            self._take_terminal()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if self.tty is not None:
+                os.close(self.tty)
+
+    def _wait(self, proc: subprocess.Popen[bytes]) -> int:
+        while True:
+            _, status = os.waitpid(proc.pid, os.WUNTRACED)
+            if os.WIFSTOPPED(status):
+                self._child_stopped(os.WSTOPSIG(status))
+                continue
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return proc.returncode
+
+
+def run(command: Sequence[str], env: dict[str, str], *, terminal: bool = True) -> int:
+    """Run ``command`` with signals forwarded; returns its exit status, or ``-SIG``.
+
+    ``terminal``: hand the controlling terminal to PROGRAM when this process is its
+    foreground group (False where several wrappers share one group, as local ranks
+    of one launcher may, so that they do not take the terminal from each other).
+    """
+    return _Job(command, env, terminal).run()
