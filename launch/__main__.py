@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import distcache
+from distcache._logging import configure_logging
 from distcache.artifact import read_manifest
 from distcache.comm import adopt
 from distcache.errors import DistcacheError
@@ -131,7 +132,7 @@ def child_environment(
         if value is None:
             continue
         if env.get(name) != str(value):
-            log.info("rank %d: exporting %s=%s", info.rank, name, value)
+            log.debug("rank %d: exporting %s=%s", info.rank, name, value)
         env[name] = str(value)
     return env
 
@@ -155,8 +156,6 @@ def _prefetch(
     try:
         comm = adopted.comm
         session = distcache.init(comm=comm, pool=pool, manifests=[manifest], flashinfer=False)
-        if comm.rank == 0 and session.report is not None:
-            print(f"{PROG}: prefetch: {session.report.summary()}", file=sys.stderr, flush=True)
         if materialize is not None and session.pool is not None:
             # Concurrent calls from every rank are safe: an existing correct file is
             # kept and a new one is placed by an atomic rename.
@@ -203,10 +202,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     slot: WorkspaceSlot | None = None
     try:
         args = _parser().parse_args(args_in)
-        logging.basicConfig(
-            level=logging.INFO if args.verbose else logging.WARNING,
-            format="%(name)s: %(message)s",
-        )
+        configure_logging(int(args.verbose), None)  # warnings only until the rank is known
         command = list(args.command)
         if command[:1] == ["--"]:
             command = command[1:]
@@ -221,6 +217,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
                 raise _UsageError(f"--prefetch {args.prefetch}: no such file")
             extra["DISTCACHE_PREFETCH_MANIFEST"] = str(manifest.absolute())
         info = _rendezvous(detect())
+        configure_logging(int(args.verbose), info.rank)  # progress from rank 0; -v: every rank
         if args.workspace is not None:
             slot = acquire_slot(args.workspace, start=info.rank)
             extra["DISTCACHE_WORKSPACE"] = str(slot.path)

@@ -140,3 +140,32 @@ def test_init_logs_the_prefetch_summary_once_without_a_doubled_prefix(
     assert summaries == [next(line for line in lines if line.startswith("distcache: prefetch: 3"))]
     assert not any("prefetch: prefetch:" in line for line in lines)
     assert sum(line.startswith("distcache: pool: ") for line in lines) == 1
+
+
+def _mpi_launch(tmp_path: Path, *flags: str) -> str:
+    origin = tmp_path / "origin"
+    make_artifacts(origin, 4, min_size=1_000, max_size=4_000, seed=7)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DISTCACHE_", "OMPI_", "PMIX"))}
+    env.update(PYTHONPATH=str(REPO), XDG_CACHE_HOME=str(tmp_path / "xdg"),
+               DISTCACHE_ORIGIN=str(origin), OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1")
+    done = run_group(
+        [mpirun(), "-n", "2", "--oversubscribe", sys.executable, "-m", "launch", *flags,
+         "--pool", str(tmp_path / "pool"), "--prefetch", str(origin / "checksums.txt"),
+         "--", sys.executable, "-c", "pass"],
+        timeout=180, env=env, cwd=REPO,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stderr
+
+
+@pytest.mark.timeout(240)
+def test_launch_prefetch_under_mpirun_prints_the_summary_once_from_rank_0(
+    tmp_path: Path,
+) -> None:
+    stderr = _mpi_launch(tmp_path)
+    assert stderr.count("prefetch: 4 artifacts") == 1, stderr
+    assert "prefetch: prefetch:" not in stderr
+    assert "rank 1" not in stderr
+    verbose = _mpi_launch(tmp_path / "v", "-v")
+    assert "distcache: rank 1: " in verbose and "distcache: rank 0: " in verbose
