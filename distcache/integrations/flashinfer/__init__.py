@@ -6,7 +6,10 @@ module attribute up on every call, and a few FlashInfer modules import the funct
 by name. :func:`install` rebinds every one of those references to a
 :class:`PooledLoader`, so a kernel is read from the pool when any rank already has
 it, fetched once per pool (single downloader) otherwise, and FlashInfer's own
-function is still the fallback for anything distcache cannot serve.
+function is still the fallback for anything distcache cannot serve. FlashInfer's
+``download_file`` is rebound too, for the callers that bypass ``get_artifact`` (the
+CuTe-DSL FMHA loader fetches its ``checksums.txt`` that way): a file whose sha256
+FlashInfer pins is served by the same loader, and offline nothing is downloaded.
 
 distcache's own failures never raise: an exception cannot cross the ctypes callback,
 and a callback that returns without handing over bytes leaves FlashInfer's C++ side
@@ -25,7 +28,7 @@ torch; :func:`install` does.
 
 Behind this front: ``_upstream`` (what is read from FlashInfer: its loader module,
 its ``FLASHINFER_*`` variables, the default origin), ``_loader`` (the wrapper's
-policy), ``_record`` (the usage record), ``_install`` (rebinding, the installed
+policy), ``_download`` (FlashInfer's direct downloads), ``_record`` (the usage record), ``_install`` (rebinding, the installed
 wrapper), ``_integration`` (:class:`FlashInfer`) and ``_warm`` (records and whole
 families, prefetched collectively).
 """

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from distcache import _events
 from distcache.config import settings
+from distcache.integrations.flashinfer._download import RoutedDownload
 from distcache.integrations.flashinfer._loader import Families, GetArtifact, PooledLoader
 from distcache.integrations.flashinfer._record import Recorder
 from distcache.integrations.flashinfer._upstream import (
@@ -63,6 +64,8 @@ class _Installation:
     writable_dir: Path | None = None
     #: FLASHINFER_NO_DOWNLOAD was set by install and is unset by uninstall.
     set_no_download: bool = False
+    #: Stands in for FlashInfer's download_file (see _download).
+    download: RoutedDownload | None = None
 
 
 _installed: _Installation | None = None
@@ -179,6 +182,11 @@ def install(
             final_not_found=own_repository,
         )
         changed = _rebind(original, loader)
+        original_download = loader_attr("download_file")
+        download = (RoutedDownload(loader, original_download, offline=conf.offline)
+                    if callable(original_download) else None)
+        if download is not None:
+            changed += _rebind(original_download, download)
         if writable_dir is not None and installed_dir is not None:
             moved = _repoint(installed_dir, writable_dir)
             log.info("flashinfer: %s moved from %s to %s in %s; the installed files are "
@@ -187,7 +195,7 @@ def install(
         _installed = _Installation(
             loader=loader, original=original, key=key, installed_dir=installed_dir,
             writable_dir=writable_dir,
-            set_no_download=forbid_downloads() if conf.offline else False,
+            set_no_download=forbid_downloads() if conf.offline else False, download=download,
         )
     log.info("flashinfer: get_artifact served from pool %s (rebound %s)%s",
              getattr(pool, "root", pool), ", ".join(changed),
@@ -217,6 +225,8 @@ def _uninstall_locked() -> None:
         return
     # Modules imported after install() copied the loader; they are restored too.
     _rebind(_installed.loader, _installed.original)
+    if _installed.download is not None:
+        _rebind(_installed.download, _installed.download.original)
     if _installed.writable_dir is not None and _installed.installed_dir is not None:
         _repoint(_installed.writable_dir, _installed.installed_dir)
     if _installed.set_no_download:

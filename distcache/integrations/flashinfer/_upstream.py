@@ -8,6 +8,7 @@ for :func:`default_origin`, kept so that each miss does not open a new HTTP sess
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import site
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
 LOADER_MODULE = "flashinfer.jit.cubin_loader"
 ENV_MODULE = "flashinfer.jit.env"
+ARTIFACTS_MODULE = "flashinfer.artifacts"
 REPOSITORY_VARIABLE = "FLASHINFER_CUBINS_REPOSITORY"
 CUBIN_DIR_VARIABLE = "FLASHINFER_CUBIN_DIR"
 NO_DOWNLOAD_VARIABLE = "FLASHINFER_NO_DOWNLOAD"
@@ -71,6 +73,21 @@ def loader_attr(attr: str) -> Any:
         ConfigError: FlashInfer is not importable.
     """
     return getattr(loader_module(), attr, None)
+
+
+def pinned_digest(name: str) -> str | None:
+    """The sha256 FlashInfer pins for the file ``name`` (a path under its repository)
+    in ``flashinfer.artifacts.CheckSumHash.map_checksums`` (its ``checksums.txt``
+    manifests), or ``None`` when it pins none or that table cannot be read."""
+    module = sys.modules.get(ARTIFACTS_MODULE)
+    if module is None:
+        try:
+            module = importlib.import_module(ARTIFACTS_MODULE)
+        except Exception:
+            return None
+    table = getattr(getattr(module, "CheckSumHash", None), "map_checksums", None)
+    value = table.get(name) if isinstance(table, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def cubin_dir() -> Path | None:

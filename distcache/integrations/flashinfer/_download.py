@@ -1,0 +1,124 @@
+"""FlashInfer's direct ``download_file`` calls, served by the pool.
+
+Not every FlashInfer download goes through ``get_artifact``: FlashInfer 0.7.4's CuTe-DSL
+FMHA loader (``flashinfer.attention.cute_dsl.fmha._get_checksums``) and its bulk
+downloader (``flashinfer.artifacts``) call ``cubin_loader.download_file`` themselves,
+so without this they would bypass the pool, ``FLASHINFER_NO_DOWNLOAD`` and
+``DISTCACHE_OFFLINE=1``. While the wrapper is installed, :class:`RoutedDownload`
+stands in for that function:
+
+- A file under FlashInfer's repository whose sha256 FlashInfer pins (its
+  ``CheckSumHash`` table: the ``checksums.txt`` manifests) is served by the installed
+  loader (from the pool, fetched once per pool and verified) and written to the
+  destination, as FlashInfer's function would.
+- ``get_artifact``'s own download (it passes ``expected_sha256``), a call made while
+  such a file is being served, and a file without a pinned sha256 go to FlashInfer's
+  function unchanged.
+- With ``DISTCACHE_OFFLINE=1`` nothing reaches FlashInfer's function: a call the
+  pool cannot serve returns ``False``, FlashInfer's "download failed", after one
+  error line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from distcache.artifact import sha256_hex
+from distcache.integrations.flashinfer._loader import PooledLoader
+from distcache.integrations.flashinfer._upstream import (
+    REPOSITORY_VARIABLE,
+    loader_attr,
+    pinned_digest,
+)
+
+log = logging.getLogger(__name__)
+
+#: Set while a routed call is served: FlashInfer's functions called from inside
+#: (the loader's fallback) then reach FlashInfer's own download.
+_serving = threading.local()
+
+
+def _name_under(repository: Any, source: str) -> str | None:
+    """``source`` relative to ``repository`` (FlashInfer joins them with
+    ``safe_urljoin``), or ``None`` when it lies elsewhere."""
+    if not isinstance(repository, str) or not repository:
+        return None
+    base = repository if repository.endswith("/") else repository + "/"
+    return source[len(base):] if source.startswith(base) and len(source) > len(base) else None
+
+
+def _write(destination: Path, data: bytes) -> bool:
+    """``data`` at ``destination`` through an atomic rename; an identical file is left
+    alone (replacing it would swap the inode under a reader)."""
+    with contextlib.suppress(OSError):
+        if sha256_hex(destination.read_bytes()) == sha256_hex(data):
+            return True
+    try:
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".distcache-", dir=destination.parent)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(data)
+            os.replace(tmp, destination)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError as exc:
+        log.error("flashinfer: cannot write %s: %s", destination, exc)
+        return False
+    return True
+
+
+class RoutedDownload:
+    """A drop-in for FlashInfer's ``download_file(source, destination, ...) -> bool``.
+
+    Args:
+        loader: the installed wrapper of ``get_artifact``.
+        original: FlashInfer's ``download_file``.
+        offline: ``DISTCACHE_OFFLINE=1``: never call ``original``.
+    """
+
+    def __init__(self, loader: PooledLoader, original: Callable[..., Any], *, offline: bool) -> None:
+        self.loader = loader
+        self.original = original
+        self.offline = offline
+        self.routed = 0  #: calls served by the loader
+        self.refused = 0  #: offline calls that were not served
+        self.__name__ = "download_file"
+        self.__doc__ = getattr(original, "__doc__", None)
+
+    def __call__(self, source: Any, destination: Any, *args: Any, **kwargs: Any) -> Any:
+        name = None
+        sha256 = None
+        if kwargs.get("expected_sha256") is None and not getattr(_serving, "active", False):
+            name = _name_under(loader_attr(REPOSITORY_VARIABLE), str(source))
+            sha256 = pinned_digest(name) if name is not None else None
+        if name is None or sha256 is None:
+            return self._unrouted(source, destination, args, kwargs)
+        self.routed += 1
+        _serving.active = True
+        try:
+            data = self.loader(name, sha256)
+        except Exception as exc:  # FlashInfer's own error, from the loader's fallback
+            log.error("flashinfer: %s (sha256 %s) could not be served: %s", name, sha256, exc)
+            data = b""
+        finally:
+            _serving.active = False
+        return bool(data) and _write(Path(os.fspath(destination)), data)
+
+    def _unrouted(self, source: Any, destination: Any, args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> Any:
+        if not self.offline:
+            return self.original(source, destination, *args, **kwargs)
+        self.refused += 1
+        log.error("flashinfer: DISTCACHE_OFFLINE=1: not downloading %s (FlashInfer's "
+                  "download_file, for %s); place the file there or unset DISTCACHE_OFFLINE",
+                  source, destination)
+        return False
