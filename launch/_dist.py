@@ -7,10 +7,11 @@ environment. Rendezvous, by launcher:
 * MPI (Open MPI, MPICH/Intel MPI, PMIx) -- rank 0 opens a ``TCPStore`` on a port the
   OS chooses and broadcasts ``(host, port)`` over mpi4py; the others connect. No rank
   guesses a free port, so nothing races for it;
-* torchrun / ``python -m launch`` / Slurm -- ``env://`` with ``MASTER_ADDR`` and
-  ``MASTER_PORT`` from :func:`launch._detect` (for Slurm: the step's first node and a
-  port derived from the job id). torchrun's agent may already host the store
-  (``TORCHELASTIC_USE_AGENT_STORE``), which ``env://`` honours;
+* torchrun / ``python -m launch`` / Slurm -- ``MASTER_ADDR`` and ``MASTER_PORT`` from
+  :func:`launch._detect` (for Slurm: the step's first node and a port derived from the
+  job id): rank 0 hosts the store there, listening on that address only
+  (:func:`launch._rendezvous.host_store`), the others connect. Where torchrun's agent
+  hosts the store (``TORCHELASTIC_USE_AGENT_STORE``), ``env://`` connects to it;
 * one process -- an in-memory store.
 
 Backend: ``gloo`` on CPU; ``nccl`` when CUDA is available, plus a ``gloo`` side group
@@ -229,6 +230,24 @@ def _mpi_store(info: LaunchInfo, timeout: timedelta) -> tuple[LaunchInfo, Store]
     return dataclasses.replace(info, master_addr=host, master_port=port), store
 
 
+def _env_store(info: LaunchInfo, timeout: timedelta) -> Store:
+    """The ``MASTER_ADDR:MASTER_PORT`` store: hosted by rank 0 on that address only
+    (``env://`` would bind every interface) with a clear error when the port is taken."""
+    import torch.distributed as dist
+
+    assert info.master_addr is not None and info.master_port is not None  # checked above
+    if info.rank == 0:
+        derived = "the port was derived from SLURM_JOB_ID; " if "SLURM_JOB_ID" in info.source else ""
+        return host_store(info.master_addr, info.master_port, info.world_size, timeout,
+                          spans_hosts=not info.single_node, what="the job's rendezvous store",
+                          hint=f"{derived}set MASTER_PORT to a free port below 32768")
+    try:
+        return dist.TCPStore(info.master_addr, info.master_port, info.world_size, False,
+                             timeout=timeout)
+    except (RuntimeError, ValueError) as exc:
+        raise _translate(exc, "connecting to the rendezvous store", info) from exc
+
+
 def _export(info: LaunchInfo) -> None:
     _set_env("RANK", str(info.rank))
     _set_env("WORLD_SIZE", str(info.world_size))
@@ -308,6 +327,8 @@ def init_process_group(
             variable="MASTER_ADDR",
             value=str(info.master_addr),
         )
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # else the agent hosts it
+        store = _env_store(info, delta)
     _export(info)
     try:
         if store is not None:

@@ -243,3 +243,18 @@ def test_a_taken_port_derived_from_the_slurm_job_says_so() -> None:
                 find_store(info, 5, slurm)
         return
     raise AssertionError("every derived port was taken")
+
+
+def test_init_process_group_names_a_taken_master_port_and_the_way_out() -> None:
+    import torch.distributed as dist
+
+    from launch import init_process_group
+
+    port = _two_free_ports()
+    with socket.socket() as squatter:
+        squatter.bind(("0.0.0.0", port))
+        squatter.listen()
+        env = {**LAUNCH_RANK0, "MASTER_PORT": str(port)}
+        with pytest.raises(CommError, match=rf"port {port} is in use.*set MASTER_PORT"):
+            init_process_group(detect(env), backend="gloo", timeout=5)
+    assert not dist.is_initialized()
