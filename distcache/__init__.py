@@ -22,6 +22,7 @@ _EXPORTS = {
     "sync": "distcache.collective",
     "PrefetchReport": "distcache.collective",
     "init": "distcache.session",
+    "InitOptions": "distcache.session",
     "Session": "distcache.session",
 }
 _SUBMODULES = ("comm", "errors", "ipc", "integrations", "config")
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from distcache.artifact import Artifact, parse_checksums
     from distcache.collective import PrefetchReport, prefetch, sync
     from distcache.origins import DirOrigin, HttpOrigin, OriginChain
-    from distcache.session import Session, init
+    from distcache.session import InitOptions, Session, init
     from distcache.store import ArtifactPool
 
 

@@ -7,46 +7,39 @@ handle exchange, the start-up prefetch of the manifests and of what the integrat
 want (:mod:`distcache._resolve`), each integration's install. With
 ``background=True`` the prefetch and the installs run on a thread over that private
 communicator while the engine goes on (loading weights, say); ``Session.wait`` joins
-them. The process keeps one session:
-a second ``init`` returns it, so an engine and a library it embeds can both call
-``init`` safely.
+them. What ``init`` is told is one :class:`~distcache._options.InitOptions`
+(keywords of ``init`` stand for its fields). The process keeps one session, in a
+:class:`SessionSlot`: a second ``init`` returns it, so an engine and a library it
+embeds can both call ``init`` safely.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
-from distcache._resolve import ManifestSpec, prefetch_manifests, resolve_origin, resolve_pool
+from distcache._options import InitFields, InitOptions, compose
+from distcache._resolve import prefetch_manifests, resolve_origin, resolve_pool
 from distcache.collective import SyncState, sync
 from distcache.comm import Adopted, Communicator, adopt, bulk_transport, local
 from distcache.config import Settings, settings
-from distcache.errors import CollectiveTimeout, ConfigError, DistcacheError
+from distcache.errors import CollectiveTimeout, DistcacheError
 from distcache.integrations import Integration
-from distcache.integrations.flashinfer import FlashInfer
 from distcache.ipc import PoolRegistry
 
 if TYPE_CHECKING:
     from distcache.collective import PrefetchReport
-    from distcache.origins import Origin
     from distcache.store import ArtifactPool
 
-__all__ = ["Session", "current", "init"]
+__all__ = ["InitFields", "InitOptions", "Session", "SessionSlot", "current", "init"]
 
 log = logging.getLogger(__name__)
-
-_lock = threading.Lock()
-# The one session of this process. A second init() must return it (engines and the
-# libraries they embed both call init), so it is module state by necessity; close()
-# clears it and tests construct sessions through init() like any caller.
-_current: Session | None = None
 
 
 @dataclass
@@ -61,6 +54,7 @@ class Session:
         phases: seconds spent in each start-up phase on this rank.
         disabled: ``True`` when ``DISTCACHE_DISABLE=1`` made ``init`` a no-op.
         integrations: the integrations installed, in order.
+        options: what ``init`` was told.
     """
 
     comm: Communicator
@@ -71,6 +65,7 @@ class Session:
     disabled: bool = False
     settings: Settings | None = None
     integrations: list[Integration] = field(default_factory=list)
+    options: InitOptions | None = None
     _closed: bool = False
     _sync_state: SyncState | None = None
     # The communicator adopt() made for this session; close() discards it.
@@ -78,6 +73,8 @@ class Session:
     # The background start-up (init(background=True)) and what it raised.
     _thread: threading.Thread | None = None
     _error: BaseException | None = None
+    # The slot this session is kept in (SessionSlot); close() leaves it.
+    _slot: SessionSlot | None = None
 
     @property
     def ready(self) -> bool:
@@ -130,7 +127,6 @@ class Session:
     def close(self) -> None:
         """Uninstall the integrations, unmap IPC pools, and tear down what init
         started. Idempotent; not collective."""
-        global _current
         if self._closed:
             return
         self._closed = True
@@ -143,9 +139,8 @@ class Session:
             self.registry.close()
         if self._adopted is not None:
             self._adopted.close()
-        with _lock:
-            if _current is self:
-                _current = None
+        if self._slot is not None:
+            self._slot.leave(self)
 
     @property
     def closed(self) -> bool:
@@ -167,104 +162,117 @@ class Session:
         self.close()
 
 
+class SessionSlot:
+    """Where a process keeps its open session.
+
+    A second ``init`` returns the open session (an engine and a library it embeds
+    both call ``init``, and only one of them may adopt a communicator and install
+    the integrations), so the process has one slot: the module's ``_PROCESS``, which
+    :func:`init` and :func:`current` use. Tests construct their own. A session knows
+    its slot and leaves it on ``close``.
+    """
+
+    def __init__(self) -> None:
+        # Re-entrant: a start-up that fails closes its session, which leaves the slot.
+        self._lock = threading.RLock()
+        self._session: Session | None = None
+
+    def current(self) -> Session | None:
+        """The open session of this slot, if any."""
+        session = self._session
+        return session if session is not None and not session.closed else None
+
+    def init(self, options: InitOptions | None = None, /,
+             **fields: Unpack[InitFields]) -> Session:
+        """:func:`init` on this slot: its open session, else a new one.
+
+        Raises:
+            ConfigError, ManifestError, ManifestMismatchError, PrefetchError,
+            IpcError: as :func:`init`.
+        """
+        with self._lock:
+            session = self.current()
+            if session is None:
+                session = _start(InitOptions.of(options, fields), self)
+                self._session = session
+            return session
+
+    def leave(self, session: Session) -> None:
+        """Empty the slot if ``session`` is in it."""
+        with self._lock:
+            if self._session is session:
+                self._session = None
+
+
+# The process's slot: module state by necessity (see SessionSlot).
+_PROCESS = SessionSlot()
+
+
 def current() -> Session | None:
     """The open session of this process, if any."""
-    return _current
+    return _PROCESS.current()
 
 
-def init(
-    *,
-    comm: Communicator | None = None,
-    pool: ArtifactPool | str | os.PathLike[str] | None = None,
-    origin: Origin | str | Sequence[str] | None = None,
-    manifests: Sequence[ManifestSpec] = (),
-    integrations: Sequence[Integration] = (),
-    flashinfer: bool | None = None,
-    flashinfer_record: str | os.PathLike[str] | None = None,
-    ipc_pools: Sequence[Any] | None = None,
-    timeout: float | None = None,
-    environ: Mapping[str, str] | None = None,
-    background: bool = False,
-    transport: str | None = None,
-) -> Session:
-    """Collective start-up hook; call it on every rank with the same arguments.
+def init(options: InitOptions | None = None, /, **fields: Unpack[InitFields]) -> Session:
+    """Collective start-up hook; call it on every rank with the same options.
 
     Args:
-        comm: a communicator; default: one of distcache's own from
-            :func:`distcache.comm.adopt` (a duplicate of the MPI world under MPI, else
-            a private gloo group on the launcher's rendezvous store, else world size
-            1). torch.distributed's default group is never initialised, adopted or
-            destroyed, whether the engine made it before ``init`` or makes it after.
-        pool: an ``ArtifactPool`` or its directory; default ``DISTCACHE_POOL``.
-        origin: where missing artifacts come from; default ``DISTCACHE_ORIGIN``, else
-            the first default an integration offers.
-        manifests: ``sha256sum``-format files or lists of artifacts to prefetch.
-        integrations: consumers of artifacts to serve from the pool; what they want
-            (on any rank) is prefetched, then each is installed.
-        flashinfer: shorthand for :class:`~distcache.integrations.flashinfer.FlashInfer`
-            in ``integrations``: ``True`` adds it, ``False`` removes it, ``None`` adds
-            it when FlashInfer is importable. ``DISTCACHE_FLASHINFER=0`` removes it.
-        flashinfer_record: the usage-record directory of the FlashInfer integration
-            the shorthand adds: what it lists is prefetched and every artifact
-            FlashInfer asks for is appended to it.
-        ipc_pools: this rank's IPC producer pools; when given (even empty) the
-            registry exchange runs (collectively).
-        timeout: seconds for each collective (default ``DISTCACHE_TIMEOUT``).
-        environ: the environment to read settings and the launch from (default
-            ``os.environ``).
-        background: run the prefetch and the integrations' install on a thread over
-            distcache's own communicator and return at once; ``Session.wait`` joins
-            it (and raises what it raised, on every rank alike).
-        transport: how the prefetch moves bulk bytes: ``"default"`` (over the MPI or
-            gloo communicator) or ``"nccl"`` (a dedicated NCCL group made for the
-            prefetch and destroyed after it; the control plane stays on MPI or gloo);
-            default ``DISTCACHE_TRANSPORT``.
+        options: an :class:`InitOptions` (default: every field at its default).
+        **fields: fields of :class:`InitOptions` given as keywords, in place of
+            those of ``options``: ``init(manifests=["checksums.txt"])``,
+            ``init(manifests=[M], ipc_pools=[features], background=True)``,
+            ``init(integrations=[FlashInfer(record=DIR)])``. The fields: what to
+            fetch (``manifests``, ``integrations``, ``ipc_pools``), where from and
+            into (``pool``, ``origin``), how to run (``comm``, ``timeout``,
+            ``transport``, ``background``, ``environ``); each is described by
+            :class:`InitOptions`.
 
     Returns:
-        The process's session; a second call returns the same one.
+        The process's session; a second call returns the same one (its options are
+        those of the first call: ``Session.options``).
 
     Raises:
-        ConfigError: a bad argument or ``DISTCACHE_*`` value, or artifacts that no
-            pool of the job holds while there is no origin or ``DISTCACHE_OFFLINE=1``
-            (one error, on every rank, naming them; what the pools hold needs no
-            origin).
+        ConfigError: a bad or unknown option or ``DISTCACHE_*`` value, or artifacts
+            that no pool of the job holds while there is no origin or
+            ``DISTCACHE_OFFLINE=1`` (one error, on every rank, naming them; what the
+            pools hold needs no origin).
         ManifestError: a malformed manifest, or one name with two digests.
         ManifestMismatchError: ranks passed different manifests (on every rank).
         PrefetchError: a download or transfer failed (on every rank).
         IpcError: the IPC exchange failed.
     """
-    global _current
-    with _lock:
-        if _current is not None and not _current.closed:
-            return _current
-    conf = settings(environ, timeout=timeout, transport=transport)
-    if conf.disable:
-        session = Session(comm=comm if comm is not None else local(), pool=None,
-                          disabled=True, settings=conf)
-        log.info("distcache disabled by DISTCACHE_DISABLE=1: init is a no-op")
-        with _lock:
-            _current = session
-        return session
+    return _PROCESS.init(options, **fields)
 
-    chosen = compose(integrations, flashinfer, flashinfer_record, conf)
+
+def _start(options: InitOptions, slot: SessionSlot) -> Session:
+    """Set up a session for ``options``; on failure close what was set up."""
+    conf = settings(options.environ, timeout=options.timeout, transport=options.transport)
+    comm = options.comm
+    if conf.disable:
+        log.info("distcache disabled by DISTCACHE_DISABLE=1: init is a no-op")
+        return Session(comm=comm if comm is not None else local(), pool=None,
+                       disabled=True, settings=conf, options=options, _slot=slot)
+
+    chosen = compose(options.integrations, conf)
     phases: dict[str, float] = {}
     adopted: Adopted | None = None
     with _phase(phases, "comm"):
         if comm is None:
-            adopted = adopt(environ=environ, timeout=conf.timeout)
+            adopted = adopt(environ=options.environ, timeout=conf.timeout)
             comm = adopted.comm
     _log_rank0(comm, "comm: %s backend, %d rank(s)%s (%.2f s)", comm.backend, comm.size,
                f" on {adopted.rendezvous}" if adopted and adopted.rendezvous else "",
                phases["comm"])
-    session = Session(comm=comm, pool=None, phases=phases, settings=conf, _adopted=adopted)
+    session = Session(comm=comm, pool=None, phases=phases, settings=conf, options=options,
+                      _adopted=adopted, _slot=slot)
     try:
         with _phase(phases, "pool"):
-            session.pool = the_pool = resolve_pool(pool, conf)
+            session.pool = the_pool = resolve_pool(options.pool, conf)
         _log_rank0(comm, "pool: %s (id %s)", the_pool.root, the_pool.pool_id)
-        the_origin = resolve_origin(origin, conf, chosen)
-        if ipc_pools is not None:
+        the_origin = resolve_origin(options.origin, conf, chosen)
+        if options.ipc_pools is not None:
             with _phase(phases, "ipc"):
-                session.registry = PoolRegistry.exchange(comm, list(ipc_pools),
+                session.registry = PoolRegistry.exchange(comm, list(options.ipc_pools),
                                                          timeout=conf.timeout)
             _log_rank0(comm, "ipc: %d pool(s) mapped once each (%.2f s)",
                        len(session.registry.opens), phases["ipc"])
@@ -273,9 +281,9 @@ def init(
             with _phase(phases, "prefetch"), bulk_transport(
                 comm, conf.transport, conf.timeout
             ) as moving:
-                session.report = prefetch_manifests(moving, the_pool, the_origin,
-                                                    manifests=manifests, integrations=chosen,
-                                                    timeout=conf.timeout, offline=conf.offline)
+                session.report = prefetch_manifests(
+                    moving, the_pool, the_origin, manifests=options.manifests,
+                    integrations=chosen, timeout=conf.timeout, offline=conf.offline)
             if session.report is not None:
                 _log_rank0(comm, "%s", session.report.summary())
             for integration in chosen:
@@ -285,7 +293,7 @@ def init(
                 _log_rank0(comm, "%s: installed (%.2f s)", integration.name,
                            phases[integration.name])
 
-        if background:
+        if options.background:
             session._thread = threading.Thread(
                 target=_run_recording, args=(start_up, session), daemon=True,
                 name="distcache-start-up",
@@ -296,8 +304,6 @@ def init(
     except BaseException:
         session.close()
         raise
-    with _lock:
-        _current = session
     return session
 
 
@@ -308,36 +314,6 @@ def _run_recording(body: Any, session: Session) -> None:
     except BaseException as exc:
         session._error = exc
         log.debug("background start-up failed: %s", exc)
-
-
-def compose(
-    integrations: Sequence[Integration],
-    flashinfer: bool | None,
-    flashinfer_record: str | os.PathLike[str] | None,
-    conf: Settings,
-) -> list[Integration]:
-    """The integrations ``init`` installs: ``integrations``, with FlashInfer added or
-    removed as the ``flashinfer`` shorthand and ``DISTCACHE_FLASHINFER`` say.
-
-    Raises:
-        ConfigError: ``integrations`` holds something that is not an integration.
-    """
-    chosen = list(integrations)
-    for integration in chosen:
-        if not isinstance(integration, Integration):
-            raise ConfigError(
-                f"{integration!r} is not an Integration (name, available(), "
-                "default_origin(), manifest(), install(), uninstall(), materialize_dir())",
-                variable="integrations", value=repr(integration),
-            )
-    present = any(isinstance(i, FlashInfer) for i in chosen)
-    if flashinfer is False or not conf.flashinfer:
-        return [i for i in chosen if not isinstance(i, FlashInfer)]
-    if not present:
-        candidate = FlashInfer(flashinfer_record)
-        if flashinfer or candidate.available():
-            chosen.append(candidate)
-    return chosen
 
 
 @contextmanager

@@ -155,7 +155,7 @@ def _prefetch(
     adopted = adopt(info)
     try:
         comm = adopted.comm
-        session = distcache.init(comm=comm, pool=pool, manifests=[manifest], flashinfer=False)
+        session = distcache.init(comm=comm, pool=pool, manifests=[manifest], integrations=())
         if materialize is not None and session.pool is not None:
             # Concurrent calls from every rank are safe: an existing correct file is
             # kept and a new one is placed by an atomic rename.

@@ -41,7 +41,7 @@ def main() -> int:
     t0 = time.perf_counter()
     producer = ShmPool(args.ipc_bytes)
     session = distcache.init(
-        manifests=[args.manifest], origin=args.origin, ipc_pools=[producer], flashinfer=False
+        manifests=[args.manifest], origin=args.origin, ipc_pools=[producer], integrations=()
     )
     comm, registry = session.comm, session.registry
     assert registry is not None

@@ -19,7 +19,7 @@ def main() -> int:
     rank = (os.environ.get("RANK") or os.environ.get("OMPI_COMM_WORLD_RANK")
             or os.environ.get("SLURM_PROCID") or "0")
     pool = pool.replace("{rank}", rank)
-    session = distcache.init(pool=pool, origin=url, manifests=[manifest], flashinfer=False)
+    session = distcache.init(pool=pool, origin=url, manifests=[manifest], integrations=())
     report = session.report
     assert report is not None
     assert distcache.init() is session

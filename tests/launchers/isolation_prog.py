@@ -67,7 +67,7 @@ def main() -> int:
     rank = int(os.environ.get("RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or 0)
     record: dict[str, Any] = {"rank": rank}
     kw: dict[str, Any] = {"pool": f"{pool}/rank{rank}", "origin": origin,
-                          "manifests": [manifest], "flashinfer": False}
+                          "manifests": [manifest], "integrations": ()}
     if scenario == "init-then-engine":
         import torch.distributed as dist
 

@@ -30,7 +30,7 @@ def _init(manifest: str, cycles: int, late: float) -> int:
     for cycle in range(cycles):
         if os.environ["RANK"] == "1":
             time.sleep(late)
-        session = distcache.init(manifests=[manifest], flashinfer=False)
+        session = distcache.init(manifests=[manifest], integrations=())
         scope = session.comm.scope  # type: ignore[attr-defined]
         assert session.pool is not None
         objects = sum(1 for _ in session.pool.objects())

@@ -42,7 +42,7 @@ def test_init_adopts_the_world_and_fetches_each_artifact_once(
     try:
         session = distcache.init(
             pool=pool_dir, origin=url, manifests=[shared_tmp / "manifest.txt"],
-            ipc_pools=[producer], flashinfer=False,
+            ipc_pools=[producer], integrations=(),
         )
         # No comm was passed: init adopted the world this suite runs on.
         assert session.comm.size == comm.size
@@ -74,7 +74,7 @@ def test_init_adopts_the_world_and_fetches_each_artifact_once(
 
         # A second launch over the same pools downloads nothing.
         again = distcache.init(pool=pool_dir, origin=url,
-                               manifests=[shared_tmp / "manifest.txt"], flashinfer=False)
+                               manifests=[shared_tmp / "manifest.txt"], integrations=())
         assert again is not session
         assert again.report is not None and again.report.downloads == 0
         again.close()
@@ -105,7 +105,7 @@ def test_a_warm_pool_starts_every_rank_without_an_origin(
     # Even ranks share the warm pool; odd ranks start empty and receive it from them.
     pool_dir = shared_tmp / "pools" / ("even" if comm.rank % 2 == 0 else "odd")
     with distcache.init(pool=pool_dir, manifests=[shared_tmp / "manifest.txt"],
-                        flashinfer=False) as session:
+                        integrations=()) as session:
         assert session.report is not None and session.report.downloads == 0
         assert session.pool is not None
         assert all(session.pool.has(a.sha256) for a in listed)
@@ -113,7 +113,7 @@ def test_a_warm_pool_starts_every_rank_without_an_origin(
     # What no pool holds is one error, the same on every rank, naming it.
     absent = Artifact("cubins/absent/none.cubin", "0" * 64)
     with pytest.raises(ConfigError) as caught:
-        distcache.init(pool=pool_dir, manifests=[[*listed, absent]], flashinfer=False)
+        distcache.init(pool=pool_dir, manifests=[[*listed, absent]], integrations=())
     text = str(caught.value)
     assert "1 artifact(s) are in no pool and no origin is set" in text and absent.name in text
     assert len(set(comm.allgather_object(text))) == 1

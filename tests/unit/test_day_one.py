@@ -64,7 +64,7 @@ def test_init_on_a_warm_pool_without_an_origin_serves_the_pool(
     tmp_path: Path, artifact_dir: Path, artifacts: list[Artifact], manifest: Path
 ) -> None:
     _fill(tmp_path / "pool", artifact_dir, artifacts)
-    with distcache.init(pool=tmp_path / "pool", manifests=[manifest], flashinfer=False) as s:
+    with distcache.init(pool=tmp_path / "pool", manifests=[manifest], integrations=()) as s:
         assert s.report is not None
         assert s.report.downloads == 0 and s.report.pool_hits == len(artifacts)
 
@@ -85,7 +85,7 @@ def test_what_no_pool_holds_is_one_error_naming_it_and_the_command_that_fetches_
 ) -> None:
     _fill(tmp_path / "pool", artifact_dir, artifacts[:1])
     with pytest.raises(ConfigError) as caught:
-        distcache.init(pool=tmp_path / "pool", manifests=[manifest], flashinfer=False)
+        distcache.init(pool=tmp_path / "pool", manifests=[manifest], integrations=())
     text = str(caught.value)
     missing = sorted(a.name for a in artifacts[1:])
     assert f"{len(missing)} artifact(s) are in no pool and no origin is set" in text
@@ -107,14 +107,14 @@ def test_offline_init_with_an_origin_makes_no_request_and_names_the_miss_once(
     monkeypatch.setenv("DISTCACHE_ORIGIN", origin_server.url)
     _fill(tmp_path / "pool", artifact_dir, artifacts[:2])
     with pytest.raises(ConfigError, match="DISTCACHE_OFFLINE=1 forbids downloads") as caught:
-        distcache.init(pool=tmp_path / "pool", manifests=[manifest], flashinfer=False)
+        distcache.init(pool=tmp_path / "pool", manifests=[manifest], integrations=())
     assert f"{len(artifacts) - 2} artifact(s) are in no pool" in str(caught.value)
     assert "distcache pool import" in str(caught.value)
     assert origin_server.total_requests == 0
     # Once the pool holds everything the same start-up succeeds, still without a request.
     _fill(tmp_path / "pool", artifact_dir, artifacts)
     with distcache.init(pool=tmp_path / "pool", origin=origin_server.url,
-                        manifests=[manifest], flashinfer=False) as session:
+                        manifests=[manifest], integrations=()) as session:
         assert session.report is not None and session.report.downloads == 0
     assert origin_server.total_requests == 0
 

@@ -131,7 +131,7 @@ def test_init_logs_the_prefetch_summary_once_without_a_doubled_prefix(
     restore = configure_logging(0, 0, stream=stream)
     try:
         with distcache.init(pool=tmp_path / "pool", origin=str(tmp_path / "origin"),
-                            manifests=[manifest], flashinfer=False):
+                            manifests=[manifest], integrations=()):
             pass
     finally:
         restore()

@@ -125,7 +125,7 @@ def test_a_prefetch_sends_the_token_to_the_mirror_only(
 ) -> None:
     manifest = tmp_path / "checksums.txt"
     manifest.write_text(manifest_text(artifacts))
-    with distcache.init(comm=LocalCommunicator(), manifests=[manifest], flashinfer=False) as session:
+    with distcache.init(comm=LocalCommunicator(), manifests=[manifest], integrations=()) as session:
         assert session.report is not None and session.report.downloads == len(artifacts)
     assert_only_the_mirror_saw_the_token(mirror, cdn, len(artifacts) - len(artifacts) // 2)
     assert TOKEN not in Path(configured["DISTCACHE_LOG_JSON"]).read_text()

@@ -24,6 +24,7 @@ PUBLIC = {
     "sync",
     "PrefetchReport",
     "init",
+    "InitOptions",
     "Session",
     "comm",
     "errors",

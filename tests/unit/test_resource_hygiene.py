@@ -113,7 +113,7 @@ def test_thousand_init_close_cycles_with_an_ipc_exchange_leak_nothing(tmp_path: 
     def cycle() -> None:
         shm = ShmPool(4096, slots=4)
         try:
-            session = distcache.init(comm=comm, pool=pool, ipc_pools=[shm], flashinfer=False)
+            session = distcache.init(comm=comm, pool=pool, ipc_pools=[shm], integrations=())
             try:
                 assert session.registry is not None
                 assert not os.path.exists(shm.path)  # unlinked right after the exchange

@@ -40,14 +40,14 @@ def test_init_prefetches_then_a_second_launch_downloads_nothing(
 ) -> None:
     srv, manifest, k = origin_and_manifest
     with distcache.init(
-        pool=tmp_path / "pool", origin=srv.url, manifests=[manifest], flashinfer=False
+        pool=tmp_path / "pool", origin=srv.url, manifests=[manifest], integrations=()
     ) as session:
         assert session.report is not None
         assert session.report.downloads == k
         assert session.comm.size == 1
     assert srv.total_requests == k
     with distcache.init(
-        pool=tmp_path / "pool", origin=srv.url, manifests=[manifest], flashinfer=False
+        pool=tmp_path / "pool", origin=srv.url, manifests=[manifest], integrations=()
     ) as session:
         assert session.report is not None
         assert session.report.downloads == 0
@@ -55,11 +55,11 @@ def test_init_prefetches_then_a_second_launch_downloads_nothing(
 
 
 def test_second_init_returns_the_same_session(tmp_path: Path) -> None:
-    first = distcache.init(pool=tmp_path / "pool", flashinfer=False)
-    second = distcache.init(pool=tmp_path / "other", flashinfer=False)
+    first = distcache.init(pool=tmp_path / "pool", integrations=())
+    second = distcache.init(pool=tmp_path / "other", integrations=())
     assert first is second
     first.close()
-    third = distcache.init(pool=tmp_path / "pool", flashinfer=False)
+    third = distcache.init(pool=tmp_path / "pool", integrations=())
     assert third is not first
     third.close()
 
@@ -81,14 +81,14 @@ def test_manifest_without_origin_is_a_config_error(
 ) -> None:
     _, manifest, _ = origin_and_manifest
     with pytest.raises(ConfigError, match="DISTCACHE_ORIGIN"):
-        distcache.init(pool=tmp_path / "pool", manifests=[manifest], flashinfer=False)
+        distcache.init(pool=tmp_path / "pool", manifests=[manifest], integrations=())
 
 
 def test_init_exchanges_ipc_pools_and_closes_them(tmp_path: Path) -> None:
     from distcache.ipc import ShmPool
 
     producer = ShmPool(1 << 20)
-    with distcache.init(pool=tmp_path / "pool", ipc_pools=[producer], flashinfer=False) as session:
+    with distcache.init(pool=tmp_path / "pool", ipc_pools=[producer], integrations=()) as session:
         assert session.registry is not None
         assert dict(session.registry.opens) == {}
     assert session.closed
@@ -96,7 +96,7 @@ def test_init_exchanges_ipc_pools_and_closes_them(tmp_path: Path) -> None:
 
 
 def test_sync_on_a_closed_session_is_an_error(tmp_path: Path) -> None:
-    session = distcache.init(pool=tmp_path / "pool", flashinfer=False)
+    session = distcache.init(pool=tmp_path / "pool", integrations=())
     session.close()
     with pytest.raises(distcache.errors.DistcacheError, match="closed"):
         session.sync()
@@ -138,8 +138,7 @@ def test_integrations_are_prefetched_from_their_default_origin_installed_and_uni
     srv, manifest, _ = origin_and_manifest
     wanted = distcache.parse_checksums(manifest.read_text())[:2]
     integration = Recording(wanted, origin=srv.url)
-    with distcache.init(pool=tmp_path / "pool", integrations=[integration],
-                        flashinfer=False) as session:
+    with distcache.init(pool=tmp_path / "pool", integrations=[integration]) as session:
         assert session.report is not None and session.report.downloads == 2
         assert session.integrations == [integration]
         ((pool, origin),) = integration.installed
@@ -156,31 +155,90 @@ def test_a_manifest_and_an_integration_naming_one_artifact_twice_is_an_error(
     stale = distcache.Artifact(first.name, "0" * 64)
     with pytest.raises(distcache.errors.ManifestError, match="two digests"):
         distcache.init(pool=tmp_path / "pool", origin=srv.url, manifests=[manifest],
-                       integrations=[Recording([stale])], flashinfer=False)
+                       integrations=[Recording([stale])])
 
 
-def test_flashinfer_shorthand_adds_and_removes_the_integration(
+def test_integrations_default_to_flashinfer_and_a_list_is_exactly_what_is_installed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from distcache._options import compose
     from distcache.config import settings
     from distcache.integrations.flashinfer import FlashInfer
-    from distcache.session import compose
 
     monkeypatch.delenv("DISTCACHE_FLASHINFER", raising=False)
+    (default,) = compose(None, settings())  # FlashInfer is importable here
+    assert isinstance(default, FlashInfer) and default.record is None
     other = Recording([])
-    added = compose([other], True, tmp_path / "rec", settings())
-    assert added[0] is other and isinstance(added[1], FlashInfer)
-    assert added[1].record == tmp_path / "rec"
-    mine = FlashInfer()
-    assert compose([mine], True, None, settings()) == [mine]
-    assert compose([other, mine], False, None, settings()) == [other]
-    assert compose([mine], None, None, settings({"DISTCACHE_FLASHINFER": "0"})) == []
+    recording = FlashInfer(record=tmp_path / "rec")
+    assert compose([other, recording], settings()) == [other, recording]
+    assert compose([other], settings()) == [other]
+    assert compose((), settings()) == []
+    off = settings({"DISTCACHE_FLASHINFER": "0"})
+    assert compose(None, off) == [] and compose([other, recording], off) == [other]
+
+
+def test_init_options_group_the_arguments_and_keywords_replace_their_fields(
+    tmp_path: Path, origin_and_manifest: tuple[LoopbackOrigin, Path, int]
+) -> None:
+    from distcache.session import InitFields, InitOptions
+
+    srv, manifest, k = origin_and_manifest
+    options = InitOptions(pool=tmp_path / "pool", origin=srv.url, integrations=())
+    with distcache.init(options, manifests=[manifest]) as session:
+        assert session.report is not None and session.report.downloads == k
+        assert session.options == InitOptions(pool=tmp_path / "pool", origin=srv.url,
+                                               integrations=(), manifests=[manifest])
+        assert options.manifests == ()  # frozen: the keywords made a new value
+    # The keywords init takes are exactly the option fields.
+    import dataclasses
+
+    assert set(InitFields.__annotations__) == {f.name for f in dataclasses.fields(InitOptions)}
+    assert distcache.InitOptions is InitOptions
+
+
+@pytest.mark.parametrize("old", ["flashinfer", "flashinfer_record", "no_such_option"])
+def test_an_unknown_init_option_is_a_config_error_naming_the_options(
+    tmp_path: Path, old: str
+) -> None:
+    with pytest.raises(ConfigError, match=f"unknown option.*{old}.*FlashInfer\\(record=DIR\\)"):
+        distcache.init(pool=tmp_path / "pool", **{old: False})  # type: ignore[misc]
+    assert distcache.session.current() is None
+    with pytest.raises(ConfigError, match="must be an InitOptions"):
+        distcache.init({"pool": tmp_path / "pool"})  # type: ignore[arg-type]
+
+
+def test_a_session_slot_keeps_one_session_and_close_leaves_it(tmp_path: Path) -> None:
+    from distcache.session import SessionSlot, current
+
+    slot = SessionSlot()
+    first = slot.init(pool=tmp_path / "pool", integrations=())
+    assert slot.current() is first and slot.init() is first
+    assert current() is None  # the process's own slot is another one
+    process = distcache.init(pool=tmp_path / "pool", integrations=())
+    assert process is not first and current() is process
+    first.close()
+    assert slot.current() is None and current() is process
+    second = slot.init(pool=tmp_path / "other", integrations=())
+    assert second is not first and second.pool is not None
+    assert second.pool.root == tmp_path / "other"
+    second.close()
+    process.close()
+    assert current() is None
+
+
+def test_a_failed_start_up_leaves_the_slot_empty(tmp_path: Path) -> None:
+    from distcache.session import SessionSlot
+
+    slot = SessionSlot()
+    with pytest.raises(ConfigError):
+        slot.init(pool=tmp_path / "pool", integrations=(), manifests=[[]],
+                  transport="carrier-pigeon")
+    assert slot.current() is None
 
 
 def test_something_that_is_not_an_integration_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not an Integration"):
-        distcache.init(pool=tmp_path / "pool", integrations=[object()],  # type: ignore[list-item]
-                       flashinfer=False)
+        distcache.init(pool=tmp_path / "pool", integrations=[object()])  # type: ignore[list-item]
 
 
 def test_background_init_returns_at_once_and_wait_gives_the_report(
@@ -189,7 +247,7 @@ def test_background_init_returns_at_once_and_wait_gives_the_report(
     srv, manifest, k = origin_and_manifest
     srv.latency = 0.3  # every request takes a while: init must not wait for them
     session = distcache.init(pool=tmp_path / "pool", origin=srv.url, manifests=[manifest],
-                             flashinfer=False, background=True)
+                             integrations=(), background=True)
     assert not session.ready  # the downloads are still under way
     report = session.wait(60)
     assert session.ready
@@ -207,7 +265,7 @@ def test_a_background_failure_is_raised_by_wait_not_by_init(
     srv, manifest, _ = origin_and_manifest
     srv.inject("500", count=None)
     session = distcache.init(pool=tmp_path / "pool", origin=srv.url, manifests=[manifest],
-                             flashinfer=False, background=True, timeout=30)
+                             integrations=(), background=True, timeout=30)
     with pytest.raises(PrefetchError):
         session.wait(60)
     with pytest.raises(PrefetchError):  # again: the same error, not a hang or None
@@ -217,5 +275,5 @@ def test_a_background_failure_is_raised_by_wait_not_by_init(
 
 def test_an_unknown_transport_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="DISTCACHE_TRANSPORT"):
-        distcache.init(pool=tmp_path / "pool", flashinfer=False,
+        distcache.init(pool=tmp_path / "pool", integrations=(),
                        manifests=[[]], transport="carrier-pigeon")

@@ -1,0 +1,150 @@
+"""``InitOptions``: what ``distcache.init`` is told, as one frozen value.
+
+The fields fall in three groups, read in this order by the start-up:
+
+* what to fetch: ``manifests``, ``integrations`` (and with them what each wants),
+  ``ipc_pools``;
+* where from and into: ``pool``, ``origin``;
+* how to run: ``comm``, ``timeout``, ``transport``, ``background``, ``environ``.
+
+Every field has a default that reads the ``DISTCACHE_*`` settings, so a call names
+only what differs: ``init(manifests=[M])``, ``init(manifests=[M], background=True)``,
+or ``init(options)`` with an ``InitOptions`` built once (by a launcher, say).
+:class:`InitFields` is the same set of fields as keywords of ``init``.
+
+Integrations are objects, not flags: ``integrations=None`` (the default) is the
+default set (FlashInfer when it is importable), a sequence is exactly what is
+installed (``()``: none; ``[FlashInfer(record=DIR)]``: FlashInfer with a usage
+record). ``DISTCACHE_FLASHINFER=0`` removes FlashInfer from either (:func:`compose`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypedDict
+
+from distcache.config import Settings
+from distcache.errors import ConfigError
+from distcache.integrations import Integration
+from distcache.integrations.flashinfer import FlashInfer
+
+if TYPE_CHECKING:
+    from distcache._resolve import ManifestSpec
+    from distcache.comm import Communicator
+    from distcache.origins import Origin
+    from distcache.store import ArtifactPool
+
+
+class InitFields(TypedDict, total=False):
+    """The fields of :class:`InitOptions` as keywords (``init(**fields)``); each is
+    optional and means what the field of the same name means."""
+
+    manifests: Sequence[ManifestSpec]
+    integrations: Sequence[Integration] | None
+    ipc_pools: Sequence[Any] | None
+    pool: ArtifactPool | str | os.PathLike[str] | None
+    origin: Origin | str | Sequence[str] | None
+    comm: Communicator | None
+    timeout: float | None
+    transport: str | None
+    background: bool
+    environ: Mapping[str, str] | None
+
+
+@dataclass(frozen=True)
+class InitOptions:
+    """Everything ``distcache.init`` is told; the same on every rank.
+
+    What to fetch:
+        manifests: ``sha256sum``-format files or lists of artifacts to prefetch.
+        integrations: consumers of artifacts to serve from the pool; what they want
+            (on any rank) is prefetched, then each is installed. ``None``: the default
+            set (FlashInfer when importable); a sequence: exactly those (``()``:
+            none). ``DISTCACHE_FLASHINFER=0`` removes FlashInfer.
+        ipc_pools: this rank's IPC producer pools; when given (even empty) the
+            registry exchange runs (collectively).
+
+    Where from and into:
+        pool: an ``ArtifactPool`` or its directory; default ``DISTCACHE_POOL``.
+        origin: where missing artifacts come from; default ``DISTCACHE_ORIGIN``, else
+            the first default an integration offers.
+
+    How to run:
+        comm: a communicator; default: one of distcache's own from
+            :func:`distcache.comm.adopt` (a duplicate of the MPI world under MPI, else
+            a private gloo group on the launcher's rendezvous store, else world size
+            1). torch.distributed's default group is never initialised, adopted or
+            destroyed.
+        timeout: seconds for each collective (default ``DISTCACHE_TIMEOUT``).
+        transport: how the prefetch moves bulk bytes: ``"default"`` (over the MPI or
+            gloo communicator) or ``"nccl"`` (a dedicated NCCL group made for the
+            prefetch and destroyed after it); default ``DISTCACHE_TRANSPORT``.
+        background: run the prefetch and the integrations' install on a thread over
+            distcache's own communicator and return at once; ``Session.wait`` joins
+            it (and raises what it raised, on every rank alike).
+        environ: the environment to read settings and the launch from (default
+            ``os.environ``).
+    """
+
+    manifests: Sequence[ManifestSpec] = ()
+    integrations: Sequence[Integration] | None = None
+    ipc_pools: Sequence[Any] | None = None
+    pool: ArtifactPool | str | os.PathLike[str] | None = None
+    origin: Origin | str | Sequence[str] | None = None
+    comm: Communicator | None = None
+    timeout: float | None = None
+    transport: str | None = None
+    background: bool = False
+    environ: Mapping[str, str] | None = None
+
+    @classmethod
+    def of(cls, options: InitOptions | None, fields: Mapping[str, Any]) -> InitOptions:
+        """``options`` (default: all defaults) with ``fields`` in place of its own.
+
+        Raises:
+            ConfigError: ``options`` is not an ``InitOptions``, or ``fields`` names
+                something that is not a field (the message names the fields).
+        """
+        base = cls() if options is None else options
+        if not isinstance(base, cls):
+            raise ConfigError(
+                f"init's positional argument must be an InitOptions, got {options!r}; "
+                "pass the options as keywords (init(manifests=[...]))",
+                variable="options", value=repr(options))
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(fields) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"init got unknown option(s) {', '.join(unknown)}; the options are "
+                f"{', '.join(known)} (FlashInfer is an integration: "
+                "integrations=[FlashInfer(record=DIR)] records, integrations=() leaves it "
+                "out)", variable=unknown[0], value=None)
+        return dataclasses.replace(base, **fields) if fields else base
+
+
+def compose(integrations: Sequence[Integration] | None, conf: Settings) -> list[Integration]:
+    """The integrations ``init`` installs: ``integrations`` as given, or the default
+    set when ``None`` (FlashInfer, when it is importable); without FlashInfer when
+    ``DISTCACHE_FLASHINFER=0``.
+
+    Raises:
+        ConfigError: ``integrations`` holds something that is not an integration.
+    """
+    if integrations is None:
+        default = FlashInfer()
+        chosen: list[Integration] = [default] if default.available() else []
+    else:
+        chosen = list(integrations)
+    for integration in chosen:
+        if not isinstance(integration, Integration):
+            raise ConfigError(
+                f"{integration!r} is not an Integration (name, available(), "
+                "default_origin(), manifest(), install(), uninstall(), materialize_dir())",
+                variable="integrations", value=repr(integration),
+            )
+    if not conf.flashinfer:
+        return [i for i in chosen if not isinstance(i, FlashInfer)]
+    return chosen
