@@ -2,9 +2,10 @@
 
 FlashInfer's C++ side reaches ``get_artifact`` through a ctypes callback that looks
 the module attribute up on every call, and a few FlashInfer modules import the
-function by name, so :func:`install` rebinds every one of those references. The
-installed wrapper is the process's one piece of integration state: FlashInfer has one
-loader per process.
+function by name, so :func:`install` rebinds every one of those references. Where
+the installed wrapper is kept is a :class:`LoaderSlot`; FlashInfer has one loader
+per process (a module-level function), so the process has one slot, behind
+:func:`install`, :func:`uninstall` and :func:`installed`.
 
 Where files go: when FlashInfer's ``FLASHINFER_CUBIN_DIR`` lies in site-packages (an
 installed ``flashinfer-cubin``) or is not writable, :func:`install` points every
@@ -68,10 +69,6 @@ class _Installation:
     download: RoutedDownload | None = None
 
 
-_installed: _Installation | None = None
-_install_lock = threading.Lock()
-
-
 def _flashinfer_modules() -> list[Any]:
     return [
         module
@@ -126,6 +123,127 @@ def _choose_cubin_dir() -> tuple[Path | None, Path | None]:
     return current, target
 
 
+class LoaderSlot:
+    """Where the installed wrapper is kept, and the lock that orders installs.
+
+    FlashInfer looks its loader up as the module attribute ``get_artifact`` (its
+    ctypes callback does, on every call), so a process has one loader and one slot:
+    the module's ``_PROCESS``, which :func:`install`, :func:`uninstall`,
+    :func:`uninstall_if` and :func:`installed` use, and which the ``atexit`` report
+    reads. A second slot would rebind the same FlashInfer modules; tests construct
+    one to check install and uninstall on their own.
+    """
+
+    def __init__(self) -> None:
+        self._installed: _Installation | None = None
+        self._lock = threading.Lock()
+
+    def install(
+        self,
+        pool: ArtifactPool,
+        origin: Origin | None = None,
+        record: str | os.PathLike[str] | None = None,
+        *,
+        families: Families | None = None,
+    ) -> PooledLoader | None:
+        """:func:`install` into this slot.
+
+        Raises:
+            ConfigError: a bad ``DISTCACHE_*`` value, or FlashInfer is not importable.
+        """
+        conf = settings()
+        if conf.disable or not conf.flashinfer:
+            log.info("flashinfer integration disabled (DISTCACHE_DISABLE / DISTCACHE_FLASHINFER)")
+            return None
+        fams = families if families is not None else Families.from_settings(conf)
+        key = (id(pool), id(origin), os.fspath(record) if record is not None else None, fams)
+        loader_module()  # imports FlashInfer, or raises ConfigError
+        with self._lock:
+            if self._installed is not None:
+                if self._installed.key == key:
+                    return self._installed.loader
+                self._uninstall_locked()
+            original: GetArtifact = sys.modules[LOADER_MODULE].get_artifact
+            installed_dir, writable_dir = _choose_cubin_dir()
+            loader = PooledLoader(
+                pool,
+                original,
+                origin=origin,
+                cubin_dir=cubin_dir,
+                families=fams,
+                recorder=Recorder(record) if record is not None else None,
+                seed_dirs=lambda: (installed_dir,) if installed_dir is not None else (),
+                offline=conf.offline,
+                final_not_found=_is_flashinfers_repository(origin, conf),
+            )
+            changed = _rebind(original, loader)
+            original_download = loader_attr("download_file")
+            download = (RoutedDownload(loader, original_download, offline=conf.offline)
+                        if callable(original_download) else None)
+            if download is not None:
+                changed += _rebind(original_download, download)
+            if writable_dir is not None and installed_dir is not None:
+                moved = _repoint(installed_dir, writable_dir)
+                log.info("flashinfer: %s moved from %s to %s in %s; the installed files are "
+                         "read, never written", CUBIN_DIR_VARIABLE, installed_dir,
+                         writable_dir, ", ".join(moved))
+            self._installed = _Installation(
+                loader=loader, original=original, key=key, installed_dir=installed_dir,
+                writable_dir=writable_dir, download=download,
+                set_no_download=forbid_downloads() if conf.offline else False,
+            )
+        log.info("flashinfer: get_artifact served from pool %s (rebound %s)%s",
+                 getattr(pool, "root", pool), ", ".join(changed),
+                 "; offline: no origin is contacted" if conf.offline else "")
+        return loader
+
+    def _uninstall_locked(self) -> None:
+        done = self._installed
+        if done is None:
+            return
+        # Modules imported after install() copied the loader; they are restored too.
+        _rebind(done.loader, done.original)
+        if done.download is not None:
+            _rebind(done.download, done.download.original)
+        if done.writable_dir is not None and done.installed_dir is not None:
+            _repoint(done.writable_dir, done.installed_dir)
+        if done.set_no_download:
+            allow_downloads()
+        _report(done.loader)
+        if done.loader.recorder is not None:
+            done.loader.recorder.close()
+        self._installed = None
+
+    def uninstall(self) -> None:
+        """:func:`uninstall` for this slot."""
+        with self._lock:
+            self._uninstall_locked()
+
+    def uninstall_if(self, loader: PooledLoader) -> None:
+        """:meth:`uninstall`, only while ``loader`` is this slot's wrapper."""
+        with self._lock:
+            if self._installed is not None and self._installed.loader is loader:
+                self._uninstall_locked()
+
+    def installed(self) -> PooledLoader | None:
+        """This slot's active loader, or ``None``."""
+        done = self._installed
+        return done.loader if done is not None else None
+
+
+def _report(loader: PooledLoader) -> None:
+    """The loader's statistics as a ``flashinfer.loader`` event (when it did anything)."""
+    stats = dataclasses.asdict(loader.stats)
+    failures = stats.pop("failures")
+    if any(stats.values()) or failures:
+        _events.emit("flashinfer.loader", pool=str(getattr(loader.pool, "root", "")),
+                     failures=len(failures), **stats)
+
+
+#: The process's slot: FlashInfer has one loader per process (see LoaderSlot).
+_PROCESS = LoaderSlot()
+
+
 def install(
     pool: ArtifactPool,
     origin: Origin | None = None,
@@ -139,9 +257,10 @@ def install(
     alias, and every FlashInfer module that imported it by name) to a
     :class:`PooledLoader`. Moves ``FLASHINFER_CUBIN_DIR`` out of site-packages (see
     the module's docstring); with ``DISTCACHE_OFFLINE=1`` sets
-    ``FLASHINFER_NO_DOWNLOAD=1``. Non-collective. Installing again with the same arguments returns the same
-    loader; with different ones it replaces the loader. ``DISTCACHE_DISABLE=1`` or
-    ``DISTCACHE_FLASHINFER=0`` make it a logged no-op that returns ``None``.
+    ``FLASHINFER_NO_DOWNLOAD=1``. Non-collective. Installing again with the same
+    arguments returns the same loader; with different ones it replaces the loader.
+    ``DISTCACHE_DISABLE=1`` or ``DISTCACHE_FLASHINFER=0`` make it a logged no-op that
+    returns ``None``.
 
     Args:
         pool: the artifact pool.
@@ -154,102 +273,26 @@ def install(
     Raises:
         ConfigError: a bad ``DISTCACHE_*`` value, or FlashInfer is not importable.
     """
-    global _installed
-    conf = settings()
-    if conf.disable or not conf.flashinfer:
-        log.info("flashinfer integration disabled (DISTCACHE_DISABLE / DISTCACHE_FLASHINFER)")
-        return None
-    fams = families if families is not None else Families.from_settings(conf)
-    key = (id(pool), id(origin), os.fspath(record) if record is not None else None, fams)
-    loader_module()  # imports FlashInfer, or raises ConfigError
-    with _install_lock:
-        if _installed is not None:
-            if _installed.key == key:
-                return _installed.loader
-            _uninstall_locked()
-        original: GetArtifact = sys.modules[LOADER_MODULE].get_artifact
-        installed_dir, writable_dir = _choose_cubin_dir()
-        own_repository = _is_flashinfers_repository(origin, conf)
-        loader = PooledLoader(
-            pool,
-            original,
-            origin=origin,
-            cubin_dir=cubin_dir,
-            families=fams,
-            recorder=Recorder(record) if record is not None else None,
-            seed_dirs=lambda: (installed_dir,) if installed_dir is not None else (),
-            offline=conf.offline,
-            final_not_found=own_repository,
-        )
-        changed = _rebind(original, loader)
-        original_download = loader_attr("download_file")
-        download = (RoutedDownload(loader, original_download, offline=conf.offline)
-                    if callable(original_download) else None)
-        if download is not None:
-            changed += _rebind(original_download, download)
-        if writable_dir is not None and installed_dir is not None:
-            moved = _repoint(installed_dir, writable_dir)
-            log.info("flashinfer: %s moved from %s to %s in %s; the installed files are "
-                     "read, never written", CUBIN_DIR_VARIABLE, installed_dir, writable_dir,
-                     ", ".join(moved))
-        _installed = _Installation(
-            loader=loader, original=original, key=key, installed_dir=installed_dir,
-            writable_dir=writable_dir,
-            set_no_download=forbid_downloads() if conf.offline else False, download=download,
-        )
-    log.info("flashinfer: get_artifact served from pool %s (rebound %s)%s",
-             getattr(pool, "root", pool), ", ".join(changed),
-             "; offline: no origin is contacted" if conf.offline else "")
-    return loader
-
-
-def _report(loader: PooledLoader) -> None:
-    """The loader's statistics as a ``flashinfer.loader`` event (when it did anything)."""
-    stats = dataclasses.asdict(loader.stats)
-    failures = stats.pop("failures")
-    if any(stats.values()) or failures:
-        _events.emit("flashinfer.loader", pool=str(getattr(loader.pool, "root", "")),
-                     failures=len(failures), **stats)
-
-
-@atexit.register
-def _report_at_exit() -> None:
-    current = _installed
-    if current is not None:
-        _report(current.loader)
-
-
-def _uninstall_locked() -> None:
-    global _installed
-    if _installed is None:
-        return
-    # Modules imported after install() copied the loader; they are restored too.
-    _rebind(_installed.loader, _installed.original)
-    if _installed.download is not None:
-        _rebind(_installed.download, _installed.download.original)
-    if _installed.writable_dir is not None and _installed.installed_dir is not None:
-        _repoint(_installed.writable_dir, _installed.installed_dir)
-    if _installed.set_no_download:
-        allow_downloads()
-    _report(_installed.loader)
-    if _installed.loader.recorder is not None:
-        _installed.loader.recorder.close()
-    _installed = None
+    return _PROCESS.install(pool, origin, record, families=families)
 
 
 def uninstall() -> None:
     """Restore FlashInfer's own ``get_artifact`` everywhere; idempotent."""
-    with _install_lock:
-        _uninstall_locked()
+    _PROCESS.uninstall()
 
 
 def uninstall_if(loader: PooledLoader) -> None:
     """:func:`uninstall`, only while ``loader`` is the installed wrapper."""
-    with _install_lock:
-        if _installed is not None and _installed.loader is loader:
-            _uninstall_locked()
+    _PROCESS.uninstall_if(loader)
 
 
 def installed() -> PooledLoader | None:
     """The active loader, or ``None``."""
-    return _installed.loader if _installed is not None else None
+    return _PROCESS.installed()
+
+
+@atexit.register
+def _report_at_exit() -> None:
+    loader = _PROCESS.installed()
+    if loader is not None:
+        _report(loader)
