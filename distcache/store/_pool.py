@@ -37,6 +37,7 @@ from distcache.store._log import Journal, NamesIndex
 from distcache.store._maintenance import STALE_TMP_SECONDS
 from distcache.store._materialize import materialize
 from distcache.store._objects import ObjectStore, check_size
+from distcache.store._offline import refuse_offline
 from distcache.store._report import GcReport, PoolStats, VerifyReport
 from distcache.store.layout import PoolLayout
 
@@ -217,6 +218,7 @@ class ArtifactPool:
         work costs a duplicate download, never a corrupt object or a hang.
 
         Raises:
+            ConfigError: a miss while ``DISTCACHE_OFFLINE=1`` (``origin`` is not asked).
             IntegrityError: the origin's bytes do not match the sha256 (or size).
             OriginError: the origin cannot deliver (passed through).
             PoolError: the pool cannot be written.
@@ -257,10 +259,12 @@ class ArtifactPool:
         size. The origin verifies as the bytes stream in (its contract): hashed once.
 
         Raises:
+            ConfigError: ``DISTCACHE_OFFLINE=1`` (``origin`` is not asked).
             IntegrityError: the origin's bytes do not match the sha256 (or size).
             OriginError: the origin cannot deliver (passed through).
             PoolError: the pool cannot be written.
         """
+        refuse_offline(artifact, self.root, origin)
         if not hasattr(origin, "fetch_into"):  # a duck-typed origin with only ``fetch``
             data = origin.fetch(artifact)
             return len(data) if self.put(data, artifact.sha256) else 0
@@ -285,11 +289,11 @@ class ArtifactPool:
         except PoolError:
             raise
         except OSError as exc:
-            # The origin streams into our temp file: a full disk or quota shows up
-            # as a bare OSError from its write.
+            # A full disk or quota shows up as a bare OSError from the origin's write.
             raise pool_error("cannot write", tmp, exc) from exc
 
     def _download(self, artifact: Artifact, origin: Origin) -> bytes:
+        refuse_offline(artifact, self.root, origin)
         fd, tmp = self._store.temp_file(artifact.sha256[:16])
         source = origin.describe()
         try:
