@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 #: The variable naming the file events are appended to; unset or blank: no events.
 VARIABLE = "DISTCACHE_LOG_JSON"
 
+# Causes already warned about: one warning per cause and file in a process, not one
+# per event; process-wide like the log it goes to.
 _warned: set[str] = set()
 
 

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 #: would cost the import of the whole integration at interpreter start).
 LOADER_MODULE = "flashinfer.jit.cubin_loader"
 
+# What armed the import hook; the hook sits on sys.meta_path, which is per process.
 _lock = threading.Lock()
 _sources: list[str] = []
 

@@ -48,6 +48,7 @@ _CANNOT_CREATE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 _OPEN_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _MAX_POLL = 0.05
 
+# Directories already warned about: once per process, like the log it goes to.
 _warned_dirs: set[str] = set()
 _warned_guard = threading.Lock()
 

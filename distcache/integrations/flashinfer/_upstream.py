@@ -33,6 +33,8 @@ REPOSITORY_VARIABLE = "FLASHINFER_CUBINS_REPOSITORY"
 CUBIN_DIR_VARIABLE = "FLASHINFER_CUBIN_DIR"
 NO_DOWNLOAD_VARIABLE = "FLASHINFER_NO_DOWNLOAD"
 
+# The wrapper's default origin per spec: FlashInfer's loader is one module-level
+# function per process, so its misses share one origin (one connection pool).
 _origins: dict[tuple[str, ...], Origin] = {}
 _origins_lock = threading.Lock()
 
