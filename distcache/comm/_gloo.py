@@ -26,7 +26,7 @@ import time
 from datetime import timedelta
 from typing import Any, Self
 
-from distcache.comm._scope import RunScope, meet, share_secret
+from distcache.comm._scope import RunScope, job_root, meet, share_secret
 from distcache.comm._torch import TorchCommunicator, import_torch
 from distcache.config import settings
 from distcache.errors import CollectiveTimeout, CommError, DistcacheError
@@ -82,15 +82,14 @@ class GlooCommunicator(TorchCommunicator):
         until = time.monotonic() + wait if until is None else until
         self._store = store
         self._made: dict[tuple[int, ...], int] = {}
+        agreeing: tuple[str, int, str] | None = None
         if scope is None:
             job, attempt = run if run is not None else run_id(os.environ)[:2]
-            nonce = meet(store, rank, size, job, attempt, until)
-            # The secret comes over the group once it is made, never through the store.
-            scope = RunScope(job, attempt, nonce, b"")
-            agreed = False
+            agreeing = (job, attempt, meet(store, rank, size, job, attempt, until))
+            base = f"{job_root(job, attempt)}/{agreeing[2]}"
         else:
-            agreed = True
-        self._prefix = scope.prefix if prefix is None else prefix
+            base = scope.prefix
+        self._prefix = base if prefix is None else prefix
         left = max(until - time.monotonic(), 0.001)
         try:
             group = self._make_group(torch, dist, dist.PrefixStore(self._prefix, store), rank,
@@ -104,13 +103,14 @@ class GlooCommunicator(TorchCommunicator):
             raise CommError(text, op="init", rank=rank, backend=self._kind) from exc
         self._setup(torch, dist, group, rank, size, self._kind, timeout=timeout,
                     chunk_bytes=chunk_bytes, node_id=node_id)
-        if not agreed:
+        if agreeing is not None:
+            # The secret travels over the group just made, never through the store.
             try:
-                secret = share_secret(self, until)
+                scope = RunScope(*agreeing, share_secret(self, until))
             except DistcacheError:
                 self.close()
                 raise
-            scope = RunScope(scope.job, scope.attempt, scope.nonce, secret)
+        assert scope is not None  # given, or agreed just above
         self._scope = scope
 
     @staticmethod

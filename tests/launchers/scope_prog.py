@@ -43,6 +43,10 @@ def _init(manifest: str, cycles: int, late: float) -> int:
 
 
 def _adopt(delay: float, timeout: float, crash: bool) -> int:
+    # Imported before the clock starts: on a loaded machine importing torch alone can
+    # take seconds, which says nothing about the adoption.
+    import torch.distributed  # noqa: F401
+
     time.sleep(delay)
     rank = os.environ["RANK"]
     run = os.environ.get("TORCHELASTIC_RUN_ID", "")

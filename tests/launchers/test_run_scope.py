@@ -258,3 +258,23 @@ def test_init_process_group_names_a_taken_master_port_and_the_way_out() -> None:
         with pytest.raises(CommError, match=rf"port {port} is in use.*set MASTER_PORT"):
             init_process_group(detect(env), backend="gloo", timeout=5)
     assert not dist.is_initialized()
+
+
+def test_gloo_groups_on_one_store_each_agree_a_scope_and_their_splits_share_it() -> None:
+    import torch.distributed as dist
+
+    from distcache.comm import GlooCommunicator
+
+    store = dist.HashStore()
+    first = GlooCommunicator(store, 0, 1, run=("job-a", 0), timeout=10)
+    second = GlooCommunicator(store, 0, 1, run=("job-a", 0), timeout=10)
+    try:
+        assert first.scope.nonce != second.scope.nonce and first.prefix != second.prefix
+        assert len(first.scope.secret) == 32 and first.scope.secret != second.scope.secret
+        assert first.prefix == first.scope.prefix
+        child = first.split(0)
+        assert child.scope == first.scope and child.prefix.startswith(first.prefix + "/")
+        assert first.scope.secret.hex() not in repr(first) + repr(child)
+    finally:
+        first.close()
+        second.close()
