@@ -78,6 +78,26 @@ def test_two_init_cycles_in_one_process_after_the_wrapper_each_get_a_scope_of_th
     assert srv.total_requests == K
 
 
+def test_under_srun_the_program_rehosts_the_wrappers_store_port_at_once(
+    tmp_path: Path, origin: tuple[LoopbackOrigin, Path], slurm_env: dict[str, str]
+) -> None:
+    # srun has no agent: the wrapper's rank 0 hosts a store one port above MASTER_PORT,
+    # closes it, and the program's rank 0 binds the same port a moment later, twice.
+    srv, manifest = origin
+    done = run_group(
+        ["srun", "-n", "2", "--time=5", *LAUNCH, "--pool", str(tmp_path / "pool"),
+         "--prefetch", str(manifest), "--", PY, *PROG, "init", str(manifest), "2"],
+        {**slurm_env, "DISTCACHE_ORIGIN": srv.url}, timeout=150,
+    )
+    assert done.returncode == 0, done.output
+    rows = _cycles(done.output)
+    assert [(r[0], r[2], r[5]) for r in rows] == [
+        ("0", "0", str(K)), ("1", "0", str(K)), ("0", "1", str(K)), ("1", "1", str(K))
+    ], done.output
+    assert len({r[3] for r in rows}) == 2  # a nonce per cycle, agreed by both ranks
+    assert srv.total_requests == K
+
+
 # -- a store that outlives attempts and jobs, as torchrun's agent store does ------------
 
 
