@@ -36,7 +36,7 @@ def test_offline_fetch_and_download_with_an_explicit_origin_make_no_request(
         assert first.name in message and first.sha256 in message
         assert srv.url in message and "DISTCACHE_OFFLINE=1" in message
         assert "distcache fetch --manifest" in message and "distcache pool import" in message
-        assert caught.value.variable == "DISTCACHE_OFFLINE"
+        assert caught.value.variable == "DISTCACHE_OFFLINE"  # type: ignore[attr-defined]
     assert srv.total_requests == 0
     assert not pool.has(first.sha256)
     assert list((tmp_path / "pool").rglob("*.lock")) == []

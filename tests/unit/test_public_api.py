@@ -113,7 +113,10 @@ SIGNATURES: dict[str, list[str]] = {
     "distcache.DirOrigin": ["path"],
     "distcache.prefetch": ["artifacts", "*comm", "*pool", "*origin"],
     "distcache.sync": ["*comm", "*pool"],
-    "distcache.init": [],
+    "distcache.init": ["options="],
+    "distcache.InitOptions": ["manifests=", "integrations=", "ipc_pools=", "pool=", "origin=",
+                              "comm=", "timeout=", "transport=", "background=", "environ="],
+    "distcache.session.SessionSlot.init": ["self", "options="],
     "distcache.Session.close": ["self"],
     "distcache.comm.auto": [],
     "distcache.comm.from_mpi": ["mpi_comm="],
@@ -152,6 +155,8 @@ ATTRIBUTES: dict[str, list[str]] = {
     "distcache.ipc.PoolRegistry": ["exchange", "add", "fetch", "resolve", "ack", "view", "close"],
     "distcache.ipc.ShmPool": ["put", "reclaim", "cancel", "descriptor", "bind", "close"],
     "distcache.ipc.FeatureRef": ["pack", "unpack"],
+    "distcache.Session": ["comm", "pool", "report", "options", "wait", "sync", "close"],
+    "distcache.session.SessionSlot": ["current", "init", "leave"],
 }
 FEATURE_REF_FIELDS = ["pool_id", "epoch", "offset", "nbytes", "dtype", "shape", "strides",
                       "slot", "generation"]
@@ -203,6 +208,17 @@ def test_contract_attributes_exist(path: str) -> None:
     missing = [a for a in ATTRIBUTES[path] if not hasattr(obj, a) and a not in annotated
                and a not in getattr(obj, "__slots__", ())]
     assert missing == []
+
+
+def test_init_takes_the_option_fields_as_keywords() -> None:
+    import dataclasses
+
+    from distcache.session import InitFields
+
+    fields = {f.name for f in dataclasses.fields(distcache.InitOptions)}
+    assert InitFields.__optional_keys__ == fields and not InitFields.__required_keys__
+    assert dataclasses.is_dataclass(distcache.InitOptions)
+    assert distcache.InitOptions.__dataclass_params__.frozen  # type: ignore[attr-defined]
 
 
 def test_a_registry_counts_opens_per_pool() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -201,7 +202,8 @@ def test_an_unknown_init_option_is_a_config_error_naming_the_options(
     tmp_path: Path, old: str
 ) -> None:
     with pytest.raises(ConfigError, match=f"unknown option.*{old}.*FlashInfer\\(record=DIR\\)"):
-        distcache.init(pool=tmp_path / "pool", **{old: False})  # type: ignore[misc]
+        fields: dict[str, Any] = {old: False}
+        distcache.init(pool=tmp_path / "pool", **fields)
     assert distcache.session.current() is None
     with pytest.raises(ConfigError, match="must be an InitOptions"):
         distcache.init({"pool": tmp_path / "pool"})  # type: ignore[arg-type]
