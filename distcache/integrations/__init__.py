@@ -3,7 +3,10 @@
 An :class:`Integration` says where its artifacts come from by default, which ones it
 wants at start-up, how to put the pool behind its loader and take it away again, and
 where an unmodified program looks for files. ``distcache.init(integrations=[...])``
-composes them; nothing outside an integration's own package reads its settings.
+installs exactly those (``integrations=()``: none); without the option it installs the
+default set, FlashInfer when it is importable. Options of an integration are its own
+(``FlashInfer(record=DIR)``), not ``init``'s. Nothing outside an integration's own
+package reads its settings.
 """
 
 from __future__ import annotations
