@@ -19,13 +19,17 @@ the agents' own keys carry a ``torch.rendezvous.<run id>.<round>`` prefix):
    existing one means another process claimed it, refused); the others wait for it, up
    to the deadline. A meeting's key is written once, so no rank can read a nonce of an
    earlier meeting, wrapper or attempt;
-3. the group meets under ``<job>/<attempt>/<n>/<nonce>``; rank 0's secret travels over
+3. every rank counts itself in; the last one marks the meeting complete, a rank whose
+   deadline passes first marks it abandoned (one ``compare_set``, so all read the same
+   outcome): gloo is only dialled once every rank is known to be there;
+4. the group meets under ``<job>/<attempt>/<n>/<nonce>``; rank 0's secret travels over
    the group once it is made, never through the store (whoever can read the store need
    not learn it).
 
-A rank that gave up on meeting n (its timeout passed) and adopts again is one meeting
-ahead of a peer that comes late to meeting n: both raise within their timeouts, and a
-restart (a new attempt) starts the counts again.
+A rank that comes to meeting n after its peer gave up on it raises at once. A rank that
+gave up on meeting n and adopts again is one meeting ahead of a peer that comes late
+to n: both raise within their timeouts, and a restart (a new attempt) starts the
+counts again.
 
 Values read from the store are parsed strictly (a nonce is 32 hex digits), never
 unpickled. The secret is never logged: it is left out of ``repr``.
@@ -42,7 +46,7 @@ from datetime import timedelta
 from typing import Any
 
 from distcache.comm._base import Communicator
-from distcache.errors import CollectiveTimeout, CommError
+from distcache.errors import CollectiveTimeout, CommError, DistcacheError
 
 #: Every key distcache writes to a store it shares starts with this.
 ROOT = "distcache"
@@ -117,12 +121,14 @@ def parse_nonce(raw: bytes, where: str) -> str:
 
 def meet(store: Any, rank: int, size: int, job: str, attempt: int, until: float) -> str:
     """Agree with every rank on this adoption's nonce over ``store`` (see the module
-    docstring); returns it. Collective over the ``size`` ranks; waits no later than
-    ``until`` (a ``time.monotonic()`` value).
+    docstring) and wait until every rank has come to it; returns the nonce. Collective
+    over the ``size`` ranks; waits no later than ``until`` (a ``time.monotonic()``
+    value).
 
     Raises:
-        CollectiveTimeout: rank 0 did not claim the meeting by ``until``.
-        CommError: the store failed, or holds something other than a nonce.
+        CollectiveTimeout: not every rank came by ``until``, or a rank gave up on this
+            adoption before every rank came.
+        CommError: the store failed, or holds something other than distcache's values.
     """
     root = job_root(job, attempt)
     where = "(counting)"
@@ -139,19 +145,66 @@ def meet(store: Any, rank: int, size: int, job: str, attempt: int, until: float)
                     "job on one store; give each run its own id (torchrun --rdzv-id)",
                     op="rendezvous", rank=rank, backend="gloo",
                 )
-            return nonce
-        store.wait([where], timedelta(seconds=_left(until)))
-        return parse_nonce(bytes(store.get(where)), where)
+        else:
+            store.wait([where], timedelta(seconds=_left(until)))
+            nonce = parse_nonce(bytes(store.get(where)), where)
+        where = f"{root}/{count}/state"
+        _all_came(store, f"{root}/{count}", rank, size, until)
+        return nonce
+    except DistcacheError:
+        raise  # already ours (a CollectiveTimeout is an OSError too)
     except (RuntimeError, OSError) as exc:
         if _timed_out(exc):
             raise CollectiveTimeout(
                 f"rank {rank}/{size}: rank 0 did not open distcache's adoption under "
                 f"{where!r} in time ({exc}); every rank must call distcache.init (or "
                 "the same collective) within the timeout",
-                op="rendezvous", rank=rank, timeout=round(until - time.monotonic(), 3),
+                op="rendezvous", rank=rank,
             ) from exc
         raise CommError(f"rank {rank}/{size}: the rendezvous store failed at {where!r}: "
                         f"{exc}", op="rendezvous", rank=rank, backend="gloo") from exc
+
+
+def _all_came(store: Any, meeting: str, rank: int, size: int, until: float) -> None:
+    """Return once every rank has come to ``meeting``; one outcome for all of them.
+
+    The last rank to come marks the meeting complete; a rank whose deadline passes first
+    marks it abandoned. Both use ``compare_set`` on one key, so exactly one wins and
+    every rank reads the same outcome: a rank that comes after its peer gave up (and
+    left, or is exiting) learns so at once, instead of dialling that peer's gloo address
+    and waiting on gloo's own connect timeout (10 s, whatever the group's timeout).
+
+    Raises:
+        CollectiveTimeout: the meeting was abandoned, by this rank or another.
+        CommError: the state key holds something else.
+    """
+    state = f"{meeting}/state"
+    mine = ""
+    if int(store.add(f"{meeting}/arrived", 1)) == size:
+        outcome = bytes(store.compare_set(state, "", "complete"))
+    else:
+        try:
+            store.wait([state], timedelta(seconds=_left(until)))
+            outcome = bytes(store.get(state))
+        except RuntimeError as exc:
+            if not _timed_out(exc):
+                raise
+            mine = "abandoned"
+            outcome = bytes(store.compare_set(state, "", mine))
+    if outcome == b"complete":
+        return
+    if outcome != b"abandoned":
+        raise CommError(f"the store key {state!r} holds {outcome[:80]!r}, not distcache's "
+                        "meeting state; something other than distcache wrote it",
+                        op="rendezvous", rank=rank, backend="gloo")
+    came = int(store.add(f"{meeting}/arrived", 0))
+    who = "this rank" if mine else "another rank"
+    raise CollectiveTimeout(
+        f"rank {rank}/{size}: {who} gave up on distcache's adoption under {meeting!r} "
+        f"with {came} of {size} ranks come; every rank must call distcache.init (or the "
+        "same collective) within the timeout",
+        op="rendezvous", rank=rank,
+    )
 
 
 def share_secret(comm: Communicator, until: float) -> bytes:

@@ -167,30 +167,54 @@ def _soon(seconds: float = 5.0) -> float:
     return time.monotonic() + seconds
 
 
+def _ranks(store: _Store, adoptions: list[tuple[int, float, str, int]],
+           size: int = 2) -> list[Any]:
+    """Run ``(rank, delay, job, attempt)`` adoptions at once on threads, each with 5 s;
+    each gives its nonce or the error it raised."""
+    def one(rank: int, delay: float, job: str, attempt: int) -> Any:
+        time.sleep(delay)
+        try:
+            return meet(store, rank, size, job, attempt, _soon())
+        except CommError as exc:
+            return exc
+
+    with ThreadPoolExecutor(len(adoptions)) as pool:
+        return list(pool.map(lambda a: one(*a), adoptions))
+
+
 def test_each_ranks_nth_adoption_meets_the_others_nth_however_late_it_comes() -> None:
     store = _Store()
-    # Rank 0 adopts three times (the wrapper, then two inits) before rank 1 comes at
-    # all: rank 1 must still find each meeting's own nonce, not the latest.
-    claimed = [meet(store, 0, 2, "torchrun:j", 0, _soon()) for _ in range(3)]
-    found = [meet(store, 1, 2, "torchrun:j", 0, _soon()) for _ in range(3)]
-    assert found == claimed and len(set(claimed)) == 3
+    # Three adoptions in a row (the wrapper, then two inits); rank 1 comes late each time.
+    for _ in range(3):
+        zero, one = _ranks(store, [(0, 0.0, "torchrun:j", 0), (1, 0.3, "torchrun:j", 0)])
+        assert isinstance(zero, str) and zero == one
+    counts = {k: v for k, v in store.data.items() if "adoptions" in k}
+    assert sorted(counts.values()) == [b"3", b"3"]
 
 
 def test_a_new_attempt_or_another_job_never_reads_an_earlier_nonce() -> None:
     store = _Store()
-    old = meet(store, 0, 2, "torchrun:j", 0, _soon())
-    assert meet(store, 1, 2, "torchrun:j", 0, _soon()) == old
+    old, same = _ranks(store, [(0, 0.0, "torchrun:j", 0), (1, 0.0, "torchrun:j", 0)])
+    assert old == same
     start = time.monotonic()
     for job, attempt in (("torchrun:j", 1), ("torchrun:other", 0)):
         with pytest.raises(CollectiveTimeout, match="rank 0 did not open"):
             meet(store, 1, 2, job, attempt, time.monotonic() + 0.3)
     assert time.monotonic() - start < 5.0  # each wait ends at its deadline
-    fresh_nonce = meet(store, 0, 2, "torchrun:j", 1, _soon())
-    assert fresh_nonce != old
-    # The late rank's count moved on with its timed-out try: its next adoption meets
-    # rank 0's second of attempt 1.
-    assert meet(store, 0, 2, "torchrun:j", 1, _soon()) == meet(
-        store, 1, 2, "torchrun:j", 1, _soon())
+    # A restart (attempt 2) meets afresh.
+    fresh_nonce, again = _ranks(store, [(0, 0.0, "torchrun:j", 2), (1, 0.0, "torchrun:j", 2)])
+    assert fresh_nonce == again != old
+
+
+def test_a_rank_that_comes_after_its_peer_gave_up_learns_so_at_once() -> None:
+    store = _Store()
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeout, match=r"this rank gave up.*1 of 2 ranks"):
+        meet(store, 0, 2, "j", 0, time.monotonic() + 0.3)
+    late = time.monotonic()
+    with pytest.raises(CollectiveTimeout, match="another rank gave up"):
+        meet(store, 1, 2, "j", 0, _soon())
+    assert time.monotonic() - late < 1.0 and late - start < 3.0
 
 
 def test_a_store_value_that_is_not_a_nonce_is_refused_never_unpickled() -> None:
@@ -207,11 +231,14 @@ def test_a_store_value_that_is_not_a_nonce_is_refused_never_unpickled() -> None:
     store.data[where] = b"0" * 32
     with pytest.raises(CommError, match="already claimed"):
         meet(store, 0, 2, "j", 0, _soon())
+    # And a meeting state that is not distcache's.
+    store.data[f"{job_root('j', 0)}/2/state"] = b"\x80\x04junk"
+    with pytest.raises(CommError, match="not distcache's meeting state"):
+        meet(store, 0, 1, "j", 0, _soon())
 
 
 def test_ranks_meeting_at_once_on_threads_agree() -> None:
     store = _Store()
-    with ThreadPoolExecutor(4) as pool:
-        for _ in range(3):
-            got = list(pool.map(lambda r: meet(store, r, 4, "j", 0, _soon()), range(4)))
-            assert len(set(got)) == 1
+    for _ in range(3):
+        got = _ranks(store, [(r, 0.0, "j", 0) for r in range(4)], size=4)
+        assert len(set(got)) == 1 and isinstance(got[0], str)
