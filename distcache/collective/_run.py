@@ -262,8 +262,11 @@ class Run:
             seconds={p: max(f["seconds"][p] for f in figures) for p in PHASES},
         )
         self.progress.close()
-        log.debug("%s", report.summary())
-        if self.comm.rank == 0:
+        if self.comm.rank != 0:
+            # Rank 0's caller prints the summary (the session logs it, the CLI writes it
+            # on stdout): with -v every rank shows it once, rank 0 too.
+            log.debug("%s", report.summary())
+        else:
             emit(f"{self.operation}.report", ranks=self.comm.size, node=self.comm.node_id,
                  **dataclasses.asdict(report))
         return report

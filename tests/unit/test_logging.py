@@ -169,3 +169,7 @@ def test_launch_prefetch_under_mpirun_prints_the_summary_once_from_rank_0(
     assert "rank 1" not in stderr
     verbose = _mpi_launch(tmp_path / "v", "-v")
     assert "distcache: rank 1: " in verbose and "distcache: rank 0: " in verbose
+    # Every rank's summary, each once (rank 0's is not repeated as a debug line).
+    for rank in (0, 1):
+        assert sum(f"rank {rank}: " in line and "prefetch: 4 artifacts" in line
+                   for line in verbose.splitlines()) == 1, verbose
