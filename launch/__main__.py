@@ -132,7 +132,7 @@ def child_environment(
         if value is None:
             continue
         if env.get(name) != str(value):
-            log.debug("rank %d: exporting %s=%s", info.rank, name, value)
+            log.debug("exporting %s=%s", name, value)  # the handler tags the rank
         env[name] = str(value)
     return env
 
