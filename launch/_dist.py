@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from distcache.config import settings
 from distcache.errors import CollectiveTimeout, CommError, LaunchError
 from launch._detect import LaunchInfo, detect
+from launch._mpiwire import allgather_str, bcast_message
 from launch._rendezvous import host_store
 
 if TYPE_CHECKING:
@@ -176,7 +177,7 @@ def mpi_publish(info: LaunchInfo, choose: Callable[[list[str]], tuple[str, int]]
         LaunchError: MPI's rank or size contradicts ``info``.
     """
     comm = _mpi_world(info)
-    return agree_on_address(info.rank, comm.allgather, lambda m: comm.bcast(m, root=0), choose)
+    return agree_on_address(info.rank, lambda m: allgather_str(comm, m), lambda m: bcast_message(comm, m), choose)
 
 
 def publish_store(
@@ -222,7 +223,7 @@ def _mpi_store(info: LaunchInfo, timeout: timedelta) -> tuple[LaunchInfo, Store]
     comm = _mpi_world(info)
     try:
         host, port, store = publish_store(
-            info.rank, info.world_size, comm.allgather, lambda m: comm.bcast(m, root=0),
+            info.rank, info.world_size, lambda m: allgather_str(comm, m), lambda m: bcast_message(comm, m),
             timeout, host=info.master_addr, port=info.master_port,
         )
     except (RuntimeError, ValueError) as exc:

@@ -1,0 +1,80 @@
+"""The launcher's two MPI exchanges (host names, then rank 0's rendezvous address),
+without pickle.
+
+mpi4py's lower-case ``allgather``/``bcast`` pickle what they send and unpickle what
+they receive, so a peer could make this rank run code. These send UTF-8 JSON through
+the buffer calls (``Allgather``/``Allgatherv``/``Bcast``) instead and check the shape of
+what arrives: JSON decodes to plain data only.
+"""
+
+from __future__ import annotations
+
+import json
+from array import array
+from typing import Any
+
+from distcache.errors import CommError
+
+#: The largest message either exchange accepts from a peer (a host name, an address).
+MAX_MESSAGE_BYTES = 4096
+
+
+def _encode(obj: Any) -> bytes:
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise CommError(f"a rendezvous message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}",
+                        op="rendezvous")
+    return data
+
+
+def _decode(data: bytes, sender: int) -> Any:
+    try:
+        return json.loads(data.decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CommError(f"rank {sender} sent a malformed rendezvous message: {exc}",
+                        op="rendezvous", rank=sender) from exc
+
+
+def _length(value: int, sender: int) -> int:
+    if not 0 <= value <= MAX_MESSAGE_BYTES:
+        raise CommError(f"rank {sender} announced a rendezvous message of {value} bytes "
+                        f"(at most {MAX_MESSAGE_BYTES})", op="rendezvous", rank=sender)
+    return value
+
+
+def allgather_str(comm: Any, text: str) -> list[str]:
+    """Every rank's ``text``, in rank order."""
+    from mpi4py import MPI
+
+    mine = _encode(text)
+    lengths = array("q", [0] * comm.Get_size())
+    comm.Allgather([array("q", [len(mine)]), MPI.INT64_T], [lengths, MPI.INT64_T])
+    counts = [_length(n, rank) for rank, n in enumerate(lengths)]
+    displs = [sum(counts[:rank]) for rank in range(len(counts))]
+    out = bytearray(sum(counts))
+    comm.Allgatherv([mine, MPI.BYTE], [out, (counts, displs), MPI.BYTE])
+    texts = []
+    for rank, (start, count) in enumerate(zip(displs, counts, strict=True)):
+        value = _decode(bytes(out[start:start + count]), rank)
+        if not isinstance(value, str):
+            raise CommError(f"rank {rank} sent a {type(value).__name__} where a host name "
+                            "belongs", op="rendezvous", rank=rank)
+        texts.append(value)
+    return texts
+
+
+def bcast_message(comm: Any, message: tuple[str, str, int] | None) -> tuple[str, str, int]:
+    """Rank 0's ``(status, text, port)`` on every rank (``message`` is read on rank 0)."""
+    from mpi4py import MPI
+
+    data = _encode(list(message)) if comm.Get_rank() == 0 and message is not None else b""
+    length = array("q", [len(data)])
+    comm.Bcast([length, MPI.INT64_T], root=0)
+    buffer = bytearray(data) if comm.Get_rank() == 0 else bytearray(_length(length[0], 0))
+    comm.Bcast([buffer, MPI.BYTE], root=0)
+    value = _decode(bytes(buffer), 0)
+    if not (isinstance(value, list) and len(value) == 3 and isinstance(value[0], str)
+            and isinstance(value[1], str) and type(value[2]) is int):
+        raise CommError("rank 0 sent a rendezvous message of the wrong shape",
+                        op="rendezvous", rank=0)
+    return value[0], value[1], value[2]

@@ -1,0 +1,50 @@
+"""The launcher's MPI exchanges (host names, rank 0's rendezvous address) carry JSON
+through mpi4py's buffer calls, never a pickle."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+
+from distcache.errors import CommError
+from launch import _mpiwire
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+def _world():  # type: ignore[no-untyped-def]
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def test_host_names_and_the_address_reach_every_rank_in_rank_order() -> None:
+    comm = _world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    assert _mpiwire.allgather_str(comm, f"host-{rank}-é") == [f"host-{r}-é" for r in range(size)]
+    message = ("ok", "10.0.0.1", 29500) if rank == 0 else None
+    assert _mpiwire.bcast_message(comm, message) == ("ok", "10.0.0.1", 29500)
+
+
+class _Marker:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (open, (self.path, "w"))
+
+
+def test_a_pickle_from_a_peer_is_a_typed_error_and_never_runs(tmp_path: Path) -> None:
+    marker = os.path.join(tmp_path, f"ran-{_world().Get_rank()}")
+    payload = pickle.dumps(_Marker(marker))
+    with pytest.raises(CommError, match="malformed rendezvous message"):
+        _mpiwire._decode(payload, 1)
+    assert not os.path.exists(marker)
+
+
+def test_an_oversized_announcement_is_refused_before_allocating() -> None:
+    with pytest.raises(CommError, match="at most"):
+        _mpiwire._length(1 << 40, 1)
