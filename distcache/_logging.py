@@ -59,6 +59,23 @@ class _Formatter(logging.Formatter):
         return text
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted: a handler left
+    behind by an in-process caller never writes into a stream that was swapped out
+    and closed since (a test's captured stderr, say)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: TextIO) -> None:
+        pass
+
+
 def configure_logging(
     verbose: int, rank: int | None, *, stream: TextIO | None = None
 ) -> Callable[[], None]:
@@ -74,7 +91,7 @@ def configure_logging(
         A function that restores the loggers as they were before the first call
         (calling :func:`distcache.cli.main` in-process leaves logging as it was).
     """
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler = logging.StreamHandler(stream) if stream is not None else _StderrHandler()
     handler.setFormatter(_Formatter(verbose))
     handler.addFilter(_RankFilter(verbose, rank))
     handler.set_name("distcache")

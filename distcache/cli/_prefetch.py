@@ -131,9 +131,11 @@ def _prefetch(args: argparse.Namespace) -> tuple[PrefetchReport | None, int]:
     adopted = adopt()
     stopper: Stopper | None = None
     pool: ArtifactPool | None = None
+    # Progress from rank 0 only, once the rank is known; undone on the way out, so the
+    # subcommand run in-process (not through main) leaves logging as it found it.
+    restore_logging = configure_logging(getattr(args, "verbose", 0), adopted.comm.rank)
     try:
         comm = adopted.comm
-        configure_logging(getattr(args, "verbose", 0), comm.rank)  # progress: rank 0 only
         log.info("comm: %s backend, %d rank(s) (%.2f s)", comm.backend, comm.size,
                  time.perf_counter() - started)
         pool = resolve_pool(args.pool, conf)
@@ -163,6 +165,7 @@ def _prefetch(args: argparse.Namespace) -> tuple[PrefetchReport | None, int]:
         raise
     finally:
         adopted.close()
+        restore_logging()
 
 
 def _stoppable(origin: Origin | None) -> tuple[Stopper | None, Origin | None]:
