@@ -30,7 +30,7 @@ def _encode(obj: Any) -> bytes:
 def _decode(data: bytes, sender: int) -> Any:
     try:
         return json.loads(data.decode())
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # "[[[[..." nests deep
         raise CommError(f"rank {sender} sent a malformed rendezvous message: {exc}",
                         op="rendezvous", rank=sender) from exc
 

@@ -45,6 +45,13 @@ def test_a_pickle_from_a_peer_is_a_typed_error_and_never_runs(tmp_path: Path) ->
     assert not os.path.exists(marker)
 
 
+@pytest.mark.parametrize("payload", [b"[" * 4000, b"\xff\xfe", b'{"a": 1'])
+def test_a_malformed_message_from_a_peer_is_a_typed_error(payload: bytes) -> None:
+    # Deep nesting makes json raise RecursionError, which is not a ValueError.
+    with pytest.raises(CommError, match="rank 1 sent a malformed rendezvous message"):
+        _mpiwire._decode(payload, 1)
+
+
 def test_an_oversized_announcement_is_refused_before_allocating() -> None:
     with pytest.raises(CommError, match="at most"):
         _mpiwire._length(1 << 40, 1)
