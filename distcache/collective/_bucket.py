@@ -21,6 +21,8 @@ import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from distcache.errors import WireError
+
 MAGIC = b"DCB1"
 _ENTRY = struct.Struct("<Iq")
 _TRAILER = struct.Struct("<4sBI")
@@ -81,32 +83,38 @@ def _finish(body: bytearray, table: list[tuple[int, int]], last: bool) -> bytear
     return body
 
 
-def decode_bucket(message: bytes | bytearray) -> tuple[bool, list[tuple[int, memoryview | None]]]:
-    """Unpack a bucket: ``(last, [(index, payload view or None), ...])``.
+def decode_bucket(message: bytes | bytearray, objects: int | None = None,
+                  ) -> tuple[bool, list[tuple[int, memoryview | None]]]:
+    """Unpack a bucket: ``(last, [(index, payload view or None), ...])``; with
+    ``objects``, every index must be below it (a peer's bucket names only the plan's
+    objects).
 
     Raises:
-        ValueError: the message is not a well-formed bucket.
+        WireError: the message is not a well-formed bucket (a ``ValueError``).
     """
     view = memoryview(message)
     if len(view) < _TRAILER.size:
-        raise ValueError(f"bucket of {len(view)} bytes is shorter than its trailer")
+        raise WireError(f"bucket of {len(view)} bytes is shorter than its trailer", op="decode")
     magic, flags, count = _TRAILER.unpack_from(view, len(view) - _TRAILER.size)
     table_start = len(view) - _TRAILER.size - count * _ENTRY.size
     if magic != MAGIC or table_start < 0:
-        raise ValueError("bucket trailer is corrupt (bad magic or count)")
+        raise WireError("bucket trailer is corrupt (bad magic or count)", op="decode")
     entries: list[tuple[int, memoryview | None]] = []
     offset = 0
     for k in range(count):
         index, length = _ENTRY.unpack_from(view, table_start + k * _ENTRY.size)
+        if objects is not None and index >= objects:
+            raise WireError(f"bucket entry {k} names object {index} of {objects}", op="decode")
         if length < 0:
             entries.append((index, None))
             continue
         if offset + length > table_start:
-            raise ValueError(f"bucket entry {k} overruns the payload area")
+            raise WireError(f"bucket entry {k} overruns the payload area", op="decode")
         entries.append((index, view[offset : offset + length]))
         offset += length
     if offset != table_start:
-        raise ValueError(f"bucket payload area has {table_start - offset} unclaimed bytes")
+        raise WireError(f"bucket payload area has {table_start - offset} unclaimed bytes",
+                        op="decode")
     return bool(flags & _LAST), entries
 
 

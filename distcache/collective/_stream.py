@@ -23,7 +23,7 @@ from distcache.collective._bucket import StreamStats, bucket_messages, decode_bu
 from distcache.collective._plan import Plan
 from distcache.comm import Communicator
 from distcache.comm._base import lend_broadcast
-from distcache.errors import PoolError
+from distcache.errors import PoolError, WireError
 from distcache.store import Pool
 
 
@@ -252,7 +252,11 @@ def _take_turns(comm: Communicator, sends: Sequence[tuple[int, tuple[int, ...]]]
             else:
                 message = lend_broadcast(acomm, None, root_of[source], timeout=timeout)
                 publisher.arrived(len(message))
-            last, entries = decode_bucket(message)
+            try:
+                last, entries = decode_bucket(message, len(plan.objects))
+            except WireError as exc:
+                raise WireError(f"rank {comm.rank}: rank {source} sent a malformed bucket: "
+                                f"{exc}", op="stream", rank=comm.rank, peer=source) from None
             if last:
                 active.remove(source)
             if source != comm.rank:

@@ -15,6 +15,7 @@ from distcache.collective._plan import (
     make_plan,
     node_interleaved,
 )
+from distcache.errors import WireError
 
 SHAS = [f"{i:064x}" for i in range(40)]
 
@@ -252,3 +253,13 @@ def test_corrupt_bucket_is_rejected() -> None:
         decode_bucket(message[1:])
     with pytest.raises(ValueError):
         decode_bucket(b"xx")
+
+
+def test_a_malformed_bucket_or_one_naming_an_object_beyond_the_plan_is_a_wire_error() -> None:
+    message = bytes(encode_bucket([(1, b"abc"), (7, b"de")], last=True))
+    assert [i for i, _ in decode_bucket(message, 8)[1]] == [1, 7]
+    with pytest.raises(WireError, match="names object 7 of 5"):
+        decode_bucket(message, 5)
+    for broken in (message[1:], b"xx", message[:-1] + b"\xff"):
+        with pytest.raises(WireError):
+            decode_bucket(broken)
