@@ -77,11 +77,6 @@ class RunScope:
         """A store key (or group name) of this adoption: ``prefix/part/...``."""
         return "/".join((self.prefix, *parts))
 
-    @property
-    def tag(self) -> str:
-        """A short name for this adoption, safe in file names (temp names, probes)."""
-        return self.nonce[:16]
-
 
 def job_root(job: str, attempt: int) -> str:
     """The store prefix of one job's attempt; the job id is hashed, so that whatever
