@@ -24,14 +24,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from distcache.artifact import sha256_hex
-from distcache.integrations.flashinfer._loader import PooledLoader
+from distcache.integrations.flashinfer._loader import PooledLoader, write_replacing
 from distcache.integrations.flashinfer._upstream import (
     REPOSITORY_VARIABLE,
     loader_attr,
@@ -61,15 +60,7 @@ def _write(destination: Path, data: bytes) -> bool:
         if sha256_hex(destination.read_bytes()) == sha256_hex(data):
             return True
     try:
-        destination.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".distcache-", dir=destination.parent)
-        try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(data)
-            os.replace(tmp, destination)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        write_replacing(destination, data)
     except OSError as exc:
         log.error("flashinfer: cannot write %s: %s", destination, exc)
         return False

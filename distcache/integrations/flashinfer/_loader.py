@@ -301,16 +301,7 @@ class PooledLoader:
         if data is None:
             self.pool.materialize(artifact, Path(root))
             return
-        target = path_under(Path(root), artifact.name)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".distcache-", dir=target.parent)
-        try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(data)
-            os.replace(tmp, target)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        write_replacing(path_under(Path(root), artifact.name), data)
 
     def _fallback(self, file_name: Any, sha256: Any, session: Any) -> bytes:
         """FlashInfer's own function; what it raises passes through unchanged."""
@@ -390,3 +381,17 @@ def _valid_bytes(root: Path, artifact: Artifact) -> bytes | None:
     except OSError:
         return None
     return data if sha256_hex(data) == artifact.sha256 else None
+
+
+def write_replacing(target: Path, data: bytes) -> None:
+    """Write ``data`` to ``target`` whole (a temporary file beside it renamed over it: a
+    reader sees the old file or the new one, never a part); ``OSError`` as it comes."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".distcache-", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise
