@@ -44,12 +44,20 @@ def _interrupt(tmp_path: Path, env: dict[str, str], *command: str) -> tuple[int,
     pool = tmp_path / "pool"
     # 200 kB/s for ~5 MB: the whole queue would take about 25 s.
     with LoopbackOrigin(served, bandwidth=200_000) as origin:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "distcache", "--pool", str(pool), *command,
-             "--manifest", str(served / "checksums.txt"), "--origin", origin.url],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            start_new_session=True,
-        )
+        # A shell starts background jobs with SIGINT ignored, and an ignored signal stays
+        # ignored across exec (the test command runs the suite that way): give the
+        # command the disposition a terminal's Ctrl-C meets. A handler of this process
+        # becomes the default in the child.
+        inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "distcache", "--pool", str(pool), *command,
+                 "--manifest", str(served / "checksums.txt"), "--origin", origin.url],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                start_new_session=True,
+            )
+        finally:
+            signal.signal(signal.SIGINT, inherited)
         try:
             deadline = time.monotonic() + 60
             while not ((pool / "tmp").is_dir() and any((pool / "tmp").iterdir())):
