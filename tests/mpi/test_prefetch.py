@@ -19,6 +19,7 @@ from distcache.comm._base import Communicator
 from distcache.errors import PrefetchError
 from distcache.origins import HttpOrigin
 from distcache.store._pool import ArtifactPool
+from tests.support.helpers import serve_slowly
 
 K = 12
 
@@ -177,13 +178,7 @@ SHORT = 2.0  # DISTCACHE_TIMEOUT: well under the STEADY * SLOW the fetch takes
 def slow_origin(comm: Communicator, shared_tmp: Path) -> Iterator[tuple[Any, str, list[Artifact]]]:
     """Rank 0 serves STEADY artifacts at SLOW seconds each; every rank gets the URL."""
     mirror = shared_tmp / "slow"
-    server = None
-    if comm.rank == 0:
-        from distcache.testing import LoopbackOrigin, make_artifacts
-
-        make_artifacts(mirror, STEADY, min_size=200, max_size=2_000, seed=11)
-        server = LoopbackOrigin(mirror, latency=SLOW)
-    url = comm.broadcast_bytes(server.url.encode() if server is not None else None, 0).decode()
+    server, url = serve_slowly(comm, mirror, STEADY, SLOW, seed=11)
     try:
         yield server, url, parse_checksums((mirror / "checksums.txt").read_text())
     finally:

@@ -24,6 +24,7 @@ from distcache.comm._codec import encode
 from distcache.errors import CollectiveTimeout, CommError, PrefetchError
 from distcache.origins import HttpOrigin
 from distcache.store._pool import ArtifactPool
+from tests.support.helpers import serve_slowly
 
 STEADY = 40  # artifacts, one download at a time: about 10 s of steady progress
 SLOW = 0.25  # seconds the origin takes for each
@@ -70,13 +71,7 @@ def test_a_peer_silent_in_the_fetch_fails_every_other_rank_within_the_timeout(
     comm: Communicator, comm_factory: Callable[..., Communicator], shared_tmp: Path
 ) -> None:
     mirror = shared_tmp / "slow"
-    server = None
-    if comm.rank == 0:
-        from distcache.testing import LoopbackOrigin, make_artifacts
-
-        make_artifacts(mirror, STEADY, min_size=200, max_size=2_000, seed=13)
-        server = LoopbackOrigin(mirror, latency=SLOW)
-    url = comm.broadcast_bytes(server.url.encode() if server is not None else None, 0).decode()
+    server, url = serve_slowly(comm, mirror, STEADY, SLOW, seed=13)
     artifacts = parse_checksums((mirror / "checksums.txt").read_text())
     # A timed-out collective retires its communicator: a fresh one takes the damage.
     doomed = comm_factory()

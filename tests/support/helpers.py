@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from tests.support.process import kill_group, mpirun, run_group
 
-__all__ = ["kill_group", "mpi_env", "mpirun", "mpmd_command", "run_group"]
+__all__ = ["kill_group", "mpi_env", "mpirun", "mpmd_command", "run_group", "serve_slowly"]
 
 
 def mpi_env(base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
@@ -51,3 +52,18 @@ def mpmd_command(
             cmd += ["-x", f"{key}={value}"]
         cmd += [os.fspath(arg) for arg in argv]
     return cmd
+
+
+def serve_slowly(comm: Any, mirror: Path, count: int, latency: float,
+                 seed: int) -> tuple[Any, str]:
+    """Collective over ``comm``: rank 0 makes ``count`` artifacts in ``mirror`` (a path
+    every rank shares) and serves them, ``latency`` seconds each. Returns the server
+    (rank 0; ``None`` elsewhere) and its URL (every rank)."""
+    server = None
+    if comm.rank == 0:
+        from distcache.testing import LoopbackOrigin, make_artifacts
+
+        make_artifacts(mirror, count, min_size=200, max_size=2_000, seed=seed)
+        server = LoopbackOrigin(mirror, latency=latency)
+    url = comm.broadcast_bytes(server.url.encode() if server is not None else None, 0).decode()
+    return server, url
