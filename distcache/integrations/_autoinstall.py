@@ -13,6 +13,10 @@ been executed, so a process that never uses FlashInfer pays nothing. The pool is
 ``DISTCACHE_POOL``; the origin is ``DISTCACHE_ORIGIN``, else FlashInfer's own
 repository at each miss; ``DISTCACHE_OFFLINE=1`` contacts none.
 ``DISTCACHE_DISABLE=1`` or ``DISTCACHE_FLASHINFER=0`` turn the hooks off.
+
+Each hook reports once per process to ``DISTCACHE_LOG_JSON`` (an ``engine.hook``
+event: pid, role, what it installed), also when it installed nothing, so that an
+operator can see that every worker an engine started has it.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ _sources: list[str] = []
 
 
 def arm(source: str) -> bool:
-    """Install the wrapper now, or as soon as FlashInfer's loader is imported.
+    """Install the wrapper now, or as soon as FlashInfer's loader is imported, and
+    report what was done once per process and source (:func:`report`).
 
     Args:
         source: what armed it, for logs (``"vllm"``, ``"startup"``).
@@ -49,6 +54,16 @@ def arm(source: str) -> bool:
         are disabled, FlashInfer is not installed, or arming failed (logged). Never
         raises.
     """
+    state = _arm(source)
+    report(source, state)
+    return state in (INSTALLED, ARMED)
+
+
+#: What a hook did with FlashInfer's loader in a process (the event's ``flashinfer``).
+INSTALLED, ARMED, ABSENT, DISABLED, FAILED = "installed", "armed", "absent", "disabled", "failed"
+
+
+def _arm(source: str) -> str:
     try:
         from distcache.config import settings
 
@@ -56,20 +71,92 @@ def arm(source: str) -> bool:
         if conf.disable or not conf.flashinfer:
             log.debug("distcache %s hook: disabled (DISTCACHE_DISABLE / DISTCACHE_FLASHINFER)",
                       source)
-            return False
+            return DISABLED
         if LOADER_MODULE in sys.modules:
-            return install_now(source)
+            return INSTALLED if install_now(source) else FAILED
         if importlib.util.find_spec("flashinfer") is None:
             log.debug("distcache %s hook: FlashInfer is not installed", source)
-            return False
+            return ABSENT
         with _lock:
             _sources.append(source)
             if not any(isinstance(f, _LoaderHook) for f in sys.meta_path):
                 sys.meta_path.insert(0, _LoaderHook())
-        return True
+        return ARMED
     except Exception as exc:
         log.warning("distcache %s hook: not armed: %s: %s", source, type(exc).__name__, exc)
+        return FAILED
+
+
+# (pid, source) pairs already reported: a forked child reports again under its own pid.
+_reported: set[tuple[int, str]] = set()
+
+
+def process_role() -> str:
+    """What this process is, as its engine named it: the ``multiprocessing`` name of a
+    spawned process (vLLM's ``EngineCore``, ``VllmWorker-0``); ``"spawned"`` for a
+    ``multiprocessing`` child at interpreter start, before it learns its name; else
+    ``"main"``."""
+    import multiprocessing
+
+    name = multiprocessing.current_process().name
+    if name != "MainProcess":
+        return name
+    return "spawned" if "--multiprocessing-fork" in getattr(sys, "orig_argv", ()) else "main"
+
+
+def _program() -> str:
+    """The module run with ``-m`` (``vllm.model_executor.models.registry``), the
+    script's file name, or ``-c``; read from the interpreter's own command line at
+    start-up, when ``__main__`` has not run yet."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and getattr(spec, "name", None) and spec.name != "__main__":
+        return str(spec.name)
+    argv = list(getattr(sys, "argv", ()) or [""])
+    if argv[0] == "-m":
+        orig = list(getattr(sys, "orig_argv", ()))
+        return orig[orig.index("-m") + 1] if "-m" in orig[:-1] else "-m"
+    return argv[0].rsplit("/", 1)[-1] or "python"
+
+
+def report(source: str, flashinfer: str, **extra: Any) -> bool:
+    """Append this process's ``engine.hook`` event to ``DISTCACHE_LOG_JSON``, once per
+    process and ``source``: pid (added by the event writer), ``role``, ``ppid``,
+    ``program``, ``flashinfer`` (``installed``, ``armed`` until FlashInfer's loader is
+    imported, ``absent``, ``disabled`` or ``failed``), ``wrapper`` (a wrapper is
+    installed now), ``jit_families`` (the compile-cache families materialised here)
+    and ``extra``. Returns whether a line was written; never raises."""
+    try:
+        import os
+
+        key = (os.getpid(), source)
+        with _lock:
+            if key in _reported:
+                return False
+            _reported.add(key)
+        from distcache import _events
+
+        fields: dict[str, Any] = {
+            "source": source, "role": process_role(), "ppid": os.getppid(),
+            "program": _program(), "flashinfer": flashinfer,
+            "wrapper": _wrapper_installed(), "jit_families": [],
+        }
+        for name in ("RANK", "LOCAL_RANK"):
+            if os.environ.get(name, "").strip():
+                fields[name.lower()] = os.environ[name]
+        fields.update(extra)
+        return _events.emit("engine.hook", **fields)
+    except Exception as exc:  # telemetry never fails the engine
+        log.debug("distcache %s hook: no event: %s", source, exc)
         return False
+
+
+def _wrapper_installed() -> bool:
+    """Whether FlashInfer's loader is wrapped now, without importing FlashInfer."""
+    if LOADER_MODULE not in sys.modules:
+        return False
+    from distcache.integrations.flashinfer import installed
+
+    return installed() is not None
 
 
 def install_now(source: str) -> bool:

@@ -1,11 +1,11 @@
 """Run by ``distcache-autoinstall.pth`` at interpreter start when
-``DISTCACHE_AUTOINSTALL`` is set: arms the FlashInfer wrapper (see
-:mod:`distcache.integrations._autoinstall`). Importing it never raises and never
-imports FlashInfer or torch."""
+``DISTCACHE_AUTOINSTALL`` is set: arms the FlashInfer wrapper and reports what it did
+to ``DISTCACHE_LOG_JSON`` (see :mod:`distcache.integrations._autoinstall`). Importing
+it never raises and never imports FlashInfer or torch."""
 
 from __future__ import annotations
 
-from distcache.integrations._autoinstall import arm
+from distcache.integrations._autoinstall import FAILED, arm, report
 
 
 def _start() -> None:
@@ -18,6 +18,7 @@ def _start() -> None:
         import logging
 
         logging.getLogger(__name__).warning("distcache start-up hook: %s", exc)
+        report("startup", FAILED, error=f"{type(exc).__name__}: {exc}")
 
 
 _start()
