@@ -3,7 +3,7 @@
 The fields fall in three groups, read in this order by the start-up:
 
 * what to fetch: ``manifests``, ``integrations`` (and with them what each wants),
-  ``ipc_pools``;
+  ``ipc_pools``, ``jit_caches``;
 * where from and into: ``pool``, ``origin``;
 * how to run: ``comm``, ``timeout``, ``transport``, ``background``, ``environ``.
 
@@ -45,6 +45,7 @@ class InitFields(TypedDict, total=False):
     manifests: Sequence[ManifestSpec]
     integrations: Sequence[Integration] | None
     ipc_pools: Sequence[Any] | None
+    jit_caches: Sequence[str] | None
     pool: ArtifactPool | str | os.PathLike[str] | None
     origin: Origin | str | Sequence[str] | None
     comm: Communicator | None
@@ -66,6 +67,12 @@ class InitOptions:
             none). ``DISTCACHE_FLASHINFER=0`` removes FlashInfer.
         ipc_pools: this rank's IPC producer pools; when given (even empty) the
             registry exchange runs (collectively).
+        jit_caches: JIT compile caches kept in the pool, by name (``"inductor"``,
+            ``"triton"``, ``"deep_gemm"``, ``"flashinfer_jit"``, ``"vllm"``; see
+            :mod:`distcache.jit`): what the pools hold for them is prefetched and
+            their directories filled before the engine compiles;
+            ``Session.sync()`` publishes what each rank built. ``None``:
+            ``DISTCACHE_JIT_CACHES``.
 
     Where from and into:
         pool: an ``ArtifactPool`` or its directory; default ``DISTCACHE_POOL``.
@@ -99,6 +106,7 @@ class InitOptions:
     transport: str | None = None
     background: bool = False
     environ: Mapping[str, str] | None = None
+    jit_caches: Sequence[str] | None = None
 
     @classmethod
     def of(cls, options: InitOptions | None, fields: Mapping[str, Any]) -> InitOptions:
@@ -148,3 +156,20 @@ def compose(integrations: Sequence[Integration] | None, conf: Settings) -> list[
     if not conf.flashinfer:
         return [i for i in chosen if not isinstance(i, FlashInfer)]
     return chosen
+
+
+def jit_families(names: Sequence[str] | None, conf: Settings, pool: ArtifactPool,
+                 environ: Mapping[str, str] | None) -> list[Integration]:
+    """The JIT cache families ``init`` adds to the integrations: ``names``, else
+    ``DISTCACHE_JIT_CACHES``, bound to ``pool``.
+
+    Raises:
+        ConfigError: ``names`` is a single string, or names an unknown family.
+    """
+    from distcache.jit import families
+
+    if isinstance(names, str):
+        raise ConfigError(f"jit_caches must be a list of names, not the string {names!r}",
+                          variable="jit_caches", value=names)
+    chosen = conf.jit_caches if names is None else tuple(names)
+    return list(families(chosen, pool=pool, environ=environ))

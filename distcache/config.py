@@ -283,6 +283,7 @@ TABLE: tuple[Variable, ...] = (
              "*.cubin,*.so,*.h,*/checksums.txt,*.json",
              "comma-separated globs of the FlashInfer artifact names that are pooled",
              blank_is_unset=False),
+    Variable("DISTCACHE_JIT_CACHES", "jit_caches", (), _list, "unset", "JIT caches pooled"),
     Variable("DISTCACHE_LOG_JSON", "log_json", None, _path, "unset",
              "file that structured events (prefetch reports, loader statistics) are "
              "appended to, one JSON line each"),
@@ -346,6 +347,7 @@ class Settings:
     #: Globs of the FlashInfer names that are pooled, or ``None`` for the
     #: integration's own default.
     flashinfer_families: tuple[str, ...] | None
+    jit_caches: tuple[str, ...]  #: JIT caches init fills and Session.sync publishes.
     #: File structured events are appended to, or ``None``.
     log_json: Path | None
     #: Never contact an origin.

@@ -21,6 +21,7 @@ in engine code keeps working::
     ├── PrefetchError                       the collective prefetch failed (on any rank)
     ├── IpcError                            an IPC pool or feature reference is unusable
     │   └── StaleHandleError                a reference to an old epoch of a pool
+    ├── JitCacheError                       a JIT cache directory cannot be published or filled
     ├── LaunchError (ValueError)            launcher environment is missing or inconsistent
     └── WorkspaceError (OSError)            a per-rank workspace slot could not be claimed
 
@@ -44,6 +45,7 @@ __all__ = [
     "DistcacheError",
     "IntegrityError",
     "IpcError",
+    "JitCacheError",
     "LaunchError",
     "ManifestError",
     "ManifestMismatchError",
@@ -237,3 +239,11 @@ class WorkspaceError(DistcacheError, OSError):
     """A workspace slot could not be created or locked. Attributes: ``path``."""
 
     attributes = ("path",)
+
+
+class JitCacheError(DistcacheError):
+    """A JIT compile cache directory could not be published or materialised: a
+    directory owned by another user, an unsafe path, a malformed tree manifest.
+    Attributes: ``family``, ``path``."""
+
+    attributes = ("family", "path")

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Unpack
 
-from distcache._options import InitFields, InitOptions, compose
+from distcache._options import InitFields, InitOptions, compose, jit_families
 from distcache._resolve import prefetch_manifests, resolve_origin, resolve_pool
 from distcache.collective import SyncState, sync
 from distcache.comm import Adopted, Communicator, adopt, bulk_transport, local
@@ -107,8 +107,9 @@ class Session:
         return self.report
 
     def sync(self, *, timeout: float | None = None) -> PrefetchReport | None:
-        """Collective: artifacts any rank fetched lazily since the last sync reach every
-        pool. A no-op on a disabled session.
+        """Collective: artifacts any rank fetched lazily since the last sync, and what
+        the session's JIT caches gained (each rank publishes its own first), reach
+        every pool. A no-op on a disabled session.
 
         Raises:
             PrefetchError: some rank failed; raised on every rank.
@@ -118,11 +119,26 @@ class Session:
         if self.disabled or self.pool is None:
             return None
         self.wait()  # the communicator is the background start-up's until it is done
+        self._publish_jit()
         if self._sync_state is None:
             self._sync_state = SyncState()
         report = sync(comm=self.comm, pool=self.pool, timeout=timeout, state=self._sync_state)
         _log_rank0(self.comm, "sync: %s", report.summary())
         return report
+
+    def _publish_jit(self) -> None:
+        """Store what this rank's JIT cache directories gained (not collective; a
+        failure is logged, so that no rank leaves the others waiting in the sync)."""
+        from distcache.jit import Family
+
+        for integration in self.integrations:
+            if isinstance(integration, Family):
+                try:
+                    count = integration.publish(self.pool)
+                except (DistcacheError, OSError) as exc:
+                    log.warning("%s: not published: %s", integration.name, exc)
+                    continue
+                log.debug("%s: published %d new file(s)", integration.name, count)
 
     def close(self) -> None:
         """Uninstall the integrations, unmap IPC pools, and tear down what init
@@ -222,7 +238,7 @@ def init(options: InitOptions | None = None, /, **fields: Unpack[InitFields]) ->
             those of ``options``: ``init(manifests=["checksums.txt"])``,
             ``init(manifests=[M], ipc_pools=[features], background=True)``,
             ``init(integrations=[FlashInfer(record=DIR)])``. The fields: what to
-            fetch (``manifests``, ``integrations``, ``ipc_pools``), where from and
+            fetch (``manifests``, ``integrations``, ``ipc_pools``, ``jit_caches``), where from and
             into (``pool``, ``origin``), how to run (``comm``, ``timeout``,
             ``transport``, ``background``, ``environ``); each is described by
             :class:`InitOptions`.
@@ -269,6 +285,7 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
         with _phase(phases, "pool"):
             session.pool = the_pool = resolve_pool(options.pool, conf)
         _log_rank0(comm, "pool: %s (id %s)", the_pool.root, the_pool.pool_id)
+        chosen = [*chosen, *jit_families(options.jit_caches, conf, the_pool, options.environ)]
         the_origin = resolve_origin(options.origin, conf, chosen)
         if options.ipc_pools is not None:
             with _phase(phases, "ipc"):

@@ -1,0 +1,207 @@
+"""A directory family as an :class:`~distcache.integrations.Integration`: what its
+pool holds is prefetched at ``init`` (its :meth:`Family.manifest`), its directories are
+filled at install, and :meth:`Family.publish` stores what this rank built.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from distcache.errors import JitCacheError
+from distcache.jit._place import Placed, check_owner, materialize_entries, scan_into
+from distcache.jit._tree import (
+    ConflictLog,
+    TreeManifest,
+    held_labels,
+    publish_tree,
+    read_trees,
+    union,
+)
+
+if TYPE_CHECKING:
+    from distcache.artifact import Artifact
+    from distcache.origins import Origin
+    from distcache.store import ArtifactPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Root:
+    """One directory of a family, and the prefix its files carry in the tree."""
+
+    path: Path
+    prefix: str = ""
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """Where a tool keeps its JIT cache on this rank, and what makes its files valid
+    elsewhere.
+
+    Attributes:
+        name: the family's name (``"inductor"``).
+        key: everything the tool bakes into its files (tool and version, Python, the
+            platform, an absolute path ...); trees are shared only under an equal key.
+        roots: the directories, each with the prefix its files carry in the tree.
+        environ: variables :meth:`Family.install` sets (when unset) and
+            :meth:`Family.uninstall` removes again.
+    """
+
+    name: str
+    key: str
+    roots: tuple[Root, ...]
+    environ: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Report:
+    """What a family's last materialisation and publication did on this rank."""
+
+    placed: Placed = field(default_factory=Placed)
+    conflicts: int = 0
+    published: int = 0
+    refused: str | None = None
+
+
+class Family:
+    """A JIT compile cache kept in the pool (see :mod:`distcache.jit`).
+
+    Args:
+        spec: where the cache is and its key.
+        pool: the pool :meth:`manifest` reads (``bind`` sets it later).
+        link: hard-link files out of the pool instead of copying them.
+    """
+
+    def __init__(self, spec: FamilySpec, pool: ArtifactPool | None = None, *,
+                 link: bool = False) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.pool = pool
+        self.link = link
+        self.report = Report()
+        self._conflicts = ConflictLog()
+        self._set: dict[str, str | None] = {}
+
+    def __repr__(self) -> str:
+        roots = ", ".join(str(r.path) for r in self.spec.roots)
+        return f"Family({self.name!r}, {roots})"
+
+    @property
+    def key(self) -> str:
+        return self.spec.key
+
+    def bind(self, pool: ArtifactPool) -> Family:
+        self.pool = pool
+        return self
+
+    # -- Integration -------------------------------------------------------------
+
+    def available(self) -> bool:
+        return True
+
+    def default_origin(self) -> str | None:
+        return None
+
+    def manifest(self) -> list[Artifact]:
+        """Every tree and file of this family (all keys) the bound pool holds: the
+        start-up prefetch unites them across ranks and moves them to every pool."""
+        return held_labels(self.pool, self.name) if self.pool is not None else []
+
+    def install(self, pool: ArtifactPool, origin: Origin | None) -> None:
+        """Fill the family's directories from ``pool`` (a directory of another user is
+        refused and logged, not raised: the engine compiles as it would without
+        distcache), then set the family's variables where unset."""
+        self.pool = pool
+        try:
+            self.materialize(pool)
+        except JitCacheError as exc:
+            self.report.refused = str(exc)
+            log.warning("%s", exc)
+        for name, value in self.spec.environ.items():
+            if name not in os.environ:
+                self._set[name] = value
+                os.environ[name] = value
+
+    def uninstall(self) -> None:
+        for name, value in self._set.items():
+            if os.environ.get(name) == value:
+                del os.environ[name]
+        self._set.clear()
+
+    def materialize_dir(self) -> Path | None:
+        return self.spec.roots[0].path if self.spec.roots else None
+
+    # -- the family's own calls --------------------------------------------------
+
+    def materialize(self, pool: ArtifactPool | None = None) -> Placed:
+        """Write the files of this key's trees that the directories lack (never
+        replacing one); conflicting paths are left out and logged once.
+
+        Raises:
+            JitCacheError: a directory belongs to another user or is a link.
+            PoolError: the pool cannot be read.
+        """
+        pool = self._pool(pool)
+        merged = union(read_trees(pool, self.name, self.key))
+        self.report.conflicts = self._conflicts.report(self.name, self.key, merged.conflicts)
+        entries = sorted(merged.entries.values(), key=lambda e: e.path)
+        total = Placed()
+        # Longest prefix first, so a root nested in another gets its own files.
+        for root in sorted(self.spec.roots, key=lambda r: -len(r.prefix)):
+            mine = [e for e in entries if e.path.startswith(root.prefix) and not any(
+                len(o.prefix) > len(root.prefix) and e.path.startswith(o.prefix)
+                for o in self.spec.roots)]
+            if not mine and not root.path.exists():
+                continue
+            placed = materialize_entries(pool, root.path, mine, family=self.name,
+                                         prefix=root.prefix, link=self.link)
+            for name in vars(total):
+                setattr(total, name, getattr(total, name) + getattr(placed, name))
+        self.report.placed = total
+        return total
+
+    def publish(self, pool: ArtifactPool | None = None) -> int:
+        """Store what this rank's directories hold that the pool's trees of this key
+        do not list with the same bytes, as one new tree; how many files it lists
+        (0: nothing new). A path whose bytes differ from a tree's is published too,
+        which makes it a conflict that no rank is served.
+
+        Raises:
+            JitCacheError: a directory belongs to another user.
+            PoolError: the pool cannot be written.
+        """
+        pool = self._pool(pool)
+        known = union(read_trees(pool, self.name, self.key))
+        listed = dict(known.entries)
+        new = []
+        for root in self.spec.roots:
+            if not root.path.is_dir():
+                continue
+            check_owner(root.path, family=self.name)
+            for entry in scan_into(pool, root.path, root.prefix, listed):
+                before = listed.get(entry.path)
+                if entry.path in known.conflicts and entry.sha256 in known.conflicts[entry.path]:
+                    continue
+                if before is None or before.sha256 != entry.sha256:
+                    new.append(entry)
+        unique = {e.path: e for e in new}
+        publish_tree(pool, TreeManifest(self.name, self.key, tuple(unique.values())))
+        self.report.published = len(unique)
+        return len(unique)
+
+    def _pool(self, pool: ArtifactPool | None) -> ArtifactPool:
+        chosen = pool if pool is not None else self.pool
+        if chosen is None:
+            raise JitCacheError(f"{self.name}: no pool is bound; pass one or call bind()",
+                                family=self.name, path=None)
+        return chosen
+
+
+#: Builds a family's spec from the environment (each tool's rules, in ``_tools``).
+SpecFactory = Callable[[Mapping[str, str]], FamilySpec]

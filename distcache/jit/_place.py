@@ -1,0 +1,248 @@
+"""Directories in and out of the pool: scan a cache directory into tree entries,
+publish its files, and materialise a tree into a directory.
+
+Materialising only adds files. A file already at a path is never replaced (a running
+compile may be reading it, or is about to replace it itself); a missing one is written
+to a temporary name in its own directory, then linked into place, which fails rather
+than replaces if another writer got there first. Every byte comes from a verified
+pool read. The directory, and every directory on the way to a file, must belong to
+this process's user and be a real directory (not a symbolic link): code in another
+user's directory is not this user's to fill.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fnmatch
+import os
+import secrets
+import stat
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from distcache.artifact import sha256_hex, validate_name
+from distcache.errors import ArtifactNameError, JitCacheError
+from distcache.jit._tree import MODE_MASK, TreeEntry
+from distcache.store import ArtifactPool
+
+#: Names a tool writes while it works (temporary files, locks, build directories,
+#: byte code stamped with a local time); never published.
+TRANSIENT = ("*.tmp", "*.lock", "lock", ".*", "tmp.*", "*_CxxBuild", "__pycache__",
+             "*.pyc", "locks")
+
+
+@dataclass
+class Placed:
+    """What one materialisation did."""
+
+    #: Files written.
+    written: int = 0
+    #: Files already there with the tree's bytes.
+    present: int = 0
+    #: Files already there with other bytes (kept as they are).
+    kept: int = 0
+    #: Files whose object no pool holds.
+    missing: int = 0
+    #: Bytes written.
+    bytes: int = 0
+
+
+def transient(relpath: str, patterns: Sequence[str] = TRANSIENT) -> bool:
+    """Whether any segment of ``relpath`` is a name tools write only while working."""
+    return any(fnmatch.fnmatchcase(seg, pat) for seg in relpath.split("/") for pat in patterns)
+
+
+def check_owner(directory: Path, *, family: str) -> None:
+    """Refuse ``directory`` unless it is a directory owned by this process's user.
+
+    Raises:
+        JitCacheError: it is owned by another user, or is not a directory.
+    """
+    try:
+        st = os.stat(directory)
+    except OSError as exc:
+        raise JitCacheError(f"{family}: cannot read {directory}: {exc}", family=family,
+                            path=str(directory)) from exc
+    if not stat.S_ISDIR(st.st_mode):
+        raise JitCacheError(f"{family}: {directory} is not a directory", family=family,
+                            path=str(directory))
+    if st.st_uid != os.geteuid():
+        raise JitCacheError(
+            f"{family}: refusing to fill {directory}: it belongs to uid {st.st_uid}, not "
+            f"to this user (uid {os.geteuid()}); a JIT cache holds code the engine runs, "
+            "so point the tool at a directory of your own", family=family,
+            path=str(directory))
+
+
+def walk(root: Path) -> Iterator[tuple[str, Path]]:
+    """``(relative path, path)`` of every regular file under ``root`` (symbolic links
+    are not followed and not listed; transient names are skipped)."""
+    stack = [root]
+    while stack:
+        here = stack.pop()
+        try:
+            entries = sorted(os.scandir(here), key=lambda e: e.name)
+        except OSError:
+            continue
+        for entry in entries:
+            rel = Path(entry.path).relative_to(root).as_posix()
+            if transient(entry.name):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                stack.append(Path(entry.path))
+            elif entry.is_file(follow_symlinks=False):
+                yield rel, Path(entry.path)
+
+
+def scan_into(pool: ArtifactPool, root: Path, prefix: str = "",
+              known: dict[str, TreeEntry] | None = None) -> list[TreeEntry]:
+    """Store every file under ``root`` in ``pool`` and return its entries (paths
+    under ``prefix``). A file whose size and mode match ``known``'s entry for its path
+    is hashed but stored only when its digest differs. Files vanishing mid-scan and
+    names that are not safe artifact paths are skipped."""
+    entries: list[TreeEntry] = []
+    for rel, path in walk(root):
+        name = f"{prefix}{rel}"
+        try:
+            name = validate_name(name)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except (ArtifactNameError, OSError):
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            data = _read_all(fd, st.st_size)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        sha = sha256_hex(data)
+        before = known.get(name) if known else None
+        if before is None or before.sha256 != sha or not pool.has(sha):
+            pool.put(data, sha)
+        entries.append(TreeEntry(name, sha, st.st_mode & MODE_MASK, len(data)))
+    return entries
+
+
+def _read_all(fd: int, size: int) -> bytes:
+    chunks: list[bytes] = []
+    while True:
+        chunk = os.read(fd, max(size, 1 << 16))
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def materialize_entries(pool: ArtifactPool, root: Path, entries: Sequence[TreeEntry], *,
+                        family: str, prefix: str = "", link: bool = False) -> Placed:
+    """Write the entries under ``prefix`` that ``root`` lacks (with ``prefix``
+    stripped), never replacing a file. ``link`` hard-links the pool's object instead
+    of copying it (same filesystem only; the file then has the object's read-only
+    mode, and a tool that writes in place would write into the pool, so copying is
+    the default).
+
+    Raises:
+        JitCacheError: ``root`` or a directory on the way belongs to another user or
+            is a symbolic link.
+        PoolError: an object cannot be read.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    check_owner(root, family=family)
+    placed = Placed()
+    checked: set[Path] = {root}
+    for entry in entries:
+        if not entry.path.startswith(prefix):
+            continue
+        rel = entry.path[len(prefix):]
+        target = root.joinpath(*rel.split("/"))
+        parent = _ensure_dirs(root, target.parent, checked, family)
+        try:
+            st = os.lstat(target)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            same = stat.S_ISREG(st.st_mode) and st.st_size == entry.size and _digest(
+                target) == entry.sha256
+            placed.present += same
+            placed.kept += not same
+            continue
+        data = pool.get(entry.sha256)
+        if data is None:
+            placed.missing += 1
+            continue
+        if _place(pool, parent, target, data, entry, link):
+            placed.written += 1
+            placed.bytes += len(data)
+        else:
+            placed.present += 1
+    return placed
+
+
+def _digest(path: Path) -> str | None:
+    try:
+        return sha256_hex(path.read_bytes())
+    except OSError:
+        return None
+
+
+def _ensure_dirs(root: Path, directory: Path, checked: set[Path], family: str) -> Path:
+    """Create the directories from ``root`` to ``directory``; refuse a symbolic link
+    or another user's directory on the way."""
+    missing: list[Path] = []
+    here = directory
+    while here not in checked:
+        missing.append(here)
+        here = here.parent
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, 0o755)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise JitCacheError(f"{family}: cannot create {path}: {exc}", family=family,
+                                path=str(path)) from exc
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+            raise JitCacheError(f"{family}: {path} is not a directory (a link or a file); "
+                                "refusing to write through it", family=family, path=str(path))
+        if st.st_uid != os.geteuid():
+            check_owner(path, family=family)
+        checked.add(path)
+    return directory
+
+
+def _place(pool: ArtifactPool, parent: Path, target: Path, data: bytes, entry: TreeEntry,
+           link: bool) -> bool:
+    """Put ``data`` at ``target`` unless something is there; whether this wrote it."""
+    if link:
+        with contextlib.suppress(OSError):
+            os.link(pool.layout.object_path(entry.sha256), target)
+            return True
+        if os.path.lexists(target):
+            return False
+    tmp = parent / f".{target.name[:64]}.{os.getpid()}.{secrets.token_hex(4)}.distcache.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fchmod(fd, entry.mode | 0o400)
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        try:
+            os.link(tmp, target)
+        except OSError as exc:
+            if exc.errno == errno.EEXIST:
+                return False
+            raise JitCacheError(f"cannot write {target}: {exc}", family=None,
+                                path=str(target)) from exc
+        return True
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)

@@ -1,0 +1,147 @@
+"""Each tool's JIT cache: where it lives on this rank and the key under which its files
+are valid elsewhere.
+
+Every key names the tool and its version, the Python (major.minor) and the platform.
+A tool that bakes an absolute path into its files has that path in its key too:
+Inductor's shared objects record their build directory and Triton's group files list
+absolute paths, so their cache directory is part of the key (nodes that use the same
+path share; a node with another path builds its own). DeepGEMM's and FlashInfer's keys
+include where the package is installed (DeepGEMM's kernels include headers by
+absolute path). Versions are read from the installed distributions, so nothing here
+imports the tool.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import platform
+import re
+import sys
+import tempfile
+from collections.abc import Mapping
+from importlib import metadata, util
+from pathlib import Path
+
+from distcache.errors import ConfigError
+from distcache.jit._family import FamilySpec, Root, SpecFactory
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def _installed_at(module: str) -> str:
+    try:
+        spec = util.find_spec(module)
+    except (ImportError, ValueError):
+        return "absent"
+    if spec is None or not spec.submodule_search_locations:
+        return "absent"
+    return os.path.abspath(next(iter(spec.submodule_search_locations)))
+
+
+def base_key(tool: str, version: str) -> str:
+    """``tool=version;py=3.11;linux-x86_64``: what every family's key starts with."""
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    return f"{tool}={version};py={py};{sys.platform}-{platform.machine()}"
+
+
+def _home(environ: Mapping[str, str]) -> Path:
+    return Path(environ.get("HOME") or os.path.expanduser("~"))
+
+
+def inductor_default_dir(environ: Mapping[str, str]) -> Path:
+    """torch's default: ``$TMPDIR/torchinductor_<user>`` (the user name sanitised
+    as torch does)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    tmp = environ.get("TMPDIR") or tempfile.gettempdir()
+    return Path(tmp) / ("torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
+def inductor(environ: Mapping[str, str]) -> FamilySpec:
+    """``TORCHINDUCTOR_CACHE_DIR`` (else torch's default), plus the precompiled
+    headers under torch's default directory when that is elsewhere."""
+    default = inductor_default_dir(environ)
+    given = environ.get("TORCHINDUCTOR_CACHE_DIR")
+    directory = Path(os.path.abspath(given)) if given else default
+    roots = [Root(directory)]
+    headers = default / "precompiled_headers"
+    if directory != default and headers.is_dir():
+        roots.append(Root(headers, "precompiled_headers@default/"))
+    key = f"{base_key('torch', _version('torch'))};dir={directory}"
+    return FamilySpec("inductor", key, tuple(roots))
+
+
+def triton(environ: Mapping[str, str]) -> FamilySpec:
+    """``TRITON_CACHE_DIR`` (else ``$TRITON_HOME/.triton/cache``); the family sets
+    ``TRITON_CACHE_MANAGER`` to the pool's cache manager when it is unset."""
+    given = environ.get("TRITON_CACHE_DIR")
+    home = Path(environ.get("TRITON_HOME") or _home(environ))
+    directory = Path(os.path.abspath(given)) if given else home / ".triton" / "cache"
+    key = f"{base_key('triton', _version('triton'))};dir={directory}"
+    manager = "distcache.jit._triton:PoolCacheManager"
+    return FamilySpec("triton", key, (Root(directory),), {"TRITON_CACHE_MANAGER": manager})
+
+
+def deep_gemm(environ: Mapping[str, str]) -> FamilySpec:
+    """``DG_JIT_CACHE_DIR`` (else ``~/.deep_gemm``); keyed by where DeepGEMM is
+    installed, whose headers its kernels include by absolute path."""
+    given = environ.get("DG_JIT_CACHE_DIR")
+    directory = Path(os.path.abspath(given)) if given else _home(environ) / ".deep_gemm"
+    key = (f"{base_key('deep_gemm', _version('deep_gemm'))};"
+           f"at={_installed_at('deep_gemm')};dir={directory}")
+    return FamilySpec("deep_gemm", key, (Root(directory),))
+
+
+def flashinfer_jit(environ: Mapping[str, str]) -> FamilySpec:
+    """FlashInfer's JIT workspace: ``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer``
+    (the base defaults to the home directory)."""
+    base = Path(environ.get("FLASHINFER_WORKSPACE_BASE") or _home(environ))
+    directory = Path(os.path.abspath(base / ".cache" / "flashinfer"))
+    key = (f"{base_key('flashinfer', _version('flashinfer-python'))};"
+           f"at={_installed_at('flashinfer')};dir={directory}")
+    return FamilySpec("flashinfer_jit", key, (Root(directory),))
+
+
+def vllm(environ: Mapping[str, str]) -> FamilySpec:
+    """vLLM's torch.compile cache, ``$VLLM_CACHE_ROOT/torch_compile_cache`` (the root
+    defaults to ``~/.cache/vllm``). Its per-rank directories
+    (``<hash>/rank_<r>_<dp>/``) usually hold the same files: the pool stores each
+    distinct file once, whatever the number of ranks."""
+    root = environ.get("VLLM_CACHE_ROOT")
+    base = Path(os.path.abspath(root)) if root else _home(environ) / ".cache" / "vllm"
+    directory = base / "torch_compile_cache"
+    key = (f"{base_key('vllm', _version('vllm'))};torch={_version('torch')};"
+           f"dir={directory}")
+    return FamilySpec("vllm", key, (Root(directory),))
+
+
+#: The families ``init(jit_caches=[...])`` and ``DISTCACHE_JIT_CACHES`` name.
+TOOLS: dict[str, SpecFactory] = {
+    "inductor": inductor,
+    "triton": triton,
+    "deep_gemm": deep_gemm,
+    "flashinfer_jit": flashinfer_jit,
+    "vllm": vllm,
+}
+
+
+def spec_for(name: str, environ: Mapping[str, str] | None = None) -> FamilySpec:
+    """The spec of the family ``name`` on this rank.
+
+    Raises:
+        ConfigError: ``name`` is not a family.
+    """
+    factory = TOOLS.get(name)
+    if factory is None:
+        raise ConfigError(
+            f"unknown JIT cache {name!r}; the JIT caches are {', '.join(TOOLS)}",
+            variable="DISTCACHE_JIT_CACHES", value=name)
+    return factory(os.environ if environ is None else environ)

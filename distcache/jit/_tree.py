@@ -1,0 +1,194 @@
+"""Tree manifests: a directory family's files (relative path, sha256, mode) under a
+family name and a key, stored in the pool as ordinary verified objects.
+
+A tree is canonical JSON, published as an object and labelled
+``jit/<family>/<key id>/tree/<its sha256>``; each file it lists is an object labelled
+``jit/<family>/<key id>/blob/<sha256>``. Labels name their own digest, so labels never
+clash, every label survives the collective's moves and ``pool export``/``import``
+unchanged, and the pool's journal carries them through ``sync`` like any artifact.
+The key id is the first 24 hex digits of the key's sha256; the tree repeats the whole
+key, and a tree whose family or key differs from its label's is ignored.
+
+Many trees may exist for one key (each rank publishes what it built that others do
+not have yet). :func:`union` merges them: a path listed with two digests is a
+conflict and is served from none of them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from distcache.artifact import Artifact, check_sha256, sha256_hex, validate_name
+from distcache.errors import ArtifactNameError, JitCacheError
+from distcache.store import ArtifactPool
+
+log = logging.getLogger(__name__)
+
+#: Every label of a directory family starts with this.
+PREFIX = "jit/"
+#: Format of the tree object.
+TREE_VERSION = 1
+#: Permission bits a tree may carry: no set-uid, set-gid, sticky or group/other write.
+MODE_MASK = 0o755
+#: Largest tree object accepted (a tree is JSON; a few hundred bytes a file).
+MAX_TREE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class TreeEntry:
+    """One file of a tree: its path under the family's directory, digest, mode, size."""
+
+    path: str
+    sha256: str
+    mode: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class TreeManifest:
+    """A family's files under one key, as one rank saw them."""
+
+    family: str
+    key: str
+    entries: tuple[TreeEntry, ...]
+
+    def encode(self) -> bytes:
+        """The canonical JSON bytes (sorted paths), so equal trees are one object."""
+        files = [[e.path, e.sha256, e.mode, e.size]
+                 for e in sorted(self.entries, key=lambda e: e.path)]
+        doc = {"version": TREE_VERSION, "family": self.family, "key": self.key,
+               "files": files}
+        return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode("utf-8")
+
+    @classmethod
+    def decode(cls, data: bytes) -> TreeManifest:
+        """Parse and check a tree object.
+
+        Raises:
+            JitCacheError: not a tree of this format, or an unsafe path, a bad digest,
+                mode or size.
+        """
+        try:
+            doc = json.loads(data.decode("utf-8"))
+            if doc.get("version") != TREE_VERSION:
+                raise ValueError(f"tree format {doc.get('version')!r}, not {TREE_VERSION}")
+            family, key = str(doc["family"]), str(doc["key"])
+            entries = []
+            for path, sha, mode, size in doc["files"]:
+                if not isinstance(mode, int) or not isinstance(size, int) or size < 0:
+                    raise ValueError(f"bad mode or size for {path!r}")
+                entries.append(TreeEntry(validate_name(path), check_sha256(sha),
+                                         mode & MODE_MASK, size))
+        except (ValueError, KeyError, TypeError, ArtifactNameError) as exc:
+            raise JitCacheError(f"malformed tree manifest: {exc}", family=None,
+                                path=None) from exc
+        return cls(family, key, tuple(entries))
+
+
+def key_id(key: str) -> str:
+    """The 24 hex digits of ``key``'s sha256 that labels carry."""
+    return sha256_hex(key.encode("utf-8"))[:24]
+
+
+def family_prefix(family: str, key: str | None = None) -> str:
+    """``jit/<family>/`` or, with a key, ``jit/<family>/<key id>/``."""
+    return f"{PREFIX}{family}/" if key is None else f"{PREFIX}{family}/{key_id(key)}/"
+
+
+def tree_label(family: str, key: str, sha: str) -> str:
+    return f"{family_prefix(family, key)}tree/{sha}"
+
+
+def blob_label(family: str, key: str, sha: str) -> str:
+    return f"{family_prefix(family, key)}blob/{sha}"
+
+
+def read_trees(pool: ArtifactPool, family: str, key: str,
+               names: Mapping[str, str] | None = None) -> list[TreeManifest]:
+    """The trees the pool holds for ``family`` under ``key`` (verified reads; a
+    missing, corrupt or malformed tree is skipped and logged)."""
+    prefix = f"{family_prefix(family, key)}tree/"
+    labels = pool.names() if names is None else names
+    trees: list[TreeManifest] = []
+    for name, sha in sorted(labels.items()):
+        if not name.startswith(prefix):
+            continue
+        data = pool.get(sha)
+        if data is None or len(data) > MAX_TREE_BYTES:
+            continue
+        try:
+            tree = TreeManifest.decode(data)
+        except JitCacheError as exc:
+            log.warning("pool %s: ignoring tree %s: %s", pool.root, name, exc)
+            continue
+        if tree.family == family and tree.key == key:
+            trees.append(tree)
+    return trees
+
+
+@dataclass(frozen=True, slots=True)
+class Union:
+    """What several trees of one key say together."""
+
+    #: path -> the entry every tree that lists the path agrees on.
+    entries: dict[str, TreeEntry]
+    #: path -> the distinct digests trees give it (two or more: served from none).
+    conflicts: dict[str, tuple[str, ...]]
+
+
+def union(trees: Iterable[TreeManifest]) -> Union:
+    """Merge trees; a path with two digests is a conflict, left out of ``entries``."""
+    seen: dict[str, TreeEntry] = {}
+    shas: dict[str, set[str]] = {}
+    for tree in trees:
+        for entry in tree.entries:
+            seen.setdefault(entry.path, entry)
+            shas.setdefault(entry.path, set()).add(entry.sha256)
+    conflicts = {p: tuple(sorted(s)) for p, s in shas.items() if len(s) > 1}
+    return Union({p: e for p, e in seen.items() if p not in conflicts}, conflicts)
+
+
+class ConflictLog:
+    """Logs each conflicting path once per process (per family and key)."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, str, str]] = set()
+
+    def report(self, family: str, key: str, conflicts: Mapping[str, tuple[str, ...]]) -> int:
+        """Log the conflicts not logged before; return how many are new."""
+        new = [p for p in sorted(conflicts) if (family, key, p) not in self._seen]
+        for path in new:
+            self._seen.add((family, key, path))
+            log.warning("%s: ranks produced different bytes at %s (%s); it is not shared",
+                        family, path, ", ".join(s[:12] for s in conflicts[path]))
+        return len(new)
+
+
+def publish_tree(pool: ArtifactPool, tree: TreeManifest) -> Artifact | None:
+    """Store ``tree`` (its blobs are already in the pool) and label it and its blobs;
+    the tree's artifact, or ``None`` for an empty tree.
+
+    Raises:
+        PoolError: the pool cannot be written.
+    """
+    if not tree.entries:
+        return None
+    data = tree.encode()
+    sha = pool.put(data)
+    blobs = {e.sha256 for e in tree.entries}
+    pool.remember([Artifact(blob_label(tree.family, tree.key, s), s) for s in sorted(blobs)])
+    artifact = Artifact(tree_label(tree.family, tree.key, sha), sha, len(data))
+    # The tree's label last: a reader that sees it finds every blob labelled.
+    pool.remember([artifact])
+    return artifact
+
+
+def held_labels(pool: ArtifactPool, family: str) -> list[Artifact]:
+    """Every label of ``family`` (all keys) whose object this pool holds: what the
+    start-up prefetch moves to the pools that lack it."""
+    prefix = family_prefix(family)
+    return [Artifact(name, sha) for name, sha in sorted(pool.names().items())
+            if name.startswith(prefix) and pool.has(sha)]
