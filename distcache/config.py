@@ -293,6 +293,7 @@ TABLE: tuple[Variable, ...] = (
     Variable("DISTCACHE_AUTOINSTALL", "autoinstall", False, _bool, "0",
              "1: the start-up hook installed with the package puts the FlashInfer wrapper "
              "into every Python process (workers an engine spawns itself)"),
+    Variable("DISTCACHE_PEERS", "peers", "1", _text, "1", "0: a pool miss goes to the origin; 1: under init, ask the node agents first; a socket path: the node agent python -m launch --peers hosts (it sets this)"),
 )
 
 #: ``variable -> (default as documented, meaning)``: the README's table, from :data:`TABLE`.
@@ -350,10 +351,9 @@ class Settings:
     jit_caches: tuple[str, ...]  #: JIT caches init fills and Session.sync publishes.
     #: File structured events are appended to, or ``None``.
     log_json: Path | None
-    #: Never contact an origin.
-    offline: bool
-    #: The start-up hook installs the FlashInfer wrapper in every process.
-    autoinstall: bool
+    offline: bool  #: Never contact an origin.
+    autoinstall: bool  #: The start-up hook installs the FlashInfer wrapper in every process.
+    peers: str  #: "0", "1", or the Unix socket of the node's agent (see docs/peers.md).
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)

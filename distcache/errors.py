@@ -13,6 +13,7 @@ in engine code keeps working::
     │   ├── ArtifactNotFound                the origin answered: it has no such artifact
     │   └── OriginUnreachable               no connection at all: the origin is down for now
     ├── PoolError (OSError)                 the on-disk pool could not be used
+    ├── PeerError                           a node agent did not serve an artifact
     ├── CommError                           a communicator backend failed
     │   ├── CollectiveTimeout (TimeoutError)  a collective did not complete in time
     │   └── WireError (ValueError)          a payload is not plain data, or not distcache's
@@ -51,6 +52,7 @@ __all__ = [
     "ManifestMismatchError",
     "OriginError",
     "OriginUnreachable",
+    "PeerError",
     "PoolError",
     "PrefetchError",
     "RemoteError",
@@ -156,6 +158,14 @@ class PoolError(DistcacheError, OSError):
     """The on-disk pool could not be used. Attributes: ``path``, ``errno``."""
 
     attributes = ("path", "errno")
+
+
+class PeerError(DistcacheError):
+    """A node agent did not serve an artifact: refused (``refused``: no or a wrong
+    signature, an object it does not hold), unreachable, or too slow. Attributes:
+    ``endpoint``, ``status`` (HTTP, ``None`` without an answer), ``sha256``, ``refused``."""
+
+    attributes = ("endpoint", "status", "sha256", "refused")
 
 
 class CommError(DistcacheError):
