@@ -40,6 +40,9 @@ def setup_pool(parser: argparse.ArgumentParser) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
 
     ls = action("ls", "list named artifacts present in the pool (sha256sum format)")
+    ls.add_argument("--family", nargs="?", const="", default=None, metavar="NAME",
+                    help="list the JIT cache families instead (or only NAME, e.g. "
+                         "inductor): one line per family and key")
     add_json_option(ls)
     ls.set_defaults(run=run_ls)
     stats = action("stats", "object count, bytes, quarantine, cap")
@@ -79,10 +82,25 @@ def existing_pool(args: argparse.Namespace) -> ArtifactPool:
 def run_ls(args: argparse.Namespace) -> int:
     """``pool ls``: each named artifact whose object is present, as ``sha  name``."""
     pool = existing_pool(args)
+    if args.family is not None:
+        return _ls_families(args, pool)
     present = [(name, sha) for name, sha in sorted(pool.names().items()) if pool.has(sha)]
     data = {"root": pool.root,
             "artifacts": [{"name": name, "sha256": sha} for name, sha in present]}
     emit(args, data, (f"{sha}  {name}" for name, sha in present))
+    return EXIT_OK
+
+
+def _ls_families(args: argparse.Namespace, pool: ArtifactPool) -> int:
+    """``pool ls --family [NAME]``: each family and key the pool holds trees for."""
+    from distcache.jit import summarize
+
+    found = summarize(pool, (args.family,) if args.family else ())
+    data = {"root": pool.root, "families": [dataclasses.asdict(f) for f in found]}
+    emit(args, data, (
+        f"{f.family}  {f.key_id}  {f.files} files ({human_bytes(f.bytes)}) in {f.trees} "
+        f"tree(s)" + (f", {f.conflicts} conflicting" if f.conflicts else "")
+        + (f", {f.absent} absent" if f.absent else "") + f"  {f.key}" for f in found))
     return EXIT_OK
 
 

@@ -6,6 +6,8 @@ per job and broadcast to the pools that lack it.
 
     distcache prefetch --manifest FILE [--manifest FILE ...] [--origin URL]
     distcache prefetch --flashinfer [--record DIR] [--family NAME ...] [--arch SM ...]
+    distcache prefetch --jit inductor [--jit triton ...]   (what any pool holds, then
+                                      each rank's cache directory is filled)
     distcache prefetch ... --dry-run [--json]   (not collective: what this pool lacks)
 
 The ``distcache`` command registers :func:`setup`; :func:`add_parser` builds a
@@ -66,6 +68,10 @@ def setup(parser: argparse.ArgumentParser) -> None:
                         help="a sha256sum-format manifest (repeatable)")
     source.add_argument("--flashinfer", action="store_true",
                         help="FlashInfer artifacts: the usage record and/or whole families")
+    source.add_argument("--jit", action="append", metavar="NAME",
+                        help="a JIT compile cache (inductor, triton, deep_gemm, "
+                             "flashinfer_jit, vllm; repeatable): what any rank's pool holds "
+                             "reaches every pool, then fills this rank's cache directory")
     parser.add_argument("--record", metavar="DIR",
                         help="FlashInfer usage-record directory written by earlier runs")
     parser.add_argument("--family", action="append", default=[], metavar="NAME",
@@ -100,6 +106,10 @@ def run(args: argparse.Namespace) -> int:
     if args.arch and not args.family:
         print("distcache prefetch: --arch filters whole families: it needs --flashinfer "
               "--family NAME", file=sys.stderr)
+        return 2
+    if args.jit and args.dry_run:
+        print("distcache prefetch: --dry-run lists manifests and FlashInfer artifacts, "
+              "not --jit caches (see 'distcache pool ls --family')", file=sys.stderr)
         return 2
     try:
         if args.dry_run:
@@ -149,6 +159,8 @@ def _prefetch(args: argparse.Namespace) -> tuple[PrefetchReport | None, int]:
                                          origin=origin, families=tuple(args.family),
                                          archs=tuple(args.arch), timeout=conf.timeout)
             return warmed, comm.rank
+        if args.jit:
+            return _prefetch_jit(comm, pool, args.jit, conf.timeout), comm.rank
         # No origin is needed for what the pools hold; prefetch_manifests names
         # whatever no pool holds (and honours DISTCACHE_OFFLINE).
         origin = resolve_origin(args.origin, conf)
@@ -166,6 +178,21 @@ def _prefetch(args: argparse.Namespace) -> tuple[PrefetchReport | None, int]:
     finally:
         adopted.close()
         restore_logging()
+
+
+def _prefetch_jit(comm: Communicator, pool: ArtifactPool, names: list[str],
+                  timeout: float | None) -> PrefetchReport | None:
+    """Collective: the families' trees and files that any pool holds reach every pool
+    (no origin: they came from ranks), then each rank fills its own directories."""
+    from distcache.jit import families
+
+    chosen = families(names, pool=pool)
+    report = prefetch_manifests(comm, pool, None, integrations=chosen, timeout=timeout)
+    for family in chosen:
+        placed = family.materialize(pool)
+        log.info("%s: %d file(s) written into %s, %d already there", family.name,
+                 placed.written, family.materialize_dir(), placed.present)
+    return report
 
 
 def _stoppable(origin: Origin | None) -> tuple[Stopper | None, Origin | None]:

@@ -66,6 +66,9 @@ def setup_export(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--manifest", type=Path, metavar="M",
                         help="export only the artifacts this checksums.txt lists (all "
                              "must be in the pool)")
+    parser.add_argument("--family", action="append", default=[], metavar="NAME",
+                        help="export only this JIT cache family's trees and files, e.g. "
+                             "inductor (repeatable); without it they go with the rest")
     parser.set_defaults(run=run_export)
 
 
@@ -111,7 +114,14 @@ def run_export(args: argparse.Namespace) -> int:
     if (args.directory is None) == (args.tar is None):
         raise UsageError("export: give either DIR or --tar FILE")
     pool = resolve_pool(args.pool, settings(), must_exist=True)
-    artifacts = _selection(pool, args.manifest)
+    if args.family and args.manifest is not None:
+        raise UsageError("export: give either --manifest or --family")
+    if args.family:
+        from distcache.jit import family_labels
+
+        artifacts = family_labels(pool, tuple(args.family))
+    else:
+        artifacts = _selection(pool, args.manifest)
     if args.tar is not None:
         bar = progress_bar(args)
         try:

@@ -43,6 +43,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from distcache.jit._family import Family, FamilySpec, Report, Root
+from distcache.jit._listing import FamilySummary, family_labels, summarize
 from distcache.jit._place import Placed
 from distcache.jit._tools import TOOLS, spec_for
 from distcache.jit._tree import TreeEntry, TreeManifest, family_prefix, key_id, read_trees, union
@@ -54,6 +55,7 @@ __all__ = [
     "NAMES",
     "Family",
     "FamilySpec",
+    "FamilySummary",
     "Placed",
     "Report",
     "Root",
@@ -61,11 +63,13 @@ __all__ = [
     "TreeManifest",
     "families",
     "family",
+    "family_labels",
     "family_prefix",
     "key_id",
     "materialize",
     "publish",
     "read_trees",
+    "summarize",
     "union",
 ]
 
