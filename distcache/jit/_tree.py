@@ -114,7 +114,8 @@ def read_trees(pool: ArtifactPool, family: str, key: str,
     labels = pool.names() if names is None else names
     trees: list[TreeManifest] = []
     for name, sha in sorted(labels.items()):
-        if not name.startswith(prefix):
+        # A tree's label names its own digest; one that names another is not a tree.
+        if not name.startswith(prefix) or name[len(prefix):] != sha:
             continue
         data = pool.get(sha)
         if data is None or len(data) > MAX_TREE_BYTES:
