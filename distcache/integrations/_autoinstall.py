@@ -12,11 +12,14 @@ otherwise a post-import hook installs it the moment FlashInfer's loader module h
 been executed, so a process that never uses FlashInfer pays nothing. The pool is
 ``DISTCACHE_POOL``; the origin is ``DISTCACHE_ORIGIN``, else FlashInfer's own
 repository at each miss; ``DISTCACHE_OFFLINE=1`` contacts none.
-``DISTCACHE_DISABLE=1`` or ``DISTCACHE_FLASHINFER=0`` turn the hooks off.
+``DISTCACHE_DISABLE=1`` or ``DISTCACHE_FLASHINFER=0`` turn the wrapper off.
 
-Each hook reports once per process to ``DISTCACHE_LOG_JSON`` (an ``engine.hook``
-event: pid, role, what it installed), also when it installed nothing, so that an
-operator can see that every worker an engine started has it.
+The same hooks fill the JIT compile caches that ``DISTCACHE_JIT_CACHES`` names before
+the engine compiles, and publish them when the process exits
+(:mod:`distcache.integrations._compile_caches`); ``DISTCACHE_DISABLE=1`` turns that
+off too. Each hook reports once per process to ``DISTCACHE_LOG_JSON`` (an
+``engine.hook`` event: pid, role, what it installed), also when it installed nothing,
+so that an operator can see that every worker an engine started has it.
 """
 
 from __future__ import annotations
@@ -43,19 +46,27 @@ _sources: list[str] = []
 
 
 def arm(source: str) -> bool:
-    """Install the wrapper now, or as soon as FlashInfer's loader is imported, and
-    report what was done once per process and source (:func:`report`).
+    """Install the wrapper now, or as soon as FlashInfer's loader is imported; fill
+    the JIT compile caches of ``DISTCACHE_JIT_CACHES`` (published at exit, see
+    :mod:`distcache.integrations._compile_caches`); report both once per process and
+    source (:func:`report`).
 
     Args:
         source: what armed it, for logs (``"vllm"``, ``"startup"``).
 
     Returns:
         ``True`` when the wrapper is installed or will be; ``False`` when the hooks
-        are disabled, FlashInfer is not installed, or arming failed (logged). Never
-        raises.
+        are disabled, FlashInfer is not installed, or arming failed (logged); the JIT
+        caches do not change it. Never raises.
     """
     state = _arm(source)
-    report(source, state)
+    try:
+        from distcache.integrations._compile_caches import start
+
+        jit = start(source, process_role())
+    except Exception as exc:  # never into the engine
+        jit = [{"error": f"{type(exc).__name__}: {exc}"}]
+    report(source, state, jit_families=[f["name"] for f in jit if "name" in f], jit=jit)
     return state in (INSTALLED, ARMED)
 
 

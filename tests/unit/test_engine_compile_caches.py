@@ -1,0 +1,145 @@
+"""JIT compile caches through the engine hooks: the first process of a tree fills the
+directories of ``DISTCACHE_JIT_CACHES`` from the pool and publishes them at its exit;
+the processes it starts inherit it as their owner and do neither; per-rank copies of
+one file are one object in the pool."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from distcache.integrations import _autoinstall, _compile_caches
+from distcache.jit import family, read_trees, union
+from distcache.store import ArtifactPool
+
+HASH = "0123456789"
+# What a compile leaves in vLLM's cache: one graph per rank, identical bytes.
+BUILT = {
+    f"{HASH}/rank_0_0/backbone/model": b"graph" * 100,
+    f"{HASH}/rank_1_0/backbone/model": b"graph" * 100,
+    f"{HASH}/inductor_cache/ab/kernel.py": b"kernel source",
+}
+
+ENGINE = """
+import json, multiprocessing, os, sys
+from pathlib import Path
+
+def build(root):
+    for rel, data in json.loads(os.environ["BUILD"]).items():
+        path = Path(root, "torch_compile_cache", rel)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data.encode())
+
+def worker():
+    from distcache.integrations.vllm import register
+    register()
+    build(os.environ["VLLM_CACHE_ROOT"])
+
+if __name__ == "__main__":
+    from distcache.integrations.vllm import register
+    register()
+    if sys.argv[1] == "spawn":
+        proc = multiprocessing.get_context("spawn").Process(target=worker, name="VllmWorker-0")
+        proc.start()
+        proc.join(120)
+        sys.exit(proc.exitcode)
+    build(os.environ["VLLM_CACHE_ROOT"])
+"""
+
+
+def run_engine(tmp: Path, mode: str, built: dict[str, bytes], **extra: str) -> list[dict[str, Any]]:
+    """One engine-like process tree; its events."""
+    script = tmp / "engine.py"
+    script.write_text(ENGINE)
+    events = tmp / f"events-{len(list(tmp.glob('events-*')))}.jsonl"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DISTCACHE_", "VLLM_"))}
+    env.update(DISTCACHE_POOL=str(tmp / "pool"), DISTCACHE_LOG_JSON=str(events),
+               DISTCACHE_JIT_CACHES="vllm", VLLM_CACHE_ROOT=str(tmp / "vllm"),
+               PYTHONPATH=str(Path(__file__).resolve().parents[2]), PYTHONWARNINGS="ignore",
+               BUILD=json.dumps({k: v.decode() for k, v in built.items()}), **extra)
+    done = subprocess.run([sys.executable, str(script), mode], env=env, cwd=tmp,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in events.read_text().splitlines()] if events.exists() else []
+
+
+def vllm_family(tmp: Path) -> Any:
+    return family("vllm", pool=ArtifactPool(tmp / "pool"),
+                  environ={"VLLM_CACHE_ROOT": str(tmp / "vllm")})
+
+
+def test_exit_publishes_and_a_fresh_directory_is_filled_from_the_pool(tmp_path: Path) -> None:
+    first = run_engine(tmp_path, "plain", BUILT)
+    (hook,) = [e for e in first if e["event"] == "engine.hook"]
+    (jit,) = hook["jit"]
+    assert hook["jit_families"] == ["vllm"]
+    assert jit["owner"] == hook["pid"] and jit["written"] == 0
+    (published,) = [e for e in first if e["event"] == "engine.jit_publish"]
+    assert published["pid"] == hook["pid"] and published["families"][0]["files"] == 3
+    fam = vllm_family(tmp_path)
+    merged = union(read_trees(fam.pool, "vllm", fam.key))
+    assert set(merged.entries) == set(BUILT)
+    # The two ranks' identical graphs are one object.
+    assert len({e.sha256 for e in merged.entries.values()}) == 2
+
+    shutil.rmtree(tmp_path / "vllm")  # a fresh node: the same path, empty
+    second = run_engine(tmp_path, "plain", {})
+    (hook,) = [e for e in second if e["event"] == "engine.hook"]
+    assert hook["jit"][0]["written"] == 3 and hook["jit"][0]["missing"] == 0
+    for rel, data in BUILT.items():
+        assert (tmp_path / "vllm" / "torch_compile_cache" / rel).read_bytes() == data
+    (published,) = [e for e in second if e["event"] == "engine.jit_publish"]
+    assert published["families"][0]["files"] == 0  # nothing new
+
+
+def test_a_child_inherits_its_owner_and_the_owner_publishes_what_it_built(
+        tmp_path: Path) -> None:
+    events = run_engine(tmp_path, "spawn", BUILT)
+    hooks = {e["role"]: e for e in events if e["event"] == "engine.hook"}
+    assert set(hooks) == {"main", "VllmWorker-0"}
+    main, child = hooks["main"], hooks["VllmWorker-0"]
+    assert child["jit"][0]["owner"] == main["pid"]
+    assert "written" not in child["jit"][0]  # the owner materialised, not the child
+    published = [e for e in events if e["event"] == "engine.jit_publish"]
+    assert [e["pid"] for e in published] == [main["pid"]]
+    assert published[0]["families"][0]["files"] == 3  # the child's build, at the owner's exit
+
+
+def test_disabled_hooks_leave_the_caches_alone(tmp_path: Path) -> None:
+    events = run_engine(tmp_path, "plain", BUILT, DISTCACHE_DISABLE="1")
+    (hook,) = [e for e in events if e["event"] == "engine.hook"]
+    assert hook["jit"] == [] and hook["flashinfer"] == "disabled"
+    assert not [e for e in events if e["event"] == "engine.jit_publish"]
+    assert not (tmp_path / "pool").exists()
+
+
+def test_an_unknown_family_is_reported_not_raised(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "events.jsonl"
+    monkeypatch.setenv("DISTCACHE_LOG_JSON", str(target))
+    monkeypatch.setenv("DISTCACHE_POOL", str(tmp_path / "pool"))
+    monkeypatch.setenv("DISTCACHE_JIT_CACHES", "nosuch")
+    monkeypatch.setenv("DISTCACHE_FLASHINFER", "0")
+    monkeypatch.setattr(_autoinstall, "_reported", set())
+    monkeypatch.setattr(_compile_caches, "_started", {})
+    assert _autoinstall.arm("vllm") is False
+    (event,) = [json.loads(line) for line in target.read_text().splitlines()]
+    assert event["jit_families"] == [] and "nosuch" in event["jit"][0]["error"]
+
+
+def test_a_forked_copy_of_the_exit_handler_publishes_nothing(tmp_path: Path) -> None:
+    built = tmp_path / "vllm" / "torch_compile_cache" / HASH / "rank_0_0" / "model"
+    built.parent.mkdir(parents=True)
+    built.write_bytes(b"graph")
+    fam = vllm_family(tmp_path)
+    assert _compile_caches.publish_at_exit([fam], "vllm", "main", os.getpid() + 1) == []
+    assert read_trees(fam.pool, "vllm", fam.key) == []
+    (row,) = _compile_caches.publish_at_exit([fam], "vllm", "main", os.getpid())
+    assert row["files"] == 1 and len(read_trees(fam.pool, "vllm", fam.key)) == 1
