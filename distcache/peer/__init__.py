@@ -1,0 +1,44 @@
+"""The peer tier: a lazy miss served once per job across nodes.
+
+One agent per node (:class:`Agent`, hosted by the node's first rank under
+``distcache.init`` or by ``python -m launch --peers``) serves the node's pool over
+HTTP to the other agents and, over a Unix socket, to the node's processes. The owner
+of an artifact is chosen by rendezvous hashing over the agents' endpoints
+(:func:`owner`); a miss asks the owner, which answers from its pool or is the one
+node of the job that asks the origin (concurrent askers wait on that one download).
+Requests are authenticated with an HMAC keyed from the run scope's secret. See
+docs/peers.md.
+"""
+
+from __future__ import annotations
+
+from distcache.peer._agent import Agent
+from distcache.peer._auth import derive_key, sign, verify
+from distcache.peer._client import Answer, fetch
+from distcache.peer._flight import Singleflight
+from distcache.peer._hosting import Hosted, host_agent, job_address, start
+from distcache.peer._ring import order, owner
+from distcache.peer._tier import LOOKUP_BOUND_S, Lookup, Tier, attach, counts, current, lookup
+
+__all__ = [
+    "LOOKUP_BOUND_S",
+    "Agent",
+    "Answer",
+    "Hosted",
+    "Lookup",
+    "Singleflight",
+    "Tier",
+    "attach",
+    "counts",
+    "current",
+    "derive_key",
+    "fetch",
+    "host_agent",
+    "job_address",
+    "lookup",
+    "order",
+    "owner",
+    "sign",
+    "start",
+    "verify",
+]

@@ -1,0 +1,302 @@
+"""The node agent: serves its node's pool to the job's other agents and to its own
+node's processes, and is the one place per node that asks an owner or the origin.
+
+``http.server.ThreadingHTTPServer`` on two listeners: TCP bound to one address (the
+one the job uses, never a wildcard) for the other nodes, and a Unix socket for the
+node's own processes. One route, ``GET /v1/objects/<sha256>[?fill=<name>]``:
+
+- every request is authenticated (:mod:`distcache.peer._auth`); one that is not gets
+  403 and nothing else;
+- an object the pool holds is read verified (``ArtifactPool.get``) and sent; one it
+  does not hold gets 404, unless ``fill`` names it;
+- ``fill`` from another node: this agent is asked as an owner, and asks the origin
+  itself (once per sha256 however many ask at once: :class:`Singleflight`), if it is
+  among the first ``1 + fallbacks`` nodes of the artifact's rendezvous order;
+- ``fill`` from this node (the Unix socket): the owner walk. The nodes before this one
+  in the artifact's order are asked in turn, each skipped when it does not answer
+  within a short bound (and kept out of later walks for :data:`DOWN_S`); when none
+  answers, this node asks the origin if its place allows (``origin`` when it owns the
+  artifact, ``fallback`` otherwise). Bytes from anywhere are verified and published
+  into the pool before they are sent on.
+
+At most ``max_transfers`` answers are sent at once; more wait up to
+:data:`BUSY_WAIT_S`, then get 503. Every outcome is counted in :attr:`Agent.counts`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import logging
+import os
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, urlsplit
+
+from distcache.artifact import Artifact, validate_name
+from distcache.errors import ArtifactNotFound, DistcacheError, PeerError
+from distcache.peer import _client
+from distcache.peer._auth import verify
+from distcache.peer._flight import Singleflight
+from distcache.peer._ring import order
+
+if TYPE_CHECKING:
+    from distcache.origins import Origin
+    from distcache.store import ArtifactPool
+
+log = logging.getLogger(__name__)
+
+#: Seconds a node that did not answer is left out of owner walks.
+DOWN_S = 10.0
+#: Seconds an answer waits for a transfer slot before a 503.
+BUSY_WAIT_S = 5.0
+#: Seconds one hop to another agent may take (its origin download included).
+HOP_S = 20.0
+#: Seconds a request may take when the asker gives no budget.
+DEFAULT_BUDGET_S = 30.0
+
+
+class _TcpServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128
+
+
+class _UnixServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    address_family = socket.AF_UNIX
+    request_queue_size = 128
+
+    def server_bind(self) -> None:  # HTTPServer's would resolve the path as a host name
+        self.socket.bind(self.server_address)
+        self.server_address = self.socket.getsockname()
+        self.server_name, self.server_port = "localhost", 0
+
+
+class Agent:
+    """One node's agent. :meth:`start` it, tell it the job's nodes with
+    :meth:`join`, :meth:`stop` it when the job ends.
+
+    Args:
+        pool: the node's pool.
+        origin: returns the origin to fill from (``None``: this agent never asks one).
+        key: the request key (:func:`distcache.peer.derive_key`).
+        host: the one address the TCP listener binds.
+        socket_path: the Unix socket for the node's processes (``None``: none).
+        max_transfers: answers sent at once.
+        fallbacks: how many nodes after an artifact's owner may ask the origin for it
+            when the owner does not answer (the per-job cap of the fallback).
+    """
+
+    def __init__(self, pool: ArtifactPool, origin: Callable[[], Origin | None], key: bytes, *,
+                 host: str = "127.0.0.1", socket_path: Path | None = None,
+                 max_transfers: int = 16, fallbacks: int = 1) -> None:
+        self.pool = pool
+        self.origin = origin
+        self.key = key
+        self.host = host
+        self.socket_path = socket_path
+        self.fallbacks = fallbacks
+        self.nodes: list[str] = []
+        self.me = -1
+        self.counts: Counter[str] = Counter()
+        self._slots = threading.BoundedSemaphore(max_transfers)
+        self._lock = threading.Lock()
+        self._down: dict[str, float] = {}
+        self._walks: Singleflight[_client.Answer] = Singleflight()
+        self._fills: Singleflight[_client.Answer] = Singleflight()
+        self._servers: list[http.server.ThreadingHTTPServer] = []
+        self._endpoint = ""
+
+    @property
+    def endpoint(self) -> str:
+        """``tcp://HOST:PORT`` of the TCP listener (set by :meth:`start`)."""
+        return self._endpoint
+
+    @property
+    def local_endpoint(self) -> str | None:
+        return f"unix:{self.socket_path}" if self.socket_path is not None else None
+
+    def start(self) -> Agent:
+        handler = _handler(self)
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        tcp = type("_Tcp", (_TcpServer,), {"address_family": family})((self.host, 0), handler)
+        self._servers.append(tcp)
+        host, port = tcp.server_address[:2]
+        host = host.decode() if isinstance(host, bytes) else str(host)
+        self._endpoint = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+        if self.socket_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()
+            old = os.umask(0o177)  # the socket: this user only
+            try:
+                self._servers.append(_UnixServer(str(self.socket_path), handler))  # type: ignore[arg-type]
+            finally:
+                os.umask(old)
+        for server in self._servers:
+            threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
+                             daemon=True, name="distcache-peer-agent").start()
+        return self
+
+    def join(self, nodes: Sequence[str], me: int) -> None:
+        """The job's agents (TCP endpoints, the same list on every node) and this one's index."""
+        self.nodes, self.me = list(nodes), me
+
+    def stop(self) -> None:
+        for server in self._servers:
+            server.shutdown()
+            server.server_close()
+        self._servers.clear()
+        if self.socket_path is not None:
+            with contextlib.suppress(OSError):
+                self.socket_path.unlink()
+
+    def count(self, outcome: str) -> None:
+        with self._lock:
+            self.counts[outcome] += 1
+
+    # --- what a request gets ------------------------------------------------------
+
+    def answer(self, artifact: Artifact, *, fill: bool, local: bool, budget: float) -> _client.Answer:
+        """Raises: ArtifactNotFound, PeerError (refused when not held and not filled)."""
+        data = self.pool.get(artifact.sha256)
+        if data is not None:
+            return _client.Answer(data, "pool")
+        if not fill:
+            raise PeerError("not held", sha256=artifact.sha256, status=404, refused=True)
+        until = time.monotonic() + budget
+        if local:
+            return self._walks.do(artifact.sha256, lambda: self._walk(artifact, until),
+                                  timeout=budget)
+        position = self._position(artifact)
+        if position > self.fallbacks:
+            raise PeerError("not an owner of this artifact", sha256=artifact.sha256,
+                            status=404, refused=True)
+        return self._fill(artifact, "origin" if position == 0 else "fallback", budget)
+
+    def _position(self, artifact: Artifact) -> int:
+        if self.me < 0:
+            return 0
+        return order(artifact.sha256, self.nodes).index(self.me)
+
+    def _walk(self, artifact: Artifact, until: float) -> _client.Answer:
+        ranked = order(artifact.sha256, self.nodes) if self.me >= 0 else [0]
+        for place, index in enumerate(ranked):
+            if index == self.me or self.me < 0:
+                if place > self.fallbacks:
+                    break
+                return self._fill(artifact, "origin" if place == 0 else "fallback",
+                                  until - time.monotonic())
+            endpoint = self.nodes[index]
+            left = until - time.monotonic()
+            if left <= 0 or self._is_down(endpoint):
+                continue
+            try:
+                got = _client.fetch(endpoint, self.key, artifact, fill=True,
+                                    timeout=min(HOP_S, left), deadline=left)
+            except PeerError as exc:
+                if not getattr(exc, "refused", False):
+                    self._mark_down(endpoint)
+                self.count("peer_skipped")
+                log.debug("agent %s skipped for %s: %s", endpoint, artifact.name, exc)
+                continue
+            self.count("peer")
+            self._publish(artifact, got.data)
+            return _client.Answer(got.data, "peer")
+        self.count("no_owner")
+        raise PeerError(f"no owner of {artifact.name} answered", sha256=artifact.sha256,
+                        status=503, refused=False)
+
+    def _fill(self, artifact: Artifact, source: str, budget: float) -> _client.Answer:
+        origin = self.origin()
+        if origin is None:
+            raise PeerError("this agent has no origin", sha256=artifact.sha256, status=503,
+                            refused=False)
+        got = origin
+
+        def download() -> _client.Answer:
+            data = self.pool.fetch(artifact, got)
+            self.count(source)
+            return _client.Answer(data, source)
+
+        return self._fills.do(artifact.sha256, download, timeout=max(budget, 0.001))
+
+    def _publish(self, artifact: Artifact, data: bytes) -> None:
+        try:
+            self.pool.put(data, artifact.sha256)
+            self.pool.remember([artifact])
+        except DistcacheError as exc:
+            log.warning("agent: could not publish %s into %s: %s", artifact.name,
+                        getattr(self.pool, "root", self.pool), exc)
+
+    def _is_down(self, endpoint: str) -> bool:
+        with self._lock:
+            return self._down.get(endpoint, 0.0) > time.monotonic()
+
+    def _mark_down(self, endpoint: str) -> None:
+        with self._lock:
+            self._down[endpoint] = time.monotonic() + DOWN_S
+
+
+def _handler(agent: Agent) -> type[http.server.BaseHTTPRequestHandler]:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "distcache-peer/1"
+        sys_version = ""
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def address_string(self) -> str:
+            return str(self.client_address[0]) if self.client_address else "local"
+
+        def _refuse(self, status: int, reason: str, outcome: str) -> None:
+            agent.count(outcome)
+            self.send_response(status)
+            self.send_header(_client.HEADER_REASON, reason)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_GET(self) -> None:
+            why = verify(agent.key, "GET", self.path, dict(self.headers.items()))
+            if why is not None:
+                log.debug("agent: refused a request from %s: %s", self.address_string(), why)
+                return self._refuse(403, "unauthenticated", "refused_auth")
+            parts = urlsplit(self.path)
+            sha = parts.path.removeprefix("/v1/objects/")
+            query = parse_qs(parts.query)
+            if sha == parts.path or len(sha) != 64 or sha.strip("0123456789abcdef"):
+                return self._refuse(404, "no-such-route", "refused_route")
+            try:
+                name = validate_name(query["fill"][0]) if "fill" in query else "object"
+                budget = float(self.headers.get(_client.HEADER_DEADLINE) or DEFAULT_BUDGET_S)
+                got = agent.answer(Artifact(name, sha), fill="fill" in query,
+                                   local=isinstance(self.server, _UnixServer),
+                                   budget=min(max(budget, 0.001), 300.0))
+            except ArtifactNotFound:
+                return self._refuse(404, _client.NOT_AT_ORIGIN, "not_at_origin")
+            except PeerError as exc:
+                if getattr(exc, "refused", False):
+                    return self._refuse(404, "not-held", "refused_missing")
+                return self._refuse(503, "unavailable", "unavailable")
+            except (DistcacheError, ValueError, TimeoutError) as exc:
+                log.debug("agent: %s failed: %s", sha, exc)
+                return self._refuse(503, "unavailable", "errors")
+            if not agent._slots.acquire(timeout=BUSY_WAIT_S):
+                return self._refuse(503, "busy", "busy")
+            try:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/octet-stream")
+                self.send_header("Content-Length", str(len(got.data)))
+                self.send_header(_client.HEADER_SOURCE, got.source)
+                self.end_headers()
+                self.wfile.write(got.data)
+                agent.count("served")
+            finally:
+                agent._slots.release()
+
+    return Handler

@@ -1,0 +1,127 @@
+"""Starting the node agents of a job: once, at start-up, over distcache's communicator.
+
+The lowest rank of each node (``Communicator.node_id``) starts an agent on the
+address the job uses (:func:`job_address`) and a Unix socket in the pool directory;
+one all-gather shares every node's TCP endpoint and socket. Each rank then uses its
+node's agent for lookups; the agents know each other and each artifact's owner follows
+from the endpoints alone (:mod:`distcache.peer._ring`), so serving needs no collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import secrets
+import socket
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from distcache.peer._agent import Agent
+from distcache.peer._auth import derive_key
+from distcache.peer._tier import Tier, attach, key_path
+
+if TYPE_CHECKING:
+    from distcache.comm import Communicator
+    from distcache.origins import Origin
+    from distcache.store import ArtifactPool
+
+log = logging.getLogger(__name__)
+
+#: The longest Unix socket path Linux takes (108 bytes with the terminator), with room.
+_MAX_SOCKET_PATH = 100
+
+
+def job_address(environ: Mapping[str, str] | None = None) -> str:
+    """The address this host uses for the job: the local end of the route to
+    ``MASTER_ADDR`` when that is set, else the address the host name resolves to, else
+    loopback. The agent binds this one address, never a wildcard."""
+    env = os.environ if environ is None else environ
+    master = env.get("MASTER_ADDR")
+    if master:
+        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(master), 9))
+            return str(s.getsockname()[0])
+    with contextlib.suppress(OSError):
+        return socket.gethostbyname(socket.gethostname())
+    return "127.0.0.1"
+
+
+def socket_path(pool_root: Path, tag: str) -> Path:
+    """Where a node's agent listens for the node's processes: in the pool directory
+    when the path fits a Unix socket, else in a private temporary directory."""
+    name = f".peer-{hashlib.sha256(tag.encode()).hexdigest()[:12]}.sock"
+    path = Path(pool_root) / name
+    if len(str(path)) <= _MAX_SOCKET_PATH:
+        return path
+    return Path(tempfile.mkdtemp(prefix="distcache-")) / name
+
+
+@dataclass
+class Hosted:
+    """What :func:`start` set up on this rank: the agent it hosts (node leaders only)
+    and the tier its lookups use. :meth:`close` stops both."""
+
+    tier: Tier | None
+    agent: Agent | None = None
+    nodes: list[str] = field(default_factory=list)
+
+    def close(self) -> None:
+        attach(None)
+        if self.agent is not None:
+            self.agent.stop()
+            with contextlib.suppress(OSError):
+                if self.agent.socket_path is not None:
+                    key_path(self.agent.socket_path).unlink()
+            self.agent = None
+
+
+def host_agent(pool: ArtifactPool, origin: Callable[[], Origin | None], key: bytes,
+               tag: str, environ: Mapping[str, str] | None = None) -> Agent:
+    """Start one node agent on :func:`job_address`, with its socket and key file."""
+    path = socket_path(Path(pool.root), tag)
+    agent = Agent(pool, origin, key, host=job_address(environ), socket_path=path).start()
+    keyfile = key_path(path)
+    fd = os.open(keyfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(key)
+    return agent
+
+
+def start(comm: Communicator, pool: ArtifactPool, origin: Callable[[], Origin | None],
+          secret: bytes | None, *, timeout: float | None = None,
+          environ: Mapping[str, str] | None = None) -> Hosted:
+    """Collective: start the node agents of this communicator's job and attach this
+    rank's tier. ``secret`` is the run scope's (``None``: rank 0 draws one, and it is
+    shared over the communicator).
+
+    Raises:
+        CollectiveTimeout, CommError: the all-gather failed (on every rank).
+        OSError: this node's agent could not listen.
+    """
+    if secret is None:
+        shared = comm.allgather_object(secrets.token_bytes(32) if comm.rank == 0 else b"",
+                                       timeout=timeout)
+        secret = bytes(shared[0])
+    key = derive_key(secret)
+    nodes = comm.allgather_object((comm.node_id, comm.rank), timeout=timeout)
+    leader = min(rank for node, rank in nodes if node == comm.node_id) == comm.rank
+    agent: Agent | None = None
+    if leader:
+        agent = host_agent(pool, origin, key, f"{comm.node_id}/{secret.hex()[:16]}", environ)
+    mine = (agent.endpoint, agent.local_endpoint or "") if agent is not None else ("", "")
+    everyone = comm.allgather_object((comm.node_id, *mine), timeout=timeout)
+    leaders = [(str(node), str(tcp), str(unix)) for node, tcp, unix in everyone if tcp]
+    endpoints = [tcp for _, tcp, _ in leaders]
+    if agent is not None:
+        agent.join(endpoints, endpoints.index(agent.endpoint))
+    local = next(unix or tcp for node, tcp, unix in leaders if node == comm.node_id)
+    tier = Tier(local, key)
+    attach(tier)
+    if comm.rank == 0:
+        log.info("peers: %d node agent(s): %s", len(endpoints), ", ".join(endpoints))
+    return Hosted(tier, agent, endpoints)

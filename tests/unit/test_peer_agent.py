@@ -1,0 +1,220 @@
+"""The node agent, its client, rendezvous hashing, singleflight and authentication,
+with real agents on loopback and the counting loopback origin."""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from distcache.artifact import Artifact, sha256_hex
+from distcache.errors import ArtifactNotFound, PeerError
+from distcache.origins import HttpOrigin
+from distcache.peer import (
+    Agent,
+    Singleflight,
+    Tier,
+    derive_key,
+    fetch,
+    host_agent,
+    lookup,
+    order,
+    owner,
+    sign,
+    verify,
+)
+from distcache.store import ArtifactPool
+from distcache.testing import LoopbackOrigin, make_artifacts
+
+KEY = derive_key(b"s" * 32)
+
+
+@pytest.fixture
+def made(tmp_path: Path) -> list[Artifact]:
+    return make_artifacts(tmp_path / "repo", 6, min_size=1_000, max_size=4_000)
+
+
+@pytest.fixture
+def origin(tmp_path: Path, made: list[Artifact]) -> Iterator[LoopbackOrigin]:
+    with LoopbackOrigin(tmp_path / "repo", latency=0.05) as served:
+        yield served
+
+
+def _agents(tmp_path: Path, url: str, n: int) -> list[Agent]:
+    agents = [host_agent(ArtifactPool(tmp_path / f"pool{i}"), lambda: HttpOrigin(url), KEY,
+                         f"node{i}") for i in range(n)]
+    endpoints = [a.endpoint for a in agents]
+    for i, agent in enumerate(agents):
+        agent.join(endpoints, i)
+    return agents
+
+
+def _stop(agents: list[Agent]) -> None:
+    for agent in agents:
+        agent.stop()
+
+
+def test_rendezvous_order_is_shared_and_a_leaving_node_moves_only_what_it_owned() -> None:
+    nodes = [f"tcp://10.0.0.{i}:7000" for i in range(8)]
+    shas = [sha256_hex(str(i).encode()) for i in range(400)]
+    owners = {sha: owner(sha, nodes) for sha in shas}
+    assert owners == {sha: owner(sha, list(nodes)) for sha in shas}
+    assert len(set(owners.values())) == 8  # spread over every node
+    gone = nodes[3]
+    rest = [n for n in nodes if n != gone]
+    for sha in shas:
+        before = nodes[owners[sha]]
+        after = rest[owner(sha, rest)]
+        if before != gone:
+            assert after == before
+        else:
+            assert after == nodes[order(sha, nodes)[1]]
+
+
+def test_singleflight_runs_the_work_once_for_concurrent_callers() -> None:
+    flight: Singleflight[int] = Singleflight()
+    gate = threading.Event()
+    runs = []
+
+    def work() -> int:
+        runs.append(1)
+        gate.wait(5)
+        return 42
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(flight.do, "k", work) for _ in range(8)]
+        while flight.led + flight.joined < 8:
+            threading.Event().wait(0.01)
+        gate.set()
+        assert [f.result() for f in futures] == [42] * 8
+    assert len(runs) == 1 and flight.joined == 7
+    assert flight.do("k", lambda: 7) == 7  # a later call runs anew
+
+
+def test_a_signature_binds_key_method_path_and_time() -> None:
+    headers = sign(KEY, "GET", "/v1/objects/ab", now=1000.0)
+    assert verify(KEY, "GET", "/v1/objects/ab", headers, now=1000.0) is None
+    assert verify(KEY, "GET", "/v1/objects/ac", headers, now=1000.0) == "a wrong signature"
+    assert verify(derive_key(b"t" * 32), "GET", "/v1/objects/ab", headers, now=1000.0)
+    assert verify(KEY, "GET", "/v1/objects/ab", headers, now=2000.0) == "a time 1000 s off"
+    assert verify(KEY, "GET", "/v1/objects/ab", {}, now=1000.0) == "no authentication headers"
+    assert b"s" * 32 not in repr(headers).encode()
+
+
+def _raw_get(endpoint: str, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
+    host, port = endpoint[len("tcp://"):].rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        conn.request("GET", path, headers=headers)
+        answer = conn.getresponse()
+        return answer.status, answer.read()
+    finally:
+        conn.close()
+
+
+def test_without_the_secret_or_for_an_unheld_sha_an_agent_gives_only_a_refusal(
+    tmp_path: Path, made: list[Artifact], origin: LoopbackOrigin
+) -> None:
+    (agent,) = _agents(tmp_path, origin.url, 1)
+    try:
+        held, unheld = made[0], made[1]
+        agent.pool.put((tmp_path / "repo" / held.name).read_bytes(), held.sha256)
+        path = f"/v1/objects/{held.sha256}"
+        assert _raw_get(agent.endpoint, path, {}) == (403, b"")
+        wrong = sign(derive_key(b"x" * 32), "GET", path)
+        assert _raw_get(agent.endpoint, path, wrong) == (403, b"")
+        replayed = sign(KEY, "GET", f"/v1/objects/{unheld.sha256}")
+        assert _raw_get(agent.endpoint, path, replayed) == (403, b"")
+        status, body = _raw_get(agent.endpoint, path, sign(KEY, "GET", path))
+        assert status == 200 and sha256_hex(body) == held.sha256
+        path = f"/v1/objects/{unheld.sha256}"
+        assert _raw_get(agent.endpoint, path, sign(KEY, "GET", path)) == (404, b"")
+        with pytest.raises(PeerError) as refused:
+            fetch(agent.endpoint, KEY, unheld, fill=False, timeout=5)
+        assert refused.value.refused is True  # type: ignore[attr-defined]
+        assert origin.total_requests == 0
+        assert agent.counts["refused_auth"] == 3 and agent.counts["refused_missing"] == 2
+    finally:
+        agent.stop()
+
+
+def test_the_agent_listens_only_on_the_address_it_was_given(
+    tmp_path: Path, origin: LoopbackOrigin
+) -> None:
+    agent = Agent(ArtifactPool(tmp_path / "pool"), lambda: None, KEY, host="127.0.0.2").start()
+    try:
+        port = int(agent.endpoint.rsplit(":", 1)[1])
+        assert agent.endpoint == f"tcp://127.0.0.2:{port}"
+        for other in ("127.0.0.1", "127.0.0.3"):
+            with pytest.raises(OSError), socket.create_connection((other, port), timeout=2):
+                pass
+        with socket.create_connection(("127.0.0.2", port), timeout=2):
+            pass
+    finally:
+        agent.stop()
+
+
+def test_concurrent_misses_on_every_node_cost_one_origin_request_per_artifact(
+    tmp_path: Path, made: list[Artifact], origin: LoopbackOrigin
+) -> None:
+    agents = _agents(tmp_path, origin.url, 4)
+    try:
+        tiers = [Tier(a.local_endpoint or "", KEY) for a in agents]
+        asks = [(tier, artifact) for tier in tiers for artifact in made for _ in range(2)]
+        with ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(lambda ask: lookup(ask[1], ask[0]), asks))
+        assert all(g is not None and sha256_hex(g.data) == a.sha256
+                   for g, (_, a) in zip(got, asks, strict=True))
+        assert origin.total_requests == len(made)
+        sources = [g.source for g in got if g is not None]
+        assert sources.count("origin") + sources.count("peer") + sources.count("pool") == len(asks)
+        assert sum(a.counts["origin"] for a in agents) == len(made)
+        assert sum(a.counts["peer"] for a in agents) == 3 * len(made)  # each other node once
+        for agent in agents:  # every node's pool now holds every artifact
+            assert all(agent.pool.has(a.sha256) for a in made)
+    finally:
+        _stop(agents)
+
+
+def test_an_owner_that_is_gone_is_skipped_and_one_next_node_asks_the_origin(
+    tmp_path: Path, made: list[Artifact], origin: LoopbackOrigin
+) -> None:
+    agents = _agents(tmp_path, origin.url, 4)
+    endpoints = [a.endpoint for a in agents]
+    dead = agents[owner(made[0].sha256, endpoints)]
+    dead.stop()
+    owned = [a for a in made if endpoints[owner(a.sha256, endpoints)] == dead.endpoint]
+    live = [a for a in agents if a is not dead]
+    try:
+        asks = [(Tier(a.local_endpoint or "", KEY), art) for a in live for art in made]
+        with ThreadPoolExecutor(12) as pool:
+            got = list(pool.map(lambda ask: lookup(ask[1], ask[0]), asks))
+        assert all(g is not None and sha256_hex(g.data) == a.sha256
+                   for g, (_, a) in zip(got, asks, strict=True))
+        assert origin.total_requests == len(made)  # the dead node's share: one node each
+        assert sum(a.counts["fallback"] for a in live) == len(owned)
+    finally:
+        _stop(live)
+
+
+def test_an_artifact_the_origin_lacks_is_final_and_costs_one_request(
+    tmp_path: Path, origin: LoopbackOrigin
+) -> None:
+    agents = _agents(tmp_path, origin.url, 2)
+    try:
+        missing = Artifact("cubins/none.cubin", sha256_hex(b"nothing"))
+        for agent in agents:
+            with pytest.raises(ArtifactNotFound):
+                lookup(missing, Tier(agent.local_endpoint or "", KEY))
+        assert origin.total_requests <= 2
+    finally:
+        _stop(agents)
+
+
+def test_no_tier_answers_none_at_once(made: list[Artifact]) -> None:
+    assert lookup(made[0], Tier("unix:/nonexistent/agent.sock", KEY, bound=2)) is None
