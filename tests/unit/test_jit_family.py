@@ -231,3 +231,19 @@ def test_families_by_name_and_from_the_environment(tmp_path: Path) -> None:
     assert found[1].spec.environ == {"TRITON_CACHE_MANAGER": "distcache.jit._triton:PoolCacheManager"}
     with pytest.raises(ConfigError, match="unknown JIT cache 'nvcc'"):
         jit.family("nvcc")
+
+
+def test_the_triton_family_sets_its_cache_manager_only_when_unset(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_CACHE_MANAGER", raising=False)
+    pool = ArtifactPool(tmp_path / "pool")
+    env = {"TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    family = jit.family("triton", pool=pool, environ=env)
+    family.install(pool, None)
+    assert os.environ["TRITON_CACHE_MANAGER"] == "distcache.jit._triton:PoolCacheManager"
+    family.uninstall()
+    assert "TRITON_CACHE_MANAGER" not in os.environ
+    monkeypatch.setenv("TRITON_CACHE_MANAGER", "mine:Manager")
+    family.install(pool, None)
+    family.uninstall()
+    assert os.environ["TRITON_CACHE_MANAGER"] == "mine:Manager"
