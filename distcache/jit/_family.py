@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from distcache.errors import JitCacheError
-from distcache.jit._place import Placed, check_owner, materialize_entries, scan_into
+from distcache.jit._place import Placed, Seen, check_owner, materialize_entries, scan_into
 from distcache.jit._tree import (
     ConflictLog,
     TreeManifest,
@@ -86,6 +86,10 @@ class Family:
         self.link = link
         self.report = Report()
         self._conflicts = ConflictLog()
+        # Trees read (by digest; a tree never changes) and files hashed, kept between
+        # calls so that a sync rereads neither.
+        self._trees: dict[str, TreeManifest] = {}
+        self._seen: Seen = {}
         self._set: dict[str, str | None] = {}
 
     def __repr__(self) -> str:
@@ -148,7 +152,7 @@ class Family:
             PoolError: the pool cannot be read.
         """
         pool = self._pool(pool)
-        merged = union(read_trees(pool, self.name, self.key))
+        merged = union(read_trees(pool, self.name, self.key, cache=self._trees))
         self.report.conflicts = self._conflicts.report(self.name, self.key, merged.conflicts)
         entries = sorted(merged.entries.values(), key=lambda e: e.path)
         total = Placed()
@@ -177,14 +181,14 @@ class Family:
             PoolError: the pool cannot be written.
         """
         pool = self._pool(pool)
-        known = union(read_trees(pool, self.name, self.key))
+        known = union(read_trees(pool, self.name, self.key, cache=self._trees))
         listed = dict(known.entries)
         new = []
         for root in self.spec.roots:
             if not root.path.is_dir():
                 continue
             check_owner(root.path, family=self.name)
-            for entry in scan_into(pool, root.path, root.prefix, listed):
+            for entry in scan_into(pool, root.path, root.prefix, listed, self._seen):
                 before = listed.get(entry.path)
                 if entry.path in known.conflicts and entry.sha256 in known.conflicts[entry.path]:
                     continue

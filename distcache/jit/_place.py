@@ -96,23 +96,30 @@ def walk(root: Path) -> Iterator[tuple[str, Path]]:
                 yield rel, Path(entry.path)
 
 
+#: path -> (size, mtime in ns, sha256) of a file hashed before: what a later scan
+#: of the same directory in the same process need not read again.
+Seen = dict[str, tuple[int, int, str]]
+
+
 def scan_into(pool: ArtifactPool, root: Path, prefix: str = "",
-              known: dict[str, TreeEntry] | None = None) -> list[TreeEntry]:
+              known: dict[str, TreeEntry] | None = None,
+              seen: Seen | None = None) -> list[TreeEntry]:
     """Store every file under ``root`` in ``pool`` and return its entries (paths
-    under ``prefix``). A file whose size and mode match ``known``'s entry for its path
-    is hashed but stored only when its digest differs. Files vanishing mid-scan and
-    names that are not safe artifact paths are skipped."""
+    under ``prefix``). A file ``known`` lists with the digest it still has is not
+    stored again, and one ``seen`` records with its current size and modification
+    time is not read again (``seen`` is updated). Files vanishing mid-scan and names
+    that are not safe artifact paths are skipped."""
     entries: list[TreeEntry] = []
     with pool.batch():  # one flush for the whole directory, not one per file
         for rel, path in walk(root):
-            entry = _scan_one(pool, rel, path, prefix, known)
+            entry = _scan_one(pool, rel, path, prefix, known, seen)
             if entry is not None:
                 entries.append(entry)
     return entries
 
 
 def _scan_one(pool: ArtifactPool, rel: str, path: Path, prefix: str,
-              known: dict[str, TreeEntry] | None) -> TreeEntry | None:
+              known: dict[str, TreeEntry] | None, seen: Seen | None) -> TreeEntry | None:
     """Store one file and return its entry; ``None`` for an unsafe name or a file
     that vanished or is not regular."""
     try:
@@ -124,16 +131,23 @@ def _scan_one(pool: ArtifactPool, rel: str, path: Path, prefix: str,
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return None
+        mode = st.st_mode & MODE_MASK
+        before = known.get(name) if known else None
+        last = seen.get(name) if seen is not None else None
+        if (last is not None and last[:2] == (st.st_size, st.st_mtime_ns)
+                and before is not None and before.sha256 == last[2]):
+            return TreeEntry(name, last[2], mode, st.st_size)
         data = _read_all(fd, st.st_size)
     except OSError:
         return None
     finally:
         os.close(fd)
     sha = sha256_hex(data)
-    before = known.get(name) if known else None
     if before is None or before.sha256 != sha or not pool.has(sha):
         pool.put(data, sha)
-    return TreeEntry(name, sha, st.st_mode & MODE_MASK, len(data))
+    if seen is not None:
+        seen[name] = (st.st_size, st.st_mtime_ns, sha)
+    return TreeEntry(name, sha, mode, len(data))
 
 
 def _read_all(fd: int, size: int) -> bytes:

@@ -107,15 +107,20 @@ def blob_label(family: str, key: str, sha: str) -> str:
 
 
 def read_trees(pool: ArtifactPool, family: str, key: str,
-               names: Mapping[str, str] | None = None) -> list[TreeManifest]:
+               names: Mapping[str, str] | None = None,
+               cache: dict[str, TreeManifest] | None = None) -> list[TreeManifest]:
     """The trees the pool holds for ``family`` under ``key`` (verified reads; a
-    missing, corrupt or malformed tree is skipped and logged)."""
+    missing, corrupt or malformed tree is skipped and logged). ``cache`` keeps the
+    trees read, by digest (a tree never changes), for the next call."""
     prefix = f"{family_prefix(family, key)}tree/"
     labels = pool.names() if names is None else names
     trees: list[TreeManifest] = []
     for name, sha in sorted(labels.items()):
         # A tree's label names its own digest; one that names another is not a tree.
         if not name.startswith(prefix) or name[len(prefix):] != sha:
+            continue
+        if cache is not None and sha in cache:
+            trees.append(cache[sha])
             continue
         data = pool.get(sha)
         if data is None or len(data) > MAX_TREE_BYTES:
@@ -127,6 +132,8 @@ def read_trees(pool: ArtifactPool, family: str, key: str,
             continue
         if tree.family == family and tree.key == key:
             trees.append(tree)
+            if cache is not None:
+                cache[sha] = tree
     return trees
 
 

@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 _LOCK = threading.Lock()
 _POOLS: dict[str, ArtifactPool] = {}
 _CONFLICTS = ConflictLog()
+# Trees read, by digest (immutable): a compile's every miss does not read them again.
+_TREES: dict[str, TreeManifest] = {}
 
 
 def _pool() -> ArtifactPool | None:
@@ -104,7 +106,9 @@ class PoolCacheManager(FileCacheManager):
     def _entries(self) -> dict[str, TreeEntry]:
         family = self._family
         assert family is not None and family.pool is not None
-        merged = union(read_trees(family.pool, family.name, family.key))
+        with _LOCK:
+            trees = read_trees(family.pool, family.name, family.key, cache=_TREES)
+        merged = union(trees)
         _CONFLICTS.report(family.name, family.key, merged.conflicts)
         return merged.entries
 

@@ -247,3 +247,17 @@ def test_the_triton_family_sets_its_cache_manager_only_when_unset(
     family.install(pool, None)
     family.uninstall()
     assert os.environ["TRITON_CACHE_MANAGER"] == "mine:Manager"
+
+
+def test_a_second_publish_rereads_only_files_that_changed(tmp_path: Path) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    built = tmp_path / "built"
+    fill(built, {"a.so": b"first", "b.so": b"other"})
+    family = Family(spec(built), pool)
+    assert family.publish() == 2
+    assert family.publish() == 0
+    # Same size, new bytes and a new time: read again, published, and a conflict.
+    (built / "a.so").write_bytes(b"again")
+    os.utime(built / "a.so", ns=(time.time_ns() + 10**9,) * 2)
+    assert family.publish() == 1
+    assert sorted(jit.union(jit.read_trees(pool, "inductor", family.key)).conflicts) == ["a.so"]
