@@ -261,3 +261,27 @@ def test_a_second_publish_rereads_only_files_that_changed(tmp_path: Path) -> Non
     os.utime(built / "a.so", ns=(time.time_ns() + 10**9,) * 2)
     assert family.publish() == 1
     assert sorted(jit.union(jit.read_trees(pool, "inductor", family.key)).conflicts) == ["a.so"]
+
+
+def _materialise_in(pool_root: str, target: str, key: str) -> None:
+    spec_ = FamilySpec("inductor", key, (Root(Path(target)),))
+    Family(spec_, ArtifactPool(pool_root)).materialize()
+
+
+def test_two_ranks_sharing_a_directory_materialise_it_at_once(tmp_path: Path) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    built = tmp_path / "built"
+    files = {f"d{i % 5}/f{i}.so": (b"%d" % i) * 3000 for i in range(80)}
+    fill(built, files)
+    Family(spec(built), pool).publish()
+    target = tmp_path / "shared"
+    ctx = multiprocessing.get_context("spawn")
+    ranks = [ctx.Process(target=_materialise_in,
+                         args=(str(pool.root), str(target), spec(built).key)) for _ in range(2)]
+    for rank in ranks:
+        rank.start()
+    for rank in ranks:
+        rank.join(timeout=60)
+    assert [r.exitcode for r in ranks] == [0, 0]
+    assert {str(p.relative_to(target)) for p in target.rglob("*") if p.is_file()} == set(files)
+    assert all((target / rel).read_bytes() == data for rel, data in files.items())
