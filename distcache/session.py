@@ -32,6 +32,7 @@ from distcache.config import Settings, settings
 from distcache.errors import CollectiveTimeout, DistcacheError
 from distcache.integrations import Integration
 from distcache.ipc import PoolRegistry
+from distcache.peer import Hosted, start_for_session
 
 if TYPE_CHECKING:
     from distcache.collective import PrefetchReport
@@ -75,6 +76,8 @@ class Session:
     _error: BaseException | None = None
     # The slot this session is kept in (SessionSlot); close() leaves it.
     _slot: SessionSlot | None = None
+    # The node agents of the peer tier this rank hosts or uses (distcache.peer).
+    _peers: Hosted | None = None
 
     @property
     def ready(self) -> bool:
@@ -151,6 +154,8 @@ class Session:
             self._thread.join()
         for integration in reversed(self.integrations):
             integration.uninstall()
+        if self._peers is not None:
+            self._peers.close()
         if self.registry is not None:
             self.registry.close()
         if self._adopted is not None:
@@ -287,6 +292,7 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
         _log_rank0(comm, "pool: %s (id %s)", the_pool.root, the_pool.pool_id)
         chosen = [*chosen, *jit_families(options.jit_caches, conf, the_pool, options.environ)]
         the_origin = resolve_origin(options.origin, conf, chosen)
+        session._peers = start_for_session(comm, the_pool, the_origin, adopted.scope.secret if adopted else None, conf.peers, timeout=conf.timeout, environ=options.environ)
         if options.ipc_pools is not None:
             with _phase(phases, "ipc"):
                 session.registry = PoolRegistry.exchange(comm, list(options.ipc_pools),

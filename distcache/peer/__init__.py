@@ -16,7 +16,7 @@ from distcache.peer._agent import Agent
 from distcache.peer._auth import derive_key, sign, verify
 from distcache.peer._client import Answer, fetch
 from distcache.peer._flight import Singleflight
-from distcache.peer._hosting import Hosted, host_agent, job_address, start
+from distcache.peer._hosting import Hosted, host_agent, job_address, start, start_for_session
 from distcache.peer._ring import order, owner
 from distcache.peer._tier import LOOKUP_BOUND_S, Lookup, Tier, attach, counts, current, lookup
 
@@ -40,5 +40,6 @@ __all__ = [
     "owner",
     "sign",
     "start",
+    "start_for_session",
     "verify",
 ]

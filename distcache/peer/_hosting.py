@@ -94,25 +94,25 @@ def host_agent(pool: ArtifactPool, origin: Callable[[], Origin | None], key: byt
 
 def start(comm: Communicator, pool: ArtifactPool, origin: Callable[[], Origin | None],
           secret: bytes | None, *, timeout: float | None = None,
-          environ: Mapping[str, str] | None = None) -> Hosted:
+          environ: Mapping[str, str] | None = None) -> Hosted | None:
     """Collective: start the node agents of this communicator's job and attach this
-    rank's tier. ``secret`` is the run scope's (``None``: rank 0 draws one, and it is
-    shared over the communicator).
+    rank's tier; ``None`` (no agent, nothing attached) when every rank is on one node.
+    ``secret`` is the run scope's (``None``: rank 0 draws one, shared over ``comm``).
 
     Raises:
-        CollectiveTimeout, CommError: the all-gather failed (on every rank).
+        CollectiveTimeout, CommError: an all-gather failed (on every rank).
         OSError: this node's agent could not listen.
     """
-    if secret is None:
-        shared = comm.allgather_object(secrets.token_bytes(32) if comm.rank == 0 else b"",
-                                       timeout=timeout)
-        secret = bytes(shared[0])
-    key = derive_key(secret)
-    nodes = comm.allgather_object((comm.node_id, comm.rank), timeout=timeout)
-    leader = min(rank for node, rank in nodes if node == comm.node_id) == comm.rank
+    drawn = secrets.token_bytes(32) if comm.rank == 0 and secret is None else b""
+    nodes = comm.allgather_object((comm.node_id, comm.rank, drawn), timeout=timeout)
+    if len({node for node, _, _ in nodes}) < 2:
+        return None
+    key = derive_key(secret if secret is not None else bytes(nodes[0][2]))
+    leader = min(rank for node, rank, _ in nodes if node == comm.node_id) == comm.rank
     agent: Agent | None = None
     if leader:
-        agent = host_agent(pool, origin, key, f"{comm.node_id}/{secret.hex()[:16]}", environ)
+        tag = f"{comm.node_id}/{hashlib.sha256(key).hexdigest()[:16]}"
+        agent = host_agent(pool, origin, key, tag, environ)
     mine = (agent.endpoint, agent.local_endpoint or "") if agent is not None else ("", "")
     everyone = comm.allgather_object((comm.node_id, *mine), timeout=timeout)
     leaders = [(str(node), str(tcp), str(unix)) for node, tcp, unix in everyone if tcp]
@@ -125,3 +125,14 @@ def start(comm: Communicator, pool: ArtifactPool, origin: Callable[[], Origin | 
     if comm.rank == 0:
         log.info("peers: %d node agent(s): %s", len(endpoints), ", ".join(endpoints))
     return Hosted(tier, agent, endpoints)
+
+
+def start_for_session(comm: Communicator, pool: ArtifactPool, origin: Origin | None,
+                      secret: bytes | None, peers: str, *, timeout: float | None = None,
+                      environ: Mapping[str, str] | None = None) -> Hosted | None:
+    """What ``init`` starts for ``DISTCACHE_PEERS``: ``"1"`` and more than one rank, the
+    node agents (:func:`start`); ``"0"``, or a socket path (``python -m launch --peers``
+    hosts the agent: lookups use it through the environment), nothing."""
+    if peers != "1" or comm.size < 2:
+        return None
+    return start(comm, pool, lambda: origin, secret, timeout=timeout, environ=environ)

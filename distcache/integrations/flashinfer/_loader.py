@@ -2,21 +2,18 @@
 
 Policy only; :mod:`distcache.integrations.flashinfer._install` puts it into FlashInfer.
 distcache's own failures never raise (its caller may be FlashInfer's ctypes callback,
-which an exception cannot cross; see shared/reference/research-flashinfer_cubins.md,
-§1.6): FlashInfer's own function answers instead. What FlashInfer's own function
-raises (``FLASHINFER_NO_DOWNLOAD``'s "not found locally", say) passes through
-unchanged, exactly as it would without distcache.
+which an exception cannot cross): FlashInfer's own function answers instead. What
+FlashInfer's own function raises passes through unchanged.
 
-Two answers are final and FlashInfer's function is not asked: a name the origin
-FlashInfer itself would use says it does not have (its retrying download of the same
-URL would cost minutes for the same answer), and, with ``DISTCACHE_OFFLINE=1``, a
-miss while FlashInfer's download cannot be switched off.
+A pool miss asks the peer tier first (:func:`distcache.peer.lookup`: this node's
+agent, which asks the artifact's owner node; bounded by ``LOOKUP_BOUND_S``, never
+raising), then the origin. Two answers are final and FlashInfer's function is not
+asked: a name the origin FlashInfer itself would use says it does not have, and, with
+``DISTCACHE_OFFLINE=1``, a miss while FlashInfer's download cannot be switched off.
 
-A verified download is never thrown away: when the pool cannot take it (``objects/``
-not writable, a full disk), the caller gets the bytes the origin delivered, the
-failure is logged once per pool, and FlashInfer's function is not asked to download
-them again. A file FlashInfer opens by path is then written into its cubin directory
-from those bytes.
+A verified download is never thrown away: when the pool cannot take it, the caller
+gets the bytes, the failure is logged once per pool, and FlashInfer's function is not
+asked to download them again.
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from distcache import _events
+from distcache import _events, peer
 from distcache.artifact import Artifact, check_sha256, path_under, sha256_hex, validate_name
 from distcache.config import Settings, settings
 from distcache.errors import ArtifactNameError, ArtifactNotFound, PoolError
@@ -44,15 +41,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Pooled by default: every kernel (``.cubin``; cute-dsl ``.so``) and the files
-#: FlashInfer fetches to compile against them (headers, ``checksums.txt``, DeepGEMM's
-#: ``kernel_map.json``). All are content-addressed by the sha256 FlashInfer passes.
+#: Pooled by default: every kernel (``.cubin``; cute-dsl ``.so``) and the files FlashInfer
+#: fetches to compile against them, all content-addressed by the sha256 FlashInfer passes.
 DEFAULT_POOLED = ("*.cubin", "*.so", "*.h", "*/checksums.txt", "*.json")
-#: Also written into ``FLASHINFER_CUBIN_DIR`` by default: the files FlashInfer (or
-#: nvcc, through its include symlinks) opens by path after ``get_artifact``
-#: returns. TRTLLM-Gen/cuDNN cubins are only handed over as bytes, so they are not
-#: copied into every rank's cache (an earlier copy-everything design in TensorRT-LLM
-#: showed unexplained stalls; see shared/reference/seed-trtllm-shared-fmha-cubins.txt).
+#: Also written into ``FLASHINFER_CUBIN_DIR`` by default: the files FlashInfer (or nvcc,
+#: through its include symlinks) opens by path; TRTLLM-Gen/cuDNN cubins are only handed
+#: over as bytes, so they are not copied into every rank's cache.
 DEFAULT_MATERIALIZED = ("*.h", "*/checksums.txt", "*.json", "*.so", "*/deep-gemm/*")
 
 
@@ -97,7 +91,10 @@ class LoaderStats:
 
     hits: int = 0  #: served from the pool
     local: int = 0  #: found valid in FLASHINFER_CUBIN_DIR and added to the pool
-    fetched: int = 0  #: fetched from the origin through the pool
+    fetched: int = 0  #: fetched from the origin through the pool (or the node's agent, the owner)
+    peer: int = 0  #: copied from another node's agent (the artifact's owner)
+    peer_fallbacks: int = 0  #: the node's agent asked the origin: no owner answered
+    peer_failed: int = 0  #: the peer tier did not serve in its bound; the origin then
     passthrough: int = 0  #: not a pooled family: FlashInfer's own function
     fallbacks: int = 0  #: distcache failed; FlashInfer's own function answered
     rejected: int = 0  #: unsafe name: answered ``b""`` without touching a file
@@ -124,12 +121,10 @@ class PooledLoader:
     """A drop-in ``get_artifact(file_name, sha256, session=None) -> bytes``.
 
     Args:
-        pool: the artifact pool.
-        original: FlashInfer's function (the fallback).
-        origin: where a pool miss is fetched from; ``None``: :func:`default_origin`
-            at call time.
-        cubin_dir: returns FlashInfer's cubin directory (read per call, because
-            FlashInfer keeps it as a module attribute that users repoint).
+        pool: the artifact pool. original: FlashInfer's function (the fallback).
+        origin: where a pool miss is fetched from (after the peer tier); ``None``:
+            :func:`default_origin` at call time.
+        cubin_dir: returns FlashInfer's cubin directory (read per call: users repoint it).
         families: which names are pooled and materialised.
         recorder: appends every served ``(name, sha256)`` to a usage record.
         seed_dirs: read-only directories (an installed ``flashinfer-cubin``) whose
@@ -139,22 +134,12 @@ class PooledLoader:
             origin is final (the origin is FlashInfer's own repository).
     """
 
-    def __init__(
-        self,
-        pool: ArtifactPool,
-        original: GetArtifact,
-        *,
-        origin: Origin | None = None,
-        cubin_dir: Callable[[], Path | None] = lambda: None,
-        families: Families | None = None,
-        recorder: Recorder | None = None,
-        seed_dirs: Callable[[], Iterable[Path]] = tuple,
-        offline: bool = False,
-        final_not_found: bool = False,
-    ) -> None:
-        self.pool = pool
-        self.original = original
-        self.origin = origin
+    def __init__(self, pool: ArtifactPool, original: GetArtifact, *, origin: Origin | None = None,
+                 cubin_dir: Callable[[], Path | None] = lambda: None,
+                 families: Families | None = None, recorder: Recorder | None = None,
+                 seed_dirs: Callable[[], Iterable[Path]] = tuple, offline: bool = False,
+                 final_not_found: bool = False) -> None:
+        self.pool, self.original, self.origin = pool, original, origin
         self.cubin_dir = cubin_dir
         self.families = families or Families()
         self.recorder = recorder
@@ -163,8 +148,7 @@ class PooledLoader:
         self.final_not_found = final_not_found
         self.stats = LoaderStats()
         self._lock = threading.Lock()
-        #: Pools whose publication failure was logged (once each).
-        self._unwritable: set[str] = set()
+        self._unwritable: set[str] = set()  #: pools whose publication failure was logged
         self.__name__ = "get_artifact"
         self.__doc__ = getattr(original, "__doc__", None)
 
@@ -259,6 +243,9 @@ class PooledLoader:
             return data, in_cubin_dir, pooled
         if self.offline or no_download():
             return None, False, False
+        peered = self._from_peers(artifact)
+        if peered is not None:
+            return peered, False, self.pool.has(artifact.sha256)
         origin = self.origin if self.origin is not None else default_origin()
         keeping = _Keeping(origin)
         try:
@@ -275,6 +262,21 @@ class PooledLoader:
         self._bump("fetched")
         return data, False, True
 
+    def _from_peers(self, artifact: Artifact) -> bytes | None:
+        """The node agent's verified bytes, counted by where they came from; ``None``
+        without a peer tier, or when it did not serve (counted)."""
+        tier = peer.current()
+        got = peer.lookup(artifact, tier) if tier is not None else None
+        if got is None:
+            if tier is not None:
+                self._bump("peer_failed")
+            return None
+        self._bump({"peer": "peer", "fallback": "peer_fallbacks", "pool": "hits"}.get(
+            got.source, "fetched"))
+        _events.emit("flashinfer.lookup", name=artifact.name, sha256=artifact.sha256,
+                     source=got.source, seconds=round(got.seconds, 6))
+        return got.data
+
     def _unpublished(self, exc: PoolError) -> None:
         self._bump("unpublished")
         where = str(getattr(self.pool, "root", self.pool))
@@ -290,12 +292,12 @@ class PooledLoader:
 
     def _materialize(self, artifact: Artifact, data: bytes | None) -> None:
         """Place ``artifact`` under FlashInfer's cubin directory: linked from the pool,
-        or written from ``data`` when the pool does not hold it."""
+        or written from ``data`` when the pool does not hold it. A valid file is left
+        alone: replacing it, even with identical bytes, would swap the inode under a
+        compiler that is reading it."""
         root = self.cubin_dir()
         if root is None:
             return
-        # A valid file is left alone: replacing it, even with identical bytes, would
-        # swap the inode under a compiler that is reading it.
         if _valid_bytes(root, artifact) is not None:
             return
         if data is None:
