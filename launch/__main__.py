@@ -29,10 +29,13 @@ from typing import NoReturn
 
 import distcache
 from distcache._logging import configure_logging
+from distcache._resolve import resolve_origin, resolve_pool
 from distcache.artifact import read_manifest
 from distcache.comm import adopt
+from distcache.config import settings
 from distcache.errors import DistcacheError
 from distcache.integrations.flashinfer import FlashInfer
+from distcache.peer import Hosted, start
 from launch._child import run
 from launch._detect import LaunchInfo, detect
 from launch._dist import mpi_publish, rendezvous_address
@@ -82,6 +85,12 @@ def _parser() -> _Parser:
         help="after --prefetch, link every prefetched artifact to DIR/<name> so that a "
         "loader reading files by path finds it (default: $FLASHINFER_CUBIN_DIR when set, "
         "so unmodified FlashInfer loads hit locally)",
+    )
+    parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="host this node's peer agent for PROGRAM's whole life (on the node's first rank) "
+        "so that a lazy miss costs one origin request per job; exported as DISTCACHE_PEERS",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what is exported")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- PROGRAM [ARGS...]")
@@ -167,6 +176,20 @@ def _prefetch(
         _finalize_mpi()
 
 
+def _host_peers(info: LaunchInfo, pool: str | None) -> Hosted | None:
+    """Start the node agents of the job (:func:`distcache.peer.start`) over a
+    communicator of distcache's own, discarded before PROGRAM starts: the agents keep
+    serving from this process, on threads, until it exits. ``None`` on one node."""
+    conf = settings()
+    adopted = adopt(info)
+    try:
+        the_origin = resolve_origin(None, conf, [FlashInfer()])
+        return start(adopted.comm, resolve_pool(pool, conf), lambda: the_origin,
+                     adopted.scope.secret, timeout=conf.timeout)
+    finally:
+        adopted.close()
+
+
 def _finalize_mpi() -> None:
     """Finalize MPI if the prefetch initialised it, before PROGRAM starts: PROGRAM's
     ranks make their own ``MPI_Init`` under this rank's identity, and a wrapper still
@@ -200,6 +223,7 @@ def _exit_like(status: int) -> NoReturn:
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     args_in = list(sys.argv[1:] if argv is None else argv)
     slot: WorkspaceSlot | None = None
+    hosted: Hosted | None = None
     try:
         args = _parser().parse_args(args_in)
         configure_logging(int(args.verbose), None)  # warnings only until the rank is known
@@ -221,6 +245,12 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         if args.workspace is not None:
             slot = acquire_slot(args.workspace, start=info.rank)
             extra["DISTCACHE_WORKSPACE"] = str(slot.path)
+        if args.peers:
+            hosted = _host_peers(info, extra.get("DISTCACHE_POOL"))
+            if hosted is not None and hosted.tier is not None:
+                extra["DISTCACHE_PEERS"] = hosted.tier.endpoint.removeprefix("unix:")
+            if args.prefetch is None:
+                _finalize_mpi()
         env = child_environment(info, dict(os.environ), extra)
         if args.prefetch is not None:
             _prefetch(info, Path(extra["DISTCACHE_PREFETCH_MANIFEST"]), extra.get("DISTCACHE_POOL"),
@@ -238,6 +268,8 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     finally:
         if slot is not None:
             slot.release()
+        if hosted is not None:
+            hosted.close()
     _exit_like(status)
 
 

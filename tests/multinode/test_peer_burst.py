@@ -98,3 +98,19 @@ def test_the_owner_node_killed_mid_burst_costs_only_what_it_owned(
     assert all(r["longest"] < LOOKUP_BOUND_S for r in survivors)
     owned = victims[0]["owned_by_first"]
     assert 32 <= origin.total_requests <= 32 + owned, (results, origin.requests)
+
+
+@pytest.mark.slow
+def test_a_program_under_launch_that_never_calls_distcache_costs_one_request_per_artifact(
+    tmp_path: Path, origin: Any
+) -> None:
+    program = [sys.executable, "-m", "launch", "--peers", "--", sys.executable, str(WORKER),
+               "launch", str(tmp_path), str(tmp_path / "names.txt")]
+    _, results = launch(tmp_path, "launch", origin.url, program=program,
+                        DISTCACHE_AUTOINSTALL="1")
+    assert len(results) == len(NODES) * RANKS_PER_NODE
+    assert all(r["right"] for r in results)
+    assert origin.total_requests == 32
+    stats = [r["stats"] for r in results]
+    assert sum(s["peer_failed"] + s["fallbacks"] for s in stats) == 0
+    assert sum(s["peer"] for s in stats) >= 3 * 32  # the other nodes copied, not fetched
