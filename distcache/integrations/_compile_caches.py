@@ -5,11 +5,14 @@ The vLLM plugin and the start-up hook call :func:`start` with the families that
 ``DISTCACHE_JIT_CACHES`` names (``vllm,inductor``: vLLM's torch.compile cache, and
 Inductor's directory with torch's precompiled header), before the engine compiles. The
 first process of a tree that has them fills their directories from ``DISTCACHE_POOL``
-and becomes their *owner*: it records itself in :data:`OWNER` (inherited by every
-process it starts), and at its exit stores what the directories gained
+and becomes their *owner*: it records itself (host, pid, and a digest of the
+families' keys and directories) in the file :data:`OWNER_FILE` in the first family's
+directory (a dot file: never published), and at its exit stores what the directories
+gained
 (:meth:`distcache.jit.Family.publish`, content-addressed, so the copies that several
-ranks hold of one file are one object). A process that inherits an owner for the same
-directories and keys neither fills nor publishes them again: its owner outlives it
+ranks hold of one file are one object). A process whose owner file names one of its
+own ancestors (read from ``/proc``), for the same directories and keys, neither fills
+nor publishes them again: its owner outlives it
 (vLLM's main process waits for its engine core and workers), and the owner's
 publication at exit sees every file they built. A process without an owner (a rank
 started by ``mpirun``, ``srun`` or ``torchrun``, a node of its own) is its own owner.
@@ -19,11 +22,14 @@ Nothing here is collective; nothing raises into the engine.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import logging
 import os
+import socket
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -31,8 +37,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Set by the owning process to ``<pid>:<digest of the families' keys and roots>``.
-OWNER = "DISTCACHE_JIT_OWNER"
+#: The owner's record in the first family's directory: ``<host> <pid> <digest>``.
+OWNER_FILE = ".distcache-jit-owner"
+#: How many parents :func:`ancestors` follows.
+MAX_DEPTH = 64
 
 _lock = threading.Lock()
 # pid -> the families this process started (and, when it owns them, publishes).
@@ -88,12 +96,13 @@ def _start(source: str, role: str, names: tuple[str, ...],
     pool = ArtifactPool(pool_dir, max_bytes=max_bytes)
     chosen = families(names, pool=pool)
     digest = _digest(chosen)
-    owner_pid, _, owner_digest = os.environ.get(OWNER, "").partition(":")
-    inherited = owner_digest == digest and owner_pid.isdigit() and int(owner_pid) != os.getpid()
+    record = chosen[0].spec.roots[0].path / OWNER_FILE if chosen[0].spec.roots else None
+    owner = read_owner(record, digest) if record is not None else None
+    inherited = owner is not None
     summaries = []
     for family in chosen:
         summary: dict[str, Any] = {"name": family.name, "key_id": key_id(family.key),
-                                   "owner": int(owner_pid) if inherited else os.getpid()}
+                                   "owner": owner if owner is not None else os.getpid()}
         if not inherited:
             began = time.monotonic()
             try:
@@ -108,11 +117,57 @@ def _start(source: str, role: str, names: tuple[str, ...],
                             family.name, exc)
         summaries.append(summary)
     if not inherited:
-        os.environ[OWNER] = f"{os.getpid()}:{digest}"
+        if record is not None:
+            write_owner(record, digest)
         atexit.register(publish_at_exit, chosen, source, role, os.getpid())
         log.info("distcache %s hook: JIT caches %s materialised from %s", source,
                  ",".join(f.name for f in chosen), pool_dir)
     return summaries
+
+
+def ancestors(pid: int | None = None) -> list[int]:
+    """The parent, grandparent ... of ``pid`` (default: this process), from ``/proc``;
+    empty where there is none to read."""
+    found: list[int] = []
+    here = os.getpid() if pid is None else pid
+    for _ in range(MAX_DEPTH):
+        try:
+            with open(f"/proc/{here}/stat", encoding="ascii", errors="replace") as stat:
+                # pid (comm) state ppid ...: comm may hold spaces and parentheses.
+                here = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+        if here <= 0:
+            break
+        found.append(here)
+        if here == 1:
+            break
+    return found
+
+
+def read_owner(record: Path, digest: str) -> int | None:
+    """The pid the owner file names, when it is an ancestor of this process on this
+    host and owns the same families; else ``None``."""
+    try:
+        host, pid, owned = record.read_text(encoding="utf-8").split()
+    except (OSError, ValueError):
+        return None
+    if host != socket.gethostname() or owned != digest or not pid.isdigit():
+        return None
+    return int(pid) if int(pid) in ancestors() else None
+
+
+def write_owner(record: Path, digest: str) -> None:
+    """Name this process as the owner (atomically; a failure only costs the processes
+    it starts a fill and a publication of their own)."""
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        partial = record.with_name(f"{record.name}.{os.getpid()}")
+        partial.write_text(f"{socket.gethostname()} {os.getpid()} {digest}\n",
+                           encoding="utf-8")
+        os.replace(partial, record)
+    except OSError as exc:
+        log.debug("no JIT owner file at %s: %s", record, exc)
 
 
 def publish_at_exit(chosen: list[Family], source: str, role: str,
@@ -136,4 +191,9 @@ def publish_at_exit(chosen: list[Family], source: str, role: str,
             log.warning("distcache %s hook: %s not published: %s", source, family.name, exc)
         published.append(row)
     _events.emit("engine.jit_publish", source=source, role=role, families=published)
+    record = chosen[0].spec.roots[0].path / OWNER_FILE if chosen and chosen[0].spec.roots else None
+    if record is not None:
+        with contextlib.suppress(OSError, ValueError):
+            if record.read_text(encoding="utf-8").split()[1] == str(owner):
+                record.unlink()
     return published

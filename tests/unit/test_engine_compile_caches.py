@@ -110,6 +110,23 @@ def test_a_child_inherits_its_owner_and_the_owner_publishes_what_it_built(
     published = [e for e in events if e["event"] == "engine.jit_publish"]
     assert [e["pid"] for e in published] == [main["pid"]]
     assert published[0]["families"][0]["files"] == 3  # the child's build, at the owner's exit
+    # The owner's record is a dot file (never published) and is gone after its exit.
+    assert not (tmp_path / "vllm" / "torch_compile_cache" / _compile_caches.OWNER_FILE).exists()
+
+
+def test_an_owner_record_counts_only_for_a_descendant(tmp_path: Path) -> None:
+    record = tmp_path / _compile_caches.OWNER_FILE
+    _compile_caches.write_owner(record, "abc")
+    assert record.read_text().split()[1:] == [str(os.getpid()), "abc"]
+    # This process is not its own ancestor; its parent would be.
+    assert _compile_caches.read_owner(record, "abc") is None
+    assert os.getppid() in _compile_caches.ancestors()
+    host = record.read_text().split()[0]
+    record.write_text(f"{host} {os.getppid()} abc\n")
+    assert _compile_caches.read_owner(record, "abc") == os.getppid()
+    assert _compile_caches.read_owner(record, "other families") is None
+    record.write_text(f"another-host {os.getppid()} abc\n")
+    assert _compile_caches.read_owner(record, "abc") is None
 
 
 def test_disabled_hooks_leave_the_caches_alone(tmp_path: Path) -> None:
