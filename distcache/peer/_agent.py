@@ -205,7 +205,10 @@ class Agent:
                 log.debug("agent %s skipped for %s: %s", endpoint, artifact.name, exc)
                 continue
             self.count("peer")
-            self._publish(artifact, got.data)
+            # Published beside the answer, not before it: the asker has verified bytes
+            # now, and a lookup that comes before the object lands only copies again.
+            threading.Thread(target=self._publish, args=(artifact, got.data), daemon=True,
+                             name="distcache-peer-publish").start()
             return _client.Answer(got.data, "peer")
         self.count("no_owner")
         raise PeerError(f"no owner of {artifact.name} answered", sha256=artifact.sha256,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -175,8 +176,13 @@ def test_concurrent_misses_on_every_node_cost_one_origin_request_per_artifact(
         assert sources.count("origin") + sources.count("peer") + sources.count("pool") == len(asks)
         assert sum(a.counts["origin"] for a in agents) == len(made)
         assert sum(a.counts["peer"] for a in agents) == 3 * len(made)  # each other node once
-        for agent in agents:  # every node's pool now holds every artifact
-            assert all(agent.pool.has(a.sha256) for a in made)
+        # Every node's pool comes to hold every artifact (copies are published beside
+        # the answer, on a thread).
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(
+                agent.pool.has(a.sha256) for agent in agents for a in made):
+            time.sleep(0.02)
+        assert all(agent.pool.has(a.sha256) for agent in agents for a in made)
     finally:
         _stop(agents)
 
