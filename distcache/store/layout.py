@@ -15,6 +15,8 @@ A pool root holds::
     locks/pool_id.lock          held while a copied pool takes a fresh ``pool_id``
     names.log                   append-only "name -> sha" labels, last entry wins
     journal.log                 append-only list of shas published into this pool
+    sync.cursor                 where the last collective sync left journal.log (a
+                                byte offset), so the next one sends only what follows
 
 :class:`PoolLayout` is the one place that names these paths; the rest of
 :mod:`distcache.store` asks it rather than joining paths itself, so a change of layout
@@ -97,6 +99,8 @@ class PoolLayout:
     names_log: Path = field(init=False, repr=False, compare=False)
     #: ``journal.log``: the shas published into the pool.
     journal_log: Path = field(init=False, repr=False, compare=False)
+    #: ``sync.cursor``: the journal offset the last collective sync reached.
+    sync_cursor: Path = field(init=False, repr=False, compare=False)
     # Object paths are built on every read: one string concatenation, no Path objects.
     _objects_prefix: str = field(init=False, repr=False, compare=False)
 
@@ -106,6 +110,7 @@ class PoolLayout:
                  "objects": root / "objects", "tmp": root / "tmp",
                  "quarantine": root / "quarantine", "locks": root / "locks",
                  "names_log": root / "names.log", "journal_log": root / "journal.log",
+                 "sync_cursor": root / "sync.cursor",
                  "_objects_prefix": f"{root / 'objects'}{os.sep}"}
         for name, value in paths.items():
             object.__setattr__(self, name, value)
