@@ -23,7 +23,9 @@ rank alike, when a rank's downloads made no progress for ``timeout`` seconds (th
 lowest such rank is named: "the origin is stalling"), or when a rank misses a
 heartbeat by ``timeout`` (a peer that is gone, stopped or stuck: ``CollectiveTimeout``).
 So a slow, steady origin may take as long as it needs, and a silent one or a silent
-peer is reported within ``timeout`` plus one heartbeat.
+peer is reported within ``timeout`` plus one heartbeat. The move phase (:meth:`Run.move`)
+follows the same rule: the writers move buckets on a thread while every rank, taking
+part or not, beats the heart (:mod:`distcache.collective._heartbeat`).
 """
 
 from __future__ import annotations
@@ -39,23 +41,25 @@ from distcache._events import emit
 from distcache.artifact import Artifact
 from distcache.collective._bucket import StreamStats
 from distcache.collective._download import Downloads, stall_message
+from distcache.collective._heartbeat import (
+    Activity,
+    Failure,
+    Worker,
+    concurrent,
+    heartbeats,
+)
 from distcache.collective._plan import Plan, decode_bitmap, elect_writers, encode_bitmap
 from distcache.collective._progress import Progress
 from distcache.collective._report import PHASES, PrefetchReport
 from distcache.collective._stream import move_objects
 from distcache.comm import Communicator
 from distcache.config import settings
-from distcache.errors import CommError, ConfigError, PrefetchError
+from distcache.errors import CollectiveTimeout, CommError, ConfigError, PrefetchError
 from distcache.origins import Origin
 from distcache.store import Pool
 
 log = logging.getLogger(__name__)
 
-#: Longest interval between two heartbeats of the fetch phase (see the module docstring).
-HEARTBEAT = 1.0
-
-#: (phase, artifact name or None, rank, host, "Type: message")
-Failure = tuple[str, str | None, int, str, str]
 _T = TypeVar("_T")
 
 
@@ -98,7 +102,11 @@ class Run:
         found = [f for f in failures if f is not None]
         if not found:
             return
-        phase, artifact, rank, host, cause = min(found, key=lambda f: f[2])
+        # A timeout is often what another rank's failure did to its peers (a receiver
+        # that stopped taking buckets leaves its source waiting): the cause is the
+        # lowest rank that failed otherwise, if any did.
+        phase, artifact, rank, host, cause = min(
+            found, key=lambda f: (f[4].startswith(CollectiveTimeout.__name__ + ":"), f[2]))
         what = artifact if artifact is not None else "(no single artifact)"
         raise PrefetchError(
             f"{self.operation} failed in {phase} on rank {rank}/{self.comm.size} ({host}) "
@@ -168,34 +176,29 @@ class Run:
         elif artifacts:
             job = Downloads(self.pool, origin, artifacts, workers=workers,
                             on_done=self.progress.update)
-        beat = min(HEARTBEAT, self.timeout / 4)
+
+        def step(beat: float) -> tuple[bool, float, Any, Failure | None]:
+            nonlocal job, failure
+            done = job is None or job.wait(beat)
+            if done and job is not None:
+                got = job.result()
+                self.downloads += got.downloads
+                self.origin_bytes += got.origin_bytes
+                if got.failure is not None:
+                    failure = self.failure("fetch", *got.failure)
+                job = None
+            running = job.running() if job is not None else []
+            idle = 0.0 if job is None else job.idle()
+            return done, idle, (running[0] if running else None, origin.describe()), failure
+
+        def stalled(rank: int, idle: float, detail: Any, host: str) -> Failure:
+            name, label = detail
+            where = f"rank {rank}/{self.comm.size} ({host})"
+            return ("fetch", name, rank, host, "OriginError: " + stall_message(
+                name or "(queued)", label, self.timeout, idle, where))
+
         try:
-            while True:
-                done = job is None or job.wait(beat)
-                if done and job is not None:
-                    got = job.result()
-                    self.downloads += got.downloads
-                    self.origin_bytes += got.origin_bytes
-                    if got.failure is not None:
-                        failure = self.failure("fetch", *got.failure)
-                    job = None
-                running = job.running() if job is not None else []
-                # Plain values only: (over, seconds idle, running, origin, host, failure).
-                state = (done, 0.0 if job is None else job.idle(),
-                         running[0] if running else None,
-                         origin.describe(), self.comm.node_id, failure if done else None)
-                states = self.comm.allgather_object(state, timeout=self.timeout)
-                if all(s[0] for s in states):
-                    self.raise_first(s[5] for s in states)
-                    return
-                stalled = next((r for r, s in enumerate(states)
-                                if not s[0] and s[1] >= self.timeout), None)
-                if stalled is not None:
-                    _, idle, name, label, host, _ = states[stalled]
-                    where = f"rank {stalled}/{self.comm.size} ({host})"
-                    cause = "OriginError: " + stall_message(
-                        name or "(queued)", label, self.timeout, idle, where)
-                    self.raise_first([("fetch", name, stalled, host, cause)])
+            heartbeats(self.comm, self.timeout, step, self.raise_first, stalled)
         finally:
             if job is not None:
                 got = job.abandon()
@@ -207,18 +210,66 @@ class Run:
     def move(
         self, plan: Plan, pool_ids: list[str], name_of: Mapping[str, str], bucket_bytes: int
     ) -> Failure | None:
-        failed = move_objects(
-            self.comm,
-            plan,
-            self.pool,
-            pool_ids=pool_ids,
-            bucket_bytes=bucket_bytes,
-            stats=self.stream,
-            timeout=self.timeout,
-            on_done=self.progress.update,
-        )
-        if failed is None:
-            return None
+        """Collective, entered by every rank when the plan has sends: the pools' writers
+        move the objects among themselves (:func:`move_objects`) on a thread, over a
+        communicator of their own, while every rank beats the heart on this one, as in
+        the fetch phase. So a rank that takes no part (not a writer, or a writer
+        outside every audience) waits as long as the move makes progress (a bucket
+        sent, received or published on some rank) and fails, with every rank, when a
+        rank's move made no progress for ``timeout`` or a rank misses a heartbeat.
+        Returns this rank's failure (the caller agrees on it with :meth:`check`).
+        """
+        writers = plan.writer_ranks
+        is_writer = self.comm.rank in writers
+        # Always a communicator of the writers' own, even when every rank writes: the
+        # heartbeats run on this one at the same time.
+        wcomm = self.comm.split(0 if is_writer else 1)
+        activity = Activity()
+
+        def published(nbytes: int) -> None:
+            activity.touch()
+            self.progress.update(nbytes)
+
+        def work() -> tuple[int, BaseException] | None:
+            # On the move's thread, a batch of that thread's own, like the caller's
+            # (durable): what the move publishes is flushed in the background.
+            with self.pool.batch(wait=False):
+                return move_objects(wcomm, self.comm.rank, plan, self.pool, pool_ids=pool_ids,
+                                    bucket_bytes=bucket_bytes, stats=self.stream,
+                                    timeout=self.timeout, on_done=published,
+                                    on_bucket=activity.touch)
+
+        if not concurrent(self.comm):
+            # The transport cannot take two threads: the move runs here, and a rank
+            # outside it waits for its end within one timeout.
+            failed = work() if is_writer else None
+            return None if failed is None else self._moved(plan, name_of, failed)
+        worker = Worker("move", work if is_writer else None)
+        failure: list[Failure | None] = []  # this rank's, once its move is over
+
+        def step(beat: float) -> tuple[bool, float, Any, Failure | None]:
+            done = worker.wait(beat)
+            if done and not failure:
+                failure.append(
+                    None if worker.error is None and worker.result is None
+                    else self.failure("move", None, worker.error) if worker.error is not None
+                    else self._moved(plan, name_of, worker.result))
+            return done, activity.idle(), None, failure[0] if failure else None
+
+        def stalled(rank: int, idle: float, _: Any, host: str) -> Failure:
+            where = f"rank {rank}/{self.comm.size} ({host})"
+            return ("move", None, rank, host,
+                    f"CollectiveTimeout: the move made no progress for {idle:.0f} s on "
+                    f"{where} (timeout {self.timeout:g} s): a peer or its pool is stuck")
+
+        try:
+            heartbeats(self.comm, self.timeout, step, self.raise_first, stalled)
+        finally:
+            worker.join(self.timeout)
+        return None
+
+    def _moved(self, plan: Plan, name_of: Mapping[str, str],
+               failed: tuple[int, BaseException]) -> Failure:
         sha = plan.objects[failed[0]]
         return self.failure("move", name_of.get(sha, sha), failed[1])
 

@@ -143,7 +143,8 @@ class _ReadAhead:
 
 
 def move_objects(
-    comm: Communicator,
+    wcomm: Communicator,
+    rank: int,
     plan: Plan,
     pool: Pool,
     *,
@@ -152,29 +153,28 @@ def move_objects(
     stats: StreamStats,
     timeout: float | None = None,
     on_done: Callable[[int], None] | None = None,
+    on_bucket: Callable[[], None] | None = None,
 ) -> tuple[int, BaseException] | None:
-    """Collective over ``comm``: carry out ``plan.audiences`` among the pools' writers.
+    """Collective over ``wcomm``, the writers' communicator: carry out
+    ``plan.audiences`` among the pools' writers. ``rank`` is this writer's rank in
+    the communicator the plan was made on.
 
-    Every rank calls it. Writers are split off into their own communicator (unless
-    every rank is a writer), and from it one communicator per audience smaller than
-    every writer (:func:`distcache.collective._audience.split_audiences`). Within each audience,
+    Every writer calls it (non-writers take no part). From ``wcomm`` one communicator
+    per audience smaller than every writer is split off
+    (:func:`distcache.collective._audience.split_audiences`). Within each audience,
     the sources stream their objects from their pools in turns, a bucket each, and
     every other rank of the audience verifies and publishes (``pool.put`` checks the
-    digest) those its pool lacks as each bucket arrives. A failure does not stop the protocol: the rank keeps
-    taking every bucket so its peers stay in step, and returns the first
-    ``(object index, error)`` for the caller to agree on.
+    digest) those its pool lacks as each bucket arrives. ``on_bucket`` is called after
+    every bucket this rank sent or received (progress). A failure does not stop the
+    protocol: the rank keeps taking every bucket so its peers stay in step, and
+    returns the first ``(object index, error)`` for the caller to agree on.
 
     Raises:
         CollectiveTimeout: a peer did not arrive in time.
-        ValueError: a malformed bucket arrived.
+        WireError: a malformed bucket arrived.
     """
     writers = plan.writer_ranks
-    is_writer = comm.rank in writers
-    # Non-writers get a communicator of their own and never use it.
-    wcomm = comm if len(writers) == comm.size else comm.split(0 if is_writer else 1)
-    if not is_writer:
-        return None
-    mine = pool_ids[comm.rank]
+    mine = pool_ids[rank]
     # The first (object index, error) this rank met, shared with the reader.
     failed: list[tuple[int, BaseException]] = []
 
@@ -194,30 +194,31 @@ def move_objects(
             yield index, data
             del data
 
-    comms = split_audiences(wcomm, comm.rank, writers, plan.audiences)
+    comms = split_audiences(wcomm, rank, writers, plan.audiences)
     try:
         # What the receivers publish is flushed once: with the batch of the prefetch or
         # sync around this move (in the background), else when the move ends.
         with pool.batch():
-            _move(comm, plan, pool, comms, read, mine, bucket_bytes, stats, timeout, failed,
-                  on_done)
+            _move(rank, plan, pool, comms, read, mine, bucket_bytes, stats, timeout, failed,
+                  on_done, on_bucket)
     except PoolError as exc:  # the batch's flush
         failed.append((0, exc))
     return failed[0] if failed else None
 
 
-def _move(comm: Communicator, plan: Plan, pool: Pool, comms: list[Communicator | None],
+def _move(rank: int, plan: Plan, pool: Pool, comms: list[Communicator | None],
           read: Callable[[tuple[int, ...]], Iterator[tuple[int, bytes | None]]], mine: str,
           bucket_bytes: int, stats: StreamStats, timeout: float | None,
           failed: list[tuple[int, BaseException]],
-          on_done: Callable[[int], None] | None) -> None:
+          on_done: Callable[[int], None] | None,
+          on_bucket: Callable[[], None] | None) -> None:
     publisher = _Publisher(pool, plan.objects, stats, failed, on_done)
     try:
         for audience, acomm in zip(plan.audiences, comms, strict=True):
             if acomm is None:
                 continue
             # Learn the audience communicator's rank order rather than assume it.
-            world_of = acomm.allgather_object(comm.rank, timeout=timeout)
+            world_of = acomm.allgather_object(rank, timeout=timeout)
             root_of = {world: sub for sub, world in enumerate(world_of)}
             # The sources take turns, one bucket each, until each has sent its last:
             # every rank receives while it publishes, instead of one source at a time
@@ -226,10 +227,10 @@ def _move(comm: Communicator, plan: Plan, pool: Pool, comms: list[Communicator |
             outgoing = {source: _ReadAhead(bucket_messages(read(indices),
                                                            bucket_bytes=bucket_bytes,
                                                            stats=stats))
-                        for source, indices in audience.sends if source == comm.rank}
+                        for source, indices in audience.sends if source == rank}
             try:
-                _take_turns(comm, audience.sends, acomm, root_of, outgoing, publisher, plan,
-                            mine, stats, timeout)
+                _take_turns(rank, audience.sends, acomm, root_of, outgoing, publisher, plan,
+                            mine, stats, timeout, on_bucket)
             finally:
                 for ahead in outgoing.values():
                     ahead.close()
@@ -237,16 +238,16 @@ def _move(comm: Communicator, plan: Plan, pool: Pool, comms: list[Communicator |
         publisher.close()
 
 
-def _take_turns(comm: Communicator, sends: Sequence[tuple[int, tuple[int, ...]]],
+def _take_turns(rank: int, sends: Sequence[tuple[int, tuple[int, ...]]],
                 acomm: Communicator, root_of: dict[int, int], outgoing: dict[int, _ReadAhead],
                 publisher: _Publisher, plan: Plan, mine: str, stats: StreamStats,
-                timeout: float | None) -> None:
+                timeout: float | None, on_bucket: Callable[[], None] | None) -> None:
     active = [source for source, _ in sends]
     while active:
         for source in list(active):
             # The root lends its message and receivers own theirs: no copies.
             message: bytes | bytearray
-            if source == comm.rank:
+            if source == rank:
                 message = next(outgoing[source])
                 lend_broadcast(acomm, message, root_of[source], timeout=timeout)
             else:
@@ -255,13 +256,15 @@ def _take_turns(comm: Communicator, sends: Sequence[tuple[int, tuple[int, ...]]]
             try:
                 last, entries = decode_bucket(message, len(plan.objects))
             except WireError as exc:
-                raise WireError(f"rank {comm.rank}: rank {source} sent a malformed bucket: "
-                                f"{exc}", op="stream", rank=comm.rank, peer=source) from None
+                raise WireError(f"rank {rank}: rank {source} sent a malformed bucket: "
+                                f"{exc}", op="stream", rank=rank, peer=source) from None
             if last:
                 active.remove(source)
-            if source != comm.rank:
+            if source != rank:
                 publisher.submit(_wanted(entries, plan, mine, stats), len(message))
             del message, entries
+            if on_bucket is not None:
+                on_bucket()
 
 
 def _wanted(entries: list[tuple[int, memoryview | None]], plan: Plan, mine: str,

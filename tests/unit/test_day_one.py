@@ -313,3 +313,100 @@ def test_ranks_that_disagree_on_having_an_origin_fetch_nothing_and_fail_alike(
     assert all(isinstance(e, ConfigError) for e in errors), errors
     assert str(errors[0]) == str(errors[1]) and absent.name in str(errors[0])
     assert origin_server.total_requests == 0
+
+
+# -- the move phase: ranks outside the move wait while it makes progress -------------
+
+
+def _move_setup(tmp_path: Path, put: Any) -> tuple[list[Artifact], list[ArtifactPool]]:
+    """Three ranks: rank 0's pool holds every artifact; ranks 1 and 2 share one empty
+    pool, whose writer is rank 1 (rank 2 takes no part in the move). Rank 1's pool
+    publishes through ``put``."""
+    from distcache.artifact import parse_checksums
+    from distcache.testing import make_artifacts
+
+    make_artifacts(tmp_path / "src", STEADY, min_size=200, max_size=400, seed=6)
+    listed = parse_checksums((tmp_path / "src" / "checksums.txt").read_text())
+    warm = ArtifactPool(tmp_path / "warm")
+    for artifact in listed:
+        warm.put((tmp_path / "src" / artifact.name).read_bytes(), artifact.sha256)
+    warm.remember(listed)
+    receiving = ArtifactPool(tmp_path / "cold")
+    inner = receiving.put
+    receiving.put = lambda data, sha256=None: put(inner, data, sha256)  # type: ignore[method-assign]
+    return listed, [warm, receiving, ArtifactPool(tmp_path / "cold")]
+
+
+def test_a_slow_steady_move_finishes_for_a_rank_outside_it_past_the_timeout(
+    tmp_path: Path,
+) -> None:
+    import time
+
+    from distcache.collective import prefetch
+    from distcache.comm import ThreadGroup
+
+    def slow(inner: Any, data: Any, sha256: str | None) -> str:
+        time.sleep(SLOW)
+        return inner(data, sha256)
+
+    listed, pools = _move_setup(tmp_path, slow)
+    group = ThreadGroup(3, timeout=TIMEOUT)
+    start = time.monotonic()
+    # One artifact per bucket: the move takes STEADY x SLOW, about twice the timeout.
+    results = _run_ranks(3, lambda r: prefetch(
+        listed, comm=group.comm(r), pool=pools[r], origin=None, timeout=TIMEOUT,
+        bucket_bytes=1))
+    elapsed = time.monotonic() - start
+    for result in results:
+        assert not isinstance(result, BaseException), result
+        assert result.downloads == 0 and result.objects_published == STEADY
+    assert result.writers == (0, 1)
+    assert elapsed > TIMEOUT
+    assert sorted(pools[2].objects()) == sorted(a.sha256 for a in listed)
+
+
+def test_a_writer_stuck_in_the_move_fails_every_rank_within_the_timeout(
+    tmp_path: Path,
+) -> None:
+    import threading
+    import time
+
+    from distcache.collective import prefetch
+    from distcache.comm import ThreadGroup
+    from distcache.errors import PrefetchError
+
+    release = threading.Event()
+    stuck_since: list[float] = []
+
+    def stuck(inner: Any, data: Any, sha256: str | None) -> str:
+        # The first publication hangs, as on a dead disk or a hung NFS server.
+        if not stuck_since:
+            stuck_since.append(time.monotonic())
+            release.wait(60)
+        return inner(data, sha256)
+
+    listed, pools = _move_setup(tmp_path, stuck)
+    group = ThreadGroup(3, timeout=TIMEOUT)
+    failed_at = [0.0] * 3
+
+    def body(rank: int) -> Any:
+        try:
+            return prefetch(listed, comm=group.comm(rank), pool=pools[rank],
+                            origin=None, timeout=TIMEOUT, bucket_bytes=1)
+        finally:
+            failed_at[rank] = time.monotonic()
+
+    try:
+        results = _run_ranks(3, body)
+    finally:
+        release.set()
+    assert stuck_since
+    messages = set()
+    for rank, result in enumerate(results):
+        assert isinstance(result, PrefetchError), result
+        assert result.phase == "move"
+        messages.add(str(result))
+        # Within the timeout of the stall, plus a heartbeat and a loaded machine's slack.
+        assert failed_at[rank] - stuck_since[0] < 2 * TIMEOUT + 3.0
+    assert len(messages) == 1, "the same error on every rank"
+    assert "made no progress" in messages.pop()

@@ -374,8 +374,11 @@ def test_many_small_artifacts_travel_in_few_broadcasts() -> None:
     # Each of the 4 sources sends its ~50 downloads in one bucket.
     assert reports[0].broadcasts == 4
     assert all(s.objects == blobs for s in stores.values())
-    # 3 all-gathers + fetch check + writers' rank map + 4 broadcasts + move check.
-    assert group.calls == [3 + 1 + 1 + 4 + 1] * 4
+    # On the job's communicator: 3 all-gathers + fetch heartbeat + the writers' split +
+    # one move heartbeat + move check. On the writers' own: rank map + 4 broadcasts.
+    assert group.calls == [3 + 1 + 1 + 1 + 1] * 4
+    (writers,) = group._children.values()
+    assert writers.calls == [1 + 4] * 4
 
 
 def test_memory_in_flight_is_bounded_by_a_few_buckets() -> None:
@@ -779,9 +782,9 @@ def test_replaced_node_receives_everything_and_warm_writers_receive_nothing() ->
     assert report.received_bytes == total and report.discarded_bytes == 0
     assert total <= report.broadcast_bytes < total + 16 * len(arts) + 16 * report.broadcasts
     assert report.objects_published == 20 and report.pool_hits == 0
-    # Every rank: agree, the probe round (two), discover, writers' split, move check,
-    # report.
-    assert group.calls == [7] * 10
+    # Every rank: agree, the probe round (two), discover, writers' split, one move
+    # heartbeat, move check, report.
+    assert group.calls == [8] * 10
 
 
 def test_sync_after_a_one_rank_warm_up_reaches_only_the_pools_that_lack_it() -> None:
@@ -854,7 +857,9 @@ def test_audiences_past_the_cap_still_fill_every_pool() -> None:
     )
     assert origin.total == 0
     assert all(s.objects == blobs for s in stores.values())
-    assert all(tally.ops[r, "split"] <= 8 for r in range(6))
+    # The writers' own communicator (the move's heartbeats use the job's), then at
+    # most one per audience under the cap.
+    assert all(tally.ops[r, "split"] <= 1 + 8 for r in range(6))
     report = reports[0]
     assert report.discarded_bytes > 0, "what is past the cap goes to every writer"
     assert report.received_bytes - report.discarded_bytes == 2 * sum(map(len, blobs.values()))

@@ -1,0 +1,124 @@
+"""Heartbeats: how a phase whose work runs on threads tells absence from slowness.
+
+While a phase's work runs (downloads in the fetch phase, the writers' move of buckets
+in the move phase), every rank of the collective enters a small all-gather at least
+every ``min(HEARTBEAT, timeout / 4)`` seconds; a rank whose work is over enters at
+once. Each carries whether the rank's work is over, how long ago it last made
+progress (a byte, a bucket, an artifact published), a detail for messages, and, once
+over, the rank's failure. The phase ends when every rank's work is over. It fails on
+every rank alike when a rank made no progress for ``timeout`` seconds, or when a rank
+misses a heartbeat by ``timeout`` (the all-gather raises
+:class:`~distcache.errors.CollectiveTimeout`). A rank that takes no part in the work
+waits as long as the others make progress, and no longer.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from distcache.comm import Communicator
+
+log = logging.getLogger(__name__)
+
+#: Longest interval between two heartbeats (see the module docstring).
+HEARTBEAT = 1.0
+
+#: (phase, artifact name or None, rank, host, "Type: message")
+Failure = tuple[str, str | None, int, str, str]
+
+#: One rank's step: wait at most the given seconds, then say (over, seconds idle,
+#: detail, failure once over).
+Step = Callable[[float], tuple[bool, float, Any, Failure | None]]
+
+
+def heartbeats(
+    comm: Communicator,
+    timeout: float,
+    step: Step,
+    raise_first: Callable[[Iterable[Failure | None]], None],
+    stalled: Callable[[int, float, Any, str], Failure],
+) -> None:
+    """Collective: beat until every rank's work is over (the rule: the module docstring).
+
+    ``raise_first`` raises the agreed error from every rank's failures; ``stalled``
+    builds the failure of rank ``r`` idle for ``s`` seconds, from its detail and host.
+    """
+    beat = min(HEARTBEAT, timeout / 4)
+    while True:
+        done, idle, detail, failure = step(beat)
+        states = comm.allgather_object(
+            (done, 0.0 if done else idle, detail, comm.node_id, failure if done else None),
+            timeout=timeout)
+        if all(s[0] for s in states):
+            raise_first(s[4] for s in states)
+            return
+        late = next((r for r, s in enumerate(states) if not s[0] and s[1] >= timeout), None)
+        if late is not None:
+            _, idle, detail, host, _ = states[late]
+            raise_first([stalled(late, idle, detail, host)])
+
+
+class Activity:
+    """When work last moved forward (monotonic seconds)."""
+
+    def __init__(self) -> None:
+        self._last = time.monotonic()
+
+    def touch(self, *_: object) -> None:
+        self._last = time.monotonic()
+
+    def idle(self) -> float:
+        return time.monotonic() - self._last
+
+
+class Worker:
+    """``work`` on a daemon thread (``None``: nothing to do, over at once); its result
+    or what it raised is kept for the caller."""
+
+    def __init__(self, name: str, work: Callable[[], Any] | None) -> None:
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        if work is None:
+            self._done.set()
+            return
+
+        def run() -> None:
+            try:
+                self.result = work()
+            except BaseException as exc:  # the caller turns it into this rank's failure
+                self.error = exc
+            finally:
+                self._done.set()
+
+        self._thread = threading.Thread(target=run, name=f"distcache-{name}", daemon=True)
+        self._thread.start()
+
+    def wait(self, seconds: float) -> bool:
+        return self._done.wait(seconds)
+
+    def join(self, seconds: float) -> None:
+        """Wait for the thread at most ``seconds`` (its own waits are bounded by the
+        timeout too); one still running is logged and left, a daemon."""
+        if self._thread is None:
+            return
+        self._thread.join(seconds)
+        if self._thread.is_alive():
+            log.warning("%s is still running %g s after the collective gave up; left "
+                        "to end on its own", self._thread.name, seconds)
+
+
+def concurrent(comm: Communicator) -> bool:
+    """Whether two threads may each use one of ``comm``'s communicators at once: always
+    on gloo and the in-process ones; on MPI only at ``MPI_THREAD_MULTIPLE`` (mpi4py asks
+    for it; an engine that initialised MPI itself may have asked for less)."""
+    if comm.backend != "mpi":
+        return True
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi is not None and bool(mpi.Query_thread() >= mpi.THREAD_MULTIPLE)
