@@ -1,0 +1,67 @@
+"""The engine check's committed figures: the table on the engines page is what
+``scripts/engine_vllm.py`` renders from ``docs/bench/engine_vllm.json``, and the
+JSON records a check that held."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from scripts import engine_vllm
+
+REPO = Path(__file__).resolve().parents[2]
+RESULT = REPO / "docs" / "bench" / "engine_vllm.json"
+
+
+def result() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(RESULT.read_text())
+    return data
+
+
+def test_the_engines_page_shows_the_table_of_the_committed_json() -> None:
+    shown = engine_vllm.doc_table((REPO / "docs" / "engines.md").read_text())
+    assert shown == engine_vllm.render(result()), (
+        "docs/engines.md's table drifted; run python -m scripts.engine_vllm --render "
+        "--write-doc")
+
+
+def test_the_committed_run_is_one_that_passed() -> None:
+    data = result()
+    checks = data["checks"]
+    assert [r["run"] for r in data["runs"]] == ["tp2-off", "tp2", "cold", "warm-local",
+                                                "warm-fresh"]
+    assert set(checks["tp2_roles"]) >= {"main", "EngineCore", "VllmWorker-0", "VllmWorker-1"}
+    assert checks["tp2_event_in_every_process"] and checks["tp2_off_no_events"]
+    assert checks["tp2_same_tokens_with_and_without"]
+    assert checks["fresh_within_1_3x"] and checks["fresh_over_local_warm"] <= 1.3
+    assert checks["fresh_materialised_files"] > 0 and checks["cold_published_files"] > 0
+    assert checks["origin_requests"] == 0 and checks["jit_errors"] == 0
+    assert data["venv"]["startup_hook"] and data["venv"]["entry_point"] == (
+        "distcache.integrations.vllm:register")
+
+
+def test_the_check_reads_vllms_init_engine_line() -> None:
+    cpu = ("(EngineCore pid=1) INFO 12-02 05:05:07 [core.py:402] init engine (profile, "
+           "create kv cache, warmup model) took 33.60 s")
+    gpu = cpu.replace("33.60 s", "41.20 s (compilation: 27.05 s)")
+    first, second = engine_vllm.INIT_ENGINE.search(cpu), engine_vllm.INIT_ENGINE.search(gpu)
+    assert first is not None and first.group(1) == "33.60" and first.group(2) is None
+    assert second is not None and second.groups() == ("41.20", "27.05")
+
+
+def test_the_check_fails_on_a_slow_fresh_node_or_missing_worker() -> None:
+    runs: dict[str, dict[str, Any]] = {}
+    for name in ("tp2-off", "tp2", "cold", "warm-local", "warm-fresh"):
+        runs[name] = {"tokens": [[1, 2]], "processes": [], "hook_events": 0,
+                      "init_engine_s": 10.0, "jit_written_files": 3,
+                      "jit_published_files": 3, "jit_errors": []}
+    runs["tp2"]["processes"] = [["main", "x"], ["EngineCore", "x"], ["VllmWorker-0", "x"]]
+    runs["warm-fresh"]["init_engine_s"] = 13.5
+    checks = engine_vllm.check(runs, requests=0)
+    assert checks["tp2_event_in_every_process"] is False
+    assert checks["fresh_over_local_warm"] == 1.35 and checks["fresh_within_1_3x"] is False
+    runs["tp2"]["processes"].append(["VllmWorker-1", "x"])
+    runs["warm-fresh"]["init_engine_s"] = 12.0
+    checks = engine_vllm.check(runs, requests=0)
+    assert checks["tp2_event_in_every_process"] and checks["fresh_within_1_3x"]
