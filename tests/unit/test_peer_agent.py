@@ -175,7 +175,9 @@ def test_concurrent_misses_on_every_node_cost_one_origin_request_per_artifact(
         sources = [g.source for g in got if g is not None]
         assert sources.count("origin") + sources.count("peer") + sources.count("pool") == len(asks)
         assert sum(a.counts["origin"] for a in agents) == len(made)
-        assert sum(a.counts["peer"] for a in agents) == 3 * len(made)  # each other node once
+        # Each other node copies each artifact from its owner: once, or twice when its
+        # second ask came before the first copy was published; never from the origin.
+        assert 3 * len(made) <= sum(a.counts["peer"] for a in agents) <= 6 * len(made)
         # Every node's pool comes to hold every artifact (copies are published beside
         # the answer, on a thread).
         deadline = time.monotonic() + 10
