@@ -23,7 +23,15 @@ Assumptions (stated, not measured here): ``--gpus-per-node`` ranks per node; the
 total, beyond which requests queue; a broadcast is a binomial tree, costing
 ceil(log2 P) * (alpha + m * beta) per message of m bytes over P participants.
 
+The lazy path (``--lazy``, with ``docs/bench/lazy.json`` from ``scripts/bench_lazy.py``):
+one kernel that no manifest named, needed by every node in the same second. With
+node-local pools and no peers each node asks the origin (N requests; beyond
+``--origin-rps`` x latency they queue); with peers the owner node asks once and the
+other N - 1 nodes copy from it, the owner sending at most ``--peer-transfers`` at a
+time at ``--peer-bandwidth`` each, plus the measured peer lookup (median).
+
     python scripts/scale_model.py --bench bench-results/bench_prefetch.json --out bench-results
+    python scripts/scale_model.py --bench docs/bench/bench_prefetch.json --lazy docs/bench/lazy.json --out docs/bench
 """
 
 from __future__ import annotations
@@ -82,6 +90,43 @@ def predict(nodes: int, p: dict[str, float]) -> dict[str, dict[str, float]]:
     }
 
 
+def predict_lazy(nodes: int, size: float, lat: float, bw: float, rps: float,
+                 peer_s: float, peer_bw: float, transfers: int) -> dict[str, dict[str, float]]:
+    """One lazy kernel of ``size`` bytes needed by ``nodes`` nodes at once."""
+    # Per pool: N requests; the origin admits rps x latency per latency, the rest queue.
+    per_pool = max(lat, nodes / rps) + size / bw
+    # Peers: the owner's one request, then N - 1 copies out of the owner, transfers at a
+    # time; the last asker waits for its wave.
+    waves = math.ceil(max(nodes - 1, 0) / transfers)
+    peers = lat + size / bw + peer_s + waves * size / peer_bw
+    return {"per_pool": {"seconds": per_pool, "origin_requests": float(nodes),
+                         "first_burst_stalls": max(0.0, nodes - rps * lat)},
+            "peers": {"seconds": peers, "origin_requests": 1.0, "first_burst_stalls": 0.0}}
+
+
+def lazy_table(lazy: Path, args: argparse.Namespace) -> dict[str, object]:
+    """The lazy path from 1 to 4,096 nodes (and 1,000), from the measured peer lookup."""
+    measured = json.loads(lazy.read_text())
+    peer = measured["results"]["distcache_peers"]["latency"]["burst/peer"]["median_ms"] / 1e3
+    lat = float(measured["setup"]["origin_latency_s"])
+    size, bw = 120e3, args.origin_aggregate / max(args.origin_connections, 1.0)
+    axis = sorted({2**i for i in range(13)} | {1000})
+    table = {n: predict_lazy(n, size, lat, bw, args.origin_rps, peer, args.peer_bandwidth,
+                             args.peer_transfers) for n in axis}
+    print(f"lazy path: one {size / 1e3:.0f} KB kernel, origin latency {lat:g} s, "
+          f"peer lookup {peer * 1e3:.1f} ms (measured), {args.origin_rps:g} origin req/s")
+    print(f"{'nodes':>6} | {'per-pool s':>10} {'requests':>9} {'stalls':>7} | "
+          f"{'peers s':>8} {'requests':>8}")
+    for n, row in table.items():
+        a, b = row["per_pool"], row["peers"]
+        print(f"{n:>6} | {a['seconds']:>10.3f} {a['origin_requests']:>9.0f} "
+              f"{a['first_burst_stalls']:>7.0f} | {b['seconds']:>8.3f} {b['origin_requests']:>8.0f}")
+    return {"measured_from": str(lazy), "kernel_bytes": size, "origin_latency_s": lat,
+            "peer_lookup_s": peer, "origin_rps": args.origin_rps,
+            "peer_bandwidth_Bps": args.peer_bandwidth, "peer_transfers": args.peer_transfers,
+            "predictions": {str(n): row for n, row in table.items()}}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bench", type=Path, default=Path("bench-results/bench_prefetch.json"),
@@ -99,7 +144,19 @@ def main() -> int:
                         help="cap on concurrent downloads over the job (DISTCACHE_DOWNLOADS_PER_JOB)")
     parser.add_argument("--origin-connections", type=float, default=256.0,
                         help="concurrent connections the origin allows one client")
+    parser.add_argument("--lazy", type=Path, default=None,
+                        help="JSON written by scripts/bench_lazy.py: add the lazy path")
+    parser.add_argument("--peer-bandwidth", type=float, default=10e9 / 8,
+                        help="bytes/s one agent sends to one peer (default 10 Gbit/s)")
+    parser.add_argument("--peer-transfers", type=int, default=16,
+                        help="copies an agent sends at once (the agent's transfer cap)")
     args = parser.parse_args()
+    if args.lazy is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "lazy_scale.json").write_text(
+            json.dumps(lazy_table(args.lazy, args), indent=2) + "\n")
+        print(f"wrote {args.out / 'lazy_scale.json'}")
+        return 0
 
     bench = json.loads(args.bench.read_text())
     cfg, measured = bench["config"], bench["measured"]
