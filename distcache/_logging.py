@@ -76,6 +76,30 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+# The rank and verbosity the last configure_logging call was given (rank None: not
+# collective).
+_rank: list[int | None] = [None]
+_verbose: list[int] = [0]
+
+
+def reports_error(exc: BaseException, rank: int | None = None) -> bool:
+    """Whether this process prints ``exc``: not on a rank other than 0 when every rank
+    raised that same error (``DistcacheError.agreed``), so that a job prints one line,
+    not one per rank. ``rank`` defaults to the one logging was configured with; with
+    ``-v`` every rank prints it."""
+    rank = _rank[0] if rank is None else rank
+    return not (getattr(exc, "agreed", False) and rank not in (None, 0) and not _verbose[0])
+
+
+def error_line(program: str, exc: BaseException, text: str | None = None, *,
+               rank: int | None = None) -> str | None:
+    """``program: error: TEXT`` for ``exc`` (``text``: its message made one line by the
+    caller), or ``None`` where another rank prints it (:func:`reports_error`)."""
+    if not reports_error(exc, rank):
+        return None
+    return f"{program}: error: {str(exc) if text is None else text}"
+
+
 def configure_logging(
     verbose: int, rank: int | None, *, stream: TextIO | None = None
 ) -> Callable[[], None]:
@@ -107,8 +131,11 @@ def configure_logging(
         lg.propagate = False
     for lg in noisy:
         lg.setLevel(logging.DEBUG if verbose > 1 else logging.ERROR)
+    saved_rank, saved_verbose = _rank[0], _verbose[0]
+    _rank[0], _verbose[0] = rank, verbose
 
     def restore() -> None:
+        _rank[0], _verbose[0] = saved_rank, saved_verbose
         for lg, old_level, old_propagate, old_handlers in saved:
             for h in list(lg.handlers):
                 lg.removeHandler(h)

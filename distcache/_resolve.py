@@ -171,7 +171,9 @@ def prefetch_manifests(
         missing = [a for a, found in zip(artifacts, held, strict=True) if not found]
         if missing:
             files = [s for s in manifests if isinstance(s, str | os.PathLike)]
-            raise missing_error(missing, offline=offline, where=where, manifests=files)
+            error = missing_error(missing, offline=offline, where=where, manifests=files)
+            error.agreed = True  # built from what every rank holds alike
+            raise error
         origin = NoOrigin(offline)
     return collective_prefetch(artifacts, comm=comm, pool=pool, origin=origin, timeout=timeout)
 

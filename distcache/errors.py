@@ -84,6 +84,10 @@ class DistcacheError(Exception):
 
     #: Where the error happened; set on any error that crosses ranks.
     attributes: ClassVar[tuple[str, ...]] = ("rank", "host")
+    #: True when every rank of a collective raised this same error, so that one rank's
+    #: report is the job's: a program prints it on rank 0 only
+    #: (:func:`distcache._logging.error_line`).
+    agreed: bool = False
 
     def __init__(self, message: str = "", **attrs: Any) -> None:
         super().__init__(message)

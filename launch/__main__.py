@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import distcache
-from distcache._logging import configure_logging
+from distcache._logging import configure_logging, error_line
 from distcache._resolve import resolve_origin, resolve_pool
 from distcache.artifact import read_manifest
 from distcache.comm import adopt
@@ -258,7 +258,9 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         elif args.materialize is not None:
             raise _UsageError("--materialize needs --prefetch MANIFEST")
     except (_UsageError, DistcacheError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        line = error_line(PROG, exc)  # an error every rank raised: rank 0 prints it
+        if line is not None:
+            print(line, file=sys.stderr)
         sys.exit(2)
     try:
         status = run(command, env, terminal=info.local_world_size == 1)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from distcache import __version__
-from distcache._logging import configure_logging
+from distcache._logging import configure_logging, error_line
 from distcache.cli._common import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
@@ -125,7 +125,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except (DistcacheError, OSError) as exc:
         if args.verbose:
             traceback.print_exc()
-        print(f"distcache: error: {one_line(exc)}", file=sys.stderr)
+        # A collective command's error that every rank raised is printed by rank 0.
+        line = error_line("distcache", exc, one_line(exc), rank=getattr(args, "rank", None))
+        if line is not None:
+            print(line, file=sys.stderr)
         return EXIT_ERROR
     except Exception as exc:
         if args.verbose:

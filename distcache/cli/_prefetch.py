@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from distcache._logging import configure_logging
+from distcache._logging import configure_logging, reports_error
 from distcache._resolve import prefetch_manifests, resolve_origin, resolve_pool
 from distcache.cli._interrupt import Stopper
 from distcache.collective import PrefetchReport
@@ -118,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
             return run_dry_run(args)
         report, rank = _prefetch(args)
     except DistcacheError as exc:
-        print(f"distcache prefetch: {' '.join(str(exc).split())}", file=sys.stderr)
+        if reports_error(exc, getattr(args, "rank", None)):  # rank 0 prints an agreed one
+            print(f"distcache prefetch: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     if rank == 0:
         _print_report(args, report)
@@ -168,6 +169,9 @@ def _prefetch(args: argparse.Namespace) -> tuple[PrefetchReport | None, int]:
         report = prefetch_manifests(comm, pool, origin, manifests=args.manifest,
                                     timeout=conf.timeout, offline=conf.offline)
         return report, comm.rank
+    except DistcacheError:
+        args.rank = adopted.comm.rank  # the error line is printed once per job (main)
+        raise
     except KeyboardInterrupt:
         # The downloads run on the collective's daemon threads: stop them at their
         # next write and remove their temporary files, rather than leave them to the

@@ -108,7 +108,7 @@ class Run:
         phase, artifact, rank, host, cause = min(
             found, key=lambda f: (f[4].startswith(CollectiveTimeout.__name__ + ":"), f[2]))
         what = artifact if artifact is not None else "(no single artifact)"
-        raise PrefetchError(
+        error = PrefetchError(
             f"{self.operation} failed in {phase} on rank {rank}/{self.comm.size} ({host}) "
             f"for {what}: {cause}",
             artifact=artifact,
@@ -117,6 +117,8 @@ class Run:
             cause=cause,
             phase=phase,
         )
+        error.agreed = True  # every rank raises this one, built from the same records
+        raise error
 
     def check(self, failure: Failure | None) -> None:
         """Collective: raise the same PrefetchError on every rank if any rank failed."""

@@ -62,9 +62,24 @@ def test_what_the_pool_lacks_stops_the_launch_with_one_error_naming_it(tmp_path:
     assert done.returncode != 0, done.output
     assert _started(done.output) == [], done.output
     errors = [line for line in done.output.splitlines() if "are in no pool" in line]
-    assert errors, done.output
-    assert all(f"{total - 3} artifact(s) are in no pool and no origin is set" in e for e in errors)
-    assert all(f"distcache fetch --manifest {manifest} --origin URL" in e for e in errors)
+    # The same error on both ranks, printed once for the job (by rank 0).
+    assert len(errors) == 1, done.output
+    assert errors[0].startswith("python -m launch: error: ")
+    assert f"{total - 3} artifact(s) are in no pool and no origin is set" in errors[0]
+    assert f"distcache fetch --manifest {manifest} --origin URL" in errors[0]
+
+
+def test_what_the_pools_lack_stops_the_prefetch_command_with_one_line_per_job(
+    tmp_path: Path,
+) -> None:
+    pool, manifest, total = _warm(tmp_path, 3)
+    done = run_group([*MPIRUN_2, PY, "-m", "distcache", "--pool", str(pool), "prefetch",
+                      "--manifest", str(manifest)], _env(), timeout=180)
+    assert done.returncode == 1, done.output
+    assert f"{total - 3} artifact(s) are in no pool" in done.output
+    errors = [line for line in done.output.splitlines() if "are in no pool" in line]
+    assert len(errors) == 1, done.output
+    assert errors[0].startswith("distcache prefetch: ")
 
 
 def test_the_prefetch_command_under_mpirun_needs_no_origin_for_a_warm_pool(

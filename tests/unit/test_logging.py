@@ -173,3 +173,22 @@ def test_launch_prefetch_under_mpirun_prints_the_summary_once_from_rank_0(
     for rank in (0, 1):
         assert sum(f"rank {rank}: " in line and "prefetch: 4 artifacts" in line
                    for line in verbose.splitlines()) == 1, verbose
+
+
+def test_an_error_every_rank_raised_is_printed_by_rank_0_only() -> None:
+    from distcache._logging import configure_logging, error_line
+    from distcache.errors import ConfigError
+
+    agreed, own = ConfigError("3 artifact(s) are in no pool"), ConfigError("bad setting")
+    agreed.agreed = True
+    for rank, verbose, shown in [(0, 0, True), (1, 0, False), (1, 1, True), (None, 0, True)]:
+        restore = configure_logging(verbose, rank)
+        try:
+            line = error_line("prog", agreed)
+            assert (line == "prog: error: 3 artifact(s) are in no pool") is shown, (rank, verbose)
+            # An error of this rank's own is printed wherever it happened.
+            assert error_line("prog", own) == "prog: error: bad setting"
+        finally:
+            restore()
+    # An explicit rank wins over the configured one (the CLI's, once logging is undone).
+    assert error_line("prog", agreed, rank=2) is None
