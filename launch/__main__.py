@@ -35,7 +35,7 @@ from distcache.comm import adopt
 from distcache.config import settings
 from distcache.errors import DistcacheError
 from distcache.integrations.flashinfer import FlashInfer
-from distcache.peer import Hosted, start
+from distcache.peer import Hosted, origin_or_default, start
 from launch._child import run
 from launch._detect import LaunchInfo, detect
 from launch._dist import mpi_publish, rendezvous_address
@@ -184,7 +184,7 @@ def _host_peers(info: LaunchInfo, pool: str | None) -> Hosted | None:
     adopted = adopt(info)
     try:
         the_origin = resolve_origin(None, conf, [FlashInfer()])
-        return start(adopted.comm, resolve_pool(pool, conf), lambda: the_origin,
+        return start(adopted.comm, resolve_pool(pool, conf), origin_or_default(the_origin),
                      adopted.scope.secret, timeout=conf.timeout)
     finally:
         adopted.close()

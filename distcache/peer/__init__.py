@@ -16,7 +16,14 @@ from distcache.peer._agent import Agent
 from distcache.peer._auth import derive_key, sign, verify
 from distcache.peer._client import Answer, fetch
 from distcache.peer._flight import Singleflight
-from distcache.peer._hosting import Hosted, host_agent, job_address, start, start_for_session
+from distcache.peer._hosting import (
+    Hosted,
+    host_agent,
+    job_address,
+    origin_or_default,
+    start,
+    start_for_session,
+)
 from distcache.peer._ring import order, owner
 from distcache.peer._tier import LOOKUP_BOUND_S, Lookup, Tier, attach, counts, current, lookup
 
@@ -37,6 +44,7 @@ __all__ = [
     "job_address",
     "lookup",
     "order",
+    "origin_or_default",
     "owner",
     "sign",
     "start",

@@ -199,7 +199,7 @@ class Agent:
                 got = _client.fetch(endpoint, self.key, artifact, fill=True,
                                     timeout=min(HOP_S, left), deadline=left)
             except PeerError as exc:
-                if not getattr(exc, "refused", False):
+                if getattr(exc, "status", None) is None:  # no answer at all, not a 503
                     self._mark_down(endpoint)
                 self.count("peer_skipped")
                 log.debug("agent %s skipped for %s: %s", endpoint, artifact.name, exc)

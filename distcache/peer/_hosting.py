@@ -135,4 +135,20 @@ def start_for_session(comm: Communicator, pool: ArtifactPool, origin: Origin | N
     hosts the agent: lookups use it through the environment), nothing."""
     if peers != "1" or comm.size < 2:
         return None
-    return start(comm, pool, lambda: origin, secret, timeout=timeout, environ=environ)
+    return start(comm, pool, origin_or_default(origin), secret, timeout=timeout,
+                 environ=environ)
+
+
+def origin_or_default(origin: Origin | None) -> Callable[[], Origin | None]:
+    """What an owner fills from: ``origin``, else what FlashInfer's wrapper would ask
+    at this miss (``DISTCACHE_ORIGIN``, ``$FLASHINFER_CUBINS_REPOSITORY``, FlashInfer's
+    built-in repository), resolved when a fill needs it."""
+
+    def resolve() -> Origin | None:
+        if origin is not None:
+            return origin
+        from distcache.integrations.flashinfer._upstream import default_origin
+
+        return default_origin()
+
+    return resolve

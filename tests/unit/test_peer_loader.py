@@ -77,3 +77,21 @@ def test_a_gone_agent_costs_one_bounded_fallback_to_the_origin_and_never_raises(
     assert sha256_hex(loader(artifact.name, artifact.sha256)) == artifact.sha256
     assert (loader.stats.peer_failed, loader.stats.fetched, loader.stats.fallbacks) == (1, 1, 0)
     assert origin.total_requests == 1
+
+
+def test_an_owner_without_a_configured_origin_fills_from_flashinfers_repository(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from distcache.peer import lookup, origin_or_default
+
+    made = make_artifacts(tmp_path / "repo", 2, min_size=1_000, max_size=2_000)
+    monkeypatch.delenv("DISTCACHE_ORIGIN", raising=False)
+    with LoopbackOrigin(tmp_path / "repo") as origin:
+        monkeypatch.setenv("FLASHINFER_CUBINS_REPOSITORY", origin.url)
+        agent = host_agent(ArtifactPool(tmp_path / "pool"), origin_or_default(None), KEY, "n")
+        try:
+            got = lookup(made[0], Tier(agent.local_endpoint or "", KEY, bound=10))
+        finally:
+            agent.stop()
+        assert got is not None and got.source == "origin"
+        assert origin.total_requests == 1
