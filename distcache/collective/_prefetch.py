@@ -14,7 +14,8 @@ from distcache.collective._progress import Progress, bytes_for_rank0
 from distcache.collective._report import PrefetchReport
 from distcache.collective._run import Run, discover
 from distcache.collective._sharing import agree_pools
-from distcache.comm import Communicator
+from distcache.collective._totals import finish
+from distcache.comm import Communicator, node_tree
 from distcache.config import settings
 from distcache.errors import ManifestError, ManifestMismatchError
 from distcache.origins import Origin
@@ -85,6 +86,8 @@ def prefetch(
 
     def body() -> PrefetchReport:
         with run.phase("agree"):
+            # Every all-gather of the collective goes through node leaders from here.
+            run.comm = comm = node_tree(run.comm, timeout=run.timeout)
             listing = _agreed_list(artifacts)
             digest = hashlib.sha256(manifest_text(listing).encode()).hexdigest()
             infos = comm.allgather_object(
@@ -133,6 +136,6 @@ def prefetch(
                     pool.remember(listing)
                 except Exception as exc:
                     failure = run.failure("publish", None, exc)
-        return run.finish(plan, len(listing), failure)
+        return finish(run, plan, len(listing), failure)
 
     return run.guarded(body)

@@ -4,17 +4,22 @@ download after warm-up) reaches every other pool. The origin is never contacted.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import struct
+import threading
 import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from distcache.artifact import Artifact
 from distcache.collective._plan import elect_writers, make_plan
 from distcache.collective._report import PrefetchReport
 from distcache.collective._run import Failure, Run, discover
 from distcache.collective._sharing import agree_pools
-from distcache.comm import Communicator
+from distcache.collective._totals import finish
+from distcache.comm import Communicator, node_tree
 from distcache.config import settings
 from distcache.store import Pool
 
@@ -24,10 +29,46 @@ log = logging.getLogger(__name__)
 @dataclass
 class SyncState:
     """Where the previous :func:`sync` left each pool's journal (owned by the caller,
-    e.g. a session). Without one, every sync compares whole journals: correct, but it
-    sends every object id each time."""
+    e.g. a session). The pool keeps the same cursor itself (``sync.cursor``, see
+    :mod:`distcache.store.layout`), so a sync without a state, or a session's first,
+    starts where the last sync over that pool ended."""
 
     cursors: dict[str, int] = field(default_factory=dict)
+
+
+def stored_cursor(pool: Pool) -> int:
+    """The journal offset the last sync over ``pool`` reached (0: none, or a pool that
+    keeps no files)."""
+    path = _cursor_path(pool)
+    if path is None:
+        return 0
+    try:
+        text = path.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return 0
+    return int(text) if text.isdigit() else 0
+
+
+def store_cursor(pool: Pool, cursor: int) -> None:
+    """Keep ``cursor`` in ``pool`` (atomically; a failure is logged: the next sync then
+    sends more than it must, and nothing is lost)."""
+    path = _cursor_path(pool)
+    if path is None:
+        return
+    temp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    try:
+        temp.write_text(f"{cursor}\n", encoding="ascii")
+        os.replace(temp, path)
+    except OSError as exc:
+        log.warning("sync: cannot keep the journal cursor in %s: %s", path, exc)
+        with contextlib.suppress(OSError):
+            temp.unlink()
+
+
+def _cursor_path(pool: Pool) -> Path | None:
+    layout = getattr(pool, "layout", None)
+    path = getattr(layout, "sync_cursor", None)
+    return path if isinstance(path, Path) else None
 
 
 def encode_gained(shas: list[str], names: dict[str, str]) -> bytes:
@@ -70,8 +111,11 @@ def sync(
     bucket_bytes: int | None = None,
 ) -> PrefetchReport:
     """Collective, at a safe point: every object any rank's pool gained since the last
-    sync (its journal past ``state``'s cursor; the whole journal without ``state``)
-    reaches every other pool, with its names. The origin is never contacted.
+    sync over it (its journal past the cursor the pool keeps, or ``state``'s when that
+    is further; the whole journal of a pool never synced) reaches every other pool,
+    with its names. The origin is never contacted. Each pool's writer sends what its
+    journal gained; through node leaders (:func:`distcache.comm.node_tree`) a rank
+    receives one such list per node, not per rank.
 
     ``state`` is updated in place when the sync succeeds.
 
@@ -85,6 +129,8 @@ def sync(
 
     def body() -> PrefetchReport:
         with run.phase("agree"):
+            # Every all-gather of the collective goes through node leaders from here.
+            run.comm = comm = node_tree(run.comm, timeout=run.timeout)
             infos = comm.allgather_object((pool.pool_id, comm.node_id), timeout=run.timeout)
             node_ids = [i[1] for i in infos]
             pool_ids = agree_pools(run, [i[0] for i in infos], node_ids)
@@ -95,7 +141,8 @@ def sync(
             cursor = 0
             if is_writer:
                 try:
-                    start = state.cursors.get(pool.pool_id, 0) if state is not None else 0
+                    start = max(stored_cursor(pool), state.cursors.get(pool.pool_id, 0)
+                                if state is not None else 0)
                     shas, cursor = pool.journal_since(start)
                     new = set(shas)
                     gained = encode_gained(
@@ -134,9 +181,11 @@ def sync(
                     )
                 except Exception as exc:
                     failure = run.failure("publish", None, exc)
-        report = run.finish(plan, len(objects), failure)
-        if is_writer and state is not None:
-            state.cursors[pool.pool_id] = cursor
+        report = finish(run, plan, len(objects), failure)
+        if is_writer:
+            store_cursor(pool, cursor)
+            if state is not None:
+                state.cursors[pool.pool_id] = cursor
         return report
 
     return run.guarded(body)

@@ -12,10 +12,12 @@ from typing import Any
 
 from distcache.comm._base import MAX_MESSAGE_BYTES, Communicator, agree_on_error
 from distcache.comm._bulk import BulkCommunicator, bulk_transport
+from distcache.comm._counting import CountingCommunicator, Traffic
 from distcache.comm._gloo import GlooCommunicator
 from distcache.comm._local import LocalCommunicator, ThreadCommunicator, ThreadGroup
 from distcache.comm._mpi import MpiCommunicator
 from distcache.comm._torch import TorchCommunicator, import_torch
+from distcache.comm._tree import NodeTree, node_tree, reduce_object
 from distcache.comm.adopt import Adopted, adopt, auto
 from distcache.errors import CommError
 
@@ -24,9 +26,12 @@ __all__ = [
     "Adopted",
     "BulkCommunicator",
     "Communicator",
+    "CountingCommunicator",
     "LocalCommunicator",
+    "NodeTree",
     "ThreadCommunicator",
     "ThreadGroup",
+    "Traffic",
     "adopt",
     "agree_on_error",
     "auto",
@@ -34,6 +39,8 @@ __all__ = [
     "from_mpi",
     "from_torch",
     "local",
+    "node_tree",
+    "reduce_object",
 ]
 
 

@@ -147,6 +147,11 @@ class BackendCommunicator(ABC):
         return self._timeout
 
     @property
+    def usable(self) -> bool:
+        """False once the communicator timed out, failed or was closed."""
+        return self._broken is None
+
+    @property
     def chunk_bytes(self) -> int:
         return self._chunk_bytes
 

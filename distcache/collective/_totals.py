@@ -1,0 +1,92 @@
+"""The collective's closing step: every rank's figures summed into one report.
+
+Each rank contributes its counters, its phase timings and its failure (if any); they
+are combined with :func:`~distcache.comm.reduce_object`: sums, maxima, the ranks that
+downloaded, and the lowest failing rank's failure. Through node leaders that is one
+combined entry per node, so what a rank receives does not grow with the ranks of the
+job, and every rank builds the same :class:`~distcache.collective._report.PrefetchReport`
+(or raises the same error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from distcache._events import emit
+from distcache.collective._plan import Plan
+from distcache.collective._report import PHASES, PrefetchReport
+from distcache.collective._run import Failure, Run
+from distcache.comm import reduce_object
+
+log = logging.getLogger(__name__)
+
+_SUMMED = ("downloads", "origin_bytes", "broadcasts", "broadcast_bytes", "received_bytes",
+           "discarded_bytes", "published")
+
+
+def combine(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One entry for ``entries``: combining partial results gives the same entry as
+    combining them all at once."""
+    failures = [e["failure"] for e in entries if e["failure"] is not None]
+    return {
+        **{key: sum(e[key] for e in entries) for key in _SUMMED},
+        "peak": max(e["peak"] for e in entries),
+        "seconds": {p: max(e["seconds"][p] for e in entries) for p in PHASES},
+        "downloaders": sorted(r for e in entries for r in e["downloaders"]),
+        "failure": min(failures, key=lambda f: f[2]) if failures else None,
+    }
+
+
+def finish(run: Run, plan: Plan, artifacts: int, failure: Failure | None) -> PrefetchReport:
+    """Collective: the same report on every rank (the collective's final step), or the
+    same error when any rank passes a ``failure``.
+
+    Raises:
+        PrefetchError: some rank failed (the lowest failing rank's failure).
+    """
+    comm = run.comm
+    mine = {
+        "downloads": run.downloads,
+        "origin_bytes": run.origin_bytes,
+        "broadcasts": run.stream.broadcasts,
+        "broadcast_bytes": run.stream.bytes_sent,
+        "received_bytes": run.stream.received_bytes,
+        "discarded_bytes": run.stream.discarded_bytes,
+        # Every download is published into this rank's pool.
+        "published": run.downloads + run.stream.published,
+        "peak": run.stream.peak_bytes,
+        "seconds": dict(run.seconds),
+        "downloaders": [comm.rank] if run.downloads else [],
+        "failure": failure,
+    }
+    total = reduce_object(comm, mine, combine, timeout=run.timeout)
+    run.raise_first([total["failure"]])
+    report = PrefetchReport(
+        operation=run.operation,
+        artifacts=artifacts,
+        objects=len(plan.objects),
+        downloads=total["downloads"],
+        origin_bytes=total["origin_bytes"],
+        broadcasts=total["broadcasts"],
+        broadcast_bytes=total["broadcast_bytes"],
+        received_bytes=total["received_bytes"],
+        discarded_bytes=total["discarded_bytes"],
+        pool_hits=plan.hits,
+        objects_published=total["published"],
+        pools=len(plan.pools),
+        writers=plan.writer_ranks,
+        downloaders=tuple(total["downloaders"]),
+        peak_bytes=total["peak"],
+        seconds=dict(total["seconds"]),
+    )
+    run.progress.close()
+    if comm.rank != 0:
+        # Rank 0's caller prints the summary (the session logs it, the CLI writes it
+        # on stdout): with -v every rank shows it once, rank 0 too.
+        log.debug("%s", report.summary())
+    else:
+        emit(f"{run.operation}.report", ranks=comm.size, node=comm.node_id,
+             **dataclasses.asdict(report))
+    return report

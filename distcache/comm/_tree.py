@@ -1,0 +1,293 @@
+"""Node-leader aggregation: all-gathers whose cost per rank follows the nodes, not the ranks.
+
+A flat all-gather hands every rank every other rank's payload, so what one rank
+receives grows with the job. The collective's payloads are mostly alike within a node
+(the pool's id, its have-bitmap, the agreed list's digest, "no failure"), so
+:class:`NodeTree` routes :meth:`~NodeTree.allgather_object` through one leader per
+node:
+
+1. the ranks of a node all-gather their encoded payloads on the node's communicator,
+   and its leader (the node's lowest rank) keeps each distinct payload once, with one
+   index per member;
+2. the leaders all-gather those node blocks among themselves;
+3. each leader folds the blocks into one table of distinct payloads and a
+   run-length list of indices in rank order, and hands that down its node (an
+   all-gather on the node's communicator in which only the leader sends: the
+   broadcasts of a communicator stay the collective's buckets).
+
+Every rank then decodes each rank's entry from the table, so the result is the list
+a flat all-gather returns, element for element (each entry decoded on its own: a
+caller may change one without changing another). What a rank receives is its node's
+payloads plus the distinct payloads of the job and one run per change of payload in
+rank order: for the collective's payloads, a fixed amount per node.
+
+The tree is made once per communicator (:func:`node_tree` keeps it): one all-gather
+of the node ids and two splits. Broadcasts, barriers and splits go to the wrapped
+communicator unchanged. A job with one rank per node, or one node, uses the wrapped
+communicator directly: there is nothing to aggregate; so do in-process ranks
+(:data:`IN_PROCESS`), unless a :class:`NodeTree` is made explicitly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from distcache.comm._base import Communicator
+from distcache.comm._codec import decode_from, encode
+from distcache.errors import WireError
+
+#: Backends whose ranks share one process: a payload "sent" is a reference handed
+#: over, so there is nothing per rank to save and the tree would only add two steps.
+IN_PROCESS = ("local", "threads")
+
+_trees: weakref.WeakKeyDictionary[Any, NodeTree] = weakref.WeakKeyDictionary()
+
+
+def node_tree(comm: Communicator, *, timeout: float | None = None) -> Communicator:
+    """Collective: ``comm`` with its all-gathers routed through node leaders, made once
+    per communicator and kept for as long as ``comm`` lives (a communicator that
+    cannot be kept returns a fresh tree each time). A job with one rank per node or
+    a single node, and in-process ranks (:data:`IN_PROCESS`), get ``comm`` itself.
+
+    Raises:
+        CollectiveTimeout: not every rank arrived in time.
+    """
+    if isinstance(comm, NodeTree) or comm.size == 1 or comm.backend in IN_PROCESS:
+        return comm
+    try:
+        kept = _trees.get(comm)
+    except TypeError:  # not weakly referable: nothing to keep it on
+        kept = None
+    if kept is not None and not kept.stale():
+        return kept.selected()
+    tree = NodeTree(comm, timeout=timeout)
+    with contextlib.suppress(TypeError):
+        _trees[comm] = tree
+    return tree.selected()
+
+
+def reduce_object(comm: Communicator, obj: Any, combine: Callable[[list[Any]], Any], *,
+                  timeout: float | None = None) -> Any:
+    """Collective: ``combine`` of every rank's ``obj``, the same value on every rank.
+
+    On a :class:`NodeTree` each node's leader combines its node's values and every
+    rank combines the leaders' results, so what a rank receives is its node's values
+    and one value per node; elsewhere ``combine`` runs over a plain all-gather. So
+    ``combine`` must give the same result either way (``combine`` of partial results
+    equals ``combine`` of the whole list, as sums, maxima and unions do) and return
+    plain data.
+
+    Raises:
+        CollectiveTimeout: not every rank arrived in time.
+        WireError: ``obj`` or a combined value is not plain data.
+    """
+    if isinstance(comm, NodeTree):
+        return comm.allreduce_object(obj, combine, timeout=timeout)
+    return combine(comm.allgather_object(obj, timeout=timeout))
+
+
+def _runs(indices: list[int]) -> list[int]:
+    """``[count, index, count, index, ...]`` for consecutive equal ``indices``."""
+    out: list[int] = []
+    for index in indices:
+        if out and out[-1] == index:
+            out[-2] += 1
+        else:
+            out.extend((1, index))
+    return out
+
+
+class NodeTree:
+    """A :class:`~distcache.comm._base.Communicator` over ``base`` whose all-gathers
+    go through node leaders (see the module docstring). Collective to make."""
+
+    def __init__(self, base: Communicator, *, timeout: float | None = None) -> None:
+        self._base = base
+        nodes: list[str] = base.allgather_object(base.node_id, timeout=timeout)
+        index: dict[str, int] = {}
+        self._members: list[list[int]] = []
+        for rank, node in enumerate(nodes):
+            if type(node) is not str:
+                raise WireError(
+                    f"NodeTree on rank {base.rank}/{base.size}: rank {rank} sent a node id "
+                    f"that is not a string ({type(node).__name__})",
+                    op="allgather_object", rank=base.rank, backend=base.backend, peer=rank)
+            k = index.setdefault(node, len(index))
+            if k == len(self._members):
+                self._members.append([])
+            self._members[k].append(rank)
+        self._node = index[nodes[base.rank]]
+        self._flat = len(self._members) in (1, base.size)
+        self._local: Communicator | None = None
+        self._upper: Communicator | None = None
+        if not self._flat:
+            self._local = base.split(self._node)
+            self._upper = base.split(0 if self.is_leader else 1)
+
+    def selected(self) -> Communicator:
+        """This tree, or the wrapped communicator where the tree would add nothing."""
+        return self._base if self._flat else self
+
+    def stale(self) -> bool:
+        """Whether a communicator this tree split off was let go (the wrapped one
+        keeps a bounded number of children and closes the oldest, on every rank
+        alike): the tree must be made again."""
+        return any(getattr(c, "usable", True) is False
+                   for c in (self._local, self._upper) if c is not None)
+
+    # -- identity: the wrapped communicator's ------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self._base.rank
+
+    @property
+    def size(self) -> int:
+        return self._base.size
+
+    @property
+    def node_id(self) -> str:
+        return self._base.node_id
+
+    @property
+    def backend(self) -> str:
+        return self._base.backend
+
+    @property
+    def base(self) -> Communicator:
+        """The wrapped communicator."""
+        return self._base
+
+    @property
+    def nodes(self) -> int:
+        """How many nodes the job's ranks are on."""
+        return len(self._members)
+
+    @property
+    def is_leader(self) -> bool:
+        return self._members[self._node][0] == self._base.rank
+
+    def __getattr__(self, name: str) -> Any:
+        # Options of the wrapped communicator (timeout, chunk_bytes, broadcast_buffer).
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._base, name)
+
+    def __repr__(self) -> str:
+        return f"NodeTree({self._base!r}, nodes={len(self._members)})"
+
+    # -- collectives ------------------------------------------------------------------
+
+    def broadcast_bytes(self, data: bytes | None, root: int, *,
+                        timeout: float | None = None) -> bytes:
+        return self._base.broadcast_bytes(data, root, timeout=timeout)
+
+    def barrier(self, *, timeout: float | None = None) -> None:
+        self._base.barrier(timeout=timeout)
+
+    def split(self, color: int) -> Communicator:
+        return self._base.split(color)
+
+    def _clock(self, timeout: float | None) -> Callable[[], float | None]:
+        wait = timeout if timeout is not None else getattr(self._base, "timeout", None)
+        until = None if wait is None else time.monotonic() + wait
+
+        def left() -> float | None:
+            return None if until is None else max(0.001, until - time.monotonic())
+
+        return left
+
+    def _levels(self) -> tuple[Communicator, Communicator]:
+        local, upper = self._local, self._upper
+        assert local is not None and upper is not None, "a flat tree is never handed out"
+        return local, upper
+
+    def allreduce_object(self, obj: Any, combine: Callable[[list[Any]], Any], *,
+                         timeout: float | None = None) -> Any:
+        """:func:`reduce_object` through the node leaders."""
+        encode(obj)  # refused here, before this rank enters the collective
+        local, upper = self._levels()
+        left = self._clock(timeout)
+        values = local.allgather_object(obj, timeout=left())
+        if self.is_leader:
+            per_node = upper.allgather_object(combine(values), timeout=left())
+            answer = self._down(local, encode(combine(per_node)), left())
+        else:
+            answer = self._down(local, None, left())
+        base = self._base
+        return decode_from(answer, self._members[self._node][0],
+                           f"rank {base.rank}/{base.size} ({base.node_id})",
+                           rank=base.rank, backend=base.backend)
+
+    def allgather_object(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
+        mine = encode(obj)  # refused here, before this rank enters the collective
+        local, upper = self._levels()
+        left = self._clock(timeout)
+        parts = local.allgather_object(mine, timeout=left())
+        if self.is_leader:
+            distinct: dict[bytes, int] = {}
+            indices = [distinct.setdefault(bytes(p), len(distinct)) for p in parts]
+            blocks = upper.allgather_object((list(distinct), indices), timeout=left())
+            answer = self._down(local, encode(self._fold(blocks)), left())
+        else:
+            answer = self._down(local, None, left())
+        return self._unfold(answer)
+
+    def _down(self, local: Communicator, answer: bytes | None,
+              timeout: float | None) -> bytes:
+        """The leader's ``answer`` on every rank of the node. An all-gather in which the
+        other members send nothing: the node's broadcasts stay the collective's own
+        (buckets of artifacts), and a member that is gone still fails it in time."""
+        gathered = local.allgather_object(answer, timeout=timeout)
+        if type(gathered[0]) is not bytes:
+            base = self._base
+            raise WireError(
+                f"allgather_object on rank {base.rank}/{base.size}: the node leader sent "
+                "no answer", op="allgather_object", rank=base.rank, backend=base.backend,
+                peer=self._members[self._node][0])
+        return gathered[0]
+
+    def _fold(self, blocks: list[Any]) -> tuple[list[bytes], list[int]] | str:
+        """The leaders' blocks as one table and its runs, or what is wrong with one."""
+        table: dict[bytes, int] = {}
+        per_rank = [0] * self._base.size
+        for k, block in enumerate(blocks):
+            members = self._members[k]
+            if not (type(block) is tuple and len(block) == 2 and type(block[0]) is list
+                    and type(block[1]) is list and len(block[1]) == len(members)
+                    and all(type(p) is bytes for p in block[0])
+                    and all(type(i) is int and 0 <= i < len(block[0]) for i in block[1])):
+                return f"the node block of rank {members[0]} is malformed"
+            ids = [table.setdefault(p, len(table)) for p in block[0]]
+            for rank, i in zip(members, block[1], strict=True):
+                per_rank[rank] = ids[i]
+        return list(table), _runs(per_rank)
+
+    def _unfold(self, answer: bytes) -> list[Any]:
+        base = self._base
+        where = f"rank {base.rank}/{base.size} ({base.node_id})"
+        leader = self._members[self._node][0]
+        folded = decode_from(answer, leader, where, rank=base.rank, backend=base.backend)
+        if type(folded) is str:
+            raise WireError(f"allgather_object on {where}: {folded}", op="allgather_object",
+                            rank=base.rank, backend=base.backend, peer=leader)
+        if not (type(folded) is tuple and len(folded) == 2 and type(folded[0]) is list
+                and type(folded[1]) is list):
+            raise WireError(f"allgather_object on {where}: the node leader's answer is "
+                            "malformed", op="allgather_object", rank=base.rank,
+                            backend=base.backend, peer=leader)
+        table, runs = folded
+        out: list[Any] = []
+        for count, index in zip(runs[::2], runs[1::2], strict=True):
+            for _ in range(count):
+                out.append(decode_from(table[index], len(out), where, rank=base.rank,
+                                       backend=base.backend))
+        if len(out) != base.size:
+            raise WireError(f"allgather_object on {where}: the node leader's answer covers "
+                            f"{len(out)} of {base.size} ranks", op="allgather_object",
+                            rank=base.rank, backend=base.backend, peer=leader)
+        return out
