@@ -67,6 +67,20 @@ def import_torch() -> tuple[Any, Any]:
     return torch, dist
 
 
+#: Padding an all-gather may add beyond twice the bytes it carries (see padded_width).
+PAD_ALLOWANCE = 64 << 10
+
+
+def padded_width(lengths: list[int]) -> int:
+    """The width every part of an all-gather is padded to: the longest part whose
+    width over every rank stays within twice the parts' total plus
+    :data:`PAD_ALLOWANCE`. Longer parts are broadcast one by one, so what a rank holds
+    for one all-gather is at most about three times what it receives."""
+    limit = 2 * sum(lengths) + PAD_ALLOWANCE
+    fits = [n for n in lengths if n * len(lengths) <= limit]
+    return max(fits, default=0)
+
+
 class TorchCommunicator(BackendCommunicator):
     """A :class:`~distcache.comm._base.Communicator` over a torch.distributed group.
 
@@ -253,14 +267,27 @@ class TorchCommunicator(BackendCommunicator):
             raise self._too_large(
                 f"an encoded object of {longest} bytes exceeds one message ({MAX_MESSAGE_BYTES})"
             )
-        # all_gather needs equal shapes: pad every rank's bytes to the longest.
+        # all_gather needs equal shapes. Parts up to ``width`` travel in one all_gather
+        # padded to it; each longer one is broadcast by its rank, so no rank allocates
+        # ``size x longest`` for one long part among short ones (see padded_width).
         torch = self._torch
-        padded = torch.zeros(max(longest, 1), dtype=torch.uint8, device=self._device)
-        if mine:
+        width = padded_width(lengths)
+        padded = torch.zeros(max(width, 1), dtype=torch.uint8, device=self._device)
+        if mine and len(mine) <= width:
             padded[: len(mine)] = self._bytes_tensor(mine)
         parts = [torch.empty_like(padded) for _ in range(self._size)]
         self._run("allgather_object", budget.seconds, self._start_allgather, parts, padded)
-        return [self._to_bytes(part[:n]) for part, n in zip(parts, lengths, strict=True)]
+        out = [self._to_bytes(part[:n]) if n <= width else b""
+               for part, n in zip(parts, lengths, strict=True)]
+        del parts, padded
+        for rank, n in enumerate(lengths):
+            if n > width:
+                tensor = (self._bytes_tensor(mine) if rank == self._rank else
+                          torch.empty(n, dtype=torch.uint8, device=self._device))
+                self._run("allgather_object", budget.seconds, self._start_broadcast, tensor,
+                          rank)
+                out[rank] = self._to_bytes(tensor)
+        return out
 
     def _barrier(self, budget: Budget) -> None:
         # dist.barrier() takes no timeout on most backends; an all-reduce of one
