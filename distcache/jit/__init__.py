@@ -29,9 +29,13 @@ Without a session (an engine's own worker, a test)::
     fam = jit.family("vllm", pool=pool, environ={"VLLM_CACHE_ROOT": root})
 
 Rules: materialising only adds missing files, each written to a temporary name and
-linked into place (never replacing a file a compile may be reading); two trees that
-give one path different bytes under one key are a *conflict*: that path is served
-from neither, and it is logged once per process. A directory owned by another user is
+linked into place (never replacing a file a compile may be reading). Each tree names
+its *publisher* (the host and the family's directories) and a sequence number: a
+file that one publisher rewrites (vLLM on CPU rewrites each rank's ``model`` at every
+start) is an update, and its newest version supersedes the older ones, which are no
+longer served nor prefetched. Two publishers that give one path different bytes
+under one key are a *conflict*: that path is served from neither, and it is logged
+once per process. A directory owned by another user is
 refused (:class:`~distcache.errors.JitCacheError`). ``TRITON_CACHE_MANAGER=
 distcache.jit._triton:PoolCacheManager`` (set by the ``triton`` family) serves
 Triton's own cache lookups from the pool of ``DISTCACHE_POOL`` as well.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,10 @@ from distcache.jit._tree import (
     ConflictLog,
     TreeManifest,
     held_labels,
+    latest,
+    next_seq,
     publish_tree,
+    publisher_id,
     read_trees,
     union,
 )
@@ -76,14 +80,19 @@ class Family:
         spec: where the cache is and its key.
         pool: the pool :meth:`manifest` reads (``bind`` sets it later).
         link: hard-link files out of the pool instead of copying them.
+        publisher: who this rank's trees say published them (default: a digest of
+            the host name and the family's directories); a later tree of the same
+            publisher supersedes its own earlier entries for the paths it lists.
     """
 
     def __init__(self, spec: FamilySpec, pool: ArtifactPool | None = None, *,
-                 link: bool = False) -> None:
+                 link: bool = False, publisher: str | None = None) -> None:
         self.spec = spec
         self.name = spec.name
         self.pool = pool
         self.link = link
+        self.publisher = publisher if publisher is not None else publisher_id(
+            socket.gethostname(), [str(r.path) for r in spec.roots])
         self.report = Report()
         self._conflicts = ConflictLog()
         # Trees read (by digest; a tree never changes) and files hashed, kept between
@@ -115,7 +124,9 @@ class Family:
     def manifest(self) -> list[Artifact]:
         """Every tree and file of this family (all keys) the bound pool holds: the
         start-up prefetch unites them across ranks and moves them to every pool."""
-        return held_labels(self.pool, self.name) if self.pool is not None else []
+        if self.pool is None:
+            return []
+        return held_labels(self.pool, self.name, self._trees)
 
     def install(self, pool: ArtifactPool, origin: Origin | None) -> None:
         """Fill the family's directories from ``pool`` (a directory of another user is
@@ -173,16 +184,20 @@ class Family:
     def publish(self, pool: ArtifactPool | None = None) -> int:
         """Store what this rank's directories hold that the pool's trees of this key
         do not list with the same bytes, as one new tree; how many files it lists
-        (0: nothing new). A path whose bytes differ from a tree's is published too,
-        which makes it a conflict that no rank is served.
+        (0: nothing new). A file this publisher listed before with other bytes is an
+        update: the new tree supersedes its old entry. A path another publisher
+        listed with other bytes is published too, which makes it a conflict that no
+        rank is served.
 
         Raises:
             JitCacheError: a directory belongs to another user.
             PoolError: the pool cannot be written.
         """
         pool = self._pool(pool)
-        known = union(read_trees(pool, self.name, self.key, cache=self._trees))
-        listed = dict(known.entries)
+        trees = read_trees(pool, self.name, self.key, cache=self._trees)
+        known = union(trees)
+        mine = {path: e for (who, path), e in latest(trees).items() if who == self.publisher}
+        listed = {**known.entries, **mine}
         new = []
         for root in self.spec.roots:
             if not root.path.is_dir():
@@ -190,12 +205,14 @@ class Family:
             check_owner(root.path, family=self.name)
             for entry in scan_into(pool, root.path, root.prefix, listed, self._seen):
                 before = listed.get(entry.path)
-                if entry.path in known.conflicts and entry.sha256 in known.conflicts[entry.path]:
+                if (entry.path not in mine and entry.path in known.conflicts
+                        and entry.sha256 in known.conflicts[entry.path]):
                     continue
                 if before is None or before.sha256 != entry.sha256:
                     new.append(entry)
         unique = {e.path: e for e in new}
-        publish_tree(pool, TreeManifest(self.name, self.key, tuple(unique.values())))
+        publish_tree(pool, TreeManifest(self.name, self.key, tuple(unique.values()),
+                                        self.publisher, next_seq(trees, self.publisher)))
         self.report.published = len(unique)
         return len(unique)
 

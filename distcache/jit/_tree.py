@@ -10,14 +10,20 @@ The key id is the first 24 hex digits of the key's sha256; the tree repeats the 
 key, and a tree whose family or key differs from its label's is ignored.
 
 Many trees may exist for one key (each rank publishes what it built that others do
-not have yet). :func:`union` merges them: a path listed with two digests is a
-conflict and is served from none of them.
+not have yet). A tree of format 2 names its *publisher* (a digest of the host and the
+directories it scanned) and a sequence number, one more than the publisher's latest
+tree it could read. :func:`union` merges them: for each publisher and path, the entry
+of its latest tree that lists the path counts (a file that one publisher rewrites is
+an update: its newer bytes supersede the older ones, which are no longer served);
+a path that two publishers give different digests is a conflict and is served from
+none of them. A tree of format 1 (no publisher) is a publisher of its own.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -29,12 +35,17 @@ log = logging.getLogger(__name__)
 
 #: Every label of a directory family starts with this.
 PREFIX = "jit/"
-#: Format of the tree object.
-TREE_VERSION = 1
+#: Format of the tree object written (2: with publisher and sequence number; a tree
+#: without a publisher is still written, and read, as format 1).
+TREE_VERSION = 2
+#: Formats read.
+TREE_VERSIONS = (1, 2)
 #: Permission bits a tree may carry: no set-uid, set-gid, sticky or group/other write.
 MODE_MASK = 0o755
 #: Largest tree object accepted (a tree is JSON; a few hundred bytes a file).
 MAX_TREE_BYTES = 64 << 20
+#: What a publisher looks like (:func:`publisher_id`).
+PUBLISHER_RE = re.compile(r"[0-9a-f]{16}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,18 +60,23 @@ class TreeEntry:
 
 @dataclass(frozen=True, slots=True)
 class TreeManifest:
-    """A family's files under one key, as one rank saw them."""
+    """A family's files under one key, as one rank saw them; ``publisher`` (``None``:
+    format 1, a publisher of its own) and its ``seq`` order one publisher's trees."""
 
     family: str
     key: str
     entries: tuple[TreeEntry, ...]
+    publisher: str | None = None
+    seq: int = 0
 
     def encode(self) -> bytes:
         """The canonical JSON bytes (sorted paths), so equal trees are one object."""
         files = [[e.path, e.sha256, e.mode, e.size]
                  for e in sorted(self.entries, key=lambda e: e.path)]
-        doc = {"version": TREE_VERSION, "family": self.family, "key": self.key,
-               "files": files}
+        doc: dict[str, object] = {"version": 1, "family": self.family, "key": self.key,
+                                  "files": files}
+        if self.publisher is not None:
+            doc.update(version=TREE_VERSION, publisher=self.publisher, seq=self.seq)
         return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode("utf-8")
 
     @classmethod
@@ -73,9 +89,17 @@ class TreeManifest:
         """
         try:
             doc = json.loads(data.decode("utf-8"))
-            if doc.get("version") != TREE_VERSION:
-                raise ValueError(f"tree format {doc.get('version')!r}, not {TREE_VERSION}")
+            version = doc.get("version")
+            if version not in TREE_VERSIONS:
+                raise ValueError(f"tree format {version!r}, not one of {TREE_VERSIONS}")
             family, key = str(doc["family"]), str(doc["key"])
+            publisher, seq = None, 0
+            if version >= 2:
+                publisher, seq = doc["publisher"], doc["seq"]
+                if not isinstance(publisher, str) or not PUBLISHER_RE.fullmatch(publisher):
+                    raise ValueError(f"bad publisher {publisher!r}")
+                if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+                    raise ValueError(f"bad sequence number {seq!r}")
             entries = []
             for path, sha, mode, size in doc["files"]:
                 if not isinstance(mode, int) or not isinstance(size, int) or size < 0:
@@ -85,7 +109,19 @@ class TreeManifest:
         except (ValueError, KeyError, TypeError, ArtifactNameError) as exc:
             raise JitCacheError(f"malformed tree manifest: {exc}", family=None,
                                 path=None) from exc
-        return cls(family, key, tuple(entries))
+        return cls(family, key, tuple(entries), publisher, seq)
+
+
+def publisher_id(host: str, directories: Iterable[str]) -> str:
+    """The publisher a tree names: 16 hex digits of the host and the directories a
+    family scans (one such pair rewriting a file updates it, never conflicts)."""
+    text = "\n".join([host, *directories])
+    return sha256_hex(text.encode("utf-8"))[:16]
+
+
+def next_seq(trees: Iterable[TreeManifest], publisher: str) -> int:
+    """One more than the latest sequence number of ``publisher``'s trees."""
+    return 1 + max((t.seq for t in trees if t.publisher == publisher), default=0)
 
 
 def key_id(key: str) -> str:
@@ -147,14 +183,29 @@ class Union:
     conflicts: dict[str, tuple[str, ...]]
 
 
+def latest(trees: Iterable[TreeManifest]) -> dict[tuple[str, str], TreeEntry]:
+    """``(publisher, path) -> entry`` of that publisher's latest tree listing the path
+    (highest ``seq``; on a tie, the tree given later: :func:`read_trees` gives them by
+    digest, so every reader picks the same). A format 1 tree is a publisher of its
+    own."""
+    found: dict[tuple[str, str], tuple[int, TreeEntry]] = {}
+    for index, tree in enumerate(trees):
+        who = tree.publisher if tree.publisher is not None else f"v1:{index}"
+        for entry in tree.entries:
+            have = found.get((who, entry.path))
+            if have is None or tree.seq >= have[0]:
+                found[(who, entry.path)] = (tree.seq, entry)
+    return {k: entry for k, (_seq, entry) in found.items()}
+
+
 def union(trees: Iterable[TreeManifest]) -> Union:
-    """Merge trees; a path with two digests is a conflict, left out of ``entries``."""
+    """Merge trees: each publisher's latest entry per path (:func:`latest`); a path
+    that publishers give two digests is a conflict, left out of ``entries``."""
     seen: dict[str, TreeEntry] = {}
     shas: dict[str, set[str]] = {}
-    for tree in trees:
-        for entry in tree.entries:
-            seen.setdefault(entry.path, entry)
-            shas.setdefault(entry.path, set()).add(entry.sha256)
+    for (_who, path), entry in sorted(latest(trees).items()):
+        seen.setdefault(path, entry)
+        shas.setdefault(path, set()).add(entry.sha256)
     conflicts = {p: tuple(sorted(s)) for p, s in shas.items() if len(s) > 1}
     return Union({p: e for p, e in seen.items() if p not in conflicts}, conflicts)
 
@@ -194,9 +245,44 @@ def publish_tree(pool: ArtifactPool, tree: TreeManifest) -> Artifact | None:
     return artifact
 
 
-def held_labels(pool: ArtifactPool, family: str) -> list[Artifact]:
-    """Every label of ``family`` (all keys) whose object this pool holds: what the
-    start-up prefetch moves to the pools that lack it."""
+def held_labels(pool: ArtifactPool, family: str,
+                cache: dict[str, TreeManifest] | None = None) -> list[Artifact]:
+    """The labels of ``family`` (all keys) whose object this pool holds: every tree,
+    and the files the trees serve (:func:`union`; neither a version its publisher
+    superseded nor a conflicting one). What the start-up prefetch moves to the pools
+    that lack it."""
     prefix = family_prefix(family)
-    return [Artifact(name, sha) for name, sha in sorted(pool.names().items())
-            if name.startswith(prefix) and pool.has(sha)]
+    names = {n: s for n, s in pool.names().items() if n.startswith(prefix)}
+    grouped: dict[str, list[TreeManifest]] = {}
+    keep: set[str] = set()
+    for name, sha in sorted(names.items()):
+        parts = name[len(prefix):].split("/")
+        if len(parts) != 3 or parts[1] != "tree" or parts[2] != sha:
+            continue
+        kid = parts[0]
+        keep.add(name)
+        tree = _read_tree(pool, sha, cache)
+        if tree is not None and tree.family == family and key_id(tree.key) == kid:
+            grouped.setdefault(tree.key, []).append(tree)
+    for key, trees in grouped.items():
+        keep |= {blob_label(family, key, e.sha256) for e in union(trees).entries.values()}
+    return [Artifact(name, sha) for name, sha in sorted(names.items())
+            if name in keep and pool.has(sha)]
+
+
+def _read_tree(pool: ArtifactPool, sha: str,
+               cache: dict[str, TreeManifest] | None) -> TreeManifest | None:
+    """The tree object ``sha`` (verified read), or ``None``; ``cache`` as in
+    :func:`read_trees`."""
+    if cache is not None and sha in cache:
+        return cache[sha]
+    data = pool.get(sha)
+    if data is None or len(data) > MAX_TREE_BYTES:
+        return None
+    try:
+        tree = TreeManifest.decode(data)
+    except JitCacheError:
+        return None
+    if cache is not None:
+        cache[sha] = tree
+    return tree
