@@ -324,7 +324,7 @@ def render(data: dict[str, Any]) -> str:
 
 
 DOC = ROOT / "docs" / "engines.md"
-DOC_BLOCK = re.compile(r"(<!-- engine-check:table -->\n)(.*?)(<!-- /engine-check:table -->)",
+DOC_BLOCK = re.compile(r"(<!-- figures:engine_vllm -->\n)(.*?)(<!-- /figures:engine_vllm -->)",
                        re.DOTALL)
 
 

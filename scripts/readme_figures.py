@@ -3,7 +3,8 @@
 
 Each block of figures sits between ``<!-- figures:NAME -->`` and
 ``<!-- /figures:NAME -->`` in one of the pages (README.md and ``docs/*.md``: most in
-``docs/benchmarks.md``, the soak's in ``docs/reliability.md``) and is exactly what
+``docs/benchmarks.md``, the soak's in ``docs/reliability.md``, the JIT caches' in
+``docs/jit.md``, the engine check's in ``docs/engines.md``) and is exactly what
 :func:`render` makes of the JSON that the benchmark script wrote (named as the script
 writes it). ``tests/unit/test_readme_figures.py`` checks that every block matches, so a
 figure cannot drift from its measurement. After a benchmark run, copy its JSON into
@@ -15,11 +16,14 @@ figure cannot drift from its measurement. After a benchmark run, copy its JSON i
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -247,9 +251,78 @@ def soak() -> str:
     return "\n".join(lines) + "\n"
 
 
+def jit() -> str:
+    """``docs/jit.md``: ``scripts/bench_jit.py``'s cells, per node the median of its
+    ranks' medians over the runs."""
+    d = _load("jit.json")
+    cells, runs = d["cells"], d["runs"]
+    nodes = sorted({r["node"] for rows in cells.values() for r in rows})
+
+    def median(name: str, node: str, key: str) -> float:
+        return statistics.median(r[key] for r in cells[name] if r["node"] == node)
+
+    def per_node(name: str, key: str) -> str:
+        return ", ".join(f"{median(name, n, key):.1f}" for n in nodes)
+
+    def hits(name: str) -> str:
+        seen = {f"{sum(r['hit'] for r in run[name] if r['node'] == n)}:"
+                f"{sum(r['miss'] for r in run[name] if r['node'] == n)}"
+                for run in runs for n in nodes}
+        return " or ".join(sorted(seen)) + " per node"
+
+    labels = {"cold": "cold (baseline)", "warm local": "warm local",
+              "fresh node": "fresh node through distcache"}
+    low, high = d["load_average"]
+    lines = [f"{d['model']}; {d['shape']}. Medians of {d['repeat']} runs on a "
+             f"{d['cpus']}-core machine shared with other work (load average {low:.1f} "
+             f"before, {high:.1f} after), per node:", "",
+             "| scenario | node | first call (s) | init (s) | init + first call (s) "
+             "| fxgraph hit : miss |", "|---|---|---|---|---|---|"]
+    for name, label in labels.items():
+        lines.append(f"| {label} | {', '.join(n.upper() for n in nodes)} | "
+                     f"{per_node(name, 'first_call_s')} | {per_node(name, 'init_s')} | "
+                     f"{per_node(name, 'init_plus_first_call_s')} | {hits(name)} |")
+    last = nodes[-1]
+    filled = [sum(r["filled_files"] for r in run["fresh node"] if r["node"] == last)
+              for run in runs]
+    kbytes = [sum(r["filled_bytes"] for r in run["fresh node"] if r["node"] == last) / 1e3
+              for run in runs]
+    longer = ", ".join(f"{median('fresh node', n, 'init_s') - median('warm local', n, 'init_s'):.1f}"
+                       for n in nodes)
+    cold = ", ".join(f"{median('cold', n, 'first_call_s') / median('warm local', n, 'first_call_s'):.1f}x"
+                     for n in nodes)
+    lines += ["", f"Fresh node / warm local, node {last.upper()}: first call "
+              f"{d['fresh_over_warm_local_node_b']:.2f}x, init + first call "
+              f"{d['fresh_over_warm_local_node_b_with_init']:.2f}x (target: at most "
+              f"{d['target_fresh_over_warm_local']:g}x). On the fresh node `init` takes "
+              f"{longer} s longer than warm local (nodes {', '.join(n.upper() for n in nodes)}); "
+              f"node {last.upper()}'s ranks filled {' / '.join(map(str, filled))} files "
+              f"({' / '.join(f'{k:.0f}' for k in kbytes)} kB) from the pool at `init`, per run. "
+              f"Cold over warm local, first call: {cold}."]
+    return "\n".join(lines) + "\n"
+
+
+def _script(name: str) -> ModuleType:
+    """``scripts/<name>.py`` as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(f"_figures_{name}",
+                                                  ROOT / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def engine_vllm() -> str:
+    """``docs/engines.md``: the engine check's own table (``scripts/engine_vllm.py``
+    renders it, and rewrites this block after a run into ``docs/bench``)."""
+    table: str = _script("engine_vllm").render(_load("engine_vllm.json"))
+    return table
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
     "prefetch": prefetch, "scale": scale, "pool": pool, "family": family,
-    "downloads": downloads, "ipc": ipc, "soak": soak}
+    "downloads": downloads, "ipc": ipc, "soak": soak, "jit": jit,
+    "engine_vllm": engine_vllm}
 
 
 def render(name: str) -> str:

@@ -30,6 +30,9 @@ WRITTEN_AS = {
     "scale_model.json": "scripts/scale_model.py",
     "soak.json": "scripts/soak.py",
     "engine_vllm.json": "scripts/engine_vllm.py",
+    "jit.json": "scripts/bench_jit.py",
+    "lazy.json": "scripts/bench_lazy.py",
+    "lazy_scale.json": "scripts/scale_model.py",
 }
 
 
@@ -60,6 +63,7 @@ def test_the_script_rewrites_every_page_that_holds_blocks() -> None:
     holding = {page for page, text in TEXT.items() if FIGURES.search(text)}
     assert holding <= set(_renderer().pages())
     assert REPO / "docs" / "reliability.md" in holding
+    assert {REPO / "docs" / "jit.md", REPO / "docs" / "engines.md"} <= holding
 
 
 @pytest.mark.parametrize("name,block", BLOCKS, ids=[name for name, _ in BLOCKS])
