@@ -10,7 +10,9 @@ families' keys and directories) in the file :data:`OWNER_FILE` in the first fami
 directory (a dot file: never published), and at its exit stores what the directories
 gained
 (:meth:`distcache.jit.Family.publish`, content-addressed, so the copies that several
-ranks hold of one file are one object). A process whose owner file names one of its
+ranks hold of one file are one object). A file the engine rewrites at every start
+(vLLM on CPU writes each rank's ``model`` anew) is published as an update of this
+host's and directory's earlier version, which it supersedes, not as a conflict. A process whose owner file names one of its
 own ancestors (read from ``/proc``), for the same directories and keys, neither fills
 nor publishes them again: its owner outlives it
 (vLLM's main process waits for its engine core and workers), and the owner's

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,20 @@ def test_a_malformed_publisher_or_sequence_is_refused() -> None:
     del good["publisher"]
     with pytest.raises(JitCacheError):
         TreeManifest.decode(json.dumps(good).encode())
+
+
+def test_the_engine_exit_publishes_a_rewritten_model_as_an_update(tmp_path: Path) -> None:
+    from distcache.integrations import _compile_caches
+
+    pool = ArtifactPool(tmp_path / "pool")
+    root = tmp_path / "vllm_root"
+    environ = {"VLLM_CACHE_ROOT": str(root)}
+    for start in range(3):
+        chosen = jit.families(["vllm"], pool=pool, environ=environ)
+        write(root / "torch_compile_cache",
+              {"h/rank_0_0/model": b"start %d" % start, "h/rank_1_0/model": b"start %d" % start})
+        rows = _compile_caches.publish_at_exit(chosen, "test", "main", os.getpid())
+        assert rows == [{"name": "vllm", "files": 2, "seconds": rows[0]["seconds"]}]
+    merged = jit.union(jit.read_trees(pool, "vllm", chosen[0].key))
+    assert merged.conflicts == {}
+    assert {e.sha256 for e in merged.entries.values()} == {sha256_hex(b"start 2")}
