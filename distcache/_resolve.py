@@ -18,6 +18,7 @@ usual; the origin is never asked.
 
 from __future__ import annotations
 
+import logging
 import os
 import zlib
 from collections.abc import Iterable, Sequence
@@ -42,6 +43,8 @@ from distcache.store import ArtifactPool, PoolLayout
 
 if TYPE_CHECKING:
     from distcache.integrations import Integration
+
+log = logging.getLogger(__name__)
 
 #: A ``sha256sum``-format file, or a list of artifacts.
 ManifestSpec = str | os.PathLike[str] | Sequence[Artifact]
@@ -150,7 +153,8 @@ def prefetch_manifests(
     agree_on_error(comm, error, timeout=timeout)
     artifacts = listed
     if integrations:
-        everyone = union_across_ranks(comm, wanted, timeout=timeout)
+        everyone = union_across_ranks(comm, wanted, recorded_ns=_recorded_ns(integrations),
+                                      timeout=timeout)
         if everyone:
             try:
                 artifacts = merge_manifests([("manifests", listed),
@@ -278,16 +282,19 @@ def _read(spec: ManifestSpec, index: int) -> tuple[str, list[Artifact]]:
 
 
 def union_across_ranks(
-    comm: Communicator, artifacts: Sequence[Artifact], *, timeout: float | None = None
+    comm: Communicator, artifacts: Sequence[Artifact], *, recorded_ns: int | None = None,
+    timeout: float | None = None,
 ) -> list[Artifact]:
-    """Collective: the union of every rank's ``artifacts``, the same list on every rank.
+    """Collective: the union of every rank's ``artifacts`` (what its integrations
+    recorded), the same list on every rank.
 
     Ranks that read the same files (a shared record directory) send their list once:
-    digests first, then one copy of each distinct list. When every rank's list is
-    empty that is a single small all-gather.
+    digests first, then one copy of each distinct list, dated ``recorded_ns`` (when its
+    record was last written). When every rank's list is empty that is a single small
+    all-gather. A name that two lists give two digests (the nodes' records straddle an
+    upgrade) keeps the newest list's, with one warning on rank 0, as one record does.
 
     Raises:
-        ManifestError: one name with two digests across ranks (on every rank).
         CollectiveTimeout: not every rank arrived in time.
     """
     text = manifest_text(artifacts).encode()
@@ -295,10 +302,33 @@ def union_across_ranks(
     digests = comm.allgather_object(digest, timeout=timeout)
     if not any(digests):
         return []
-    mine = zlib.compress(text) if digest is not None and digests.index(digest) == comm.rank else None
-    blobs = comm.allgather_object(mine, timeout=timeout)
-    return merge_manifests(
-        (f"rank {rank}", parse_checksums(zlib.decompress(blob).decode()))
-        for rank, blob in enumerate(blobs)
-        if blob is not None
-    )
+    mine = None
+    if digest is not None and digests.index(digest) == comm.rank:
+        mine = (zlib.compress(text), recorded_ns or 0)
+    sent = comm.allgather_object(mine, timeout=timeout)
+    # Oldest first (ties by rank, alike everywhere): a later list's digest wins.
+    dated = sorted((stamp, rank, blob) for rank, (blob, stamp) in
+                   ((r, part) for r, part in enumerate(sent) if part is not None))
+    merged: dict[str, Artifact] = {}
+    replaced: dict[str, tuple[str, str]] = {}
+    for _stamp, _rank, blob in dated:
+        for artifact in parse_checksums(zlib.decompress(blob).decode()):
+            before = merged.get(artifact.name)
+            if before is not None and before.sha256 != artifact.sha256:
+                replaced[artifact.name] = (before.sha256, artifact.sha256)
+            if before is None or before.sha256 != artifact.sha256:
+                merged[artifact.name] = artifact
+    if replaced and comm.rank == 0:
+        name, (old, new) = next(iter(sorted(replaced.items())))
+        log.warning("the ranks' usage records give %d name(s) two digests (an upgrade on "
+                    "some nodes?); kept the newest record's: %s %s..., was %s...",
+                    len(replaced), name, new[:12], old[:12])
+    return [merged[name] for name in sorted(merged)]
+
+
+def _recorded_ns(integrations: Sequence[Integration]) -> int | None:
+    """When this rank's integrations last recorded what they want (the newest of their
+    ``recorded_ns()``, for those that keep a dated record), else ``None``."""
+    stamps = [stamp for i in integrations
+              if (stamp := getattr(i, "recorded_ns", lambda: None)()) is not None]
+    return max(stamps) if stamps else None

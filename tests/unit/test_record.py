@@ -146,3 +146,51 @@ def test_prefetch_succeeds_with_a_record_of_an_upgraded_kernel(tmp_path: Path) -
         assert origin.total_requests == 1
     assert done.stderr.count("two digests") == 1
     assert "1 artifacts" in done.stdout
+
+
+def test_two_nodes_records_that_straddle_an_upgrade_keep_the_newest_on_every_rank(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Node-local record directories: node a ran before FlashInfer was upgraded (its
+    record names the old digest), node b after. The job prefetches the newest digest
+    on every rank, from the pools, with one warning for the job."""
+    from distcache._resolve import prefetch_manifests
+    from distcache.artifact import Artifact
+    from distcache.comm import ThreadGroup
+    from distcache.integrations.flashinfer import FlashInfer
+    from distcache.store import ArtifactPool
+
+    old, new = {"pin/k.cubin": b"v1", "pin/a.cubin": b"a"}, {"pin/k.cubin": b"v2"}
+    records = [tmp_path / "record-a", tmp_path / "record-b"]
+    _finished(records[0], 10, old, mtime=1_000_000)
+    _finished(records[1], 11, new, mtime=2_000_000)
+    pools = [ArtifactPool(tmp_path / f"pool-{n}") for n in "ab"]
+    for data in (b"v2", b"a"):  # both pools are warm with what the newest record wants
+        for pool in pools:
+            pool.put(data, sha(data))
+    assert FlashInfer(record=records[1]).recorded_ns() == 2_000_000 * 10**9
+    group = ThreadGroup(2, ["node-a", "node-b"], timeout=30)
+    out: list[object] = [None, None]
+
+    def body(rank: int) -> None:
+        try:
+            out[rank] = prefetch_manifests(group.comm(rank), pools[rank], None,
+                                           integrations=[FlashInfer(record=records[rank])],
+                                           timeout=30)
+        except BaseException as exc:
+            out[rank] = exc
+
+    with caplog.at_level(logging.WARNING):
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    for report in out:
+        assert not isinstance(report, BaseException), report
+    wanted = {Artifact("pin/k.cubin", sha(b"v2")), Artifact("pin/a.cubin", sha(b"a"))}
+    for pool in pools:
+        assert {Artifact(n, s) for n, s in pool.names().items()} == wanted
+    warnings = [r for r in caplog.records if "two digests" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "pin/k.cubin" in warnings[0].getMessage() and sha(b"v2")[:12] in warnings[0].getMessage()

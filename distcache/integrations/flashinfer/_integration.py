@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from distcache.artifact import Artifact
 from distcache.integrations.flashinfer._install import install, uninstall_if
 from distcache.integrations.flashinfer._loader import Families, PooledLoader
-from distcache.integrations.flashinfer._record import read_record
+from distcache.integrations.flashinfer._record import read_record, recorded_ns
 from distcache.integrations.flashinfer._upstream import (
     REPOSITORY_VARIABLE,
     available,
@@ -75,6 +75,11 @@ class FlashInfer:
         if self.record is None:
             return []
         return [Artifact(n, s) for n, s in sorted(read_record(self.record).items())]
+
+    def recorded_ns(self) -> int | None:
+        """When the usage record was last written (ns), to date it against other
+        nodes' records; ``None`` without one."""
+        return None if self.record is None else recorded_ns(self.record)
 
     def install(self, pool: ArtifactPool, origin: Origin | None) -> None:
         """Serve FlashInfer's ``get_artifact`` from ``pool`` (see

@@ -176,6 +176,17 @@ def read_record(
     return dict(list(entries.items())[-max_entries:])
 
 
+def recorded_ns(directory: str | os.PathLike[str]) -> int | None:
+    """When the usage record in ``directory`` was last written (the newest record
+    file's modification time, in ns), or ``None`` when it has none: how records of
+    different nodes are dated against each other."""
+    root = Path(directory)
+    if not root.is_dir():
+        return None
+    files = _record_files(root)
+    return files[-1][0] if files else None
+
+
 def _record_files(root: Path) -> list[tuple[int, Path]]:
     """``(mtime_ns, path)`` of the record files in ``root``, oldest first."""
     try:
