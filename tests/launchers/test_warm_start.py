@@ -5,6 +5,7 @@ lacks stops the launch with one error naming it, before the program runs."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -69,12 +70,17 @@ def test_what_the_pool_lacks_stops_the_launch_with_one_error_naming_it(tmp_path:
     assert f"distcache fetch --manifest {manifest} --origin URL" in errors[0]
 
 
+def _prefetch_command(pool: Path, manifest: Path) -> Any:
+    """``distcache prefetch --manifest`` on both ranks of ``mpirun -n 2``."""
+    return run_group([*MPIRUN_2, PY, "-m", "distcache", "--pool", str(pool), "prefetch",
+                      "--manifest", str(manifest)], _env(), timeout=180)
+
+
 def test_what_the_pools_lack_stops_the_prefetch_command_with_one_line_per_job(
     tmp_path: Path,
 ) -> None:
     pool, manifest, total = _warm(tmp_path, 3)
-    done = run_group([*MPIRUN_2, PY, "-m", "distcache", "--pool", str(pool), "prefetch",
-                      "--manifest", str(manifest)], _env(), timeout=180)
+    done = _prefetch_command(pool, manifest)
     assert done.returncode == 1, done.output
     assert f"{total - 3} artifact(s) are in no pool" in done.output
     errors = [line for line in done.output.splitlines() if "are in no pool" in line]
@@ -86,7 +92,6 @@ def test_the_prefetch_command_under_mpirun_needs_no_origin_for_a_warm_pool(
     tmp_path: Path,
 ) -> None:
     pool, manifest, total = _warm(tmp_path, 5)
-    done = run_group([*MPIRUN_2, PY, "-m", "distcache", "--pool", str(pool), "prefetch",
-                      "--manifest", str(manifest)], _env(), timeout=180)
+    done = _prefetch_command(pool, manifest)
     assert done.returncode == 0, done.output
     assert f"{total} already everywhere" in done.output and "; 0 downloads" in done.output
