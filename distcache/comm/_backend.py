@@ -116,6 +116,8 @@ class BackendCommunicator(ABC):
         # split() results by the all-gathered colors, least recently used first (see
         # split); at most MAX_CHILDREN are kept.
         self._children: OrderedDict[tuple[int, ...], Self] = OrderedDict()
+        # split_owned() results: closed with this communicator, never handed out again.
+        self._owned_children: list[Self] = []
         #: Communicators this one created by ``split`` over its life (kept or let go).
         self.groups_made = 0
         self._closed = False
@@ -298,6 +300,18 @@ class BackendCommunicator(ABC):
             oldest.close()
         return made
 
+    def split_owned(self, color: int) -> Self:
+        """:meth:`split`, but the child is the caller's alone: never handed out by a
+        later ``split`` of the same partition, never let go to bound the kept ones
+        (a communicator that one thread uses while another splits off the same ranks
+        to use at the same time must not be one object). :meth:`close` of this
+        communicator closes it too. Collective."""
+        gathered = self.allgather_object(int(color))
+        made = self._split_child(tuple(gathered), int(color))
+        self.groups_made += 1
+        self._owned_children.append(made)
+        return made
+
     def _let_go_children(self, why: str) -> None:
         for child in self._children.values():
             child._release(why)
@@ -310,6 +324,9 @@ class BackendCommunicator(ABC):
             return
         self._closed = True
         self._let_go_children("it was closed")
+        for child in self._owned_children:
+            child.close()
+        self._owned_children.clear()
         self._release("it was closed")
 
     def _release(self, why: str) -> None:

@@ -125,3 +125,12 @@ class CountingCommunicator:
             part = len(encode((int(color), False)))
             self.traffic.count("split", part, part * (self.size - 1))
         return CountingCommunicator(child, self.traffic)
+
+    def split_owned(self, color: int) -> Communicator:
+        """The wrapped communicator's ``split_owned`` (else its ``split``), counted."""
+        owned = getattr(self._base, "split_owned", None)
+        child = owned(color) if owned is not None else self._base.split(color)
+        if self.size > 1:
+            part = len(encode(int(color)))
+            self.traffic.count("split", part, part * (self.size - 1))
+        return CountingCommunicator(child, self.traffic)

@@ -125,8 +125,12 @@ class NodeTree:
         self._local: Communicator | None = None
         self._upper: Communicator | None = None
         if not self._flat:
-            self._local = base.split(self._node)
-            self._upper = base.split(0 if self.is_leader else 1)
+            # Communicators of the tree's own: the collective splits the same ranks off
+            # (a node's leaders are often its pools' writers) and moves buckets on them
+            # on a thread while this tree carries the heartbeats.
+            split = getattr(base, "split_owned", None) or base.split
+            self._local = split(self._node)
+            self._upper = split(0 if self.is_leader else 1)
 
     def selected(self) -> Communicator:
         """This tree, or the wrapped communicator where the tree would add nothing."""
