@@ -1,0 +1,260 @@
+"""Start-up through the public hook at N ranks, next to the floor of an MPI program.
+
+    python -m scripts.bench_scale --ranks 16,64 [--out docs/bench] [--cubins DIR]
+
+For each N, two ``mpirun -n N`` launches with 8 ranks per simulated node
+(``DISTCACHE_NODE_ID=node<rank // 8>``) and one pool per node:
+
+* **floor**: Python starts, imports mpi4py, ``COMM_WORLD.Dup()``, imports distcache,
+  one all-gather: what any MPI program that imports distcache pays;
+* **init**: Python starts, ``import distcache``,
+  ``distcache.init(manifests=[M], integrations=[])`` (FlashInfer's integration, when
+  importable, would import torch: the engine's cost, not distcache's)
+  with 64 cubins from a loopback origin answering each request after 50 ms (cold
+  node-local pools). Init is handed a counting communicator over
+  ``distcache.comm.from_mpi()`` (the duplicate of the world init adopts under
+  ``mpirun``) so that each rank's bytes sent and received are measured.
+
+Each rank reports when it finished (wall clock, against the moment the driver
+launched ``mpirun``) and its peak RSS. A row gives the slowest rank's time of both
+launches, the largest peak RSS of each, the origin's requests, and each rank's bytes.
+The cubins are the ``*.cubin`` files of ``--cubins DIR`` (the first 64), else 64
+files drawn from flashinfer-cubin's size distribution (``scripts/family_sizes.json``).
+
+Writes ``OUT/scale.json``; the per-rank inputs of the scale model (``scripts/
+scale_model.py``) are under ``per_rank`` in each row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = Path(__file__).with_name("family_sizes.json")
+PER_NODE = 8
+CUBINS = 64
+LATENCY_S = 0.05
+LAUNCH_TIMEOUT_S = 600.0
+
+
+# -- a rank ---------------------------------------------------------------------------
+
+
+def _rank() -> int:
+    return int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", "0")))
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def worker(args: argparse.Namespace) -> None:
+    rank = _rank()
+    node = rank // PER_NODE
+    figures: dict[str, Any] = {"rank": rank, "node": node}
+    if args.worker == "floor":
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD.Dup()
+        import distcache
+
+        world.allgather(rank)
+        world.Free()
+    else:
+        os.environ["DISTCACHE_NODE_ID"] = f"node{node}"
+        os.environ["DISTCACHE_POOL"] = str(args.run_dir / f"pool-node{node}")
+        import distcache
+        from distcache.comm import CountingCommunicator, from_mpi
+
+        comm = CountingCommunicator(from_mpi())
+        # No integration: with FlashInfer importable, init's default would import it
+        # (and torch), the engine's start-up cost rather than distcache's.
+        session = distcache.init(manifests=[str(args.manifest)], comm=comm, integrations=[])
+        report = session.report
+        bulk = comm.traffic.by_op.get("broadcast_bytes", [0, 0])
+        figures.update(sent=comm.traffic.sent, received=comm.traffic.received,
+                       calls=comm.traffic.calls, control_sent=comm.traffic.sent - bulk[0],
+                       control_received=comm.traffic.received - bulk[1],
+                       largest_bucket=0 if report is None else report.peak_bytes,
+                       downloads=0 if report is None else report.downloads)
+        if rank == 0 and report is not None:
+            figures["report"] = {"seconds": report.seconds, "objects": report.objects,
+                                 "downloads": report.downloads,
+                                 "broadcast_bytes": report.broadcast_bytes}
+    figures["done_at"] = time.time()
+    figures["peak_rss"] = _peak_rss_bytes()
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    (args.run_dir / f"{args.worker}-rank{rank}.json").write_text(json.dumps(figures))
+
+
+# -- the driver -----------------------------------------------------------------------
+
+
+def make_cubins(mirror: Path, given: Path | None) -> str:
+    """64 cubins under ``mirror``; returns where they came from."""
+    if given is not None:
+        for path in sorted(given.rglob("*.cubin"))[:CUBINS]:
+            dest = mirror / path.relative_to(given)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, dest)
+        return f"the first {CUBINS} cubins of {given.name}"
+    quantiles: list[int] = json.loads(SIZES.read_text())["quantiles"]
+    rng = random.Random(0)
+    steps = len(quantiles) - 1
+    for i in range(CUBINS):
+        x = rng.random() * steps
+        lo = int(x)
+        hi = min(lo + 1, steps)
+        size = int(quantiles[lo] + (quantiles[hi] - quantiles[lo]) * (x - lo))
+        dest = mirror / f"gen/kernel_{i:05d}.cubin"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(rng.randbytes(size))
+    return f"{CUBINS} files drawn from flashinfer-cubin's size distribution ({SIZES.name})"
+
+
+def write_manifest(mirror: Path, path: Path) -> int:
+    lines, total = [], 0
+    for cubin in sorted(mirror.rglob("*.cubin")):
+        data = cubin.read_bytes()
+        total += len(data)
+        lines.append(f"{hashlib.sha256(data).hexdigest()}  {cubin.relative_to(mirror).as_posix()}\n")
+    path.write_text("".join(lines))
+    return total
+
+
+def launch(n: int, mode: str, run_dir: Path, extra: list[str], env: dict[str, str]
+           ) -> tuple[float, list[dict[str, Any]]]:
+    from tests.support.helpers import mpirun, run_group
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [mpirun(), "-n", str(n), "--oversubscribe", "--bind-to", "none", sys.executable,
+           "-m", "scripts.bench_scale", "--worker", mode, "--run-dir", str(run_dir), *extra]
+    launched = time.time()
+    done = run_group(cmd, timeout=LAUNCH_TIMEOUT_S, env=env, cwd=ROOT)
+    if done.returncode != 0:
+        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
+        raise SystemExit(f"mpirun -n {n} {mode} failed with status {done.returncode}")
+    ranks = [json.loads(p.read_text()) for p in sorted(run_dir.glob(f"{mode}-rank*.json"))]
+    if len(ranks) != n:
+        raise SystemExit(f"mpirun -n {n} {mode}: {len(ranks)} of {n} ranks reported")
+    return launched, ranks
+
+
+def row(n: int, work: Path, manifest: Path, url: str, server: Any) -> dict[str, Any]:
+    from tests.support.helpers import mpi_env
+
+    env = mpi_env(DISTCACHE_ORIGIN=url)
+    for var in ("DISTCACHE_POOL", "DISTCACHE_NODE_ID", "DISTCACHE_DISABLE"):
+        env.pop(var, None)
+    launched, floor = launch(n, "floor", work / f"floor-{n}", [], env)
+    floor_s = max(r["done_at"] for r in floor) - launched
+    server.reset()
+    launched, init = launch(n, "init", work / f"init-{n}", ["--manifest", str(manifest)], env)
+    init_s = max(r["done_at"] for r in init) - launched
+    mb = 1 << 20
+    sent = [r["sent"] for r in init]
+    received = [r["received"] for r in init]
+    control = [r["control_sent"] + r["control_received"] for r in init]
+    rank0 = next(r for r in init if r["rank"] == 0)
+    return {
+        "ranks": n,
+        "nodes": (n + PER_NODE - 1) // PER_NODE,
+        "origin_requests": server.total_requests,
+        "init_slowest_s": round(init_s, 3),
+        "floor_s": round(floor_s, 3),
+        "init_over_floor": round(init_s / floor_s, 2),
+        "peak_rss_mb": round(max(r["peak_rss"] for r in init) / mb, 1),
+        "floor_rss_mb": round(max(r["peak_rss"] for r in floor) / mb, 1),
+        "largest_bucket_mb": round(max(r["largest_bucket"] for r in init) / mb, 2),
+        "bytes_sent_per_rank": {"max": max(sent), "median": statistics.median(sent)},
+        "bytes_received_per_rank": {"max": max(received),
+                                    "median": statistics.median(received)},
+        # Everything but the artifact buckets (broadcasts): agreement, planning,
+        # heartbeats and the report.
+        "control_bytes_per_rank": {"max": max(control), "median": statistics.median(control)},
+        "rank0_phases_s": rank0.get("report", {}).get("seconds"),
+        # What the scale model reads per rank: the bytes a rank moves for the
+        # collective's control traffic and the memory it holds, at this N.
+        "per_rank": {
+            "control_bytes_max": max(control),
+            "peak_rss_over_floor_mb": round(
+                (max(r["peak_rss"] for r in init) - max(r["peak_rss"] for r in floor)) / mb, 1),
+            "init_minus_floor_s": round(init_s - floor_s, 3),
+        },
+    }
+
+
+def driver(args: argparse.Namespace) -> None:
+    from distcache.testing import LoopbackOrigin
+
+    axis = sorted({int(x) for x in args.ranks.split(",") if x})
+    work = Path(tempfile.mkdtemp(prefix="bench-scale-"))
+    mirror = work / "mirror"
+    source = make_cubins(mirror, args.cubins)
+    manifest = work / "cubins.txt"
+    total = write_manifest(mirror, manifest)
+    rows = []
+    load_before = os.getloadavg()[0]
+    try:
+        with LoopbackOrigin(mirror, latency=LATENCY_S) as server:
+            for n in axis:
+                rows.append(row(n, work, manifest, server.url, server))
+                r = rows[-1]
+                print(f"{n:4d} ranks ({r['nodes']} nodes): origin {r['origin_requests']}, "
+                      f"init {r['init_slowest_s']:.2f} s vs floor {r['floor_s']:.2f} s "
+                      f"({r['init_over_floor']:.2f}x), RSS {r['peak_rss_mb']} MB vs "
+                      f"{r['floor_rss_mb']} MB, sent/rank max {r['bytes_sent_per_rank']['max']}"
+                      f" B, received/rank max {r['bytes_received_per_rank']['max']} B",
+                      flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result = {
+        "benchmark": "bench_scale",
+        "what": "distcache.init(manifests=[M], integrations=[]) under mpirun, 8 ranks per simulated node, "
+                "node-local pools, cold; next to the floor (python, import mpi4py, "
+                "COMM_WORLD.Dup(), import distcache, one all-gather)",
+        "cubins": source,
+        "cubin_count": CUBINS,
+        "cubin_bytes": total,
+        "origin_latency_s": LATENCY_S,
+        "ranks_per_node": PER_NODE,
+        "machine": {"cores": os.cpu_count(), "load_before": round(load_before, 2),
+                    "load_after": round(os.getloadavg()[0], 2)},
+        "rows": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = args.name or "scale.json"
+    (args.out / name).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out / name}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", default="16,64")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench")
+    parser.add_argument("--name", help="file name under --out (default scale.json)")
+    parser.add_argument("--cubins", type=Path, help="a directory of real cubins")
+    parser.add_argument("--worker", choices=("floor", "init"), help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--manifest", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        worker(args)
+    else:
+        driver(args)
+
+
+if __name__ == "__main__":
+    main()
