@@ -18,7 +18,6 @@ import os
 import signal
 import sys
 import time
-import urllib.request
 import warnings
 from pathlib import Path
 from typing import Any
@@ -63,6 +62,7 @@ def main(mode: str, base: Path, names_file: Path) -> int:
     import distcache
     from distcache.integrations.flashinfer import FlashInfer
     from distcache.peer import owner
+    from tests.support.helpers import origin_requests as counted_requests
 
     if mode == "netns":
         import launch
@@ -74,11 +74,7 @@ def main(mode: str, base: Path, names_file: Path) -> int:
     assert loader is not None and session._peers is not None
 
     def origin_requests() -> int:
-        comm.barrier()
-        with urllib.request.urlopen(url + "/_stats", timeout=30) as answer:
-            count = int(json.load(answer)["total_requests"])
-        comm.barrier()
-        return count
+        return counted_requests(comm, url)
 
     if mode == "phases":
         if rank == 0:

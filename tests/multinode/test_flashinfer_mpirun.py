@@ -32,7 +32,6 @@ def _worker(mode: str, base: Path, names_file: Path) -> int:
     every rank asks for A through the wrapper; rank 0 reads the origin's counters
     over HTTP between the phases."""
     import argparse
-    import urllib.request
     import warnings
 
     rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
@@ -45,16 +44,13 @@ def _worker(mode: str, base: Path, names_file: Path) -> int:
     from distcache.comm import auto
     from distcache.integrations import flashinfer as fi
     from distcache.store._pool import ArtifactPool
+    from tests.support.helpers import origin_requests as counted_requests
 
     comm = auto()
     url = os.environ["FLASHINFER_CUBINS_REPOSITORY"]
 
     def origin_requests() -> int:
-        comm.barrier()
-        with urllib.request.urlopen(url + "/_stats", timeout=30) as answer:
-            count = int(json.load(answer)["total_requests"])
-        comm.barrier()
-        return count
+        return counted_requests(comm, url)
 
     pairs = [line.split("  ", 1) for line in names_file.read_text().splitlines()]
     set_x, set_y = pairs[:K], pairs[K:]

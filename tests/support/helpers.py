@@ -15,7 +15,8 @@ from typing import Any
 
 from tests.support.process import kill_group, mpirun, run_group
 
-__all__ = ["kill_group", "mpi_env", "mpirun", "mpmd_command", "run_group", "serve_slowly"]
+__all__ = ["kill_group", "mpi_env", "mpirun", "mpmd_command", "origin_requests", "run_group",
+           "serve_slowly"]
 
 
 def mpi_env(base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
@@ -67,3 +68,16 @@ def serve_slowly(comm: Any, mirror: Path, count: int, latency: float,
         server = LoopbackOrigin(mirror, latency=latency)
     url = comm.broadcast_bytes(server.url.encode() if server is not None else None, 0).decode()
     return server, url
+
+
+def origin_requests(comm: Any, url: str) -> int:
+    """Collective: the loopback origin at ``url``'s request count, read between two
+    barriers, so that every rank's requests before the call are in it and none after."""
+    import json
+    import urllib.request
+
+    comm.barrier()
+    with urllib.request.urlopen(url + "/_stats", timeout=30) as answer:
+        count = int(json.load(answer)["total_requests"])
+    comm.barrier()
+    return count
