@@ -29,6 +29,7 @@ WRITTEN_AS = {
     "bench_ipc.json": "scripts/bench_ipc.py",
     "scale_model.json": "scripts/scale_model.py",
     "soak.json": "scripts/soak.py",
+    "scale.json": "scripts/bench_scale.py",
     "engine_vllm.json": "scripts/engine_vllm.py",
     "jit.json": "scripts/bench_jit.py",
     "lazy.json": "scripts/bench_lazy.py",
