@@ -118,7 +118,7 @@ def concurrent(comm: Communicator) -> bool:
     """Whether two threads may each use one of ``comm``'s communicators at once: always
     on gloo and the in-process ones; on MPI only at ``MPI_THREAD_MULTIPLE`` (mpi4py asks
     for it; an engine that initialised MPI itself may have asked for less)."""
-    if comm.backend != "mpi":
+    if "mpi" not in comm.backend.split("+"):  # e.g. "mpi+torch": MPI carries control
         return True
     mpi = sys.modules.get("mpi4py.MPI")
     return mpi is not None and bool(mpi.Query_thread() >= mpi.THREAD_MULTIPLE)

@@ -62,6 +62,9 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
+#: The colors of the move's split: the writers and the rest (see :meth:`Run.move`).
+MOVE_COLORS = (0x4D56, 0x4D57)
+
 
 class Run:
     """One rank's side of one collective: timings, counters, error agreement."""
@@ -224,8 +227,11 @@ class Run:
         writers = plan.writer_ranks
         is_writer = self.comm.rank in writers
         # Always a communicator of the writers' own, even when every rank writes: the
-        # heartbeats run on this one at the same time.
-        wcomm = self.comm.split(0 if is_writer else 1)
+        # heartbeats run on this one at the same time. Colors of its own, too: split
+        # keeps one child per partition, and a node tree over this communicator may
+        # keep its leaders as split(0 if leader else 1), the same ranks as the writers
+        # when each node has one pool; that child is busy with the heartbeats.
+        wcomm = self.comm.split(MOVE_COLORS[0] if is_writer else MOVE_COLORS[1])
         activity = Activity()
 
         def published(nbytes: int) -> None:

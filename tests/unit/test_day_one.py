@@ -410,3 +410,18 @@ def test_a_writer_stuck_in_the_move_fails_every_rank_within_the_timeout(
         assert failed_at[rank] - stuck_since[0] < 2 * TIMEOUT + 3.0
     assert len(messages) == 1, "the same error on every rank"
     assert "made no progress" in messages.pop()
+
+
+@pytest.mark.parametrize(("backend", "level", "together"), [
+    ("gloo", 0, True), ("mpi", 3, True), ("mpi", 2, False), ("mpi+torch", 2, False),
+    ("mpi+torch", 3, True)])
+def test_the_move_runs_beside_the_heartbeats_only_where_the_transport_allows_two_threads(
+    monkeypatch: pytest.MonkeyPatch, backend: str, level: int, together: bool
+) -> None:
+    import types
+
+    from distcache.collective._heartbeat import concurrent
+
+    fake = types.SimpleNamespace(Query_thread=lambda: level, THREAD_MULTIPLE=3)
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", fake)
+    assert concurrent(types.SimpleNamespace(backend=backend)) is together  # type: ignore[arg-type]
