@@ -197,7 +197,7 @@ class Agent:
                 continue
             try:
                 got = _client.fetch(endpoint, self.key, artifact, fill=True,
-                                    timeout=min(HOP_S, left), deadline=left)
+                                    timeout=min(HOP_S, left), deadline=min(HOP_S, left))
             except PeerError as exc:
                 if getattr(exc, "status", None) is None:  # no answer at all, not a 503
                     self._mark_down(endpoint)
@@ -249,6 +249,9 @@ def _handler(agent: Agent) -> type[http.server.BaseHTTPRequestHandler]:
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "distcache-peer/1"
+        # A connection that sends nothing for this long is closed: an idle client must
+        # not hold a server thread for ever.
+        timeout = HOP_S
         sys_version = ""
 
         def log_message(self, format: str, *args: Any) -> None:

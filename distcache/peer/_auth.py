@@ -60,6 +60,7 @@ def verify(key: bytes, method: str, path: str, headers: Mapping[str, str], *,
         return "a malformed time"
     if not skew <= MAX_SKEW_S:
         return f"a time {skew:.0f} s off"
-    if not hmac.compare_digest(mac, _mac(key, method, path, when, nonce)):
+    expected = _mac(key, method, path, when, nonce).encode()
+    if not hmac.compare_digest(mac.encode("utf-8", "surrogateescape"), expected):
         return "a wrong signature"
     return None

@@ -76,17 +76,26 @@ def request(endpoint: str, key: bytes, path: str, *, timeout: float,
     """One signed GET: the status, the headers and the body.
 
     Raises:
-        PeerError: no connection, or no answer within ``timeout`` (``refused`` False).
+        PeerError: no connection (``status`` None), or no answer within ``timeout``
+            (``status`` 0); ``refused`` False.
     """
     conn = _Connection(endpoint, timeout)
     try:
-        conn.request("GET", path, headers={**sign(key, "GET", path), **(headers or {})})
-        answer = conn.getresponse()
-        body = answer.read()
-        return answer.status, {k.lower(): v for k, v in answer.getheaders()}, body
-    except (OSError, http.client.HTTPException) as exc:
-        raise PeerError(f"agent {endpoint}: {type(exc).__name__}: {exc}", endpoint=endpoint,
-                        status=None, refused=False) from None
+        try:
+            conn.connect()
+        except OSError as exc:  # nobody there: status None, the walk marks it down
+            raise PeerError(f"agent {endpoint}: {type(exc).__name__}: {exc}",
+                            endpoint=endpoint, status=None, refused=False) from None
+        try:
+            conn.request("GET", path, headers={**sign(key, "GET", path), **(headers or {})})
+            answer = conn.getresponse()
+            body = answer.read()
+            return answer.status, {k.lower(): v for k, v in answer.getheaders()}, body
+        except (OSError, http.client.HTTPException) as exc:
+            # Connected, but no whole answer in time: a busy agent (a long origin fill),
+            # status 0, not one to leave out of every walk.
+            raise PeerError(f"agent {endpoint}: {type(exc).__name__}: {exc}",
+                            endpoint=endpoint, status=0, refused=False) from None
     finally:
         conn.close()
 

@@ -99,9 +99,11 @@ def start(comm: Communicator, pool: ArtifactPool, origin: Callable[[], Origin | 
     rank's tier; ``None`` (no agent, nothing attached) when every rank is on one node.
     ``secret`` is the run scope's (``None``: rank 0 draws one, shared over ``comm``).
 
+    A node whose agent cannot listen goes without one (a warning; its ranks get no
+    tier), and the other nodes leave it out of their walks.
+
     Raises:
         CollectiveTimeout, CommError: an all-gather failed (on every rank).
-        OSError: this node's agent could not listen.
     """
     drawn = secrets.token_bytes(32) if comm.rank == 0 and secret is None else b""
     nodes = comm.allgather_object((comm.node_id, comm.rank, drawn), timeout=timeout)
@@ -112,15 +114,21 @@ def start(comm: Communicator, pool: ArtifactPool, origin: Callable[[], Origin | 
     agent: Agent | None = None
     if leader:
         tag = f"{comm.node_id}/{hashlib.sha256(key).hexdigest()[:16]}"
-        agent = host_agent(pool, origin, key, tag, environ)
+        try:
+            agent = host_agent(pool, origin, key, tag, environ)
+        except OSError as exc:
+            # The peers still meet at the next all-gather: this node goes without an
+            # agent (its lookups ask the origin, as without peers), nobody waits.
+            log.warning("peers: no agent on node %s: %s: %s; its lookups go to the origin",
+                        comm.node_id, type(exc).__name__, exc)
     mine = (agent.endpoint, agent.local_endpoint or "") if agent is not None else ("", "")
     everyone = comm.allgather_object((comm.node_id, *mine), timeout=timeout)
     leaders = [(str(node), str(tcp), str(unix)) for node, tcp, unix in everyone if tcp]
     endpoints = [tcp for _, tcp, _ in leaders]
     if agent is not None:
         agent.join(endpoints, endpoints.index(agent.endpoint))
-    local = next(unix or tcp for node, tcp, unix in leaders if node == comm.node_id)
-    tier = Tier(local, key)
+    local = next((unix or tcp for node, tcp, unix in leaders if node == comm.node_id), None)
+    tier = Tier(local, key) if local is not None else None
     attach(tier)
     if comm.rank == 0:
         log.info("peers: %d node agent(s): %s", len(endpoints), ", ".join(endpoints))

@@ -226,3 +226,70 @@ def test_an_artifact_the_origin_lacks_is_final_and_costs_one_request(
 
 def test_no_tier_answers_none_at_once(made: list[Artifact]) -> None:
     assert lookup(made[0], Tier("unix:/nonexistent/agent.sock", KEY, bound=2)) is None
+
+
+def test_a_signature_that_is_not_ascii_is_a_wrong_signature_not_an_error() -> None:
+    from distcache.peer._auth import HEADER_AUTH
+
+    headers = {**sign(KEY, "GET", "/v1/objects/ab", now=1000.0), HEADER_AUTH: "\u00e9" * 64}
+    assert verify(KEY, "GET", "/v1/objects/ab", headers, now=1000.0) == "a wrong signature"
+
+
+def test_a_node_whose_agent_cannot_listen_goes_without_one_and_nobody_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from distcache.comm import ThreadGroup
+    from distcache.peer import _hosting
+
+    real = _hosting.host_agent
+
+    def failing(pool: ArtifactPool, *args: object, **kwargs: object) -> Agent:
+        if "node-b" in str(pool.root):
+            raise OSError(98, "Address already in use")
+        return real(pool, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_hosting, "host_agent", failing)
+    group = ThreadGroup(2, ["node-a", "node-b"], timeout=10)
+    out: list[object] = [None, None]
+
+    def body(rank: int) -> None:
+        pool = ArtifactPool(tmp_path / f"pool-node-{'ab'[rank]}")
+        try:
+            out[rank] = _hosting.start(group.comm(rank), pool, lambda: None, b"s" * 32,
+                                       timeout=10)
+        except BaseException as exc:
+            out[rank] = exc
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    hosted_a, hosted_b = out
+    try:
+        assert isinstance(hosted_a, _hosting.Hosted) and isinstance(hosted_b, _hosting.Hosted)
+        assert hosted_a.agent is not None and hosted_a.tier is not None
+        assert hosted_b.agent is None and hosted_b.tier is None
+        assert hosted_a.nodes == [hosted_a.agent.endpoint]
+    finally:
+        for hosted in (hosted_a, hosted_b):
+            if isinstance(hosted, _hosting.Hosted):
+                hosted.close()
+
+
+def test_an_idle_connection_is_closed_by_the_agent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from distcache.peer import _agent
+
+    monkeypatch.setattr(_agent, "HOP_S", 0.5)
+    agent = Agent(ArtifactPool(tmp_path / "pool"), lambda: None, KEY, host="127.0.0.1").start()
+    try:
+        host, port = agent.endpoint[len("tcp://"):].rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as idle:
+            idle.settimeout(10)
+            # An idle client sends nothing; the agent hangs up instead of keeping a
+            # thread on it for ever.
+            assert idle.recv(1) == b""
+    finally:
+        agent.stop()
