@@ -164,7 +164,10 @@ def _prefetch(
     adopted = adopt(info)
     try:
         comm = adopted.comm
-        session = distcache.init(comm=comm, pool=pool, manifests=[manifest], integrations=())
+        # No peer agents for the prefetch alone: it moves what a manifest names, and
+        # --peers hosts the agents the program's lookups use.
+        session = distcache.init(comm=comm, pool=pool, manifests=[manifest], integrations=(),
+                                 environ={**os.environ, "DISTCACHE_PEERS": "0"})
         if materialize is not None and session.pool is not None:
             # Concurrent calls from every rank are safe: an existing correct file is
             # kept and a new one is placed by an atomic rename.
@@ -261,6 +264,8 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         line = error_line(PROG, exc)  # an error every rank raised: rank 0 prints it
         if line is not None:
             print(line, file=sys.stderr)
+        if hosted is not None:  # its socket and key file are removed with it
+            hosted.close()
         sys.exit(2)
     try:
         status = run(command, env, terminal=info.local_world_size == 1)
