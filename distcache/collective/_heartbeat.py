@@ -31,6 +31,14 @@ HEARTBEAT = 1.0
 #: (phase, artifact name or None, rank, host, "Type: message")
 Failure = tuple[str, str | None, int, str, str]
 
+def primary(failures: Iterable[Failure]) -> Failure:
+    """The failure every rank reports: the lowest rank that failed other than by a
+    timeout, if any did (a timeout is often what another rank's failure did to its
+    peers: a receiver that stopped taking buckets leaves its source waiting), else the
+    lowest rank. ``failures`` must not be empty."""
+    return min(failures, key=lambda f: (f[4].startswith("CollectiveTimeout:"), f[2]))
+
+
 #: One rank's step: wait at most the given seconds, then say (over, seconds idle,
 #: detail, failure once over).
 Step = Callable[[float], tuple[bool, float, Any, Failure | None]]

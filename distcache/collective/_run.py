@@ -30,14 +30,12 @@ part or not, beats the heart (:mod:`distcache.collective._heartbeat`).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from distcache._events import emit
 from distcache.artifact import Artifact
 from distcache.collective._bucket import StreamStats
 from distcache.collective._download import Downloads, stall_message
@@ -47,14 +45,15 @@ from distcache.collective._heartbeat import (
     Worker,
     concurrent,
     heartbeats,
+    primary,
 )
 from distcache.collective._plan import Plan, decode_bitmap, elect_writers, encode_bitmap
 from distcache.collective._progress import Progress
-from distcache.collective._report import PHASES, PrefetchReport
+from distcache.collective._report import PHASES
 from distcache.collective._stream import move_objects
 from distcache.comm import Communicator
 from distcache.config import settings
-from distcache.errors import CollectiveTimeout, CommError, ConfigError, PrefetchError
+from distcache.errors import CommError, ConfigError, PrefetchError
 from distcache.origins import Origin
 from distcache.store import Pool
 
@@ -105,11 +104,7 @@ class Run:
         found = [f for f in failures if f is not None]
         if not found:
             return
-        # A timeout is often what another rank's failure did to its peers (a receiver
-        # that stopped taking buckets leaves its source waiting): the cause is the
-        # lowest rank that failed otherwise, if any did.
-        phase, artifact, rank, host, cause = min(
-            found, key=lambda f: (f[4].startswith(CollectiveTimeout.__name__ + ":"), f[2]))
+        phase, artifact, rank, host, cause = primary(found)
         what = artifact if artifact is not None else "(no single artifact)"
         error = PrefetchError(
             f"{self.operation} failed in {phase} on rank {rank}/{self.comm.size} ({host}) "
@@ -280,55 +275,6 @@ class Run:
                failed: tuple[int, BaseException]) -> Failure:
         sha = plan.objects[failed[0]]
         return self.failure("move", name_of.get(sha, sha), failed[1])
-
-    # -- publish -------------------------------------------------------------------
-
-    def finish(self, plan: Plan, artifacts: int, failure: Failure | None) -> PrefetchReport:
-        """Collective: combine every rank's figures into one report (the final barrier)."""
-        mine = {
-            "downloads": self.downloads,
-            "origin_bytes": self.origin_bytes,
-            "broadcasts": self.stream.broadcasts,
-            "broadcast_bytes": self.stream.bytes_sent,
-            "received_bytes": self.stream.received_bytes,
-            "discarded_bytes": self.stream.discarded_bytes,
-            # Every download is published into this rank's pool.
-            "published": self.downloads + self.stream.published,
-            "peak": self.stream.peak_bytes,
-            "seconds": dict(self.seconds),
-        }
-        gathered: list[tuple[dict[str, Any], Failure | None]] = self.comm.allgather_object(
-            (mine, failure), timeout=self.timeout
-        )
-        self.raise_first(f for _, f in gathered)
-        figures = [g for g, _ in gathered]
-        report = PrefetchReport(
-            operation=self.operation,
-            artifacts=artifacts,
-            objects=len(plan.objects),
-            downloads=sum(f["downloads"] for f in figures),
-            origin_bytes=sum(f["origin_bytes"] for f in figures),
-            broadcasts=sum(f["broadcasts"] for f in figures),
-            broadcast_bytes=sum(f["broadcast_bytes"] for f in figures),
-            received_bytes=sum(f["received_bytes"] for f in figures),
-            discarded_bytes=sum(f["discarded_bytes"] for f in figures),
-            pool_hits=plan.hits,
-            objects_published=sum(f["published"] for f in figures),
-            pools=len(plan.pools),
-            writers=plan.writer_ranks,
-            downloaders=tuple(r for r, f in enumerate(figures) if f["downloads"]),
-            peak_bytes=max(f["peak"] for f in figures),
-            seconds={p: max(f["seconds"][p] for f in figures) for p in PHASES},
-        )
-        self.progress.close()
-        if self.comm.rank != 0:
-            # Rank 0's caller prints the summary (the session logs it, the CLI writes it
-            # on stdout): with -v every rank shows it once, rank 0 too.
-            log.debug("%s", report.summary())
-        else:
-            emit(f"{self.operation}.report", ranks=self.comm.size, node=self.comm.node_id,
-                 **dataclasses.asdict(report))
-        return report
 
 
 def discover(run: Run, objects: list[str], pool_ids: list[str]) -> dict[str, list[bool]]:

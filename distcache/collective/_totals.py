@@ -15,6 +15,7 @@ import logging
 from typing import Any
 
 from distcache._events import emit
+from distcache.collective._heartbeat import primary
 from distcache.collective._plan import Plan
 from distcache.collective._report import PHASES, PrefetchReport
 from distcache.collective._run import Failure, Run
@@ -35,7 +36,7 @@ def combine(entries: list[dict[str, Any]]) -> dict[str, Any]:
         "peak": max(e["peak"] for e in entries),
         "seconds": {p: max(e["seconds"][p] for e in entries) for p in PHASES},
         "downloaders": sorted(r for e in entries for r in e["downloaders"]),
-        "failure": min(failures, key=lambda f: f[2]) if failures else None,
+        "failure": primary(failures) if failures else None,
     }
 
 
