@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from distcache.comm import Communicator
+from distcache.comm import Communicator, reduce_object
 
 log = logging.getLogger(__name__)
 
@@ -55,20 +55,32 @@ def heartbeats(
 
     ``raise_first`` raises the agreed error from every rank's failures; ``stalled``
     builds the failure of rank ``r`` idle for ``s`` seconds, from its detail and host.
+    Each beat is one reduction (:func:`~distcache.comm.reduce_object`): whether all
+    are over, the lowest stalled rank and the primary failure, so what a rank receives
+    does not grow with the job.
     """
     beat = min(HEARTBEAT, timeout / 4)
     while True:
         done, idle, detail, failure = step(beat)
-        states = comm.allgather_object(
-            (done, 0.0 if done else idle, detail, comm.node_id, failure if done else None),
-            timeout=timeout)
-        if all(s[0] for s in states):
-            raise_first(s[4] for s in states)
+        late = None if done or idle < timeout else (comm.rank, idle, detail, comm.node_id)
+        state = reduce_object(comm, {"over": done, "late": late,
+                                     "failure": failure if done else None},
+                              _combine, timeout=timeout)
+        if state["over"]:
+            raise_first([state["failure"]])
             return
-        late = next((r for r, s in enumerate(states) if not s[0] and s[1] >= timeout), None)
-        if late is not None:
-            _, idle, detail, host, _ = states[late]
-            raise_first([stalled(late, idle, detail, host)])
+        if state["late"] is not None:
+            rank, idle, detail, host = state["late"]
+            raise_first([stalled(rank, idle, detail, host)])
+
+
+def _combine(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """One beat's states combined (partial combinations give the same result)."""
+    late = [s["late"] for s in states if s["late"] is not None]
+    failures = [s["failure"] for s in states if s["failure"] is not None]
+    return {"over": all(s["over"] for s in states),
+            "late": min(late, key=lambda entry: entry[0]) if late else None,
+            "failure": primary(failures) if failures else None}
 
 
 class Activity:
