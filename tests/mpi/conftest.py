@@ -31,6 +31,28 @@ BACKENDS = ("mpi", "torch")
 _BRINGUP_TIMEOUT_S = 120.0
 
 
+# The temporary root this conftest made for the run (removed at its end).
+_OWN_BASETEMP = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A temporary root of this rank's own: the ranks of one job all run pytest at
+    once, and pytest's numbered directories under one shared root race (one rank
+    removes an old directory while another lists them: an unclosed scandir iterator,
+    an error under ``filterwarnings = error``)."""
+    if config.option.basetemp is None:
+        rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0"))
+        config.option.basetemp = tempfile.mkdtemp(prefix=f"distcache-mpi-rank{rank}-")
+        config.stash[_OWN_BASETEMP] = config.option.basetemp
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    own = config.stash.get(_OWN_BASETEMP, None)
+    if own is not None:
+        shutil.rmtree(own, ignore_errors=True)
+
+
+
 def selected_backend() -> str:
     backend = os.environ.get("DISTCACHE_TEST_COMM", "mpi")
     if backend not in BACKENDS:
