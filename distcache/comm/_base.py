@@ -86,6 +86,34 @@ class Communicator(Protocol):
         ...
 
 
+class Wrapping:
+    """The identity of a communicator that wraps another, ``_base``: its rank, size,
+    node and backend, read through (a counting wrapper, the node tree)."""
+
+    _base: Communicator
+
+    @property
+    def rank(self) -> int:
+        return self._base.rank
+
+    @property
+    def size(self) -> int:
+        return self._base.size
+
+    @property
+    def node_id(self) -> str:
+        return self._base.node_id
+
+    @property
+    def backend(self) -> str:
+        return self._base.backend
+
+    @property
+    def base(self) -> Communicator:
+        """The wrapped communicator."""
+        return self._base
+
+
 def hostname() -> str:
     return socket.gethostname()
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from distcache.comm._base import Communicator, lend_broadcast
+from distcache.comm._base import Communicator, Wrapping, lend_broadcast
 from distcache.comm._codec import encode
 
 
@@ -50,32 +50,12 @@ class Traffic:
         return self.sent, self.received
 
 
-class CountingCommunicator:
+class CountingCommunicator(Wrapping):
     """``base`` with every collective's payload counted in :attr:`traffic`."""
 
     def __init__(self, base: Communicator, traffic: Traffic | None = None) -> None:
         self._base = base
         self.traffic = traffic if traffic is not None else Traffic()
-
-    @property
-    def rank(self) -> int:
-        return self._base.rank
-
-    @property
-    def size(self) -> int:
-        return self._base.size
-
-    @property
-    def node_id(self) -> str:
-        return self._base.node_id
-
-    @property
-    def backend(self) -> str:
-        return self._base.backend
-
-    @property
-    def base(self) -> Communicator:
-        return self._base
 
     @property
     def usable(self) -> bool:

@@ -36,7 +36,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from distcache.comm._base import Communicator
+from distcache.comm._base import Communicator, Wrapping
 from distcache.comm._codec import decode_from, encode
 from distcache.errors import WireError
 
@@ -101,7 +101,7 @@ def _runs(indices: list[int]) -> list[int]:
     return out
 
 
-class NodeTree:
+class NodeTree(Wrapping):
     """A :class:`~distcache.comm._base.Communicator` over ``base`` whose all-gathers
     go through node leaders (see the module docstring). Collective to make."""
 
@@ -143,28 +143,7 @@ class NodeTree:
         return any(getattr(c, "usable", True) is False
                    for c in (self._local, self._upper) if c is not None)
 
-    # -- identity: the wrapped communicator's ------------------------------------------
-
-    @property
-    def rank(self) -> int:
-        return self._base.rank
-
-    @property
-    def size(self) -> int:
-        return self._base.size
-
-    @property
-    def node_id(self) -> str:
-        return self._base.node_id
-
-    @property
-    def backend(self) -> str:
-        return self._base.backend
-
-    @property
-    def base(self) -> Communicator:
-        """The wrapped communicator."""
-        return self._base
+    # -- identity: the wrapped communicator's (Wrapping), and the nodes ------------------
 
     @property
     def nodes(self) -> int:
