@@ -243,8 +243,8 @@ def init(options: InitOptions | None = None, /, **fields: Unpack[InitFields]) ->
             those of ``options``: ``init(manifests=["checksums.txt"])``,
             ``init(manifests=[M], ipc_pools=[features], background=True)``,
             ``init(integrations=[FlashInfer(record=DIR)])``. The fields: what to
-            fetch (``manifests``, ``integrations``, ``ipc_pools``, ``jit_caches``), where from and
-            into (``pool``, ``origin``), how to run (``comm``, ``timeout``,
+            fetch (``manifests``, ``integrations``, ``ipc_pools``, ``jit_caches``), where
+            from and into (``pool``, ``origin``), how to run (``comm``, ``timeout``,
             ``transport``, ``background``, ``environ``); each is described by
             :class:`InitOptions`.
 
@@ -292,7 +292,9 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
         _log_rank0(comm, "pool: %s (id %s)", the_pool.root, the_pool.pool_id)
         chosen = [*chosen, *jit_families(options.jit_caches, conf, the_pool, options.environ)]
         the_origin = resolve_origin(options.origin, conf, chosen)
-        session._peers = start_for_session(comm, the_pool, the_origin, adopted.scope.secret if adopted else None, conf.peers, timeout=conf.timeout, environ=options.environ)
+        secret = adopted.scope.secret if adopted else None
+        session._peers = start_for_session(comm, the_pool, the_origin, secret, conf.peers,
+                                           timeout=conf.timeout, environ=options.environ)
         if options.ipc_pools is not None:
             with _phase(phases, "ipc"):
                 session.registry = PoolRegistry.exchange(comm, list(options.ipc_pools),
