@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -29,7 +30,6 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from distcache.config import Settings
 from distcache.errors import ConfigError
 from distcache.integrations import Integration
-from distcache.integrations.flashinfer import FlashInfer
 
 if TYPE_CHECKING:
     from distcache._resolve import ManifestSpec
@@ -132,6 +132,8 @@ class InitOptions:
                 "out)", variable=unknown[0], value=None)
         return dataclasses.replace(base, **fields) if fields else base
 
+_FLASHINFER = "distcache.integrations.flashinfer"
+
 
 def compose(integrations: Sequence[Integration] | None, conf: Settings) -> list[Integration]:
     """The integrations ``init`` installs: ``integrations`` as given, or the default
@@ -141,7 +143,11 @@ def compose(integrations: Sequence[Integration] | None, conf: Settings) -> list[
     Raises:
         ConfigError: ``integrations`` holds something that is not an integration.
     """
+    # FlashInfer's integration (and what it imports) is loaded only when init's default
+    # set is asked for: a job that names its integrations, or none, never imports it.
     if integrations is None:
+        from distcache.integrations.flashinfer import FlashInfer
+
         default = FlashInfer()
         chosen: list[Integration] = [default] if default.available() else []
     else:
@@ -153,7 +159,10 @@ def compose(integrations: Sequence[Integration] | None, conf: Settings) -> list[
                 "default_origin(), manifest(), install(), uninstall(), materialize_dir())",
                 variable="integrations", value=repr(integration),
             )
-    if not conf.flashinfer:
+    if not conf.flashinfer and _FLASHINFER in sys.modules:
+        # Without the module loaded, no integration here can be FlashInfer's.
+        from distcache.integrations.flashinfer import FlashInfer
+
         return [i for i in chosen if not isinstance(i, FlashInfer)]
     return chosen
 

@@ -32,12 +32,16 @@ one entry in the table.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from distcache.origins._base import BaseOrigin, Origin
 from distcache.origins._chain import OriginChain
 from distcache.origins._credentials import Credentials
 from distcache.origins._directory import DirOrigin
-from distcache.origins._http import HttpOrigin
 from distcache.origins._open import open_origin
+
+if TYPE_CHECKING:
+    from distcache.origins._http import HttpOrigin
 
 __all__ = [
     "BaseOrigin",
@@ -48,3 +52,13 @@ __all__ = [
     "OriginChain",
     "open_origin",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # HttpOrigin (and with it requests and urllib3) is loaded when first named: a job
+    # whose origin is a directory, or that has none, never imports them.
+    if name == "HttpOrigin":
+        from distcache.origins._http import HttpOrigin
+
+        return HttpOrigin
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

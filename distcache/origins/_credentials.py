@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from distcache.config import Settings
 from distcache.errors import ConfigError
@@ -31,6 +31,15 @@ HostKey = tuple[str, str, int | None]
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 _TOKENS_VARIABLE = "DISTCACHE_ORIGIN_TOKENS"
+
+
+def redact_url(url: str) -> str:
+    """``url`` without user-info and query (signed URLs carry secrets there)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
 def host_key(url: str) -> HostKey:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from importlib import metadata
 from typing import BinaryIO
-from urllib.parse import quote, urljoin, urlsplit, urlunsplit
+from urllib.parse import quote, urljoin, urlsplit
 
 import requests
 import urllib3.exceptions
@@ -38,7 +38,7 @@ from distcache.errors import (
     OriginUnreachable,
 )
 from distcache.origins._base import BaseOrigin, rewind
-from distcache.origins._credentials import clean_token, host_key
+from distcache.origins._credentials import clean_token, host_key, redact_url
 from distcache.origins._response import (
     TRANSIENT,
     Backoff,
@@ -72,15 +72,6 @@ def _user_agent() -> str:
         return f"distcache/{metadata.version(DISTRIBUTION)}"
     except metadata.PackageNotFoundError:  # run from a source tree that is not installed
         return "distcache"
-
-
-def redact_url(url: str) -> str:
-    """``url`` without user-info and query (signed URLs carry secrets there)."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
 class HttpOrigin(BaseOrigin):

@@ -18,9 +18,8 @@ from distcache.config import settings
 from distcache.errors import ConfigError
 from distcache.origins._base import Origin
 from distcache.origins._chain import OriginChain
-from distcache.origins._credentials import Credentials
+from distcache.origins._credentials import Credentials, redact_url
 from distcache.origins._directory import DirOrigin
-from distcache.origins._http import HttpOrigin, redact_url
 
 
 def _file_url(spec: str, credentials: Credentials) -> Origin:
@@ -28,6 +27,9 @@ def _file_url(spec: str, credentials: Credentials) -> Origin:
 
 
 def _http_url(spec: str, credentials: Credentials) -> Origin:
+    # requests is imported with the first HTTP origin, not with the package.
+    from distcache.origins._http import HttpOrigin
+
     return HttpOrigin(spec, token=credentials.token_for(spec))
 
 

@@ -12,7 +12,8 @@ docs/peers.md.
 
 from __future__ import annotations
 
-from distcache.peer._agent import Agent
+from typing import TYPE_CHECKING, Any
+
 from distcache.peer._auth import derive_key, sign, verify
 from distcache.peer._client import Answer, fetch
 from distcache.peer._flight import Singleflight
@@ -26,6 +27,9 @@ from distcache.peer._hosting import (
 )
 from distcache.peer._ring import order, owner
 from distcache.peer._tier import LOOKUP_BOUND_S, Lookup, Tier, attach, counts, current, lookup
+
+if TYPE_CHECKING:
+    from distcache.peer._agent import Agent
 
 __all__ = [
     "LOOKUP_BOUND_S",
@@ -51,3 +55,13 @@ __all__ = [
     "start_for_session",
     "verify",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The agent (and http.server with it) is loaded by the node leaders that host one,
+    # not by every process that imports the package.
+    if name == "Agent":
+        from distcache.peer._agent import Agent
+
+        return Agent
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from distcache.peer._agent import Agent
 from distcache.peer._auth import derive_key
 from distcache.peer._tier import Tier, attach, key_path
 
 if TYPE_CHECKING:
     from distcache.comm import Communicator
     from distcache.origins import Origin
+    from distcache.peer._agent import Agent
     from distcache.store import ArtifactPool
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,8 @@ class Hosted:
 def host_agent(pool: ArtifactPool, origin: Callable[[], Origin | None], key: bytes,
                tag: str, environ: Mapping[str, str] | None = None) -> Agent:
     """Start one node agent on :func:`job_address`, with its socket and key file."""
+    from distcache.peer._agent import Agent
+
     path = socket_path(Path(pool.root), tag)
     agent = Agent(pool, origin, key, host=job_address(environ), socket_path=path).start()
     keyfile = key_path(path)
