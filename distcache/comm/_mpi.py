@@ -33,43 +33,81 @@ log = logging.getLogger(__name__)
 ARRIVAL_TAG = 0x4443
 
 
+def _tree(rank: int, size: int) -> tuple[int | None, list[int]]:
+    """``rank``'s parent (``None`` for rank 0) and children in a binomial tree.
+
+    The subtree under a child ``c`` is the contiguous ranks ``[c, c + lowbit(c))``
+    (clipped to ``size``), so a missing subtree is named by a range; every rank talks
+    to at most ``log2(size) + 1`` others.
+    """
+    low = rank & -rank if rank else 1 << max(size - 1, 1).bit_length()
+    parent = rank - low if rank else None
+    children = []
+    step = 1
+    while step < low and rank + step < size:
+        children.append(rank + step)
+        step <<= 1
+    return parent, children
+
+
+def _subtree(child: int, size: int) -> str:
+    last = min(child + (child & -child), size) - 1
+    return str(child) if last == child else f"{child}-{last}"
+
+
 def _arrive(MPI: Any, base: Any, timeout: float) -> None:
     """Return once every rank of ``base`` is here to ``Dup`` it, else raise.
 
     ``Dup`` is a blocking collective with no timeout: a rank that called it alone
     would hang, and its pending ``Dup`` would be matched against the caller's next
-    collective on ``base``. So every rank first reports to rank 0 and waits for its
-    word, point to point, polled against ``timeout``; only then does anyone ``Dup``.
-    A timed-out receive is cancelled, so a rank that came alone leaves nothing behind
-    that a later collective could match.
+    collective on ``base``. So every rank first reports arrival up a binomial tree
+    (once its whole subtree has reported) and waits for the word that comes back
+    down from rank 0, point to point, polled against ``timeout``; only then does
+    anyone ``Dup``. A rank exchanges messages with at most ``log2(size) + 1`` others,
+    so the check costs each rank the same at any job size. A timed-out receive is
+    cancelled, so a rank that came alone leaves nothing behind that a later
+    collective could match.
 
     Raises:
         CollectiveTimeout: not every rank arrived within ``timeout``.
     """
     rank, size = base.Get_rank(), base.Get_size()
     until = time.monotonic() + timeout
-    tokens = [bytearray(1) for _ in range(size)]
-    if rank == 0:
-        pending = [base.Irecv([tokens[r], MPI.BYTE], r, ARRIVAL_TAG) for r in range(1, size)]
-    else:
-        base.Isend([b"a", MPI.BYTE], 0, ARRIVAL_TAG).Free()
-        pending = [base.Irecv([tokens[0], MPI.BYTE], 0, ARRIVAL_TAG)]
-    if not poll_until(lambda: MPI.Request.Testall(pending), until):
-        missing = [r for r, req in zip(range(1, size) if rank == 0 else [0], pending,
-                                       strict=True) if not req.Test()]
-        for request in pending:
+    parent, children = _tree(rank, size)
+    tokens = [bytearray(1) for _ in range(len(children) + 1)]
+    from_children = [base.Irecv([tokens[i], MPI.BYTE], child, ARRIVAL_TAG)
+                     for i, child in enumerate(children)]
+    from_parent: list[Any] = []
+
+    def progressed() -> bool:
+        if not MPI.Request.Testall(from_children):
+            return False
+        if parent is None:
+            return True
+        if not from_parent:
+            # The whole subtree is here: report up, then wait for the word.
+            base.Isend([b"a", MPI.BYTE], parent, ARRIVAL_TAG).Free()
+            from_parent.append(base.Irecv([tokens[-1], MPI.BYTE], parent, ARRIVAL_TAG))
+        return bool(MPI.Request.Testall(from_parent))
+
+    if not poll_until(progressed, until):
+        missing = [_subtree(c, size) for c, req in zip(children, from_children, strict=True)
+                   if not req.Test()]
+        waited_parent = bool(from_parent) and not from_parent[0].Test()
+        for request in [*from_children, *from_parent]:
             with contextlib.suppress(MPI.Exception):
                 request.Cancel()
                 request.Wait()
+        where = (f"rank(s) {', '.join(missing)}" if missing
+                 else "a rank elsewhere in the job" if waited_parent else "some rank")
         raise CollectiveTimeout(
-            f"rank {rank}/{size}: rank(s) {missing} did not arrive within {timeout:g} s to "
+            f"rank {rank}/{size}: {where} did not arrive within {timeout:g} s to "
             "make distcache's MPI communicator; every rank must call distcache.init (or "
             "the same collective) together",
             op="init", timeout=timeout, rank=rank, backend="mpi",
         )
-    if rank == 0:
-        for r in range(1, size):
-            base.Isend([b"g", MPI.BYTE], r, ARRIVAL_TAG).Free()
+    for child in children:
+        base.Isend([b"g", MPI.BYTE], child, ARRIVAL_TAG).Free()
 
 
 class MpiCommunicator(BackendCommunicator):

@@ -261,3 +261,31 @@ def test_groups_made_by_split_stay_bounded_however_many_partitions_a_job_sees(
     fresh.close()
     with pytest.raises(CommError):
         again.barrier()
+
+
+def test_a_rank_missing_from_the_arrival_tree_times_out_its_peers_and_leaves_nothing_behind(
+) -> None:
+    # The MPI backend's check, run under either test communicator: mpirun started
+    # these ranks, so MPI is there.
+    from mpi4py import MPI
+
+    from distcache.comm._mpi import MpiCommunicator, _tree
+
+    base = MPI.COMM_WORLD.Dup()
+    try:
+        late = base.Get_size() - 1
+        if base.Get_rank() != late:
+            with pytest.raises(CollectiveTimeout, match="did not arrive") as info:
+                MpiCommunicator(base, timeout=1.0)
+            assert info.value.rank == base.Get_rank()  # type: ignore[attr-defined]
+            if base.Get_rank() == _tree(late, base.Get_size())[0]:
+                # The late rank's parent in the tree names it.
+                assert f"rank(s) {late} did not arrive" in str(info.value)
+        base.Barrier()
+        # Every receive of the failed check was cancelled: the next check on the same
+        # base matches only its own messages, and the duplicate works.
+        again = MpiCommunicator(base, timeout=60)
+        assert again.allgather_object(again.rank) == list(range(again.size))
+        again.close()
+    finally:
+        base.Free()

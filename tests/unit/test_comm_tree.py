@@ -122,3 +122,23 @@ def test_counting_counts_broadcasts_once_at_the_root_and_splits_agreement() -> N
     assert results[0][1] == 4 + 2 * split_part
     assert results[1][1] == 2 * split_part
     assert results[0][2] == {"broadcast_bytes": 1, "split": 1, "barrier": 1}
+
+
+def test_the_mpi_arrival_tree_reaches_every_rank_once_with_few_peers_each() -> None:
+    from distcache.comm._mpi import _subtree, _tree
+
+    for size in (1, 2, 3, 7, 8, 9, 64, 255, 256, 4096):
+        reached = {0}
+        for rank in range(size):
+            parent, children = _tree(rank, size)
+            assert (parent is None) == (rank == 0)
+            for child in children:
+                assert _tree(child, size)[0] == rank
+                assert child not in reached
+                reached.add(child)
+            # At most log2(size) + 1 peers per rank, at any size.
+            assert len(children) + (parent is not None) <= max(size - 1, 1).bit_length() + 1
+        assert reached == set(range(size))
+    # A child's subtree is a contiguous range, which is how a timeout names it.
+    assert [_subtree(c, 8) for c in _tree(0, 8)[1]] == ["1", "2-3", "4-7"]
+    assert _subtree(4, 6) == "4-5"
