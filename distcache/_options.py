@@ -175,10 +175,12 @@ def jit_families(names: Sequence[str] | None, conf: Settings, pool: ArtifactPool
     Raises:
         ConfigError: ``names`` is a single string, or names an unknown family.
     """
-    from distcache.jit import families
-
     if isinstance(names, str):
         raise ConfigError(f"jit_caches must be a list of names, not the string {names!r}",
                           variable="jit_caches", value=names)
     chosen = conf.jit_caches if names is None else tuple(names)
+    if not chosen:
+        return []  # distcache.jit is loaded by the jobs that use a family
+    from distcache.jit import families
+
     return list(families(chosen, pool=pool, environ=environ))

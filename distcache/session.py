@@ -31,11 +31,11 @@ from distcache.comm import Adopted, Communicator, adopt, bulk_transport, local
 from distcache.config import Settings, settings
 from distcache.errors import CollectiveTimeout, DistcacheError
 from distcache.integrations import Integration
-from distcache.ipc import PoolRegistry
 from distcache.peer import Hosted, start_for_session
 
 if TYPE_CHECKING:
     from distcache.collective import PrefetchReport
+    from distcache.ipc import PoolRegistry
     from distcache.store import ArtifactPool
 
 __all__ = ["InitFields", "InitOptions", "Session", "SessionSlot", "current", "init"]
@@ -296,6 +296,8 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
         session._peers = start_for_session(comm, the_pool, the_origin, secret, conf.peers,
                                            timeout=conf.timeout, environ=options.environ)
         if options.ipc_pools is not None:
+            from distcache.ipc import PoolRegistry  # loaded by the jobs that map pools
+
             with _phase(phases, "ipc"):
                 session.registry = PoolRegistry.exchange(comm, list(options.ipc_pools),
                                                          timeout=conf.timeout)

@@ -8,18 +8,20 @@ its own goes through :mod:`distcache.comm.adopt`, which holds that choice.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distcache.comm._base import MAX_MESSAGE_BYTES, Communicator, agree_on_error
 from distcache.comm._bulk import BulkCommunicator, bulk_transport
 from distcache.comm._counting import CountingCommunicator, Traffic
-from distcache.comm._gloo import GlooCommunicator
 from distcache.comm._local import LocalCommunicator, ThreadCommunicator, ThreadGroup
 from distcache.comm._mpi import MpiCommunicator
 from distcache.comm._torch import TorchCommunicator, import_torch
 from distcache.comm._tree import NodeTree, node_tree, reduce_object
 from distcache.comm.adopt import Adopted, adopt, auto
 from distcache.errors import CommError
+
+if TYPE_CHECKING:
+    from distcache.comm._gloo import GlooCommunicator
 
 __all__ = [
     "MAX_MESSAGE_BYTES",
@@ -83,3 +85,13 @@ def from_torch(group: Any = None, **kwargs: Any) -> Communicator:
 
     store = distributed_c10d._get_default_store()
     return GlooCommunicator(store, dist.get_rank(), dist.get_world_size(), **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    # The gloo backend imports torch's pieces and the launcher's store helpers: it is
+    # loaded by the jobs that adopt torch.distributed, not by every import.
+    if name == "GlooCommunicator":
+        from distcache.comm._gloo import GlooCommunicator
+
+        return GlooCommunicator
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,14 +16,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distcache.comm._base import Communicator, agree_on_error, lend_broadcast
-from distcache.comm._gloo import NcclCommunicator
-from distcache.comm._scope import RunScope
 from distcache.errors import CommError, ConfigError, DistcacheError
-from launch import publish_store
+
+if TYPE_CHECKING:
+    from distcache.comm._scope import RunScope
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +91,10 @@ def shared_store(comm: Communicator, timeout: float) -> Any:
     Raises:
         CommError: the store cannot be hosted or reached.
     """
+    from datetime import timedelta
+
+    from launch import publish_store
+
     wait = timedelta(seconds=timeout)
     try:
         _, _, store = publish_store(
@@ -124,6 +127,9 @@ def bulk_transport(comm: Communicator, transport: str, timeout: float) -> Iterat
     if transport == "default" or comm.size == 1:
         yield comm
         return
+    # torch's NCCL group (and torch) is loaded for this transport only.
+    from distcache.comm._gloo import NcclCommunicator
+
     bulk = None
     error: BaseException | None = None
     scope: RunScope | None = getattr(comm, "scope", None)

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from distcache.comm._base import Communicator
-from distcache.comm._gloo import GlooCommunicator
 from distcache.comm._local import LocalCommunicator
 from distcache.comm._mpi import MpiCommunicator
 from distcache.comm._scope import RunScope, fresh, share
@@ -162,6 +161,8 @@ def adopt(
     if choice == "gloo":
         meeting = find_store(info, wait, env)
         log.debug("communicator: distcache's own gloo group on %s", meeting.source)
+        from distcache.comm._gloo import GlooCommunicator
+
         gloo = GlooCommunicator(meeting.store, meeting.rank, meeting.world_size,
                                 run=(job, attempt), until=until, **options)
         log.debug("run scope: job %r, attempt %d, nonce %s", gloo.scope.job,

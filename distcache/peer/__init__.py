@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from distcache.peer._auth import derive_key, sign, verify
-from distcache.peer._client import Answer, fetch
 from distcache.peer._flight import Singleflight
 from distcache.peer._hosting import (
     Hosted,
@@ -30,6 +29,7 @@ from distcache.peer._tier import LOOKUP_BOUND_S, Lookup, Tier, attach, counts, c
 
 if TYPE_CHECKING:
     from distcache.peer._agent import Agent
+    from distcache.peer._client import Answer, fetch
 
 __all__ = [
     "LOOKUP_BOUND_S",
@@ -64,4 +64,8 @@ def __getattr__(name: str) -> Any:
         from distcache.peer._agent import Agent
 
         return Agent
+    if name in ("Answer", "fetch"):
+        from distcache.peer import _client
+
+        return getattr(_client, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

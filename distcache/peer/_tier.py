@@ -19,7 +19,6 @@ from pathlib import Path
 from distcache.artifact import Artifact
 from distcache.config import settings
 from distcache.errors import ArtifactNotFound
-from distcache.peer import _client
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +103,8 @@ def lookup(artifact: Artifact, tier: Tier | None = None) -> Lookup | None:
         return None
     start = time.monotonic()
     try:
+        from distcache.peer import _client  # http.client, with the first lookup
+
         got = _client.fetch(tier.endpoint, tier.key, artifact, fill=True, timeout=tier.bound,
                             deadline=tier.bound)
     except ArtifactNotFound:
