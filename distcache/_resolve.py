@@ -35,7 +35,7 @@ from distcache.artifact import (
 )
 from distcache.collective import PrefetchReport
 from distcache.collective import prefetch as collective_prefetch
-from distcache.comm import Communicator, agree_on_error
+from distcache.comm import Communicator, agree_on_error, node_tree
 from distcache.config import Settings, settings
 from distcache.errors import ConfigError, DistcacheError, OriginError, PoolError
 from distcache.origins import Credentials, Origin, open_origin
@@ -141,6 +141,10 @@ def prefetch_manifests(
         )
     if not manifests and not integrations:
         return None
+    # Every all-gather below goes through node leaders: the ranks of a node mostly send
+    # alike (no error, the same pool, the same flags), so what a rank receives follows
+    # the nodes, not the ranks. The collective reuses the same tree.
+    comm = node_tree(comm, timeout=timeout)
     listed: list[Artifact] = []
     wanted: list[Artifact] = []
     error: BaseException | None = None

@@ -2,7 +2,7 @@
 
 The lowest rank of each node (``Communicator.node_id``) starts an agent on the
 address the job uses (:func:`job_address`) and a Unix socket in the pool directory;
-one all-gather shares every node's TCP endpoint and socket. Each rank then uses its
+one all-gather through the node leaders shares every node's TCP endpoint and socket. Each rank then uses its
 node's agent for lookups; the agents know each other and each artifact's owner follows
 from the endpoints alone (:mod:`distcache.peer._ring`), so serving needs no collective.
 """
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from distcache.comm import node_tree
 from distcache.peer._auth import derive_key
 from distcache.peer._tier import Tier, attach, key_path
 
@@ -107,12 +108,15 @@ def start(comm: Communicator, pool: ArtifactPool, origin: Callable[[], Origin | 
     Raises:
         CollectiveTimeout, CommError: an all-gather failed (on every rank).
     """
+    # Through node leaders: the ranks of a node send alike, so what a rank receives
+    # follows the nodes, not the ranks (the tree is the one the prefetch uses next).
+    comm = node_tree(comm, timeout=timeout)
     drawn = secrets.token_bytes(32) if comm.rank == 0 and secret is None else b""
-    nodes = comm.allgather_object((comm.node_id, comm.rank, drawn), timeout=timeout)
-    if len({node for node, _, _ in nodes}) < 2:
+    nodes = comm.allgather_object((comm.node_id, drawn), timeout=timeout)
+    if len({node for node, _ in nodes}) < 2:
         return None
-    key = derive_key(secret if secret is not None else bytes(nodes[0][2]))
-    leader = min(rank for node, rank, _ in nodes if node == comm.node_id) == comm.rank
+    key = derive_key(secret if secret is not None else bytes(nodes[0][1]))
+    leader = next(r for r, (node, _) in enumerate(nodes) if node == comm.node_id) == comm.rank
     agent: Agent | None = None
     if leader:
         tag = f"{comm.node_id}/{hashlib.sha256(key).hexdigest()[:16]}"
