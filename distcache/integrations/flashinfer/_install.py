@@ -77,12 +77,24 @@ def _flashinfer_modules() -> list[Any]:
     ]
 
 
-def _rebind(old: object, new: object) -> list[str]:
+def _rebind(*replacements: tuple[object, object]) -> list[str]:
+    """Every FlashInfer module attribute that is one of the ``old`` objects of
+    ``replacements`` (``(old, new)`` pairs) -> its ``new``, in one pass over the modules.
+
+    FlashInfer has hundreds of modules and few hold a loader function: a module whose
+    namespace holds none of the objects is passed over by a set test on identities,
+    without a Python-level loop over its attributes.
+    """
+    olds = {id(old): old for old, _ in replacements}
+    news = {id(old): new for old, new in replacements}
     changed = []
     for module in _flashinfer_modules():
-        for attr, value in list(vars(module).items()):
-            if value is old:
-                setattr(module, attr, new)
+        namespace = vars(module)
+        if olds.keys().isdisjoint(map(id, list(namespace.values()))):
+            continue
+        for attr, value in list(namespace.items()):
+            if id(value) in olds and olds[id(value)] is value:
+                setattr(module, attr, news[id(value)])
                 changed.append(f"{module.__name__}.{attr}")
     return changed
 
@@ -176,12 +188,11 @@ class LoaderSlot:
                 offline=conf.offline,
                 final_not_found=_is_flashinfers_repository(origin, conf),
             )
-            changed = _rebind(original, loader)
             original_download = loader_attr("download_file")
             download = (RoutedDownload(loader, original_download, offline=conf.offline)
                         if callable(original_download) else None)
-            if download is not None:
-                changed += _rebind(original_download, download)
+            changed = _rebind((original, loader), *(
+                [(original_download, download)] if download is not None else []))
             if writable_dir is not None and installed_dir is not None:
                 moved = _repoint(installed_dir, writable_dir)
                 log.info("flashinfer: %s moved from %s to %s in %s; the installed files are "
@@ -202,9 +213,8 @@ class LoaderSlot:
         if done is None:
             return
         # Modules imported after install() copied the loader; they are restored too.
-        _rebind(done.loader, done.original)
-        if done.download is not None:
-            _rebind(done.download, done.download.original)
+        _rebind((done.loader, done.original), *(
+            [(done.download, done.download.original)] if done.download is not None else []))
         if done.writable_dir is not None and done.installed_dir is not None:
             _repoint(done.writable_dir, done.installed_dir)
         if done.set_no_download:
