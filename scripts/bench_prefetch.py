@@ -22,9 +22,20 @@ Strategies (each rank uses the same download concurrency, ``--downloads-per-rank
                then every rank loads every kernel through FlashInfer's loader with
                distcache's wrapper installed
   engine-warm  (i) the same again on the warm pools
+  engine-init  (j) the engine start-up a user meets, on 2 simulated nodes: after the
+               engine's own imports (mpi4py, i.e. MPI_Init, torch, FlashInfer; timed
+               apart), ``import distcache``, ``distcache.init(manifests=[M])`` with its
+               default integrations (init installs FlashInfer's wrapper) and node-local
+               pools (DISTCACHE_POOL, DISTCACHE_NODE_ID), then every rank loads every
+               kernel through FlashInfer's loader; ready when the slowest rank is
+  engine-init-warm
+               (k) the same again on the warm pools and cubin directories of (j)
 
-(f)-(i) need FlashInfer (``flashinfer-python``) and are skipped without it; (g)-(i)
-put ranks ``[0, N/2)`` on node 0 and the rest on node 1. The loaders use the same
+(f)-(k) need FlashInfer (``flashinfer-python``) and are skipped without it; (g)-(k)
+put ranks ``[0, N/2)`` on node 0 and the rest on node 1. (j) and (k) are given
+against the latency floor of the same run, ceil(K / concurrent downloads) x the
+request latency measured at its start, with the phases of the slowest rank: import,
+init's (``Session.phases``), its prefetch's (``report.seconds``) and the loads. The loaders use the same
 download concurrency per rank as every other strategy (FlashInfer's own bulk download
 uses 4 threads, ``FLASHINFER_CUBIN_DOWNLOAD_THREADS``).
 
@@ -43,9 +54,13 @@ baseline too) is run ``--repeat`` times (default 3) and the run with the median 
 time is reported, with every run's wall time and origin requests beside it; a request
 target holds only if it holds in every run. It also measures the cost parameters
 ``scripts/scale_model.py`` reads. Writes ``bench_prefetch.json`` and
-``bench_prefetch.png`` to --out and prints a table and the targets.
+``bench_prefetch.png`` to --out (``--name`` names them otherwise) and prints a table
+and the targets. It compiles distcache's sources first (``compileall``): an installed
+package has its bytecode, and (j) and (k) time its import.
 
     python -m scripts.bench_prefetch --out bench-results/
+    python -m scripts.bench_prefetch --strategies engine-init,engine-init-warm --ranks 4 \
+        --name engine_startup
 
 ``BENCH_PROFILE_DIR=DIR`` writes each rank's cProfile of its timed part there.
 
@@ -71,14 +86,14 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import distcache
-import distcache.comm
-from distcache import ArtifactPool, HttpOrigin, prefetch
-from distcache.artifact import Artifact, parse_checksums
-from distcache.comm import Communicator
-from distcache.config import settings
+# distcache is imported where it is used, not here: the engine start-up rows (j) and
+# (k) time ``import distcache`` itself, so their ranks must not have imported it yet.
+if TYPE_CHECKING:
+    from distcache import HttpOrigin
+    from distcache.artifact import Artifact
+    from distcache.comm import Communicator
 
 try:
     from tests.support.process import mpirun, run_group
@@ -91,9 +106,14 @@ except ModuleNotFoundError as exc:
 ROOT = Path(__file__).resolve().parents[1]
 
 STRATEGIES = ("per-rank", "shared-dir", "lazy-fetch", "prefetch", "warm", "fi-per-rank",
-              "fi-per-node", "engine", "engine-warm")
-FLASHINFER = ("fi-per-rank", "fi-per-node", "engine", "engine-warm")
-TWO_NODES = ("fi-per-node", "engine", "engine-warm")
+              "fi-per-node", "engine", "engine-warm", "engine-init", "engine-init-warm")
+#: The engine start-up as a user meets it: ``import distcache`` and ``distcache.init``
+#: timed with the kernel loads (see engine_init_worker).
+ENGINE_INIT = ("engine-init", "engine-init-warm")
+FLASHINFER = ("fi-per-rank", "fi-per-node", "engine", "engine-warm", *ENGINE_INIT)
+TWO_NODES = ("fi-per-node", "engine", "engine-warm", *ENGINE_INIT)
+#: The engine's warm start-up target at 2x2, in seconds.
+ENGINE_WARM_TARGET_S = 0.25
 #: FlashInfer's bulk download concurrency (FLASHINFER_CUBIN_DOWNLOAD_THREADS default).
 FLASHINFER_THREADS = 4
 LABELS = {
@@ -106,6 +126,8 @@ LABELS = {
     "fi-per-node": "(g) FlashInfer, dir per node",
     "engine": "(h) engine: distcache + FlashInfer",
     "engine-warm": "(i) engine, warm",
+    "engine-init": "(j) engine start-up through init",
+    "engine-init-warm": "(k) engine start-up, warm",
 }
 BASELINE = "baseline"
 BCAST = "bcast"
@@ -153,6 +175,8 @@ def run_strategy(
     strategy: str, comm: Communicator, arts: list[Artifact], url: str, run_dir: Path, threads: int
 ) -> tuple[Callable[[], bool], dict[str, Any]]:
     """Make the artifacts ready on this rank; returns a completeness check and extras."""
+    from distcache import ArtifactPool, HttpOrigin, prefetch
+
     began = time.perf_counter()
     origin = HttpOrigin(url, retries=0)
     if strategy in (BASELINE, "per-rank"):
@@ -241,6 +265,8 @@ def prepare(strategy: str, rank: int, size: int, run_dir: Path, url: str) -> Non
     """What a FlashInfer strategy sets before FlashInfer is imported (untimed)."""
     if strategy not in FLASHINFER:
         return
+    from distcache import ArtifactPool, HttpOrigin
+
     where = f"rank{rank}" if strategy == "fi-per-rank" else node_of(rank, size, strategy)
     if strategy in ("engine", "engine-warm"):
         where = f"engine-rank{rank}"
@@ -275,6 +301,8 @@ def measure_broadcast(comm: Communicator, reps: int = 10) -> dict[str, float]:
 
 
 def load_artifacts(mirror: Path) -> list[Artifact]:
+    from distcache.artifact import Artifact, parse_checksums
+
     arts = parse_checksums((mirror / "checksums.txt").read_text())
     return [Artifact(a.name, a.sha256, (mirror / a.name).stat().st_size) for a in arts]
 
@@ -282,6 +310,8 @@ def load_artifacts(mirror: Path) -> list[Artifact]:
 def worker(args: argparse.Namespace) -> None:
     """One rank of one mpirun: time the strategy barrier to barrier, gather to rank 0."""
     from mpi4py import MPI
+
+    import distcache.comm
 
     world = MPI.COMM_WORLD
     node = node_of(world.Get_rank(), world.Get_size(), args.worker)
@@ -313,7 +343,7 @@ def worker(args: argparse.Namespace) -> None:
         args.worker, comm, arts, args.url, args.run_dir, args.downloads_per_rank
     )
     seconds = time.perf_counter() - start
-    if profiler is not None:
+    if profiler is not None and profile_dir:
         profiler.disable()
         os.makedirs(profile_dir, exist_ok=True)
         profiler.dump_stats(os.path.join(
@@ -339,6 +369,127 @@ def worker(args: argparse.Namespace) -> None:
     }
     gathered = comm.allgather_object(mine)
     if comm.rank == 0:
+        args.result.write_text(json.dumps(gathered))
+
+
+def engine_kernels(mirror: Path) -> list[tuple[str, str]]:
+    """``(name, sha256)`` of every kernel, as an engine's code pins them; read without
+    distcache, whose import the engine start-up rows time."""
+    pairs = []
+    for line in (mirror / "checksums.txt").read_text().splitlines():
+        if line.strip():
+            sha, name = line.split(maxsplit=1)
+            pairs.append((name.strip(), sha))
+    return pairs
+
+
+def _barrier_sleeping(world: Any) -> None:
+    """A barrier on an mpi4py communicator that sleeps while it waits: MPI's own spins,
+    and on a machine with fewer cores than ranks a rank that is ready would take CPU
+    from the ones that are not (on a real node every rank has its own core)."""
+    request = world.Ibarrier()
+    while not request.Test():
+        time.sleep(0.0005)
+
+
+def engine_init_worker(args: argparse.Namespace) -> None:
+    """One rank of an engine starting up through ``distcache.init`` (j, k).
+
+    Before the clock, the imports the engine makes for itself: mpi4py (``MPI_Init``),
+    torch and FlashInfer, with FlashInfer's variables set first (a cubin directory per
+    rank, the loopback origin as its repository); the engine's world communicator has
+    been used once. On the clock: ``import distcache``, ``distcache.init(manifests=[M])``
+    with its default integrations (FlashInfer's wrapper is installed by init) and a
+    node-local pool (``DISTCACHE_POOL``, ``DISTCACHE_NODE_ID``), then every kernel
+    loaded through FlashInfer's ``get_artifact``; it stops when the slowest rank is
+    ready (barrier to barrier). Warm: the same on the pools and cubin directories the
+    cold run of this repetition filled.
+    """
+    began = time.perf_counter()
+    import warnings
+
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    node = node_of(rank, size, args.worker)
+    os.environ.update({
+        "FLASHINFER_CUBIN_DIR": str(args.run_dir / f"fi-engine-init-rank{rank}"),
+        "FLASHINFER_CUBINS_REPOSITORY": args.url,
+        "DISTCACHE_POOL": str(args.run_dir / f"engine-init-pool-{node}"),
+        "DISTCACHE_NODE_ID": str(node),
+        "DISTCACHE_DOWNLOADS_PER_RANK": str(args.downloads_per_rank),
+    })
+    import torch  # noqa: F401  (the engine's own import, untimed)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import flashinfer  # noqa: F401
+        import flashinfer.jit.cubin_loader as loader
+    kernels = engine_kernels(args.mirror)
+    if any(name == "distcache" or name.startswith("distcache.") for name in sys.modules):
+        raise SystemExit("distcache was imported before the engine start-up's clock")
+    world.allgather(rank)
+    world.Barrier()
+    imports_s = time.perf_counter() - began
+    startup = time.time() - args.launched_at
+    _barrier_sleeping(world)
+    profile_dir = os.environ.get("BENCH_PROFILE_DIR")
+    profiler = None
+    if profile_dir:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    start = time.perf_counter()
+    cpu_start = time.process_time()
+    import distcache
+
+    imported = time.perf_counter()
+    session = distcache.init(manifests=[str(args.mirror / "checksums.txt")])
+    initialised = time.perf_counter()
+    served: dict[str, bytes] = {}
+
+    def load(kernel: tuple[str, str]) -> None:
+        served[kernel[0]] = loader.get_artifact(*kernel)
+
+    with ThreadPoolExecutor(args.downloads_per_rank) as ex:
+        for _ in ex.map(load, kernels):
+            pass
+    ready = time.perf_counter()
+    cpu = time.process_time() - cpu_start
+    if profiler is not None and profile_dir:
+        profiler.disable()
+        os.makedirs(profile_dir, exist_ok=True)
+        profiler.dump_stats(os.path.join(
+            profile_dir, f"{args.worker}-n{size}-rank{rank}.pstats"))
+    _barrier_sleeping(world)
+    wall = time.perf_counter() - start
+    report = session.report
+    complete = all(hashlib.sha256(served.get(name, b"")).hexdigest() == sha
+                   for name, sha in kernels)
+    mine = {
+        "wall_s": wall,
+        "own_s": ready - start,
+        "startup_s": startup,
+        "imports_s": imports_s,
+        # This rank's CPU seconds (every thread) until it was ready: the ranks' sum
+        # over the machine's cores bounds the wall time where ranks share cores.
+        "cpu_s": cpu,
+        "engine_s": {"import": imported - start, "init": initialised - imported,
+                     "load": ready - initialised},
+        "init_phases": dict(session.phases),
+        "report_seconds": dict(report.seconds) if report is not None else {},
+        "downloads": report.downloads if report is not None else 0,
+        "downloaders": len(report.downloaders) if report is not None else 0,
+        "pool_hits": report.pool_hits if report is not None else 0,
+        "integrations": [i.name for i in session.integrations],
+        "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "complete": complete and "flashinfer" in [i.name for i in session.integrations],
+    }
+    session.close()
+    gathered = world.gather(mine, root=0)
+    if rank == 0:
         args.result.write_text(json.dumps(gathered))
 
 
@@ -417,7 +568,17 @@ def summarize(strategy: str, n: int, ranks: list[dict[str, Any]], stats: dict[st
         "launch_s": launch_s,
         "complete": all(r["complete"] for r in ranks),
     }
-    if "report_seconds" in ranks[0]:
+    if "init_phases" in ranks[0]:
+        # The slowest rank's figure of each phase (phases of init, of its prefetch).
+        for key, into in (("init_phases", "init_phases"), ("report_seconds", "phase_seconds")):
+            names = dict.fromkeys(k for r in ranks for k in r[key])
+            row[into] = {k: max(r[key].get(k, 0.0) for r in ranks) for k in names}
+        row["imports_s"] = max(r["imports_s"] for r in ranks)
+        row["cpu_s_per_rank"] = [r["cpu_s"] for r in ranks]
+        row["downloaders"] = ranks[0]["downloaders"]
+        row["pool_hits"] = ranks[0]["pool_hits"]
+        row["integrations"] = ranks[0]["integrations"]
+    elif "report_seconds" in ranks[0]:
         row["phase_seconds"] = ranks[0]["report_seconds"]
         row["downloaders"] = ranks[0]["downloaders"]
         row["pool_hits"] = ranks[0]["pool_hits"]
@@ -430,10 +591,14 @@ def summarize(strategy: str, n: int, ranks: list[dict[str, Any]], stats: dict[st
 
 
 def driver(args: argparse.Namespace) -> None:
+    from distcache import HttpOrigin
     from distcache.testing import LoopbackOrigin, make_artifacts
 
     began = time.perf_counter()
     load_before = os.getloadavg()[0]
+    # An installed distcache has its bytecode: rows (j) and (k) time its import.
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "distcache", "launch"],
+                   cwd=ROOT, check=True)
     ranks_axis = sorted({int(x) for x in args.ranks.split(",") if x})
     strategies = [s for s in STRATEGIES if s in args.strategies.split(",")]
     if not _has_flashinfer():
@@ -464,6 +629,12 @@ def driver(args: argparse.Namespace) -> None:
                 ranks, launch_s = launch(n, strategy, argv, run_dir,
                                          (result or run_dir).with_suffix(".json"))
                 row = summarize(strategy, n, ranks, server.stats(), launch_s)
+                if strategy in ENGINE_INIT:
+                    # The latency floor of this run: the K requests at the measured
+                    # per-request latency, ``concurrent`` at a time.
+                    floor = (math.ceil(args.artifacts / concurrent)
+                             * measured["request_latency_s"])
+                    row.update(latency_floor_s=floor, vs_latency_floor=row["wall_s"] / floor)
                 return with_floor(row, concurrent, args, total_bytes)
 
             def with_threads(threads: int) -> list[str]:
@@ -501,7 +672,9 @@ def driver(args: argparse.Namespace) -> None:
     targets = check_targets(rows, baselines, args, total_bytes)
     print("measured: " + ", ".join(f"{k}={v:.3g}" for k, v in measured.items()))
     for row in rows:
-        if "phase_seconds" in row:
+        if "init_phases" in row:
+            print(engine_init_line(row))
+        elif "phase_seconds" in row:
             phases = " ".join(f"{p} {s:.3f}" for p, s in row["phase_seconds"].items())
             print(f"{LABELS[row['strategy']]} N={row['ranks']} phases (max over ranks): "
                   f"open {row['open_pool_s']:.3f} {phases}"
@@ -515,6 +688,20 @@ def driver(args: argparse.Namespace) -> None:
               f"{target['observed']}")
     print(f"benchmark took {time.perf_counter() - began:.0f} s")
     write_results(args, total_bytes, measured, baselines, rows, targets, load_before)
+
+
+def engine_init_line(row: dict[str, Any]) -> str:
+    """Where an engine start-up through init (j, k) spent its time, slowest rank's."""
+    def listed(figures: dict[str, float]) -> str:
+        return " ".join(f"{k} {v:.3f}" for k, v in figures.items())
+
+    eng = row["engine_s"]
+    return (f"{LABELS[row['strategy']]} N={row['ranks']}: ready {row['wall_s']:.3f} s = "
+            f"{row['vs_latency_floor']:.2f}x the latency floor {row['latency_floor_s']:.3f} s; "
+            f"engine imports before the clock {row['imports_s']:.2f} s; import distcache "
+            f"{eng['import']:.3f}, init {eng['init']:.3f} ({listed(row['init_phases'])}; "
+            f"prefetch: {listed(row['phase_seconds'])}), load {eng['load']:.3f}; CPU s per "
+            f"rank {' '.join(f'{c:.3f}' for c in row['cpu_s_per_rank'])}")
 
 
 def _has_flashinfer() -> bool:
@@ -576,6 +763,7 @@ def check_targets(rows: list[dict[str, Any]], baselines: dict[int, dict[str, Any
 
     per_rank, pre, warm = of("per-rank"), of("prefetch"), of("warm")
     engine, engine_warm, fi_node = of("engine"), of("engine-warm"), of("fi-per-node")
+    engine_init, engine_init_warm = of("engine-init"), of("engine-init-warm")
     targets = []
     if pre:
         top = max(pre)
@@ -638,6 +826,33 @@ def check_targets(rows: list[dict[str, Any]], baselines: dict[int, dict[str, Any
             "holds": all(requests(r) == {0} for r in engine_warm.values()),
             "observed": listed(engine_warm, "origin_requests"),
         })
+    if 4 in engine_init:
+        row = engine_init[4]
+        targets += [
+            {"target": f"(j) 2x2 cold engine start-up through init makes exactly K={k} "
+                       "origin requests",
+             "holds": requests(row) == {k}, "observed": str(row["origin_requests"])},
+            {"target": "(j) 2x2 cold engine start-up through init ready within 1.5x the "
+                       "latency floor measured in the same run (ceil(K / 16) x "
+                       f"{row['latency_floor_s'] / math.ceil(k / 16):.3f} s = "
+                       f"{row['latency_floor_s']:.3f} s)",
+             "holds": row["vs_latency_floor"] <= 1.5,
+             "observed": f"{row['wall_s']:.3f} s ({row['vs_latency_floor']:.2f}x)"},
+        ]
+    if engine_init_warm:
+        targets.append({
+            "target": "(k) warm engine start-up through init makes 0 origin requests",
+            "holds": all(requests(r) == {0} for r in engine_init_warm.values()),
+            "observed": listed(engine_init_warm, "origin_requests"),
+        })
+    if 4 in engine_init_warm:
+        row = engine_init_warm[4]
+        targets.append({
+            "target": f"(k) 2x2 warm engine start-up through init ready within "
+                      f"{ENGINE_WARM_TARGET_S} s",
+            "holds": row["wall_s"] <= ENGINE_WARM_TARGET_S,
+            "observed": f"{row['wall_s']:.3f} s",
+        })
     return targets
 
 
@@ -678,10 +893,10 @@ def write_results(
         "results": rows,
         "targets": targets,
     }
-    json_path = args.out / "bench_prefetch.json"
+    json_path = args.out / f"{args.name}.json"
     json_path.write_text(json.dumps(result, indent=2) + "\n")
-    plot(args, rows, baseline, args.out / "bench_prefetch.png")
-    print(f"wrote {json_path} and {args.out / 'bench_prefetch.png'}")
+    plot(args, rows, baseline, json_path.with_suffix(".png"))
+    print(f"wrote {json_path} and {json_path.with_suffix('.png')}")
 
 
 def plot(args: argparse.Namespace, rows: list[dict[str, Any]], baseline: dict[str, Any],
@@ -692,7 +907,7 @@ def plot(args: argparse.Namespace, rows: list[dict[str, Any]], baseline: dict[st
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    styles = ("o-", "s-", "D-", "^-", "v-", "<-", ">-", "P-", "X-")
+    styles = ("o-", "s-", "D-", "^-", "v-", "<-", ">-", "P-", "X-", "*-", "h-")
     for strategy, style in zip(STRATEGIES, styles, strict=True):
         mine = sorted((r for r in rows if r["strategy"] == strategy), key=lambda r: r["ranks"])
         if not mine:
@@ -732,13 +947,18 @@ def main() -> None:
     parser.add_argument("--latency", type=float, default=0.1, help="seconds per origin request")
     parser.add_argument("--bandwidth", type=float, default=200e6, help="origin bytes/s, total")
     parser.add_argument("--downloads-per-rank", type=int,
-                        default=settings().downloads_per_rank,
-                        help="download threads per rank (DISTCACHE_DOWNLOADS_PER_RANK)")
+                        help="download threads per rank (default: "
+                             "DISTCACHE_DOWNLOADS_PER_RANK's)")
     parser.add_argument("--strategies", default=",".join(STRATEGIES),
-                        help="comma-separated subset (warm needs prefetch before it)")
+                        help="comma-separated subset (warm needs prefetch before it, "
+                             "engine-init-warm needs engine-init)")
     parser.add_argument("--repeat", type=int, default=3,
                         help="runs per cell; the one with the median wall time is reported")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    parser.add_argument("--name", default="bench_prefetch",
+                        help="writes OUT/NAME.json and OUT/NAME.png (a subset of the "
+                             "strategies under its own name: --strategies engine-init,"
+                             "engine-init-warm --ranks 4 --name engine_startup)")
     # Set by the driver when it launches itself under mpirun.
     parser.add_argument("--worker", choices=(*STRATEGIES, BASELINE, BCAST), help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
@@ -749,9 +969,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
-    if args.worker:
+    if args.worker in ENGINE_INIT:
+        engine_init_worker(args)  # before anything imports distcache
+    elif args.worker:
         worker(args)
     else:
+        if args.downloads_per_rank is None:
+            from distcache.config import settings
+
+            args.downloads_per_rank = settings().downloads_per_rank
         driver(args)
 
 
