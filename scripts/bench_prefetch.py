@@ -477,6 +477,9 @@ def engine_init_worker(args: argparse.Namespace) -> None:
         # over the machine's cores bounds the wall time where ranks share cores.
         "cpu_s": cpu,
         "engine_s": {"import": imported - start, "init": initialised - imported,
+                     # What init spends outside its named phases: the modules it
+                     # imports, choosing the integrations, the peer agents' start.
+                     "init_unphased": initialised - imported - sum(session.phases.values()),
                      "load": ready - initialised},
         "init_phases": dict(session.phases),
         "report_seconds": dict(report.seconds) if report is not None else {},
@@ -699,7 +702,8 @@ def engine_init_line(row: dict[str, Any]) -> str:
     return (f"{LABELS[row['strategy']]} N={row['ranks']}: ready {row['wall_s']:.3f} s = "
             f"{row['vs_latency_floor']:.2f}x the latency floor {row['latency_floor_s']:.3f} s; "
             f"engine imports before the clock {row['imports_s']:.2f} s; import distcache "
-            f"{eng['import']:.3f}, init {eng['init']:.3f} ({listed(row['init_phases'])}; "
+            f"{eng['import']:.3f}, init {eng['init']:.3f} ({listed(row['init_phases'])} "
+            f"outside them {eng['init_unphased']:.3f}; "
             f"prefetch: {listed(row['phase_seconds'])}), load {eng['load']:.3f}; CPU s per "
             f"rank {' '.join(f'{c:.3f}' for c in row['cpu_s_per_rank'])}")
 
