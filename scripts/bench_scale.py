@@ -75,10 +75,13 @@ def worker(args: argparse.Namespace) -> None:
     else:
         os.environ["DISTCACHE_NODE_ID"] = f"node{node}"
         os.environ["DISTCACHE_POOL"] = str(args.run_dir / f"pool-node{node}")
+        began = time.time()
         import distcache
         from distcache.comm import CountingCommunicator, from_mpi
 
+        imported = time.time()
         comm = CountingCommunicator(from_mpi())
+        adopted = time.time()
         # No integration: with FlashInfer importable, init's default would import it
         # (and torch), the engine's start-up cost rather than distcache's.
         session = distcache.init(manifests=[str(args.manifest)], comm=comm, integrations=[])
@@ -88,12 +91,15 @@ def worker(args: argparse.Namespace) -> None:
                        calls=comm.traffic.calls, control_sent=comm.traffic.sent - bulk[0],
                        control_received=comm.traffic.received - bulk[1],
                        largest_bucket=0 if report is None else report.peak_bytes,
-                       downloads=0 if report is None else report.downloads)
+                       downloads=0 if report is None else report.downloads,
+                       started_at=began, imported_s=imported - began,
+                       comm_s=adopted - imported, init_s=time.time() - adopted)
         if rank == 0 and report is not None:
             figures["report"] = {"seconds": report.seconds, "objects": report.objects,
                                  "downloads": report.downloads,
                                  "broadcast_bytes": report.broadcast_bytes}
     figures["done_at"] = time.time()
+    figures["cpu_s"] = time.process_time()
     figures["peak_rss"] = _peak_rss_bytes()
     args.run_dir.mkdir(parents=True, exist_ok=True)
     (args.run_dir / f"{args.worker}-rank{rank}.json").write_text(json.dumps(figures))
@@ -176,6 +182,8 @@ def row(n: int, work: Path, manifest: Path, url: str, server: Any) -> dict[str, 
         "floor_s": round(floor_s, 3),
         "init_over_floor": round(init_s / floor_s, 2),
         "peak_rss_mb": round(max(r["peak_rss"] for r in init) / mb, 1),
+        "peak_rss_rank": max(init, key=lambda r: r["peak_rss"])["rank"],
+        "median_rss_mb": round(statistics.median(r["peak_rss"] for r in init) / mb, 1),
         "floor_rss_mb": round(max(r["peak_rss"] for r in floor) / mb, 1),
         "largest_bucket_mb": round(max(r["largest_bucket"] for r in init) / mb, 2),
         "bytes_sent_per_rank": {"max": max(sent), "median": statistics.median(sent)},
@@ -185,6 +193,16 @@ def row(n: int, work: Path, manifest: Path, url: str, server: Any) -> dict[str, 
         # heartbeats and the report.
         "control_bytes_per_rank": {"max": max(control), "median": statistics.median(control)},
         "rank0_phases_s": rank0.get("report", {}).get("seconds"),
+        # CPU seconds per rank (the whole process, start to report): on a machine with
+        # fewer cores than ranks, what the job's wall time follows.
+        "cpu_s_per_rank": {"init_median": round(statistics.median(r["cpu_s"] for r in init), 3),
+                           "floor_median": round(statistics.median(r["cpu_s"] for r in floor), 3)},
+        # Each rank's steps (median over ranks): the start of the process to the line
+        # before ``import distcache``, the import, the communicator, ``init``.
+        "init_steps_s": {
+            "start": round(statistics.median(r["started_at"] - launched for r in init), 3),
+            **{k: round(statistics.median(r[f"{k}_s"] for r in init), 3)
+               for k in ("imported", "comm", "init")}},
         # What the scale model reads per rank: the bytes a rank moves for the
         # collective's control traffic and the memory it holds, at this N.
         "per_rank": {
@@ -196,8 +214,20 @@ def row(n: int, work: Path, manifest: Path, url: str, server: Any) -> dict[str, 
     }
 
 
+def precompile() -> None:
+    """Byte-compile the sources, as an installed package is: every rank of both
+    launches then loads ``.pyc`` files instead of compiling (this environment may set
+    ``PYTHONDONTWRITEBYTECODE``, which stops Python writing them, not reading them)."""
+    import compileall
+
+    for package in ("distcache", "launch", "scripts", "tests"):
+        compileall.compile_dir(ROOT / package, quiet=1)
+
+
 def driver(args: argparse.Namespace) -> None:
     from distcache.testing import LoopbackOrigin
+
+    precompile()
 
     axis = sorted({int(x) for x in args.ranks.split(",") if x})
     work = Path(tempfile.mkdtemp(prefix="bench-scale-"))

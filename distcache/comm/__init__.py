@@ -16,7 +16,7 @@ from distcache.comm._counting import CountingCommunicator, Traffic
 from distcache.comm._local import LocalCommunicator, ThreadCommunicator, ThreadGroup
 from distcache.comm._mpi import MpiCommunicator
 from distcache.comm._torch import TorchCommunicator, import_torch
-from distcache.comm._tree import NodeTree, node_tree, reduce_object
+from distcache.comm._tree import NodeTree, node_layout, node_tree, reduce_object
 from distcache.comm.adopt import Adopted, adopt, auto
 from distcache.errors import CommError
 
@@ -41,6 +41,7 @@ __all__ = [
     "from_mpi",
     "from_torch",
     "local",
+    "node_layout",
     "node_tree",
     "reduce_object",
 ]

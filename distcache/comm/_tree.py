@@ -70,6 +70,32 @@ def node_tree(comm: Communicator, *, timeout: float | None = None) -> Communicat
     return tree.selected()
 
 
+def node_layout(comm: Communicator, *, timeout: float | None = None) -> tuple[int, bool]:
+    """Collective the first time: how many nodes ``comm``'s ranks are on, and whether
+    this rank is the lowest of its node. Read from the tree :func:`node_tree` keeps
+    (made here when there is none yet), so a caller that uses the tree anyway pays no
+    collective for it.
+
+    Raises:
+        CollectiveTimeout: not every rank arrived in time.
+    """
+    if isinstance(comm, NodeTree):
+        return comm.nodes, comm.is_leader
+    if comm.size == 1:
+        return 1, True
+    if comm.backend in IN_PROCESS:
+        nodes: list[str] = comm.allgather_object(comm.node_id, timeout=timeout)
+        return len(set(nodes)), nodes.index(comm.node_id) == comm.rank
+    node_tree(comm, timeout=timeout)
+    try:
+        tree = _trees.get(comm)
+    except TypeError:
+        tree = None
+    if tree is None:  # not weakly referable: this tree is used once
+        tree = NodeTree(comm, timeout=timeout)
+    return tree.nodes, tree.is_leader
+
+
 def reduce_object(comm: Communicator, obj: Any, combine: Callable[[list[Any]], Any], *,
                   timeout: float | None = None) -> Any:
     """Collective: ``combine`` of every rank's ``obj``, the same value on every rank.
@@ -88,6 +114,13 @@ def reduce_object(comm: Communicator, obj: Any, combine: Callable[[list[Any]], A
     if isinstance(comm, NodeTree):
         return comm.allreduce_object(obj, combine, timeout=timeout)
     return combine(comm.allgather_object(obj, timeout=timeout))
+
+
+def _immutable(value: Any) -> bool:
+    """Whether ``value`` (decoded plain data) can be handed to several ranks' entries."""
+    if value is None or type(value) in (bool, int, float, str, bytes):
+        return True
+    return type(value) is tuple and all(_immutable(v) for v in value)
 
 
 def _runs(indices: list[int]) -> list[int]:
@@ -265,10 +298,20 @@ class NodeTree(Wrapping):
                             backend=base.backend, peer=leader)
         table, runs = folded
         out: list[Any] = []
+        # Each distinct payload is decoded once; an immutable value is shared by the
+        # ranks that sent it, a mutable one is decoded again for each (a caller may
+        # change one rank's entry without changing another's).
+        shared: dict[int, Any] = {}
         for count, index in zip(runs[::2], runs[1::2], strict=True):
             for _ in range(count):
-                out.append(decode_from(table[index], len(out), where, rank=base.rank,
-                                       backend=base.backend))
+                if index in shared:
+                    out.append(shared[index])
+                    continue
+                value = decode_from(table[index], len(out), where, rank=base.rank,
+                                    backend=base.backend)
+                if _immutable(value):
+                    shared[index] = value
+                out.append(value)
         if len(out) != base.size:
             raise WireError(f"allgather_object on {where}: the node leader's answer covers "
                             f"{len(out)} of {base.size} ranks", op="allgather_object",

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from distcache.comm import node_tree
+from distcache.comm import node_layout, node_tree
 from distcache.peer._auth import derive_key
 from distcache.peer._tier import Tier, attach, key_path
 
@@ -110,13 +110,15 @@ def start(comm: Communicator, pool: ArtifactPool, origin: Callable[[], Origin | 
     """
     # Through node leaders: the ranks of a node send alike, so what a rank receives
     # follows the nodes, not the ranks (the tree is the one the prefetch uses next).
+    # The layout comes with the tree: no collective of its own.
     comm = node_tree(comm, timeout=timeout)
-    drawn = secrets.token_bytes(32) if comm.rank == 0 and secret is None else b""
-    nodes = comm.allgather_object((comm.node_id, drawn), timeout=timeout)
-    if len({node for node, _ in nodes}) < 2:
+    nodes, leader = node_layout(comm, timeout=timeout)
+    if nodes < 2:
         return None
-    key = derive_key(secret if secret is not None else bytes(nodes[0][1]))
-    leader = next(r for r, (node, _) in enumerate(nodes) if node == comm.node_id) == comm.rank
+    if secret is None:  # no run scope: rank 0 draws one for this job
+        drawn = secrets.token_bytes(32) if comm.rank == 0 else None
+        secret = comm.broadcast_bytes(drawn, 0, timeout=timeout)
+    key = derive_key(secret)
     agent: Agent | None = None
     if leader:
         tag = f"{comm.node_id}/{hashlib.sha256(key).hexdigest()[:16]}"

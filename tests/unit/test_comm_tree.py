@@ -142,3 +142,38 @@ def test_the_mpi_arrival_tree_reaches_every_rank_once_with_few_peers_each() -> N
     # A child's subtree is a contiguous range, which is how a timeout names it.
     assert [_subtree(c, 8) for c in _tree(0, 8)[1]] == ["1", "2-3", "4-7"]
     assert _subtree(4, 6) == "4-5"
+
+
+def test_alike_payloads_are_decoded_once_and_mutable_ones_stay_apart() -> None:
+    group = ThreadGroup(8, _nodes(4, 2))
+
+    def body(comm: Communicator) -> tuple[bool, list[Any], list[Any]]:
+        tree = NodeTree(comm).selected()
+        frozen = tree.allgather_object(("pool", comm.node_id, None))
+        lists = tree.allgather_object(["pool", comm.node_id])
+        lists[0].append("changed")
+        return frozen[0] is frozen[1], frozen, lists
+
+    for shared, frozen, lists in run_ranks(group, body):
+        assert shared  # one decoded tuple for the ranks of node n0
+        assert frozen == [("pool", f"n{r // 2}", None) for r in range(8)]
+        assert lists[0] == ["pool", "n0", "changed"]
+        assert lists[1:] == [["pool", f"n{r // 2}"] for r in range(1, 8)]
+
+
+def test_the_node_layout_comes_from_the_tree_without_a_collective_of_its_own() -> None:
+    from distcache.comm import node_layout
+
+    group = ThreadGroup(6, _nodes(3, 2))
+
+    def body(comm: Communicator) -> tuple[tuple[int, bool], tuple[int, bool], int]:
+        counting = CountingCommunicator(comm)
+        flat = node_layout(counting)  # in-process ranks: one all-gather of the node ids
+        tree = NodeTree(counting)
+        before = sum(counting.traffic.calls.values())
+        routed = node_layout(tree)
+        return flat, routed, sum(counting.traffic.calls.values()) - before
+
+    for rank, (flat, routed, calls) in enumerate(run_ranks(group, body)):
+        assert flat == routed == (3, rank % 2 == 0)
+        assert calls == 0
