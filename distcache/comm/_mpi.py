@@ -32,6 +32,12 @@ log = logging.getLogger(__name__)
 #: collective the caller runs on the same communicator.
 ARRIVAL_TAG = 0x4443
 
+#: Communicators larger than this all-gather point to point (:meth:`MpiCommunicator.
+#: _bruck`) rather than through the MPI library's non-blocking all-gather; the tags of
+#: those rounds start at BRUCK_TAG (64 rounds per phase: any size MPI allows).
+BRUCK_ABOVE = 16
+BRUCK_TAG = 0x4500
+
 
 def _tree(rank: int, size: int) -> tuple[int | None, list[int]]:
     """``rank``'s parent (``None`` for rank 0) and children in a binomial tree.
@@ -230,7 +236,58 @@ class MpiCommunicator(BackendCommunicator):
     def _owned_buffer(self, buffer: bytearray) -> bytearray:
         return buffer
 
+    # -- all-gathers on large communicators: Bruck's algorithm, point to point ---------
+    #
+    # An MPI library's non-blocking all-gather(v) is often linear (Open MPI's libnbc:
+    # every rank sends to and receives from every other), so each rank's messages, and
+    # the memory its transport keeps per peer, grow with the job. Above
+    # BRUCK_ABOVE ranks the all-gathers go point to point in ceil(log2 N) rounds: in
+    # round k a rank sends what it holds (its own block and the next ones, up to 2**k)
+    # to rank - 2**k and receives as much from rank + 2**k. Each round is polled
+    # within the call's budget like any collective here; a round that times out
+    # retires the communicator (its requests are kept alive, as for a collective).
+
+    def _bruck(self, op: str, mine: bytes, sizes: list[int] | None, budget: Budget,
+               tag: int) -> list[bytes]:
+        """Every rank's block, in rank order. ``sizes``: each rank's block length
+        (``None``: every block is ``len(mine)`` bytes long)."""
+        MPI, comm, rank, size = self._MPI, self._comm, self._rank, self._size
+        width = len(mine)
+        held = [bytes(mine)]  # blocks of ranks rank, rank + 1, ... (mod size)
+        dist, round_ = 1, 0
+        while dist < size:
+            count = min(dist, size - dist)
+            send = bytearray(b"".join(held[:count]))
+            source = (rank + dist) % size
+            if sizes is None:
+                expected = count * width
+            else:
+                expected = sum(sizes[(source + i) % size] for i in range(count))
+            recv = bytearray(expected)
+            try:
+                requests = [comm.Irecv([recv, MPI.BYTE], source, tag + round_),
+                            comm.Isend([send, MPI.BYTE], (rank - dist) % size, tag + round_)]
+                done = poll_until(lambda reqs=requests: bool(MPI.Request.Testall(reqs)), budget.until)
+            except MPI.Exception as exc:
+                raise self._comm_error(op, exc) from exc
+            if not done:
+                self._abandoned.extend((r, (send, recv)) for r in requests)
+                raise self._timed_out(op, budget.seconds)
+            at = 0
+            for i in range(count):
+                length = width if sizes is None else sizes[(source + i) % size]
+                held.append(bytes(recv[at:at + length]))
+                at += length
+            dist <<= 1
+            round_ += 1
+        # held[i] is rank (rank + i) % size's block.
+        return [held[(r - rank) % size] for r in range(size)]
+
     def _allgather_lengths(self, length: int, budget: Budget) -> list[int]:
+        if self._size > BRUCK_ABOVE:
+            blocks = self._bruck("allgather_object", array("q", [length]).tobytes(), None,
+                                 budget, BRUCK_TAG)
+            return [array("q", block)[0] for block in blocks]
         INT64_T = self._MPI.INT64_T
         mine, sizes = array("q", [length]), array("q", [0] * self._size)
         self._run(
@@ -251,6 +308,9 @@ class MpiCommunicator(BackendCommunicator):
             raise self._too_large(
                 f"{total} encoded bytes over all ranks exceed one MPI message ({MAX_MESSAGE_BYTES})"
             )
+        if self._size > BRUCK_ABOVE:
+            blocks = self._bruck("allgather_object", mine, lengths, budget, BRUCK_TAG + 64)
+            return [memoryview(block) for block in blocks]
         displs = [0] * self._size
         for i in range(1, self._size):
             displs[i] = displs[i - 1] + lengths[i - 1]
