@@ -13,10 +13,27 @@ Measured, in this order, each in fresh processes:
   cold 1       ``distcache.prefetch`` on 1 rank into an empty pool
   warm 1       the same again, the pool full
   stat floor   one ``os.stat`` per object of that pool
+  warm init 1  warm 1 through the public hook: ``import distcache`` and
+               ``distcache.init(manifests=[M], integrations=[])`` (below)
   cold 2x2     ``mpirun -n 4``: 2 simulated nodes x 2 ranks, one pool per node
                (``DISTCACHE_NODE_ID`` per rank), each object fetched once per job and
                broadcast to the other node
   warm 2x2     the same again
+  warm init 2x2  warm 2x2 through the public hook
+
+The cold and warm rows time ``prefetch()`` alone, the sizes given. The rows through
+init count what a user meets: each rank takes its clock before ``import distcache``
+and stops it when ``distcache.init(manifests=[M], integrations=[])`` returns (the pool
+``DISTCACHE_POOL`` of its node, ``DISTCACHE_NODE_ID``, the same directory origin as
+``DISTCACHE_ORIGIN``; the manifest without sizes); the row is the slowest rank.
+Under mpirun, ``from mpi4py import MPI`` (MPI_Init: the launcher's and the engine's
+cost, about a second for 4 ranks on a 2-core machine) comes before the clock, then
+one barrier of the world; that import is its own column (``mpi_init_s``). Each rank
+is a bare ``python -c``: nothing else is imported before its clock, so the modules
+distcache needs from the standard library are on it. Each rank also reports the
+import's time, the loading of init's modules (the package loads them on first use),
+init's ``Session.phases`` and the prefetch's ``report.seconds``. The sources are
+precompiled first (``compileall``), as an installed package is.
 
 Before the first step every file of the set is read once, and before each step the
 page cache is flushed (``sync``, untimed), so every step reads the set from memory and
@@ -24,11 +41,14 @@ none pays for another's writes. Neither side waits for the disk: the floor's ``c
 does not flush, and a prefetch returns once its objects are published and verified,
 its one flush per rank running on in the background (the process waits for it before
 it exits, untimed).
-``BENCH_PROFILE_DIR=DIR`` writes each rank's cProfile of its prefetch there.
+``BENCH_PROFILE_DIR=DIR`` writes each rank's cProfile of its prefetch there
+(``rank<r>-<pid>.pstats``), and of its import and init in the rows through init
+(``init-n<ranks>-rank<r>.pstats``).
 
-Times are barrier to barrier (the maximum over ranks); peak RSS is per rank. Targets:
-cold 2x2 <= 1.5x the copy floor, warm <= 10x the stat floor on 1 rank and <= 20x on
-2x2. Writes ``bench_family.json`` to --out and prints the table.
+Times of the prefetch rows are barrier to barrier (the maximum over ranks); peak RSS
+is per rank. Targets: cold 2x2 <= 1.5x the copy floor, warm (both ways) <= 10x the
+stat floor on 1 rank and <= 20x on 2x2. Writes ``bench_family.json`` to --out and
+prints the table.
 
     python -m scripts.bench_family --out docs/bench [--cubins DIR|WHEEL] [--limit N]
 
@@ -53,10 +73,12 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from distcache import Artifact, ArtifactPool, DirOrigin, parse_checksums, prefetch
-from distcache.artifact import manifest_text
+# distcache is imported where it is used, not here: the rows through init time
+# ``import distcache`` itself, so their ranks must not have imported it yet.
+if TYPE_CHECKING:
+    from distcache import Artifact
 
 try:
     from tests.support.process import mpirun, run_group
@@ -69,7 +91,17 @@ ROOT = Path(__file__).resolve().parents[1]
 SIZES = Path(__file__).with_name("family_sizes.json")
 WORKER_TIMEOUT_S = 1800.0
 TARGETS = {"cold_2x2_vs_copy_floor": 1.5, "warm_1_vs_stat_floor": 10.0,
-           "warm_2x2_vs_stat_floor": 20.0}
+           "warm_2x2_vs_stat_floor": 20.0, "warm_init_1_vs_stat_floor": 10.0,
+           "warm_init_2x2_vs_stat_floor": 20.0}
+#: What a rank through init has done before its clock starts, written into the JSON.
+INIT_CLOCK = ("per rank, from before `import distcache` until `distcache.init(manifests=[M], "
+              "integrations=[])` returns (pool DISTCACHE_POOL per node, DISTCACHE_NODE_ID, "
+              "origin DISTCACHE_ORIGIN=<the directory origin>); the maximum over ranks. "
+              "Under mpirun, `from mpi4py import MPI` (MPI_Init, the launcher's and "
+              "engine's cost) and one barrier of the world come before the clock; "
+              "mpi_init_s is that import, reported apart. Nothing else is imported "
+              "before the clock (each rank is a bare `python -c`); sources are "
+              "precompiled.")
 
 
 # -- the set ------------------------------------------------------------------------------
@@ -115,6 +147,8 @@ def generate(dest: Path, seed: int) -> Path:
 
 def manifest(mirror: Path, work: Path, limit: int | None) -> list[Artifact]:
     """Every ``*.cubin`` under ``mirror`` with its digest (cached under ``work``)."""
+    from distcache import Artifact, parse_checksums
+
     cache = work / "manifest.txt"
     if not cache.exists() or cache.read_text().count("\n") == 0:
         lines = []
@@ -130,6 +164,8 @@ def manifest(mirror: Path, work: Path, limit: int | None) -> list[Artifact]:
 
 
 def worker(args: argparse.Namespace) -> None:
+    from distcache import Artifact, ArtifactPool, DirOrigin, parse_checksums, prefetch
+
     if args.ranks_per_node:
         from mpi4py import MPI
 
@@ -158,7 +194,7 @@ def worker(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     report = prefetch(arts, comm=comm, pool=pool, origin=origin)
     comm.barrier()
-    if profiler is not None:
+    if profiler is not None and profile_dir:
         profiler.disable()
         os.makedirs(profile_dir, exist_ok=True)
         profiler.dump_stats(os.path.join(profile_dir, f"rank{comm.rank}-{os.getpid()}.pstats"))
@@ -179,22 +215,103 @@ def worker(args: argparse.Namespace) -> None:
         }))
 
 
+#: One rank of a row through init, run as ``python -c INIT_RANK RANKS_PER_NODE MANIFEST
+#: MIRROR POOLS RESULT``. Before its clock it has loaded only what Python loads to start
+#: (and, under mpirun, mpi4py): the clock counts every module that ``import distcache``
+#: and init load, none of them loaded by this script first. After the clock,
+#: :func:`init_rank_report` writes the figures.
+INIT_RANK = """
+import os, sys, time
+began = time.perf_counter()
+per_node, manifest, mirror, pools, result = sys.argv[1:6]
+per_node = int(per_node)
+world, rank = None, 0
+if per_node:
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+mpi_init_s = time.perf_counter() - began if world is not None else None
+node = f"node{rank // per_node}" if per_node else "node0"
+os.environ.update({"DISTCACHE_POOL": os.path.join(pools, node), "DISTCACHE_NODE_ID": node,
+                   "DISTCACHE_ORIGIN": mirror})
+if any(name == "distcache" or name.startswith("distcache.") for name in sys.modules):
+    raise SystemExit("distcache was imported before the clock of a row through init")
+if world is not None:
+    world.Barrier()
+profile_dir = os.environ.get("BENCH_PROFILE_DIR")
+profiler = None
+if profile_dir:
+    import cProfile
+    profiler = cProfile.Profile()
+    profiler.enable()
+start = time.perf_counter()
+import distcache
+imported = time.perf_counter()
+hook = distcache.init  # the package loads its modules on first use: init's here
+resolved = time.perf_counter()
+session = hook(manifests=[manifest], integrations=[])
+done = time.perf_counter()
+if profiler is not None:
+    profiler.disable()
+    os.makedirs(profile_dir, exist_ok=True)
+    size = 1 if world is None else world.Get_size()
+    profiler.dump_stats(os.path.join(profile_dir, f"init-n{size}-rank{rank}.pstats"))
+from scripts.bench_family import init_rank_report
+init_rank_report(session, result, rank=rank, node=node, mpi_init_s=mpi_init_s,
+                 import_s=imported - start, load_init_s=resolved - imported,
+                 init_s=done - resolved)
+"""
+
+
+def init_rank_report(session: Any, result: str, *, rank: int, node: str,
+                     mpi_init_s: float | None, import_s: float, load_init_s: float,
+                     init_s: float) -> None:
+    """Gather the ranks' figures of a row through init (after the clock); rank 0 writes
+    them to ``result``."""
+    phases = dict(session.phases)
+    report = session.report
+    mine = {"rank": rank, "node": node, "mpi_init_s": mpi_init_s, "import_s": import_s,
+            "load_init_s": load_init_s, "init_s": init_s,
+            "total_s": import_s + load_init_s + init_s, "phases": phases,
+            # init's time outside its named phases (settings, the integrations chosen,
+            # the peer start-up between pool and prefetch).
+            "outside_phases_s": init_s - sum(phases.values()),
+            "report_seconds": {} if report is None else dict(report.seconds),
+            "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    gathered = session.comm.allgather_object(mine)
+    if rank == 0:
+        mpi = [g["mpi_init_s"] for g in gathered if g["mpi_init_s"] is not None]
+        Path(result).write_text(json.dumps({
+            "wall_s": max(g["total_s"] for g in gathered),
+            "mpi_init_s": max(mpi) if mpi else None,
+            "clock": INIT_CLOCK,
+            "ranks": gathered,
+            "report": None if report is None else {
+                "downloads": report.downloads, "pool_hits": report.pool_hits,
+                "broadcasts": report.broadcasts, "objects_published": report.objects_published,
+                "seconds": dict(report.seconds)},
+        }))
+
+
 # -- the driver ---------------------------------------------------------------------------
 
 
 def run_ranks(args: argparse.Namespace, work: Path, pools: Path, label: str,
-              ranks: int) -> dict[str, Any]:
+              ranks: int, *, through_init: bool = False) -> dict[str, Any]:
     result = work / f"{label}.json"
     result.unlink(missing_ok=True)
-    common = ["--manifest", str(work / "subset.txt"), "--sizes", str(work / "sizes.json"),
-              "--mirror", str(args.mirror_dir), "--pools", str(pools), "--result", str(result)]
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    me = [sys.executable, "-m", "scripts.bench_family", "--worker"]
-    if ranks == 1:
-        cmd = [*me, *common]
+    per_node = 0 if ranks == 1 else 2
+    if through_init:
+        me = [sys.executable, "-c", INIT_RANK, str(per_node), str(work / "subset.txt"),
+              str(args.mirror_dir), str(pools), str(result)]
     else:
-        cmd = [mpirun(), "-n", str(ranks), "--oversubscribe", "--bind-to", "none",
-               *me, "--ranks-per-node", "2", *common]
+        me = [sys.executable, "-m", "scripts.bench_family", "--worker",
+              "--ranks-per-node", str(per_node), "--manifest", str(work / "subset.txt"),
+              "--sizes", str(work / "sizes.json"), "--mirror", str(args.mirror_dir),
+              "--pools", str(pools), "--result", str(result)]
+    cmd = me if ranks == 1 else [mpirun(), "-n", str(ranks), "--oversubscribe",
+                                 "--bind-to", "none", *me]
     done = run_group(cmd, timeout=WORKER_TIMEOUT_S, env=env, cwd=ROOT)
     if done.returncode != 0 or not result.exists():
         sys.stderr.write(done.stdout + done.stderr)
@@ -233,6 +350,8 @@ def read_once(mirror: Path, arts: list[Artifact]) -> None:
 
 
 def stat_floor(pool_dir: Path, arts: list[Artifact]) -> float:
+    from distcache import ArtifactPool
+
     layout = ArtifactPool(pool_dir).layout
     paths = [layout.object_path(a.sha256) for a in arts]
     best = float("inf")
@@ -259,6 +378,11 @@ def driver(args: argparse.Namespace) -> None:
     else:
         mirror, source = generate(work / "generated", args.seed), f"generated (seed {args.seed})"
     args.mirror_dir = mirror
+    # Real installs have byte code; this environment may not write it on import.
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "distcache", "launch"],
+                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    from distcache.artifact import manifest_text
+
     arts = manifest(mirror, work, args.limit)
     (work / "subset.txt").write_text(manifest_text(arts))
     (work / "sizes.json").write_text(json.dumps({a.sha256: a.size for a in arts}))
@@ -271,10 +395,13 @@ def driver(args: argparse.Namespace) -> None:
     read_once(mirror, arts)
     os.sync()
     rows: dict[str, Any] = {"copy_floor": copy_floor(mirror, arts, work)}
-    for label, pools, ranks in (("cold_1", "pools1", 1), ("warm_1", "pools1", 1),
-                                ("cold_2x2", "pools2x2", 4), ("warm_2x2", "pools2x2", 4)):
+    steps = (("cold_1", "pools1", 1), ("warm_1", "pools1", 1), ("warm_init_1", "pools1", 1),
+             ("cold_2x2", "pools2x2", 4), ("warm_2x2", "pools2x2", 4),
+             ("warm_init_2x2", "pools2x2", 4))
+    for label, pools, ranks in steps:
         os.sync()
-        rows[label] = run_ranks(args, work, work / pools, label, ranks)
+        rows[label] = run_ranks(args, work, work / pools, label, ranks,
+                                through_init=label.startswith("warm_init"))
         if label == "warm_1":
             rows["stat_floor_s"] = stat_floor(work / "pools1" / "node0", arts)
     floor = rows["copy_floor"]["total_s"]
@@ -284,6 +411,8 @@ def driver(args: argparse.Namespace) -> None:
         "cold_2x2_vs_copy_floor": rows["cold_2x2"]["wall_s"] / floor,
         "warm_1_vs_stat_floor": rows["warm_1"]["wall_s"] / stat,
         "warm_2x2_vs_stat_floor": rows["warm_2x2"]["wall_s"] / stat,
+        "warm_init_1_vs_stat_floor": rows["warm_init_1"]["wall_s"] / stat,
+        "warm_init_2x2_vs_stat_floor": rows["warm_init_2x2"]["wall_s"] / stat,
     }
     met = {k: ratios[k] <= v for k, v in TARGETS.items()}
     out = {
@@ -297,14 +426,25 @@ def driver(args: argparse.Namespace) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_family.json").write_text(json.dumps(out, indent=1) + "\n")
     print(f"copy floor (cp + sha256sum): {floor:.2f} s   stat floor: {stat * 1e3:.1f} ms")
-    for key in ("cold_1", "warm_1", "cold_2x2", "warm_2x2"):
-        rss = max(r["maxrss_bytes"] for r in rows[key]["ranks"]) / 1e6
-        print(f"{key:9s} {rows[key]['wall_s']:8.3f} s  downloads "
-              f"{rows[key]['report']['downloads']:6d}  peak RSS/rank {rss:7.1f} MB")
+    for key in ("cold_1", "warm_1", "warm_init_1", "cold_2x2", "warm_2x2", "warm_init_2x2"):
+        row = rows[key]
+        rss = max(r["maxrss_bytes"] for r in row["ranks"]) / 1e6
+        downloads = row["report"]["downloads"] if row["report"] else 0
+        mpi = f"  MPI_Init (apart) {row['mpi_init_s']:.3f} s" if row.get("mpi_init_s") else ""
+        print(f"{key:13s} {row['wall_s']:8.3f} s  downloads {downloads:6d}  "
+              f"peak RSS/rank {rss:7.1f} MB{mpi}")
+    for key in ("warm_init_1", "warm_init_2x2"):
+        for r in rows[key]["ranks"]:
+            split = " ".join(f"{k} {v:.3f}" for k, v in r["phases"].items())
+            inner = " ".join(f"{k} {v:.3f}" for k, v in r["report_seconds"].items())
+            print(f"  {key} rank {r['rank']}: import {r['import_s']:.3f}  loading init "
+                  f"{r['load_init_s']:.3f}  init "
+                  f"{r['init_s']:.3f} [{split}; outside phases {r['outside_phases_s']:.3f}] "
+                  f"prefetch [{inner}]")
     for key, value in ratios.items():
         target = TARGETS.get(key)
         verdict = "" if target is None else f"  (target <= {target}: {'met' if met[key] else 'MISSED'})"
-        print(f"{key:24s} {value:7.2f}x{verdict}")
+        print(f"{key:28s} {value:7.2f}x{verdict}")
     if not args.keep and args.work is None:
         shutil.rmtree(work, ignore_errors=True)
 
