@@ -244,13 +244,13 @@ if profile_dir:
     import cProfile
     profiler = cProfile.Profile()
     profiler.enable()
-start = time.perf_counter()
+start, cpu_start = time.perf_counter(), time.process_time()
 import distcache
 imported = time.perf_counter()
 hook = distcache.init  # the package loads its modules on first use: init's here
 resolved = time.perf_counter()
 session = hook(manifests=[manifest], integrations=[])
-done = time.perf_counter()
+done, cpu_s = time.perf_counter(), time.process_time() - cpu_start
 if profiler is not None:
     profiler.disable()
     os.makedirs(profile_dir, exist_ok=True)
@@ -259,20 +259,23 @@ if profiler is not None:
 from scripts.bench_family import init_rank_report
 init_rank_report(session, result, rank=rank, node=node, mpi_init_s=mpi_init_s,
                  import_s=imported - start, load_init_s=resolved - imported,
-                 init_s=done - resolved)
+                 init_s=done - resolved, cpu_s=cpu_s)
 """
 
 
 def init_rank_report(session: Any, result: str, *, rank: int, node: str,
                      mpi_init_s: float | None, import_s: float, load_init_s: float,
-                     init_s: float) -> None:
+                     init_s: float, cpu_s: float) -> None:
     """Gather the ranks' figures of a row through init (after the clock); rank 0 writes
     them to ``result``."""
     phases = dict(session.phases)
     report = session.report
     mine = {"rank": rank, "node": node, "mpi_init_s": mpi_init_s, "import_s": import_s,
             "load_init_s": load_init_s, "init_s": init_s,
-            "total_s": import_s + load_init_s + init_s, "phases": phases,
+            "total_s": import_s + load_init_s + init_s,
+            # This process's CPU time on the clock: on a machine with fewer cores than
+            # ranks, the row is bounded below by the ranks' CPU over the cores.
+            "cpu_s": cpu_s, "phases": phases,
             # init's time outside its named phases (settings, the integrations chosen,
             # the peer start-up between pool and prefetch).
             "outside_phases_s": init_s - sum(phases.values()),
@@ -437,8 +440,8 @@ def driver(args: argparse.Namespace) -> None:
         for r in rows[key]["ranks"]:
             split = " ".join(f"{k} {v:.3f}" for k, v in r["phases"].items())
             inner = " ".join(f"{k} {v:.3f}" for k, v in r["report_seconds"].items())
-            print(f"  {key} rank {r['rank']}: import {r['import_s']:.3f}  loading init "
-                  f"{r['load_init_s']:.3f}  init "
+            print(f"  {key} rank {r['rank']}: cpu {r['cpu_s']:.3f}  import "
+                  f"{r['import_s']:.3f}  loading init {r['load_init_s']:.3f}  init "
                   f"{r['init_s']:.3f} [{split}; outside phases {r['outside_phases_s']:.3f}] "
                   f"prefetch [{inner}]")
     for key, value in ratios.items():
