@@ -30,8 +30,14 @@ node-local pools and no peers each node asks the origin (N requests; beyond
 other N - 1 nodes copy from it, the owner sending at most ``--peer-transfers`` at a
 time at ``--peer-bandwidth`` each, plus the measured peer lookup (median).
 
+The start-up path (``--startup``, with ``docs/bench/scale.json`` from
+``scripts/bench_scale.py``): each rank's control bytes, peak RSS over the floor's and
+the CPU seconds of ``import distcache`` and ``init`` (after MPI_Init), measured at 2 to 32 nodes, fitted as ``a + b x nodes`` and
+extrapolated to 4,096 nodes (``startup_scale.json``).
+
     python scripts/scale_model.py --bench bench-results/bench_prefetch.json --out bench-results
     python scripts/scale_model.py --bench docs/bench/bench_prefetch.json --lazy docs/bench/lazy.json --out docs/bench
+    python scripts/scale_model.py --startup docs/bench/scale.json --out docs/bench
 """
 
 from __future__ import annotations
@@ -127,6 +133,62 @@ def lazy_table(lazy: Path, args: argparse.Namespace) -> dict[str, object]:
             "predictions": {str(n): row for n, row in table.items()}}
 
 
+def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares ``a + b * x`` through the points (``b`` = 0 for one point)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    b = 0.0 if var == 0 else sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+    return my - b * mx, b
+
+
+#: The per-rank costs of start-up that ``scripts/bench_scale.py`` measures at each N
+#: (``rows[].per_rank``, and the CPU per rank), and their units.
+STARTUP_COSTS = {
+    "control_bytes_max": "bytes",
+    "peak_rss_over_floor_mb": "MB",
+    "distcache_cpu_s": "s",
+}
+
+
+def startup_table(scale: Path) -> dict[str, object]:
+    """Start-up per rank from 1 to 4,096 nodes: each per-rank cost measured by
+    ``bench_scale`` at 2 to 32 nodes, fitted as ``a + b * nodes`` (the collective's
+    payloads hold one block per node) and extrapolated."""
+    measured = json.loads(scale.read_text())
+    rows = measured["rows"]
+    nodes = [float(r["nodes"]) for r in rows]
+    series: dict[str, list[float]] = {key: [] for key in STARTUP_COSTS}
+    for r in rows:
+        per = r["per_rank"]
+        series["control_bytes_max"].append(float(per["control_bytes_max"]))
+        series["peak_rss_over_floor_mb"].append(float(per["peak_rss_over_floor_mb"]))
+        series["distcache_cpu_s"].append(float(per["distcache_cpu_s"]))
+    fits = {key: _fit(nodes, ys) for key, ys in series.items()}
+    axis = [2**i for i in range(13)]
+    per_node = int(measured["ranks_per_node"])
+    predictions = {
+        str(n): {"ranks": n * per_node,
+                 **{key: a + b * n for key, (a, b) in fits.items()}}
+        for n in axis
+    }
+    print(f"start-up per rank from {scale} ({len(rows)} measured rows, "
+          f"{per_node} ranks per node), fitted a + b x nodes:")
+    for key, (a, b) in fits.items():
+        print(f"  {key:<24} a = {a:,.4g}  b = {b:,.4g} {STARTUP_COSTS[key]} per node")
+    print(f"{'nodes':>6} {'ranks':>7} | {'control B/rank':>14} {'RSS over floor MB':>17} "
+          f"{'distcache CPU s':>16}")
+    for n in axis:
+        row = predictions[str(n)]
+        print(f"{n:>6} {row['ranks']:>7} | {row['control_bytes_max']:>14,.0f} "
+              f"{row['peak_rss_over_floor_mb']:>17.1f} {row['distcache_cpu_s']:>16.3f}")
+    return {"measured_from": str(scale), "ranks_per_node": per_node,
+            "measured": {"nodes": nodes, **series},
+            "fits": {key: {"a": a, "b_per_node": b, "unit": STARTUP_COSTS[key]}
+                     for key, (a, b) in fits.items()},
+            "nodes": axis, "predictions": predictions}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bench", type=Path, default=Path("bench-results/bench_prefetch.json"),
@@ -150,7 +212,16 @@ def main() -> int:
                         help="bytes/s one agent sends to one peer (default 10 Gbit/s)")
     parser.add_argument("--peer-transfers", type=int, default=16,
                         help="copies an agent sends at once (the agent's transfer cap)")
+    parser.add_argument("--startup", type=Path, default=None,
+                        help="JSON written by scripts/bench_scale.py: extrapolate its "
+                             "per-rank start-up costs to 4,096 nodes")
     args = parser.parse_args()
+    if args.startup is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "startup_scale.json").write_text(
+            json.dumps(startup_table(args.startup), indent=2) + "\n")
+        print(f"wrote {args.out / 'startup_scale.json'}")
+        return 0
     if args.lazy is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "lazy_scale.json").write_text(

@@ -16,6 +16,7 @@ mpi4py is imported in the constructor, never at module import: importing
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from array import array
@@ -267,7 +268,8 @@ class MpiCommunicator(BackendCommunicator):
             try:
                 requests = [comm.Irecv([recv, MPI.BYTE], source, tag + round_),
                             comm.Isend([send, MPI.BYTE], (rank - dist) % size, tag + round_)]
-                done = poll_until(lambda reqs=requests: bool(MPI.Request.Testall(reqs)), budget.until)
+                done = poll_until(functools.partial(MPI.Request.Testall, requests),
+                                  budget.until)
             except MPI.Exception as exc:
                 raise self._comm_error(op, exc) from exc
             if not done:
