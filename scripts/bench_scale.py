@@ -76,7 +76,7 @@ def worker(args: argparse.Namespace) -> None:
         os.environ["DISTCACHE_NODE_ID"] = f"node{node}"
         os.environ["DISTCACHE_POOL"] = str(args.run_dir / f"pool-node{node}")
         # MPI_Init first, as in the floor: what follows is distcache's own cost.
-        from mpi4py import MPI  # noqa: F401
+        from mpi4py import MPI
 
         began, cpu_began = time.time(), time.process_time()
         import distcache
