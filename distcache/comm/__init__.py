@@ -8,7 +8,7 @@ its own goes through :mod:`distcache.comm.adopt`, which holds that choice.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from distcache.comm._base import MAX_MESSAGE_BYTES, Communicator, agree_on_error
 from distcache.comm._bulk import BulkCommunicator, bulk_transport
@@ -19,9 +19,6 @@ from distcache.comm._torch import TorchCommunicator, import_torch
 from distcache.comm._tree import NodeTree, node_layout, node_tree, reduce_object
 from distcache.comm.adopt import Adopted, adopt, auto
 from distcache.errors import CommError
-
-if TYPE_CHECKING:
-    from distcache.comm._gloo import GlooCommunicator
 
 __all__ = [
     "MAX_MESSAGE_BYTES",
@@ -83,6 +80,8 @@ def from_torch(group: Any = None, **kwargs: Any) -> Communicator:
             op="init", backend="torch",
         )
     from torch.distributed import distributed_c10d
+
+    from distcache.comm._gloo import GlooCommunicator
 
     store = distributed_c10d._get_default_store()
     return GlooCommunicator(store, dist.get_rank(), dist.get_world_size(), **kwargs)

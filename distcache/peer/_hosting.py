@@ -15,7 +15,6 @@ import logging
 import os
 import secrets
 import socket
-import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +58,8 @@ def socket_path(pool_root: Path, tag: str) -> Path:
     path = Path(pool_root) / name
     if len(str(path)) <= _MAX_SOCKET_PATH:
         return path
+    import tempfile  # (and shutil, bz2, lzma with it) only for this fallback
+
     return Path(tempfile.mkdtemp(prefix="distcache-")) / name
 
 
