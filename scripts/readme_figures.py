@@ -4,9 +4,10 @@
 Each block of figures sits between ``<!-- figures:NAME -->`` and
 ``<!-- /figures:NAME -->`` in one of the pages (README.md and ``docs/*.md``: most in
 ``docs/benchmarks.md``, the soak's in ``docs/reliability.md``, the JIT caches' in
-``docs/jit.md``, the engine check's in ``docs/engines.md``) and is exactly what
-:func:`render` makes of the JSON that the benchmark script wrote (named as the script
-writes it). ``tests/unit/test_readme_figures.py`` checks that every block matches, so a
+``docs/jit.md``, the engine check's in ``docs/engines.md``; the start-up at scale in
+both README.md and ``docs/benchmarks.md``) and is exactly what :func:`render` makes of
+the JSON that the benchmark script wrote (named as the script writes it). A block whose
+JSON is not committed yet says so. ``tests/unit/test_readme_figures.py`` checks that every block matches, so a
 figure cannot drift from its measurement. After a benchmark run, copy its JSON into
 ``docs/bench/`` and rewrite the blocks:
 
@@ -50,6 +51,12 @@ def _n(row: dict[str, Any], key: str, scale: float = 1.0, spec: str = ".0f") -> 
     return "-" if key not in row else f"{row[key] / scale:,{spec}}"
 
 
+def _targets(targets: list[dict[str, Any]]) -> list[str]:
+    return ["Targets, as the script checked them:", "",
+            *(f"- {'holds' if t['holds'] else '**fails**'}: {t['target']}: {t['observed']}"
+              for t in targets)]
+
+
 def prefetch() -> str:
     d = _load("bench_prefetch.json")
     cfg = d["config"]
@@ -59,7 +66,7 @@ def prefetch() -> str:
               "shared-dir": "(b) shared directory, check-download-rename, no coordination",
               "lazy-fetch": "(c) distcache lazy `pool.fetch`",
               "prefetch": "**(d) distcache `prefetch`**",
-              "warm": "**(e) distcache warm start**",
+              "warm": "**(e) distcache `prefetch`, warm (`prefetch()` alone)**",
               "fi-per-rank": "(f) FlashInfer's loader, directory per rank",
               "fi-per-node": "(g) FlashInfer's loader, directory per node",
               "engine": "**(h) engine start-up: distcache + FlashInfer, 2 nodes**",
@@ -91,9 +98,7 @@ def prefetch() -> str:
         threads = b.get("concurrent_downloads", cfg["downloads_per_rank"])
         vs_floor = f"{b['vs_floor']:.2f}" if "vs_floor" in b else "-"
         lines.append(f"| baseline | {threads} | {_s(b['wall_s'])} | {vs_floor} |")
-    lines += ["", "Targets, as the script checked them:", ""]
-    lines += [f"- {'holds' if t['holds'] else '**fails**'}: {t['target']}: {t['observed']}"
-              for t in d["targets"]]
+    lines += ["", *_targets(d["targets"])]
     return "\n".join(lines) + "\n"
 
 
@@ -132,31 +137,156 @@ def pool() -> str:
             f"(target <= 1.2).\n")
 
 
+def _absent(name: str) -> str:
+    """What a block says while its JSON (``docs/bench/<name>``) is not committed."""
+    return (f"_Not measured in the committed figures yet (`{name}`): run the command above, "
+            "then `python scripts/readme_figures.py --write`._\n")
+
+
+#: The family's rows: key, label, the ratio that names its baseline, that baseline.
+FAMILY_ROWS = (
+    ("cold_1", "cold 1, `prefetch()`", "cold_1_vs_copy_floor", "copy floor"),
+    ("cold_2x2", "cold 2x2, `prefetch()`", "cold_2x2_vs_copy_floor", "copy floor"),
+    ("warm_init_1", "**warm start 1: `import distcache` + `init`**",
+     "warm_init_1_vs_stat_floor", "stat floor"),
+    ("warm_1", "warm 1, `prefetch()` alone", "warm_1_vs_stat_floor", "stat floor"),
+    ("warm_init_2x2", "**warm start 2x2: `import distcache` + `init`**",
+     "warm_init_2x2_vs_stat_floor", "stat floor"),
+    ("warm_2x2", "warm 2x2, `prefetch()` alone", "warm_2x2_vs_stat_floor", "stat floor"),
+)
+
+
 def family() -> str:
+    """``scripts/bench_family.py``: the warm start is the rows through init (the clock
+    from before ``import distcache`` to ``init`` returning); the warm rows of
+    ``prefetch()`` alone are given beside them, labelled so."""
     if not (BENCH / "bench_family.json").exists():
-        return ("_Not measured in the committed figures yet: run the command above, then "
-                "`python scripts/readme_figures.py --write`._\n")
+        return _absent("bench_family.json")
     d = _load("bench_family.json")
     rows, ratios = d["rows"], d["ratios"]
     floor = rows["copy_floor"]
+    through_init = [key for key, *_ in FAMILY_ROWS if key.startswith("warm_init") and key in rows]
     lines = [f"{d['artifacts']:,} artifacts, {d['bytes'] / 1e9:.2f} GB ({d['source']}), "
              f"directory origin. Floors measured in the same run: one copy "
              f"(`cp` + `sha256sum`) {floor['total_s']:.2f} s; one `os.stat` per object "
-             f"{rows['stat_floor_s'] * 1e3:.1f} ms.", "",
-             "| run | seconds | ratio | against | downloads | peak RSS per rank |",
-             "|---|---:|---:|---|---:|---:|"]
-    for key, ratio_key, against in (
-            ("cold_1", "cold_1_vs_copy_floor", "copy floor"),
-            ("cold_2x2", "cold_2x2_vs_copy_floor", "copy floor"),
-            ("warm_1", "warm_1_vs_stat_floor", "stat floor"),
-            ("warm_2x2", "warm_2x2_vs_stat_floor", "stat floor")):
+             f"{rows['stat_floor_s'] * 1e3:.1f} ms."]
+    if through_init:
+        lines[0] += (" A warm start runs on each rank from before `import distcache` until "
+                     "`distcache.init(manifests=[M], integrations=[])` returns, the slowest "
+                     "rank's; under `mpirun`, MPI_Init (`from mpi4py import MPI`, the "
+                     "launcher's and the engine's cost) comes before that clock and is "
+                     "given apart. The `prefetch()` rows time the collective alone, barrier "
+                     "to barrier.")
+    lines += ["", "| run | seconds | ratio | against | downloads | peak RSS per rank "
+              "| MPI_Init, outside the clock |", "|---|---:|---:|---|---:|---:|---:|"]
+    for key, label, ratio_key, against in FAMILY_ROWS:
+        if key not in rows:
+            continue
         r = rows[key]
         rss = max(x["maxrss_bytes"] for x in r["ranks"]) / 1e6
         target = d["targets"].get(ratio_key)
         note = "" if target is None else f" (target <= {target:g})"
-        lines.append(f"| {key.replace('_', ' ')} | {_s(r['wall_s'])} | "
-                     f"{ratios[ratio_key]:.2f}x{note} | {against} | "
-                     f"{r['report']['downloads']:,} | {rss:.0f} MB |")
+        downloads = "-" if not r.get("report") else f"{r['report']['downloads']:,}"
+        mpi = "-" if r.get("mpi_init_s") is None else f"{r['mpi_init_s']:.2f} s"
+        lines.append(f"| {label} | {_s(r['wall_s'])} | {ratios[ratio_key]:.2f}x{note} | "
+                     f"{against} | {downloads} | {rss:.0f} MB | {mpi} |")
+    if not through_init:
+        lines += ["", "_The warm start through `import distcache` and `init` (rows "
+                  "`warm_init_1`, `warm_init_2x2`) is not in the committed figures yet; the "
+                  "warm rows above are `prefetch()` alone._"]
+    return "\n".join(lines) + "\n"
+
+
+def engine_startup() -> str:
+    """``scripts/bench_prefetch.py --strategies engine-init,engine-init-warm --ranks 4
+    --name engine_startup``: rows (j) and (k), an engine start-up through ``init``, cold
+    and warm, against the latency floor of the same run."""
+    if not (BENCH / "engine_startup.json").exists():
+        return _absent("engine_startup.json")
+    d = _load("engine_startup.json")
+    cfg = d["config"]
+    labels = {"engine-init": "**(j) cold**", "engine-init-warm": "**(k) warm**"}
+    rows = [r for r in d["results"] if r["strategy"] in labels]
+    latency = d["measured"]["request_latency_s"]
+    low, high = cfg["load_average_before_after"]
+    before = ", ".join(f"{labels[r['strategy']].strip('*')} at N={r['ranks']}: "
+                       f"{r['imports_s']:.1f} s" for r in rows)
+    lines = [f"K = {cfg['artifacts']} artifacts ({cfg['artifact_bytes'] / 1e6:.1f} MB), "
+             f"{cfg['injected_latency_s'] * 1e3:g} ms per request, "
+             f"{cfg['bandwidth_cap_Bps'] / 1e6:g} MB/s origin cap, "
+             f"{cfg['downloads_per_rank']} downloads per rank; the ranks on 2 simulated "
+             f"nodes with a pool each; {cfg['cpus']} cores, load average {low:.1f} before "
+             f"the run and {high:.1f} after it."
+             + (f" Each row is the run with the median time of {cfg['repeat']}."
+                if cfg.get("repeat", 1) > 1 else ""),
+             "",
+             "Each rank's clock runs from before `import distcache` through "
+             "`distcache.init(manifests=[M])` with its default integrations (FlashInfer's "
+             "loader wrapped) and the loading of every kernel through FlashInfer's loader, "
+             "until the slowest rank is ready. The engine's own imports (mpi4py, i.e. "
+             f"MPI_Init, torch, FlashInfer) come before it, outside the clock ({before}). "
+             "The latency floor is that of the same run: ceil(K / concurrent downloads) x "
+             f"the request latency measured at its start ({latency * 1e3:.0f} ms).",
+             "",
+             "| engine start-up through init | ranks | origin requests | ready s | latency "
+             "floor s | x latency floor | import distcache s | init s | kernel loads s "
+             "| peak RSS per rank |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        eng = r["engine_s"]
+        lines.append(f"| {labels[r['strategy']]} | {r['ranks']} | {r['origin_requests']} | "
+                     f"{_s(r['wall_s'])} | {_s(r['latency_floor_s'])} | "
+                     f"{r['vs_latency_floor']:.2f}x | {eng['import']:.3f} | "
+                     f"{eng['init']:.3f} | {eng['load']:.3f} | "
+                     f"{r['peak_rss_bytes'] / 1e6:.0f} MB |")
+    lines += ["", "The phases are each the slowest rank's; peak RSS includes torch and "
+              "FlashInfer, which the engine imports before the clock.", "",
+              *_targets(d["targets"])]
+    return "\n".join(lines) + "\n"
+
+
+def startup() -> str:
+    """``scripts/bench_scale.py`` (``scale.json``): start-up through ``init`` at N ranks
+    next to the floor of the same run; and, where ``scripts/scale_model.py --startup``
+    has written ``startup_scale.json``, its per-rank costs extrapolated to 1,024 and
+    4,096 nodes. One self-contained block: README.md shows it too."""
+    if not (BENCH / "scale.json").exists():
+        return _absent("scale.json")
+    d = _load("scale.json")
+    machine = d.get("machine", {})
+    lines = ["| ranks (nodes) | origin requests | init, slowest rank | floor | init / floor "
+             "| peak RSS per rank | floor RSS | largest bucket | control bytes per rank (max) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in d["rows"]:
+        lines.append(f"| {r['ranks']:,} ({r['nodes']:,}) | {r['origin_requests']:,} | "
+                     f"{r['init_slowest_s']:.1f} s | {r['floor_s']:.1f} s | "
+                     f"{r['init_over_floor']:.2f}x | {r['peak_rss_mb']:.1f} MB | "
+                     f"{r['floor_rss_mb']:.1f} MB | {r['largest_bucket_mb']:.2f} MB | "
+                     f"{r['control_bytes_per_rank']['max']:,} |")
+    if machine:
+        lines += ["", f"Measured on {machine['cores']} cores, load average "
+                  f"{machine['load_before']:g} before the run and {machine['load_after']:g} "
+                  "after it: compare each row's init with the floor in its own row."]
+    if not (BENCH / "startup_scale.json").exists():
+        lines += ["", "_The extrapolation to 4,096 nodes (`startup_scale.json`, from "
+                  "`python scripts/scale_model.py --startup docs/bench/scale.json --out "
+                  "docs/bench`) is not in the committed figures yet._"]
+        return "\n".join(lines) + "\n"
+    model = _load("startup_scale.json")
+    fits, picks = model["fits"], [n for n in (1024, 4096) if str(n) in model["predictions"]]
+    control, rss = fits["control_bytes_max"], fits["peak_rss_over_floor_mb"]
+    measured = model["measured"]["nodes"]
+    lines += ["", f"Extrapolated (`scripts/scale_model.py --startup`): each per-rank cost "
+              f"measured at {min(measured):.0f} to {max(measured):.0f} nodes, fitted as "
+              f"a + b x nodes: control bytes per rank {control['a']:,.0f} + "
+              f"{control['b_per_node']:,.0f} x nodes; peak RSS over the floor's "
+              f"{rss['a']:.1f} + {rss['b_per_node']:.3f} MB x nodes.", "",
+              "| nodes (ranks) | control bytes per rank (max) | peak RSS over the floor's |",
+              "|---:|---:|---:|"]
+    for n in picks:
+        p = model["predictions"][str(n)]
+        lines.append(f"| {n:,} ({p['ranks']:,}) | {p['control_bytes_max']:,.0f} | "
+                     f"{p['peak_rss_over_floor_mb']:.1f} MB |")
     return "\n".join(lines) + "\n"
 
 
@@ -320,9 +450,9 @@ def engine_vllm() -> str:
 
 
 RENDERERS: dict[str, Callable[[], str]] = {
-    "prefetch": prefetch, "scale": scale, "pool": pool, "family": family,
-    "downloads": downloads, "ipc": ipc, "soak": soak, "jit": jit,
-    "engine_vllm": engine_vllm}
+    "prefetch": prefetch, "engine_startup": engine_startup, "scale": scale,
+    "startup": startup, "pool": pool, "family": family, "downloads": downloads, "ipc": ipc,
+    "soak": soak, "jit": jit, "engine_vllm": engine_vllm}
 
 
 def render(name: str) -> str:

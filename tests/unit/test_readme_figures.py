@@ -23,6 +23,7 @@ BENCH = REPO / "docs" / "bench"
 # The JSON each script writes, by the name it writes it under.
 WRITTEN_AS = {
     "bench_prefetch.json": "scripts/bench_prefetch.py",
+    "engine_startup.json": "scripts/bench_prefetch.py",
     "bench_family.json": "scripts/bench_family.py",
     "bench_downloads.json": "scripts/bench_downloads.py",
     "bench_pool.json": "scripts/bench_pool.py",
@@ -34,6 +35,7 @@ WRITTEN_AS = {
     "jit.json": "scripts/bench_jit.py",
     "lazy.json": "scripts/bench_lazy.py",
     "lazy_scale.json": "scripts/scale_model.py",
+    "startup_scale.json": "scripts/scale_model.py",
 }
 
 
@@ -47,7 +49,10 @@ def _renderer() -> ModuleType:
 
 
 FIGURES = re.compile(r"<!-- figures:(\w+) -->\n(.*?)<!-- /figures:\1 -->", re.DOTALL)
-BLOCKS = [(name, block) for text in TEXT.values() for name, block in FIGURES.findall(text)]
+#: Every block, as (page, name, block).
+PAGE_BLOCKS = [(page, name, block) for page, text in TEXT.items()
+               for name, block in FIGURES.findall(text)]
+BLOCKS = [(name, block) for _, name, block in PAGE_BLOCKS]
 #: Images a page shows, as (page, link relative to the page).
 IMAGES = [(page, link) for page, text in TEXT.items()
           for link in re.findall(r"!\[[^\]]*\]\(([^)\s]+\.png)\)", text)]
@@ -56,7 +61,9 @@ IMAGES = [(page, link) for page, text in TEXT.items()
 def test_the_pages_have_figure_blocks() -> None:
     names = [name for name, _ in BLOCKS]
     assert set(names) == set(_renderer().RENDERERS), "every figure the script renders is shown"
-    assert len(names) == len(set(names)), f"a block appears twice: {sorted(names)}"
+    for page in PAGES:
+        on_page = [name for where, name, _ in PAGE_BLOCKS if where == page]
+        assert len(on_page) == len(set(on_page)), f"a block appears twice in {page.name}"
     assert FIGURES.findall(TEXT[REPO / "docs" / "benchmarks.md"])
 
 
@@ -67,7 +74,8 @@ def test_the_script_rewrites_every_page_that_holds_blocks() -> None:
     assert {REPO / "docs" / "jit.md", REPO / "docs" / "engines.md"} <= holding
 
 
-@pytest.mark.parametrize("name,block", BLOCKS, ids=[name for name, _ in BLOCKS])
+@pytest.mark.parametrize("name,block", BLOCKS,
+                         ids=[f"{page.name}:{name}" for page, name, _ in PAGE_BLOCKS])
 def test_each_block_is_its_json_rendered(name: str, block: str) -> None:
     assert block == _renderer().render(name), (
         f"figures:{name} differ from docs/bench; run "
@@ -105,3 +113,47 @@ def test_a_figure_that_drifts_is_caught(tmp_path: Path) -> None:
     assert f"{data['ratio_pool_over_direct']:.3f}" in block
     drifted = block.replace(f"{data['ratio_pool_over_direct']:.3f}", "0.999")
     assert drifted != _renderer().render("pool")
+
+
+def _bench_copy(tmp_path: Path, *names: str) -> ModuleType:
+    """The renderer reading ``tmp_path``, which holds copies of the committed ``names``."""
+    module = _renderer()
+    for name in names:
+        (tmp_path / name).write_text((BENCH / name).read_text())
+    setattr(module, "BENCH", tmp_path)  # noqa: B010  (a module loaded from a path)
+    return module
+
+
+def test_a_block_whose_json_is_not_committed_says_so(tmp_path: Path) -> None:
+    module = _bench_copy(tmp_path)
+    for name, json_name in (("engine_startup", "engine_startup.json"),
+                            ("family", "bench_family.json"), ("startup", "scale.json")):
+        text = module.render(name)
+        assert "Not measured in the committed figures yet" in text and json_name in text
+
+
+def test_start_up_at_scale_extrapolates_when_the_model_is_committed(tmp_path: Path) -> None:
+    module = _bench_copy(tmp_path, "scale.json")
+    alone = module.render("startup")
+    assert "not in the committed figures yet" in alone and "4,096 (" not in alone
+    rows = json.loads((BENCH / "scale.json").read_text())["rows"]
+    for r in rows:
+        assert f"| {r['ranks']:,} ({r['nodes']:,}) | {r['origin_requests']:,} |" in alone
+        assert f"{r['control_bytes_per_rank']['max']:,} |" in alone
+    # The model's output as ``scripts/scale_model.py --startup`` writes it.
+    fits: dict[str, dict[str, float]] = {
+        "control_bytes_max": {"a": 4649.3, "b_per_node": 1695.0},
+        "peak_rss_over_floor_mb": {"a": 16.6, "b_per_node": 0.0167}}
+    predictions = {str(n): {"ranks": 8 * n,
+                            **{k: f["a"] + f["b_per_node"] * n for k, f in fits.items()}}
+                   for n in (512, 1024, 4096)}
+    units = {"control_bytes_max": "bytes", "peak_rss_over_floor_mb": "MB"}
+    (tmp_path / "startup_scale.json").write_text(json.dumps({
+        "ranks_per_node": 8, "measured": {"nodes": [float(r["nodes"]) for r in rows]},
+        "fits": {k: {**f, "unit": units[k]} for k, f in fits.items()},
+        "nodes": [512, 1024, 4096], "predictions": predictions}))
+    text = module.render("startup")
+    assert text.startswith(alone.split("\n\n_The extrapolation")[0])
+    assert "| 1,024 (8,192) | 1,740,329 | 33.7 MB |" in text
+    assert "| 4,096 (32,768) | 6,947,369 | 85.0 MB |" in text
+    assert "512 (" not in text and "not in the committed figures yet" not in text
