@@ -274,19 +274,26 @@ def startup() -> str:
         return "\n".join(lines) + "\n"
     model = _load("startup_scale.json")
     fits, picks = model["fits"], [n for n in (1024, 4096) if str(n) in model["predictions"]]
-    control, rss = fits["control_bytes_max"], fits["peak_rss_over_floor_mb"]
+    control, rss = fits["control_bytes_max"], fits["rss_beyond_bucket_mb"]
+    cpu = fits.get("distcache_cpu_s")
     measured = model["measured"]["nodes"]
     lines += ["", f"Extrapolated (`scripts/scale_model.py --startup`): each per-rank cost "
               f"measured at {min(measured):.0f} to {max(measured):.0f} nodes, fitted as "
               f"a + b x nodes: control bytes per rank {control['a']:,.0f} + "
-              f"{control['b_per_node']:,.0f} x nodes; peak RSS over the floor's "
-              f"{rss['a']:.1f} + {rss['b_per_node']:.3f} MB x nodes.", "",
-              "| nodes (ranks) | control bytes per rank (max) | peak RSS over the floor's |",
-              "|---:|---:|---:|"]
+              f"{control['b_per_node']:,.0f} x nodes; peak RSS beyond the floor's and the "
+              f"largest bucket's {rss['a']:.1f} + {rss['b_per_node']:.3f} MB x nodes"
+              f"{' (a falling fit taken as flat)' if rss.get('slope_clamped_to_zero') else ''}"
+              + (f"; distcache's CPU per rank (import and init, this machine) "
+                 f"{cpu['a']:.3f} + {cpu['b_per_node']:.4f} s x nodes" if cpu else "")
+              + ".", "",
+              "| nodes (ranks) | control bytes per rank (max) | peak RSS beyond floor and bucket |"
+              + (" distcache CPU per rank |" if cpu else ""),
+              "|---:|---:|---:|" + ("---:|" if cpu else "")]
     for n in picks:
         p = model["predictions"][str(n)]
         lines.append(f"| {n:,} ({p['ranks']:,}) | {p['control_bytes_max']:,.0f} | "
-                     f"{p['peak_rss_over_floor_mb']:.1f} MB |")
+                     f"{p['rss_beyond_bucket_mb']:.1f} MB |"
+                     + (f" {p['distcache_cpu_s']:.2f} s |" if cpu else ""))
     return "\n".join(lines) + "\n"
 
 

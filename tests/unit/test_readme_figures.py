@@ -143,11 +143,11 @@ def test_start_up_at_scale_extrapolates_when_the_model_is_committed(tmp_path: Pa
     # The model's output as ``scripts/scale_model.py --startup`` writes it.
     fits: dict[str, dict[str, float]] = {
         "control_bytes_max": {"a": 4649.3, "b_per_node": 1695.0},
-        "peak_rss_over_floor_mb": {"a": 16.6, "b_per_node": 0.0167}}
+        "rss_beyond_bucket_mb": {"a": 16.6, "b_per_node": 0.0167}}
     predictions = {str(n): {"ranks": 8 * n,
                             **{k: f["a"] + f["b_per_node"] * n for k, f in fits.items()}}
                    for n in (512, 1024, 4096)}
-    units = {"control_bytes_max": "bytes", "peak_rss_over_floor_mb": "MB"}
+    units = {"control_bytes_max": "bytes", "rss_beyond_bucket_mb": "MB"}
     (tmp_path / "startup_scale.json").write_text(json.dumps({
         "ranks_per_node": 8, "measured": {"nodes": [float(r["nodes"]) for r in rows]},
         "fits": {k: {**f, "unit": units[k]} for k, f in fits.items()},
