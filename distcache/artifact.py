@@ -56,6 +56,10 @@ _SEPARATOR_LOOKALIKES = frozenset("\u2215\u2044\u29f8\u2216\u29f5\u29f9\u2571\u2
 _FAST_SEGMENT = r"(?!\.+(?:/|\Z))[A-Za-z0-9_.+=,@%~-]{1,255}"
 _FAST_NAME = re.compile(rf"{_FAST_SEGMENT}(?:/+{_FAST_SEGMENT})*")
 _SLASHES = re.compile(r"/{2,}")
+# A manifest line (stripped) whose digest and name need no further checks: the name
+# matches _FAST_NAME, so split()/strip() in parse_checksums would find the same two
+# fields. Any other line takes the general path.
+_FAST_LINE = re.compile(rf"([0-9a-fA-F]{{64}}) +\*?({_FAST_SEGMENT}(?:/+{_FAST_SEGMENT})*)")
 
 
 def sha256_hex(data: bytes | bytearray | memoryview) -> str:
@@ -182,6 +186,24 @@ class Artifact:
             raise ValueError(f"size of {self.name} must be a non-negative int, got {self.size!r}")
 
 
+def _checked(name: str, sha256: str) -> Artifact:
+    """An :class:`Artifact` of a name and digest the caller has already validated
+    (``validate_name(name) == name`` and ``check_sha256(sha256)``), without checking
+    them again."""
+    artifact: Artifact = _new(Artifact)
+    _set_name(artifact, name)
+    _set_sha256(artifact, sha256)
+    _set_size(artifact, None)
+    return artifact
+
+
+# The slots' own setters: a frozen dataclass's __setattr__ refuses, these do not.
+_new = object.__new__
+_set_name = Artifact.__dict__["name"].__set__
+_set_sha256 = Artifact.__dict__["sha256"].__set__
+_set_size = Artifact.__dict__["size"].__set__
+
+
 def verify_bytes(data: bytes | bytearray | memoryview, sha256: str, *, source: str = "") -> None:
     """Check ``data`` against ``sha256``.
 
@@ -223,6 +245,18 @@ def parse_checksums(text: str, prefix: str = "", *, source: str | None = None) -
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
+        fast = _FAST_LINE.fullmatch(line)
+        if fast is not None and not prefix and len(fast[2]) <= MAX_NAME_BYTES:
+            digest, name = fast[1].lower(), fast[2]
+            if "//" in name:
+                name = _SLASHES.sub("/", name)
+            previous = out.get(name)
+            if previous is None:
+                out[name] = _checked(name, digest)
+                continue
+            if previous.sha256 == digest:
+                continue
+            # Two digests: the general path below words the error.
         parts = line.split(None, 1)
         if len(parts) != 2 or not _SHA_RE.match(parts[0].lower()):
             raise ManifestError(

@@ -33,3 +33,56 @@ def test_the_fast_path_agrees_with_the_rules(name: str) -> None:
 def test_edge_names_agree(name: str) -> None:
     assert _outcome(validate_name, name) == _outcome(_validate_slowly, name)
 
+
+
+_SHA = "ab" * 32
+_TRICKY = [
+    "..", "a/..", "../a", "/abs", "//abs", "a\\b", "\\", "a\x00b", "a\tb", "a b", "*a", "**a",
+    "x" * 1024, "x" * 1025, "/".join(["y" * 255] * 4), "z" * 256, "caf\u00e9", "cafe\u0301",
+    "a\u2215b", "\uff0e\uff0e", "a\u2028b", "ok/name.cubin", "a//b", "a/", "...", ".a", "a.",
+]
+
+
+def _parsed(line: str) -> tuple[str, object]:
+    from distcache.artifact import parse_checksums
+
+    try:
+        return ("ok", [(a.name, a.sha256, a.size) for a in parse_checksums(line)])
+    except (ArtifactNameError, ValueError) as exc:
+        return ("rejected", type(exc).__name__)
+
+
+def _by_the_rules(name: str) -> tuple[str, object]:
+    from distcache.artifact import Artifact
+
+    try:
+        validate_name(name)
+        artifact = Artifact(_validate_slowly(name), _SHA)
+    except (ArtifactNameError, ValueError) as exc:
+        return ("rejected", type(exc).__name__)
+    return ("ok", [(artifact.name, artifact.sha256, artifact.size)])
+
+
+@pytest.mark.parametrize("name", _TRICKY)
+@pytest.mark.parametrize("frame", ["{sha}  {name}", "{sha} *{name}", "{SHA}  {name}"])
+def test_the_manifest_fast_path_agrees_with_the_rules(name: str, frame: str) -> None:
+    line = frame.format(sha=_SHA, SHA=_SHA.upper(), name=name)
+    # The name as the parser reads it: the second field, stripped, less one '*'.
+    expected = line.strip().split(None, 1)[1].strip().removeprefix("*")
+    assert _parsed(line) == _by_the_rules(expected)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(st.text(alphabet=_ALPHABET + "\x00\u2028", min_size=1, max_size=12))
+def test_parsed_manifest_lines_agree_with_the_rules(name: str) -> None:
+    stripped = name.strip()
+    if not stripped or stripped.startswith("#"):
+        return
+    line = f"{_SHA}  {name}"
+    if "\n" in line:
+        return
+    parts = line.strip().split(None, 1)
+    if len(parts) != 2:
+        return
+    expected = parts[1].strip().removeprefix("*")
+    assert _parsed(line) == _by_the_rules(expected)
