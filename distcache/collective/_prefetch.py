@@ -24,8 +24,19 @@ from distcache.store import Pool
 
 def _agreed_list(artifacts: Iterable[Artifact]) -> list[Artifact]:
     """Sorted by (name, sha), one entry per pair, a known size kept."""
+    items = list(artifacts)
+    # A list already strictly in (name, sha) order (what merge_manifests returns) has
+    # no pair twice: one pass shows it, and it is its own answer.
+    previous: tuple[str, str] | None = None
+    for a in items:
+        key = (a.name, a.sha256)
+        if previous is not None and key <= previous:
+            break
+        previous = key
+    else:
+        return items
     unique: dict[tuple[str, str], Artifact] = {}
-    for a in artifacts:
+    for a in items:
         key = (a.name, a.sha256)
         if key not in unique or unique[key].size is None:
             unique[key] = a

@@ -962,3 +962,19 @@ def test_a_bucket_naming_an_object_beyond_the_plan_is_a_typed_error_on_every_ran
         assert isinstance(result, DistcacheError), result
     assert "malformed bucket" in str(results[1]) and "names object" in str(results[1])
     assert stores["rank1"].objects == {}
+
+
+def test_agreed_list_takes_a_sorted_list_as_it_is_and_sorts_any_other() -> None:
+    from distcache.collective._prefetch import _agreed_list
+
+    a, b, c = (Artifact(n, s * 64) for n, s in (("a", "1"), ("b", "2"), ("c", "3")))
+    b_sized = Artifact("b", "2" * 64, 7)
+    assert _agreed_list([a, b, c]) == [a, b, c]
+    assert _agreed_list(iter([c, a, b])) == [a, b, c]
+    # A repeated pair is not strictly sorted: one entry is kept, the sized one.
+    assert _agreed_list([a, b, b_sized, c]) == [a, b_sized, c]
+    assert _agreed_list([a, b_sized, b, c]) == [a, b_sized, c]
+    # Same name, two digests: both kept, in digest order.
+    b_other = Artifact("b", "4" * 64)
+    assert _agreed_list([a, b_other, b]) == [a, b, b_other]
+    assert _agreed_list([]) == []
