@@ -60,7 +60,7 @@ package has its bytecode, and (j) and (k) time its import.
 
     python -m scripts.bench_prefetch --out bench-results/
     python -m scripts.bench_prefetch --strategies engine-init,engine-init-warm --ranks 4 \
-        --name engine_startup
+        --name engine_startup      # docs/bench/engine_startup.json: rows (j) and (k)
 
 ``BENCH_PROFILE_DIR=DIR`` writes each rank's cProfile of its timed part there.
 
