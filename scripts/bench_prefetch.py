@@ -244,6 +244,27 @@ def run_strategy(
     raise ValueError(f"unknown strategy {strategy!r}")
 
 
+def _start_profile() -> Any:
+    """A running cProfile profiler when ``BENCH_PROFILE_DIR`` is set, else ``None``."""
+    if not os.environ.get("BENCH_PROFILE_DIR"):
+        return None
+    import cProfile
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    return profiler
+
+
+def _stop_profile(profiler: Any, name: str) -> None:
+    """Write ``profiler``'s figures as ``BENCH_PROFILE_DIR/NAME.pstats``."""
+    if profiler is None:
+        return
+    profiler.disable()
+    where = os.environ["BENCH_PROFILE_DIR"]
+    os.makedirs(where, exist_ok=True)
+    profiler.dump_stats(os.path.join(where, f"{name}.pstats"))
+
+
 def _flashinfer_loader() -> Any:
     """FlashInfer's loader module, imported after its variables are set."""
     import warnings
@@ -331,23 +352,13 @@ def worker(args: argparse.Namespace) -> None:
     # Start-up: from the driver's launch to this rank's readiness to start.
     startup = time.time() - args.launched_at
     comm.barrier()
-    profile_dir = os.environ.get("BENCH_PROFILE_DIR")
-    profiler = None
-    if profile_dir:
-        import cProfile
-
-        profiler = cProfile.Profile()
-        profiler.enable()
+    profiler = _start_profile()
     start = time.perf_counter()
     complete, extras = run_strategy(
         args.worker, comm, arts, args.url, args.run_dir, args.downloads_per_rank
     )
     seconds = time.perf_counter() - start
-    if profiler is not None and profile_dir:
-        profiler.disable()
-        os.makedirs(profile_dir, exist_ok=True)
-        profiler.dump_stats(os.path.join(
-            profile_dir, f"{args.worker}-n{comm.size}-rank{comm.rank}.pstats"))
+    _stop_profile(profiler, f"{args.worker}-n{comm.size}-rank{comm.rank}")
     comm.barrier()
     wall = time.perf_counter() - start
     if args.worker == "warm":
@@ -434,13 +445,7 @@ def engine_init_worker(args: argparse.Namespace) -> None:
     imports_s = time.perf_counter() - began
     startup = time.time() - args.launched_at
     _barrier_sleeping(world)
-    profile_dir = os.environ.get("BENCH_PROFILE_DIR")
-    profiler = None
-    if profile_dir:
-        import cProfile
-
-        profiler = cProfile.Profile()
-        profiler.enable()
+    profiler = _start_profile()
     start = time.perf_counter()
     cpu_start = time.process_time()
     import distcache
@@ -458,11 +463,7 @@ def engine_init_worker(args: argparse.Namespace) -> None:
             pass
     ready = time.perf_counter()
     cpu = time.process_time() - cpu_start
-    if profiler is not None and profile_dir:
-        profiler.disable()
-        os.makedirs(profile_dir, exist_ok=True)
-        profiler.dump_stats(os.path.join(
-            profile_dir, f"{args.worker}-n{size}-rank{rank}.pstats"))
+    _stop_profile(profiler, f"{args.worker}-n{size}-rank{rank}")
     _barrier_sleeping(world)
     wall = time.perf_counter() - start
     report = session.report
