@@ -2,9 +2,10 @@
 
 The lowest rank of each node (``Communicator.node_id``) starts an agent on the
 address the job uses (:func:`job_address`) and a Unix socket in the pool directory;
-one all-gather through the node leaders shares every node's TCP endpoint and socket. Each rank then uses its
-node's agent for lookups; the agents know each other and each artifact's owner follows
-from the endpoints alone (:mod:`distcache.peer._ring`), so serving needs no collective.
+one all-gather through the node leaders shares every node's TCP endpoint and socket.
+Each rank then uses its node's agent for lookups; the agents know each other and each
+artifact's owner follows from the endpoints alone (:mod:`distcache.peer._ring`), so
+serving needs no collective.
 """
 
 from __future__ import annotations
