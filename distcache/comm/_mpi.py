@@ -40,7 +40,7 @@ BRUCK_ABOVE = 16
 BRUCK_TAG = 0x4500
 
 
-def _tree(rank: int, size: int) -> tuple[int | None, list[int]]:
+def _arrival_tree(rank: int, size: int) -> tuple[int | None, list[int]]:
     """``rank``'s parent (``None`` for rank 0) and children in a binomial tree.
 
     The subtree under a child ``c`` is the contiguous ranks ``[c, c + lowbit(c))``
@@ -80,7 +80,7 @@ def _arrive(MPI: Any, base: Any, timeout: float) -> None:
     """
     rank, size = base.Get_rank(), base.Get_size()
     until = time.monotonic() + timeout
-    parent, children = _tree(rank, size)
+    parent, children = _arrival_tree(rank, size)
     tokens = [bytearray(1) for _ in range(len(children) + 1)]
     from_children = [base.Irecv([tokens[i], MPI.BYTE], child, ARRIVAL_TAG)
                      for i, child in enumerate(children)]

@@ -58,16 +58,22 @@ def node_tree(comm: Communicator, *, timeout: float | None = None) -> Communicat
     """
     if isinstance(comm, NodeTree) or comm.size == 1 or comm.backend in IN_PROCESS:
         return comm
+    return _kept(comm, timeout).selected()
+
+
+def _kept(comm: Communicator, timeout: float | None) -> NodeTree:
+    """Collective unless kept: ``comm``'s tree, made (and kept, where ``comm`` can be
+    weakly referred to) when there is none or its split-off communicators were let go."""
     try:
         kept = _trees.get(comm)
     except TypeError:  # not weakly referable: nothing to keep it on
         kept = None
     if kept is not None and not kept.stale():
-        return kept.selected()
+        return kept
     tree = NodeTree(comm, timeout=timeout)
     with contextlib.suppress(TypeError):
         _trees[comm] = tree
-    return tree.selected()
+    return tree
 
 
 def node_layout(comm: Communicator, *, timeout: float | None = None) -> tuple[int, bool]:
@@ -86,13 +92,7 @@ def node_layout(comm: Communicator, *, timeout: float | None = None) -> tuple[in
     if comm.backend in IN_PROCESS:
         nodes: list[str] = comm.allgather_object(comm.node_id, timeout=timeout)
         return len(set(nodes)), nodes.index(comm.node_id) == comm.rank
-    node_tree(comm, timeout=timeout)
-    try:
-        tree = _trees.get(comm)
-    except TypeError:
-        tree = None
-    if tree is None:  # not weakly referable: this tree is used once
-        tree = NodeTree(comm, timeout=timeout)
+    tree = _kept(comm, timeout)
     return tree.nodes, tree.is_leader
 
 

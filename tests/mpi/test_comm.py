@@ -269,7 +269,7 @@ def test_a_rank_missing_from_the_arrival_tree_times_out_its_peers_and_leaves_not
     # these ranks, so MPI is there.
     from mpi4py import MPI
 
-    from distcache.comm._mpi import MpiCommunicator, _tree
+    from distcache.comm._mpi import MpiCommunicator, _arrival_tree
 
     base = MPI.COMM_WORLD.Dup()
     try:
@@ -278,7 +278,7 @@ def test_a_rank_missing_from_the_arrival_tree_times_out_its_peers_and_leaves_not
             with pytest.raises(CollectiveTimeout, match="did not arrive") as info:
                 MpiCommunicator(base, timeout=1.0)
             assert info.value.rank == base.Get_rank()  # type: ignore[attr-defined]
-            if base.Get_rank() == _tree(late, base.Get_size())[0]:
+            if base.Get_rank() == _arrival_tree(late, base.Get_size())[0]:
                 # The late rank's parent in the tree names it.
                 assert f"rank(s) {late} did not arrive" in str(info.value)
         base.Barrier()

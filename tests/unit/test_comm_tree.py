@@ -125,22 +125,22 @@ def test_counting_counts_broadcasts_once_at_the_root_and_splits_agreement() -> N
 
 
 def test_the_mpi_arrival_tree_reaches_every_rank_once_with_few_peers_each() -> None:
-    from distcache.comm._mpi import _subtree, _tree
+    from distcache.comm._mpi import _arrival_tree, _subtree
 
     for size in (1, 2, 3, 7, 8, 9, 64, 255, 256, 4096):
         reached = {0}
         for rank in range(size):
-            parent, children = _tree(rank, size)
+            parent, children = _arrival_tree(rank, size)
             assert (parent is None) == (rank == 0)
             for child in children:
-                assert _tree(child, size)[0] == rank
+                assert _arrival_tree(child, size)[0] == rank
                 assert child not in reached
                 reached.add(child)
             # At most log2(size) + 1 peers per rank, at any size.
             assert len(children) + (parent is not None) <= max(size - 1, 1).bit_length() + 1
         assert reached == set(range(size))
     # A child's subtree is a contiguous range, which is how a timeout names it.
-    assert [_subtree(c, 8) for c in _tree(0, 8)[1]] == ["1", "2-3", "4-7"]
+    assert [_subtree(c, 8) for c in _arrival_tree(0, 8)[1]] == ["1", "2-3", "4-7"]
     assert _subtree(4, 6) == "4-5"
 
 
