@@ -53,6 +53,9 @@ class Rendezvous:
     world_size: int
     #: Where the store came from, for logs: "default group", "torchrun agent", ...
     source: str
+    #: This rank is a client of a store another process's rank 0 hosts for one
+    #: adoption: the server on that port may be an earlier adoption's, closing.
+    replaceable: bool = False
 
 
 def find_store(
@@ -105,7 +108,8 @@ def find_store(
             ) from exc
     source = "torchrun agent store" if agent else f"store hosted by rank 0 on port {port}"
     log.debug("rendezvous: %s at %s:%d", source, info.master_addr, port)
-    return Rendezvous(store, info.rank, info.world_size, source)
+    return Rendezvous(store, info.rank, info.world_size, source,
+                      replaceable=not agent and not host_it)
 
 
 #: The lowest port of Linux's default ephemeral range (``net.ipv4.ip_local_port_range``).

@@ -95,8 +95,27 @@ def _left(until: float) -> float:
     return max(until - time.monotonic(), 0.001)
 
 
+class StoreLost(CommError):
+    """The store's server closed this rank's connection in the middle of a meeting: the
+    store an earlier adoption's rank 0 hosted (a finished ``init``, the launch
+    wrapper's) went away while this rank, already on to the next adoption, was still
+    connected to it. Attributes: those of :class:`CommError`."""
+
+
+#: What torch's store client says when its server went away (``DistNetworkError``).
+_LOST = ("connection was likely closed", "connection reset", "broken pipe",
+         "connection refused")
+
+
+def _lost(exc: BaseException) -> bool:
+    return (type(exc).__name__ == "DistNetworkError"
+            or any(text in str(exc).lower() for text in _LOST))
+
+
 def _timed_out(exc: BaseException) -> bool:
-    return isinstance(exc, TimeoutError) or "timeout" in str(exc).lower()
+    # torch names its receive "recvValueWithTimeout" in a lost connection's message.
+    return not _lost(exc) and (isinstance(exc, TimeoutError)
+                               or "timeout" in str(exc).lower())
 
 
 def parse_nonce(raw: bytes, where: str) -> str:
@@ -149,6 +168,11 @@ def meet(store: Any, rank: int, size: int, job: str, attempt: int, until: float)
     except DistcacheError:
         raise  # already ours (a CollectiveTimeout is an OSError too)
     except (RuntimeError, OSError) as exc:
+        if _lost(exc):
+            raise StoreLost(
+                f"rank {rank}/{size}: the rendezvous store closed the connection at "
+                f"{where!r} ({exc})", op="rendezvous", rank=rank, backend="gloo",
+            ) from exc
         if _timed_out(exc):
             raise CollectiveTimeout(
                 f"rank {rank}/{size}: rank 0 did not open distcache's adoption under "

@@ -41,7 +41,7 @@ from typing import Any, Literal
 from distcache.comm._base import Communicator
 from distcache.comm._local import LocalCommunicator
 from distcache.comm._mpi import MpiCommunicator
-from distcache.comm._scope import RunScope, fresh, share
+from distcache.comm._scope import RunScope, StoreLost, fresh, share
 from distcache.config import settings
 from distcache.errors import DistcacheError
 from launch import LaunchInfo, detect, find_store, run_id
@@ -159,19 +159,42 @@ def adopt(
             raise
         return Adopted(mpi, choice, scope)
     if choice == "gloo":
-        meeting = find_store(info, wait, env)
-        log.debug("communicator: distcache's own gloo group on %s", meeting.source)
-        from distcache.comm._gloo import GlooCommunicator
-
-        gloo = GlooCommunicator(meeting.store, meeting.rank, meeting.world_size,
-                                run=(job, attempt), until=until, **options)
+        gloo, source = _gloo(info, env, (job, attempt), until, options)
         log.debug("run scope: job %r, attempt %d, nonce %s", gloo.scope.job,
                   gloo.scope.attempt, gloo.scope.nonce)
-        return Adopted(gloo, choice, gloo.scope, meeting.source)
+        return Adopted(gloo, choice, gloo.scope, source)
     node_id = options.get("node_id")
     if node_id is None:
         node_id = settings().node_id
     return Adopted(LocalCommunicator(node_id), choice, fresh(job, attempt))
+
+
+def _gloo(info: LaunchInfo, env: Mapping[str, str], run: tuple[str, int], until: float,
+          options: Mapping[str, Any]) -> tuple[Any, str]:
+    """distcache's gloo group on the job's store, and where it met.
+
+    Where rank 0 hosts the store for one adoption (``srun``, ``python -m launch``), a
+    client that is quick to its next adoption can reach the previous one's store in
+    the moment before rank 0 closes it: the connection then drops in the middle of the
+    meeting (:class:`~distcache.comm._scope.StoreLost`) and this rank dials the port
+    again, now answered by the store of the adoption rank 0 is making, until the
+    deadline.
+    """
+    from distcache.comm._gloo import GlooCommunicator
+
+    while True:
+        meeting = find_store(info, max(until - time.monotonic(), 0.001), env)
+        log.debug("communicator: distcache's own gloo group on %s", meeting.source)
+        try:
+            return (GlooCommunicator(meeting.store, meeting.rank, meeting.world_size,
+                                     run=run, until=until, **options), meeting.source)
+        except StoreLost as exc:
+            if not meeting.replaceable or time.monotonic() >= until:
+                raise
+            log.info("rank %d: the %s closed under this adoption (an earlier adoption's, "
+                     "replaced by rank 0's next); dialling it again: %s", meeting.rank,
+                     meeting.source, exc)
+            time.sleep(0.05)
 
 
 def auto(**options: Any) -> Communicator:

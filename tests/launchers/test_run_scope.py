@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import socket
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -298,3 +299,67 @@ def test_gloo_groups_on_one_store_each_agree_a_scope_and_their_splits_share_it()
     finally:
         first.close()
         second.close()
+
+
+# -- a client that reaches the store of the adoption before ----------------------------
+
+
+def _free_port_pair() -> int:
+    """A port P with P and P + 1 both free on loopback (the store goes on P + 1)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
+        if port >= 65535:
+            continue
+        with socket.socket() as upper:
+            try:
+                upper.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two adjacent free ports on loopback")
+
+
+def test_a_rank_on_the_closing_store_of_the_adoption_before_meets_on_the_next() -> None:
+    # srun or the launch wrapper: rank 0 hosts a store per adoption on MASTER_PORT + 1.
+    # Rank 1, quick to its next adoption, reaches the previous store in the moment before
+    # rank 0 closes it and counts itself in there; the connection then drops under it.
+    # It must dial the port again and meet rank 0 on the store rank 0 hosts next.
+    import gc
+
+    from distcache.comm import adopt
+    from distcache.comm._scope import job_root
+    from launch import run_id
+    from launch._rendezvous import host_store
+
+    port = _free_port_pair()
+    env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0"}
+    env0 = {**env, "RANK": "0", "LOCAL_RANK": "0"}
+    env1 = {**env, "RANK": "1", "LOCAL_RANK": "1"}
+    job, attempt, _ = run_id(env1)
+    counted = f"{job_root(job, attempt)}/adoptions/rank1"
+    old = host_store("127.0.0.1", port + 1, 2, timedelta(seconds=30), spans_hosts=False,
+                     what="the earlier adoption's store", hint="")
+    with ThreadPoolExecutor(2) as pool:
+        second = pool.submit(adopt, environ=env1, timeout=30)
+        deadline = time.monotonic() + 30
+        while int(old.add(counted, 0)) < 1:  # rank 1 came to the old store and waits there
+            assert time.monotonic() < deadline, "rank 1 never reached the old store"
+            assert not second.done(), second.exception()
+            time.sleep(0.02)
+        del old  # rank 0 closes the earlier store ...
+        gc.collect()
+        first = pool.submit(adopt, environ=env0, timeout=30)  # ... and hosts the next
+        one, zero = second.result(timeout=60), first.result(timeout=60)
+        try:
+            assert zero.scope.nonce == one.scope.nonce
+            assert zero.scope.secret == one.scope.secret
+            gathered = [f.result(timeout=60) for f in (
+                pool.submit(zero.comm.allgather_object, "r0", timeout=30),
+                pool.submit(one.comm.allgather_object, "r1", timeout=30))]
+            assert gathered == [["r0", "r1"], ["r0", "r1"]]
+        finally:
+            zero.close()
+            one.close()
