@@ -18,15 +18,11 @@ from __future__ import annotations
 import functools
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from importlib import metadata
-from typing import BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 from urllib.parse import quote, urljoin, urlsplit
-
-import requests
-import urllib3.exceptions
-from requests.adapters import HTTPAdapter
 
 from distcache.artifact import Artifact
 from distcache.config import settings
@@ -39,14 +35,11 @@ from distcache.errors import (
 )
 from distcache.origins._base import BaseOrigin, rewind
 from distcache.origins._credentials import clean_token, host_key, redact_url
-from distcache.origins._response import (
-    TRANSIENT,
-    Backoff,
-    Fatal,
-    Retry,
-    read_response,
-    unreachable,
-)
+
+if TYPE_CHECKING:
+    import requests
+
+    from distcache.origins._response import Backoff
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +61,8 @@ DISTRIBUTION = "distcache-kernels"
 def _user_agent() -> str:
     # Read from the installed distribution: importing the ``distcache`` package for its
     # ``__version__`` would make the origins depend on the package that re-exports them.
+    from importlib import metadata
+
     try:
         return f"distcache/{metadata.version(DISTRIBUTION)}"
     except metadata.PackageNotFoundError:  # run from a source tree that is not installed
@@ -151,11 +146,10 @@ class HttpOrigin(BaseOrigin):
         # (cause, reason, since when) while unreachable; replaced whole, never mutated.
         self._down: tuple[str, str, float] | None = None
         self._allowed_hosts = {h.lower() for h in allow_redirect_hosts}
-        self._backoff = Backoff(backoff_base, backoff_max, retry_after_max, backoff_total)
+        self._backoff_args = (backoff_base, backoff_max, retry_after_max, backoff_total)
         self._sleep = sleep
         self._rng = random.Random()
         self._headers = {
-            "User-Agent": _user_agent(),
             # Identity encoding makes Content-Length the body length we check.
             "Accept-Encoding": "identity",
         }
@@ -170,10 +164,34 @@ class HttpOrigin(BaseOrigin):
         # As given, trimmed, and as repr() escapes it (how requests quotes it).
         forms = {form for v in raw_secrets for form in (v, v.strip(), repr(v)[1:-1]) if form}
         self._secrets = tuple(sorted(forms, key=len, reverse=True))
-        self._session = requests.Session()
-        adapter = HTTPAdapter(pool_connections=4, pool_maxsize=pool_size, max_retries=0)
-        self._session.mount("http://", adapter)
-        self._session.mount("https://", adapter)
+        self._pool_size = pool_size
+        # The HTTP stack (requests, urllib3) is imported and set up with the first
+        # request: most ranks of a job never send one, and importing it costs a rank
+        # more CPU than the rest of an init.
+        self._lock = threading.Lock()
+        self._session: Any = None
+        self._backoff: Backoff | None = None
+
+    def _ready(self) -> tuple[Any, Backoff]:
+        """The session and the backoff, made on first use (thread-safe)."""
+        with self._lock:
+            if self._session is None or self._backoff is None:
+                import requests
+                from requests.adapters import HTTPAdapter
+
+                from distcache.origins._response import Backoff
+
+                session = requests.Session()
+                adapter = HTTPAdapter(pool_connections=4, pool_maxsize=self._pool_size,
+                                      max_retries=0)
+                session.mount("http://", adapter)
+                session.mount("https://", adapter)
+                self._backoff = Backoff(*self._backoff_args)
+                if not any(k.lower() == "user-agent" for k in self._headers):
+                    # Read from the distribution's metadata, as costly to import.
+                    self._headers = {"User-Agent": _user_agent(), **self._headers}
+                self._session = session
+            return self._session, self._backoff
 
     # -- Origin protocol ----------------------------------------------------------
 
@@ -201,6 +219,8 @@ class HttpOrigin(BaseOrigin):
             OriginError: the origin cannot deliver it (``status`` is set when the
                 server answered), or a body of unknown size exceeds ``max_bytes``.
         """
+        from distcache.origins._response import Fatal, Retry
+
         url = self.url_for(artifact)
         where = redact_url(url)
         down = self._down
@@ -208,6 +228,7 @@ class HttpOrigin(BaseOrigin):
             if time.monotonic() - down[2] < DOWN_SECONDS:
                 raise self._unreachable(down, artifact, where)
             self._down = None  # long enough: ask again
+        _session, backoff = self._ready()
         start = out.tell() if out.seekable() else None
         attempts = self.retries + 1
         waited = 0.0
@@ -239,7 +260,7 @@ class HttpOrigin(BaseOrigin):
                     break
             if attempt == attempts:
                 break
-            delay = self._backoff.delay(attempt, last.delay, waited, self._rng)
+            delay = backoff.delay(attempt, last.delay, waited, self._rng)
             if delay is None:
                 break  # the waiting budget for this artifact is spent
             logger.warning("GET %s: %s; retry %d/%d in %.2fs", where, last.reason,
@@ -262,7 +283,10 @@ class HttpOrigin(BaseOrigin):
 
     def close(self) -> None:
         """Close pooled connections (idempotent)."""
-        self._session.close()
+        with self._lock:
+            session = self._session
+        if session is not None:
+            session.close()
 
     def __enter__(self) -> HttpOrigin:
         return self
@@ -299,13 +323,19 @@ class HttpOrigin(BaseOrigin):
         return headers
 
     def _get(self, url: str) -> requests.Response:
+        import requests
+        import urllib3.exceptions
+
+        from distcache.origins._response import TRANSIENT, Fatal, Retry, unreachable
+
+        session, _backoff = self._ready()
         current = url
         for _ in range(_MAX_REDIRECTS + 1):
             failure: Retry | Fatal | None = None
             cause: BaseException | None = None
             headers = self._headers_for(current)
             try:
-                response = self._session.get(
+                response = session.get(
                     current, headers=headers, stream=True, timeout=self.timeout,
                     allow_redirects=False,
                     # requests replaces an Authorization header with ~/.netrc's entry
@@ -363,6 +393,8 @@ class HttpOrigin(BaseOrigin):
         return text.splitlines()[0][:300] if text.strip() else ""
 
     def _attempt(self, url: str, artifact: Artifact, out: BinaryIO, written: list[int]) -> int:
+        from distcache.origins._response import read_response
+
         return read_response(self._get(url), artifact, out, written, self.timeout,
                              self.max_bytes)
 

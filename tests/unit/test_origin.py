@@ -839,3 +839,30 @@ def test_a_bad_byte_cap_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("DISTCACHE_MAX_ARTIFACT_BYTES", "lots")
     with pytest.raises(ConfigError, match="DISTCACHE_MAX_ARTIFACT_BYTES"):
         HttpOrigin("http://127.0.0.1:9")
+
+
+def test_an_http_origin_imports_its_http_stack_with_its_first_request(
+    origin_server: LoopbackOrigin, artifacts: list[Artifact], artifact_dir: Path
+) -> None:
+    # Most ranks of a job send no request: opening the origin (every init does) must not
+    # import requests and urllib3, which cost a rank more CPU than the rest of an init.
+    import subprocess
+    import sys
+
+    first = artifacts[0]
+    name, digest = first.name, sha256_hex((artifact_dir / first.name).read_bytes())
+    code = f"""
+import io, sys
+from distcache.artifact import Artifact
+from distcache.origins import open_origin
+origin = open_origin({origin_server.url!r})
+print(sorted(m for m in ("requests", "urllib3", "importlib.metadata") if m in sys.modules))
+out = io.BytesIO()
+origin.fetch_into(Artifact({name!r}, {digest!r}), out)
+print(len(out.getvalue()) == {first.size!r}, "requests" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["[]", "True True"], done.stdout
+    assert origin_server.total_requests == 1
