@@ -70,8 +70,10 @@ def heartbeats(
             raise_first([state["failure"]])
             return
         if state["late"] is not None:
+            # A rank whose work already failed is named before the one it stalled (a
+            # receiver that met a malformed bucket leaves its source waiting).
             rank, idle, detail, host = state["late"]
-            raise_first([stalled(rank, idle, detail, host)])
+            raise_first([state["failure"], stalled(rank, idle, detail, host)])
 
 
 def _combine(states: list[dict[str, Any]]) -> dict[str, Any]:
