@@ -79,8 +79,8 @@ def prefetch(
     ``bucket_bytes`` is the size of one broadcast (``DISTCACHE_BUCKET_BYTES``);
     ``downloads_per_rank`` the download threads per rank
     (``DISTCACHE_DOWNLOADS_PER_RANK``) and ``downloads_per_job`` the most concurrent
-    origin downloads over all ranks (``DISTCACHE_DOWNLOADS_PER_JOB``): at most that
-    many ranks download, sharing it.
+    origin downloads over all ranks (``DISTCACHE_DOWNLOADS_PER_JOB``): as few ranks
+    download as carry it at ``downloads_per_rank`` each, spread over the nodes.
 
     Raises:
         ManifestMismatchError: ranks passed different lists (on every rank).
@@ -120,9 +120,12 @@ def prefetch(
         with run.phase("discover"):
             have = discover(run, objects, pool_ids)
         with run.phase("plan"):
+            # The job's connections on as few ranks as carry them at the per-rank
+            # count: the same concurrency at the origin, and the ranks that set up
+            # an HTTP client and download threads are a handful, not one per node.
             plan = make_plan(
                 objects, [artifact_of[s].size for s in objects], pool_ids, node_ids, have,
-                max_downloaders=conf.downloads_per_job,
+                max_downloaders=-(-conf.downloads_per_job // conf.downloads_per_rank),
             )
         if comm.rank == 0:
             run.progress = Progress(
