@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -48,7 +47,7 @@ def emit(event: str, /, **fields: Any) -> bool:
         if path is None:
             return False
         record = {"ts": round(time.time(), 6), "event": event, "pid": os.getpid(),
-                  "host": socket.gethostname(), **fields}
+                  "host": os.uname().nodename, **fields}
         line = (json.dumps(record, default=str, separators=(",", ":")) + "\n").encode()
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:

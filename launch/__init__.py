@@ -14,12 +14,22 @@ Errors come from the library's one error tree (:mod:`distcache.errors`):
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from distcache.errors import LaunchError, WorkspaceError
 from launch._detect import LAUNCHERS, MPI_LAUNCHERS, LaunchInfo, detect
-from launch._dist import gloo_group, init_process_group, publish_store, rendezvous_address
 from launch._nodelist import expand_nodelist
-from launch._rendezvous import Rendezvous, find_store
 from launch._sources import run_id
+
+if TYPE_CHECKING:
+    from launch._dist import gloo_group, init_process_group, publish_store, rendezvous_address
+    from launch._rendezvous import Rendezvous, find_store
+
+#: Names loaded on first use: torch's bring-up and the rendezvous store are for the
+#: jobs that use torch.distributed, not for every process that detects its launcher.
+_LAZY = {"gloo_group": "launch._dist", "init_process_group": "launch._dist",
+         "publish_store": "launch._dist", "rendezvous_address": "launch._dist",
+         "Rendezvous": "launch._rendezvous", "find_store": "launch._rendezvous"}
 
 __all__ = [
     "LAUNCHERS",
@@ -37,3 +47,12 @@ __all__ = [
     "rendezvous_address",
     "run_id",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -205,7 +204,7 @@ def _master(
 def detect(environ: Mapping[str, str] = os.environ, *, hostname: str | None = None) -> LaunchInfo:
     """Describe this process's place in its job from the environment alone.
 
-    ``hostname`` replaces :func:`socket.gethostname` (for tests).
+    ``hostname`` replaces the host name, ``os.uname().nodename`` (for tests).
 
     Raises:
         LaunchError: a launcher variable is not an integer or out of range (rank not
@@ -253,7 +252,7 @@ def detect(environ: Mapping[str, str] = os.environ, *, hostname: str | None = No
             )
         source.append("DISTCACHE_NODE_ID")
     else:
-        node_id = hostname if hostname is not None else socket.gethostname()
+        node_id = hostname if hostname is not None else os.uname().nodename
 
     single_node = num_nodes == 1 or (local_world is not None and local_world == world)
     addr, port, used = _master(environ, launcher, single_node)

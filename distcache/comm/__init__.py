@@ -8,17 +8,28 @@ its own goes through :mod:`distcache.comm.adopt`, which holds that choice.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distcache.comm._base import MAX_MESSAGE_BYTES, Communicator, agree_on_error
 from distcache.comm._bulk import BulkCommunicator, bulk_transport
-from distcache.comm._counting import CountingCommunicator, Traffic
 from distcache.comm._local import LocalCommunicator, ThreadCommunicator, ThreadGroup
 from distcache.comm._mpi import MpiCommunicator
-from distcache.comm._torch import TorchCommunicator, import_torch
 from distcache.comm._tree import NodeTree, node_layout, node_tree, reduce_object
 from distcache.comm.adopt import Adopted, adopt, auto
 from distcache.errors import CommError
+
+if TYPE_CHECKING:
+    from distcache.comm._counting import CountingCommunicator, Traffic
+    from distcache.comm._gloo import GlooCommunicator as GlooCommunicator
+    from distcache.comm._torch import TorchCommunicator as TorchCommunicator
+
+#: Names loaded on first use: torch's communicators import torch's pieces (and the
+#: gloo one the launcher's store helpers), loaded by the jobs that adopt
+#: torch.distributed; the counting wrapper by those that measure.
+_LAZY = {"CountingCommunicator": "distcache.comm._counting",
+         "Traffic": "distcache.comm._counting",
+         "TorchCommunicator": "distcache.comm._torch",
+         "GlooCommunicator": "distcache.comm._gloo"}
 
 __all__ = [
     "MAX_MESSAGE_BYTES",
@@ -70,6 +81,8 @@ def from_torch(group: Any = None, **kwargs: Any) -> Communicator:
         CommError: torch.distributed is not initialised, or the private group could
             not be made in time.
     """
+    from distcache.comm._torch import TorchCommunicator, import_torch
+
     if group is not None:
         return TorchCommunicator(group, **kwargs)
     _, dist = import_torch()
@@ -81,17 +94,16 @@ def from_torch(group: Any = None, **kwargs: Any) -> Communicator:
         )
     from torch.distributed import distributed_c10d
 
-    from distcache.comm._gloo import GlooCommunicator
+    from distcache.comm._gloo import GlooCommunicator as GlooCommunicator
 
     store = distributed_c10d._get_default_store()
     return GlooCommunicator(store, dist.get_rank(), dist.get_world_size(), **kwargs)
 
 
 def __getattr__(name: str) -> Any:
-    # The gloo backend imports torch's pieces and the launcher's store helpers: it is
-    # loaded by the jobs that adopt torch.distributed, not by every import.
-    if name == "GlooCommunicator":
-        from distcache.comm._gloo import GlooCommunicator
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
 
-        return GlooCommunicator
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -9,7 +9,7 @@ instead of hanging.
 
 from __future__ import annotations
 
-import socket
+import os
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
@@ -115,7 +115,7 @@ class Wrapping:
 
 
 def hostname() -> str:
-    return socket.gethostname()
+    return os.uname().nodename  # gethostname(), without loading the socket module
 
 
 def check_broadcast(rank: int, size: int, root: int, data: bytes | bytearray | None) -> None:

@@ -42,7 +42,6 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 from distcache.comm._base import Communicator
@@ -112,6 +111,13 @@ def _lost(exc: BaseException) -> bool:
             or any(text in str(exc).lower() for text in _LOST))
 
 
+def _wait_for(until: float) -> Any:
+    """What a store's ``wait`` takes for the seconds left until ``until``."""
+    from datetime import timedelta  # for the gloo rendezvous only
+
+    return timedelta(seconds=_left(until))
+
+
 def _timed_out(exc: BaseException) -> bool:
     # torch names its receive "recvValueWithTimeout" in a lost connection's message.
     return not _lost(exc) and (isinstance(exc, TimeoutError)
@@ -160,7 +166,7 @@ def meet(store: Any, rank: int, size: int, job: str, attempt: int, until: float)
                     op="rendezvous", rank=rank, backend="gloo",
                 )
         else:
-            store.wait([where], timedelta(seconds=_left(until)))
+            store.wait([where], _wait_for(until))
             nonce = parse_nonce(bytes(store.get(where)), where)
         where = f"{root}/{count}/state"
         _all_came(store, f"{root}/{count}", rank, size, until)
@@ -203,7 +209,7 @@ def _all_came(store: Any, meeting: str, rank: int, size: int, until: float) -> N
         outcome = bytes(store.compare_set(state, "", "complete"))
     else:
         try:
-            store.wait([state], timedelta(seconds=_left(until)))
+            store.wait([state], _wait_for(until))
             outcome = bytes(store.get(state))
         except RuntimeError as exc:
             if not _timed_out(exc):

@@ -44,7 +44,7 @@ from distcache.comm._mpi import MpiCommunicator
 from distcache.comm._scope import RunScope, StoreLost, fresh, share
 from distcache.config import settings
 from distcache.errors import DistcacheError
-from launch import LaunchInfo, detect, find_store, run_id
+from launch import LaunchInfo, detect, run_id
 
 __all__ = ["Adopted", "Choice", "adopt", "auto", "choose", "launcher_is_mpi",
            "torch_is_initialised"]
@@ -181,6 +181,7 @@ def _gloo(info: LaunchInfo, env: Mapping[str, str], run: tuple[str, int], until:
     deadline.
     """
     from distcache.comm._gloo import GlooCommunicator
+    from launch import find_store
 
     while True:
         meeting = find_store(info, max(until - time.monotonic(), 0.001), env)

@@ -174,23 +174,15 @@ class HttpOrigin(BaseOrigin):
 
     def _ready(self) -> tuple[Any, Backoff]:
         """The session and the backoff, made on first use (thread-safe)."""
+        from distcache.origins._response import Backoff, new_session
+
         with self._lock:
             if self._session is None or self._backoff is None:
-                import requests
-                from requests.adapters import HTTPAdapter
-
-                from distcache.origins._response import Backoff
-
-                session = requests.Session()
-                adapter = HTTPAdapter(pool_connections=4, pool_maxsize=self._pool_size,
-                                      max_retries=0)
-                session.mount("http://", adapter)
-                session.mount("https://", adapter)
                 self._backoff = Backoff(*self._backoff_args)
                 if not any(k.lower() == "user-agent" for k in self._headers):
-                    # Read from the distribution's metadata, as costly to import.
+                    # Read from the distribution's metadata: costly to import too.
                     self._headers = {"User-Agent": _user_agent(), **self._headers}
-                self._session = session
+                self._session = new_session(self._pool_size)
             return self._session, self._backoff
 
     # -- Origin protocol ----------------------------------------------------------
@@ -323,10 +315,14 @@ class HttpOrigin(BaseOrigin):
         return headers
 
     def _get(self, url: str) -> requests.Response:
-        import requests
-        import urllib3.exceptions
-
-        from distcache.origins._response import TRANSIENT, Fatal, Retry, unreachable
+        from distcache.origins._response import (
+            FATAL,
+            TRANSIENT,
+            Fatal,
+            Retry,
+            as_given,
+            unreachable,
+        )
 
         session, _backoff = self._ready()
         current = url
@@ -337,10 +333,8 @@ class HttpOrigin(BaseOrigin):
             try:
                 response = session.get(
                     current, headers=headers, stream=True, timeout=self.timeout,
-                    allow_redirects=False,
-                    # requests replaces an Authorization header with ~/.netrc's entry
-                    # for the host unless an auth is given: the bound token wins.
-                    auth=_as_given if "Authorization" in headers else None,
+                    allow_redirects=False,  # the bound token wins over ~/.netrc's:
+                    auth=as_given if "Authorization" in headers else None,
                 )
             except TRANSIENT as exc:
                 down = unreachable(exc)
@@ -349,10 +343,7 @@ class HttpOrigin(BaseOrigin):
                         f" at the redirect target {redact_url(current)}")
                     raise _Unreachable(down, down + where) from None
                 failure, cause = Retry(f"{type(exc).__name__}: {self._scrub(exc)}"), exc
-            except (requests.RequestException, urllib3.exceptions.HTTPError, ValueError) as exc:
-                # ValueError: even with allow_redirects=False, requests parses a
-                # redirect's Location (to offer the next request) and urlsplit raises
-                # on a broken IPv6 literal or port.
+            except FATAL as exc:
                 failure, cause = Fatal(f"{type(exc).__name__}: {self._scrub(exc)}"), exc
             if failure is not None:
                 if any(secret in str(cause) for secret in self._secrets):
@@ -397,10 +388,6 @@ class HttpOrigin(BaseOrigin):
 
         return read_response(self._get(url), artifact, out, written, self.timeout,
                              self.max_bytes)
-
-
-def _as_given(request: requests.PreparedRequest) -> requests.PreparedRequest:
-    return request
 
 
 class _Unreachable(Exception):

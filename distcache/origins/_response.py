@@ -58,6 +58,29 @@ TRANSIENT = (
     http.client.IncompleteRead,
 )
 
+#: Failures no other attempt would change. ValueError: even with
+#: ``allow_redirects=False``, requests parses a redirect's Location (to offer the next
+#: request) and urlsplit raises on a broken IPv6 literal or port.
+FATAL = (requests.RequestException, urllib3.exceptions.HTTPError, ValueError)
+
+
+def new_session(pool_size: int) -> requests.Session:
+    """A session keeping up to ``pool_size`` connections per host, never retrying
+    on its own (the origin's attempts and backoff are its caller's)."""
+    from requests.adapters import HTTPAdapter
+
+    session = requests.Session()
+    adapter = HTTPAdapter(pool_connections=4, pool_maxsize=pool_size, max_retries=0)
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session
+
+
+def as_given(request: requests.PreparedRequest) -> requests.PreparedRequest:
+    """An auth that sends the request's headers as they are: requests replaces an
+    Authorization header with ~/.netrc's entry for the host unless an auth is given."""
+    return request
+
 
 class Retry(Exception):
     """One failed attempt that another attempt may fix."""

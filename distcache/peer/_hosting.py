@@ -15,7 +15,6 @@ import hashlib
 import logging
 import os
 import secrets
-import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +40,8 @@ def job_address(environ: Mapping[str, str] | None = None) -> str:
     """The address this host uses for the job: the local end of the route to
     ``MASTER_ADDR`` when that is set, else the address the host name resolves to, else
     loopback. The agent binds this one address, never a wildcard."""
+    import socket  # on the node leaders that host an agent
+
     env = os.environ if environ is None else environ
     master = env.get("MASTER_ADDR")
     if master:

@@ -28,7 +28,6 @@ here and in the layers above.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import functools
 import os
@@ -128,6 +127,8 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 @functools.cache
 def _syncfs() -> object | None:
     """libc's ``syncfs`` (Linux), or None where the platform has none."""
+    import ctypes  # with the first flush
+
     try:
         return ctypes.CDLL(None, use_errno=True).syncfs
     except (OSError, AttributeError):
@@ -151,6 +152,8 @@ def sync_filesystem(path: str | os.PathLike[str]) -> bool:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         if call(fd) != 0:  # type: ignore[operator]
+            import ctypes
+
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err), os.fspath(path))
     finally:

@@ -17,16 +17,16 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from distcache.store._locking import FileLock
 from distcache.store._objects import ObjectStore, scan_objects
-from distcache.store._report import GcReport, PoolStats, VerifyReport
-from distcache.store.layout import PoolLayout
+from distcache.store.layout import STALE_TMP_SECONDS, PoolLayout
+
+if TYPE_CHECKING:
+    from distcache.store._report import GcReport, PoolStats, VerifyReport
 
 logger = logging.getLogger(__name__)
-
-#: Temporary and lock files untouched this long (seconds) are taken as abandoned.
-STALE_TMP_SECONDS = 3600.0
 
 
 def gc(layout: PoolLayout, max_bytes: int | None) -> GcReport:
@@ -38,6 +38,8 @@ def gc(layout: PoolLayout, max_bytes: int | None) -> GcReport:
     Raises:
         PoolError: the objects directory cannot be listed.
     """
+    from distcache.store._report import GcReport  # the report, with the call
+
     entries = sorted((st.st_mtime_ns, path, st.st_size) for path, _sha, st in scan_objects(layout))
     total = sum(size for _m, _p, size in entries)
     removed = freed = 0
@@ -68,6 +70,8 @@ def verify(store: ObjectStore) -> VerifyReport:
     Raises:
         PoolError: the pool cannot be listed or an object cannot be read.
     """
+    from distcache.store._report import VerifyReport  # the report, with the call
+
     ok = corrupt = ok_bytes = 0
     for _path, sha, _st in list(store.scan()):
         data = store.read(sha, stamp=False)
@@ -87,6 +91,8 @@ def stats(layout: PoolLayout, *, pool_id: str, names: int, max_bytes: int | None
     Raises:
         PoolError: the pool cannot be listed.
     """
+    from distcache.store._report import PoolStats  # the report, with the call
+
     count = size = 0
     for _path, _sha, st in scan_objects(layout):
         count += 1

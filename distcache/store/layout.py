@@ -64,6 +64,9 @@ logger = logging.getLogger(__name__)
 #: The on-disk format this version of distcache reads and writes.
 FORMAT_VERSION = 1
 
+#: Temporary and lock files untouched this long (seconds) are taken as abandoned.
+STALE_TMP_SECONDS = 3600.0
+
 #: Steps that bring a pool of format ``n`` to format ``n + 1`` (none yet: format 1
 #: is the first). A step must be idempotent, since two processes may open an old pool
 #: at the same time and both run it.
