@@ -2,22 +2,25 @@
 
     python -m scripts.bench_scale --ranks 16,64 [--out docs/bench] [--cubins DIR]
 
-For each N, two ``mpirun -n N`` launches with 8 ranks per simulated node
+For each N, three ``mpirun -n N`` launches with 8 ranks per simulated node
 (``DISTCACHE_NODE_ID=node<rank // 8>``) and one pool per node:
 
 * **floor**: Python starts, imports mpi4py, ``COMM_WORLD.Dup()``, imports distcache,
   one all-gather: what any MPI program that imports distcache pays;
-* **init**: Python starts, ``import distcache``,
+* **init**: Python starts, imports mpi4py (MPI_Init, as in the floor), then the public
+  hook as a user calls it: ``import distcache``,
   ``distcache.init(manifests=[M], integrations=[])`` (FlashInfer's integration, when
-  importable, would import torch: the engine's cost, not distcache's)
-  with 64 cubins from a loopback origin answering each request after 50 ms (cold
-  node-local pools). Init is handed a counting communicator over
-  ``distcache.comm.from_mpi()`` (the duplicate of the world init adopts under
-  ``mpirun``) so that each rank's bytes sent and received are measured.
+  importable, would import torch: the engine's cost, not distcache's), which adopts
+  its own duplicate of the MPI world; 64 cubins from a loopback origin answering each
+  request after 50 ms, cold node-local pools;
+* **traffic**: the same init on fresh cold pools, handed a counting communicator over
+  ``distcache.comm.from_mpi()`` so that each rank's bytes sent and received are
+  measured; not timed (counting re-encodes every payload).
 
 Each rank reports when it finished (wall clock, against the moment the driver
-launched ``mpirun``) and its peak RSS. A row gives the slowest rank's time of both
-launches, the largest peak RSS of each, the origin's requests, and each rank's bytes.
+launched ``mpirun``) and its peak RSS. A row gives the slowest rank's time of the
+floor and init launches, the largest peak RSS of each, the origin's requests in the
+init launch, and each rank's bytes from the traffic launch.
 The cubins are the ``*.cubin`` files of ``--cubins DIR`` (the first 64), else 64
 files drawn from flashinfer-cubin's size distribution (``scripts/family_sizes.json``).
 
@@ -80,28 +83,32 @@ def worker(args: argparse.Namespace) -> None:
 
         began, cpu_began = time.time(), time.process_time()
         import distcache
-        from distcache.comm import CountingCommunicator, from_mpi
 
         imported = time.time()
-        comm = CountingCommunicator(from_mpi())
-        adopted = time.time()
+        comm = None
+        if args.worker == "traffic":
+            from distcache.comm import CountingCommunicator, from_mpi
+
+            comm = CountingCommunicator(from_mpi())
         # No integration: with FlashInfer importable, init's default would import it
         # (and torch), the engine's start-up cost rather than distcache's.
         session = distcache.init(manifests=[str(args.manifest)], comm=comm, integrations=[])
-        report = session.report
-        bulk = comm.traffic.by_op.get("broadcast_bytes", [0, 0])
-        figures.update(sent=comm.traffic.sent, received=comm.traffic.received,
-                       calls=comm.traffic.calls, control_sent=comm.traffic.sent - bulk[0],
-                       control_received=comm.traffic.received - bulk[1],
-                       largest_bucket=0 if report is None else report.peak_bytes,
-                       downloads=0 if report is None else report.downloads,
-                       started_at=began, imported_s=imported - began,
-                       comm_s=adopted - imported, init_s=time.time() - adopted,
+        figures.update(started_at=began, imported_s=imported - began,
+                       init_s=time.time() - imported,
                        distcache_cpu_s=time.process_time() - cpu_began)
+        report = session.report
+        figures.update(largest_bucket=0 if report is None else report.peak_bytes,
+                       downloads=0 if report is None else report.downloads)
+        if comm is not None:
+            bulk = comm.traffic.by_op.get("broadcast_bytes", [0, 0])
+            figures.update(sent=comm.traffic.sent, received=comm.traffic.received,
+                           calls=comm.traffic.calls, control_sent=comm.traffic.sent - bulk[0],
+                           control_received=comm.traffic.received - bulk[1])
         if rank == 0 and report is not None:
             figures["report"] = {"seconds": report.seconds, "objects": report.objects,
                                  "downloads": report.downloads,
-                                 "broadcast_bytes": report.broadcast_bytes}
+                                 "broadcast_bytes": report.broadcast_bytes,
+                                 "phases": dict(session.phases)}
     figures["done_at"] = time.time()
     figures["cpu_s"] = time.process_time()
     figures["peak_rss"] = _peak_rss_bytes()
@@ -173,15 +180,22 @@ def row(n: int, work: Path, manifest: Path, url: str, server: Any) -> dict[str, 
     server.reset()
     launched, init = launch(n, "init", work / f"init-{n}", ["--manifest", str(manifest)], env)
     init_s = max(r["done_at"] for r in init) - launched
+    requests = server.total_requests
+    server.reset()
+    _, counted = launch(n, "traffic", work / f"traffic-{n}", ["--manifest", str(manifest)],
+                        env)
+    if server.total_requests != requests:
+        raise SystemExit(f"{n} ranks: the counted launch asked the origin "
+                         f"{server.total_requests} times, the timed one {requests}")
     mb = 1 << 20
-    sent = [r["sent"] for r in init]
-    received = [r["received"] for r in init]
-    control = [r["control_sent"] + r["control_received"] for r in init]
+    sent = [r["sent"] for r in counted]
+    received = [r["received"] for r in counted]
+    control = [r["control_sent"] + r["control_received"] for r in counted]
     rank0 = next(r for r in init if r["rank"] == 0)
     return {
         "ranks": n,
         "nodes": (n + PER_NODE - 1) // PER_NODE,
-        "origin_requests": server.total_requests,
+        "origin_requests": requests,
         "init_slowest_s": round(init_s, 3),
         "floor_s": round(floor_s, 3),
         "init_over_floor": round(init_s / floor_s, 2),
@@ -197,6 +211,7 @@ def row(n: int, work: Path, manifest: Path, url: str, server: Any) -> dict[str, 
         # heartbeats and the report.
         "control_bytes_per_rank": {"max": max(control), "median": statistics.median(control)},
         "rank0_phases_s": rank0.get("report", {}).get("seconds"),
+        "rank0_init_phases_s": rank0.get("report", {}).get("phases"),
         # CPU seconds per rank (the whole process, start to report): on a machine with
         # fewer cores than ranks, what the job's wall time follows.
         # ``distcache``: from after ``import mpi4py`` (MPI_Init) to init's return.
@@ -206,12 +221,12 @@ def row(n: int, work: Path, manifest: Path, url: str, server: Any) -> dict[str, 
             "distcache_median": round(statistics.median(r["distcache_cpu_s"] for r in init), 3),
             "distcache_max": round(max(r["distcache_cpu_s"] for r in init), 3)},
         # Each rank's steps (median over ranks): the start of the process (and
-        # MPI_Init) to the line before ``import distcache``, the import, the
-        # communicator, ``init``.
+        # MPI_Init) to the line before ``import distcache``, the import, ``init``
+        # (which adopts its communicator).
         "init_steps_s": {
             "start": round(statistics.median(r["started_at"] - launched for r in init), 3),
             **{k: round(statistics.median(r[f"{k}_s"] for r in init), 3)
-               for k in ("imported", "comm", "init")}},
+               for k in ("imported", "init")}},
         # What the scale model reads per rank: the bytes a rank moves for the
         # collective's control traffic and the memory it holds, at this N.
         "per_rank": {
@@ -262,9 +277,10 @@ def driver(args: argparse.Namespace) -> None:
         shutil.rmtree(work, ignore_errors=True)
     result = {
         "benchmark": "bench_scale",
-        "what": "distcache.init(manifests=[M], integrations=[]) under mpirun, 8 ranks per simulated node, "
-                "node-local pools, cold; next to the floor (python, import mpi4py, "
-                "COMM_WORLD.Dup(), import distcache, one all-gather)",
+        "what": "import distcache; distcache.init(manifests=[M], integrations=[]) under "
+                "mpirun, 8 ranks per simulated node, node-local pools, cold; next to the "
+                "floor (python, import mpi4py, COMM_WORLD.Dup(), import distcache, one "
+                "all-gather); bytes per rank from a third, counted launch",
         "cubins": source,
         "cubin_count": CUBINS,
         "cubin_bytes": total,
@@ -286,7 +302,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench")
     parser.add_argument("--name", help="file name under --out (default scale.json)")
     parser.add_argument("--cubins", type=Path, help="a directory of real cubins")
-    parser.add_argument("--worker", choices=("floor", "init"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("floor", "init", "traffic"),
+                        help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--manifest", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()

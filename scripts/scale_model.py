@@ -85,7 +85,8 @@ def predict(nodes: int, p: dict[str, float]) -> dict[str, dict[str, float]]:
     every = max(fetch_time(k, size, lat, bw, per_rank), origin_floor(every_req, ranks * size))
     rank0 = max(fetch_time(k, size, lat, bw, conc), origin_floor(k, size)) + bcast_time(
         size, nodes, alpha, beta, bucket)
-    downloaders = max(1, min(ranks, int(k), int(p["downloads_per_job"])))
+    # As few ranks as carry the job's connections at the per-rank count (the plan).
+    downloaders = max(1, min(ranks, int(k), -(-int(p["downloads_per_job"]) // per_rank)))
     threads = max(1, min(per_rank, conc // downloaders))
     spread = max(fetch_time(k / downloaders, size / downloaders, lat, bw, threads),
                  origin_floor(k, size))
