@@ -84,7 +84,7 @@ def _left(deadline: float) -> float:
 
 
 def _round(run: Run, claimed: Sequence[str], unresolved: list[int], chosen: list[int],
-           renew: set[int], deadline: float) -> tuple[list[Offer | None], list[list[int]]]:
+           renew: set[int], deadline: float) -> tuple[list[Offer | None], list[tuple[int, ...]]]:
     """Collective: the candidates' offers (None for other ranks), and which of them
     each claimant saw."""
     comm, identity, me = run.comm, run.pool.identity, run.comm.rank
@@ -96,7 +96,9 @@ def _round(run: Run, claimed: Sequence[str], unresolved: list[int], chosen: list
                 offer = _offer(probes, identity, claimed[me], renew=me in renew)
             except Exception as exc:
                 failure = run.failure("agree", None, exc)
-        gathered = comm.allgather_object([offer, failure], timeout=_left(deadline))
+        # Tuples: a payload many ranks send alike ((None, None) from every rank not
+        # chosen) is decoded once per rank, not once per sender.
+        gathered = comm.allgather_object((offer, failure), timeout=_left(deadline))
         run.raise_first(f for _, f in gathered)
         offers: list[Offer | None] = [o for o, _ in gathered]
         seen: list[int] = []
@@ -106,7 +108,7 @@ def _round(run: Run, claimed: Sequence[str], unresolved: list[int], chosen: list
                 if o is not None and claimed[c] == claimed[me] and o["name"] is not None and (
                         c == me or identity.sees(o["name"], o["token"])):
                     seen.append(c)
-        reports = comm.allgather_object(seen, timeout=_left(deadline))
+        reports = comm.allgather_object(tuple(seen), timeout=_left(deadline))
     return offers, reports
 
 
@@ -130,7 +132,7 @@ def _offer(probes: contextlib.ExitStack, identity: Identity, pool_id: str, *,
 
 def _settle(run: Run, claimed: Sequence[str], unresolved: list[int],
             offers: list[Offer | None],
-            reports: list[list[int]], labels: list[str], used: set[str],
+            reports: list[tuple[int, ...]], labels: list[str], used: set[str],
             first: bool) -> list[int]:
     """Pure but for reloading renewed ids: label the pools a round proved; return the
     claimants still unresolved."""

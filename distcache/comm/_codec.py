@@ -297,3 +297,10 @@ def decode_from(data: bytes | bytearray | memoryview, peer: int, where: str, *,
             "and that only the job's own processes can reach its rendezvous store",
             op="allgather_object", rank=rank, backend=backend, peer=peer,
         ) from None
+
+
+def immutable(value: Any) -> bool:
+    """Whether ``value`` (decoded plain data) can be handed to several ranks' entries."""
+    if value is None or type(value) in (bool, int, float, str, bytes):
+        return True
+    return type(value) is tuple and all(immutable(v) for v in value)

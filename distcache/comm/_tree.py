@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from distcache.comm._base import Communicator, Wrapping
-from distcache.comm._codec import decode_from, encode
+from distcache.comm._codec import decode_from, encode, immutable
 from distcache.errors import WireError
 
 #: Backends whose ranks share one process: a payload "sent" is a reference handed
@@ -114,13 +114,6 @@ def reduce_object(comm: Communicator, obj: Any, combine: Callable[[list[Any]], A
     if isinstance(comm, NodeTree):
         return comm.allreduce_object(obj, combine, timeout=timeout)
     return combine(comm.allgather_object(obj, timeout=timeout))
-
-
-def _immutable(value: Any) -> bool:
-    """Whether ``value`` (decoded plain data) can be handed to several ranks' entries."""
-    if value is None or type(value) in (bool, int, float, str, bytes):
-        return True
-    return type(value) is tuple and all(_immutable(v) for v in value)
 
 
 def _runs(indices: list[int]) -> list[int]:
@@ -309,7 +302,7 @@ class NodeTree(Wrapping):
                     continue
                 value = decode_from(table[index], len(out), where, rank=base.rank,
                                     backend=base.backend)
-                if _immutable(value):
+                if immutable(value):
                     shared[index] = value
                 out.append(value)
         if len(out) != base.size:
