@@ -268,8 +268,8 @@ TABLE: tuple[Variable, ...] = (
     Variable("DISTCACHE_DOWNLOADS_PER_RANK", "downloads_per_rank", 4, _int(1), "4",
              "concurrent origin downloads per rank"),
     Variable("DISTCACHE_DOWNLOADS_PER_JOB", "downloads_per_job", 32, _int(1), "32",
-             "concurrent origin downloads over the whole job, on as few ranks as "
-             "DOWNLOADS_PER_RANK allows; what a rate-limiting origin allows"),
+             "concurrent origin downloads over the whole job, carried by as few ranks "
+             "as the per-rank count allows; set it to what a rate-limiting origin allows"),
     Variable("DISTCACHE_NODE_ID", "node_id", None, _text, "hostname",
              "node identity used to group ranks"),
     Variable("DISTCACHE_TRANSPORT", "transport", "default", _transport, "default",

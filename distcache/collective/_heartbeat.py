@@ -70,8 +70,9 @@ def heartbeats(
             raise_first([state["failure"]])
             return
         if state["late"] is not None:
-            # A rank whose work already failed is named before the one it stalled (a
-            # receiver that met a malformed bucket leaves its source waiting).
+            # A rank whose work already failed is a candidate beside the stalled one,
+            # chosen by primary(): before a move's stall (a receiver that met a
+            # malformed bucket leaves its source waiting), by rank against a fetch's.
             rank, idle, detail, host = state["late"]
             raise_first([state["failure"], stalled(rank, idle, detail, host)])
 

@@ -107,8 +107,10 @@ _LOST = ("connection was likely closed", "connection reset", "broken pipe",
 
 
 def _lost(exc: BaseException) -> bool:
-    return (type(exc).__name__ == "DistNetworkError"
-            or any(text in str(exc).lower() for text in _LOST))
+    text = str(exc).lower()
+    if "socket timeout" in text:  # a server that does not answer: a timeout, not a loss
+        return False
+    return type(exc).__name__ == "DistNetworkError" or any(t in text for t in _LOST)
 
 
 def _wait_for(until: float) -> Any:

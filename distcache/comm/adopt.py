@@ -183,19 +183,30 @@ def _gloo(info: LaunchInfo, env: Mapping[str, str], run: tuple[str, int], until:
     from distcache.comm._gloo import GlooCommunicator
     from launch import find_store
 
+    wait = settings(timeout=options.get("timeout")).timeout
+    dialled = 0
     while True:
         meeting = find_store(info, max(until - time.monotonic(), 0.001), env)
         log.debug("communicator: distcache's own gloo group on %s", meeting.source)
         try:
-            return (GlooCommunicator(meeting.store, meeting.rank, meeting.world_size,
-                                     run=run, until=until, **options), meeting.source)
+            gloo = GlooCommunicator(meeting.store, meeting.rank, meeting.world_size,
+                                    run=run, until=until, **options)
         except StoreLost as exc:
             if not meeting.replaceable or time.monotonic() >= until:
                 raise
             log.info("rank %d: the %s closed under this adoption (an earlier adoption's, "
                      "replaced by rank 0's next); dialling it again: %s", meeting.rank,
                      meeting.source, exc)
+            dialled += 1
             time.sleep(0.05)
+            continue
+        if dialled:
+            # Dialled with what was left of the deadline: the group's later store calls
+            # get the whole timeout again.
+            from datetime import timedelta
+
+            meeting.store.set_timeout(timedelta(seconds=wait))
+        return gloo, meeting.source
 
 
 def auto(**options: Any) -> Communicator:

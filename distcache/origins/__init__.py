@@ -55,8 +55,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # HttpOrigin (and with it requests and urllib3) is loaded when first named: a job
-    # whose origin is a directory, or that has none, never imports them.
+    # HttpOrigin is loaded when first named, and requests and urllib3 with its first
+    # request: a rank that downloads nothing never imports them.
     if name == "HttpOrigin":
         from distcache.origins._http import HttpOrigin
 

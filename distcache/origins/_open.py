@@ -27,7 +27,7 @@ def _file_url(spec: str, credentials: Credentials) -> Origin:
 
 
 def _http_url(spec: str, credentials: Credentials) -> Origin:
-    # requests is imported with the first HTTP origin, not with the package.
+    # requests is imported with the origin's first request, not with the package.
     from distcache.origins._http import HttpOrigin
 
     return HttpOrigin(spec, token=credentials.token_for(spec))

@@ -10,8 +10,8 @@ origins, materialized files), the size cap and the pool's identity; behind it,
 :mod:`distcache.store.layout` names every path and checks the on-disk format,
 :mod:`distcache.store._objects` reads, publishes and quarantines objects,
 :mod:`distcache.store._log` keeps the label log and the journal, and
-:mod:`distcache.store._maintenance` (loaded on demand: :func:`_scans`) does the
-whole-pool scans (``gc``, ``verify``, ``stats``, ``sweep``).
+:mod:`distcache.store._maintenance` does the whole-pool scans (``gc``, ``verify``,
+``stats``, ``sweep``; their reports load with the first of those that makes one).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import threading
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 from distcache.artifact import Artifact, check_sha256, sha256_hex, validate_name
 from distcache.config import settings
 from distcache.errors import ConfigError, IntegrityError, PoolError
+from distcache.store import _maintenance
 from distcache.store._fs import make_dir, pool_error, process_umask, unlink_quietly
 from distcache.store._identity import PoolIdentity
 from distcache.store._locking import FileLock
@@ -43,12 +43,6 @@ if TYPE_CHECKING:
     from distcache.store._report import GcReport, PoolStats, VerifyReport
 
 logger = logging.getLogger(__name__)
-
-
-def _scans() -> ModuleType:
-    from distcache.store import _maintenance
-
-    return _maintenance
 
 
 class ArtifactPool:
@@ -140,7 +134,11 @@ class ArtifactPool:
 
     def has(self, sha256: str) -> bool:
         """Whether an object for ``sha256`` is present (no hashing; a later ``get``
-        may still find it corrupt). Raises ValueError for a malformed ``sha256``."""
+        may still find it corrupt).
+
+        Raises:
+            ValueError: ``sha256`` is not 64 lowercase hex characters.
+        """
         return self._store.has(check_sha256(sha256))
 
     def get(self, sha256: str, *, trust_own: bool = False) -> bytes | None:
@@ -159,8 +157,11 @@ class ArtifactPool:
         return self._store.read(check_sha256(sha256), stamp=True, trust_fresh=trust_own)
 
     def objects(self) -> Iterator[str]:
-        """The shas present (a directory scan; no hashing). Raises PoolError when the
-        objects directory cannot be listed."""
+        """The shas present (a directory scan; no hashing).
+
+        Raises:
+            PoolError: the objects directory cannot be listed.
+        """
         for _path, sha, _st in self._store.scan():
             yield sha
 
@@ -371,7 +372,7 @@ class ArtifactPool:
         Raises:
             PoolError: the objects directory cannot be listed.
         """
-        report = _scans().gc(self.layout, self.max_bytes if max_bytes is None else max_bytes)
+        report = _maintenance.gc(self.layout, self.max_bytes if max_bytes is None else max_bytes)
         self._set_approx_bytes(report.kept_bytes)
         return report
 
@@ -381,7 +382,7 @@ class ArtifactPool:
         Raises:
             PoolError: the pool cannot be listed or an object read.
         """
-        return _scans().verify(self._store)
+        return _maintenance.verify(self._store)
 
     def stats(self) -> PoolStats:
         """Counts from a directory scan, no hashing.
@@ -389,9 +390,9 @@ class ArtifactPool:
         Raises:
             PoolError: the pool cannot be listed, or the name index read.
         """
-        return _scans().stats(self.layout, pool_id=self.pool_id, names=len(self.names()),
+        return _maintenance.stats(self.layout, pool_id=self.pool_id, names=len(self.names()),
                               max_bytes=self.max_bytes)
 
     def sweep(self, max_age: float = STALE_TMP_SECONDS) -> int:
         """Remove stale temporary and lock files, as on every open; how many."""
-        return _scans().sweep(self.layout, max_age)
+        return _maintenance.sweep(self.layout, max_age)

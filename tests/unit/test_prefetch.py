@@ -895,7 +895,7 @@ def test_the_job_cap_bounds_concurrent_downloads_over_all_ranks(per_job: int) ->
         arts, comm=group.comm(r), pool=pools[r], origin=origin, bucket_bytes=8000,
         downloads_per_rank=4, downloads_per_job=per_job)))
     assert origin.total == 40 and origin.most <= per_job
-    # As few ranks as carry the job's connections at 4 each: 1, 1 and 2.
+    # As few ranks as carry the job's connections at 4 each, at most the 8 ranks.
     downloaders = min(-(-per_job // 4), 8)
     assert len(reports[0].downloaders) == downloaders
     # The downloaders spread over the nodes.
