@@ -284,7 +284,9 @@ def startup() -> str:
               f"largest bucket's {rss['a']:.1f} + {rss['b_per_node']:.3f} MB x nodes"
               f"{' (a falling fit taken as flat)' if rss.get('slope_clamped_to_zero') else ''}"
               + (f"; distcache's CPU per rank (import and init, this machine) "
-                 f"{cpu['a']:.3f} + {cpu['b_per_node']:.4f} s x nodes" if cpu else "")
+                 f"{cpu['a']:.3f} + {cpu['b_per_node']:.4f} s x nodes"
+                 + (" (a falling fit taken as flat)" if cpu.get("slope_clamped_to_zero")
+                    else "") if cpu else "")
               + ".", "",
               "| nodes (ranks) | control bytes per rank (max) | peak RSS beyond floor and bucket |"
               + (" distcache CPU per rank |" if cpu else ""),
