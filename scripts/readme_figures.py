@@ -240,8 +240,16 @@ def engine_startup() -> str:
                      f"{eng['init']:.3f} | {eng['load']:.3f} | "
                      f"{r['peak_rss_bytes'] / 1e6:.0f} MB |")
     lines += ["", "The phases are each the slowest rank's; peak RSS includes torch and "
-              "FlashInfer, which the engine imports before the clock.", "",
-              *_targets(d["targets"])]
+              "FlashInfer, which the engine imports before the clock."]
+    bare = [b for b in d.get("baselines", []) if b["concurrent_downloads"] == 16]
+    if bare and latency:
+        # What downloading alone takes on this machine in this run, at the same concurrency.
+        b = bare[0]
+        lines += ["", f"In the same run one process that only downloads the K artifacts, "
+                  f"16 at a time (its start-up outside the clock; nothing to move or load), takes "
+                  f"{_s(b['wall_s'])} s: {b['wall_s'] / rows[0]['latency_floor_s']:.2f}x "
+                  "the latency floor."]
+    lines += ["", *_targets(d["targets"])]
     return "\n".join(lines) + "\n"
 
 
