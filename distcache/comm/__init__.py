@@ -94,7 +94,7 @@ def from_torch(group: Any = None, **kwargs: Any) -> Communicator:
         )
     from torch.distributed import distributed_c10d
 
-    from distcache.comm._gloo import GlooCommunicator as GlooCommunicator
+    from distcache.comm._gloo import GlooCommunicator
 
     store = distributed_c10d._get_default_store()
     return GlooCommunicator(store, dist.get_rank(), dist.get_world_size(), **kwargs)

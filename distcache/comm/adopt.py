@@ -159,7 +159,7 @@ def adopt(
             raise
         return Adopted(mpi, choice, scope)
     if choice == "gloo":
-        gloo, source = _gloo(info, env, (job, attempt), until, options)
+        gloo, source = _gloo(info, env, (job, attempt), wait, until, options)
         log.debug("run scope: job %r, attempt %d, nonce %s", gloo.scope.job,
                   gloo.scope.attempt, gloo.scope.nonce)
         return Adopted(gloo, choice, gloo.scope, source)
@@ -169,8 +169,8 @@ def adopt(
     return Adopted(LocalCommunicator(node_id), choice, fresh(job, attempt))
 
 
-def _gloo(info: LaunchInfo, env: Mapping[str, str], run: tuple[str, int], until: float,
-          options: Mapping[str, Any]) -> tuple[Any, str]:
+def _gloo(info: LaunchInfo, env: Mapping[str, str], run: tuple[str, int], wait: float,
+          until: float, options: Mapping[str, Any]) -> tuple[Any, str]:
     """distcache's gloo group on the job's store, and where it met.
 
     Where rank 0 hosts the store for one adoption (``srun``, ``python -m launch``), a
@@ -178,13 +178,12 @@ def _gloo(info: LaunchInfo, env: Mapping[str, str], run: tuple[str, int], until:
     the moment before rank 0 closes it: the connection then drops in the middle of the
     meeting (:class:`~distcache.comm._scope.StoreLost`) and this rank dials the port
     again, now answered by the store of the adoption rank 0 is making, until the
-    deadline.
+    deadline. ``wait`` is the whole timeout, ``until`` its deadline.
     """
     from distcache.comm._gloo import GlooCommunicator
     from launch import find_store
 
-    wait = settings(timeout=options.get("timeout")).timeout
-    dialled = 0
+    dialled = False
     while True:
         meeting = find_store(info, max(until - time.monotonic(), 0.001), env)
         log.debug("communicator: distcache's own gloo group on %s", meeting.source)
@@ -197,7 +196,7 @@ def _gloo(info: LaunchInfo, env: Mapping[str, str], run: tuple[str, int], until:
             log.info("rank %d: the %s closed under this adoption (an earlier adoption's, "
                      "replaced by rank 0's next); dialling it again: %s", meeting.rank,
                      meeting.source, exc)
-            dialled += 1
+            dialled = True
             time.sleep(0.05)
             continue
         if dialled:

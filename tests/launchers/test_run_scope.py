@@ -304,23 +304,6 @@ def test_gloo_groups_on_one_store_each_agree_a_scope_and_their_splits_share_it()
 # -- a client that reaches the store of the adoption before ----------------------------
 
 
-def _free_port_pair() -> int:
-    """A port P with P and P + 1 both free on loopback (the store goes on P + 1)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = int(probe.getsockname()[1])
-        if port >= 65535:
-            continue
-        with socket.socket() as upper:
-            try:
-                upper.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two adjacent free ports on loopback")
-
-
 def test_a_rank_on_the_closing_store_of_the_adoption_before_meets_on_the_next() -> None:
     # srun or the launch wrapper: rank 0 hosts a store per adoption on MASTER_PORT + 1.
     # Rank 1, quick to its next adoption, reaches the previous store in the moment before
@@ -333,7 +316,7 @@ def test_a_rank_on_the_closing_store_of_the_adoption_before_meets_on_the_next() 
     from launch import run_id
     from launch._rendezvous import host_store
 
-    port = _free_port_pair()
+    port = _two_free_ports()
     env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port), "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0"}
     env0 = {**env, "RANK": "0", "LOCAL_RANK": "0"}
