@@ -153,12 +153,20 @@ def prefetch_manifests(
         wanted = merge_manifests((i.name, i.manifest()) for i in integrations)
     except DistcacheError as exc:
         error = exc
+    if offline is None:
+        offline = settings().offline
     # A rank that cannot read its manifest or record must not leave the others waiting.
-    agree_on_error(comm, error, timeout=timeout)
+    # The same all-gather carries whether the rank may download and the digest of what
+    # its integrations want: one round where there were three.
+    wanted_text = manifest_text(wanted).encode()
+    carried = agree_on_error(comm, error, timeout=timeout, carry=(
+        origin is None, bool(offline), sha256_hex(wanted_text) if wanted else None))
+    cannot = [(none, off) for none, off, _ in carried]
     artifacts = listed
     if integrations:
         everyone = union_across_ranks(comm, wanted, recorded_ns=_recorded_ns(integrations),
-                                      timeout=timeout)
+                                      timeout=timeout, digests=[d for _, _, d in carried],
+                                      text=wanted_text)
         if everyone:
             try:
                 artifacts = merge_manifests([("manifests", listed),
@@ -168,11 +176,8 @@ def prefetch_manifests(
             agree_on_error(comm, error, timeout=timeout)
     if not artifacts:
         return None
-    if offline is None:
-        offline = settings().offline
     # Whether to look before fetching is decided alike on every rank: a rank without an
     # origin (or offline) makes the whole job fetch nothing.
-    cannot = comm.allgather_object((origin is None, bool(offline)), timeout=timeout)
     if origin is None or any(none or off for none, off in cannot):
         offline = any(off for _, off in cannot)
         held, where = held_anywhere(comm, pool, artifacts, timeout=timeout)
@@ -287,7 +292,8 @@ def _read(spec: ManifestSpec, index: int) -> tuple[str, list[Artifact]]:
 
 def union_across_ranks(
     comm: Communicator, artifacts: Sequence[Artifact], *, recorded_ns: int | None = None,
-    timeout: float | None = None,
+    timeout: float | None = None, digests: Sequence[str | None] | None = None,
+    text: bytes | None = None,
 ) -> list[Artifact]:
     """Collective: the union of every rank's ``artifacts`` (what its integrations
     recorded), the same list on every rank.
@@ -297,13 +303,18 @@ def union_across_ranks(
     record was last written). When every rank's list is empty that is a single small
     all-gather. A name that two lists give two digests (the nodes' records straddle an
     upgrade) keeps the newest list's, with one warning on rank 0, as one record does.
+    ``digests`` are every rank's digest of its list (``sha256`` of its
+    :func:`manifest_text`, ``None`` for an empty list) when an all-gather the caller
+    made carried them; ``text`` is then this rank's manifest text.
 
     Raises:
         CollectiveTimeout: not every rank arrived in time.
     """
-    text = manifest_text(artifacts).encode()
+    if text is None:
+        text = manifest_text(artifacts).encode()
     digest = sha256_hex(text) if artifacts else None
-    digests = comm.allgather_object(digest, timeout=timeout)
+    if digests is None:
+        digests = comm.allgather_object(digest, timeout=timeout)
     if not any(digests):
         return []
     mine = None

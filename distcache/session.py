@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 from distcache._options import InitFields, InitOptions, compose, jit_families
 from distcache._resolve import prefetch_manifests, resolve_origin, resolve_pool
-from distcache.collective import SyncState, sync
 from distcache.comm import Adopted, Communicator, adopt, bulk_transport, local
 from distcache.config import Settings, settings
 from distcache.errors import CollectiveTimeout, DistcacheError
@@ -34,7 +33,7 @@ from distcache.integrations import Integration
 from distcache.peer import Hosted, start_for_session
 
 if TYPE_CHECKING:
-    from distcache.collective import PrefetchReport
+    from distcache.collective import PrefetchReport, SyncState
     from distcache.ipc import PoolRegistry
     from distcache.store import ArtifactPool
 
@@ -123,6 +122,8 @@ class Session:
             return None
         self.wait()  # the communicator is the background start-up's until it is done
         self._publish_jit()
+        from distcache.collective import SyncState, sync  # loaded by the first sync
+
         if self._sync_state is None:
             self._sync_state = SyncState()
         report = sync(comm=self.comm, pool=self.pool, timeout=timeout, state=self._sync_state)
@@ -293,8 +294,9 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
         chosen = [*chosen, *jit_families(options.jit_caches, conf, the_pool, options.environ)]
         the_origin = resolve_origin(options.origin, conf, chosen)
         secret = adopted.scope.secret if adopted else None
-        session._peers = start_for_session(comm, the_pool, the_origin, secret, conf.peers,
-                                           timeout=conf.timeout, environ=options.environ)
+        with _phase(phases, "peers"):
+            session._peers = start_for_session(comm, the_pool, the_origin, secret, conf.peers,
+                                               timeout=conf.timeout, environ=options.environ)
         if options.ipc_pools is not None:
             from distcache.ipc import PoolRegistry  # loaded by the jobs that map pools
 

@@ -36,8 +36,21 @@ leaves whole objects only, and the next call resumes from them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from distcache.collective._prefetch import prefetch
 from distcache.collective._report import PHASES, PrefetchReport
-from distcache.collective._sync import SyncState, sync
+
+if TYPE_CHECKING:
+    from distcache.collective._sync import SyncState, sync
 
 __all__ = ["PHASES", "PrefetchReport", "SyncState", "prefetch", "sync"]
+
+
+def __getattr__(name: str) -> Any:
+    # The sync loads with its first use: a start-up prefetches, it does not sync.
+    if name not in ("SyncState", "sync"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from distcache.collective import _sync
+
+    return getattr(_sync, name)

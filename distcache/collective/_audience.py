@@ -30,7 +30,7 @@ a communicator of exactly its ranks, split off the writers' communicator:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from distcache.comm import Communicator
 
@@ -41,8 +41,7 @@ MAX_AUDIENCES = 8
 Send = tuple[int, tuple[int, ...]]
 
 
-@dataclass(frozen=True)
-class Audience:
+class Audience(NamedTuple):
     """Writers that take part in some streams, and those streams."""
 
     #: World ranks of the writers taking part, sorted; every source is one of them.

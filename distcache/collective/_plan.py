@@ -30,7 +30,7 @@ Decisions the plan encodes:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from distcache.collective._audience import MAX_AUDIENCES, Audience, Send, group_by_audience
 
@@ -80,8 +80,7 @@ def node_interleaved(node_ids: Sequence[str]) -> list[int]:
     return order
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     """Who does what. Indices refer to the agreed, sorted list of objects (shas)."""
 
     #: The objects (sha256) in agreed order.

@@ -34,11 +34,10 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from distcache.artifact import Artifact
 from distcache.collective._bucket import StreamStats
-from distcache.collective._download import Downloads, stall_message
 from distcache.collective._heartbeat import (
     Activity,
     Failure,
@@ -50,12 +49,14 @@ from distcache.collective._heartbeat import (
 from distcache.collective._plan import Plan, decode_bitmap, elect_writers, encode_bitmap
 from distcache.collective._progress import Progress
 from distcache.collective._report import PHASES
-from distcache.collective._stream import move_objects
 from distcache.comm import Communicator
 from distcache.config import settings
 from distcache.errors import CommError, ConfigError, PrefetchError
 from distcache.origins import Origin
 from distcache.store import Pool
+
+if TYPE_CHECKING:
+    from distcache.collective._download import Downloads
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +163,9 @@ class Run:
                 some rank (on every rank).
             CommError: a peer missed a heartbeat by ``timeout``.
         """
+        # Loaded by the runs that download (a warm start has nothing to fetch).
+        from distcache.collective._download import Downloads, stall_message
+
         failure: Failure | None = None
         job: Downloads | None = None
         if artifacts and settings().offline:
@@ -219,6 +223,9 @@ class Run:
         rank's move made no progress for ``timeout`` or a rank misses a heartbeat.
         Returns this rank's failure (the caller agrees on it with :meth:`check`).
         """
+        # Loaded by the runs that move objects (a warm start has nothing to send).
+        from distcache.collective._stream import move_objects
+
         writers = plan.writer_ranks
         is_writer = self.comm.rank in writers
         # Always a communicator of the writers' own, even when every rank writes: the

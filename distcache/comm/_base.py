@@ -154,9 +154,12 @@ def chunk_spans(total: int, chunk: int) -> Iterator[tuple[int, int]]:
 
 
 def agree_on_error(
-    comm: Communicator, error: BaseException | None, *, timeout: float | None = None
-) -> None:
-    """Collective: if any rank passes an error, every rank raises one.
+    comm: Communicator, error: BaseException | None, *, timeout: float | None = None,
+    carry: Any = None,
+) -> list[Any]:
+    """Collective: if any rank passes an error, every rank raises one; else every
+    rank's ``carry`` (anything the communicator sends), in rank order, so that what
+    the ranks tell each other next rides on the same all-gather.
 
     The rank that failed re-raises its own error; every other rank raises the lowest
     failing rank's error, rebuilt from its description (:func:`describe_error`) when
@@ -170,15 +173,15 @@ def agree_on_error(
         WireError: a peer's description is not one (the error names the peer).
     """
     payload = None if error is None else describe_error(error)
-    gathered = comm.allgather_object((comm.node_id, payload), timeout=timeout)
+    gathered = comm.allgather_object((comm.node_id, payload, carry), timeout=timeout)
     failures = []
     for rank, entry in enumerate(gathered):
-        if not (type(entry) is tuple and len(entry) == 2 and type(entry[0]) is str):
-            raise _bad_description(comm, rank, "not a (node id, description) pair")
+        if not (type(entry) is tuple and len(entry) == 3 and type(entry[0]) is str):
+            raise _bad_description(comm, rank, "not a (node id, description, carry) triple")
         if entry[1] is not None:
             failures.append((rank, entry[0], entry[1]))
     if not failures:
-        return
+        return [entry[2] for entry in gathered]
     if error is not None:
         raise error
     rank, host, description = failures[0]

@@ -41,8 +41,7 @@ import hashlib
 import re
 import secrets
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from distcache.comm._base import Communicator
 from distcache.errors import CollectiveTimeout, CommError, DistcacheError
@@ -54,8 +53,7 @@ SECRET_BYTES = 32
 _NONCE = re.compile(rb"[0-9a-f]{%d}" % (2 * NONCE_BYTES))
 
 
-@dataclass(frozen=True, slots=True)
-class RunScope:
+class RunScope(NamedTuple):
     """One adoption's identity, the same on every rank of it."""
 
     job: str
@@ -64,8 +62,11 @@ class RunScope:
     """The restart attempt (:func:`launch.run_id`)."""
     nonce: str
     """32 hex digits rank 0 chose for this adoption."""
-    secret: bytes = field(repr=False)
+    secret: bytes
     """32 random bytes from rank 0, for authenticating peers; never logged."""
+
+    def __repr__(self) -> str:
+        return f"RunScope(job={self.job!r}, attempt={self.attempt}, nonce={self.nonce!r})"
 
     @property
     def prefix(self) -> str:

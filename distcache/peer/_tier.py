@@ -13,8 +13,8 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from distcache.artifact import Artifact
 from distcache.config import settings
@@ -26,8 +26,7 @@ log = logging.getLogger(__name__)
 LOOKUP_BOUND_S = 30.0
 
 
-@dataclass(frozen=True, slots=True)
-class Tier:
+class Tier(NamedTuple):
     """This node's agent as seen from one process."""
 
     endpoint: str  #: ``unix:PATH`` (or ``tcp://...``) of the node's agent
@@ -35,8 +34,7 @@ class Tier:
     bound: float = LOOKUP_BOUND_S
 
 
-@dataclass(frozen=True, slots=True)
-class Lookup:
+class Lookup(NamedTuple):
     """A lookup's answer: the verified bytes and where they came from (``peer``:
     another node's agent; ``origin``: this node owns the artifact and its agent asked
     the origin; ``fallback``: no owner answered and this node's agent asked the

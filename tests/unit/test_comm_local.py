@@ -304,7 +304,7 @@ def test_an_error_attribute_that_is_not_plain_data_arrives_as_text() -> None:
 def test_a_forged_error_description_is_a_wire_error_naming_the_peer(forged: Any) -> None:
     def body(comm: Communicator) -> None:
         if comm.rank == 1:  # speaks the protocol of agree_on_error with a forged entry
-            comm.allgather_object((comm.node_id, forged))
+            comm.allgather_object((comm.node_id, forged, None))
         else:
             agree_on_error(comm, None)
 

@@ -4,6 +4,7 @@ them. A leak of one descriptor or one thread per call shows up here as 1,000."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -40,8 +41,10 @@ def settled() -> None:
 
 def census(pool: ArtifactPool | None = None) -> dict[str, object]:
     """What a leak would grow: open descriptors, live threads, shm segments, temp files
-    (after the background flushes are done)."""
+    (after the background flushes are done, and after a collection: a descriptor an
+    earlier test left to the garbage collector would otherwise close mid-count)."""
     settled()
+    gc.collect()
     found: dict[str, object] = {
         "fds": len(os.listdir("/proc/self/fd")),
         "threads": sorted(t.name for t in threading.enumerate()),

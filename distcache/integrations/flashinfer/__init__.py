@@ -35,6 +35,8 @@ families, prefetched collectively).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from distcache.integrations.flashinfer._install import install, installed, uninstall
 from distcache.integrations.flashinfer._integration import FlashInfer
 from distcache.integrations.flashinfer._loader import (
@@ -45,12 +47,18 @@ from distcache.integrations.flashinfer._loader import (
     PooledLoader,
 )
 from distcache.integrations.flashinfer._upstream import default_origin
-from distcache.integrations.flashinfer._warm import (
-    family_checksums,
-    family_manifest,
-    family_names,
-    prefetch,
-)
+
+if TYPE_CHECKING:
+    from distcache.integrations.flashinfer._warm import (
+        family_checksums,
+        family_manifest,
+        family_names,
+        prefetch,
+    )
+
+#: Loaded on first use: an engine's start-up installs the wrapper, it does not warm
+#: whole families.
+_WARM = ("family_checksums", "family_manifest", "family_names", "prefetch")
 
 __all__ = [
     "DEFAULT_MATERIALIZED",
@@ -68,3 +76,11 @@ __all__ = [
     "prefetch",
     "uninstall",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WARM:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from distcache.integrations.flashinfer import _warm
+
+    return getattr(_warm, name)

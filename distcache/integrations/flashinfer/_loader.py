@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 from distcache import _events, peer
 from distcache.artifact import Artifact, check_sha256, path_under, sha256_hex, validate_name
@@ -50,8 +50,7 @@ DEFAULT_POOLED = ("*.cubin", "*.so", "*.h", "*/checksums.txt", "*.json")
 DEFAULT_MATERIALIZED = ("*.h", "*/checksums.txt", "*.json", "*.so", "*/deep-gemm/*")
 
 
-@dataclass(frozen=True, slots=True)
-class Families:
+class Families(NamedTuple):
     """Which artifact names the loader serves from the pool (shell globs, matched
     against the whole normalised name; ``*`` also matches ``/``, so a pin prefix is
     ``"<pin>/fmha/trtllm-gen/*"``)."""
