@@ -479,7 +479,8 @@ def engine_init_worker(args: argparse.Namespace) -> None:
         "cpu_s": cpu,
         "engine_s": {"import": imported - start, "init": initialised - imported,
                      # What init spends outside its named phases: the modules it
-                     # imports, choosing the integrations, the peer agents' start.
+                     # imports and choosing the integrations (the peer agents' start is
+                     # the phase "peers").
                      "init_unphased": initialised - imported - sum(session.phases.values()),
                      "load": ready - initialised},
         "init_phases": dict(session.phases),
