@@ -10,7 +10,6 @@ is logged once per process and the event is dropped.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -46,6 +45,8 @@ def emit(event: str, /, **fields: Any) -> bool:
         path = destination()
         if path is None:
             return False
+        import json  # loaded by the processes that write events
+
         record = {"ts": round(time.time(), 6), "event": event, "pid": os.getpid(),
                   "host": os.uname().nodename, **fields}
         line = (json.dumps(record, default=str, separators=(",", ":")) + "\n").encode()
