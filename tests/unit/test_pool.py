@@ -516,6 +516,33 @@ def test_names_tolerate_torn_and_damaged_records(pool: ArtifactPool) -> None:
     assert ArtifactPool(pool.root).names() == {"a.cubin": DIGEST, "b.cubin": DIGEST}
 
 
+def test_a_new_process_confirms_recorded_labels_without_writing_and_sees_damage(
+    pool: ArtifactPool,
+) -> None:
+    """A process that has not read the log compares it as text; a label whose last
+    record is damaged, or that names another sha, is written again."""
+    other = sha(b"other")
+    pool.remember([Artifact("a.cubin", DIGEST), Artifact("b.cubin", DIGEST)])
+    log = pool.root / "names.log"
+    size = log.stat().st_size
+    ArtifactPool(pool.root).remember([Artifact("a.cubin", DIGEST), Artifact("b.cubin", DIGEST)])
+    assert log.stat().st_size == size  # held: nothing appended
+    with open(log, "ab") as f:  # b's last record: the right sha, a damaged checksum
+        f.write(f"{DIGEST} 00000000 b.cubin\n".encode())
+    fresh = ArtifactPool(pool.root)
+    fresh.remember([Artifact("a.cubin", DIGEST), Artifact("b.cubin", DIGEST)])
+    # Parsed instead: b's earlier record still holds, so nothing is appended either.
+    assert log.stat().st_size == size + 74 + len("b.cubin") + 1
+    assert fresh.names() == {"a.cubin": DIGEST, "b.cubin": DIGEST}
+    ArtifactPool(pool.root).remember([Artifact("a.cubin", other)])
+    assert ArtifactPool(pool.root).names() == {"a.cubin": other, "b.cubin": DIGEST}
+    only_damaged = ArtifactPool(pool.root.parent / "second")
+    with open(only_damaged.root / "names.log", "ab") as f:
+        f.write(f"{DIGEST} 00000000 c.cubin\n".encode())
+    ArtifactPool(only_damaged.root).remember([Artifact("c.cubin", DIGEST)])
+    assert ArtifactPool(only_damaged.root).names() == {"c.cubin": DIGEST}
+
+
 def test_journal_since_returns_new_shas_and_cursor(pool: ArtifactPool) -> None:
     first = pool.put(b"one")
     shas, cursor = pool.journal_since(0)
