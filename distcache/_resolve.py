@@ -233,9 +233,9 @@ def held_anywhere(comm: Communicator, pool: ArtifactPool, artifacts: Sequence[Ar
     if ranks[seen[comm.rank]][0] == comm.rank:
         try:
             flags = bytearray((len(artifacts) + 7) // 8)
-            for i, artifact in enumerate(artifacts):
-                if pool.has(artifact.sha256):
-                    flags[i >> 3] |= 1 << (i & 7)
+            held = pool.holding([a.sha256 for a in artifacts])
+            for i in (i for i, found in enumerate(held) if found):
+                flags[i >> 3] |= 1 << (i & 7)
             bitmap = bytes(flags)
         except (DistcacheError, OSError) as exc:
             failure = f"rank {comm.rank} ({comm.node_id}): {type(exc).__name__}: {exc}"

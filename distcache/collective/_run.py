@@ -291,7 +291,7 @@ def discover(run: Run, objects: list[str], pool_ids: list[str]) -> dict[str, lis
     failure: Failure | None = None
     if writers[pool_ids[run.comm.rank]] == run.comm.rank:
         try:
-            payload = encode_bitmap([run.pool.has(s) for s in objects])
+            payload = encode_bitmap(run.pool.holding(objects))
         except Exception as exc:
             failure = run.failure("discover", None, exc)
     gathered = run.comm.allgather_object((payload, failure), timeout=run.timeout)

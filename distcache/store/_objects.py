@@ -40,7 +40,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from distcache.artifact import Artifact, sha256_hex
@@ -121,6 +121,25 @@ class ObjectStore:
                 stat.S_ISREG(os.lstat(self.layout.object_path(sha)).st_mode))
         except OSError:
             return False
+
+    def holding(self, shas: Iterable[str]) -> list[bool]:
+        """:meth:`has` for each of ``shas``: one ``lstat`` per object, and one per
+        fanout directory however many of the objects it holds."""
+        real: dict[str, bool] = {}
+        found = []
+        for sha in shas:
+            fanout = sha[:2]
+            if fanout not in real:
+                try:
+                    real[fanout] = stat.S_ISDIR(os.lstat(self.layout.fanout(sha)).st_mode)
+                except OSError:
+                    real[fanout] = False
+            try:
+                found.append(real[fanout] and stat.S_ISREG(
+                    os.lstat(self.layout.object_path(sha)).st_mode))
+            except OSError:
+                found.append(False)
+        return found
 
     def read(self, sha: str, *, stamp: bool, trust_fresh: bool = False) -> bytes | None:
         """The verified bytes of ``sha``, or None when absent or corrupt (then

@@ -5,13 +5,11 @@ read is verified, publication is write-to-unique-temp + fsync + ``link`` into pl
 (first publisher wins; content-addressed, so every publisher has the same bytes),
 and a crash leaves either no object or a whole one.
 
-:class:`ArtifactPool` is the one public entry point. It deals in artifacts (names,
-origins, materialized files), the size cap and the pool's identity; behind it,
-:mod:`distcache.store.layout` names every path and checks the on-disk format,
-:mod:`distcache.store._objects` reads, publishes and quarantines objects,
-:mod:`distcache.store._log` keeps the label log and the journal, and
-:mod:`distcache.store._maintenance` does the whole-pool scans (``gc``, ``verify``,
-``stats``, ``sweep``; their reports load with the first of those that makes one).
+:class:`ArtifactPool` is the one public entry point: artifacts (names, origins,
+materialized files), the size cap, the pool's identity. Behind it ``layout`` names
+every path and checks the format, ``_objects`` reads, publishes and quarantines,
+``_log`` keeps the labels and the journal, ``_maintenance`` scans the whole pool
+(``gc``, ``verify``, ``stats``, ``sweep``; their reports load on first use).
 """
 
 from __future__ import annotations
@@ -140,6 +138,10 @@ class ArtifactPool:
             ValueError: ``sha256`` is not 64 lowercase hex characters.
         """
         return self._store.has(check_sha256(sha256))
+
+    def holding(self, shas: Iterable[str]) -> list[bool]:
+        """:meth:`has` for each of ``shas``, a fanout checked once (ValueError: a bad sha)."""
+        return self._store.holding([check_sha256(s) for s in shas])
 
     def get(self, sha256: str, *, trust_own: bool = False) -> bytes | None:
         """The verified bytes of ``sha256``, or ``None`` when absent or corrupt.

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -435,6 +435,9 @@ class _NoPool:
 
     def has(self, sha256: str) -> bool:
         return False
+
+    def holding(self, shas: Iterable[str]) -> list[bool]:
+        return [False for _ in shas]
 
     def get(self, sha256: str, *, trust_own: bool = False) -> bytes | None:
         return None

@@ -147,6 +147,28 @@ def test_symlinked_objects_directory_is_refused(tmp_path: Path) -> None:
         ArtifactPool(root)
 
 
+def test_holding_answers_as_has_for_each_object_and_never_through_a_link(
+    pool: ArtifactPool, tmp_path: Path
+) -> None:
+    present = [pool.put(b"one"), pool.put(b"two")]
+    # A symlinked fanout whose target holds a regular file of the right name.
+    linked = next(d for d in (sha(bytes([i])) for i in range(256))
+                  if d[:2] not in {p[:2] for p in present})
+    (tmp_path / "bait").mkdir()
+    (tmp_path / "bait" / linked).write_bytes(b"bait")
+    os.symlink(tmp_path / "bait", pool.root / "objects" / linked[:2])
+    # An object path that is a directory, in a real fanout of a present object.
+    odd = present[0][:2] + "f" * 62
+    (pool.root / "objects" / odd[:2] / odd).mkdir()
+    absent = sha(b"never stored")
+    asked = [present[0], linked, absent, odd, present[1], present[0]]
+    assert pool.holding(asked) == [pool.has(s) for s in asked]
+    assert pool.holding(asked) == [True, False, False, False, True, True]
+    assert pool.holding([]) == []
+    with pytest.raises(ValueError):
+        pool.holding([present[0], "not-a-sha"])
+
+
 @pytest.mark.parametrize("planted", ["symlink", "file"])
 def test_a_non_directory_fanout_is_moved_aside_and_publishing_heals(
     pool: ArtifactPool, tmp_path: Path, planted: str

@@ -91,6 +91,9 @@ class FakePool:
     def has(self, sha256: str) -> bool:
         return sha256 in self.store.objects
 
+    def holding(self, shas: Iterable[str]) -> list[bool]:
+        return [self.has(s) for s in shas]
+
     def get(self, sha256: str, *, trust_own: bool = False) -> bytes | None:
         return self.store.objects.get(sha256)
 
