@@ -123,22 +123,29 @@ class ObjectStore:
             return False
 
     def holding(self, shas: Iterable[str]) -> list[bool]:
-        """:meth:`has` for each of ``shas``: one ``lstat`` per object, and one per
-        fanout directory however many of the objects it holds."""
-        real: dict[str, bool] = {}
-        found = []
-        for sha in shas:
-            fanout = sha[:2]
-            if fanout not in real:
-                try:
-                    real[fanout] = stat.S_ISDIR(os.lstat(self.layout.fanout(sha)).st_mode)
-                except OSError:
-                    real[fanout] = False
+        """:meth:`has` for each of ``shas``. A fanout directory asked about a few
+        objects is checked once and each object with one ``lstat``; one asked about
+        many (a whole family) is listed once, through a descriptor that does not
+        follow a link, and its regular files are read off the listing."""
+        wanted = list(shas)
+        by_fanout: dict[str, list[int]] = {}
+        for i, sha in enumerate(wanted):
+            by_fanout.setdefault(sha[:2], []).append(i)
+        found = [False] * len(wanted)
+        for indices in by_fanout.values():
+            fanout = self.layout.fanout(wanted[indices[0]])
             try:
-                found.append(real[fanout] and stat.S_ISREG(
-                    os.lstat(self.layout.object_path(sha)).st_mode))
-            except OSError:
-                found.append(False)
+                if len(indices) >= _LISTED:
+                    files = _regular_files(fanout)
+                    for i in indices:
+                        found[i] = wanted[i] in files
+                elif stat.S_ISDIR(os.lstat(fanout).st_mode):
+                    for i in indices:
+                        with contextlib.suppress(OSError):
+                            found[i] = stat.S_ISREG(
+                                os.lstat(self.layout.object_path(wanted[i])).st_mode)
+            except OSError:  # absent, not a directory, unreadable: holds none of them
+                continue
         return found
 
     def read(self, sha: str, *, stamp: bool, trust_fresh: bool = False) -> bytes | None:
@@ -265,6 +272,22 @@ class ObjectStore:
             return
         if not stat.S_ISDIR(st.st_mode):
             self.quarantine(sha, "is not a directory (a planted symlink?)", st, path=directory)
+
+
+#: Objects asked about in one fanout directory from which :meth:`ObjectStore.holding`
+#: lists the directory instead of checking each object.
+_LISTED = 16
+
+
+def _regular_files(fanout: str) -> set[str]:
+    """The names of the regular files in ``fanout``, opened without following a
+    link (``OSError`` when it is absent or not a real directory)."""
+    fd = os.open(fanout, DIR_FLAGS)
+    try:
+        with os.scandir(fd) as entries:
+            return {e.name for e in entries if e.is_file(follow_symlinks=False)}
+    finally:
+        os.close(fd)
 
 
 def open_fanout(path: str) -> int | None:

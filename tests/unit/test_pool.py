@@ -147,9 +147,12 @@ def test_symlinked_objects_directory_is_refused(tmp_path: Path) -> None:
         ArtifactPool(root)
 
 
+@pytest.mark.parametrize("listed", [False, True], ids=["lstat-each", "list-fanout"])
 def test_holding_answers_as_has_for_each_object_and_never_through_a_link(
-    pool: ArtifactPool, tmp_path: Path
+    pool: ArtifactPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, listed: bool
 ) -> None:
+    # From how many objects per fanout directory holding lists the directory.
+    monkeypatch.setattr("distcache.store._objects._LISTED", 1 if listed else 10**9)
     present = [pool.put(b"one"), pool.put(b"two")]
     # A symlinked fanout whose target holds a regular file of the right name.
     linked = next(d for d in (sha(bytes([i])) for i in range(256))
