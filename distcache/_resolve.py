@@ -151,10 +151,10 @@ def prefetch_manifests(
     try:
         listed = merge_manifests(_read(spec, i) for i, spec in enumerate(manifests))
         wanted = merge_manifests((i.name, i.manifest()) for i in integrations)
+        if offline is None:
+            offline = settings().offline
     except DistcacheError as exc:
         error = exc
-    if offline is None:
-        offline = settings().offline
     # A rank that cannot read its manifest or record must not leave the others waiting.
     # The same all-gather carries whether the rank may download and the digest of what
     # its integrations want: one round where there were three.

@@ -111,6 +111,10 @@ class NamesIndex:
         self._guard = threading.Lock()
         self._names: dict[str, str] = {}
         self._offset = 0
+        # The last record line per name, unparsed, and the offset read up to
+        # (refreshed_holds before the first parse).
+        self._raw: dict[str, str] = {}
+        self._raw_offset = 0
 
     def holds(self, pairs: Iterable[tuple[str, str]]) -> bool:
         """Whether every ``(name, sha)`` is already the label this process read or
@@ -144,21 +148,29 @@ class NamesIndex:
     def _log_holds(self, pairs: list[tuple[str, str]]) -> bool:
         """Whether the log's last record for each name is the one ``pairs`` give it
         (text compared; a damaged later record makes this False, and the caller
-        parses)."""
-        records, _ = self._log.read_from(0)
-        last: dict[str, str] = {}
-        for line in records:
-            parts = line.split(" ", 2)
-            if len(parts) == 3:
-                last[parts[2]] = line
+        parses). The last record line per name is kept with the offset it was read
+        up to, so a later call reads only what was appended since."""
         crc32 = zlib.crc32
-        try:
-            for name, sha in pairs:
-                # Exactly the record this pair would append ("<sha> <crc> <name>").
-                if last.get(name) != f"{sha} {crc32(f'{sha} {name}'.encode()):08x} {name}":
-                    return False
-        except (TypeError, AttributeError):  # a forged, non-text pair is held by no one
-            return False
+        with self._guard:
+            records, offset = self._log.read_from(self._raw_offset)
+            if offset < self._raw_offset:  # the log was replaced
+                self._raw.clear()
+            for line in records:
+                parts = line.split(" ", 2)
+                if len(parts) == 3:
+                    name = parts[2]
+                    while "//" in name:  # keyed as the parse would name it
+                        name = name.replace("//", "/")
+                    self._raw[name] = line
+            self._raw_offset = offset
+            try:
+                for name, sha in pairs:
+                    # Exactly the record this pair would append ("<sha> <crc> <name>").
+                    if self._raw.get(name) != (
+                            f"{sha} {crc32(f'{sha} {name}'.encode()):08x} {name}"):
+                        return False
+            except (TypeError, AttributeError, ValueError):  # a forged pair: held by no one
+                return False
         return True
 
     def record(self, wanted: Iterable[tuple[str, str]]) -> None:

@@ -134,18 +134,25 @@ class ObjectStore:
         found = [False] * len(wanted)
         for indices in by_fanout.values():
             fanout = self.layout.fanout(wanted[indices[0]])
-            try:
-                if len(indices) >= _LISTED:
-                    files = _regular_files(fanout)
+            if len(indices) >= _LISTED:
+                try:
+                    files = _regular_files(fanout, {wanted[i] for i in indices})
+                except OSError as exc:
+                    if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                        continue  # absent, or not a real directory: holds none of them
+                    # Not listable (search permission only, an I/O error): as has().
+                else:
                     for i in indices:
                         found[i] = wanted[i] in files
-                elif stat.S_ISDIR(os.lstat(fanout).st_mode):
-                    for i in indices:
-                        with contextlib.suppress(OSError):
-                            found[i] = stat.S_ISREG(
-                                os.lstat(self.layout.object_path(wanted[i])).st_mode)
-            except OSError:  # absent, not a directory, unreadable: holds none of them
+                    continue
+            try:
+                if not stat.S_ISDIR(os.lstat(fanout).st_mode):
+                    continue
+            except OSError:
                 continue
+            for i in indices:
+                with contextlib.suppress(OSError):
+                    found[i] = stat.S_ISREG(os.lstat(self.layout.object_path(wanted[i])).st_mode)
         return found
 
     def read(self, sha: str, *, stamp: bool, trust_fresh: bool = False) -> bytes | None:
@@ -279,13 +286,16 @@ class ObjectStore:
 _LISTED = 16
 
 
-def _regular_files(fanout: str) -> set[str]:
-    """The names of the regular files in ``fanout``, opened without following a
-    link (``OSError`` when it is absent or not a real directory)."""
+def _regular_files(fanout: str, names: set[str]) -> set[str]:
+    """Those of ``names`` that are regular files in ``fanout``, listed through a
+    descriptor opened without following a link (``OSError`` when it is absent, not a
+    real directory or cannot be listed). Only the names asked about are typed, so a
+    filesystem without entry types costs an ``fstatat`` for each of them alone."""
     fd = os.open(fanout, DIR_FLAGS)
     try:
         with os.scandir(fd) as entries:
-            return {e.name for e in entries if e.is_file(follow_symlinks=False)}
+            return {e.name for e in entries if e.name in names
+                    and e.is_file(follow_symlinks=False)}
     finally:
         os.close(fd)
 

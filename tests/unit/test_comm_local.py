@@ -356,6 +356,29 @@ def test_importing_comm_imports_neither_torch_nor_mpi4py() -> None:
     assert proc.stdout.strip() == "ok"
 
 
+def test_a_start_up_loads_neither_the_move_nor_the_sync_nor_what_it_does_not_use() -> None:
+    # What a warm start never runs loads with its first use: the download and move
+    # steps, the sync, FlashInfer's family warm-up, json (structured events only).
+    proc = _python(
+        """
+        import sys
+        import distcache
+        from distcache import session, integrations
+        import distcache.integrations.flashinfer
+        lazy = ("distcache.collective._download", "distcache.collective._stream",
+                "distcache.collective._sync", "distcache.integrations.flashinfer._warm",
+                "json")
+        loaded = sorted(m for m in lazy if m in sys.modules)
+        assert not loaded, loaded
+        assert distcache.collective.sync.__module__ == "distcache.collective._sync"
+        assert "distcache.collective._sync" in sys.modules
+        print("ok")
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok"
+
+
 def test_auto_makes_its_own_gloo_group_beside_an_initialised_torch_world(
     tmp_path: Path,
 ) -> None:

@@ -172,6 +172,22 @@ def test_holding_answers_as_has_for_each_object_and_never_through_a_link(
         pool.holding([present[0], "not-a-sha"])
 
 
+def test_holding_asks_object_by_object_where_a_fanout_cannot_be_listed(
+    pool: ArtifactPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A fanout with search permission only (x, not r) answers has() but not a listing;
+    # root ignores the mode bits, so the listing's refusal is made here.
+    import distcache.store._objects as objects
+
+    def refused(fanout: str, names: set[str]) -> set[str]:
+        raise PermissionError(errno.EACCES, "Permission denied", fanout)
+
+    monkeypatch.setattr(objects, "_LISTED", 1)
+    monkeypatch.setattr(objects, "_regular_files", refused)
+    present = pool.put(b"one")
+    assert pool.holding([present, sha(b"absent")]) == [True, False]
+
+
 @pytest.mark.parametrize("planted", ["symlink", "file"])
 def test_a_non_directory_fanout_is_moved_aside_and_publishing_heals(
     pool: ArtifactPool, tmp_path: Path, planted: str
@@ -544,8 +560,9 @@ def test_names_tolerate_torn_and_damaged_records(pool: ArtifactPool) -> None:
 def test_a_new_process_confirms_recorded_labels_without_writing_and_sees_damage(
     pool: ArtifactPool,
 ) -> None:
-    """A process that has not read the log compares it as text; a label whose last
-    record is damaged, or that names another sha, is written again."""
+    """A process that has not read the log compares it as text. A damaged last record
+    sends it to the parse (which finds an earlier good record, or writes the label
+    again), and so does a label that names another sha."""
     other = sha(b"other")
     pool.remember([Artifact("a.cubin", DIGEST), Artifact("b.cubin", DIGEST)])
     log = pool.root / "names.log"
@@ -566,6 +583,35 @@ def test_a_new_process_confirms_recorded_labels_without_writing_and_sees_damage(
         f.write(f"{DIGEST} 00000000 c.cubin\n".encode())
     ArtifactPool(only_damaged.root).remember([Artifact("c.cubin", DIGEST)])
     assert ArtifactPool(only_damaged.root).names() == {"c.cubin": DIGEST}
+
+
+def test_confirming_labels_reads_only_what_was_appended_since_and_names_as_the_parse(
+    pool: ArtifactPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from distcache.store._log import AppendLog, _name_record
+
+    first, second = sha(b"first"), sha(b"second")
+    pool.remember([Artifact("a/b.cubin", first)])
+    reads: list[int] = []
+    real_read = AppendLog.read_from
+
+    def counted(self: AppendLog, offset: int) -> tuple[list[str], int]:
+        records, end = real_read(self, offset)
+        reads.append(len(records))
+        return records, end
+
+    monkeypatch.setattr(AppendLog, "read_from", counted)
+    fresh = ArtifactPool(pool.root)
+    fresh.remember([Artifact("a/b.cubin", first)])  # the whole log, once
+    fresh.remember([Artifact("a/b.cubin", first)])  # nothing appended since: no record
+    assert reads == [1, 0]
+    # A record another writer spelled with '//' names a/b.cubin for the parse: the
+    # label is now `second`, and confirming `first` must write it again.
+    with open(pool.root / "names.log", "a") as f:
+        f.write(_name_record("a//b.cubin", second) + "\n")
+    assert ArtifactPool(pool.root).names() == {"a/b.cubin": second}
+    ArtifactPool(pool.root).remember([Artifact("a/b.cubin", first)])
+    assert ArtifactPool(pool.root).names() == {"a/b.cubin": first}
 
 
 def test_journal_since_returns_new_shas_and_cursor(pool: ArtifactPool) -> None:
