@@ -43,7 +43,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple, Self
 
 from distcache.comm._base import MAX_MESSAGE_BYTES, check_broadcast, chunk_spans, hostname
-from distcache.comm._codec import decode_from, encode, immutable
+from distcache.comm._codec import decode_each, encode
 from distcache.config import settings
 from distcache.errors import CollectiveTimeout, CommError
 
@@ -270,24 +270,11 @@ class BackendCommunicator(ABC):
         budget = self._budget(timeout)
         lengths = self._allgather_lengths(len(mine), budget)
         parts = self._allgather_payloads(mine, lengths, budget)
-        # This rank's own part is decoded too, so that every rank sees the same values.
-        # Each distinct payload is decoded once (many ranks send alike: a node id, a
-        # split's color, "no failure"); an immutable value is shared by the ranks that
-        # sent it, a mutable one decoded again for each, so that a caller may change
-        # one rank's entry without changing another's.
+        # This rank's own part is decoded too, so that every rank sees the same values;
+        # many ranks send alike (a node id, a split's color, "no failure").
         where = f"rank {self._rank}/{self._size} ({self._node_id})"
-        out: list[Any] = []
-        shared: dict[bytes, Any] = {}
-        for peer, part in enumerate(parts):
-            key = bytes(part)
-            if key in shared:
-                out.append(shared[key])
-                continue
-            value = decode_from(part, peer, where, rank=self._rank, backend=self._kind)
-            if immutable(value):
-                shared[key] = value
-            out.append(value)
-        return out
+        return decode_each(((bytes(part), part) for part in parts), where,
+                           rank=self._rank, backend=self._kind)
 
     def barrier(self, *, timeout: float | None = None) -> None:
         self._barrier(self._budget(timeout))

@@ -27,6 +27,7 @@ left, nesting is bounded, trailing bytes are refused, and any failure is a
 from __future__ import annotations
 
 import struct
+from collections.abc import Hashable, Iterable
 from typing import Any
 
 from distcache.errors import WireError
@@ -299,8 +300,31 @@ def decode_from(data: bytes | bytearray | memoryview, peer: int, where: str, *,
         ) from None
 
 
-def immutable(value: Any) -> bool:
+def _immutable(value: Any) -> bool:
     """Whether ``value`` (decoded plain data) can be handed to several ranks' entries."""
     if value is None or type(value) in (bool, int, float, str, bytes):
         return True
-    return type(value) is tuple and all(immutable(v) for v in value)
+    return type(value) is tuple and all(_immutable(v) for v in value)
+
+
+def decode_each(payloads: Iterable[tuple[Hashable, bytes | bytearray | memoryview]],
+                where: str, *, rank: int, backend: str) -> list[Any]:
+    """Every peer's value, in order, from ``(key, payload)`` pairs (one per peer; equal
+    keys mean equal payloads). Each distinct payload is decoded once; an immutable
+    value is shared by the peers that sent it, a mutable one decoded again for each,
+    so that a caller may change one peer's entry without changing another's.
+
+    Raises:
+        WireError: a payload is not one (:func:`decode_from`).
+    """
+    out: list[Any] = []
+    shared: dict[Hashable, Any] = {}
+    for key, payload in payloads:
+        if key in shared:
+            out.append(shared[key])
+            continue
+        value = decode_from(payload, len(out), where, rank=rank, backend=backend)
+        if _immutable(value):
+            shared[key] = value
+        out.append(value)
+    return out

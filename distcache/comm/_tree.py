@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from distcache.comm._base import Communicator, Wrapping
-from distcache.comm._codec import decode_from, encode, immutable
+from distcache.comm._codec import decode_each, decode_from, encode
 from distcache.errors import WireError
 
 #: Backends whose ranks share one process: a payload "sent" is a reference handed
@@ -290,21 +290,9 @@ class NodeTree(Wrapping):
                             "malformed", op="allgather_object", rank=base.rank,
                             backend=base.backend, peer=leader)
         table, runs = folded
-        out: list[Any] = []
-        # Each distinct payload is decoded once; an immutable value is shared by the
-        # ranks that sent it, a mutable one is decoded again for each (a caller may
-        # change one rank's entry without changing another's).
-        shared: dict[int, Any] = {}
-        for count, index in zip(runs[::2], runs[1::2], strict=True):
-            for _ in range(count):
-                if index in shared:
-                    out.append(shared[index])
-                    continue
-                value = decode_from(table[index], len(out), where, rank=base.rank,
-                                    backend=base.backend)
-                if immutable(value):
-                    shared[index] = value
-                out.append(value)
+        out = decode_each(((index, table[index])
+                           for count, index in zip(runs[::2], runs[1::2], strict=True)
+                           for _ in range(count)), where, rank=base.rank, backend=base.backend)
         if len(out) != base.size:
             raise WireError(f"allgather_object on {where}: the node leader's answer covers "
                             f"{len(out)} of {base.size} ranks", op="allgather_object",

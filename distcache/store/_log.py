@@ -150,7 +150,6 @@ class NamesIndex:
         (text compared; a damaged later record makes this False, and the caller
         parses). The last record line per name is kept with the offset it was read
         up to, so a later call reads only what was appended since."""
-        crc32 = zlib.crc32
         with self._guard:
             records, offset = self._log.read_from(self._raw_offset)
             if offset < self._raw_offset:  # the log was replaced
@@ -166,8 +165,7 @@ class NamesIndex:
             try:
                 for name, sha in pairs:
                     # Exactly the record this pair would append ("<sha> <crc> <name>").
-                    if self._raw.get(name) != (
-                            f"{sha} {crc32(f'{sha} {name}'.encode()):08x} {name}"):
+                    if self._raw.get(name) != _name_record(name, sha):
                         return False
             except (TypeError, AttributeError, ValueError):  # a forged pair: held by no one
                 return False
