@@ -3,7 +3,8 @@
 :class:`BackendCommunicator` implements the :class:`~distcache.comm._base.Communicator`
 protocol once: option resolution and checks, identity, the broken-after-timeout
 state and its refusal, the chunked broadcast (length first, then chunks of at most
-``chunk_bytes``), the plain-data wire form of ``allgather_object``
+``chunk_bytes``; small payloads ride with their lengths, :mod:`~distcache.comm._inline`),
+the plain-data wire form of ``allgather_object``
 (:mod:`distcache.comm._codec`: no pickle, a malformed peer payload is a
 :class:`~distcache.errors.WireError`), the ``chunk_messages`` and
 ``payload_bytes`` counters, and ``split``'s agreement and per-partition child cache.
@@ -13,14 +14,16 @@ waits for it no longer than the :class:`Budget` allows, and translates the
 transport's errors (:meth:`BackendCommunicator._timed_out`,
 :meth:`BackendCommunicator._comm_error`):
 
-* ``_broadcast_length(length, root, budget) -> int``: the root's ``length``;
+* ``_broadcast_block(block, width, root, budget)``: the root's ``block`` (``width``
+  bytes; ``None`` on the other ranks);
 * ``_payload_buffer(data, total)``: a buffer holding the root's ``data``, or
   ``total`` bytes to receive into;
 * ``_broadcast_span(buffer, start, stop, root, budget)``: one chunk, in place;
 * ``_buffer_bytes(buffer) -> bytes``: the received payload (and, optionally,
   ``_lent_buffer``/``_owned_buffer``: the same without copies, for
   :meth:`BackendCommunicator.broadcast_buffer`);
-* ``_allgather_lengths(length, budget) -> list[int]``: every rank's ``length``;
+* ``_allgather_blocks(block, budget)``: every rank's ``block`` (all of one width),
+  in rank order;
 * ``_allgather_payloads(mine, lengths, budget)``: every rank's bytes, in rank
   order (refusing, with :meth:`BackendCommunicator._too_large`, what exceeds one
   message of the transport);
@@ -39,11 +42,11 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple, Self
 
 from distcache.comm._base import MAX_MESSAGE_BYTES, check_broadcast, chunk_spans, hostname
 from distcache.comm._codec import decode_each, encode
+from distcache.comm._inline import HEAD, INLINE_MAX, carried, head, inline_width, length_of
 from distcache.config import settings
 from distcache.errors import CollectiveTimeout, CommError
 
@@ -52,16 +55,6 @@ from distcache.errors import CollectiveTimeout, CommError
 #: call, and the same ones again on every prefetch and sync of a job.
 MAX_CHILDREN = 8
 
-# Polling: start with a tight loop (small collectives finish in microseconds), back
-# off to a short sleep so idle ranks do not steal cores from working ones, and on a
-# long wait to a pause of a tenth of the time waited so far (at most _POLL_LONG_S):
-# a rank waiting seconds for its peers polls a few dozen times, not thousands, and
-# completes at most about 10 % later than it could have.
-_POLL_MIN_S = 20e-6
-_POLL_MAX_S = 2e-3
-_POLL_LONG_S = 50e-3
-
-
 class Budget(NamedTuple):
     """The time one collective call may take."""
 
@@ -69,22 +62,6 @@ class Budget(NamedTuple):
     seconds: float
     #: ``time.monotonic()`` value at which the whole call gives up.
     until: float
-
-
-def poll_until(done: Callable[[], bool], until: float) -> bool:
-    """Call ``done`` until it returns True (then True) or ``until`` passes (False)."""
-    pause = _POLL_MIN_S
-    began = time.monotonic()
-    while not done():
-        now = time.monotonic()
-        if now >= until:
-            return False
-        time.sleep(min(pause, until - now))
-        if pause < _POLL_MAX_S:
-            pause = min(pause * 2, _POLL_MAX_S)
-        else:
-            pause = min(max(_POLL_MAX_S, (now - began) * 0.1), _POLL_LONG_S)
-    return True
 
 
 class BackendCommunicator(ABC):
@@ -251,7 +228,15 @@ class BackendCommunicator(ABC):
         check_broadcast(self._rank, self._size, root, data)
         budget = self._budget(timeout)
         mine = data if self._rank == root else None
-        total = self._broadcast_length(0 if mine is None else len(mine), root, budget)
+        # Bulk data (lend) is chunked from the start; a small payload is one message.
+        width = 0 if lend else min(INLINE_MAX, self._chunk_bytes)
+        block = self._broadcast_block(None if mine is None else head(mine, width),
+                                      HEAD + width, root, budget)
+        total = length_of(block)
+        if total <= width:
+            self.chunk_messages += total > 0
+            self.payload_bytes += total
+            return mine if mine is not None else bytes(carried(block, total, width))
         if lend:
             buffer = self._lent_buffer(mine, total)
         else:
@@ -267,14 +252,25 @@ class BackendCommunicator(ABC):
     def allgather_object(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
         # A value that cannot be sent is refused before this rank enters the collective.
         mine = encode(obj)
-        budget = self._budget(timeout)
-        lengths = self._allgather_lengths(len(mine), budget)
-        parts = self._allgather_payloads(mine, lengths, budget)
+        parts = self._allgather_encoded(mine, self._budget(timeout))
         # This rank's own part is decoded too, so that every rank sees the same values;
         # many ranks send alike (a node id, a split's color, "no failure").
         where = f"rank {self._rank}/{self._size} ({self._node_id})"
         return decode_each(((bytes(part), part) for part in parts), where,
                            rank=self._rank, backend=self._kind)
+
+    def _allgather_encoded(self, mine: bytes, budget: Budget) -> list[Any]:
+        """Every rank's encoded payload, in rank order: one round when each fits its
+        head, else a second for what lies past the heads."""
+        width = inline_width(self._size)
+        blocks = self._allgather_blocks(head(mine, width), budget)
+        lengths = [length_of(block) for block in blocks]
+        if max(lengths) <= width:
+            return [carried(b, n, width) for b, n in zip(blocks, lengths, strict=True)]
+        rests = self._allgather_payloads(mine[width:], [max(0, n - width) for n in lengths],
+                                         budget)
+        return [bytes(carried(b, n, width)) + bytes(rest)
+                for b, n, rest in zip(blocks, lengths, rests, strict=True)]
 
     def barrier(self, *, timeout: float | None = None) -> None:
         self._barrier(self._budget(timeout))
@@ -346,7 +342,8 @@ class BackendCommunicator(ABC):
     # -- transport primitives ---------------------------------------------------------
 
     @abstractmethod
-    def _broadcast_length(self, length: int, root: int, budget: Budget) -> int: ...
+    def _broadcast_block(self, block: bytes | None, width: int, root: int,
+                         budget: Budget) -> bytes | bytearray: ...
 
     @abstractmethod
     def _payload_buffer(self, data: bytes | None, total: int) -> Any: ...
@@ -369,7 +366,7 @@ class BackendCommunicator(ABC):
         return self._buffer_bytes(buffer)
 
     @abstractmethod
-    def _allgather_lengths(self, length: int, budget: Budget) -> list[int]: ...
+    def _allgather_blocks(self, block: bytes, budget: Budget) -> list[Any]: ...
 
     @abstractmethod
     def _allgather_payloads(self, mine: bytes, lengths: list[int], budget: Budget) -> list[Any]: ...

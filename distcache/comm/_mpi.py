@@ -19,11 +19,10 @@ import contextlib
 import functools
 import logging
 import time
-from array import array
 from typing import Any, Self
 
-from distcache.comm._backend import BackendCommunicator, Budget, poll_until
-from distcache.comm._base import MAX_MESSAGE_BYTES
+from distcache.comm._backend import BackendCommunicator, Budget
+from distcache.comm._base import MAX_MESSAGE_BYTES, poll_until
 from distcache.errors import CollectiveTimeout, CommError
 
 log = logging.getLogger(__name__)
@@ -208,12 +207,12 @@ class MpiCommunicator(BackendCommunicator):
 
     # -- transport primitives ---------------------------------------------------------
 
-    def _broadcast_length(self, length: int, root: int, budget: Budget) -> int:
-        header = array("q", [length])
-        self._run(
-            "broadcast_bytes", budget, header, self._comm.Ibcast, [header, self._MPI.INT64_T], root
-        )
-        return header[0]
+    def _broadcast_block(self, block: bytes | None, width: int, root: int,
+                         budget: Budget) -> bytearray:
+        buffer = bytearray(width) if block is None else bytearray(block)
+        self._run("broadcast_bytes", budget, buffer, self._comm.Ibcast,
+                  [buffer, self._MPI.BYTE], root)
+        return buffer
 
     def _payload_buffer(self, data: bytes | None, total: int) -> bytearray:
         # The root broadcasts from a private copy: MPI may need a writable buffer, and
@@ -285,22 +284,16 @@ class MpiCommunicator(BackendCommunicator):
         # held[i] is rank (rank + i) % size's block.
         return [held[(r - rank) % size] for r in range(size)]
 
-    def _allgather_lengths(self, length: int, budget: Budget) -> list[int]:
+    def _allgather_blocks(self, block: bytes, budget: Budget) -> list[Any]:
         if self._size > BRUCK_ABOVE:
-            blocks = self._bruck("allgather_object", array("q", [length]).tobytes(), None,
-                                 budget, BRUCK_TAG)
-            return [array("q", block)[0] for block in blocks]
-        INT64_T = self._MPI.INT64_T
-        mine, sizes = array("q", [length]), array("q", [0] * self._size)
-        self._run(
-            "allgather_object",
-            budget,
-            (mine, sizes),
-            self._comm.Iallgather,
-            [mine, INT64_T],
-            [sizes, INT64_T],
-        )
-        return list(sizes)
+            return self._bruck("allgather_object", block, None, budget, BRUCK_TAG)
+        width = len(block)
+        mine, out = bytearray(block), bytearray(width * self._size)
+        BYTE = self._MPI.BYTE
+        self._run("allgather_object", budget, (mine, out), self._comm.Iallgather,
+                  [mine, BYTE], [out, BYTE])
+        view = memoryview(out)
+        return [view[i * width:(i + 1) * width] for i in range(self._size)]
 
     def _allgather_payloads(
         self, mine: bytes, lengths: list[int], budget: Budget

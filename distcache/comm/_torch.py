@@ -21,8 +21,8 @@ import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Self
 
-from distcache.comm._backend import BackendCommunicator, Budget, poll_until
-from distcache.comm._base import MAX_MESSAGE_BYTES
+from distcache.comm._backend import BackendCommunicator, Budget
+from distcache.comm._base import MAX_MESSAGE_BYTES, poll_until
 from distcache.errors import CommError
 
 if TYPE_CHECKING:
@@ -225,10 +225,12 @@ class TorchCommunicator(BackendCommunicator):
 
     # -- transport primitives ---------------------------------------------------------
 
-    def _broadcast_length(self, length: int, root: int, budget: Budget) -> int:
-        header = self._torch.tensor([length], dtype=self._torch.int64, device=self._device)
-        self._run("broadcast_bytes", budget.seconds, self._start_broadcast, header, root)
-        return int(header.item())
+    def _broadcast_block(self, block: bytes | None, width: int, root: int,
+                         budget: Budget) -> bytearray:
+        tensor = (self._torch.empty(width, dtype=self._torch.uint8, device=self._device)
+                  if block is None else self._bytes_tensor(block))
+        self._run("broadcast_bytes", budget.seconds, self._start_broadcast, tensor, root)
+        return self._to_host(tensor)
 
     def _payload_buffer(self, data: bytes | None, total: int) -> torch.Tensor:
         if data is not None:
@@ -254,12 +256,11 @@ class TorchCommunicator(BackendCommunicator):
     def _owned_buffer(self, buffer: torch.Tensor) -> bytearray:
         return self._to_host(buffer)
 
-    def _allgather_lengths(self, length: int, budget: Budget) -> list[int]:
-        torch = self._torch
-        mine = torch.tensor([length], dtype=torch.int64, device=self._device)
-        sizes = [torch.zeros(1, dtype=torch.int64, device=self._device) for _ in range(self._size)]
-        self._run("allgather_object", budget.seconds, self._start_allgather, sizes, mine)
-        return [int(s.item()) for s in sizes]
+    def _allgather_blocks(self, block: bytes, budget: Budget) -> list[bytearray]:
+        mine = self._bytes_tensor(block)
+        parts = [self._torch.empty_like(mine) for _ in range(self._size)]
+        self._run("allgather_object", budget.seconds, self._start_allgather, parts, mine)
+        return [self._to_host(part) for part in parts]
 
     def _allgather_payloads(self, mine: bytes, lengths: list[int], budget: Budget) -> list[bytes]:
         longest = max(lengths)

@@ -125,10 +125,8 @@ def test_a_pickle_sent_in_place_of_a_payload_is_refused_on_every_rank_and_never_
     evil = pickle.dumps({"rank": _Marker(marker)})
     if fresh.rank == 1:
         # Rank 1's transport sends a pickle instead of what rank 1 encoded.
-        lengths, payloads = fresh._allgather_lengths, fresh._allgather_payloads
-        monkeypatch.setattr(fresh, "_allgather_lengths", lambda n, budget: lengths(len(evil), budget))
-        monkeypatch.setattr(fresh, "_allgather_payloads",
-                            lambda mine, sizes, budget: payloads(evil, sizes, budget))
+        encoded = fresh._allgather_encoded
+        monkeypatch.setattr(fresh, "_allgather_encoded", lambda mine, budget: encoded(evil, budget))
     with pytest.raises(WireError) as info:
         fresh.allgather_object({"rank": fresh.rank})
     assert (info.value.peer, info.value.rank) == (1, fresh.rank)  # type: ignore[attr-defined]
@@ -289,3 +287,73 @@ def test_a_rank_missing_from_the_arrival_tree_times_out_its_peers_and_leaves_not
         again.close()
     finally:
         base.Free()
+
+
+def _count_rounds(fresh: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts of the transport's primitives that ``fresh`` calls from now on."""
+    counts = {"_allgather_blocks": 0, "_allgather_payloads": 0, "_broadcast_block": 0,
+              "_broadcast_span": 0}
+
+    def counting(name: str, inner: Any) -> Any:
+        def counted(*args: Any) -> Any:
+            counts[name] += 1
+            return inner(*args)
+
+        return counted
+
+    for name in counts:
+        monkeypatch.setattr(fresh, name, counting(name, getattr(fresh, name)))
+    return counts
+
+
+def test_small_payloads_are_gathered_and_broadcast_in_one_round(
+    comm_factory: Callable[..., Communicator], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from distcache.comm._inline import inline_width
+
+    fresh: Any = comm_factory()
+    counts = _count_rounds(fresh, monkeypatch)
+    width = inline_width(fresh.size)
+    # Every rank's encoded payload fits its head: the lengths and the payloads are one
+    # all-gather, and no second round follows.
+    objects = [b"", b"x" * (width // 2), {"rank": 1, "names": ["a", "b"]}, None]
+    mine = objects[fresh.rank % len(objects)]
+    assert fresh.allgather_object(mine) == [objects[r % len(objects)] for r in range(fresh.size)]
+    assert (counts["_allgather_blocks"], counts["_allgather_payloads"]) == (1, 0)
+    sent = _payload(1, 1000)
+    assert fresh.broadcast_bytes(sent if fresh.rank == 1 else None, 1) == sent
+    assert fresh.broadcast_bytes(b"" if fresh.rank == 0 else None, 0) == b""
+    assert (counts["_broadcast_block"], counts["_broadcast_span"]) == (2, 0)
+    monkeypatch.undo()
+    fresh.close()
+
+
+def test_a_payload_past_its_head_takes_a_second_round_on_every_rank_and_arrives_whole(
+    comm_factory: Callable[..., Communicator], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from distcache.comm._codec import encode
+    from distcache.comm._inline import inline_width
+
+    fresh: Any = comm_factory()
+    counts = _count_rounds(fresh, monkeypatch)
+    width = inline_width(fresh.size)
+
+    def encoded_as(target: int) -> int:
+        """The length of a bytes value whose encoded form is ``target`` bytes."""
+        n = target
+        while len(encode(bytes(n))) > target:
+            n -= 1
+        return n
+
+    # Encoded lengths of exactly the width, one past it, several times it, and empty.
+    sizes = [encoded_as(width), encoded_as(width) + 1, 3 * width + 17, 0]
+    objects = [_payload(r, sizes[r % len(sizes)]) for r in range(fresh.size)]
+    assert len(encode(objects[0])) == width and len(encode(objects[1])) == width + 1
+    assert fresh.allgather_object(objects[fresh.rank]) == objects
+    assert (counts["_allgather_blocks"], counts["_allgather_payloads"]) == (1, 1)
+    # A broadcast longer than its head goes whole through the chunks.
+    sent = _payload(0, 3 * width)
+    assert fresh.broadcast_bytes(sent if fresh.rank == 0 else None, 0) == sent
+    assert (counts["_broadcast_block"], counts["_broadcast_span"]) == (1, 1)
+    monkeypatch.undo()
+    fresh.close()

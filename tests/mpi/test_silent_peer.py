@@ -21,6 +21,7 @@ from distcache.artifact import parse_checksums
 from distcache.collective import prefetch
 from distcache.comm._base import Communicator
 from distcache.comm._codec import encode
+from distcache.comm._inline import head, inline_width
 from distcache.errors import CollectiveTimeout, CommError, PrefetchError
 from distcache.origins import HttpOrigin
 from distcache.store._pool import ArtifactPool
@@ -44,7 +45,8 @@ class _Silent:
     """The last rank's communicator: once the origin has served a request (the fetch is
     under way) its next all-gather does not arrive for ``SILENCE`` seconds, as a process
     stopped or stuck mid-collective. Then it completes the part of the collective its
-    peers abandoned (an all-gather of payload lengths comes first), so nothing is left
+    peers abandoned (an all-gather of heads, each a payload's length and first bytes,
+    comes first), so nothing is left
     pending in the backend, and gives up itself."""
 
     def __init__(self, inner: Communicator, url: str) -> None:
@@ -59,7 +61,8 @@ class _Silent:
             self.silent_since = time.time()
             time.sleep(SILENCE)
             inner: Any = self.inner  # a BackendCommunicator: MPI or gloo
-            inner._allgather_lengths(len(encode(obj)), inner._budget(60))
+            inner._allgather_blocks(head(encode(obj), inline_width(inner.size)),
+                                    inner._budget(60))
             raise CommError("this rank went silent on purpose", op="allgather",
                             rank=self.inner.rank)
         return self.inner.allgather_object(obj, timeout=timeout)

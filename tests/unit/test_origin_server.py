@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from distcache.artifact import Artifact, parse_checksums, sha256_hex, validate_name
-from distcache.comm._backend import poll_until
+from distcache.comm._base import poll_until
 from distcache.testing import LoopbackOrigin, make_artifacts
 from distcache.testing._loopback_wire import Bandwidth as _Bandwidth
 
