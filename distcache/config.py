@@ -9,11 +9,9 @@ value. ``0`` and ``""`` are real values: nothing here uses ``x or default``.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -204,10 +202,9 @@ def default_pool_dir(environ: Mapping[str, str] | None = None) -> Path:
 
 
 class Variable(NamedTuple):
-    """One row of the table: the variable, the :class:`Settings` field it sets, its
-    default (a value, or a function of the environment), how it is parsed, and what
-    it means. A named tuple: a row is read-only, and importing the table stays cheap
-    (a dataclass costs the import a millisecond per class)."""
+    """One row of the table (read-only): the variable, the :class:`Settings` field it
+    sets, its default (a value, or a function of the environment), how it is parsed,
+    and what it means."""
 
     name: str
     field: str
@@ -302,23 +299,19 @@ ENV_VARS: dict[str, tuple[str, str]] = {v.name: (v.shown, v.doc) for v in TABLE}
 _TWO_GIB = 2 << 30
 
 
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """Resolved settings. Build with :func:`settings`; each field is set by one row of
-    :data:`TABLE`."""
+class Settings(NamedTuple):
+    """Resolved settings, immutable (a named tuple: cheap to import, unlike a dataclass
+    of as many fields). Build with :func:`settings`; one row of :data:`TABLE` each."""
 
-    #: Disable every hook.
-    disable: bool
-    #: Pool directory.
-    pool_dir: Path
-    #: Pool size cap in bytes, or ``None`` for unlimited.
-    pool_max_bytes: int | None
+    disable: bool  #: Disable every hook.
+    pool_dir: Path  #: Pool directory.
+    pool_max_bytes: int | None  #: Pool size cap in bytes, or ``None`` for unlimited.
     #: Origins tried in order (URLs or directories); empty when unset.
     origins: tuple[str, ...]
     #: Bearer token for the first HTTP(S) origin (never in ``repr``).
-    origin_token: str | None = dataclasses.field(repr=False)
+    origin_token: str | None
     #: Bearer tokens per host (``host[:port]=token,...``), unparsed (never in ``repr``).
-    origin_tokens: str | None = dataclasses.field(repr=False)
+    origin_tokens: str | None
     #: Largest body accepted for an artifact of unknown size.
     max_artifact_bytes: int
     #: Seconds a collective may take.
@@ -356,7 +349,15 @@ class Settings:
     peers: str  #: "0", "1", or the Unix socket of the node's agent (see docs/peers.md).
 
     def replace(self, **changes: Any) -> Settings:
-        return dataclasses.replace(self, **changes)
+        return self._replace(**changes)
+
+    def __repr__(self) -> str:  # the tokens are never shown
+        shown = ", ".join(f"{name}={value!r}" for name, value in zip(self._fields, self, strict=True)
+                          if name not in ("origin_token", "origin_tokens"))
+        return f"Settings({shown})"
+
+
+_FIELDS = frozenset(Settings._fields)
 
 
 def settings(environ: Mapping[str, str] | None = None, **explicit: Any) -> Settings:
@@ -368,11 +369,10 @@ def settings(environ: Mapping[str, str] | None = None, **explicit: Any) -> Setti
         ConfigError: a variable or keyword has a bad value, or an unknown keyword.
     """
     env = os.environ if environ is None else environ
-    fields = {f.name for f in dataclasses.fields(Settings)}
-    unknown = set(explicit) - fields
+    unknown = set(explicit) - _FIELDS
     if unknown:
         raise ConfigError(
-            f"unknown setting(s) {sorted(unknown)}; known: {sorted(fields)}",
+            f"unknown setting(s) {sorted(unknown)}; known: {sorted(_FIELDS)}",
             variable=",".join(sorted(unknown)),
             value=None,
         )

@@ -30,8 +30,7 @@ all jobs, not the node's index (docs.open-mpi.org, "environment variables").
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from distcache.errors import LaunchError
 from launch._nodelist import expand_counts
@@ -44,8 +43,7 @@ FIELDS = ("rank", "world_size", "local_rank", "local_world_size", "node_rank", "
 _COUNTS = frozenset({"world_size", "local_world_size", "num_nodes"})
 
 
-@dataclass
-class Signal:
+class Signal(NamedTuple):
     """What one launcher's variables say: field -> (value, variable)."""
 
     launcher: str

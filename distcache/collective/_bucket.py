@@ -19,7 +19,6 @@ from __future__ import annotations
 import struct
 import threading
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 from distcache.errors import WireError
 
@@ -29,26 +28,24 @@ _TRAILER = struct.Struct("<4sBI")
 _LAST = 1
 
 
-@dataclass
 class StreamStats:
     """What one rank's streams cost (summed over streams)."""
 
-    #: Bucket messages this rank broadcast as the root.
-    broadcasts: int = 0
-    #: Bytes of those messages (payloads and tables).
-    bytes_sent: int = 0
-    #: Largest number of bytes this rank held at once for a transfer: as a source,
-    #: the bucket in flight, the one being built and the artifact that did not fit;
-    #: as a receiver, the buckets arrived and not yet published (the larger of the two).
-    peak_bytes: int = 0
-    #: Objects this rank published into its pool from received buckets.
-    published: int = 0
-    #: Payload bytes this rank received (as a writer, from other writers' streams).
-    received_bytes: int = 0
-    #: Of those, bytes of objects its pool already held, thrown away.
-    discarded_bytes: int = 0
-
-    def __post_init__(self) -> None:
+    def __init__(self) -> None:
+        #: Bucket messages this rank broadcast as the root.
+        self.broadcasts = 0
+        #: Bytes of those messages (payloads and tables).
+        self.bytes_sent = 0
+        #: Largest number of bytes this rank held at once for a transfer: as a source,
+        #: the bucket in flight, the one being built and the artifact that did not
+        #: fit; as a receiver, the buckets arrived and not yet published (the larger).
+        self.peak_bytes = 0
+        #: Objects this rank published into its pool from received buckets.
+        self.published = 0
+        #: Payload bytes this rank received (as a writer, from other writers' streams).
+        self.received_bytes = 0
+        #: Of those, bytes of objects its pool already held, thrown away.
+        self.discarded_bytes = 0
         # The read-ahead thread and the protocol's thread both record what they hold.
         self._guard = threading.Lock()
 

@@ -35,8 +35,7 @@ import os
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from distcache.comm._base import Communicator
 from distcache.comm._local import LocalCommunicator
@@ -88,8 +87,7 @@ def choose(info: LaunchInfo) -> Choice:
     return "local"
 
 
-@dataclass
-class Adopted:
+class Adopted(NamedTuple):
     """A communicator of distcache's own and how it was chosen.
 
     Call :meth:`close` when done: it frees the communicator (and the groups split off

@@ -16,7 +16,6 @@ import logging
 import os
 import secrets
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -65,14 +64,13 @@ def socket_path(pool_root: Path, tag: str) -> Path:
     return Path(tempfile.mkdtemp(prefix="distcache-")) / name
 
 
-@dataclass
 class Hosted:
-    """What :func:`start` set up on this rank: the agent it hosts (node leaders only)
-    and the tier its lookups use. :meth:`close` stops both."""
+    """What :func:`start` set up on this rank: the agent it hosts (node leaders only),
+    the tier its lookups use and every node agent's endpoint. :meth:`close` stops both."""
 
-    tier: Tier | None
-    agent: Agent | None = None
-    nodes: list[str] = field(default_factory=list)
+    def __init__(self, tier: Tier | None, agent: Agent | None = None,
+                 nodes: list[str] | None = None) -> None:
+        self.tier, self.agent, self.nodes = tier, agent, [] if nodes is None else nodes
 
     def close(self) -> None:
         attach(None)

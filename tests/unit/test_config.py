@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -97,7 +96,7 @@ def test_booleans_and_numbers_parse_their_spellings() -> None:
 
 def test_settings_are_frozen_and_replace_returns_a_copy() -> None:
     base = settings({})
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):
         base.timeout = 1.0  # type: ignore[misc]
     changed = base.replace(timeout=1.0)
     assert (base.timeout, changed.timeout) == (600.0, 1.0)
@@ -111,7 +110,7 @@ def test_pool_directory_follows_xdg_then_home() -> None:
 
 
 def test_one_table_sets_every_setting_and_documents_every_variable() -> None:
-    fields = [f.name for f in dataclasses.fields(Settings)]
+    fields = list(Settings._fields)
     assert sorted(v.field for v in TABLE) == sorted(fields)
     assert len({v.name for v in TABLE}) == len(TABLE)
     assert {v.name: (v.shown, v.doc) for v in TABLE} == ENV_VARS

@@ -20,14 +20,12 @@ Offline: with ``DISTCACHE_OFFLINE=1`` the wrapper fetches nothing and
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import os
 import sys
 import threading
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from distcache import _events
 from distcache.config import settings
@@ -55,8 +53,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Installation:
+class _Installation(NamedTuple):
     loader: PooledLoader
     original: GetArtifact
     key: tuple[int, int, str | None, Families]
@@ -243,7 +240,7 @@ class LoaderSlot:
 
 def _report(loader: PooledLoader) -> None:
     """The loader's statistics as a ``flashinfer.loader`` event (when it did anything)."""
-    stats = dataclasses.asdict(loader.stats)
+    stats = loader.stats.as_dict()
     failures = stats.pop("failures")
     if any(stats.values()) or failures:
         _events.emit("flashinfer.loader", pool=str(getattr(loader.pool, "root", "")),

@@ -24,7 +24,6 @@ import os
 import tempfile
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
@@ -84,23 +83,26 @@ def _matches(name: str, globs: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, g) for g in globs)
 
 
-@dataclass
 class LoaderStats:
     """What the loader did in this process (for logs and tests)."""
 
-    hits: int = 0  #: served from the pool
-    local: int = 0  #: found valid in FLASHINFER_CUBIN_DIR and added to the pool
-    fetched: int = 0  #: fetched from the origin through the pool (or the node's agent, the owner)
-    peer: int = 0  #: copied from another node's agent (the artifact's owner)
-    peer_fallbacks: int = 0  #: the node's agent asked the origin: no owner answered
-    peer_failed: int = 0  #: the peer tier did not serve in its bound; the origin then
-    passthrough: int = 0  #: not a pooled family: FlashInfer's own function
-    fallbacks: int = 0  #: distcache failed; FlashInfer's own function answered
-    rejected: int = 0  #: unsafe name: answered ``b""`` without touching a file
-    offline_misses: int = 0  #: DISTCACHE_OFFLINE and not in the pool
-    not_found: int = 0  #: FlashInfer's own origin has no such artifact: final
-    unpublished: int = 0  #: downloaded and served, but the pool could not take it
-    failures: dict[str, str] = field(default_factory=dict)  #: name -> first reason
+    def __init__(self) -> None:
+        self.hits = 0  #: served from the pool
+        self.local = 0  #: found valid in FLASHINFER_CUBIN_DIR and added to the pool
+        self.fetched = 0  #: fetched from the origin through the pool (or the owner's agent)
+        self.peer = 0  #: copied from another node's agent (the artifact's owner)
+        self.peer_fallbacks = 0  #: the node's agent asked the origin: no owner answered
+        self.peer_failed = 0  #: the peer tier did not serve in its bound; the origin then
+        self.passthrough = 0  #: not a pooled family: FlashInfer's own function
+        self.fallbacks = 0  #: distcache failed; FlashInfer's own function answered
+        self.rejected = 0  #: unsafe name: answered ``b""`` without touching a file
+        self.offline_misses = 0  #: DISTCACHE_OFFLINE and not in the pool
+        self.not_found = 0  #: FlashInfer's own origin has no such artifact: final
+        self.unpublished = 0  #: downloaded and served, but the pool could not take it
+        self.failures: dict[str, str] = {}  #: name -> first reason
+
+    def as_dict(self) -> dict[str, Any]:  # every counter, and a copy of the failures
+        return {**vars(self), "failures": dict(self.failures)}
 
 
 GetArtifact = Callable[..., bytes]
