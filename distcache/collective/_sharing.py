@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
+import os
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -120,11 +120,11 @@ def _offer(probes: contextlib.ExitStack, identity: Identity, pool_id: str, *,
             label, renewed = identity.renew(), True
         except OSError as exc:
             # A read-only copy keeps its id on disk; this run still tells it apart.
-            label = secrets.token_hex(16)
+            label = os.urandom(16).hex()
             log.warning("the pool %s here is a copy (it did not show the first claimant's "
                         "probe) but cannot take a fresh id: %s; it is %s for this run",
                         pool_id, exc, label)
-    name, token = secrets.token_hex(16), secrets.token_hex(16)
+    name, token = os.urandom(16).hex(), os.urandom(16).hex()
     placed = probes.enter_context(identity.probe(name, token))
     return {"id": label, "name": name if placed else None, "token": token,
             "renewed": renewed}

@@ -38,8 +38,8 @@ unpickled. The secret is never logged: it is left out of ``repr``.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
-import secrets
 import time
 from typing import Any, NamedTuple
 
@@ -87,8 +87,8 @@ def job_root(job: str, attempt: int) -> str:
 
 def fresh(job: str, attempt: int) -> RunScope:
     """A scope of this process alone (a world of one)."""
-    return RunScope(job, attempt, secrets.token_hex(NONCE_BYTES),
-                    secrets.token_bytes(SECRET_BYTES))
+    return RunScope(job, attempt, os.urandom(NONCE_BYTES).hex(),
+                    os.urandom(SECRET_BYTES))
 
 
 def _left(until: float) -> float:
@@ -159,7 +159,7 @@ def meet(store: Any, rank: int, size: int, job: str, attempt: int, until: float)
         count = int(store.add(f"{root}/adoptions/rank{rank}", 1))
         where = f"{root}/{count}/nonce"
         if rank == 0:
-            nonce = secrets.token_hex(NONCE_BYTES)
+            nonce = os.urandom(NONCE_BYTES).hex()
             found = store.compare_set(where, "", nonce)
             if parse_nonce(bytes(found), where) != nonce:
                 raise CommError(
@@ -242,7 +242,7 @@ def share_secret(comm: Communicator, until: float) -> bytes:
         CollectiveTimeout: not every rank came by ``until``.
         CommError: rank 0's message is not a secret.
     """
-    mine = secrets.token_bytes(SECRET_BYTES) if comm.rank == 0 else None
+    mine = os.urandom(SECRET_BYTES) if comm.rank == 0 else None
     got = comm.broadcast_bytes(mine, 0, timeout=_left(until))
     if len(got) != SECRET_BYTES:
         raise CommError(f"rank {comm.rank}: rank 0 sent a secret of {len(got)} bytes, "
@@ -260,7 +260,7 @@ def share(comm: Communicator, job: str, attempt: int, until: float) -> RunScope:
     """
     mine = None
     if comm.rank == 0:
-        mine = secrets.token_hex(NONCE_BYTES).encode() + secrets.token_bytes(SECRET_BYTES)
+        mine = os.urandom(NONCE_BYTES).hex().encode() + os.urandom(SECRET_BYTES)
     got = bytes(comm.broadcast_bytes(mine, 0, timeout=_left(until)))
     if len(got) != 2 * NONCE_BYTES + SECRET_BYTES:
         raise CommError(f"rank {comm.rank}: rank 0 sent a scope of {len(got)} bytes, "

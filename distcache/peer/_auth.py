@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import secrets
+import os
 import time
 from collections.abc import Mapping
 
@@ -42,7 +42,7 @@ def _mac(key: bytes, method: str, path: str, when: str, nonce: str) -> str:
 def sign(key: bytes, method: str, path: str, *, now: float | None = None) -> dict[str, str]:
     """The headers that authenticate one request of ``method`` for ``path``."""
     when = f"{time.time() if now is None else now:.3f}"
-    nonce = secrets.token_hex(12)
+    nonce = os.urandom(12).hex()
     return {HEADER_TIME: when, HEADER_NONCE: nonce,
             HEADER_AUTH: _mac(key, method, path, when, nonce)}
 

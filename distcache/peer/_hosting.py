@@ -14,7 +14,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import secrets
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -117,7 +116,7 @@ def start(comm: Communicator, pool: ArtifactPool, origin: Callable[[], Origin | 
     if nodes < 2:
         return None
     if secret is None:  # no run scope: rank 0 draws one for this job
-        drawn = secrets.token_bytes(32) if comm.rank == 0 else None
+        drawn = os.urandom(32) if comm.rank == 0 else None
         secret = comm.broadcast_bytes(drawn, 0, timeout=timeout)
     key = derive_key(secret)
     agent: Agent | None = None

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,7 +50,7 @@ _RENEW_LOCK_TIMEOUT = 10.0
 
 def new_pool_id() -> str:
     """A fresh pool id: 32 random hex digits."""
-    return secrets.token_hex(16)
+    return os.urandom(16).hex()
 
 
 def load_pool_id(path: Path, *, tmp: str, mode: int) -> str:

@@ -14,7 +14,6 @@ import contextlib
 import errno
 import hashlib
 import os
-import secrets
 import stat
 from pathlib import Path
 
@@ -77,7 +76,7 @@ def place_file(obj: str, into: Path, target: Path, sha: str, data: bytes,
             return
         if st.st_size == len(data) and _file_matches(target, sha):
             return
-    tmp = os.path.join(target.parent, f".{target.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+    tmp = os.path.join(target.parent, f".{target.name}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
     try:
         try:
             os.link(obj, tmp)

@@ -37,7 +37,6 @@ import contextlib
 import errno
 import logging
 import os
-import secrets
 import stat
 import time
 from collections.abc import Callable, Iterator
@@ -75,6 +74,12 @@ _MIGRATIONS: dict[int, Callable[[PoolLayout], None]] = {}
 # Errors that keep a process from recording the format of a pool it may still read
 # (another user's pool, a read-only mount); the layout is the same, so reading goes on.
 _READ_ONLY = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+
+
+def _token(nbytes: int) -> str:
+    """A random hex token of ``nbytes`` bytes (``secrets.token_hex`` without importing
+    ``random``, which ``secrets`` does)."""
+    return os.urandom(nbytes).hex()
 
 
 @dataclass(frozen=True)
@@ -156,12 +161,12 @@ class PoolLayout:
     def temp_path(self, tag: str, host: str) -> str:
         """A fresh, process-unique name in ``tmp/`` (``tag``, ``host``, pid and random
         bits), for a file to be created exclusively and renamed or linked away."""
-        return f"{self.tmp}{os.sep}{tag}.{host}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+        return f"{self.tmp}{os.sep}{tag}.{host}.{os.getpid()}.{_token(6)}.tmp"
 
     def quarantine_path(self, sha: str) -> Path:
         """A new, unique name in ``quarantine/`` for a bad object ``sha``; the time
         in it orders quarantined files (:meth:`quarantined_at`)."""
-        return self.quarantine / f"{sha}.{time.time_ns()}.{os.getpid()}.{secrets.token_hex(3)}"
+        return self.quarantine / f"{sha}.{time.time_ns()}.{os.getpid()}.{_token(3)}"
 
     @staticmethod
     def quarantined_at(name: str) -> int | None:

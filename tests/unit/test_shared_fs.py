@@ -36,7 +36,6 @@ import stat
 import tempfile
 import threading
 import time
-import types
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -448,8 +447,7 @@ def test_temporary_files_are_created_exclusively_never_through_a_planted_link(
         names.extend(os.listdir(pool.root / "tmp"))
 
     # Make the temporary name predictable, as an attacker would have to guess it.
-    monkeypatch.setattr("distcache.store.layout.secrets", types.SimpleNamespace(
-        token_hex=lambda n: "0" * (2 * n)))
+    monkeypatch.setattr("distcache.store.layout._token", lambda n: "0" * (2 * n))
     pool.fetch(Artifact("e.cubin", sha, len(data)), BytesOrigin(data, note))
     assert len(names) == 1
     os.unlink(_obj(pool.root, sha))
