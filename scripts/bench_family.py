@@ -315,6 +315,7 @@ def run_ranks(args: argparse.Namespace, work: Path, pools: Path, label: str,
               "--pools", str(pools), "--result", str(result)]
     cmd = me if ranks == 1 else [mpirun(), "-n", str(ranks), "--oversubscribe",
                                  "--bind-to", "none", *me]
+    os.sync()  # nothing of an earlier step is still being written back under this one
     done = run_group(cmd, timeout=WORKER_TIMEOUT_S, env=env, cwd=ROOT)
     if done.returncode != 0 or not result.exists():
         sys.stderr.write(done.stdout + done.stderr)

@@ -631,6 +631,10 @@ def driver(args: argparse.Namespace) -> None:
                         run_dir: Path, result: Path | None = None) -> dict[str, Any]:
                 """One mpirun of ``strategy`` on ``n`` ranks, as a row with its floor."""
                 server.reset()
+                # Nothing of the launch before is still being written back: a warm start
+                # is a later launch, not one racing the cold one's writeback (the same
+                # for every strategy and for the baselines).
+                os.sync()
                 ranks, launch_s = launch(n, strategy, argv, run_dir,
                                          (result or run_dir).with_suffix(".json"))
                 row = summarize(strategy, n, ranks, server.stats(), launch_s)

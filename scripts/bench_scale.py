@@ -1,9 +1,10 @@
 """Start-up through the public hook at N ranks, next to the floor of an MPI program.
 
-    python -m scripts.bench_scale --ranks 16,64 [--out docs/bench] [--cubins DIR]
+    python -m scripts.bench_scale --ranks 16,64 [--repeat 3] [--out docs/bench]
 
-For each N, three ``mpirun -n N`` launches with 8 ranks per simulated node
-(``DISTCACHE_NODE_ID=node<rank // 8>``) and one pool per node:
+For each N, ``mpirun -n N`` launches of three kinds with 8 ranks per simulated node
+(``DISTCACHE_NODE_ID=node<rank // 8>``) and one pool per node, floor and init
+alternating ``--repeat`` times each, then one traffic launch:
 
 * **floor**: Python starts, imports mpi4py, ``COMM_WORLD.Dup()``, imports distcache,
   one all-gather: what any MPI program that imports distcache pays;
@@ -19,8 +20,10 @@ For each N, three ``mpirun -n N`` launches with 8 ranks per simulated node
 
 Each rank reports when it finished (wall clock, against the moment the driver
 launched ``mpirun``) and its peak RSS. A row gives the slowest rank's time of the
-floor and init launches, the largest peak RSS of each, the origin's requests in the
-init launch, and each rank's bytes from the traffic launch.
+median floor and the median init launch (every launch's is listed too), the largest
+peak RSS of any init launch against the smallest floor's, the origin's requests in
+the init launches (the same in each, or the benchmark fails), and each rank's bytes
+from the traffic launch.
 The cubins are the ``*.cubin`` files of ``--cubins DIR`` (the first 64), else 64
 files drawn from flashinfer-cubin's size distribution (``scripts/family_sizes.json``).
 
@@ -158,6 +161,7 @@ def launch(n: int, mode: str, run_dir: Path, extra: list[str], env: dict[str, st
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [mpirun(), "-n", str(n), "--oversubscribe", "--bind-to", "none", sys.executable,
            "-m", "scripts.bench_scale", "--worker", mode, "--run-dir", str(run_dir), *extra]
+    os.sync()  # nothing of the launch before is still being written back under this one
     launched = time.time()
     done = run_group(cmd, timeout=LAUNCH_TIMEOUT_S, env=env, cwd=ROOT)
     if done.returncode != 0:
@@ -169,18 +173,31 @@ def launch(n: int, mode: str, run_dir: Path, extra: list[str], env: dict[str, st
     return launched, ranks
 
 
-def row(n: int, work: Path, manifest: Path, url: str, server: Any) -> dict[str, Any]:
+def row(n: int, work: Path, manifest: Path, url: str, server: Any, repeat: int
+        ) -> dict[str, Any]:
     from tests.support.helpers import mpi_env
 
     env = mpi_env(DISTCACHE_ORIGIN=url)
     for var in ("DISTCACHE_POOL", "DISTCACHE_NODE_ID", "DISTCACHE_DISABLE"):
         env.pop(var, None)
-    launched, floor = launch(n, "floor", work / f"floor-{n}", [], env)
-    floor_s = max(r["done_at"] for r in floor) - launched
-    server.reset()
-    launched, init = launch(n, "init", work / f"init-{n}", ["--manifest", str(manifest)], env)
-    init_s = max(r["done_at"] for r in init) - launched
-    requests = server.total_requests
+    # Floor and init launches alternate, ``repeat`` of each, every init on cold pools
+    # of its own: the row is the median of each (MPI_Init alone varies by tens of
+    # seconds between launches of hundreds of ranks on a few cores).
+    floors: list[tuple[float, list[dict[str, Any]]]] = []
+    inits: list[tuple[float, list[dict[str, Any]], int, float]] = []
+    for k in range(repeat):
+        launched, ranks = launch(n, "floor", work / f"floor-{n}-{k}", [], env)
+        floors.append((max(r["done_at"] for r in ranks) - launched, ranks))
+        server.reset()
+        launched, ranks = launch(n, "init", work / f"init-{n}-{k}",
+                                 ["--manifest", str(manifest)], env)
+        inits.append((max(r["done_at"] for r in ranks) - launched, ranks,
+                      server.total_requests, launched))
+    floor_s, floor = sorted(floors, key=lambda f: f[0])[(repeat - 1) // 2]
+    init_s, init, requests, launched = sorted(inits, key=lambda i: i[0])[(repeat - 1) // 2]
+    if {i[2] for i in inits} != {requests}:
+        raise SystemExit(f"{n} ranks: the init launches asked the origin "
+                         f"{[i[2] for i in inits]} times")
     server.reset()
     _, counted = launch(n, "traffic", work / f"traffic-{n}", ["--manifest", str(manifest)],
                         env)
@@ -199,10 +216,13 @@ def row(n: int, work: Path, manifest: Path, url: str, server: Any) -> dict[str, 
         "init_slowest_s": round(init_s, 3),
         "floor_s": round(floor_s, 3),
         "init_over_floor": round(init_s / floor_s, 2),
-        "peak_rss_mb": round(max(r["peak_rss"] for r in init) / mb, 1),
+        "init_runs_s": [round(i[0], 3) for i in inits],
+        "floor_runs_s": [round(f[0], 3) for f in floors],
+        # Memory: the largest of every init launch, against the smallest floor.
+        "peak_rss_mb": round(max(r["peak_rss"] for i in inits for r in i[1]) / mb, 1),
         "peak_rss_rank": max(init, key=lambda r: r["peak_rss"])["rank"],
         "median_rss_mb": round(statistics.median(r["peak_rss"] for r in init) / mb, 1),
-        "floor_rss_mb": round(max(r["peak_rss"] for r in floor) / mb, 1),
+        "floor_rss_mb": round(min(max(r["peak_rss"] for r in f[1]) for f in floors) / mb, 1),
         "largest_bucket_mb": round(max(r["largest_bucket"] for r in init) / mb, 2),
         "bytes_sent_per_rank": {"max": max(sent), "median": statistics.median(sent)},
         "bytes_received_per_rank": {"max": max(received),
@@ -265,7 +285,7 @@ def driver(args: argparse.Namespace) -> None:
     try:
         with LoopbackOrigin(mirror, latency=LATENCY_S) as server:
             for n in axis:
-                rows.append(row(n, work, manifest, server.url, server))
+                rows.append(row(n, work, manifest, server.url, server, args.repeat))
                 r = rows[-1]
                 print(f"{n:4d} ranks ({r['nodes']} nodes): origin {r['origin_requests']}, "
                       f"init {r['init_slowest_s']:.2f} s vs floor {r['floor_s']:.2f} s "
@@ -286,6 +306,7 @@ def driver(args: argparse.Namespace) -> None:
         "cubin_bytes": total,
         "origin_latency_s": LATENCY_S,
         "ranks_per_node": PER_NODE,
+        "repeat": args.repeat,
         "machine": {"cores": os.cpu_count(), "load_before": round(load_before, 2),
                     "load_after": round(os.getloadavg()[0], 2)},
         "rows": rows,
@@ -302,11 +323,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench")
     parser.add_argument("--name", help="file name under --out (default scale.json)")
     parser.add_argument("--cubins", type=Path, help="a directory of real cubins")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="floor and init launches per N (the row takes the median)")
     parser.add_argument("--worker", choices=("floor", "init", "traffic"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--manifest", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     if args.worker is not None:
         worker(args)
     else:
