@@ -182,7 +182,8 @@ def row(n: int, work: Path, manifest: Path, url: str, server: Any, repeat: int
         env.pop(var, None)
     # Floor and init launches alternate, ``repeat`` of each, every init on cold pools
     # of its own: the row is the median of each (MPI_Init alone varies by tens of
-    # seconds between launches of hundreds of ranks on a few cores).
+    # seconds between launches of hundreds of ranks on a few cores; with an even
+    # ``repeat``, the lower of the two middle launches).
     floors: list[tuple[float, list[dict[str, Any]]]] = []
     inits: list[tuple[float, list[dict[str, Any]], int, float]] = []
     for k in range(repeat):
@@ -195,6 +196,7 @@ def row(n: int, work: Path, manifest: Path, url: str, server: Any, repeat: int
                       server.total_requests, launched))
     floor_s, floor = sorted(floors, key=lambda f: f[0])[(repeat - 1) // 2]
     init_s, init, requests, launched = sorted(inits, key=lambda i: i[0])[(repeat - 1) // 2]
+    peak = max((r for i in inits for r in i[1]), key=lambda r: r["peak_rss"])
     if {i[2] for i in inits} != {requests}:
         raise SystemExit(f"{n} ranks: the init launches asked the origin "
                          f"{[i[2] for i in inits]} times")
@@ -219,11 +221,13 @@ def row(n: int, work: Path, manifest: Path, url: str, server: Any, repeat: int
         "init_runs_s": [round(i[0], 3) for i in inits],
         "floor_runs_s": [round(f[0], 3) for f in floors],
         # Memory: the largest of every init launch, against the smallest floor.
-        "peak_rss_mb": round(max(r["peak_rss"] for i in inits for r in i[1]) / mb, 1),
-        "peak_rss_rank": max(init, key=lambda r: r["peak_rss"])["rank"],
+        "peak_rss_mb": round(peak["peak_rss"] / mb, 1),
+        "peak_rss_rank": peak["rank"],
+        # The median rank of the median launch.
         "median_rss_mb": round(statistics.median(r["peak_rss"] for r in init) / mb, 1),
         "floor_rss_mb": round(min(max(r["peak_rss"] for r in f[1]) for f in floors) / mb, 1),
-        "largest_bucket_mb": round(max(r["largest_bucket"] for r in init) / mb, 2),
+        "largest_bucket_mb": round(max(r["largest_bucket"] for i in inits for r in i[1]) / mb,
+                                   2),
         "bytes_sent_per_rank": {"max": max(sent), "median": statistics.median(sent)},
         "bytes_received_per_rank": {"max": max(received),
                                     "median": statistics.median(received)},
@@ -252,7 +256,7 @@ def row(n: int, work: Path, manifest: Path, url: str, server: Any, repeat: int
         "per_rank": {
             "control_bytes_max": max(control),
             "peak_rss_over_floor_mb": round(
-                (max(r["peak_rss"] for r in init) - max(r["peak_rss"] for r in floor)) / mb, 1),
+                (peak["peak_rss"] - max(r["peak_rss"] for r in floor)) / mb, 1),
             "init_minus_floor_s": round(init_s - floor_s, 3),
             "distcache_cpu_s": round(statistics.median(r["distcache_cpu_s"] for r in init), 3),
         },

@@ -55,6 +55,7 @@ from distcache.errors import CollectiveTimeout, CommError
 #: call, and the same ones again on every prefetch and sync of a job.
 MAX_CHILDREN = 8
 
+
 class Budget(NamedTuple):
     """The time one collective call may take."""
 
@@ -229,14 +230,19 @@ class BackendCommunicator(ABC):
         budget = self._budget(timeout)
         mine = data if self._rank == root else None
         # Bulk data (lend) is chunked from the start; a small payload is one message.
-        width = 0 if lend else min(INLINE_MAX, self._chunk_bytes)
+        # The head's width is fixed, never a per-process setting: every rank must post
+        # the same size.
+        width = 0 if lend else INLINE_MAX
         block = self._broadcast_block(None if mine is None else head(mine, width),
                                       HEAD + width, root, budget)
         total = length_of(block)
         if total <= width:
             self.chunk_messages += total > 0
             self.payload_bytes += total
-            return mine if mine is not None else bytes(carried(block, total, width))
+            if mine is not None:
+                return mine
+            got = carried(block, total, width)
+            return bytearray(got) if lend else bytes(got)
         if lend:
             buffer = self._lent_buffer(mine, total)
         else:
@@ -267,6 +273,9 @@ class BackendCommunicator(ABC):
         lengths = [length_of(block) for block in blocks]
         if max(lengths) <= width:
             return [carried(b, n, width) for b, n in zip(blocks, lengths, strict=True)]
+        if sum(lengths) > MAX_MESSAGE_BYTES:  # every rank read the same lengths
+            raise self._too_large(f"{sum(lengths)} encoded bytes over all ranks exceed one "
+                                  f"{self._label} message ({MAX_MESSAGE_BYTES})")
         rests = self._allgather_payloads(mine[width:], [max(0, n - width) for n in lengths],
                                          budget)
         return [bytes(carried(b, n, width)) + bytes(rest)

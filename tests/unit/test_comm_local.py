@@ -387,9 +387,11 @@ def test_auto_makes_its_own_gloo_group_beside_an_initialised_torch_world(
         import torch.distributed as dist
         import distcache.comm
         dist.init_process_group("gloo", init_method="file://{tmp_path}/rdv", rank=0, world_size=1)
-        comm = distcache.comm.auto(timeout=30, chunk_bytes=4)
+        comm = distcache.comm.auto(timeout=30, chunk_bytes=1000)
         assert comm.backend == "gloo", comm
         assert comm.group is not dist.group.WORLD
+        assert comm.broadcast_bytes(b"0123456789" * 500, 0) == b"0123456789" * 500
+        assert comm.chunk_messages == 5
         assert comm.broadcast_bytes(b"0123456789", 0) == b"0123456789"
         assert comm.broadcast_bytes(b"", 0) == b""
         assert comm.allgather_object(("x", 1)) == [("x", 1)]
@@ -458,10 +460,13 @@ def test_mpi_backend_runs_at_world_size_one_and_maps_mpi_errors() -> None:
         from mpi4py import MPI
         from distcache.comm._mpi import MpiCommunicator
         from distcache.errors import CommError
-        comm = MpiCommunicator(MPI.COMM_SELF, chunk_bytes=3, node_id="solo")
+        comm = MpiCommunicator(MPI.COMM_SELF, chunk_bytes=3000, node_id="solo")
         assert (comm.rank, comm.size, comm.node_id, comm.backend) == (0, 1, "solo", "mpi")
-        assert comm.broadcast_bytes(b"abcdefg", 0) == b"abcdefg"
+        # Past the 4 KiB head a payload goes in chunks: 3000 + 3000 + 1000 bytes.
+        assert comm.broadcast_bytes(b"abcdefg" * 1000, 0) == b"abcdefg" * 1000
         assert comm.chunk_messages == 3
+        assert comm.broadcast_bytes(b"abcdefg", 0) == b"abcdefg"  # within the head
+        assert comm.chunk_messages == 4
         assert comm.allgather_object({1: 2}) == [{1: 2}]
         comm.barrier(timeout=5)
         assert comm.split(-4).size == 1
