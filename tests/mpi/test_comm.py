@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -306,14 +306,22 @@ def _count_rounds(fresh: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]
     return counts
 
 
-def test_small_payloads_are_gathered_and_broadcast_in_one_round(
-    comm_factory: Callable[..., Communicator], monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.fixture
+def rounds(comm_factory: Callable[..., Communicator], monkeypatch: pytest.MonkeyPatch,
+           ) -> Iterator[tuple[Any, dict[str, int], int]]:
+    """A fresh communicator, the counts of its transport calls, and its heads' width."""
     from distcache.comm._inline import inline_width
 
     fresh: Any = comm_factory()
-    counts = _count_rounds(fresh, monkeypatch)
-    width = inline_width(fresh.size)
+    yield fresh, _count_rounds(fresh, monkeypatch), inline_width(fresh.size)
+    monkeypatch.undo()
+    fresh.close()
+
+
+def test_small_payloads_are_gathered_and_broadcast_in_one_round(
+    rounds: tuple[Any, dict[str, int], int],
+) -> None:
+    fresh, counts, width = rounds
     # Every rank's encoded payload fits its head: the lengths and the payloads are one
     # all-gather, and no second round follows.
     objects = [b"", b"x" * (width // 2), {"rank": 1, "names": ["a", "b"]}, None]
@@ -324,19 +332,14 @@ def test_small_payloads_are_gathered_and_broadcast_in_one_round(
     assert fresh.broadcast_bytes(sent if fresh.rank == 1 else None, 1) == sent
     assert fresh.broadcast_bytes(b"" if fresh.rank == 0 else None, 0) == b""
     assert (counts["_broadcast_block"], counts["_broadcast_span"]) == (2, 0)
-    monkeypatch.undo()
-    fresh.close()
 
 
 def test_a_payload_past_its_head_takes_a_second_round_on_every_rank_and_arrives_whole(
-    comm_factory: Callable[..., Communicator], monkeypatch: pytest.MonkeyPatch,
+    rounds: tuple[Any, dict[str, int], int],
 ) -> None:
     from distcache.comm._codec import encode
-    from distcache.comm._inline import inline_width
 
-    fresh: Any = comm_factory()
-    counts = _count_rounds(fresh, monkeypatch)
-    width = inline_width(fresh.size)
+    fresh, counts, width = rounds
 
     def encoded_as(target: int) -> int:
         """The length of a bytes value whose encoded form is ``target`` bytes."""
@@ -355,5 +358,3 @@ def test_a_payload_past_its_head_takes_a_second_round_on_every_rank_and_arrives_
     sent = _payload(0, 3 * width)
     assert fresh.broadcast_bytes(sent if fresh.rank == 0 else None, 0) == sent
     assert (counts["_broadcast_block"], counts["_broadcast_span"]) == (1, 1)
-    monkeypatch.undo()
-    fresh.close()
