@@ -77,6 +77,11 @@ def check_sha256(sha256: object) -> str:
     return sha256
 
 
+def collapse_slashes(name: str) -> str:
+    """``name`` with each run of ``/`` made one, as :func:`validate_name` names it."""
+    return name if "//" not in name else _SLASHES.sub("/", name)
+
+
 def validate_name(name: object) -> str:
     """Return the normalised name, or raise.
 
@@ -94,7 +99,7 @@ def validate_name(name: object) -> str:
         ArtifactNameError: the name is unsafe; ``reason`` says why.
     """
     if type(name) is str and len(name) <= MAX_NAME_BYTES and _FAST_NAME.fullmatch(name):
-        return name if "//" not in name else _SLASHES.sub("/", name)
+        return collapse_slashes(name)
     return _validate_slowly(name)
 
 
@@ -247,9 +252,7 @@ def parse_checksums(text: str, prefix: str = "", *, source: str | None = None) -
             continue
         fast = _FAST_LINE.fullmatch(line)
         if fast is not None and not prefix and len(fast[2]) <= MAX_NAME_BYTES:
-            digest, name = fast[1].lower(), fast[2]
-            if "//" in name:
-                name = _SLASHES.sub("/", name)
+            digest, name = fast[1].lower(), collapse_slashes(fast[2])
             previous = out.get(name)
             if previous is None:
                 out[name] = _checked(name, digest)

@@ -21,7 +21,7 @@ import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
-from distcache.artifact import validate_name
+from distcache.artifact import collapse_slashes, validate_name
 from distcache.store._fs import APPEND_FLAGS, READ_FLAGS, is_sha, pool_error, write_all
 from distcache.store._locking import flock_fd
 
@@ -156,11 +156,8 @@ class NamesIndex:
                 self._raw.clear()
             for line in records:
                 parts = line.split(" ", 2)
-                if len(parts) == 3:
-                    name = parts[2]
-                    while "//" in name:  # keyed as the parse would name it
-                        name = name.replace("//", "/")
-                    self._raw[name] = line
+                if len(parts) == 3:  # keyed as the parse would name it
+                    self._raw[collapse_slashes(parts[2])] = line
             self._raw_offset = offset
             try:
                 for name, sha in pairs:
