@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
+from distcache._delegate import inputs_key, led_by_node_leaders
 from distcache.artifact import (
     Artifact,
     manifest_text,
@@ -33,15 +34,14 @@ from distcache.artifact import (
     read_manifest,
     sha256_hex,
 )
-from distcache.collective import PrefetchReport
-from distcache.collective import prefetch as collective_prefetch
-from distcache.comm import Communicator, agree_on_error, node_tree
+from distcache.comm import Communicator, NodeTree, agree_on_error, node_tree
 from distcache.config import Settings, settings
 from distcache.errors import ConfigError, DistcacheError, OriginError, PoolError
 from distcache.origins import Credentials, Origin, open_origin
 from distcache.store import ArtifactPool, PoolLayout
 
 if TYPE_CHECKING:
+    from distcache.collective import PrefetchReport
     from distcache.integrations import Integration
 
 log = logging.getLogger(__name__)
@@ -145,6 +145,36 @@ def prefetch_manifests(
     # alike (no error, the same pool, the same flags), so what a rank receives follows
     # the nodes, not the ranks. The collective reuses the same tree.
     comm = node_tree(comm, timeout=timeout)
+    if isinstance(comm, NodeTree) and not integrations:
+        # Where each node's ranks share their leader's pool and pass the same inputs,
+        # the leaders prefetch for their nodes (distcache._delegate).
+        per_rank = _leader_threads(comm.size, comm.nodes)
+        led = led_by_node_leaders(
+            comm, pool, inputs_key(manifests, origin, offline), timeout=timeout,
+            lead=lambda leaders: _prefetch(leaders, pool, origin, manifests, (), timeout,
+                                           offline, downloads_per_rank=per_rank))
+        if led is not None:
+            return led[0]
+    return _prefetch(comm, pool, origin, manifests, integrations, timeout, offline)
+
+
+def _leader_threads(ranks: int, nodes: int) -> int:
+    """Download threads per rank when only node leaders download: each leader may
+    take the connections its node's ranks would have had, up to an even share of the
+    job's, so a job on a few nodes keeps its concurrency at the origin while one on
+    many still spreads its downloads over as many nodes as before."""
+    conf = settings()
+    per_rank, per_job = conf.downloads_per_rank, conf.downloads_per_job
+    return max(per_rank, min(per_rank * -(-ranks // nodes), -(-per_job // nodes)))
+
+
+def _prefetch(comm: Communicator, pool: ArtifactPool, origin: Origin | None,
+              manifests: Sequence[ManifestSpec], integrations: Sequence[Integration],
+              timeout: float | None, offline: bool | None, *,
+              downloads_per_rank: int | None = None) -> PrefetchReport | None:
+    """:func:`prefetch_manifests` on every rank of ``comm`` (its node tree, made);
+    ``downloads_per_rank`` in place of the setting."""
+    comm = node_tree(comm, timeout=timeout)
     listed: list[Artifact] = []
     wanted: list[Artifact] = []
     error: BaseException | None = None
@@ -188,7 +218,10 @@ def prefetch_manifests(
             error.agreed = True  # built from what every rank holds alike
             raise error
         origin = NoOrigin(offline)
-    return collective_prefetch(artifacts, comm=comm, pool=pool, origin=origin, timeout=timeout)
+    from distcache.collective import prefetch as collective_prefetch
+
+    return collective_prefetch(artifacts, comm=comm, pool=pool, origin=origin, timeout=timeout,
+                               downloads_per_rank=downloads_per_rank)
 
 
 class NoOrigin:

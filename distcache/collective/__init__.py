@@ -38,17 +38,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from distcache.collective._prefetch import prefetch
 from distcache.collective._report import PHASES, PrefetchReport
 
 if TYPE_CHECKING:
+    from distcache.collective._prefetch import prefetch
     from distcache.collective._sync import SyncState, sync
 
 __all__ = ["PHASES", "PrefetchReport", "SyncState", "prefetch", "sync"]
 
 
 def __getattr__(name: str) -> Any:
-    # The sync loads with its first use: a start-up prefetches, it does not sync.
+    # Each loads with its first use: a start-up prefetches, it does not sync, and a
+    # node member whose leader prefetches for it only reads the report.
+    if name == "prefetch":
+        from distcache.collective import _prefetch
+
+        return _prefetch.prefetch
     if name not in ("SyncState", "sync"):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from distcache.collective import _sync

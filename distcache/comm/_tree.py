@@ -210,7 +210,14 @@ class NodeTree(Wrapping):
 
         return left
 
-    def _levels(self) -> tuple[Communicator, Communicator]:
+    @property
+    def leader(self) -> int:
+        """The rank (of the wrapped communicator) that leads this rank's node."""
+        return self._members[self._node][0]
+
+    def levels(self) -> tuple[Communicator, Communicator]:
+        """The node's communicator (its leader is rank 0 there) and the leaders' (on a
+        member: the other members'), both split off the wrapped one."""
         local, upper = self._local, self._upper
         assert local is not None and upper is not None, "a flat tree is never handed out"
         return local, upper
@@ -219,7 +226,7 @@ class NodeTree(Wrapping):
                          timeout: float | None = None) -> Any:
         """:func:`reduce_object` through the node leaders."""
         encode(obj)  # refused here, before this rank enters the collective
-        local, upper = self._levels()
+        local, upper = self.levels()
         left = self._clock(timeout)
         values = local.allgather_object(obj, timeout=left())
         if self.is_leader:
@@ -234,7 +241,7 @@ class NodeTree(Wrapping):
 
     def allgather_object(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
         mine = encode(obj)  # refused here, before this rank enters the collective
-        local, upper = self._levels()
+        local, upper = self.levels()
         left = self._clock(timeout)
         parts = local.allgather_object(mine, timeout=left())
         if self.is_leader:

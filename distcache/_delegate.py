@@ -1,0 +1,247 @@
+"""The start-up prefetch of a node whose ranks share one pool, run by the node's leader.
+
+The ranks of a node usually share one pool directory and pass the same manifests. Then
+a member has nothing to do that its leader (the node's lowest rank) does not do for
+it: the same artifacts reach the same directory. :func:`led_by_node_leaders` lets the
+leaders run the prefetch on a communicator of their own and hand the outcome down
+their nodes: the report, or the error that every rank raises. A member neither parses
+the manifests nor plans nor enters the collective's all-gathers, so what it costs
+does not grow with the job, and each step of the leaders' collective waits on one
+process per node, not on every rank.
+
+Whether the leaders may act for their nodes is decided alike on every rank, in four
+small rounds, two of them within a node:
+
+1. every rank sends the digest of its inputs (:func:`inputs_key`: the manifests' bytes,
+   whether it has an origin, whether it is offline) and its pool's id; the leader
+   also sends a probe it placed in its pool (a name and content drawn for this run:
+   equal pool ids are only a claim, as a pool copied to each node keeps its id);
+2. each member says whether its inputs and pool id equal the leader's and it sees the
+   probe, with that content, in its own pool;
+3. the leaders all-gather whether every member of their node said yes;
+4. each leader tells its node whether every node did.
+
+If any rank differs anywhere, every rank takes the full collective, which reports the
+difference (different manifests) or handles it (pools of their own).
+
+While its leader works, a member waits for its word: the leader's node hears from it
+at least every ``min(HEARTBEAT, timeout / 4)`` seconds (a thread all-gathers on the
+node's communicator while the collective runs on the leaders'), so a member waits as
+long as its leader is at work, and raises :class:`~distcache.errors.CollectiveTimeout`
+when it hears nothing for ``timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from distcache.artifact import Artifact
+from distcache.comm import Communicator, NodeTree
+from distcache.comm._base import describe_error, rebuild_error
+from distcache.config import settings
+from distcache.errors import DistcacheError, RemoteError, WireError
+
+if TYPE_CHECKING:
+    from distcache.collective import PrefetchReport
+    from distcache.origins import Origin
+    from distcache.store import ArtifactPool
+
+log = logging.getLogger(__name__)
+
+#: Longest interval between two words of a leader to its node.
+HEARTBEAT = 1.0
+
+#: What a leader says while it works.
+_ALIVE = "alive"
+
+#: The report's fields that name ranks (the leaders' own, mapped back to the job's).
+_RANK_FIELDS = ("writers", "downloaders")
+
+
+def inputs_key(manifests: Sequence[str | os.PathLike[str] | Sequence[Artifact]],
+               origin: Origin | None, offline: bool | None) -> str | None:
+    """A digest of what decides a rank's prefetch: the manifests (each file's bytes,
+    each list's artifacts), whether there is an origin, whether downloads are off.
+    None when something cannot be read: that rank takes the full collective, which
+    reports why."""
+    h = hashlib.sha256()
+    try:
+        for spec in manifests:
+            if isinstance(spec, str | os.PathLike):
+                h.update(b"file\0" + hashlib.sha256(Path(spec).read_bytes()).digest())
+            else:
+                h.update(b"list\0" + repr(list(spec)).encode())
+        if offline is None:
+            offline = settings().offline
+    except (OSError, DistcacheError):
+        return None
+    h.update(f"\0origin={origin is not None}\0offline={bool(offline)}".encode())
+    return h.hexdigest()
+
+
+def led_by_node_leaders(
+    tree: NodeTree, pool: ArtifactPool, key: str | None, *, timeout: float | None,
+    lead: Callable[[Communicator], PrefetchReport | None],
+) -> tuple[PrefetchReport | None] | None:
+    """Collective: when every node's ranks may leave the prefetch to their leader (see
+    the module docstring), ``(report,)`` (on the leaders, what ``lead`` returned when
+    called with the leaders' communicator; on the members, the same report), else
+    None and nothing was prefetched.
+
+    Raises:
+        DistcacheError: what ``lead`` raised on the leaders, raised alike on each member
+            (as :class:`~distcache.errors.RemoteError` where it is not one of
+            distcache's own errors).
+        CollectiveTimeout: a rank of the node, or a leader, did not arrive in time.
+    """
+    local, upper = tree.levels()
+    wait = _seconds(timeout, tree)
+    leader = tree.is_leader
+    with contextlib.ExitStack() as probes:
+        offer = None
+        if leader and key is not None:
+            name, token = os.urandom(16).hex(), os.urandom(16).hex()
+            if probes.enter_context(pool.identity.probe(name, token)):
+                offer = (name, token)
+        seen = local.allgather_object((key, pool.pool_id, offer), timeout=wait)
+        able = offer is not None if leader else _shares(seen[0], key, pool)
+        said = local.allgather_object(able, timeout=wait)
+    if leader:
+        votes = upper.allgather_object((all(s is True for s in said), tree.rank),
+                                       timeout=wait)
+        go = all(type(v) is tuple and v[0] is True for v in votes)
+        local.allgather_object(go, timeout=wait)
+    else:
+        go = local.allgather_object(None, timeout=wait)[0] is True
+    if not go:
+        log.debug("the prefetch runs on every rank: not every node's ranks share their "
+                  "leader's pool and inputs")
+        return None
+    if leader:
+        return (_lead(tree, local, upper, [v[1] for v in votes], wait, lead),)
+    return (_follow(tree, local, wait),)
+
+
+def _seconds(timeout: float | None, tree: NodeTree) -> float:
+    if timeout is not None:
+        return timeout
+    given = getattr(tree, "timeout", None)
+    return float(given) if isinstance(given, int | float) else settings().timeout
+
+
+def _shares(offered: Any, key: str | None, pool: ArtifactPool) -> bool:
+    """Whether a member's inputs and pool are its leader's, as ``offered``."""
+    if not (type(offered) is tuple and len(offered) == 3):
+        return False
+    their_key, their_id, probe = offered
+    return (key is not None and their_key == key and their_id == pool.pool_id
+            and type(probe) is tuple and len(probe) == 2
+            and all(type(p) is str for p in probe)
+            and pool.identity.sees(probe[0], probe[1]))
+
+
+def _lead(tree: NodeTree, local: Communicator, upper: Communicator, leaders: list[int],
+          wait: float, lead: Callable[[Communicator], PrefetchReport | None]
+          ) -> PrefetchReport | None:
+    """Run the prefetch on the leaders' communicator; tell the node while it runs and
+    what came of it when it ends."""
+    stop = threading.Event()
+    lost: list[BaseException] = []
+
+    def beat() -> None:
+        while not stop.wait(min(HEARTBEAT, wait / 4)):
+            try:
+                local.allgather_object(_ALIVE, timeout=wait)
+            except BaseException as exc:  # a member gone: raised once the work ends
+                lost.append(exc)
+                return
+
+    beating = threading.Thread(target=beat, daemon=True, name="distcache-node-word")
+    beating.start()
+    error: BaseException | None = None
+    report: PrefetchReport | None = None
+    try:
+        report = lead(upper)
+    except BaseException as exc:
+        error = exc
+    finally:
+        stop.set()
+        beating.join()
+    if lost:
+        if error is not None:
+            raise error
+        raise lost[0]
+    if error is None:
+        report = _in_job_ranks(report, leaders)
+        word: tuple[Any, ...] = ("report", None if report is None else dataclasses.asdict(report))
+    else:
+        word = ("error", describe_error(error), bool(getattr(error, "agreed", False)))
+    local.allgather_object(word, timeout=wait)
+    if error is not None:
+        raise error
+    return report
+
+
+def _follow(tree: NodeTree, local: Communicator, wait: float) -> PrefetchReport | None:
+    """Wait for the leader's word; the report, or the error it sends, raised."""
+    where = f"rank {tree.rank}/{tree.size} ({tree.node_id})"
+    while True:
+        word = local.allgather_object(None, timeout=wait)[0]
+        if word != _ALIVE:
+            break
+    if type(word) is tuple and len(word) == 2 and word[0] == "report":
+        return _unpacked(word[1], where, tree)
+    if not (type(word) is tuple and len(word) == 3 and word[0] == "error"
+            and type(word[1]) is tuple and len(word[1]) == 4
+            and all(type(p) is str for p in word[1][:2])):
+        raise _malformed(where, tree)
+    type_name, text, kind, attrs = word[1]
+    error: DistcacheError | None
+    if kind is None:
+        error = RemoteError(f"rank {tree.leader}/{tree.size} on {tree.node_id} failed with "
+                            f"{type_name}: {text}", rank=tree.leader, host=tree.node_id,
+                            remote_type=type_name)
+    else:
+        error = rebuild_error(kind, text, attrs)
+        if error is None:
+            raise _malformed(where, tree)
+    error.agreed = word[2] is True
+    raise error
+
+
+def _in_job_ranks(report: PrefetchReport | None, leaders: list[int]
+                  ) -> PrefetchReport | None:
+    """``report`` with the ranks it names (the leaders' own) as ranks of the job."""
+    if report is None:
+        return None
+    return dataclasses.replace(report,
+                               writers=tuple(leaders[r] for r in report.writers),
+                               downloaders=tuple(leaders[r] for r in report.downloaders))
+
+
+def _unpacked(fields: Any, where: str, tree: NodeTree) -> PrefetchReport | None:
+    from distcache.collective import PrefetchReport
+
+    if fields is None:
+        return None
+    try:
+        values = dict(fields)
+        for name in _RANK_FIELDS:
+            values[name] = tuple(values[name])
+        return PrefetchReport(**values)
+    except (TypeError, ValueError) as exc:
+        raise _malformed(where, tree) from exc
+
+
+def _malformed(where: str, tree: NodeTree) -> WireError:
+    return WireError(f"the prefetch on {where}: the node leader's word is malformed",
+                     op="allgather_object", rank=tree.rank, backend=tree.backend,
+                     peer=tree.leader)

@@ -1,0 +1,52 @@
+"""One rank of a start-up through the public hook: ``distcache.init`` with a manifest,
+then what it saw as ``OUT/rank<N>.json``.
+
+    init_worker.py --pool DIR --manifest FILE --origin URL --out DIR [--timeout S]
+
+Records the report (or the error's type and message) and whether this rank loaded
+the collective's planning (``distcache.collective._prefetch``): a node member whose
+leader prefetched for it never does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import distcache
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pool", type=Path, required=True)
+    parser.add_argument("--manifest", type=Path, required=True)
+    parser.add_argument("--origin", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    args = parser.parse_args()
+    record: dict[str, Any] = {"error": None, "report": None}
+    try:
+        session = distcache.init(manifests=[str(args.manifest)], integrations=[],
+                                 pool=args.pool, origin=args.origin, timeout=args.timeout)
+    except distcache.errors.DistcacheError as exc:
+        record["error"] = [type(exc).__name__, str(exc)]
+        comm = None
+    else:
+        comm = session.comm
+        if session.report is not None:
+            record["report"] = dataclasses.asdict(session.report)
+    record["rank"] = int(os.environ["OMPI_COMM_WORLD_RANK"])
+    record["planned"] = "distcache.collective._prefetch" in sys.modules
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{record['rank']}.json").write_text(json.dumps(record))
+    if comm is not None:
+        comm.barrier(timeout=args.timeout)
+
+
+if __name__ == "__main__":
+    main()
