@@ -2,6 +2,10 @@
 then what it saw as ``OUT/rank<N>.json``.
 
     init_worker.py --pool DIR --manifest FILE --origin URL --out DIR [--timeout S]
+                   [--torch]
+
+``--torch`` hands ``init`` a gloo communicator (``distcache.comm.from_torch``) in
+place of the MPI one it adopts by itself.
 
 Records the report (or the error's type and message) and whether this rank loaded
 the collective's planning (``distcache.collective._prefetch``): a node member whose
@@ -28,11 +32,19 @@ def main() -> None:
     parser.add_argument("--origin", required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--torch", action="store_true")
     args = parser.parse_args()
+    given = None
+    if args.torch:
+        import launch
+
+        launch.init_process_group(backend="gloo", timeout=args.timeout)
+        given = distcache.comm.from_torch(timeout=args.timeout)
     record: dict[str, Any] = {"error": None, "report": None}
     try:
         session = distcache.init(manifests=[str(args.manifest)], integrations=[],
-                                 pool=args.pool, origin=args.origin, timeout=args.timeout)
+                                 pool=args.pool, origin=args.origin, timeout=args.timeout,
+                                 comm=given)
     except distcache.errors.DistcacheError as exc:
         record["error"] = [type(exc).__name__, str(exc)]
         comm = None
@@ -46,6 +58,10 @@ def main() -> None:
     (args.out / f"rank{record['rank']}.json").write_text(json.dumps(record))
     if comm is not None:
         comm.barrier(timeout=args.timeout)
+    if args.torch:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

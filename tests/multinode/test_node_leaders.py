@@ -44,15 +44,15 @@ class Job:
 
     def launch(self, run_mpmd: Callable[..., CompletedProcess[str]],
                pools: list[Path], *, manifests: list[Path] | None = None,
-               timeout: float = 60.0, env: dict[str, str] | None = None
-               ) -> list[dict[str, Any]]:
+               timeout: float = 60.0, env: dict[str, str] | None = None,
+               torch: bool = False) -> list[dict[str, Any]]:
         """One rank per context: ranks 0, 1 on node a, 2, 3 on node b."""
         contexts = []
         for rank in range(4):
             argv = [sys.executable, str(WORKER), "--pool", str(pools[rank]),
                     "--manifest", str((manifests or [self.manifest] * 4)[rank]),
                     "--origin", self.srv.url, "--out", str(self.out),
-                    "--timeout", str(timeout)]
+                    "--timeout", str(timeout), *(["--torch"] if torch else [])]
             variables = {"DISTCACHE_NODE_ID": NODES[rank // 2],
                          "DISTCACHE_LOG_JSON": str(self.events), **(env or {})}
             contexts.append((1, variables, argv))
@@ -88,10 +88,11 @@ def _same_report(records: list[dict[str, Any]]) -> dict[str, Any]:
     return reports[0]
 
 
+@pytest.mark.parametrize("torch", [False, True], ids=["adopted", "gloo"])
 def test_members_leave_the_prefetch_to_their_node_leader(
-    job: Job, run_mpmd: Callable[..., CompletedProcess[str]]
+    job: Job, run_mpmd: Callable[..., CompletedProcess[str]], torch: bool
 ) -> None:
-    records = job.launch(run_mpmd, job.node_pools())
+    records = job.launch(run_mpmd, job.node_pools(), torch=torch)
 
     report = _same_report(records)
     assert report["downloads"] == K and report["pools"] == 2
@@ -106,7 +107,7 @@ def test_members_leave_the_prefetch_to_their_node_leader(
     assert sorted(p["root"] for p in job.probes()) == [str(job.pools / n) for n in NODES]
 
     job.srv.reset()
-    warm = _same_report(job.launch(run_mpmd, job.node_pools()))
+    warm = _same_report(job.launch(run_mpmd, job.node_pools(), torch=torch))
     assert warm["downloads"] == 0 and warm["pool_hits"] == K
     assert job.srv.total_requests == 0
 
@@ -146,13 +147,14 @@ def test_a_member_with_another_manifest_gets_the_mismatch_like_every_rank(
     assert job.srv.total_requests == 0
 
 
+@pytest.mark.parametrize("torch", [False, True], ids=["adopted", "gloo"])
 def test_a_failure_on_the_leaders_is_raised_on_their_members(
-    job: Job, run_mpmd: Callable[..., CompletedProcess[str]]
+    job: Job, run_mpmd: Callable[..., CompletedProcess[str]], torch: bool
 ) -> None:
     gone = job.artifacts[2]
     (job.mirror / gone.name).unlink()
 
-    records = job.launch(run_mpmd, job.node_pools())
+    records = job.launch(run_mpmd, job.node_pools(), torch=torch)
 
     errors = [r["error"] for r in records]
     assert all(e is not None for e in errors), errors
