@@ -13,7 +13,8 @@ Whether the leaders may act for their nodes is decided alike on every rank, in f
 small rounds, two of them within a node:
 
 1. every rank sends the digest of its inputs (:func:`inputs_key`: the manifests' bytes,
-   whether it has an origin, whether it is offline) and its pool's id; the leader
+   what its integrations want, whether it has an origin, whether it is offline) and
+   its pool's id; the leader
    also sends a probe it placed in its pool (a name and content drawn for this run:
    equal pool ids are only a claim, as a pool copied to each node keeps its id);
 2. each member says whether its inputs and pool id equal the leader's and it sees the
@@ -43,7 +44,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from distcache.artifact import Artifact
+from distcache.artifact import Artifact, manifest_text, merge_manifests
 from distcache.comm import Communicator, NodeTree
 from distcache.comm._base import describe_error, rebuild_error
 from distcache.config import settings
@@ -51,6 +52,7 @@ from distcache.errors import DistcacheError, RemoteError, WireError
 
 if TYPE_CHECKING:
     from distcache.collective import PrefetchReport
+    from distcache.integrations import Integration
     from distcache.origins import Origin
     from distcache.store import ArtifactPool
 
@@ -67,11 +69,12 @@ _RANK_FIELDS = ("writers", "downloaders")
 
 
 def inputs_key(manifests: Sequence[str | os.PathLike[str] | Sequence[Artifact]],
-               origin: Origin | None, offline: bool | None) -> str | None:
+               origin: Origin | None, offline: bool | None,
+               integrations: Sequence[Integration] = ()) -> str | None:
     """A digest of what decides a rank's prefetch: the manifests (each file's bytes,
-    each list's artifacts), whether there is an origin, whether downloads are off.
-    None when something cannot be read: that rank takes the full collective, which
-    reports why."""
+    each list's artifacts), what the integrations want (their usage records), whether
+    there is an origin, whether downloads are off. None when something cannot be
+    read: that rank takes the full collective, which reports why."""
     h = hashlib.sha256()
     try:
         for spec in manifests:
@@ -79,6 +82,9 @@ def inputs_key(manifests: Sequence[str | os.PathLike[str] | Sequence[Artifact]],
                 h.update(b"file\0" + hashlib.sha256(Path(spec).read_bytes()).digest())
             else:
                 h.update(b"list\0" + repr(list(spec)).encode())
+        if integrations:
+            wanted = merge_manifests((i.name, i.manifest()) for i in integrations)
+            h.update(b"wanted\0" + manifest_text(wanted).encode())
         if offline is None:
             offline = settings().offline
     except (OSError, DistcacheError):

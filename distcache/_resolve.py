@@ -145,14 +145,15 @@ def prefetch_manifests(
     # alike (no error, the same pool, the same flags), so what a rank receives follows
     # the nodes, not the ranks. The collective reuses the same tree.
     comm = node_tree(comm, timeout=timeout)
-    if isinstance(comm, NodeTree) and not integrations:
+    if isinstance(comm, NodeTree):
         # Where each node's ranks share their leader's pool and pass the same inputs,
         # the leaders prefetch for their nodes (distcache._delegate).
         per_rank = _leader_threads(comm.size, comm.nodes)
         led = led_by_node_leaders(
-            comm, pool, inputs_key(manifests, origin, offline), timeout=timeout,
-            lead=lambda leaders: _prefetch(leaders, pool, origin, manifests, (), timeout,
-                                           offline, downloads_per_rank=per_rank))
+            comm, pool, inputs_key(manifests, origin, offline, integrations),
+            timeout=timeout,
+            lead=lambda leaders: _prefetch(leaders, pool, origin, manifests, integrations,
+                                           timeout, offline, downloads_per_rank=per_rank))
         if led is not None:
             return led[0]
     return _prefetch(comm, pool, origin, manifests, integrations, timeout, offline)
