@@ -253,17 +253,41 @@ def _bad_description(comm: Communicator, peer: int, what: str) -> WireError:
 
 # Polling: start with a tight loop (small collectives finish in microseconds), back
 # off to a short sleep so idle ranks do not steal cores from working ones, and on a
-# long wait to a pause of a tenth of the time waited so far (at most _POLL_LONG_S):
-# a rank waiting seconds for its peers polls a few dozen times, not thousands, and
-# completes at most about 10 % later than it could have.
+# long wait to a pause of a tenth of the time waited so far, at most a longest pause
+# that follows how many processes share each core (:func:`_longest_pause`): a rank
+# waiting seconds for its peers polls a few dozen times, not thousands, and completes
+# at most about 10 % later than it could have.
 _POLL_MIN_S = 20e-6
 _POLL_MAX_S = 2e-3
 _POLL_LONG_S = 50e-3
+#: The longest pause where each process of the host has a core of its own.
+_POLL_OWN_CORE_S = 5e-3
+#: Variables the launchers set to the number of processes on this host.
+_LOCAL_PROCESSES = ("OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS",
+                    "SLURM_NTASKS_PER_NODE")
+_longest: list[float] = []
+
+
+def _longest_pause() -> float:
+    """The longest pause between two polls: :data:`_POLL_OWN_CORE_S` times the
+    processes per core of this host (as the launcher counts them), at most
+    :data:`_POLL_LONG_S`, which is also what a host of unknown load gets. Where every
+    rank has a core, polling often costs nothing a working rank needs and a wait ends
+    closer to when its peers arrive."""
+    if not _longest:
+        local = next((os.environ[v] for v in _LOCAL_PROCESSES if os.environ.get(v)), "")
+        cores = os.cpu_count() or 1
+        pause = _POLL_LONG_S
+        if local.isdigit() and int(local) > 0:
+            pause = min(_POLL_LONG_S, _POLL_OWN_CORE_S * max(1.0, int(local) / cores))
+        _longest.append(pause)
+    return _longest[0]
 
 
 def poll_until(done: Callable[[], bool], until: float) -> bool:
     """Call ``done`` until it returns True (then True) or ``until`` passes (False)."""
     pause = _POLL_MIN_S
+    longest = _longest_pause()
     began = time.monotonic()
     while not done():
         now = time.monotonic()
@@ -273,5 +297,5 @@ def poll_until(done: Callable[[], bool], until: float) -> bool:
         if pause < _POLL_MAX_S:
             pause = min(pause * 2, _POLL_MAX_S)
         else:
-            pause = min(max(_POLL_MAX_S, (now - began) * 0.1), _POLL_LONG_S)
+            pause = min(max(_POLL_MAX_S, (now - began) * 0.1), longest)
     return True

@@ -15,7 +15,6 @@ each being retried.
 
 from __future__ import annotations
 
-import functools
 import logging
 import random
 import threading
@@ -53,20 +52,12 @@ _SECRET_HEADERS = ("authorization", "cookie", "proxy-authorization")
 #: once it is back.
 DOWN_SECONDS = 60.0
 
-#: The distribution's name on the package index (the import name is ``distcache``).
-DISTRIBUTION = "distcache-kernels"
-
-
-@functools.cache
 def _user_agent() -> str:
-    # Read from the installed distribution: importing the ``distcache`` package for its
-    # ``__version__`` would make the origins depend on the package that re-exports them.
-    from importlib import metadata
+    # From distcache's own version module, not the installed distribution's metadata:
+    # reading that scans every directory of sys.path, on each downloading rank.
+    from distcache._version import __version__
 
-    try:
-        return f"distcache/{metadata.version(DISTRIBUTION)}"
-    except metadata.PackageNotFoundError:  # run from a source tree that is not installed
-        return "distcache"
+    return f"distcache/{__version__}"
 
 
 class HttpOrigin(BaseOrigin):

@@ -12,6 +12,7 @@ from typing import Any, BinaryIO
 
 import pytest
 
+import distcache
 from distcache.artifact import Artifact, sha256_hex
 from distcache.errors import (
     ArtifactNameError,
@@ -744,7 +745,7 @@ def test_http_origin_names_itself_in_the_user_agent(
     http: HttpOrigin, origin_server: LoopbackOrigin, artifacts: list[Artifact]
 ) -> None:
     http.fetch(artifacts[0])
-    assert origin_server.last_headers["user-agent"].startswith("distcache")
+    assert origin_server.last_headers["user-agent"] == f"distcache/{distcache.__version__}"
 
 
 # -- bodies without a Content-Length ---------------------------------------------------

@@ -271,3 +271,11 @@ def test_package_fronts_list_only_names_that_resolve(front: str) -> None:
     exported = getattr(module, "__all__", None)
     assert exported, f"{front} has no __all__"
     assert [n for n in exported if not hasattr(module, n)] == []
+
+
+def test_the_version_is_the_one_the_distribution_declares() -> None:
+    import tomllib
+    from pathlib import Path
+
+    declared = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert distcache.__version__ == declared["project"]["version"]
