@@ -25,11 +25,26 @@ small rounds, two of them within a node:
 If any rank differs anywhere, every rank takes the full collective, which reports the
 difference (different manifests) or handles it (pools of their own).
 
+Every rank also votes whether its process may use two communicators from two threads
+at once (:func:`~distcache.collective._heartbeat.concurrent`: MPI below
+``MPI_THREAD_MULTIPLE`` may not): a leader's node hears from it on a thread.
+
 While its leader works, a member waits for its word: the leader's node hears from it
 at least every ``min(HEARTBEAT, timeout / 4)`` seconds (a thread all-gathers on the
-node's communicator while the collective runs on the leaders'), so a member waits as
-long as its leader is at work, and raises :class:`~distcache.errors.CollectiveTimeout`
-when it hears nothing for ``timeout`` seconds.
+node's communicator while the collective runs on the leaders'), as long as the
+leaders' collective makes progress (a collective completed on the leaders'
+communicator: the collective's own heartbeats complete one at least every second).
+A member whose leader is silent for ``timeout`` seconds, or whose leader's collective
+stalled for that long, raises :class:`~distcache.errors.CollectiveTimeout`.
+
+The outcome is the same on every rank: after the leaders' collective, the leaders
+agree on whether every node's members were still there (a node whose member left
+fails the job), then each hands the report or the error down. Errors name the job's
+ranks (the leaders' collective counts its own), and after any failure every rank
+drops the node tree it kept, so that the next collective makes a fresh one alike
+everywhere. A member whose leader renewed their shared pool's id (a pool copied to
+each node keeps its template's id until a collective tells the copies apart) reads
+the new id.
 """
 
 from __future__ import annotations
@@ -40,15 +55,25 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distcache.artifact import Artifact, manifest_text, merge_manifests
+from distcache.collective._heartbeat import concurrent
 from distcache.comm import Communicator, NodeTree
-from distcache.comm._base import describe_error, rebuild_error
+from distcache.comm._base import Wrapping, describe_error, lend_broadcast, rebuild_error
+from distcache.comm._tree import forget_tree
 from distcache.config import settings
-from distcache.errors import DistcacheError, RemoteError, WireError
+from distcache.errors import (
+    CollectiveTimeout,
+    DistcacheError,
+    ManifestMismatchError,
+    PoolError,
+    RemoteError,
+    WireError,
+)
 
 if TYPE_CHECKING:
     from distcache.collective import PrefetchReport
@@ -105,7 +130,7 @@ def led_by_node_leaders(
     Raises:
         DistcacheError: what ``lead`` raised on the leaders, raised alike on each member
             (as :class:`~distcache.errors.RemoteError` where it is not one of
-            distcache's own errors).
+            distcache's own errors), in the job's ranks.
         CollectiveTimeout: a rank of the node, or a leader, did not arrive in time.
     """
     local, upper = tree.levels()
@@ -119,7 +144,7 @@ def led_by_node_leaders(
                 offer = (name, token)
         seen = local.allgather_object((key, pool.pool_id, offer), timeout=wait)
         able = offer is not None if leader else _shares(seen[0], key, pool)
-        said = local.allgather_object(able, timeout=wait)
+        said = local.allgather_object(able and concurrent(tree), timeout=wait)
     if leader:
         votes = upper.allgather_object((all(s is True for s in said), tree.rank),
                                        timeout=wait)
@@ -131,9 +156,13 @@ def led_by_node_leaders(
         log.debug("the prefetch runs on every rank: not every node's ranks share their "
                   "leader's pool and inputs")
         return None
-    if leader:
-        return (_lead(tree, local, upper, [v[1] for v in votes], wait, lead),)
-    return (_follow(tree, local, wait),)
+    try:
+        if leader:
+            return (_lead(tree, local, upper, pool, [v[1] for v in votes], wait, lead),)
+        return (_follow(tree, local, pool, wait),)
+    except BaseException:
+        forget_tree(tree)
+        raise
 
 
 def _seconds(timeout: float | None, tree: NodeTree) -> float:
@@ -154,16 +183,67 @@ def _shares(offered: Any, key: str | None, pool: ArtifactPool) -> bool:
             and pool.identity.sees(probe[0], probe[1]))
 
 
-def _lead(tree: NodeTree, local: Communicator, upper: Communicator, leaders: list[int],
-          wait: float, lead: Callable[[Communicator], PrefetchReport | None]
-          ) -> PrefetchReport | None:
+class _Watched(Wrapping):
+    """The leaders' communicator, with the time its last collective completed."""
+
+    def __init__(self, base: Communicator) -> None:
+        self._base = base
+        self.last = time.monotonic()
+
+    @property
+    def usable(self) -> bool:
+        return bool(getattr(self._base, "usable", True))
+
+    def __getattr__(self, name: str) -> Any:
+        # Options of the wrapped communicator (timeout, chunk_bytes, split_owned).
+        if name.startswith("_") or name == "broadcast_buffer":
+            raise AttributeError(name)
+        return getattr(self._base, name)
+
+    def __repr__(self) -> str:
+        return f"_Watched({self._base!r})"
+
+    def allgather_object(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
+        gathered = self._base.allgather_object(obj, timeout=timeout)
+        self.last = time.monotonic()
+        return gathered
+
+    def broadcast_bytes(self, data: bytes | None, root: int, *,
+                        timeout: float | None = None) -> bytes:
+        received = self._base.broadcast_bytes(data, root, timeout=timeout)
+        self.last = time.monotonic()
+        return received
+
+    def broadcast_buffer(self, data: bytearray | None, root: int, *,
+                         timeout: float | None = None) -> bytes | bytearray:
+        received = lend_broadcast(self._base, data, root, timeout=timeout)
+        self.last = time.monotonic()
+        return received
+
+    def barrier(self, *, timeout: float | None = None) -> None:
+        self._base.barrier(timeout=timeout)
+        self.last = time.monotonic()
+
+    def split(self, color: int) -> Communicator:
+        return self._base.split(color)
+
+
+def _lead(tree: NodeTree, local: Communicator, upper: Communicator, pool: ArtifactPool,
+          leaders: list[int], wait: float,
+          lead: Callable[[Communicator], PrefetchReport | None]) -> PrefetchReport | None:
     """Run the prefetch on the leaders' communicator; tell the node while it runs and
     what came of it when it ends."""
+    watched = _Watched(upper)
     stop = threading.Event()
     lost: list[BaseException] = []
 
     def beat() -> None:
         while not stop.wait(min(HEARTBEAT, wait / 4)):
+            stalled = time.monotonic() - watched.last
+            if stalled > wait:
+                log.error("the node leader's prefetch made no progress for %.0f s; its "
+                          "node's ranks stop waiting for it", stalled)
+                return
             try:
                 local.allgather_object(_ALIVE, timeout=wait)
             except BaseException as exc:  # a member gone: raised once the work ends
@@ -175,37 +255,52 @@ def _lead(tree: NodeTree, local: Communicator, upper: Communicator, leaders: lis
     error: BaseException | None = None
     report: PrefetchReport | None = None
     try:
-        report = lead(upper)
+        report = lead(watched)
     except BaseException as exc:
         error = exc
     finally:
         stop.set()
         beating.join()
+    if error is None:
+        # Alike on every rank: a node whose member left fails the whole job.
+        gone = [leaders[i] for i, ok in enumerate(
+            upper.allgather_object(not lost, timeout=wait)) if ok is not True]
+        if gone:
+            error = CollectiveTimeout(
+                f"the prefetch on rank {tree.rank}/{tree.size} ({tree.node_id}): a rank of "
+                f"the node(s) led by rank(s) {gone} stopped answering its leader",
+                op="allgather_object", timeout=wait, rank=tree.rank)
+            error.agreed = True
     if lost:
-        if error is not None:
-            raise error
-        raise lost[0]
+        assert error is not None
+        raise error  # this node's members are not all there to hear it
     if error is None:
         report = _in_job_ranks(report, leaders)
-        word: tuple[Any, ...] = ("report", None if report is None else dataclasses.asdict(report))
+        word: tuple[Any, ...] = ("report", None if report is None else dataclasses.asdict(report),
+                                 pool.pool_id)
     else:
-        word = ("error", describe_error(error), bool(getattr(error, "agreed", False)))
+        error = _in_job_terms(error, tree, leaders)
+        word = ("error", describe_error(error), bool(getattr(error, "agreed", False)),
+                pool.pool_id)
     local.allgather_object(word, timeout=wait)
     if error is not None:
         raise error
     return report
 
 
-def _follow(tree: NodeTree, local: Communicator, wait: float) -> PrefetchReport | None:
+def _follow(tree: NodeTree, local: Communicator, pool: ArtifactPool,
+            wait: float) -> PrefetchReport | None:
     """Wait for the leader's word; the report, or the error it sends, raised."""
     where = f"rank {tree.rank}/{tree.size} ({tree.node_id})"
     while True:
         word = local.allgather_object(None, timeout=wait)[0]
         if word != _ALIVE:
             break
-    if type(word) is tuple and len(word) == 2 and word[0] == "report":
+    if type(word) is tuple and len(word) >= 3:
+        _reload_id(pool, word[-1])
+    if type(word) is tuple and len(word) == 3 and word[0] == "report":
         return _unpacked(word[1], where, tree)
-    if not (type(word) is tuple and len(word) == 3 and word[0] == "error"
+    if not (type(word) is tuple and len(word) == 4 and word[0] == "error"
             and type(word[1]) is tuple and len(word[1]) == 4
             and all(type(p) is str for p in word[1][:2])):
         raise _malformed(where, tree)
@@ -221,6 +316,38 @@ def _follow(tree: NodeTree, local: Communicator, wait: float) -> PrefetchReport 
             raise _malformed(where, tree)
     error.agreed = word[2] is True
     raise error
+
+
+def _reload_id(pool: ArtifactPool, leaders_id: Any) -> None:
+    """Read the pool's id again where the leader's collective renewed it."""
+    if type(leaders_id) is str and leaders_id != pool.pool_id:
+        try:
+            pool.identity.reload()
+        except (OSError, PoolError) as exc:
+            log.warning("cannot read the renewed id of this rank's pool: %s", exc)
+
+
+def _in_job_terms(error: BaseException, tree: NodeTree, leaders: list[int]
+                  ) -> BaseException:
+    """``error`` with the ranks it names (the leaders' own) as ranks of the job."""
+    given = getattr(error, "groups", None)
+    if isinstance(error, ManifestMismatchError) and isinstance(given, dict):
+        groups = {digest: sorted(r for i in ranks for r in tree.node_of(leaders[i]))
+                  for digest, ranks in given.items()}
+        parts = "; ".join(f"ranks {ranks} have {digest[:12]}"
+                          for digest, ranks in groups.items())
+        mapped = ManifestMismatchError(
+            f"ranks called prefetch with different artifact lists: {parts}; every rank "
+            "must pass the same list", groups=groups)
+        mapped.agreed = error.agreed
+        return mapped
+    rank = getattr(error, "rank", None)
+    if isinstance(error, DistcacheError) and type(rank) is int and 0 <= rank < len(leaders):
+        setattr(error, "rank", leaders[rank])  # noqa: B010 (declared, set at run time)
+        text = error.message.replace(f"rank {rank}/{len(leaders)}",
+                                     f"rank {leaders[rank]}/{tree.size}", 1)
+        error.args = (text, *error.args[1:])
+    return error
 
 
 def _in_job_ranks(report: PrefetchReport | None, leaders: list[int]

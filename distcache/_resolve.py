@@ -144,16 +144,20 @@ def prefetch_manifests(
     # Every all-gather below goes through node leaders: the ranks of a node mostly send
     # alike (no error, the same pool, the same flags), so what a rank receives follows
     # the nodes, not the ranks. The collective reuses the same tree.
+    # Lists read twice (a member's digest, then the leader's parse) must not be spent.
+    manifests = [spec if isinstance(spec, str | os.PathLike) else list(spec)
+                 for spec in manifests]
     comm = node_tree(comm, timeout=timeout)
-    if isinstance(comm, NodeTree):
+    if isinstance(comm, NodeTree) and comm.selected() is comm:
         # Where each node's ranks share their leader's pool and pass the same inputs,
         # the leaders prefetch for their nodes (distcache._delegate).
-        per_rank = _leader_threads(comm.size, comm.nodes)
+        tree = comm
         led = led_by_node_leaders(
-            comm, pool, inputs_key(manifests, origin, offline, integrations),
+            tree, pool, inputs_key(manifests, origin, offline, integrations),
             timeout=timeout,
-            lead=lambda leaders: _prefetch(leaders, pool, origin, manifests, integrations,
-                                           timeout, offline, downloads_per_rank=per_rank))
+            lead=lambda leaders: _prefetch(
+                leaders, pool, origin, manifests, integrations, timeout, offline,
+                downloads_per_rank=_leader_threads(tree.size, tree.nodes)))
         if led is not None:
             return led[0]
     return _prefetch(comm, pool, origin, manifests, integrations, timeout, offline)

@@ -76,6 +76,15 @@ def _kept(comm: Communicator, timeout: float | None) -> NodeTree:
     return tree
 
 
+def forget_tree(tree: NodeTree) -> None:
+    """Let go of ``tree`` where :func:`node_tree` keeps it: the next call makes a fresh
+    one. Call it alike on every rank (after a failure every rank raises), so that the
+    ranks keep making the same collectives."""
+    with contextlib.suppress(TypeError):
+        if _trees.get(tree.base) is tree:
+            del _trees[tree.base]
+
+
 def node_layout(comm: Communicator, *, timeout: float | None = None) -> tuple[int, bool]:
     """Collective the first time: how many nodes ``comm``'s ranks are on, and whether
     this rank is the lowest of its node. Read from the tree :func:`node_tree` keeps
@@ -209,6 +218,10 @@ class NodeTree(Wrapping):
             return None if until is None else max(0.001, until - time.monotonic())
 
         return left
+
+    def node_of(self, rank: int) -> list[int]:
+        """The ranks (of the wrapped communicator) on ``rank``'s node."""
+        return next(list(m) for m in self._members if rank in m)
 
     @property
     def leader(self) -> int:

@@ -52,6 +52,7 @@ _SECRET_HEADERS = ("authorization", "cookie", "proxy-authorization")
 #: once it is back.
 DOWN_SECONDS = 60.0
 
+
 def _user_agent() -> str:
     # From distcache's own version module, not the installed distribution's metadata:
     # reading that scans every directory of sys.path, on each downloading rank.

@@ -2,10 +2,12 @@
 then what it saw as ``OUT/rank<N>.json``.
 
     init_worker.py --pool DIR --manifest FILE --origin URL --out DIR [--timeout S]
-                   [--torch]
+                   [--torch] [--thread-level LEVEL]
 
 ``--torch`` hands ``init`` a gloo communicator (``distcache.comm.from_torch``) in
-place of the MPI one it adopts by itself.
+place of the MPI one it adopts by itself; ``--thread-level`` initialises MPI at that
+level (``mpi4py.rc.thread_level``, as an engine that initialises MPI itself may).
+Records the pool id this rank knows its pool by after ``init``, too.
 
 Records the report (or the error's type and message) and whether this rank loaded
 the collective's planning (``distcache.collective._prefetch``): a node member whose
@@ -33,7 +35,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--torch", action="store_true")
+    parser.add_argument("--thread-level")
     args = parser.parse_args()
+    if args.thread_level:
+        import mpi4py
+
+        mpi4py.rc.thread_level = args.thread_level
     given = None
     if args.torch:
         import launch
@@ -50,6 +57,7 @@ def main() -> None:
         comm = None
     else:
         comm = session.comm
+        record["pool_id"] = session.pool.pool_id if session.pool is not None else None
         if session.report is not None:
             record["report"] = dataclasses.asdict(session.report)
     record["rank"] = int(os.environ["OMPI_COMM_WORLD_RANK"])

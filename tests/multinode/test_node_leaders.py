@@ -13,6 +13,7 @@ work.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -45,14 +46,16 @@ class Job:
     def launch(self, run_mpmd: Callable[..., CompletedProcess[str]],
                pools: list[Path], *, manifests: list[Path] | None = None,
                timeout: float = 60.0, env: dict[str, str] | None = None,
-               torch: bool = False) -> list[dict[str, Any]]:
+               torch: bool = False, extra: list[str] | None = None
+               ) -> list[dict[str, Any]]:
         """One rank per context: ranks 0, 1 on node a, 2, 3 on node b."""
         contexts = []
         for rank in range(4):
             argv = [sys.executable, str(WORKER), "--pool", str(pools[rank]),
                     "--manifest", str((manifests or [self.manifest] * 4)[rank]),
                     "--origin", self.srv.url, "--out", str(self.out),
-                    "--timeout", str(timeout), *(["--torch"] if torch else [])]
+                    "--timeout", str(timeout), *(["--torch"] if torch else []),
+                    *(extra or [])]
             variables = {"DISTCACHE_NODE_ID": NODES[rank // 2],
                          "DISTCACHE_LOG_JSON": str(self.events), **(env or {})}
             contexts.append((1, variables, argv))
@@ -161,6 +164,8 @@ def test_a_failure_on_the_leaders_is_raised_on_their_members(
     assert {e[0] for e in errors} == {"PrefetchError"}
     assert len({e[1] for e in errors}) == 1, errors  # the same error on every rank
     assert gone.name in errors[0][1]
+    # The rank named is the job's (a leader: 0 or 2 of 4), not the leaders' own count.
+    assert re.search(r"on rank [02]/4 \(", errors[0][1]), errors[0][1]
     assert [r["planned"] for r in records] == [True, False, True, False]
 
 
@@ -178,3 +183,53 @@ def test_members_wait_out_a_prefetch_longer_than_the_timeout(
     assert report["downloads"] == K and report["downloaders"] == [0]
     assert [r["planned"] for r in records] == [True, False, True, False]
     assert records[1]["report"]["seconds"]["fetch"] > 4.0  # twice the timeout
+
+
+def test_nodes_with_different_manifests_get_the_mismatch_in_the_jobs_ranks(
+    job: Job, run_mpmd: Callable[..., CompletedProcess[str]]
+) -> None:
+    # Each node agrees with itself, so the leaders act for their nodes and find the
+    # difference between them; every rank raises it, naming the job's ranks.
+    other = job.tmp / "other.txt"
+    other.write_text("".join(job.manifest.read_text().splitlines(keepends=True)[:-1]))
+
+    records = job.launch(run_mpmd, job.node_pools(),
+                         manifests=[job.manifest] * 2 + [other] * 2)
+
+    assert [r["error"][0] for r in records] == ["ManifestMismatchError"] * 4
+    assert len({r["error"][1] for r in records}) == 1
+    assert "ranks [0, 1] have" in records[0]["error"][1]
+    assert "ranks [2, 3] have" in records[0]["error"][1]
+    assert [r["planned"] for r in records] == [True, False, True, False]
+    assert job.srv.total_requests == 0
+
+
+def test_members_learn_the_id_their_leader_gave_a_copied_node_pool(
+    job: Job, run_mpmd: Callable[..., CompletedProcess[str]]
+) -> None:
+    template = job.tmp / "template"
+    template_id = ArtifactPool(template).pool_id
+    job.pools.mkdir()
+    for node in NODES:
+        subprocess.run(["cp", "-a", str(template), str(job.pools / node)], check=True,
+                       timeout=60)
+
+    records = job.launch(run_mpmd, job.node_pools())
+
+    _same_report(records)
+    assert [r["planned"] for r in records] == [True, False, True, False]
+    on_disk = [ArtifactPool(job.pools / node).pool_id for node in NODES]
+    assert on_disk[0] == template_id != on_disk[1]  # node b's copy took a fresh id
+    assert [r["pool_id"] for r in records] == [on_disk[0]] * 2 + [on_disk[1]] * 2
+
+
+def test_mpi_below_thread_multiple_makes_every_rank_run_the_collective(
+    job: Job, run_mpmd: Callable[..., CompletedProcess[str]]
+) -> None:
+    # A leader tells its node it is at work from a second thread, which MPI allows
+    # only at MPI_THREAD_MULTIPLE.
+    records = job.launch(run_mpmd, job.node_pools(), extra=["--thread-level", "serialized"])
+
+    report = _same_report(records)
+    assert report["downloads"] == K
+    assert [r["planned"] for r in records] == [True] * 4

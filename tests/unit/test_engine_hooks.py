@@ -182,11 +182,12 @@ def test_a_miss_is_fetched_once_per_pool_not_per_worker(seeded: dict[str, Any]) 
 
 
 
-def test_user_agent_reads_the_installed_distribution() -> None:
+def test_user_agent_names_the_installed_distributions_version() -> None:
     from importlib import metadata
 
-    from distcache.origins._http import DISTRIBUTION, _user_agent
+    from distcache.origins._http import _user_agent
 
-    assert _user_agent() == f"distcache/{metadata.version(DISTRIBUTION)}"
-    assert metadata.distribution(DISTRIBUTION).entry_points.select(
+    distribution = "distcache-kernels"
+    assert _user_agent() == f"distcache/{metadata.version(distribution)}"
+    assert metadata.distribution(distribution).entry_points.select(
         group="console_scripts", name="distcache")
