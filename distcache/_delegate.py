@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any
 from distcache.artifact import Artifact, manifest_text, merge_manifests
 from distcache.collective._heartbeat import concurrent
 from distcache.comm import Communicator, NodeTree
-from distcache.comm._base import Wrapping, describe_error, lend_broadcast, rebuild_error
+from distcache.comm._base import Forwarding, describe_error, lend_broadcast, rebuild_error
 from distcache.comm._tree import forget_tree
 from distcache.config import settings
 from distcache.errors import (
@@ -183,22 +183,12 @@ def _shares(offered: Any, key: str | None, pool: ArtifactPool) -> bool:
             and pool.identity.sees(probe[0], probe[1]))
 
 
-class _Watched(Wrapping):
+class _Watched(Forwarding):
     """The leaders' communicator, with the time its last collective completed."""
 
     def __init__(self, base: Communicator) -> None:
         self._base = base
         self.last = time.monotonic()
-
-    @property
-    def usable(self) -> bool:
-        return bool(getattr(self._base, "usable", True))
-
-    def __getattr__(self, name: str) -> Any:
-        # Options of the wrapped communicator (timeout, chunk_bytes, split_owned).
-        if name.startswith("_") or name == "broadcast_buffer":
-            raise AttributeError(name)
-        return getattr(self._base, name)
 
     def __repr__(self) -> str:
         return f"_Watched({self._base!r})"

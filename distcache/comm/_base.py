@@ -115,6 +115,22 @@ class Wrapping:
         return self._base
 
 
+class Forwarding(Wrapping):
+    """A :class:`Wrapping` that reads the wrapped communicator's options through
+    (``timeout``, ``chunk_bytes``, ``split_owned``, ``mpi_comm``) and its ``usable``.
+    ``broadcast_buffer`` is not read through: a subclass defines its own over
+    :func:`lend_broadcast`, so that a lent buffer goes through the wrapper too."""
+
+    @property
+    def usable(self) -> bool:
+        return bool(getattr(self._base, "usable", True))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name == "broadcast_buffer":
+            raise AttributeError(name)
+        return getattr(self._base, name)
+
+
 def hostname() -> str:
     return os.uname().nodename  # gethostname(), without loading the socket module
 

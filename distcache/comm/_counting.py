@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from distcache.comm._base import Communicator, Wrapping, lend_broadcast
+from distcache.comm._base import Communicator, Forwarding, lend_broadcast
 from distcache.comm._codec import encode
 
 
@@ -50,22 +50,12 @@ class Traffic:
         return self.sent, self.received
 
 
-class CountingCommunicator(Wrapping):
+class CountingCommunicator(Forwarding):
     """``base`` with every collective's payload counted in :attr:`traffic`."""
 
     def __init__(self, base: Communicator, traffic: Traffic | None = None) -> None:
         self._base = base
         self.traffic = traffic if traffic is not None else Traffic()
-
-    @property
-    def usable(self) -> bool:
-        return bool(getattr(self._base, "usable", True))
-
-    def __getattr__(self, name: str) -> Any:
-        # Options of the wrapped communicator (timeout, chunk_bytes, mpi_comm).
-        if name.startswith("_") or name == "broadcast_buffer":
-            raise AttributeError(name)
-        return getattr(self._base, name)
 
     def __repr__(self) -> str:
         return f"CountingCommunicator({self._base!r})"
