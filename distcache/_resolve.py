@@ -23,7 +23,7 @@ import os
 import zlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from distcache._delegate import inputs_key, led_by_node_leaders
 from distcache.artifact import (
@@ -223,10 +223,16 @@ def _prefetch(comm: Communicator, pool: ArtifactPool, origin: Origin | None,
             error.agreed = True  # built from what every rank holds alike
             raise error
         origin = NoOrigin(offline)
-    from distcache.collective import prefetch as collective_prefetch
-
     return collective_prefetch(artifacts, comm=comm, pool=pool, origin=origin, timeout=timeout,
                                downloads_per_rank=downloads_per_rank)
+
+
+def collective_prefetch(artifacts: Sequence[Artifact], **given: Any) -> PrefetchReport:
+    """:func:`distcache.collective.prefetch`, loaded with its first use: a node member
+    whose leader prefetches for it never loads the collective."""
+    from distcache.collective import prefetch
+
+    return prefetch(artifacts, **given)
 
 
 class NoOrigin:

@@ -263,8 +263,7 @@ TABLE: tuple[Variable, ...] = (
     Variable("DISTCACHE_CHUNK_BYTES", "chunk_bytes", 1 << 30, _bytes, "1G",
              "largest single message (must stay under 2 GiB)"),
     Variable("DISTCACHE_DOWNLOADS_PER_RANK", "downloads_per_rank", 4, _int(1), "4",
-             "concurrent origin downloads per rank (a node leader that prefetches for "
-             "its node's ranks takes up to their share of the job's)"),
+             "concurrent origin downloads per rank (a node leader: up to its node's)"),
     Variable("DISTCACHE_DOWNLOADS_PER_JOB", "downloads_per_job", 32, _int(1), "32",
              "concurrent origin downloads over the whole job, carried by as few ranks "
              "as the per-rank count allows; set it to what a rate-limiting origin allows"),

@@ -463,6 +463,7 @@ def fake_collective(monkeypatch: pytest.MonkeyPatch) -> list[list[Artifact]]:
         pool: Any,
         origin: Any,
         timeout: float | None = None,
+        downloads_per_rank: int | None = None,
     ) -> str:
         calls.append(list(artifacts))
         for a in artifacts:
