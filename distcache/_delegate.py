@@ -35,7 +35,8 @@ node's communicator while the collective runs on the leaders'), as long as the
 leaders' collective makes progress (a collective completed on the leaders'
 communicator: the collective's own heartbeats complete one at least every second).
 A member whose leader is silent for ``timeout`` seconds, or whose leader's collective
-stalled for that long, raises :class:`~distcache.errors.CollectiveTimeout`.
+stalled for that long, raises :class:`~distcache.errors.CollectiveTimeout`; that
+leader then fails the job with the other leaders (next paragraph).
 
 The outcome is the same on every rank: after the leaders' collective, the leaders
 agree on whether every node's members were still there (a node whose member left
@@ -231,8 +232,13 @@ def _lead(tree: NodeTree, local: Communicator, upper: Communicator, pool: Artifa
         while not stop.wait(min(HEARTBEAT, wait / 4)):
             stalled = time.monotonic() - watched.last
             if stalled > wait:
+                # Its members stop waiting: this node fails the job, whatever comes.
                 log.error("the node leader's prefetch made no progress for %.0f s; its "
                           "node's ranks stop waiting for it", stalled)
+                lost.append(CollectiveTimeout(
+                    f"the prefetch on rank {tree.rank}/{tree.size} ({tree.node_id}) made "
+                    f"no progress for {stalled:.0f} s; its node's ranks stopped waiting",
+                    op="allgather_object", timeout=wait, rank=tree.rank))
                 return
             try:
                 local.allgather_object(_ALIVE, timeout=wait)
@@ -257,9 +263,10 @@ def _lead(tree: NodeTree, local: Communicator, upper: Communicator, pool: Artifa
             upper.allgather_object(not lost, timeout=wait)) if ok is not True]
         if gone:
             error = CollectiveTimeout(
-                f"the prefetch on rank {tree.rank}/{tree.size} ({tree.node_id}): a rank of "
-                f"the node(s) led by rank(s) {gone} stopped answering its leader",
-                op="allgather_object", timeout=wait, rank=tree.rank)
+                f"the prefetch on rank {tree.rank}/{tree.size} ({tree.node_id}): the "
+                f"node(s) led by rank(s) {gone} lost a rank, or stopped waiting for a "
+                "leader that made no progress", op="allgather_object", timeout=wait,
+                rank=tree.rank)
             error.agreed = True
     if lost:
         assert error is not None

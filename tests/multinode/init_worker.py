@@ -2,11 +2,13 @@
 then what it saw as ``OUT/rank<N>.json``.
 
     init_worker.py --pool DIR --manifest FILE --origin URL --out DIR [--timeout S]
-                   [--torch] [--thread-level LEVEL]
+                   [--torch] [--thread-level LEVEL] [--wedge SECONDS]
 
 ``--torch`` hands ``init`` a gloo communicator (``distcache.comm.from_torch``) in
 place of the MPI one it adopts by itself; ``--thread-level`` initialises MPI at that
-level (``mpi4py.rc.thread_level``, as an engine that initialises MPI itself may).
+level (``mpi4py.rc.thread_level``, as an engine that initialises MPI itself may);
+``--wedge`` holds the prefetch of a rank that runs it (a node leader, where members
+leave it to theirs) that many seconds before it starts, with no collective in flight.
 Records the pool id this rank knows its pool by after ``init``, too.
 
 Records the report (or the error's type and message) and whether this rank loaded
@@ -36,7 +38,20 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--torch", action="store_true")
     parser.add_argument("--thread-level")
+    parser.add_argument("--wedge", type=float)
     args = parser.parse_args()
+    if args.wedge:
+        import time
+
+        from distcache import _resolve
+
+        prefetch = _resolve._prefetch
+
+        def wedged(*given: Any, **named: Any) -> Any:
+            time.sleep(args.wedge)
+            return prefetch(*given, **named)
+
+        _resolve._prefetch = wedged  # type: ignore[assignment]
     if args.thread_level:
         import mpi4py
 

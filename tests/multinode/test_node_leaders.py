@@ -233,3 +233,19 @@ def test_mpi_below_thread_multiple_makes_every_rank_run_the_collective(
     report = _same_report(records)
     assert report["downloads"] == K
     assert [r["planned"] for r in records] == [True] * 4
+
+
+def test_members_give_up_on_a_leader_whose_prefetch_makes_no_progress(
+    job: Job, run_mpmd: Callable[..., CompletedProcess[str]]
+) -> None:
+    # The leaders hold their prefetch 3x the timeout before starting it, no collective
+    # in flight: they stop telling their nodes they are at work, and the members raise
+    # instead of waiting for them (then the leaders, their word unheard, raise too).
+    records = job.launch(run_mpmd, job.node_pools(), timeout=2.0, extra=["--wedge", "6"])
+
+    assert [r["planned"] for r in records] == [True, False, True, False]
+    for member in (records[1], records[3]):
+        assert member["error"] is not None and member["error"][0] == "CollectiveTimeout"
+    for leader in (records[0], records[2]):
+        assert leader["error"] is not None and leader["error"][0] == "CollectiveTimeout"
+        assert "stopped waiting" in leader["error"][1]
