@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any
 from distcache.artifact import Artifact, manifest_text, merge_manifests
 from distcache.collective._heartbeat import concurrent
 from distcache.comm import Communicator, NodeTree
-from distcache.comm._base import Forwarding, describe_error, lend_broadcast, rebuild_error
+from distcache.comm._base import Forwarding, describe_error, described_error, lend_broadcast
 from distcache.comm._tree import forget_tree
 from distcache.config import settings
 from distcache.errors import (
@@ -72,7 +72,6 @@ from distcache.errors import (
     DistcacheError,
     ManifestMismatchError,
     PoolError,
-    RemoteError,
     WireError,
 )
 
@@ -297,20 +296,11 @@ def _follow(tree: NodeTree, local: Communicator, pool: ArtifactPool,
         _reload_id(pool, word[-1])
     if type(word) is tuple and len(word) == 3 and word[0] == "report":
         return _unpacked(word[1], where, tree)
-    if not (type(word) is tuple and len(word) == 4 and word[0] == "error"
-            and type(word[1]) is tuple and len(word[1]) == 4
-            and all(type(p) is str for p in word[1][:2])):
+    if not (type(word) is tuple and len(word) == 4 and word[0] == "error"):
         raise _malformed(where, tree)
-    type_name, text, kind, attrs = word[1]
-    error: DistcacheError | None
-    if kind is None:
-        error = RemoteError(f"rank {tree.leader}/{tree.size} on {tree.node_id} failed with "
-                            f"{type_name}: {text}", rank=tree.leader, host=tree.node_id,
-                            remote_type=type_name)
-    else:
-        error = rebuild_error(kind, text, attrs)
-        if error is None:
-            raise _malformed(where, tree)
+    error = described_error(word[1], tree.leader, tree.size, tree.node_id)
+    if isinstance(error, str):
+        raise _malformed(where, tree)
     error.agreed = word[2] is True
     raise error
 

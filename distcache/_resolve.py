@@ -141,12 +141,12 @@ def prefetch_manifests(
         )
     if not manifests and not integrations:
         return None
-    # Every all-gather below goes through node leaders: the ranks of a node mostly send
-    # alike (no error, the same pool, the same flags), so what a rank receives follows
-    # the nodes, not the ranks. The collective reuses the same tree.
     # Lists read twice (a member's digest, then the leader's parse) must not be spent.
     manifests = [spec if isinstance(spec, str | os.PathLike) else list(spec)
                  for spec in manifests]
+    # Every all-gather below goes through node leaders: the ranks of a node mostly send
+    # alike (no error, the same pool, the same flags), so what a rank receives follows
+    # the nodes, not the ranks. The collective reuses the same tree.
     comm = node_tree(comm, timeout=timeout)
     if isinstance(comm, NodeTree) and comm.selected() is comm:
         # Where each node's ranks share their leader's pool and pass the same inputs,

@@ -9,6 +9,7 @@ instead of hanging.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -202,21 +203,27 @@ def agree_on_error(
     if error is not None:
         raise error
     rank, host, description = failures[0]
+    rebuilt = described_error(description, rank, comm.size, host)
+    if isinstance(rebuilt, str):
+        raise _bad_description(comm, rank, rebuilt)
+    raise rebuilt
+
+
+def described_error(description: Any, rank: int, size: int, host: str
+                    ) -> DistcacheError | str:
+    """The error that rank ``rank`` of ``size`` on ``host`` described
+    (:func:`describe_error`): rebuilt when it is one of distcache's classes, else a
+    :class:`RemoteError` that names the rank, its host and the original message; or
+    what is wrong with ``description``."""
     if not (type(description) is tuple and len(description) == 4
             and all(type(part) is str for part in description[:2])):
-        raise _bad_description(comm, rank, "not an error's description")
+        return "not an error's description"
     type_name, text, kind, attrs = description
     if kind is None:
-        raise RemoteError(
-            f"rank {rank}/{comm.size} on {host} failed with {type_name}: {text}",
-            rank=rank,
-            host=host,
-            remote_type=type_name,
-        )
+        return RemoteError(f"rank {rank}/{size} on {host} failed with {type_name}: {text}",
+                           rank=rank, host=host, remote_type=type_name)
     rebuilt = rebuild_error(kind, text, attrs)
-    if rebuilt is None:
-        raise _bad_description(comm, rank, f"an error of unknown class {kind!r}")
-    raise rebuilt
+    return f"an error of unknown class {kind!r}" if rebuilt is None else rebuilt
 
 
 #: The classes an error may be rebuilt as on another rank: distcache's own tree.
@@ -281,23 +288,19 @@ _POLL_OWN_CORE_S = 5e-3
 #: Variables the launchers set to the number of processes on this host.
 _LOCAL_PROCESSES = ("OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS",
                     "SLURM_NTASKS_PER_NODE")
-_longest: list[float] = []
 
 
+@functools.cache
 def _longest_pause() -> float:
     """The longest pause between two polls: :data:`_POLL_OWN_CORE_S` times the
     processes per core of this host (as the launcher counts them), at most
     :data:`_POLL_LONG_S`, which is also what a host of unknown load gets. Where every
     rank has a core, polling often costs nothing a working rank needs and a wait ends
     closer to when its peers arrive."""
-    if not _longest:
-        local = next((os.environ[v] for v in _LOCAL_PROCESSES if os.environ.get(v)), "")
-        cores = os.cpu_count() or 1
-        pause = _POLL_LONG_S
-        if local.isdigit() and int(local) > 0:
-            pause = min(_POLL_LONG_S, _POLL_OWN_CORE_S * max(1.0, int(local) / cores))
-        _longest.append(pause)
-    return _longest[0]
+    local = next((os.environ[v] for v in _LOCAL_PROCESSES if os.environ.get(v)), "")
+    if not (local.isdigit() and int(local) > 0):
+        return _POLL_LONG_S
+    return min(_POLL_LONG_S, _POLL_OWN_CORE_S * max(1.0, int(local) / (os.cpu_count() or 1)))
 
 
 def poll_until(done: Callable[[], bool], until: float) -> bool:

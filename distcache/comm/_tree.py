@@ -187,7 +187,7 @@ class NodeTree(Wrapping):
 
     @property
     def is_leader(self) -> bool:
-        return self._members[self._node][0] == self._base.rank
+        return self.leader == self._base.rank
 
     def __getattr__(self, name: str) -> Any:
         # Options of the wrapped communicator (timeout, chunk_bytes, broadcast_buffer).

@@ -63,6 +63,16 @@ class Job:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return [json.loads((self.out / f"rank{r}.json").read_text()) for r in range(4)]
 
+    def copies(self, *names: str) -> str:
+        """Copies (``cp -a``) of a fresh template pool under ``pools/``; its id."""
+        template = self.tmp / "template"
+        template_id = ArtifactPool(template).pool_id
+        self.pools.mkdir()
+        for name in names:
+            subprocess.run(["cp", "-a", str(template), str(self.pools / name)], check=True,
+                           timeout=60)
+        return template_id
+
     def node_pools(self) -> list[Path]:
         return [self.pools / NODES[rank // 2] for rank in range(4)]
 
@@ -118,12 +128,7 @@ def test_members_leave_the_prefetch_to_their_node_leader(
 def test_a_member_on_a_copy_of_its_leaders_pool_makes_every_rank_run_the_collective(
     job: Job, run_mpmd: Callable[..., CompletedProcess[str]]
 ) -> None:
-    template = job.tmp / "template"
-    ArtifactPool(template)
-    job.pools.mkdir()
-    for name in ("a", "a-copy", "b"):
-        subprocess.run(["cp", "-a", str(template), str(job.pools / name)], check=True,
-                       timeout=60)
+    job.copies("a", "a-copy", "b")
     pools = [job.pools / "a", job.pools / "a-copy", job.pools / "b", job.pools / "b"]
     assert len({ArtifactPool(p).pool_id for p in pools}) == 1  # copies: one id
 
@@ -207,12 +212,7 @@ def test_nodes_with_different_manifests_get_the_mismatch_in_the_jobs_ranks(
 def test_members_learn_the_id_their_leader_gave_a_copied_node_pool(
     job: Job, run_mpmd: Callable[..., CompletedProcess[str]]
 ) -> None:
-    template = job.tmp / "template"
-    template_id = ArtifactPool(template).pool_id
-    job.pools.mkdir()
-    for node in NODES:
-        subprocess.run(["cp", "-a", str(template), str(job.pools / node)], check=True,
-                       timeout=60)
+    template_id = job.copies(*NODES)
 
     records = job.launch(run_mpmd, job.node_pools())
 
