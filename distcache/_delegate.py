@@ -38,6 +38,11 @@ A member whose leader is silent for ``timeout`` seconds, or whose leader's colle
 stalled for that long, raises :class:`~distcache.errors.CollectiveTimeout`; that
 leader then fails the job with the other leaders (next paragraph).
 
+With its report the leader hands down what its pool verified in this process (it
+hashed each object as it published it): each object's file identity (device, inode,
+size, mtime). A member takes them (:meth:`ArtifactPool.vouch`), so its loads do not
+hash those objects again while their files are unchanged: verified once per job.
+
 The outcome is the same on every rank: after the leaders' collective, the leaders
 agree on whether every node's members were still there (a node whose member left
 fails the job), then each hands the report or the error down. Errors name the job's
@@ -273,7 +278,7 @@ def _lead(tree: NodeTree, local: Communicator, upper: Communicator, pool: Artifa
     if error is None:
         report = _in_job_ranks(report, leaders)
         word: tuple[Any, ...] = ("report", None if report is None else dataclasses.asdict(report),
-                                 pool.pool_id)
+                                 _witnesses(pool), pool.pool_id)
     else:
         error = _in_job_terms(error, tree, leaders)
         word = ("error", describe_error(error), bool(getattr(error, "agreed", False)),
@@ -294,8 +299,10 @@ def _follow(tree: NodeTree, local: Communicator, pool: ArtifactPool,
             break
     if type(word) is tuple and len(word) >= 3:
         _reload_id(pool, word[-1])
-    if type(word) is tuple and len(word) == 3 and word[0] == "report":
-        return _unpacked(word[1], where, tree)
+    if type(word) is tuple and len(word) == 4 and word[0] == "report":
+        report = _unpacked(word[1], where, tree)
+        pool.vouch(_vouched(word[2], where, tree))
+        return report
     if not (type(word) is tuple and len(word) == 4 and word[0] == "error"):
         raise _malformed(where, tree)
     error = described_error(word[1], tree.leader, tree.size, tree.node_id)
@@ -303,6 +310,27 @@ def _follow(tree: NodeTree, local: Communicator, pool: ArtifactPool,
         raise _malformed(where, tree)
     error.agreed = word[2] is True
     raise error
+
+
+def _witnesses(pool: ArtifactPool) -> list[tuple[bytes, int, int, int, int]]:
+    """What the leader's pool verified in this process (it published them, hashing
+    them as they were written), for its members not to hash them again: each
+    object's digest and its file's device, inode, size and mtime."""
+    return [(bytes.fromhex(sha), *seen) for sha, seen in pool.verified().items()]
+
+
+def _vouched(entries: Any, where: str, tree: NodeTree) -> dict[str, tuple[int, int, int, int]]:
+    """The leader's :func:`_witnesses`, checked (a malformed one is a
+    :class:`WireError`); each is trusted only while the file still matches it."""
+    if type(entries) is not list:
+        raise _malformed(where, tree)
+    vouched: dict[str, tuple[int, int, int, int]] = {}
+    for entry in entries:
+        if not (type(entry) is tuple and len(entry) == 5 and type(entry[0]) is bytes
+                and len(entry[0]) == 32 and all(type(v) is int for v in entry[1:])):
+            raise _malformed(where, tree)
+        vouched[entry[0].hex()] = (entry[1], entry[2], entry[3], entry[4])
+    return vouched
 
 
 def _reload_id(pool: ArtifactPool, leaders_id: Any) -> None:

@@ -34,6 +34,7 @@ import os
 import re
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from distcache.errors import PoolError
@@ -283,3 +284,34 @@ def create_once(path: Path, data: bytes, *, tmp: str, mode: int, what: str) -> b
             os.close(fd)
         unlink_quietly(tmp)
 
+
+def link_into_place(tmp: str, final: str, existing_is_good: Callable[[], bool]) -> bool:
+    """Link the whole, fsynced ``tmp`` to ``final``; whether this call published it.
+    An existing ``final`` wins unless ``existing_is_good()`` (which verifies it and
+    moves a bad one aside) says otherwise; then the link is tried once more."""
+    for _attempt in range(2):
+        try:
+            os.link(tmp, final)
+            return True
+        except FileExistsError:
+            if existing_is_good():
+                return False
+        except OSError as exc:
+            if exc.errno not in NO_LINK:
+                raise
+            os.replace(tmp, final)
+            return True
+    return False
+
+
+def move_aside(path: str, dest: Path, st: os.stat_result | None) -> bool:
+    """Rename the bad object ``path`` to ``dest``; False when it is gone or, ``st``
+    given, no longer the inode found bad (someone repaired it meanwhile)."""
+    try:
+        now = os.lstat(path)
+        if st is not None and (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
+            return False
+        os.rename(path, dest)
+    except FileNotFoundError:
+        return False
+    return True

@@ -11,7 +11,12 @@ the rules of DESIGN.md ("Artifacts and the pool") for each object:
   or writes through it.
 - **Every read is verified.** A wrong, truncated or non-file object is moved to
   ``quarantine/``, counted, logged and reported as a miss; corrupt bytes are never
-  returned.
+  returned. A reader that asks for it (``trusted``) skips the hash of an object this
+  store verified in this process (published it: hashed as it was written; or was
+  vouched for by the job's node leader, which did) while its file is that inode,
+  unchanged: same device, inode, size and mtime (:func:`witness`). Only the
+  object's owner (this job's user) or root can change an inode in place; a file
+  put in its place is another inode.
 - **Publish whole files: write, fsync, link, then verify.** ``link(2)`` fails on an
   existing name, so the first publisher wins and a crash leaves no object or a whole
   one. A loser does not trust the winner blindly: it reads (so verifies) what is
@@ -40,17 +45,18 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from distcache.artifact import Artifact, sha256_hex
 from distcache.errors import IntegrityError
 from distcache.store._durability import Durability
 from distcache.store._fs import (
-    NO_LINK,
     READ_FLAGS,
     fsync_dir,
+    link_into_place,
     make_dir,
+    move_aside,
     pool_error,
     read_fd,
     temp_file,
@@ -64,6 +70,15 @@ logger = logging.getLogger(__name__)
 # Readers open the fan-out directory rather than walk through it by path: O_NOFOLLOW
 # on that component keeps a planted objects/<xx> symlink from being followed.
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+#: What a verified object's file was: (st_dev, st_ino, st_size, st_mtime_ns).
+Witness = tuple[int, int, int, int]
+
+
+def witness(st: os.stat_result) -> Witness:
+    """The :data:`Witness` of a file's ``stat``."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def check_size(artifact: Artifact, size: int, source: str) -> None:
@@ -100,9 +115,21 @@ class ObjectStore:
         self.quarantined = 0
         self._guard = threading.Lock()
         self._durability = Durability(str(layout.objects))
-        #: Objects this store published and has not flushed yet, then flushed (a
-        #: source may send them without hashing them again: receivers verify).
-        self.fresh: set[str] = set()
+        #: Objects verified in this process (published here, or vouched for) and
+        #: their files' witnesses then: :meth:`read` with ``trusted`` does not hash
+        #: them again while the file is unchanged.
+        self.fresh: dict[str, Witness] = {}
+
+    def verified(self) -> dict[str, Witness]:
+        """The objects verified in this process, with their witnesses."""
+        with self._guard:
+            return dict(self.fresh)
+
+    def vouch(self, witnesses: dict[str, Witness]) -> None:
+        """Take objects as verified: a process of the same job that verified them
+        says so (their files must still match ``witnesses`` to be trusted)."""
+        with self._guard:
+            self.fresh.update(witnesses)
 
     def batch(self, *, wait: bool = True) -> contextlib.AbstractContextManager[None]:
         """Defer the durability of publications until the outermost batch ends, then
@@ -155,11 +182,11 @@ class ObjectStore:
                     found[i] = stat.S_ISREG(os.lstat(self.layout.object_path(wanted[i])).st_mode)
         return found
 
-    def read(self, sha: str, *, stamp: bool, trust_fresh: bool = False) -> bytes | None:
+    def read(self, sha: str, *, stamp: bool, trusted: bool = False) -> bytes | None:
         """The verified bytes of ``sha``, or None when absent or corrupt (then
-        quarantined); ``stamp`` refreshes its recency. With ``trust_fresh``, an object
-        this store published itself (so hashed as it was written) is returned without
-        hashing it again, for senders whose receivers verify.
+        quarantined); ``stamp`` refreshes its recency. With ``trusted``, an object
+        verified in this process whose file is unchanged since (:attr:`fresh`) is
+        returned without hashing it again.
 
         Raises:
             PoolError: the object exists but cannot be read.
@@ -173,7 +200,7 @@ class ObjectStore:
         if found is None:
             return None
         data, st = found
-        if trust_fresh and len(data) == st.st_size and sha in self.fresh:
+        if trusted and len(data) == st.st_size and self.fresh.get(sha) == witness(st):
             return data
         if len(data) != st.st_size or sha256_hex(data) != sha:
             self.quarantine(sha, f"fails verification ({len(data)} bytes)", st)
@@ -195,7 +222,7 @@ class ObjectStore:
             return  # someone else quarantined it first, or a repair already replaced it
         with self._guard:
             self.quarantined += 1
-            self.fresh.discard(sha)
+            self.fresh.pop(sha, None)
         logger.warning("%s %s; moved to %s and treated as a miss", path, reason, dest)
         trim_quarantine(self.layout, self.quarantine_keep)
 
@@ -258,8 +285,9 @@ class ObjectStore:
             raise pool_error("cannot publish", final, exc) from exc
         if not published:
             return False
+        seen = witness(os.fstat(fd))
         with self._guard:
-            self.fresh.add(sha)
+            self.fresh[sha] = seen
         if self._durability.published(final, size):
             return True
         if deferred:
@@ -361,35 +389,3 @@ def read_object(fanout: str, name: str, path: str, stamp_after: float | None
     finally:
         os.close(fd)
     return data, st
-
-
-def link_into_place(tmp: str, final: str, existing_is_good: Callable[[], bool]) -> bool:
-    """Link the whole, fsynced ``tmp`` to ``final``; whether this call published it.
-    An existing ``final`` wins unless ``existing_is_good()`` (which verifies it and
-    moves a bad one aside) says otherwise; then the link is tried once more."""
-    for _attempt in range(2):
-        try:
-            os.link(tmp, final)
-            return True
-        except FileExistsError:
-            if existing_is_good():
-                return False
-        except OSError as exc:
-            if exc.errno not in NO_LINK:
-                raise
-            os.replace(tmp, final)
-            return True
-    return False
-
-
-def move_aside(path: str, dest: Path, st: os.stat_result | None) -> bool:
-    """Rename the bad object ``path`` to ``dest``; False when it is gone or, ``st``
-    given, no longer the inode found bad (someone repaired it meanwhile)."""
-    try:
-        now = os.lstat(path)
-        if st is not None and (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
-            return False
-        os.rename(path, dest)
-    except FileNotFoundError:
-        return False
-    return True

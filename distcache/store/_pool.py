@@ -32,7 +32,7 @@ from distcache.store._identity import PoolIdentity
 from distcache.store._locking import FileLock
 from distcache.store._log import Journal, NamesIndex
 from distcache.store._materialize import materialize
-from distcache.store._objects import ObjectStore, check_size
+from distcache.store._objects import ObjectStore, Witness, check_size
 from distcache.store._offline import refuse_offline
 from distcache.store.layout import STALE_TMP_SECONDS, PoolLayout
 
@@ -145,18 +145,28 @@ class ArtifactPool:
 
     def get(self, sha256: str, *, trust_own: bool = False) -> bytes | None:
         """The verified bytes of ``sha256``, or ``None`` when absent or corrupt.
-        With ``trust_own``, an object this pool object published itself (hashed as it
-        was written) is returned unhashed: for senders whose receivers verify.
+        With ``trust_own``, an object verified in this process (this pool object
+        published it, hashing it as it was written, or :meth:`vouch` took it) is
+        returned unhashed while its file is unchanged (same inode, size and mtime).
 
         A corrupt object (wrong bytes, truncated, a symlink or other non-file) is
-        moved to ``quarantine/``, counted in :attr:`quarantined`, logged, and reported
-        as a miss.
+        quarantined, counted in :attr:`quarantined`, logged, and reported as a miss.
 
         Raises:
             ValueError: ``sha256`` is not 64 lowercase hex characters.
             PoolError: the object exists but cannot be read (permissions, I/O error).
         """
-        return self._store.read(check_sha256(sha256), stamp=True, trust_fresh=trust_own)
+        return self._store.read(check_sha256(sha256), stamp=True, trusted=trust_own)
+
+    def verified(self) -> dict[str, Witness]:
+        """Objects verified in this process, each with its file's (device, inode,
+        size, mtime ns) then; another process of the job on this host may
+        :meth:`vouch` for them (``get(trust_own=True)`` trusts each while it matches)."""
+        return self._store.verified()
+
+    def vouch(self, verified: dict[str, Witness]) -> None:
+        """Take another process's :meth:`verified` objects as verified here too."""
+        self._store.vouch(verified)
 
     def objects(self) -> Iterator[str]:
         """The shas present (a directory scan; no hashing).
@@ -204,8 +214,7 @@ class ArtifactPool:
         if current > self.max_bytes:
             self.gc()
 
-    def _set_approx_bytes(self, size: int) -> None:
-        # An exact measure (a scan or gc()); later publishes count up from there.
+    def _set_approx_bytes(self, size: int) -> None:  # exact (a scan, gc()); publishes add
         with self._guard:
             self._approx_bytes = size
 
@@ -279,7 +288,7 @@ class ArtifactPool:
             os.close(fd)
             unlink_quietly(tmp)
 
-    @staticmethod
+    @staticmethod  # the origin's bytes into ``fd``; their size
     def _stream_in(fd: int, tmp: str, artifact: Artifact, origin: Origin) -> int:
         try:
             with open(fd, "w+b", closefd=False) as out:
@@ -347,11 +356,8 @@ class ArtifactPool:
         self._names_index.record([(validate_name(n), check_sha256(s)) for n, s in pairs])
 
     def names(self) -> dict[str, str]:
-        """Every recorded name and the sha it maps to (the last record wins).
-
-        Raises:
-            PoolError: the index cannot be read.
-        """
+        """Every recorded name and the sha it maps to, the last record winning
+        (PoolError: the index cannot be read)."""
         return self._names_index.snapshot()
 
     def journal_since(self, cursor: int = 0) -> tuple[list[str], int]:
@@ -368,8 +374,7 @@ class ArtifactPool:
 
     def gc(self, max_bytes: int | None = None) -> GcReport:
         """Remove least recently used objects until at most ``max_bytes`` (default:
-        the pool's cap; no cap removes nothing) remain; see
-        :func:`distcache.store._maintenance.gc`.
+        the pool's cap; no cap removes nothing) remain (:func:`_maintenance.gc`).
 
         Raises:
             PoolError: the objects directory cannot be listed.
@@ -379,19 +384,13 @@ class ArtifactPool:
         return report
 
     def verify(self) -> VerifyReport:
-        """Hash every object; quarantine the corrupt ones.
-
-        Raises:
-            PoolError: the pool cannot be listed or an object read.
-        """
+        """Hash every object; quarantine the corrupt ones (PoolError: the pool cannot
+        be listed or an object read)."""
         return _maintenance.verify(self._store)
 
     def stats(self) -> PoolStats:
-        """Counts from a directory scan, no hashing.
-
-        Raises:
-            PoolError: the pool cannot be listed, or the name index read.
-        """
+        """Counts from a directory scan, no hashing (PoolError: the pool cannot be
+        listed, or the name index read)."""
         return _maintenance.stats(self.layout, pool_id=self.pool_id, names=len(self.names()),
                               max_bytes=self.max_bytes)
 

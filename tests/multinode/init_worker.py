@@ -13,7 +13,9 @@ Records the pool id this rank knows its pool by after ``init``, too.
 
 Records the report (or the error's type and message) and whether this rank loaded
 the collective's planning (``distcache.collective._prefetch``): a node member whose
-leader prefetched for it never does.
+leader prefetched for it never does. Then reads every artifact of the manifest as
+FlashInfer's loader does (``get(trust_own=True)``) and records how many reads hashed
+their object and whether every read returned the right bytes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,31 @@ from pathlib import Path
 from typing import Any
 
 import distcache
+
+
+def reads(pool: Any, manifest: Path) -> dict[str, Any]:
+    """How many of the manifest's objects ``pool.get(trust_own=True)`` hashed, and
+    whether each read returned bytes with the object's digest."""
+    import hashlib
+
+    from distcache.store import _objects
+
+    hashed = []
+    real = _objects.sha256_hex
+
+    def counting(data: Any) -> str:
+        hashed.append(1)
+        return real(data)
+
+    _objects.sha256_hex = counting  # type: ignore[assignment]
+    try:
+        shas = [line.split()[0] for line in manifest.read_text().splitlines() if line.strip()]
+        got = [pool.get(sha, trust_own=True) for sha in shas]
+    finally:
+        _objects.sha256_hex = real  # type: ignore[assignment]
+    return {"hashed_reads": len(hashed), "verified": len(pool.verified()),
+            "reads_right": all(data is not None and hashlib.sha256(data).hexdigest() == sha
+                               for sha, data in zip(shas, got, strict=True))}
 
 
 def main() -> None:
@@ -75,6 +102,8 @@ def main() -> None:
         record["pool_id"] = session.pool.pool_id if session.pool is not None else None
         if session.report is not None:
             record["report"] = dataclasses.asdict(session.report)
+        if session.pool is not None:
+            record.update(reads(session.pool, args.manifest))
     record["rank"] = int(os.environ["OMPI_COMM_WORLD_RANK"])
     record["planned"] = "distcache.collective._prefetch" in sys.modules
     args.out.mkdir(parents=True, exist_ok=True)

@@ -118,11 +118,19 @@ def test_members_leave_the_prefetch_to_their_node_leader(
         assert sorted((job.pools / node / "tmp").glob("probe.*")) == []
     # One probe per node (the leader's, which its member found), none beyond.
     assert sorted(p["root"] for p in job.probes()) == [str(job.pools / n) for n in NODES]
+    # Verified once per job: the leaders hashed each object as they published it and
+    # vouched for them to their members, so no rank's loader-style read hashes again.
+    assert [(r["verified"], r["hashed_reads"], r["reads_right"]) for r in records] == [
+        (K, 0, True)] * 4
 
     job.srv.reset()
-    warm = _same_report(job.launch(run_mpmd, job.node_pools(), torch=torch))
+    warm_records = job.launch(run_mpmd, job.node_pools(), torch=torch)
+    warm = _same_report(warm_records)
     assert warm["downloads"] == 0 and warm["pool_hits"] == K
     assert job.srv.total_requests == 0
+    # Nothing was verified in this job: every read hashes its object.
+    assert [(r["verified"], r["hashed_reads"], r["reads_right"]) for r in warm_records] == [
+        (0, K, True)] * 4
 
 
 def test_a_member_on_a_copy_of_its_leaders_pool_makes_every_rank_run_the_collective(

@@ -75,7 +75,7 @@ class FakePool:
         self.fetches = 0
         self.materialized: list[str] = []
 
-    def get(self, digest: str) -> bytes | None:
+    def get(self, digest: str, *, trust_own: bool = False) -> bytes | None:
         return self.objects.get(digest)
 
     def put(self, data: bytes, sha256: str | None = None) -> str:
@@ -204,7 +204,7 @@ def test_what_flashinfer_raises_in_the_fallback_passes_through_unchanged(
 
 
 def test_unexpected_pool_error_never_reaches_the_caller(pool: FakePool, cubin_dir: Path) -> None:
-    def broken(_: str) -> bytes:
+    def broken(_: str, **__: bool) -> bytes:
         raise OSError("disk on fire")
 
     pool.get = broken  # type: ignore[method-assign]
