@@ -20,7 +20,10 @@ prefetch and a sync do, so that an engine's start-up or serving loop never waits
 the objects are published and verified when they return, and only their survival of
 a power loss in the next moments depends on that flush. It runs on one non-daemon
 thread per store, so the process waits for it before exiting; its failure is logged
-at ERROR, not raised. A batch nested in another of the same thread takes that one's
+at ERROR, not raised. It holds off :attr:`Durability.flush_delay` seconds first: an
+engine loads the kernels a start-up published right after it, and a ``syncfs`` then
+took the CPU and the disk those loads wait for; the process's exit (its main thread
+ending) cuts the wait short. A batch nested in another of the same thread takes that one's
 ``wait``. When batches of several threads overlap, the last to end flushes for all
 of them, and waits if any of them asked to.
 
@@ -34,6 +37,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 
@@ -64,6 +68,8 @@ class Durability:
 
     #: Bytes published inside a batch after which a background flush starts.
     writeback_bytes: int = 64 << 20
+    #: Seconds the flush of a batch that did not wait holds off before it starts.
+    flush_delay: float = 2.0
 
     def __init__(self, root: str) -> None:
         self.root = root
@@ -155,6 +161,7 @@ class Durability:
 
     def _flush_in_background(self) -> None:
         try:
+            _hold_off(self.flush_delay)
             while True:
                 with self._guard:
                     pending, self._later = self._later, []
@@ -210,6 +217,14 @@ class Durability:
                 fsync_dir(directory)
         except OSError as exc:
             raise pool_error("cannot flush published objects under", self.root, exc) from exc
+
+
+def _hold_off(seconds: float) -> None:
+    """Sleep ``seconds``, or until the main thread has ended (the process exits)."""
+    deadline = time.monotonic() + seconds
+    main = threading.main_thread()
+    while main.is_alive() and (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(0.05, left))
 
 
 #: Every store's durability in this process, reset in a forked child (its threads

@@ -14,6 +14,16 @@ from distcache.testing import LoopbackOrigin, make_artifacts
 ARTIFACT_COUNT = 8
 
 
+@pytest.fixture(autouse=True)
+def _flush_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process tests flush in the background at once: a flush held off into the
+    next test would run there, under that test's patches (the hold-off has tests of
+    its own in test_pool_batch)."""
+    from distcache.store._durability import Durability
+
+    monkeypatch.setattr(Durability, "flush_delay", 0.0)
+
+
 @pytest.fixture
 def artifact_dir(tmp_path: Path) -> Path:
     """A directory holding ARTIFACT_COUNT artifacts and their checksums.txt."""

@@ -333,3 +333,47 @@ def test_a_child_forked_during_a_background_flush_flushes_its_own_batches(
     flusher.join(30)
     assert done != 0, "the forked child did not finish its batch within 30 s"
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_the_background_flush_holds_off_then_flushes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_durability.Durability, "flush_delay", 0.5)
+    flushed: list[float] = []
+    monkeypatch.setattr(_durability, "sync_filesystem",
+                        lambda path: flushed.append(time.monotonic()) or True)
+    pool = ArtifactPool(tmp_path / "pool")
+    with pool.batch(wait=False):
+        pool.put(b"published, flushed later")
+    ended = time.monotonic()
+    [flusher] = _threads("distcache-flush")
+    assert flushed == []  # the batch ended; the flush holds off
+    flusher.join(30)
+    assert len(flushed) == 1 and flushed[0] - ended >= 0.5
+
+
+def test_a_process_that_exits_during_the_hold_off_flushes_at_once(tmp_path: Path) -> None:
+    # The hold-off is an hour; the process still exits at once, and flushes first.
+    marker = tmp_path / "flushed"
+    program = f"""
+from distcache.store import _durability
+from distcache.store._pool import ArtifactPool
+_durability.Durability.flush_delay = 3600.0
+real = _durability.sync_filesystem
+def marking(path):
+    open({str(marker)!r}, "w").write("yes")
+    return real(path)
+_durability.sync_filesystem = marking
+pool = ArtifactPool({str(tmp_path / "pool")!r})
+with pool.batch(wait=False):
+    pool.put(b"published just before exit")
+"""
+    import subprocess
+    import sys
+
+    began = time.monotonic()
+    root = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - began < 30
+    assert marker.read_text() == "yes"
