@@ -726,6 +726,10 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     ordered = sorted(runs, key=lambda r: r["wall_s"])
     chosen = ordered[len(ordered) // 2]
     return {**chosen, "wall_s_runs": [r["wall_s"] for r in runs],
+            # Where each run's time went (engine rows): whether a slow run was slow in
+            # the fetch, in init around it, or in the kernel loads.
+            "engine_s_runs": [r.get("engine_s") for r in runs],
+            "phase_seconds_runs": [r.get("phase_seconds") for r in runs],
             "origin_requests_runs": [r["origin_requests"] for r in runs],
             "complete": all(r["complete"] for r in runs)}
 
