@@ -75,10 +75,19 @@ class Hosted:
         attach(None)
         if self.agent is not None:
             self.agent.stop()
-            with contextlib.suppress(OSError):
-                if self.agent.socket_path is not None:
+            if self.agent.socket_path is not None:
+                with contextlib.suppress(OSError):
                     key_path(self.agent.socket_path).unlink()
+                _remove_made_dir(self.agent.socket_path, self.agent.pool)
             self.agent = None
+
+
+def _remove_made_dir(socket: Path, pool: ArtifactPool) -> None:
+    """Remove the private directory :func:`socket_path` made for ``socket`` (when the
+    pool's path was too long for it), now that the socket and key are gone."""
+    if socket.parent != Path(pool.root):
+        with contextlib.suppress(OSError):
+            socket.parent.rmdir()
 
 
 def host_agent(pool: ArtifactPool, origin: Callable[[], Origin | None], key: bytes,
@@ -87,7 +96,11 @@ def host_agent(pool: ArtifactPool, origin: Callable[[], Origin | None], key: byt
     from distcache.peer._agent import Agent
 
     path = socket_path(Path(pool.root), tag)
-    agent = Agent(pool, origin, key, host=job_address(environ), socket_path=path).start()
+    try:
+        agent = Agent(pool, origin, key, host=job_address(environ), socket_path=path).start()
+    except BaseException:
+        _remove_made_dir(path, pool)
+        raise
     keyfile = key_path(path)
     fd = os.open(keyfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as out:

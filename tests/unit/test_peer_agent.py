@@ -293,3 +293,16 @@ def test_an_idle_connection_is_closed_by_the_agent(
             assert idle.recv(1) == b""
     finally:
         agent.stop()
+
+
+def test_a_pool_path_too_long_for_a_socket_leaves_no_directory_behind(tmp_path: Path) -> None:
+    from distcache.peer._hosting import Hosted
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    pool = ArtifactPool(deep / "pool")
+    agent = host_agent(pool, lambda: None, KEY, "node0")
+    assert agent.socket_path is not None
+    made = agent.socket_path.parent
+    assert made != Path(pool.root) and made.is_dir()  # the private directory it made
+    Hosted(None, agent).close()
+    assert not made.exists()
