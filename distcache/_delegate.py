@@ -38,10 +38,9 @@ A member whose leader is silent for ``timeout`` seconds, or whose leader's colle
 stalled for that long, raises :class:`~distcache.errors.CollectiveTimeout`; that
 leader then fails the job with the other leaders (next paragraph).
 
-With its report the leader hands down what its pool verified in this process (it
-hashed each object as it published it): each object's file identity (device, inode,
-size, mtime). A member takes them (:meth:`ArtifactPool.vouch`), so its loads do not
-hash those objects again while their files are unchanged: verified once per job.
+With its report a leader hands down the file identity (device, inode, size, mtime,
+ctime) of each object it published, hashing it: a member's loads do not hash those
+again while the files match (:meth:`ArtifactPool.vouch`): verified once per job.
 
 The outcome is the same on every rank: after the leaders' collective, the leaders
 agree on whether every node's members were still there (a node whose member left
@@ -141,6 +140,7 @@ def led_by_node_leaders(
     local, upper = tree.levels()
     wait = _seconds(timeout, tree)
     leader = tree.is_leader
+    began = time.time_ns()  # before any object of this prefetch can be published
     with contextlib.ExitStack() as probes:
         offer = None
         if leader and key is not None:
@@ -164,7 +164,7 @@ def led_by_node_leaders(
     try:
         if leader:
             return (_lead(tree, local, upper, pool, [v[1] for v in votes], wait, lead),)
-        return (_follow(tree, local, pool, wait),)
+        return (_follow(tree, local, pool, wait, began),)
     except BaseException:
         forget_tree(tree)
         raise
@@ -290,7 +290,7 @@ def _lead(tree: NodeTree, local: Communicator, upper: Communicator, pool: Artifa
 
 
 def _follow(tree: NodeTree, local: Communicator, pool: ArtifactPool,
-            wait: float) -> PrefetchReport | None:
+            wait: float, began: int) -> PrefetchReport | None:
     """Wait for the leader's word; the report, or the error it sends, raised."""
     where = f"rank {tree.rank}/{tree.size} ({tree.node_id})"
     while True:
@@ -301,7 +301,7 @@ def _follow(tree: NodeTree, local: Communicator, pool: ArtifactPool,
         _reload_id(pool, word[-1])
     if type(word) is tuple and len(word) == 4 and word[0] == "report":
         report = _unpacked(word[1], where, tree)
-        pool.vouch(_vouched(word[2], where, tree))
+        pool.vouch(_vouched(word[2], began))
         return report
     if not (type(word) is tuple and len(word) == 4 and word[0] == "error"):
         raise _malformed(where, tree)
@@ -312,24 +312,29 @@ def _follow(tree: NodeTree, local: Communicator, pool: ArtifactPool,
     raise error
 
 
-def _witnesses(pool: ArtifactPool) -> list[tuple[bytes, int, int, int, int]]:
-    """What the leader's pool verified in this process (it published them, hashing
-    them as they were written), for its members not to hash them again: each
-    object's digest and its file's device, inode, size and mtime."""
+def _witnesses(pool: ArtifactPool) -> list[tuple[bytes, int, int, int, int, int]]:
+    """What the leader's pool verified as it published it: each digest and its file's
+    device, inode, size, mtime and ctime, for the members not to hash them again."""
     return [(bytes.fromhex(sha), *seen) for sha, seen in pool.verified().items()]
 
 
-def _vouched(entries: Any, where: str, tree: NodeTree) -> dict[str, tuple[int, int, int, int]]:
-    """The leader's :func:`_witnesses`, checked (a malformed one is a
-    :class:`WireError`); each is trusted only while the file still matches it."""
-    if type(entries) is not list:
-        raise _malformed(where, tree)
-    vouched: dict[str, tuple[int, int, int, int]] = {}
-    for entry in entries:
-        if not (type(entry) is tuple and len(entry) == 5 and type(entry[0]) is bytes
+_CLOCK_GRAIN_NS = 1_000_000_000  # how much older than a member's entry (coarse file times)
+
+
+def _vouched(entries: Any, began: int) -> dict[str, tuple[int, int, int, int, int]]:
+    """The leader's :func:`_witnesses` a member takes: files changed since it entered
+    this prefetch (a forged word cannot point at an older one, such as one torn by a
+    power loss), each trusted while it is this user's and matches. A malformed list
+    is logged and ignored: it only saves hashing."""
+    vouched: dict[str, tuple[int, int, int, int, int]] = {}
+    for entry in entries if type(entries) is list else [None]:
+        if not (type(entry) is tuple and len(entry) == 6 and type(entry[0]) is bytes
                 and len(entry[0]) == 32 and all(type(v) is int for v in entry[1:])):
-            raise _malformed(where, tree)
-        vouched[entry[0].hex()] = (entry[1], entry[2], entry[3], entry[4])
+            log.warning("the node leader's list of verified objects is malformed; this "
+                        "rank hashes every object it reads")
+            return {}
+        if entry[5] >= began - _CLOCK_GRAIN_NS:
+            vouched[entry[0].hex()] = (entry[1], entry[2], entry[3], entry[4], entry[5])
     return vouched
 
 

@@ -285,23 +285,43 @@ def create_once(path: Path, data: bytes, *, tmp: str, mode: int, what: str) -> b
         unlink_quietly(tmp)
 
 
-def link_into_place(tmp: str, final: str, existing_is_good: Callable[[], bool]) -> bool:
-    """Link the whole, fsynced ``tmp`` to ``final``; whether this call published it.
-    An existing ``final`` wins unless ``existing_is_good()`` (which verifies it and
-    moves a bad one aside) says otherwise; then the link is tried once more."""
+#: What a verified object's file was: (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns).
+Witness = tuple[int, int, int, int, int]
+
+
+def witness(st: os.stat_result) -> Witness:
+    """The :data:`Witness` of a file's ``stat``."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def trusted_file(st: os.stat_result, seen: Witness | None) -> bool:
+    """Whether a file whose ``fstat`` is ``st`` is still the one verified as ``seen``:
+    this user's (no one else can change it in place), same witness."""
+    return seen is not None and st.st_uid == os.geteuid() and witness(st) == seen
+
+
+#: How :func:`link_into_place` published: a hard link, or a rename where links are refused.
+LINKED, REPLACED = "linked", "replaced"
+
+
+def link_into_place(tmp: str, final: str, existing_is_good: Callable[[], bool]) -> str | None:
+    """Link the whole, fsynced ``tmp`` to ``final``: :data:`LINKED` or :data:`REPLACED`
+    when this call published it, else ``None``. An existing ``final`` wins unless
+    ``existing_is_good()`` (which verifies it and moves a bad one aside) says
+    otherwise; then the link is tried once more."""
     for _attempt in range(2):
         try:
             os.link(tmp, final)
-            return True
+            return LINKED
         except FileExistsError:
             if existing_is_good():
-                return False
+                return None
         except OSError as exc:
             if exc.errno not in NO_LINK:
                 raise
             os.replace(tmp, final)
-            return True
-    return False
+            return REPLACED
+    return None
 
 
 def move_aside(path: str, dest: Path, st: os.stat_result | None) -> bool:

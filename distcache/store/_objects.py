@@ -12,11 +12,13 @@ the rules of DESIGN.md ("Artifacts and the pool") for each object:
 - **Every read is verified.** A wrong, truncated or non-file object is moved to
   ``quarantine/``, counted, logged and reported as a miss; corrupt bytes are never
   returned. A reader that asks for it (``trusted``) skips the hash of an object this
-  store verified in this process (published it: hashed as it was written; or was
-  vouched for by the job's node leader, which did) while its file is that inode,
-  unchanged: same device, inode, size and mtime (:func:`witness`). Only the
-  object's owner (this job's user) or root can change an inode in place; a file
-  put in its place is another inode.
+  store verified in this process (published it with ``link``, hashed as it was
+  written; or was vouched for by the job's node leader, which did) while its file is
+  unchanged: this user's, with the same device, inode, size, mtime and ctime
+  (:func:`~distcache.store._fs.witness`). Writing, renaming, ``utime`` and
+  ``chmod`` move a file's ctime, which only root can set: a file put in the object's
+  place (a reused inode number, the old mtime) is hashed. A recency stamp (below)
+  moves it too: the stamping process keeps trusting it, others hash again.
 - **Publish whole files: write, fsync, link, then verify.** ``link(2)`` fails on an
   existing name, so the first publisher wins and a crash leaves no object or a whole
   one. A loser does not trust the winner blindly: it reads (so verifies) what is
@@ -32,8 +34,8 @@ the rules of DESIGN.md ("Artifacts and the pool") for each object:
   it again (:mod:`distcache.store._durability`).
 
 Recency for LRU collection is the object's mtime, refreshed by reads at most once per
-``stamp_interval`` seconds (atime is useless on ``noatime`` mounts); a reader that
-may not touch another user's object simply skips the stamp.
+``stamp_interval`` seconds (atime is useless on ``noatime`` mounts); a reader that may
+not touch another user's object skips the stamp.
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ from distcache.artifact import Artifact, sha256_hex
 from distcache.errors import IntegrityError
 from distcache.store._durability import Durability
 from distcache.store._fs import (
+    LINKED,
     READ_FLAGS,
+    Witness,
     fsync_dir,
     link_into_place,
     make_dir,
@@ -60,7 +64,9 @@ from distcache.store._fs import (
     pool_error,
     read_fd,
     temp_file,
+    trusted_file,
     unlink_quietly,
+    witness,
     write_all,
 )
 from distcache.store.layout import PoolLayout, scan_objects, trim_quarantine
@@ -70,15 +76,6 @@ logger = logging.getLogger(__name__)
 # Readers open the fan-out directory rather than walk through it by path: O_NOFOLLOW
 # on that component keeps a planted objects/<xx> symlink from being followed.
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-#: What a verified object's file was: (st_dev, st_ino, st_size, st_mtime_ns).
-Witness = tuple[int, int, int, int]
-
-
-def witness(st: os.stat_result) -> Witness:
-    """The :data:`Witness` of a file's ``stat``."""
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def check_size(artifact: Artifact, size: int, source: str) -> None:
@@ -126,8 +123,7 @@ class ObjectStore:
             return dict(self.fresh)
 
     def vouch(self, witnesses: dict[str, Witness]) -> None:
-        """Take objects as verified: a process of the same job that verified them
-        says so (their files must still match ``witnesses`` to be trusted)."""
+        """Take objects another process of the job verified (while their files match)."""
         with self._guard:
             self.fresh.update(witnesses)
 
@@ -199,8 +195,11 @@ class ObjectStore:
             return None
         if found is None:
             return None
-        data, st = found
-        if trusted and len(data) == st.st_size and self.fresh.get(sha) == witness(st):
+        data, st, stamped = found
+        if trusted and len(data) == st.st_size and trusted_file(st, self.fresh.get(sha)):
+            if stamped is not None:  # the stamp moved its times: still what was verified
+                with self._guard:
+                    self.fresh[sha] = witness(stamped)
             return data
         if len(data) != st.st_size or sha256_hex(data) != sha:
             self.quarantine(sha, f"fails verification ({len(data)} bytes)", st)
@@ -281,13 +280,19 @@ class ObjectStore:
             # First publisher wins; a loser makes sure what won is whole, or repairs it.
             published = link_into_place(
                 tmp, final, lambda: self.read(sha, stamp=False) is not None)
+            if published == LINKED:
+                # The temporary name goes first: its removal moves the file's ctime.
+                unlink_quietly(tmp)
+                seen: Witness | None = witness(os.fstat(fd))
+            else:  # a rename where links are refused (FUSE, SMB): inodes may be made up
+                seen = None
         except OSError as exc:
             raise pool_error("cannot publish", final, exc) from exc
-        if not published:
+        if published is None:
             return False
-        seen = witness(os.fstat(fd))
-        with self._guard:
-            self.fresh[sha] = seen
+        if seen is not None:
+            with self._guard:
+                self.fresh[sha] = seen
         if self._durability.published(final, size):
             return True
         if deferred:
@@ -353,10 +358,12 @@ class NotAnObject(Exception):
 
 
 def read_object(fanout: str, name: str, path: str, stamp_after: float | None
-                ) -> tuple[bytes, os.stat_result] | None:
+                ) -> tuple[bytes, os.stat_result, os.stat_result | None] | None:
     """The bytes (not yet verified) and ``fstat`` of ``fanout/name`` (at ``path``, as
-    messages name it), or None when absent. The file is opened relative to an ``O_NOFOLLOW`` descriptor of
-    ``fanout``; its mtime is refreshed when older than ``stamp_after`` seconds.
+    messages name it), and its ``fstat`` after a recency stamp (``None``: not
+    stamped), or None when absent. The file is opened relative to an ``O_NOFOLLOW``
+    descriptor of ``fanout``; its mtime is refreshed when older than ``stamp_after``
+    seconds.
 
     Raises:
         NotAnObject: it is a symlink or not a regular file.
@@ -380,12 +387,14 @@ def read_object(fanout: str, name: str, path: str, stamp_after: float | None
         if not stat.S_ISREG(st.st_mode):
             raise NotAnObject("is not a regular file", st)
         data = read_fd(fd, st.st_size)
+        stamped = None
         if stamp_after is not None and time.time() - st.st_mtime > stamp_after:
             # Another user's object may refuse: recency falls back to publish time.
             with contextlib.suppress(OSError):
                 os.utime(fd)
+                stamped = os.fstat(fd)
     except OSError as exc:
         raise pool_error("cannot read object", path, exc) from exc
     finally:
         os.close(fd)
-    return data, st
+    return data, st, stamped

@@ -147,7 +147,8 @@ class ArtifactPool:
         """The verified bytes of ``sha256``, or ``None`` when absent or corrupt.
         With ``trust_own``, an object verified in this process (this pool object
         published it, hashing it as it was written, or :meth:`vouch` took it) is
-        returned unhashed while its file is unchanged (same inode, size and mtime).
+        returned unhashed while its file is this user's and unchanged (same inode,
+        size, mtime and ctime).
 
         A corrupt object (wrong bytes, truncated, a symlink or other non-file) is
         quarantined, counted in :attr:`quarantined`, logged, and reported as a miss.
@@ -160,7 +161,7 @@ class ArtifactPool:
 
     def verified(self) -> dict[str, Witness]:
         """Objects verified in this process, each with its file's (device, inode,
-        size, mtime ns) then; another process of the job on this host may
+        size, mtime ns, ctime ns) then; another process of the job on this host may
         :meth:`vouch` for them (``get(trust_own=True)`` trusts each while it matches)."""
         return self._store.verified()
 

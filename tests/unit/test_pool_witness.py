@@ -79,6 +79,91 @@ def test_another_process_trusts_what_it_was_vouched_for_while_the_file_matches(
     assert len(hashed) == 1
     # A witness that does not match the file (another mtime) is no reason to trust.
     seen = leader.verified()[shas[1]]
-    member.vouch({shas[1]: (seen[0], seen[1], seen[2], seen[3] + 1)})
+    member.vouch({shas[1]: (seen[0], seen[1], seen[2], seen[3] + 1, seen[4])})
     assert member.get(shas[1], trust_own=True) == b"kernel 1"
     assert len(hashed) == 2
+
+
+def test_a_file_on_a_reused_inode_with_the_old_mtime_and_size_is_hashed(
+        tmp_path: Path, hashed: list[int]) -> None:
+    # Delete the object, write other bytes of its size (likely on its freed inode
+    # number), give them its mtime and rename them into place: the ctime moved.
+    pool = ArtifactPool(tmp_path / "pool")
+    sha = pool.put(b"kernel bytes")
+    path = pool.layout.object_path(sha)
+    before = os.stat(path)
+    os.unlink(path)
+    planted = Path(path + ".planted")
+    planted.write_bytes(b"kernel bytez")
+    os.utime(planted, ns=(before.st_atime_ns, before.st_mtime_ns))
+    os.rename(planted, path)
+    assert pool.get(sha, trust_own=True) is None
+    assert len(hashed) == 1 and pool.quarantined == 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="changing a file's owner needs root")
+def test_a_file_of_another_user_is_hashed_even_when_its_witness_matches(
+        tmp_path: Path, hashed: list[int]) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    sha = pool.put(b"kernel bytes")
+    path = pool.layout.object_path(sha)
+    os.chown(path, 12345, -1)
+    pool.vouch({sha: _objects.witness(os.stat(path))})  # matches, but not this user's
+    assert pool.get(sha, trust_own=True) == b"kernel bytes"
+    assert len(hashed) == 1
+
+
+def test_where_links_are_refused_a_published_object_is_not_trusted(
+        tmp_path: Path, hashed: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    # A rename stands in for link(2) (FUSE, SMB), whose inode numbers may be made up.
+    import errno
+
+    def refused(*_: object, **__: object) -> None:
+        raise OSError(errno.EPERM, "links refused here")
+
+    monkeypatch.setattr(os, "link", refused)
+    pool = ArtifactPool(tmp_path / "pool")
+    sha = pool.put(b"kernel bytes")
+    assert pool.verified() == {}
+    assert pool.get(sha, trust_own=True) == b"kernel bytes"
+    assert len(hashed) == 1
+
+
+def test_a_recency_stamp_keeps_the_stamping_process_trusting(
+        tmp_path: Path, hashed: list[int]) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    sha = pool.put(b"kernel bytes")
+    path = pool.layout.object_path(sha)
+    old = os.stat(path).st_mtime_ns - 3_600 * 10**9
+    os.utime(path, ns=(old, old))  # an hour old: the next read stamps it
+    seen = {sha: _objects.witness(os.stat(path))}  # as if verified an hour ago
+    pool.vouch(seen)
+    other = ArtifactPool(tmp_path / "pool")
+    other.vouch(seen)
+    assert pool.get(sha, trust_own=True) == b"kernel bytes"  # stamps, still trusted
+    assert os.stat(path).st_mtime_ns > old and hashed == []
+    assert pool.get(sha, trust_own=True) == b"kernel bytes"
+    assert hashed == []
+    # Another process's witness predates the stamp: it hashes.
+    assert other.get(sha, trust_own=True) == b"kernel bytes"
+    assert len(hashed) == 1
+
+
+
+def test_a_member_takes_only_well_formed_witnesses_of_files_changed_in_this_prefetch(
+        caplog: pytest.LogCaptureFixture) -> None:
+    import time
+
+    from distcache import _delegate
+
+    began = time.time_ns()
+    new = (b"\x01" * 32, 1, 2, 3, 4, began + 10)
+    coarse = (b"\x02" * 32, 1, 2, 3, 4, began - 10**8)  # file times lag the clock
+    older = (b"\x03" * 32, 1, 2, 3, 4, began - 5 * 10**9)  # e.g. torn in an old job
+    assert _delegate._vouched([new, coarse, older], began) == {
+        "01" * 32: (1, 2, 3, 4, began + 10), "02" * 32: (1, 2, 3, 4, began - 10**8)}
+    assert caplog.text == ""
+    # Malformed: nothing is trusted, and the rank carries on (it only hashes).
+    assert _delegate._vouched([new, (b"\x04", 1)], began) == {}
+    assert _delegate._vouched("not a list", began) == {}
+    assert "malformed" in caplog.text
