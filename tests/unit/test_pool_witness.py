@@ -27,6 +27,13 @@ def hashed(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     yield calls
 
 
+def _published(tmp_path: Path) -> tuple[ArtifactPool, str, str]:
+    """A pool, the sha of an object it just published, and that object's path."""
+    pool = ArtifactPool(tmp_path / "pool")
+    sha = pool.put(b"kernel bytes")
+    return pool, sha, pool.layout.object_path(sha)
+
+
 def test_an_object_this_pool_published_is_read_unhashed_when_trust_is_asked(
         tmp_path: Path, hashed: list[int]) -> None:
     pool = ArtifactPool(tmp_path / "pool")
@@ -40,9 +47,7 @@ def test_an_object_this_pool_published_is_read_unhashed_when_trust_is_asked(
 
 def test_an_object_changed_in_place_is_hashed_and_quarantined(
         tmp_path: Path, hashed: list[int]) -> None:
-    pool = ArtifactPool(tmp_path / "pool")
-    sha = pool.put(b"kernel bytes")
-    path = pool.layout.object_path(sha)
+    pool, sha, path = _published(tmp_path)
     before = os.stat(path)
     os.chmod(path, 0o644)
     Path(path).write_bytes(b"kernel bytez")  # same size, same inode
@@ -54,9 +59,7 @@ def test_an_object_changed_in_place_is_hashed_and_quarantined(
 
 def test_a_file_put_in_the_objects_place_is_another_inode_and_is_hashed(
         tmp_path: Path, hashed: list[int]) -> None:
-    pool = ArtifactPool(tmp_path / "pool")
-    sha = pool.put(b"kernel bytes")
-    path = pool.layout.object_path(sha)
+    pool, sha, path = _published(tmp_path)
     planted = tmp_path / "planted"
     planted.write_bytes(b"kernel bytez")
     mtime = os.stat(path).st_mtime_ns
@@ -88,9 +91,7 @@ def test_a_file_on_a_reused_inode_with_the_old_mtime_and_size_is_hashed(
         tmp_path: Path, hashed: list[int]) -> None:
     # Delete the object, write other bytes of its size (likely on its freed inode
     # number), give them its mtime and rename them into place: the ctime moved.
-    pool = ArtifactPool(tmp_path / "pool")
-    sha = pool.put(b"kernel bytes")
-    path = pool.layout.object_path(sha)
+    pool, sha, path = _published(tmp_path)
     before = os.stat(path)
     os.unlink(path)
     planted = Path(path + ".planted")
@@ -104,9 +105,7 @@ def test_a_file_on_a_reused_inode_with_the_old_mtime_and_size_is_hashed(
 @pytest.mark.skipif(os.geteuid() != 0, reason="changing a file's owner needs root")
 def test_a_file_of_another_user_is_hashed_even_when_its_witness_matches(
         tmp_path: Path, hashed: list[int]) -> None:
-    pool = ArtifactPool(tmp_path / "pool")
-    sha = pool.put(b"kernel bytes")
-    path = pool.layout.object_path(sha)
+    pool, sha, path = _published(tmp_path)
     os.chown(path, 12345, -1)
     pool.vouch({sha: _objects.witness(os.stat(path))})  # matches, but not this user's
     assert pool.get(sha, trust_own=True) == b"kernel bytes"
@@ -131,9 +130,7 @@ def test_where_links_are_refused_a_published_object_is_not_trusted(
 
 def test_a_recency_stamp_keeps_the_stamping_process_trusting(
         tmp_path: Path, hashed: list[int]) -> None:
-    pool = ArtifactPool(tmp_path / "pool")
-    sha = pool.put(b"kernel bytes")
-    path = pool.layout.object_path(sha)
+    pool, sha, path = _published(tmp_path)
     old = os.stat(path).st_mtime_ns - 3_600 * 10**9
     os.utime(path, ns=(old, old))  # an hour old: the next read stamps it
     seen = {sha: _objects.witness(os.stat(path))}  # as if verified an hour ago
