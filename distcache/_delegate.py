@@ -84,6 +84,7 @@ if TYPE_CHECKING:
     from distcache.integrations import Integration
     from distcache.origins import Origin
     from distcache.store import ArtifactPool
+    from distcache.store._fs import Witness
 
 log = logging.getLogger(__name__)
 
@@ -321,21 +322,20 @@ def _witnesses(pool: ArtifactPool) -> list[tuple[bytes, int, int, int, int, int]
 _CLOCK_GRAIN_NS = 1_000_000_000  # how much older than a member's entry (coarse file times)
 
 
-def _vouched(entries: Any, began: int) -> dict[str, tuple[int, int, int, int, int]]:
+def _vouched(entries: Any, began: int) -> dict[str, Witness]:
     """The leader's :func:`_witnesses` a member takes: files changed since it entered
     this prefetch (a forged word cannot point at an older one, such as one torn by a
     power loss), each trusted while it is this user's and matches. A malformed list
     is logged and ignored: it only saves hashing."""
-    vouched: dict[str, tuple[int, int, int, int, int]] = {}
-    for entry in entries if type(entries) is list else [None]:
-        if not (type(entry) is tuple and len(entry) == 6 and type(entry[0]) is bytes
-                and len(entry[0]) == 32 and all(type(v) is int for v in entry[1:])):
-            log.warning("the node leader's list of verified objects is malformed; this "
-                        "rank hashes every object it reads")
-            return {}
-        if entry[5] >= began - _CLOCK_GRAIN_NS:
-            vouched[entry[0].hex()] = (entry[1], entry[2], entry[3], entry[4], entry[5])
-    return vouched
+    if not (type(entries) is list and all(
+            type(e) is tuple and len(e) == 6 and type(e[0]) is bytes and len(e[0]) == 32
+            and all(type(v) is int for v in e[1:]) for e in entries)):
+        log.warning("the node leader's list of verified objects is malformed; this rank "
+                    "hashes every object it reads")
+        return {}
+    return {sha.hex(): (dev, ino, size, mtime, ctime)
+            for sha, dev, ino, size, mtime, ctime in entries
+            if ctime >= began - _CLOCK_GRAIN_NS}
 
 
 def _reload_id(pool: ArtifactPool, leaders_id: Any) -> None:
