@@ -55,9 +55,7 @@ the new id.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
-import logging
 import os
 import threading
 import time
@@ -65,6 +63,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from distcache._log import get_logger
 from distcache.artifact import Artifact, manifest_text, merge_manifests
 from distcache.collective._heartbeat import concurrent
 from distcache.comm import Communicator, NodeTree
@@ -86,7 +85,7 @@ if TYPE_CHECKING:
     from distcache.store import ArtifactPool
     from distcache.store._fs import Witness
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 #: Longest interval between two words of a leader to its node.
 HEARTBEAT = 1.0
@@ -278,7 +277,7 @@ def _lead(tree: NodeTree, local: Communicator, upper: Communicator, pool: Artifa
         raise error  # this node's members are not all there to hear it
     if error is None:
         report = _in_job_ranks(report, leaders)
-        word: tuple[Any, ...] = ("report", None if report is None else dataclasses.asdict(report),
+        word: tuple[Any, ...] = ("report", None if report is None else report.as_dict(),
                                  _witnesses(pool), pool.pool_id)
     else:
         error = _in_job_terms(error, tree, leaders)
@@ -375,9 +374,8 @@ def _in_job_ranks(report: PrefetchReport | None, leaders: list[int]
     """``report`` with the ranks it names (the leaders' own) as ranks of the job."""
     if report is None:
         return None
-    return dataclasses.replace(report,
-                               writers=tuple(leaders[r] for r in report.writers),
-                               downloaders=tuple(leaders[r] for r in report.downloaders))
+    return report.replace(writers=tuple(leaders[r] for r in report.writers),
+                          downloaders=tuple(leaders[r] for r in report.downloaders))
 
 
 def _unpacked(fields: Any, where: str, tree: NodeTree) -> PrefetchReport | None:

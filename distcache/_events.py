@@ -10,15 +10,15 @@ is logged once per process and the event is dropped.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Mapping
 from typing import Any
 
+from distcache._log import get_logger
 from distcache.config import env_str
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 #: The variable naming the file events are appended to; unset or blank: no events.
 VARIABLE = "DISTCACHE_LOG_JSON"

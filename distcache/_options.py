@@ -20,13 +20,12 @@ record). ``DISTCACHE_FLASHINFER=0`` removes FlashInfer from either (:func:`compo
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from distcache._record import Record
 from distcache.config import Settings
 from distcache.errors import ConfigError
 from distcache.integrations import Integration
@@ -55,8 +54,7 @@ class InitFields(TypedDict, total=False):
     environ: Mapping[str, str] | None
 
 
-@dataclass(frozen=True)
-class InitOptions:
+class InitOptions(Record):
     """Everything ``distcache.init`` is told; the same on every rank.
 
     What to fetch:
@@ -96,17 +94,46 @@ class InitOptions:
             ``os.environ``).
     """
 
-    manifests: Sequence[ManifestSpec] = ()
-    integrations: Sequence[Integration] | None = None
-    ipc_pools: Sequence[Any] | None = None
-    pool: ArtifactPool | str | os.PathLike[str] | None = None
-    origin: Origin | str | Sequence[str] | None = None
-    comm: Communicator | None = None
-    timeout: float | None = None
-    transport: str | None = None
-    background: bool = False
-    environ: Mapping[str, str] | None = None
-    jit_caches: Sequence[str] | None = None
+    _FIELDS = ("manifests", "integrations", "ipc_pools", "pool", "origin", "comm",
+                 "timeout", "transport", "background", "environ", "jit_caches")
+    __slots__ = _FIELDS
+    manifests: Sequence[ManifestSpec]
+    integrations: Sequence[Integration] | None
+    ipc_pools: Sequence[Any] | None
+    pool: ArtifactPool | str | os.PathLike[str] | None
+    origin: Origin | str | Sequence[str] | None
+    comm: Communicator | None
+    timeout: float | None
+    transport: str | None
+    background: bool
+    environ: Mapping[str, str] | None
+    jit_caches: Sequence[str] | None
+
+    def __init__(
+        self,
+        manifests: Sequence[ManifestSpec] = (),
+        integrations: Sequence[Integration] | None = None,
+        ipc_pools: Sequence[Any] | None = None,
+        pool: ArtifactPool | str | os.PathLike[str] | None = None,
+        origin: Origin | str | Sequence[str] | None = None,
+        comm: Communicator | None = None,
+        timeout: float | None = None,
+        transport: str | None = None,
+        background: bool = False,
+        environ: Mapping[str, str] | None = None,
+        jit_caches: Sequence[str] | None = None,
+    ) -> None:
+        self._set("manifests", manifests)
+        self._set("integrations", integrations)
+        self._set("ipc_pools", ipc_pools)
+        self._set("pool", pool)
+        self._set("origin", origin)
+        self._set("comm", comm)
+        self._set("timeout", timeout)
+        self._set("transport", transport)
+        self._set("background", background)
+        self._set("environ", environ)
+        self._set("jit_caches", jit_caches)
 
     @classmethod
     def of(cls, options: InitOptions | None, fields: Mapping[str, Any]) -> InitOptions:
@@ -122,7 +149,7 @@ class InitOptions:
                 f"init's positional argument must be an InitOptions, got {options!r}; "
                 "pass the options as keywords (init(manifests=[...]))",
                 variable="options", value=repr(options))
-        known = [f.name for f in dataclasses.fields(cls)]
+        known = list(cls._FIELDS)
         unknown = sorted(set(fields) - set(known))
         if unknown:
             raise ConfigError(
@@ -130,7 +157,7 @@ class InitOptions:
                 f"{', '.join(known)} (FlashInfer is an integration: "
                 "integrations=[FlashInfer(record=DIR)] records, integrations=() leaves it "
                 "out)", variable=unknown[0], value=None)
-        return dataclasses.replace(base, **fields) if fields else base
+        return base.replace(**fields) if fields else base
 
 _FLASHINFER = "distcache.integrations.flashinfer"
 

@@ -18,7 +18,6 @@ usual; the origin is never asked.
 
 from __future__ import annotations
 
-import logging
 import os
 import zlib
 from collections.abc import Iterable, Sequence
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from distcache._delegate import inputs_key, led_by_node_leaders
+from distcache._log import get_logger
 from distcache.artifact import (
     Artifact,
     manifest_text,
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from distcache.collective import PrefetchReport
     from distcache.integrations import Integration
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 #: A ``sha256sum``-format file, or a list of artifacts.
 ManifestSpec = str | os.PathLike[str] | Sequence[Artifact]

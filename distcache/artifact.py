@@ -11,9 +11,9 @@ import os
 import re
 import unicodedata
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
+from distcache._record import Record
 from distcache.errors import ArtifactNameError, ConfigError, IntegrityError, ManifestError
 
 __all__ = [
@@ -168,8 +168,7 @@ def path_under(root: Path, name: str) -> Path:
     return path
 
 
-@dataclass(frozen=True, slots=True)
-class Artifact:
+class Artifact(Record):
     """A named blob identified by its SHA-256.
 
     ``name`` is normalised (doubled ``//`` collapse); ``size`` is optional and, when
@@ -180,15 +179,20 @@ class Artifact:
         ValueError: the sha256 is not 64 lowercase hex characters, or size < 0.
     """
 
+    _FIELDS = ("name", "sha256", "size")
+    __slots__ = _FIELDS
     name: str
     sha256: str
-    size: int | None = None
+    size: int | None
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "name", validate_name(self.name))
-        check_sha256(self.sha256)
-        if self.size is not None and (not isinstance(self.size, int) or self.size < 0):
-            raise ValueError(f"size of {self.name} must be a non-negative int, got {self.size!r}")
+    def __init__(self, name: str, sha256: str, size: int | None = None) -> None:
+        name = validate_name(name)
+        check_sha256(sha256)
+        if size is not None and (not isinstance(size, int) or size < 0):
+            raise ValueError(f"size of {name} must be a non-negative int, got {size!r}")
+        _set_name(self, name)
+        _set_sha256(self, sha256)
+        _set_size(self, size)
 
 
 def _checked(name: str, sha256: str) -> Artifact:
@@ -202,7 +206,7 @@ def _checked(name: str, sha256: str) -> Artifact:
     return artifact
 
 
-# The slots' own setters: a frozen dataclass's __setattr__ refuses, these do not.
+# The slots' own setters: Record's __setattr__ refuses, these do not.
 _new = object.__new__
 _set_name = Artifact.__dict__["name"].__set__
 _set_sha256 = Artifact.__dict__["sha256"].__set__

@@ -15,15 +15,14 @@ embeds can both call ``init`` safely.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Unpack
 
+from distcache._log import get_logger
 from distcache._options import InitFields, InitOptions, compose, jit_families
 from distcache._resolve import prefetch_manifests, resolve_origin, resolve_pool
 from distcache.comm import Adopted, Communicator, adopt, bulk_transport, local
@@ -39,10 +38,9 @@ if TYPE_CHECKING:
 
 __all__ = ["InitFields", "InitOptions", "Session", "SessionSlot", "current", "init"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
-@dataclass
 class Session:
     """What ``init`` set up. Use as a context manager or call :meth:`close`.
 
@@ -59,24 +57,47 @@ class Session:
 
     comm: Communicator
     pool: ArtifactPool | None
-    registry: PoolRegistry | None = None
-    report: PrefetchReport | None = None
-    phases: dict[str, float] = field(default_factory=dict)
-    disabled: bool = False
-    settings: Settings | None = None
-    integrations: list[Integration] = field(default_factory=list)
-    options: InitOptions | None = None
-    _closed: bool = False
-    _sync_state: SyncState | None = None
-    # The communicator adopt() made for this session; close() discards it.
-    _adopted: Adopted | None = None
-    # The background start-up (init(background=True)) and what it raised.
-    _thread: threading.Thread | None = None
-    _error: BaseException | None = None
-    # The slot this session is kept in (SessionSlot); close() leaves it.
-    _slot: SessionSlot | None = None
-    # The node agents of the peer tier this rank hosts or uses (distcache.peer).
-    _peers: Hosted | None = None
+    registry: PoolRegistry | None
+    report: PrefetchReport | None
+    phases: dict[str, float]
+    disabled: bool
+    settings: Settings | None
+    integrations: list[Integration]
+    options: InitOptions | None
+
+    def __init__(self, comm: Communicator, pool: ArtifactPool | None, *,
+                 registry: PoolRegistry | None = None, report: PrefetchReport | None = None,
+                 phases: dict[str, float] | None = None, disabled: bool = False,
+                 settings: Settings | None = None,
+                 integrations: list[Integration] | None = None,
+                 options: InitOptions | None = None, _adopted: Adopted | None = None,
+                 _slot: SessionSlot | None = None) -> None:
+        self.comm = comm
+        self.pool = pool
+        self.registry = registry
+        self.report = report
+        self.phases = {} if phases is None else phases
+        self.disabled = disabled
+        self.settings = settings
+        self.integrations = [] if integrations is None else integrations
+        self.options = options
+        self._closed = False
+        self._sync_state: SyncState | None = None
+        # The communicator adopt() made for this session; close() discards it.
+        self._adopted = _adopted
+        # The background start-up (init(background=True)) and what it raised.
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        # The slot this session is kept in (SessionSlot); close() leaves it.
+        self._slot = _slot
+        # The node agents of the peer tier this rank hosts or uses (distcache.peer).
+        self._peers: Hosted | None = None
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "disabled" if self.disabled else "open"
+        return (f"Session({state}, rank {self.comm.rank}/{self.comm.size}, "
+                f"pool={None if self.pool is None else str(self.pool.root)!r}, "
+                f"integrations={[i.name for i in self.integrations]})")
 
     @property
     def ready(self) -> bool:

@@ -17,7 +17,6 @@ continues with this process; it is killed if this process dies; and its exit sta
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import signal
@@ -114,10 +113,10 @@ def _rendezvous(info: LaunchInfo) -> LaunchInfo:
             return host, info.master_port or _free_port(host)
 
         host, port = mpi_publish(info, choose)
-        return dataclasses.replace(info, master_addr=host, master_port=port)
+        return info.replace(master_addr=host, master_port=port)
     if info.world_size == 1:
         host = info.master_addr or "127.0.0.1"
-        return dataclasses.replace(info, master_addr=host, master_port=info.master_port or _free_port(host))
+        return info.replace(master_addr=host, master_port=info.master_port or _free_port(host))
     raise _UsageError(
         f"{info.launcher} launch of {info.world_size} ranks gives no rendezvous address; "
         "set MASTER_ADDR and MASTER_PORT"

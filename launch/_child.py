@@ -23,7 +23,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import signal
 import subprocess
@@ -31,7 +30,9 @@ import sys
 from collections.abc import Iterator, Sequence
 from types import FrameType
 
-log = logging.getLogger(__name__)
+from distcache._log import get_logger
+
+log = get_logger(__name__)
 
 #: Signals sent to the wrapper that are passed on to PROGRAM's process group.
 FORWARDED = (

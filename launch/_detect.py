@@ -29,8 +29,8 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
+from distcache._record import Record
 from distcache.errors import LaunchError
 from launch import _sources
 from launch._nodelist import expand_nodelist
@@ -39,10 +39,12 @@ from launch._sources import FIELDS, Signal, parsed, read_int
 LAUNCHERS = ("torchrun", "openmpi", "mpich", "pmix", "slurm", "single")
 MPI_LAUNCHERS = frozenset({"openmpi", "mpich", "pmix"})
 
-@dataclass(frozen=True, slots=True)
-class LaunchInfo:
+class LaunchInfo(Record):
     """Where this process sits in its job, as the launcher describes it."""
 
+    _FIELDS = ("launcher", "rank", "world_size", "local_rank", "local_world_size",
+                 "node_rank", "num_nodes", "node_id", "master_addr", "master_port", "source")
+    __slots__ = _FIELDS
     launcher: str
     """One of :data:`LAUNCHERS`: the innermost launcher that set variables."""
     rank: int
@@ -64,8 +66,20 @@ class LaunchInfo:
     """Rendezvous host; ``None`` when it must be agreed at run time (under MPI)."""
     master_port: int | None
     """Rendezvous port; ``None`` when it must be agreed at run time."""
-    source: tuple[str, ...] = field(default=())
+    source: tuple[str, ...]
     """The environment variables the values above came from."""
+
+    def __init__(self, launcher: str, rank: int, world_size: int, local_rank: int | None,
+                 local_world_size: int | None, node_rank: int | None, num_nodes: int | None,
+                 node_id: str, master_addr: str | None, master_port: int | None,
+                 source: tuple[str, ...] = ()) -> None:
+        for name, value in (
+                ("launcher", launcher), ("rank", rank), ("world_size", world_size),
+                ("local_rank", local_rank), ("local_world_size", local_world_size),
+                ("node_rank", node_rank), ("num_nodes", num_nodes), ("node_id", node_id),
+                ("master_addr", master_addr), ("master_port", master_port),
+                ("source", source)):
+            self._set(name, value)
 
     @property
     def is_mpi(self) -> bool:

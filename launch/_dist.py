@@ -20,8 +20,6 @@ for CPU collectives (:func:`gloo_group`), as vLLM and TensorRT-LLM keep one.
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import os
 import socket
 import weakref
@@ -30,6 +28,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from distcache._log import get_logger
 from distcache.config import settings
 from distcache.errors import CollectiveTimeout, CommError, LaunchError
 from launch._detect import LaunchInfo, detect
@@ -39,7 +38,7 @@ from launch._rendezvous import host_store
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Store
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 
@@ -228,7 +227,7 @@ def _mpi_store(info: LaunchInfo, timeout: timedelta) -> tuple[LaunchInfo, Store]
         )
     except (RuntimeError, ValueError) as exc:
         raise _translate(exc, "connecting to the rendezvous store", info) from exc
-    return dataclasses.replace(info, master_addr=host, master_port=port), store
+    return info.replace(master_addr=host, master_port=port), store
 
 
 def _env_store(info: LaunchInfo, timeout: timedelta) -> Store:
@@ -366,7 +365,7 @@ def _adopt(info: LaunchInfo, timeout: timedelta) -> LaunchInfo:
             "adopting torch.distributed as rank %d/%d although %s said %d/%d",
             rank, world, info.launcher, info.rank, info.world_size,
         )
-        info = dataclasses.replace(info, rank=rank, world_size=world)
+        info = info.replace(rank=rank, world_size=world)
     if _state is None or not _state.current():
         backend = str(dist.get_backend())
         try:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import errno
 import ipaddress
-import logging
 import os
 import socket
 from collections.abc import Mapping
@@ -35,10 +34,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from distcache._log import get_logger
 from distcache.errors import CommError, LaunchError
 from launch._detect import LaunchInfo
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 #: Offset from ``MASTER_PORT`` of the store rank 0 hosts when no agent hosts one.
 PORT_OFFSET = 1

@@ -12,16 +12,16 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import logging
 import os
 import socket
 import weakref
 from pathlib import Path
 from types import TracebackType
 
+from distcache._log import get_logger
 from distcache.errors import WorkspaceError
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 LOCK_NAME = ".lock"
 MAX_SLOTS = 4096

@@ -17,7 +17,6 @@ stand-alone parser. The handler :func:`run` returns the exit status.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
@@ -128,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_report(args: argparse.Namespace, report: PrefetchReport | None) -> None:
     if args.json:
-        fields = dataclasses.asdict(report) if report is not None else {}
+        fields = report.as_dict() if report is not None else {}
         print(json.dumps({"summary": report.summary() if report is not None else None,
                           **fields}, default=str))
         return

@@ -14,16 +14,16 @@ waits as long as the others make progress, and no longer.
 
 from __future__ import annotations
 
-import logging
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from distcache._log import get_logger
 from distcache.comm import Communicator, reduce_object
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 #: Longest interval between two heartbeats (see the module docstring).
 HEARTBEAT = 1.0

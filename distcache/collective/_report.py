@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+
+from distcache._record import Record
 
 #: The collective's phases, in order (see :mod:`distcache.collective`).
 PHASES = ("agree", "discover", "plan", "fetch", "move", "publish")
 
 
-@dataclass(frozen=True)
-class PrefetchReport:
+class PrefetchReport(Record):
     """What one collective did, identical on every rank.
 
     Counts are over *objects* (distinct sha256s; two names with the same bytes are
@@ -28,6 +28,11 @@ class PrefetchReport:
     ``seconds`` is per phase, the maximum over ranks.
     """
 
+    _FIELDS = ("operation", "artifacts", "objects", "downloads", "origin_bytes",
+                 "broadcasts", "broadcast_bytes", "received_bytes", "discarded_bytes",
+                 "pool_hits", "objects_published", "pools", "writers", "downloaders",
+                 "peak_bytes", "seconds")
+    __slots__ = _FIELDS
     operation: str
     artifacts: int
     objects: int
@@ -45,7 +50,23 @@ class PrefetchReport:
     downloaders: tuple[int, ...]
     #: Largest number of artifact bytes any rank held at once while moving them.
     peak_bytes: int
-    seconds: Mapping[str, float] = field(default_factory=dict)
+    seconds: Mapping[str, float]
+
+    def __init__(self, operation: str, artifacts: int, objects: int, downloads: int,
+                 origin_bytes: int, broadcasts: int, broadcast_bytes: int,
+                 received_bytes: int, discarded_bytes: int, pool_hits: int,
+                 objects_published: int, pools: int, writers: tuple[int, ...],
+                 downloaders: tuple[int, ...], peak_bytes: int,
+                 seconds: Mapping[str, float] | None = None) -> None:
+        for name, value in (
+                ("operation", operation), ("artifacts", artifacts), ("objects", objects),
+                ("downloads", downloads), ("origin_bytes", origin_bytes),
+                ("broadcasts", broadcasts), ("broadcast_bytes", broadcast_bytes),
+                ("received_bytes", received_bytes), ("discarded_bytes", discarded_bytes),
+                ("pool_hits", pool_hits), ("objects_published", objects_published),
+                ("pools", pools), ("writers", writers), ("downloaders", downloaders),
+                ("peak_bytes", peak_bytes), ("seconds", {} if seconds is None else seconds)):
+            self._set(name, value)
 
     @property
     def total_seconds(self) -> float:

@@ -30,12 +30,12 @@ part or not, beats the heart (:mod:`distcache.collective._heartbeat`).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from distcache._log import get_logger
 from distcache.artifact import Artifact
 from distcache.collective._bucket import StreamStats
 from distcache.collective._heartbeat import (
@@ -58,7 +58,7 @@ from distcache.store import Pool
 if TYPE_CHECKING:
     from distcache.collective._download import Downloads
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 _T = TypeVar("_T")
 

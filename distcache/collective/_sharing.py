@@ -29,17 +29,17 @@ assumed that was not shown.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from distcache._log import get_logger
 from distcache.collective._run import Run
 from distcache.store import Identity
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 #: An offer: ``{"id": the pool's id for this run, "name": the probe's name or None
 #: when none was placed, "token": its content, "renewed": whether the id is new}``.

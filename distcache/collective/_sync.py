@@ -5,7 +5,6 @@ download after warm-up) reaches every other pool. The origin is never contacted.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import struct
 import threading
@@ -13,6 +12,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from distcache._log import get_logger
 from distcache.artifact import Artifact
 from distcache.collective._plan import elect_writers, make_plan
 from distcache.collective._report import PrefetchReport
@@ -23,7 +23,7 @@ from distcache.comm import Communicator, node_tree
 from distcache.config import settings
 from distcache.store import Pool
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass

@@ -10,18 +10,17 @@ job, and every rank builds the same :class:`~distcache.collective._report.Prefet
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 from typing import Any
 
 from distcache._events import emit
+from distcache._log import get_logger
 from distcache.collective._heartbeat import primary
 from distcache.collective._plan import Plan
 from distcache.collective._report import PHASES, PrefetchReport
 from distcache.collective._run import Failure, Run
 from distcache.comm import reduce_object
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 _SUMMED = ("downloads", "origin_bytes", "broadcasts", "broadcast_bytes", "received_bytes",
            "discarded_bytes", "published")
@@ -89,5 +88,5 @@ def finish(run: Run, plan: Plan, artifacts: int, failure: Failure | None) -> Pre
         log.debug("%s", report.summary())
     else:
         emit(f"{run.operation}.report", ranks=comm.size, node=comm.node_id,
-             **dataclasses.asdict(report))
+             **report.as_dict())
     return report

@@ -13,18 +13,18 @@ scope agreed on that fresh store.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from distcache._log import get_logger
 from distcache.comm._base import Communicator, agree_on_error, lend_broadcast
 from distcache.errors import CommError, ConfigError, DistcacheError
 
 if TYPE_CHECKING:
     from distcache.comm._scope import RunScope
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class BulkCommunicator:

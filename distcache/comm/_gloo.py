@@ -20,19 +20,19 @@ evicted it does not meet stale keys.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import time
 from datetime import timedelta
 from typing import Any, Self
 
+from distcache._log import get_logger
 from distcache.comm._scope import RunScope, job_root, meet, share_secret
 from distcache.comm._torch import TorchCommunicator, import_torch
 from distcache.config import settings
 from distcache.errors import CollectiveTimeout, CommError, DistcacheError
 from launch import run_id
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class GlooCommunicator(TorchCommunicator):

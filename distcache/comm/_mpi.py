@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import time
 from typing import Any, Self
 
+from distcache._log import get_logger
 from distcache.comm._backend import BackendCommunicator, Budget
 from distcache.comm._base import MAX_MESSAGE_BYTES, poll_until
 from distcache.errors import CollectiveTimeout, CommError
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 #: The point-to-point tag of the arrival check before ``Dup``. Point-to-point and
 #: collective traffic never match each other in MPI, so the check cannot disturb a

@@ -15,12 +15,12 @@ moves tensors. torch is imported in the constructor, never at module import.
 from __future__ import annotations
 
 import atexit
-import logging
 import time
 import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Self
 
+from distcache._log import get_logger
 from distcache.comm._backend import BackendCommunicator, Budget
 from distcache.comm._base import MAX_MESSAGE_BYTES, poll_until
 from distcache.errors import CommError
@@ -28,7 +28,7 @@ from distcache.errors import CommError
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 # Substrings by which torch reports a timed-out wait. torch raises plain RuntimeError
 # (or DistBackendError, a RuntimeError) for both timeouts and broken connections.

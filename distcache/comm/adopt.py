@@ -30,13 +30,13 @@ from launcher variables.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import time
 from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
+from distcache._log import get_logger
 from distcache.comm._base import Communicator
 from distcache.comm._local import LocalCommunicator
 from distcache.comm._mpi import MpiCommunicator
@@ -48,7 +48,7 @@ from launch import LaunchInfo, detect, run_id
 __all__ = ["Adopted", "Choice", "adopt", "auto", "choose", "launcher_is_mpi",
            "torch_is_initialised"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 _OPTIONS = frozenset({"timeout", "chunk_bytes", "node_id"})
 

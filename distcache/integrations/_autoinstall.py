@@ -27,14 +27,15 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import logging
 import sys
 import threading
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-log = logging.getLogger(__name__)
+from distcache._log import get_logger
+
+log = get_logger(__name__)
 
 #: FlashInfer's loader module (``_upstream.LOADER_MODULE``; importing that module here
 #: would cost the import of the whole integration at interpreter start).

@@ -26,7 +26,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import hashlib
-import logging
 import os
 import socket
 import threading
@@ -34,10 +33,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from distcache._log import get_logger
+
 if TYPE_CHECKING:
     from distcache.jit import Family
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 #: The owner's record in the first family's directory: ``<host> <pid> <digest>``.
 OWNER_FILE = ".distcache-jit-owner"

@@ -33,7 +33,6 @@ loads neither.
 
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 import time
@@ -41,6 +40,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from distcache._log import get_logger
 from distcache.errors import IpcError
 from distcache.ipc import _driver as drv
 from distcache.ipc._allocator import Lease
@@ -51,7 +51,7 @@ from distcache.ipc._producer import DEFAULT_SLOTS, ProducerPool
 from distcache.ipc._ref import FeatureRef
 from distcache.ipc._shm import SHM_DIR, ShmPool, create_segment, unlink_quietly
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class CudaPool(ProducerPool):

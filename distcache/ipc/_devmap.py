@@ -5,13 +5,13 @@ backend part of the pool descriptor (design: :mod:`distcache.ipc._cuda`)."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import mmap
 import struct
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+from distcache._log import get_logger
 from distcache.errors import IpcError
 from distcache.ipc import _driver as drv
 from distcache.ipc._descriptor import PoolDescriptor
@@ -19,7 +19,7 @@ from distcache.ipc._layout import WORD_BYTES, Layout, WordArray
 from distcache.ipc._probe import resolve_device
 from distcache.ipc._shm import open_segment
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 # ipc handle, device uuid, data bytes, control-word segment bytes, segment name length
 _HANDLE = struct.Struct(f"<{drv.IPC_HANDLE_BYTES}s{drv.UUID_BYTES}sQQH")

@@ -8,10 +8,10 @@ acknowledgement are ordered: :class:`Mapping` says it in four hooks.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from distcache._log import get_logger
 from distcache.ipc._consumers import ConsumerTable
 from distcache.ipc._descriptor import PoolDescriptor
 from distcache.ipc._devmap import CudaMapping
@@ -19,7 +19,7 @@ from distcache.ipc._layout import Layout, WordArray
 from distcache.ipc._shm import ShmMapping
 from distcache.ipc._wire import itemsize
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class Mapping(Protocol):

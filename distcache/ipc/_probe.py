@@ -15,14 +15,14 @@ ever meets an unusable handle (e.g. WSL2's "invalid resource handle", SGLang iss
 
 from __future__ import annotations
 
-import logging
 import platform
 
+from distcache._log import get_logger
 from distcache.comm._base import Communicator
 from distcache.errors import IpcError
 from distcache.ipc import _driver as drv
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 _TRIAL_BYTES = 1 << 16
 

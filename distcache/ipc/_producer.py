@@ -11,7 +11,6 @@ once, apart from the allocator, which knows nothing of tensors or refs.
 
 from __future__ import annotations
 
-import logging
 import os
 import secrets
 import threading
@@ -19,6 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Self
 
+from distcache._log import DEBUG, WARNING, get_logger
 from distcache.errors import IpcError
 from distcache.ipc._allocator import Lease, SlotAllocator
 from distcache.ipc._consumers import ConsumerTable
@@ -27,7 +27,7 @@ from distcache.ipc._layout import ControlWords, Layout, align_up
 from distcache.ipc._ref import FeatureRef
 from distcache.ipc._wire import check_pool_id, itemsize
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 #: Ack words per slot when the consumers are only known at exchange time (one
 #: slot row is then 66 words: ready, lease, two audience words, 62 + 1 acks).
@@ -228,7 +228,7 @@ class ProducerPool:
             lease = alloc.allocate(nbytes, audience)
             if lease is None:
                 self.full_count += 1
-                level = logging.WARNING if self.full_count == 1 else logging.DEBUG
+                level = WARNING if self.full_count == 1 else DEBUG
                 log.log(
                     level,
                     "IPC pool %s is full (%d bytes, %d leases in flight): features "

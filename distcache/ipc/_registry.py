@@ -17,13 +17,13 @@ milliseconds per feature on GPUs (SGLang's traces: 32 opens = 293 ms, 32 closes 
 
 from __future__ import annotations
 
-import logging
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from distcache._log import get_logger
 from distcache.comm._base import Communicator, agree_on_error
 from distcache.errors import IpcError, StaleHandleError
 from distcache.ipc._cuda import CudaPool
@@ -34,7 +34,7 @@ from distcache.ipc._probe import agree_backend
 from distcache.ipc._producer import ProducerPool
 from distcache.ipc._ref import FeatureRef
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 def _consumers_of(owner: int, nodes: Sequence[str]) -> list[int]:

@@ -12,7 +12,6 @@ barrier, so a crash leaks nothing; mappings outlive the name.
 
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 import re
@@ -20,13 +19,14 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from distcache._log import get_logger
 from distcache.errors import IpcError, PoolError
 from distcache.ipc._descriptor import PoolDescriptor
 from distcache.ipc._layout import Layout, WordArray
 from distcache.ipc._producer import DEFAULT_SLOTS, ProducerPool
 from distcache.store._fs import unlink_quietly
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 SHM_DIR = "/dev/shm"
 _NAME_RE = re.compile(r"\Adistcache\.[A-Za-z0-9._-]{1,100}\Z")

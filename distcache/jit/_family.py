@@ -5,7 +5,6 @@ filled at install, and :meth:`Family.publish` stores what this rank built.
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 from collections.abc import Callable, Mapping
@@ -13,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from distcache._log import get_logger
 from distcache.errors import JitCacheError
 from distcache.jit._place import Placed, Seen, check_owner, materialize_entries, scan_into
 from distcache.jit._tree import (
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from distcache.origins import Origin
     from distcache.store import ArtifactPool
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)

@@ -22,16 +22,16 @@ none of them. A tree of format 1 (no publisher) is a publisher of its own.
 from __future__ import annotations
 
 import json
-import logging
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from distcache._log import get_logger
 from distcache.artifact import Artifact, check_sha256, sha256_hex, validate_name
 from distcache.errors import ArtifactNameError, JitCacheError
 from distcache.store import ArtifactPool
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 #: Every label of a directory family starts with this.
 PREFIX = "jit/"

@@ -14,13 +14,13 @@ their trees. Importing this module imports Triton.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import threading
 from pathlib import Path
 
 from triton.runtime.cache import FileCacheManager
 
+from distcache._log import get_logger
 from distcache.config import settings
 from distcache.errors import DistcacheError
 from distcache.jit._family import Family, FamilySpec, Root
@@ -36,7 +36,7 @@ from distcache.jit._tree import (
 )
 from distcache.store import ArtifactPool
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 # One pool and one conflict log per process: Triton builds a manager per lookup.
 _LOCK = threading.Lock()

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any, BinaryIO, cast
 
+from distcache._log import get_logger
 from distcache.artifact import Artifact
 from distcache.errors import (
     ArtifactNotFound,
@@ -16,7 +16,7 @@ from distcache.errors import (
 )
 from distcache.origins._base import BaseOrigin, Origin, rewind
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class _CountingWriter:

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
+from distcache._record import Record
 from distcache.config import Settings
 from distcache.errors import ConfigError
 
@@ -83,14 +83,21 @@ def _http_entries(specs: Iterable[object]) -> list[str]:
     return entries
 
 
-@dataclass(frozen=True)
-class Credentials:
+class Credentials(Record):
     """Bearer tokens by :data:`HostKey`; :meth:`token_for` answers for one URL.
 
     The tokens never show in ``repr`` (only the hosts they are bound to do).
     """
 
-    tokens: Mapping[HostKey, str] = field(default_factory=dict, repr=False)
+    _FIELDS = ("tokens",)
+    __slots__ = _FIELDS
+    tokens: Mapping[HostKey, str]
+
+    def __init__(self, tokens: Mapping[HostKey, str] | None = None) -> None:
+        self._set("tokens", {} if tokens is None else tokens)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self.tokens.items())))
 
     def token_for(self, url: str) -> str | None:
         """The token bound to ``url``'s scheme, host and port, or ``None``."""

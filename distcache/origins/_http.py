@@ -15,7 +15,6 @@ each being retried.
 
 from __future__ import annotations
 
-import logging
 import random
 import threading
 import time
@@ -23,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, BinaryIO
 from urllib.parse import quote, urljoin, urlsplit
 
+from distcache._log import get_logger
 from distcache.artifact import Artifact
 from distcache.config import settings
 from distcache.errors import (
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
     from distcache.origins._response import Backoff
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _REDIRECTS = {301, 302, 303, 307, 308}
 _MAX_REDIRECTS = 5

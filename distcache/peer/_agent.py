@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import http.server
-import logging
 import os
 import socket
 import threading
@@ -38,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
+from distcache._log import get_logger
 from distcache.artifact import Artifact, validate_name
 from distcache.errors import ArtifactNotFound, DistcacheError, PeerError
 from distcache.peer import _client
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from distcache.origins import Origin
     from distcache.store import ArtifactPool
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 #: Seconds a node that did not answer is left out of owner walks.
 DOWN_S = 10.0

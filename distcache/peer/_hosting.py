@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from distcache._log import get_logger
 from distcache.comm import node_layout, node_tree
 from distcache.peer._auth import derive_key
 from distcache.peer._tier import Tier, attach, key_path
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from distcache.peer._agent import Agent
     from distcache.store import ArtifactPool
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 #: The longest Unix socket path Linux takes (108 bytes with the terminator), with room.
 _MAX_SOCKET_PATH = 100

@@ -9,18 +9,18 @@ is no peer tier and :func:`lookup` answers ``None`` at once.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
+from distcache._log import get_logger
 from distcache.artifact import Artifact
 from distcache.config import settings
 from distcache.errors import ArtifactNotFound
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 #: Seconds a lookup may spend in the peer tier before the loader goes on without it.
 LOOKUP_BOUND_S = 30.0

@@ -34,17 +34,17 @@ what it published.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import threading
 import time
 import weakref
 from collections.abc import Iterator
 
+from distcache._log import get_logger
 from distcache.errors import PoolError
 from distcache.store._fs import fsync_dir, fsync_path, pool_error, sync_filesystem
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class _Writeback(threading.Thread):

@@ -20,12 +20,12 @@ and no client cache (NFS's negative lookup cache) can remember a name as missing
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 from distcache._events import emit
+from distcache._log import get_logger
 from distcache.errors import PoolError
 from distcache.store._fs import (
     CREATE_FLAGS,
@@ -42,7 +42,7 @@ from distcache.store._fs import (
 from distcache.store._locking import FileLock
 from distcache.store.layout import PoolLayout
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 #: Seconds a renewal waits for another process renewing the same pool.
 _RENEW_LOCK_TIMEOUT = 10.0

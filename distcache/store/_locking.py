@@ -31,14 +31,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import logging
 import os
 import threading
 import time
 
+from distcache._log import get_logger
 from distcache.errors import PoolError
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # Errors that mean "this filesystem does not do locks", as opposed to "someone holds it".
 _UNSUPPORTED = frozenset({errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP})

@@ -13,12 +13,12 @@ a pool object: :class:`~distcache.store._pool.ArtifactPool` calls them as its ``
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from distcache._log import get_logger
 from distcache.store._locking import FileLock
 from distcache.store._objects import ObjectStore, scan_objects
 from distcache.store.layout import STALE_TMP_SECONDS, PoolLayout
@@ -26,7 +26,7 @@ from distcache.store.layout import STALE_TMP_SECONDS, PoolLayout
 if TYPE_CHECKING:
     from distcache.store._report import GcReport, PoolStats, VerifyReport
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def gc(layout: PoolLayout, max_bytes: int | None) -> GcReport:

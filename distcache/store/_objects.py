@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import os
 import stat
 import threading
@@ -50,6 +49,7 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from distcache._log import get_logger
 from distcache.artifact import Artifact, sha256_hex
 from distcache.errors import IntegrityError
 from distcache.store._durability import Durability
@@ -71,7 +71,7 @@ from distcache.store._fs import (
 )
 from distcache.store.layout import PoolLayout, scan_objects, trim_quarantine
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # Readers open the fan-out directory rather than walk through it by path: O_NOFOLLOW
 # on that component keeps a planted objects/<xx> symlink from being followed.

@@ -14,7 +14,6 @@ every path and checks the format, ``_objects`` reads, publishes and quarantines,
 
 from __future__ import annotations
 
-import logging
 import os
 import stat
 import threading
@@ -23,6 +22,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from distcache._log import get_logger
 from distcache.artifact import Artifact, check_sha256, sha256_hex, validate_name
 from distcache.config import settings
 from distcache.errors import ConfigError, IntegrityError, PoolError
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from distcache.origins import Origin
     from distcache.store._report import GcReport, PoolStats, VerifyReport
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class ArtifactPool:

@@ -16,11 +16,11 @@ show it, ask, or stop at a dry run, then carried out by :func:`apply`:
 from __future__ import annotations
 
 import fnmatch
-import logging
 import os
 import time
 from dataclasses import dataclass, field
 
+from distcache._log import get_logger
 from distcache.errors import ConfigError
 from distcache.store._fs import pool_error
 from distcache.store._locking import flock_fd
@@ -28,7 +28,7 @@ from distcache.store._log import _name_record
 from distcache.store._objects import scan_objects
 from distcache.store._pool import ArtifactPool
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _LOCK_WAIT = 30.0
 

@@ -35,14 +35,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import os
 import stat
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from distcache._log import get_logger
+from distcache._record import Record
 from distcache.errors import PoolError
 from distcache.store._fs import (
     create_once,
@@ -58,7 +58,7 @@ from distcache.store._fs import (
 
 __all__ = ["FORMAT_VERSION", "PoolLayout"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 #: The on-disk format this version of distcache reads and writes.
 FORMAT_VERSION = 1
@@ -82,46 +82,48 @@ def _token(nbytes: int) -> str:
     return os.urandom(nbytes).hex()
 
 
-@dataclass(frozen=True)
-class PoolLayout:
+class PoolLayout(Record):
     """Every on-disk path of the pool at ``root`` (made absolute).
 
     Building one touches no file; :meth:`open_format` is the one method that does.
     """
 
+    _FIELDS = ("root",)
+    __slots__ = (*_FIELDS, "format_file", "pool_id_file", "objects", "tmp", "quarantine",
+                 "locks", "names_log", "journal_log", "sync_cursor", "_objects_prefix")
     #: The pool directory.
     root: Path
     #: ``format``: the on-disk format version.
-    format_file: Path = field(init=False, repr=False, compare=False)
+    format_file: Path
     #: ``pool_id``: the pool's stable identity.
-    pool_id_file: Path = field(init=False, repr=False, compare=False)
+    pool_id_file: Path
     #: ``objects/``: the content-addressed bytes, fanned out by the sha's first two digits.
-    objects: Path = field(init=False, repr=False, compare=False)
+    objects: Path
     #: ``tmp/``: temporary files of writes in progress.
-    tmp: Path = field(init=False, repr=False, compare=False)
+    tmp: Path
     #: ``quarantine/``: objects that failed verification.
-    quarantine: Path = field(init=False, repr=False, compare=False)
+    quarantine: Path
     #: ``locks/``: per-object download locks.
-    locks: Path = field(init=False, repr=False, compare=False)
+    locks: Path
     #: ``names.log``: the name -> sha labels.
-    names_log: Path = field(init=False, repr=False, compare=False)
+    names_log: Path
     #: ``journal.log``: the shas published into the pool.
-    journal_log: Path = field(init=False, repr=False, compare=False)
+    journal_log: Path
     #: ``sync.cursor``: the journal offset the last collective sync reached.
-    sync_cursor: Path = field(init=False, repr=False, compare=False)
+    sync_cursor: Path
     # Object paths are built on every read: one string concatenation, no Path objects.
-    _objects_prefix: str = field(init=False, repr=False, compare=False)
+    _objects_prefix: str
 
-    def __post_init__(self) -> None:
-        root = Path(os.path.abspath(self.root))
-        paths = {"root": root, "format_file": root / "format", "pool_id_file": root / "pool_id",
-                 "objects": root / "objects", "tmp": root / "tmp",
-                 "quarantine": root / "quarantine", "locks": root / "locks",
-                 "names_log": root / "names.log", "journal_log": root / "journal.log",
-                 "sync_cursor": root / "sync.cursor",
-                 "_objects_prefix": f"{root / 'objects'}{os.sep}"}
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        base = Path(os.path.abspath(root))
+        paths = {"root": base, "format_file": base / "format", "pool_id_file": base / "pool_id",
+                 "objects": base / "objects", "tmp": base / "tmp",
+                 "quarantine": base / "quarantine", "locks": base / "locks",
+                 "names_log": base / "names.log", "journal_log": base / "journal.log",
+                 "sync_cursor": base / "sync.cursor",
+                 "_objects_prefix": f"{base / 'objects'}{os.sep}"}
         for name, value in paths.items():
-            object.__setattr__(self, name, value)
+            self._set(name, value)
 
     @property
     def directories(self) -> tuple[Path, ...]:

@@ -17,7 +17,6 @@ Each rank writes ``OUT_DIR/rank-<r>.json`` with what it saw. Scenarios:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -57,7 +56,7 @@ def _engine() -> Any:
 def _report(report: Any) -> dict[str, Any] | None:
     if report is None:
         return None
-    fields = dataclasses.asdict(report)
+    fields = report.as_dict()
     fields.pop("seconds")
     return fields
 

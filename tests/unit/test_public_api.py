@@ -211,14 +211,14 @@ def test_contract_attributes_exist(path: str) -> None:
 
 
 def test_init_takes_the_option_fields_as_keywords() -> None:
-    import dataclasses
-
     from distcache.session import InitFields
 
-    fields = {f.name for f in dataclasses.fields(distcache.InitOptions)}
+    fields = set(distcache.InitOptions.__match_args__)
     assert InitFields.__optional_keys__ == fields and not InitFields.__required_keys__
-    assert dataclasses.is_dataclass(distcache.InitOptions)
-    assert distcache.InitOptions.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    options = distcache.InitOptions()
+    with pytest.raises(AttributeError):
+        options.background = True  # type: ignore[misc]
+    assert options.replace(background=True).background and not options.background
 
 
 def test_a_registry_counts_opens_per_pool() -> None:
@@ -240,9 +240,12 @@ def test_feature_ref_and_launch_info_fields_are_the_contract() -> None:
 
     ref_fields = [f.name for f in dataclasses.fields(FeatureRef)]
     assert ref_fields[: len(FEATURE_REF_FIELDS)] == FEATURE_REF_FIELDS
-    assert [f.name for f in dataclasses.fields(launch.LaunchInfo)] == LAUNCH_INFO_FIELDS
+    assert list(launch.LaunchInfo.__match_args__) == LAUNCH_INFO_FIELDS
     assert FeatureRef.__dataclass_params__.frozen  # type: ignore[attr-defined]
-    assert launch.LaunchInfo.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    info = launch.detect({})
+    with pytest.raises(AttributeError):
+        info.rank = 1  # type: ignore[misc]
+    assert info.replace(rank=0) == info
 
 
 @pytest.mark.parametrize("name", sorted(ERRORS))

@@ -191,9 +191,14 @@ def test_init_options_group_the_arguments_and_keywords_replace_their_fields(
                                                integrations=(), manifests=[manifest])
         assert options.manifests == ()  # frozen: the keywords made a new value
     # The keywords init takes are exactly the option fields.
-    import dataclasses
-
-    assert set(InitFields.__annotations__) == {f.name for f in dataclasses.fields(InitOptions)}
+    assert set(InitFields.__annotations__) == set(InitOptions.__match_args__)
+    # A value: replace() makes a new one, assignment is refused.
+    assert options.replace(timeout=5.0) == InitOptions(pool=tmp_path / "pool", origin=srv.url,
+                                                       integrations=(), timeout=5.0)
+    with pytest.raises(AttributeError):
+        options.timeout = 5.0  # type: ignore[misc]
+    with pytest.raises(TypeError, match="no field"):
+        options.replace(flashinfer=False)
     assert distcache.InitOptions is InitOptions
 
 

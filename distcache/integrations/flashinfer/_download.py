@@ -22,13 +22,13 @@ stands in for that function:
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from distcache._log import get_logger
 from distcache.artifact import sha256_hex
 from distcache.integrations.flashinfer._loader import PooledLoader, write_replacing
 from distcache.integrations.flashinfer._upstream import (
@@ -37,7 +37,7 @@ from distcache.integrations.flashinfer._upstream import (
     pinned_digest,
 )
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 #: Set while a routed call is served: FlashInfer's functions called from inside
 #: (the loader's fallback) then reach FlashInfer's own download.

@@ -20,7 +20,6 @@ Offline: with ``DISTCACHE_OFFLINE=1`` the wrapper fetches nothing and
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import sys
 import threading
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from distcache import _events
+from distcache._log import get_logger
 from distcache.config import settings
 from distcache.integrations.flashinfer._download import RoutedDownload
 from distcache.integrations.flashinfer._loader import Families, GetArtifact, PooledLoader
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from distcache.origins import Origin
     from distcache.store import ArtifactPool
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class _Installation(NamedTuple):

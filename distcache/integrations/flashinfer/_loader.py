@@ -19,7 +19,6 @@ asked to download them again.
 from __future__ import annotations
 
 import fnmatch
-import logging
 import os
 import tempfile
 import threading
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 from distcache import _events, peer
+from distcache._log import get_logger
 from distcache.artifact import Artifact, check_sha256, path_under, sha256_hex, validate_name
 from distcache.config import Settings, settings
 from distcache.errors import ArtifactNameError, ArtifactNotFound, PoolError
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from distcache.origins import Origin
     from distcache.store import ArtifactPool
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 #: Pooled by default: every kernel (``.cubin``; cute-dsl ``.so``) and the files FlashInfer
 #: fetches to compile against them, all content-addressed by the sha256 FlashInfer passes.

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import logging
 import os
 import re
 import socket
@@ -37,10 +36,11 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from distcache._log import get_logger
 from distcache.artifact import Artifact
 from distcache.errors import ArtifactNameError, ManifestError, PoolError
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 RECORD_SUFFIX = ".txt"
 #: The per-host file that read_record merges finished processes' files into.

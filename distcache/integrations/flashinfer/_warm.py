@@ -17,13 +17,13 @@ keeps only those a node's GPUs can load (:func:`arch_filter` has the rule).
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import fields, is_dataclass
 from typing import TYPE_CHECKING
 
+from distcache._log import get_logger
 from distcache._resolve import ManifestSpec, prefetch_manifests
 from distcache.artifact import Artifact, decode_manifest, parse_checksums
 from distcache.collective import prefetch as collective_prefetch
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from distcache.origins import Origin
     from distcache.store import ArtifactPool
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 # FlashInfer spells the architecture a kernel was built for in its name or directory:
