@@ -55,16 +55,13 @@ the new id.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from distcache._log import get_logger
-from distcache.artifact import Artifact, manifest_text, merge_manifests
 from distcache.collective._heartbeat import concurrent
 from distcache.comm import Communicator, NodeTree
 from distcache.comm._base import Forwarding, describe_error, described_error, lend_broadcast
@@ -80,8 +77,6 @@ from distcache.errors import (
 
 if TYPE_CHECKING:
     from distcache.collective import PrefetchReport
-    from distcache.integrations import Integration
-    from distcache.origins import Origin
     from distcache.store import ArtifactPool
     from distcache.store._fs import Witness
 
@@ -97,39 +92,17 @@ _ALIVE = "alive"
 _RANK_FIELDS = ("writers", "downloaders")
 
 
-def inputs_key(manifests: Sequence[str | os.PathLike[str] | Sequence[Artifact]],
-               origin: Origin | None, offline: bool | None,
-               integrations: Sequence[Integration] = ()) -> str | None:
-    """A digest of what decides a rank's prefetch: the manifests (each file's bytes,
-    each list's artifacts), what the integrations want (their usage records), whether
-    there is an origin, whether downloads are off. None when something cannot be
-    read: that rank takes the full collective, which reports why."""
-    h = hashlib.sha256()
-    try:
-        for spec in manifests:
-            if isinstance(spec, str | os.PathLike):
-                h.update(b"file\0" + hashlib.sha256(Path(spec).read_bytes()).digest())
-            else:
-                h.update(b"list\0" + repr(list(spec)).encode())
-        if integrations:
-            wanted = merge_manifests((i.name, i.manifest()) for i in integrations)
-            h.update(b"wanted\0" + manifest_text(wanted).encode())
-        if offline is None:
-            offline = settings().offline
-    except (OSError, DistcacheError):
-        return None
-    h.update(f"\0origin={origin is not None}\0offline={bool(offline)}".encode())
-    return h.hexdigest()
-
-
 def led_by_node_leaders(
     tree: NodeTree, pool: ArtifactPool, key: str | None, *, timeout: float | None,
-    lead: Callable[[Communicator], PrefetchReport | None],
+    lead: Callable[[Communicator], PrefetchReport | None], aside: Aside | None = None,
 ) -> tuple[PrefetchReport | None] | None:
     """Collective: when every node's ranks may leave the prefetch to their leader (see
     the module docstring), ``(report,)`` (on the leaders, what ``lead`` returned when
     called with the leaders' communicator; on the members, the same report), else
-    None and nothing was prefetched.
+    None and nothing was prefetched. ``aside`` (alike on every rank) rides along: once
+    the prefetch succeeded, the leaders call its ``among_leaders`` with their
+    communicator and every rank's ``received`` gets what it returned, handed down
+    with the report (no round of its own on the members).
 
     Raises:
         DistcacheError: what ``lead`` raised on the leaders, raised alike on each member
@@ -151,6 +124,7 @@ def led_by_node_leaders(
         able = offer is not None if leader else _shares(seen[0], key, pool)
         said = local.allgather_object(able and concurrent(tree), timeout=wait)
     if leader:
+        assert upper is not None, "every leader has the leaders' communicator"
         votes = upper.allgather_object((all(s is True for s in said), tree.rank),
                                        timeout=wait)
         go = all(type(v) is tuple and v[0] is True for v in votes)
@@ -163,11 +137,24 @@ def led_by_node_leaders(
         return None
     try:
         if leader:
-            return (_lead(tree, local, upper, pool, [v[1] for v in votes], wait, lead),)
-        return (_follow(tree, local, pool, wait, began),)
+            assert upper is not None
+            return (_lead(tree, local, upper, pool, [v[1] for v in votes], wait, lead,
+                          aside),)
+        return (_follow(tree, local, pool, wait, began, aside),)
     except BaseException:
         forget_tree(tree)
         raise
+
+
+class Aside(Protocol):
+    """What rides along with the leaders' prefetch (see :func:`led_by_node_leaders`)."""
+
+    def among_leaders(self, leaders: Communicator) -> Any:
+        """Collective over the leaders: plain data for every rank; never raises but
+        the collective's errors."""
+
+    def received(self, data: Any) -> None:
+        """Take what the leaders handed down (checked: it crossed the wire)."""
 
 
 def _seconds(timeout: float | None, tree: NodeTree) -> float:
@@ -225,7 +212,8 @@ class _Watched(Forwarding):
 
 def _lead(tree: NodeTree, local: Communicator, upper: Communicator, pool: ArtifactPool,
           leaders: list[int], wait: float,
-          lead: Callable[[Communicator], PrefetchReport | None]) -> PrefetchReport | None:
+          lead: Callable[[Communicator], PrefetchReport | None],
+          aside: Aside | None = None) -> PrefetchReport | None:
     """Run the prefetch on the leaders' communicator; tell the node while it runs and
     what came of it when it ends."""
     watched = _Watched(upper)
@@ -277,8 +265,12 @@ def _lead(tree: NodeTree, local: Communicator, upper: Communicator, pool: Artifa
         raise error  # this node's members are not all there to hear it
     if error is None:
         report = _in_job_ranks(report, leaders)
+        extra = None
+        if aside is not None:
+            extra = aside.among_leaders(upper)
+            aside.received(extra)
         word: tuple[Any, ...] = ("report", None if report is None else report.as_dict(),
-                                 _witnesses(pool), pool.pool_id)
+                                 _witnesses(pool), extra, pool.pool_id)
     else:
         error = _in_job_terms(error, tree, leaders)
         word = ("error", describe_error(error), bool(getattr(error, "agreed", False)),
@@ -290,7 +282,7 @@ def _lead(tree: NodeTree, local: Communicator, upper: Communicator, pool: Artifa
 
 
 def _follow(tree: NodeTree, local: Communicator, pool: ArtifactPool,
-            wait: float, began: int) -> PrefetchReport | None:
+            wait: float, began: int, aside: Aside | None = None) -> PrefetchReport | None:
     """Wait for the leader's word; the report, or the error it sends, raised."""
     where = f"rank {tree.rank}/{tree.size} ({tree.node_id})"
     while True:
@@ -299,9 +291,11 @@ def _follow(tree: NodeTree, local: Communicator, pool: ArtifactPool,
             break
     if type(word) is tuple and len(word) >= 3:
         _reload_id(pool, word[-1])
-    if type(word) is tuple and len(word) == 4 and word[0] == "report":
+    if type(word) is tuple and len(word) == 5 and word[0] == "report":
         report = _unpacked(word[1], where, tree)
         pool.vouch(_vouched(word[2], began))
+        if aside is not None:
+            aside.received(word[3])
         return report
     if not (type(word) is tuple and len(word) == 4 and word[0] == "error"):
         raise _malformed(where, tree)

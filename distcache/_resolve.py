@@ -24,8 +24,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from distcache._delegate import inputs_key, led_by_node_leaders
+from distcache._delegate import Aside, led_by_node_leaders
 from distcache._log import get_logger
+from distcache._prepare import inputs_key, prepare_in_background
 from distcache.artifact import (
     Artifact,
     manifest_text,
@@ -115,9 +116,11 @@ def prefetch_manifests(
     integrations: Sequence[Integration] = (),
     timeout: float | None = None,
     offline: bool | None = None,
+    aside: Aside | None = None,
 ) -> PrefetchReport | None:
     """Collective: every artifact of ``manifests`` (the same on every rank) and of any
-    rank's ``integrations`` reaches every pool, each fetched from ``origin`` once.
+    rank's ``integrations`` reaches every pool, each fetched from ``origin`` once
+    (``aside``: see :func:`~distcache._delegate.led_by_node_leaders`).
 
     Returns ``None`` (on every rank alike) when there is nothing to prefetch. Nothing
     collective runs when neither manifests nor integrations are given. Without an
@@ -148,13 +151,17 @@ def prefetch_manifests(
     # alike (no error, the same pool, the same flags), so what a rank receives follows
     # the nodes, not the ranks. The collective reuses the same tree.
     comm = node_tree(comm, timeout=timeout)
-    if isinstance(comm, NodeTree) and comm.selected() is comm:
+    tree = comm if isinstance(comm, NodeTree) and comm.selected() is comm else None
+    if origin is not None and (tree is None or tree.is_leader) and not (
+            settings().offline if offline is None else offline):
+        # A rank that may download sets up its origin's client while the ranks agree.
+        prepare_in_background(origin, pool, manifests, integrations)
+    if tree is not None:
         # Where each node's ranks share their leader's pool and pass the same inputs,
         # the leaders prefetch for their nodes (distcache._delegate).
-        tree = comm
         led = led_by_node_leaders(
             tree, pool, inputs_key(manifests, origin, offline, integrations),
-            timeout=timeout,
+            timeout=timeout, aside=aside,
             lead=lambda leaders: _prefetch(
                 leaders, pool, origin, manifests, integrations, timeout, offline,
                 downloads_per_rank=_leader_threads(tree.size, tree.nodes)))

@@ -29,7 +29,7 @@ from distcache.comm import Adopted, Communicator, adopt, bulk_transport, local
 from distcache.config import Settings, settings
 from distcache.errors import CollectiveTimeout, DistcacheError
 from distcache.integrations import Integration
-from distcache.peer import Hosted, start_for_session
+from distcache.peer import Hosted, Starting, start_for_session
 
 if TYPE_CHECKING:
     from distcache.collective import PrefetchReport, SyncState
@@ -72,10 +72,7 @@ class Session:
                  integrations: list[Integration] | None = None,
                  options: InitOptions | None = None, _adopted: Adopted | None = None,
                  _slot: SessionSlot | None = None) -> None:
-        self.comm = comm
-        self.pool = pool
-        self.registry = registry
-        self.report = report
+        self.comm, self.pool, self.registry, self.report = comm, pool, registry, report
         self.phases = {} if phases is None else phases
         self.disabled = disabled
         self.settings = settings
@@ -85,19 +82,21 @@ class Session:
         self._sync_state: SyncState | None = None
         # The communicator adopt() made for this session; close() discards it.
         self._adopted = _adopted
-        # The background start-up (init(background=True)) and what it raised.
+        # The background start-up (init(background=True)), what it raised.
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         # The slot this session is kept in (SessionSlot); close() leaves it.
         self._slot = _slot
-        # The node agents of the peer tier this rank hosts or uses (distcache.peer).
+        # The node agents of the peer tier this rank hosts or uses (distcache.peer);
+        # their start, until their endpoints are shared.
         self._peers: Hosted | None = None
+        self._starting: Starting | None = None
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "disabled" if self.disabled else "open"
-        return (f"Session({state}, rank {self.comm.rank}/{self.comm.size}, "
-                f"pool={None if self.pool is None else str(self.pool.root)!r}, "
-                f"integrations={[i.name for i in self.integrations]})")
+        return (f"Session({state}, rank {self.comm.rank}/{self.comm.size}, pool="
+                f"{self.pool and str(self.pool.root)!r}, integrations="
+                f"{[i.name for i in self.integrations]})")
 
     @property
     def ready(self) -> bool:
@@ -176,6 +175,9 @@ class Session:
             self._thread.join()
         for integration in reversed(self.integrations):
             integration.uninstall()
+        if self._starting is not None:
+            self._starting.abandon()
+            self._starting = None
         if self._peers is not None:
             self._peers.close()
         if self.registry is not None:
@@ -316,8 +318,12 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
         the_origin = resolve_origin(options.origin, conf, chosen)
         secret = adopted.scope.secret if adopted else None
         with _phase(phases, "peers"):
-            session._peers = start_for_session(comm, the_pool, the_origin, secret, conf.peers,
-                                               timeout=conf.timeout, environ=options.environ)
+            session._starting = start_for_session(
+                comm, the_pool, the_origin, secret, conf.peers, timeout=conf.timeout,
+                environ=options.environ)
+            if options.background:
+                # Lookups the engine makes while the start-up runs find the peers.
+                _share_peers(session)
         if options.ipc_pools is not None:
             from distcache.ipc import PoolRegistry  # loaded by the jobs that map pools
 
@@ -333,9 +339,15 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
             ) as moving:
                 session.report = prefetch_manifests(
                     moving, the_pool, the_origin, manifests=options.manifests,
-                    integrations=chosen, timeout=conf.timeout, offline=conf.offline)
+                    integrations=chosen, timeout=conf.timeout, offline=conf.offline,
+                    aside=session._starting)
             if session.report is not None:
                 _log_rank0(comm, "%s", session.report.summary())
+            # The node agents started beside the prefetch; their endpoints came with its
+            # report, else are shared now, before the installs (whose lookups use them).
+            began = time.perf_counter()
+            _share_peers(session)
+            phases["peers"] += time.perf_counter() - began
             for integration in chosen:
                 with _phase(phases, integration.name):
                     integration.install(the_pool, the_origin)
@@ -355,6 +367,14 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
         session.close()
         raise
     return session
+
+
+def _share_peers(session: Session) -> None:
+    """Collective where the node agents were begun: share their endpoints and attach
+    this rank's tier (:meth:`distcache.peer.Starting.finish`)."""
+    starting, session._starting = session._starting, None
+    if starting is not None:
+        session._peers = starting.finish()
 
 
 def _run_recording(body: Any, session: Session) -> None:

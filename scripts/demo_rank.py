@@ -8,7 +8,6 @@ the shared-memory pools, and rank 0 writes a JSON report of what happened.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import time
@@ -97,7 +96,7 @@ def main() -> int:
         out = {
             "world_size": comm.size,
             "backend": comm.backend,
-            "prefetch": dataclasses.asdict(report),
+            "prefetch": report.as_dict(),
             "phases": session.phases,
             "ranks": ranks,
         }

@@ -120,14 +120,16 @@ class Forwarding(Wrapping):
     """A :class:`Wrapping` that reads the wrapped communicator's options through
     (``timeout``, ``chunk_bytes``, ``split_owned``, ``mpi_comm``) and its ``usable``.
     ``broadcast_buffer`` is not read through: a subclass defines its own over
-    :func:`lend_broadcast`, so that a lent buffer goes through the wrapper too."""
+    :func:`lend_broadcast`, so that a lent buffer goes through the wrapper too. Nor
+    is ``group_owned``: a child made by the wrapped communicator would not go
+    through the wrapper; a subclass that wraps its children defines it."""
 
     @property
     def usable(self) -> bool:
         return bool(getattr(self._base, "usable", True))
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("_") or name == "broadcast_buffer":
+        if name.startswith("_") or name in ("broadcast_buffer", "group_owned"):
             raise AttributeError(name)
         return getattr(self._base, name)
 

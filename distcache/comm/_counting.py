@@ -20,6 +20,7 @@ relays through intermediate ranks). Wrapping costs one extra encoding per payloa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +96,17 @@ class CountingCommunicator(Forwarding):
             part = len(encode((int(color), False)))
             self.traffic.count("split", part, part * (self.size - 1))
         return CountingCommunicator(child, self.traffic)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "group_owned" and hasattr(self._base, "group_owned"):
+            return self._group_owned
+        return super().__getattr__(name)
+
+    def _group_owned(self, ranks: Sequence[int]) -> Communicator:
+        """The wrapped communicator's ``group_owned``, its child counted (making it
+        sends nothing of distcache's)."""
+        return CountingCommunicator(self._base.group_owned(ranks),  # type: ignore[attr-defined]
+                                    self.traffic)
 
     def split_owned(self, color: int) -> Communicator:
         """The wrapped communicator's ``split_owned`` (else its ``split``), counted."""

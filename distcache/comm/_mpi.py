@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+from collections.abc import Sequence
 from typing import Any, Self
 
 from distcache._log import get_logger
@@ -37,6 +38,9 @@ ARRIVAL_TAG = 0x4443
 #: those rounds start at BRUCK_TAG (64 rounds per phase: any size MPI allows).
 BRUCK_ABOVE = 16
 BRUCK_TAG = 0x4500
+#: The tag of ``MPI_Comm_create_group`` (:meth:`MpiCommunicator.group_owned`): a rank
+#: makes one group at a time, so one tag serves them all.
+GROUP_TAG = 0x4444
 
 
 def _arrival_tree(rank: int, size: int) -> tuple[int | None, list[int]]:
@@ -335,6 +339,39 @@ class MpiCommunicator(BackendCommunicator):
             raise self._comm_error("split", exc) from exc
         made = type(self)(child, dup=False, **self._inherited())
         made._owned = True
+        return made
+
+    def group_owned(self, ranks: Sequence[int]) -> Self:
+        """A communicator of the caller's own over ``ranks`` (ascending, this rank
+        among them, numbered in that order), made by those ranks alone: collective
+        over ``ranks`` only, so ranks outside them neither take part nor wait (a
+        ``split`` takes every rank). As :meth:`split_owned`, :meth:`close` closes
+        it. Call it once every rank of ``ranks`` is known to be here (``MPI_Comm_
+        create_group`` blocks with no timeout).
+
+        Raises:
+            CommError: the MPI library refused.
+            ValueError: ``ranks`` does not hold this rank, or is not ascending.
+        """
+        members = [int(r) for r in ranks]
+        if self._rank not in members or members != sorted(set(members)):
+            raise ValueError(f"rank {self._rank}: {members} must be ascending ranks "
+                             "holding this one")
+        group = self._comm.Get_group()
+        try:
+            subgroup = group.Incl(members)
+            try:
+                child = self._comm.Create_group(subgroup, GROUP_TAG)
+            finally:
+                subgroup.Free()
+        except self._MPI.Exception as exc:
+            raise self._comm_error("split", exc) from exc
+        finally:
+            group.Free()
+        made = type(self)(child, dup=False, **self._inherited())
+        made._owned = True
+        self.groups_made += 1
+        self._owned_children.append(made)
         return made
 
     def _release(self, why: str) -> None:

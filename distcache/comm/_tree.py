@@ -162,10 +162,20 @@ class NodeTree(Wrapping):
         if not self._flat:
             # Communicators of the tree's own: the collective splits the same ranks off
             # (a node's leaders are often its pools' writers) and moves buckets on them
-            # on a thread while this tree carries the heartbeats.
-            split = getattr(base, "split_owned", None) or base.split
-            self._local = split(self._node)
-            self._upper = split(0 if self.is_leader else 1)
+            # on a thread while this tree carries the heartbeats. Where the backend can
+            # make a communicator among some ranks alone (MPI), each node makes its
+            # own and only the leaders make theirs: a member takes part in one
+            # creation among its node's ranks, not two among the job's. The node ids
+            # all-gathered above prove every rank is here.
+            group = getattr(base, "group_owned", None)
+            if group is not None:
+                self._local = group(self._members[self._node])
+                if self.is_leader:
+                    self._upper = group([members[0] for members in self._members])
+            else:
+                split = getattr(base, "split_owned", None) or base.split
+                self._local = split(self._node)
+                self._upper = split(0 if self.is_leader else 1)
 
     def selected(self) -> Communicator:
         """This tree, or the wrapped communicator where the tree would add nothing."""
@@ -228,12 +238,17 @@ class NodeTree(Wrapping):
         """The rank (of the wrapped communicator) that leads this rank's node."""
         return self._members[self._node][0]
 
-    def levels(self) -> tuple[Communicator, Communicator]:
+    def levels(self) -> tuple[Communicator, Communicator | None]:
         """The node's communicator (its leader is rank 0 there) and the leaders' (on a
-        member: the other members'), both split off the wrapped one."""
-        local, upper = self._local, self._upper
-        assert local is not None and upper is not None, "a flat tree is never handed out"
-        return local, upper
+        member: the other members', or None where the backend made the leaders' among
+        the leaders alone), both made off the wrapped one."""
+        local = self._local
+        assert local is not None, "a flat tree is never handed out"
+        return local, self._upper
+
+    def _leaders(self, upper: Communicator | None) -> Communicator:
+        assert upper is not None, "every leader has the leaders' communicator"
+        return upper
 
     def allreduce_object(self, obj: Any, combine: Callable[[list[Any]], Any], *,
                          timeout: float | None = None) -> Any:
@@ -243,7 +258,7 @@ class NodeTree(Wrapping):
         left = self._clock(timeout)
         values = local.allgather_object(obj, timeout=left())
         if self.is_leader:
-            per_node = upper.allgather_object(combine(values), timeout=left())
+            per_node = self._leaders(upper).allgather_object(combine(values), timeout=left())
             answer = self._down(local, encode(combine(per_node)), left())
         else:
             answer = self._down(local, None, left())
@@ -260,7 +275,8 @@ class NodeTree(Wrapping):
         if self.is_leader:
             distinct: dict[bytes, int] = {}
             indices = [distinct.setdefault(bytes(p), len(distinct)) for p in parts]
-            blocks = upper.allgather_object((list(distinct), indices), timeout=left())
+            blocks = self._leaders(upper).allgather_object((list(distinct), indices),
+                                                           timeout=left())
             answer = self._down(local, encode(self._fold(blocks)), left())
         else:
             answer = self._down(local, None, left())

@@ -63,6 +63,11 @@ class BaseOrigin(ABC):
             OriginError: the origin cannot deliver it for another reason.
         """
 
+    def prepare(self) -> None:  # noqa: B027 (optional: nothing to set up by default)
+        """Set up what fetching needs (an HTTP client, say) ahead of the first fetch,
+        so that the first download does not wait for it; idempotent, and safe to
+        call from another thread while fetches start. Nothing by default."""
+
     def fetch(self, artifact: Artifact) -> bytes:
         """The artifact's verified bytes.
 

@@ -66,6 +66,12 @@ class OriginChain(BaseOrigin):
     def __repr__(self) -> str:
         return f"OriginChain({self.describe()!r})"
 
+    def prepare(self) -> None:
+        """Prepare the first origin, the one every fetch asks first."""
+        prepare = getattr(self.origins[0], "prepare", None)
+        if prepare is not None:
+            prepare()
+
     def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
         """Stream the artifact from the first origin that delivers it into ``out``.
 

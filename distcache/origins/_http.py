@@ -177,6 +177,11 @@ class HttpOrigin(BaseOrigin):
                 self._session = new_session(self._pool_size)
             return self._session, self._backoff
 
+    def prepare(self) -> None:
+        """Import the HTTP stack and build the session now (see
+        :meth:`BaseOrigin.prepare`)."""
+        self._ready()
+
     # -- Origin protocol ----------------------------------------------------------
 
     def describe(self) -> str:

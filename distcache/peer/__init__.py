@@ -18,6 +18,7 @@ from distcache.peer._auth import derive_key, sign, verify
 from distcache.peer._flight import Singleflight
 from distcache.peer._hosting import (
     Hosted,
+    Starting,
     host_agent,
     job_address,
     origin_or_default,
@@ -38,6 +39,7 @@ __all__ = [
     "Hosted",
     "Lookup",
     "Singleflight",
+    "Starting",
     "Tier",
     "attach",
     "counts",

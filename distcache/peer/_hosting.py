@@ -13,12 +13,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from distcache._log import get_logger
 from distcache.comm import node_layout, node_tree
+from distcache.errors import WireError
 from distcache.peer._auth import derive_key
 from distcache.peer._tier import Tier, attach, key_path
 
@@ -108,18 +110,120 @@ def host_agent(pool: ArtifactPool, origin: Callable[[], Origin | None], key: byt
     return agent
 
 
-def start(comm: Communicator, pool: ArtifactPool, origin: Callable[[], Origin | None],
-          secret: bytes | None, *, timeout: float | None = None,
-          environ: Mapping[str, str] | None = None) -> Hosted | None:
-    """Collective: start the node agents of this communicator's job and attach this
-    rank's tier; ``None`` (no agent, nothing attached) when every rank is on one node.
-    ``secret`` is the run scope's (``None``: rank 0 draws one, shared over ``comm``).
+class Starting:
+    """The node agents of a job, begun by :func:`begin`: the tree, the key and, on a
+    node leader, its agent starting on a thread. :meth:`finish` (collective) shares
+    the endpoints and attaches this rank's tier; until then the job's collectives may
+    run, the agent's start-up (importing the HTTP server, binding its sockets) going on
+    beside them."""
 
-    A node whose agent cannot listen goes without one (a warning; its ranks get no
-    tier), and the other nodes leave it out of their walks.
+    def __init__(self, comm: Communicator, key: bytes, timeout: float | None,
+                 starter: Callable[[], Agent] | None) -> None:
+        self.comm, self.key, self.timeout = comm, key, timeout
+        self._agent: Agent | None = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._entries: list[tuple[str, str, str]] | None = None
+        if starter is not None:
+            self._thread = threading.Thread(target=self._run, args=(starter,), daemon=True,
+                                            name="distcache-agent-start")
+            self._thread.start()
+
+    def _run(self, starter: Callable[[], Agent]) -> None:
+        try:
+            self._agent = starter()
+        except BaseException as exc:  # reported by finish(), on this rank's thread
+            self._error = exc
+
+    def _started(self) -> Agent | None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        return self._agent
+
+    def _mine(self) -> tuple[str, str, str]:
+        """This rank's entry: its node, and its agent's TCP and Unix endpoints (empty
+        where it hosts none, or its agent could not start)."""
+        comm = self.comm
+        agent = self._started()
+        error, self._error = self._error, None
+        if error is not None:
+            # The peers still meet at the all-gather: this node goes without an agent
+            # (its lookups ask the origin, as without peers), nobody waits.
+            log.warning("peers: no agent on node %s: %s: %s; its lookups go to the origin",
+                        comm.node_id, type(error).__name__, error)
+        if agent is None:
+            return (comm.node_id, "", "")
+        return (comm.node_id, agent.endpoint, agent.local_endpoint or "")
+
+    def among_leaders(self, leaders: Communicator) -> list[tuple[str, str, str]]:
+        """Collective over the node leaders (one rank per node): every node's entry.
+        What the leaders hand their nodes with the start-up prefetch's report
+        (:func:`distcache._delegate.led_by_node_leaders`), in place of the all-gather
+        of :meth:`finish`."""
+        return [tuple(e) for e in leaders.allgather_object(self._mine(), timeout=self.timeout)]
+
+    def received(self, entries: Any) -> None:
+        """Take the entries the leaders handed down; :meth:`finish` then shares
+        nothing more.
+
+        Raises:
+            WireError: ``entries`` is not a list of ``(node, tcp, unix)`` strings.
+        """
+        if not (type(entries) is list and all(
+                type(e) is tuple and len(e) == 3 and all(type(x) is str for x in e)
+                for e in entries)):
+            raise WireError(f"rank {self.comm.rank}/{self.comm.size} ({self.comm.node_id}): "
+                            "the node agents' endpoints from the node leader are malformed",
+                            op="allgather_object", rank=self.comm.rank)
+        self._entries = entries
+
+    def finish(self) -> Hosted:
+        """Collective unless the leaders handed the entries down: every node agent's
+        endpoint, shared; this rank's tier attached.
+
+        A node whose agent cannot listen goes without one (a warning; its ranks get no
+        tier), and the other nodes leave it out of their walks.
+
+        Raises:
+            CollectiveTimeout, CommError: the all-gather failed (on every rank).
+        """
+        comm = self.comm
+        everyone = self._entries
+        if everyone is None:
+            everyone = comm.allgather_object(self._mine(), timeout=self.timeout)
+        agent = self._started()
+        leaders = [(str(node), str(tcp), str(unix)) for node, tcp, unix in everyone if tcp]
+        endpoints = [tcp for _, tcp, _ in leaders]
+        if agent is not None:
+            agent.join(endpoints, endpoints.index(agent.endpoint))
+        local = next((unix or tcp for node, tcp, unix in leaders if node == comm.node_id), None)
+        tier = Tier(local, self.key) if local is not None else None
+        attach(tier)
+        if comm.rank == 0:
+            log.info("peers: %d node agent(s): %s", len(endpoints), ", ".join(endpoints))
+        self._agent = None  # the Hosted's now
+        return Hosted(tier, agent, endpoints)
+
+    def abandon(self) -> None:
+        """Stop what :meth:`finish` will not be called for (a start-up that failed
+        before it). Not collective."""
+        agent = self._started()
+        self._agent = self._error = None
+        if agent is not None:
+            Hosted(None, agent).close()
+
+
+def begin(comm: Communicator, pool: ArtifactPool, origin: Callable[[], Origin | None],
+          secret: bytes | None, *, timeout: float | None = None,
+          environ: Mapping[str, str] | None = None) -> Starting | None:
+    """Collective: begin the node agents of this communicator's job (see
+    :class:`Starting`); ``None`` (no agent, nothing to finish) when every rank is on
+    one node. ``secret`` is the run scope's (``None``: rank 0 draws one, shared over
+    ``comm``).
 
     Raises:
-        CollectiveTimeout, CommError: an all-gather failed (on every rank).
+        CollectiveTimeout, CommError: a collective failed (on every rank).
     """
     # Through node leaders: the ranks of a node send alike, so what a rank receives
     # follows the nodes, not the ranks (the tree is the one the prefetch uses next).
@@ -132,39 +236,40 @@ def start(comm: Communicator, pool: ArtifactPool, origin: Callable[[], Origin | 
         drawn = os.urandom(32) if comm.rank == 0 else None
         secret = comm.broadcast_bytes(drawn, 0, timeout=timeout)
     key = derive_key(secret)
-    agent: Agent | None = None
+    starter = None
     if leader:
         tag = f"{comm.node_id}/{hashlib.sha256(key).hexdigest()[:16]}"
-        try:
-            agent = host_agent(pool, origin, key, tag, environ)
-        except OSError as exc:
-            # The peers still meet at the next all-gather: this node goes without an
-            # agent (its lookups ask the origin, as without peers), nobody waits.
-            log.warning("peers: no agent on node %s: %s: %s; its lookups go to the origin",
-                        comm.node_id, type(exc).__name__, exc)
-    mine = (agent.endpoint, agent.local_endpoint or "") if agent is not None else ("", "")
-    everyone = comm.allgather_object((comm.node_id, *mine), timeout=timeout)
-    leaders = [(str(node), str(tcp), str(unix)) for node, tcp, unix in everyone if tcp]
-    endpoints = [tcp for _, tcp, _ in leaders]
-    if agent is not None:
-        agent.join(endpoints, endpoints.index(agent.endpoint))
-    local = next((unix or tcp for node, tcp, unix in leaders if node == comm.node_id), None)
-    tier = Tier(local, key) if local is not None else None
-    attach(tier)
-    if comm.rank == 0:
-        log.info("peers: %d node agent(s): %s", len(endpoints), ", ".join(endpoints))
-    return Hosted(tier, agent, endpoints)
+
+        def starter() -> Agent:
+            return host_agent(pool, origin, key, tag, environ)
+
+    return Starting(comm, key, timeout, starter)
+
+
+def start(comm: Communicator, pool: ArtifactPool, origin: Callable[[], Origin | None],
+          secret: bytes | None, *, timeout: float | None = None,
+          environ: Mapping[str, str] | None = None) -> Hosted | None:
+    """Collective: :func:`begin` then :meth:`Starting.finish`: the node agents of this
+    communicator's job started and this rank's tier attached; ``None`` when every rank
+    is on one node.
+
+    Raises:
+        CollectiveTimeout, CommError: an all-gather failed (on every rank).
+    """
+    starting = begin(comm, pool, origin, secret, timeout=timeout, environ=environ)
+    return None if starting is None else starting.finish()
 
 
 def start_for_session(comm: Communicator, pool: ArtifactPool, origin: Origin | None,
                       secret: bytes | None, peers: str, *, timeout: float | None = None,
-                      environ: Mapping[str, str] | None = None) -> Hosted | None:
-    """What ``init`` starts for ``DISTCACHE_PEERS``: ``"1"`` and more than one rank, the
-    node agents (:func:`start`); ``"0"``, or a socket path (``python -m launch --peers``
-    hosts the agent: lookups use it through the environment), nothing."""
+                      environ: Mapping[str, str] | None = None) -> Starting | None:
+    """What ``init`` begins for ``DISTCACHE_PEERS`` (:func:`begin`; the caller calls
+    :meth:`Starting.finish` when it is ready to share the endpoints): ``"1"`` and more
+    than one rank, the node agents; ``"0"``, or a socket path (``python -m launch
+    --peers`` hosts the agent: lookups use it through the environment), nothing."""
     if peers != "1" or comm.size < 2:
         return None
-    return start(comm, pool, origin_or_default(origin), secret, timeout=timeout,
+    return begin(comm, pool, origin_or_default(origin), secret, timeout=timeout,
                  environ=environ)
 
 

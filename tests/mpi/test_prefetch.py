@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 import urllib.request
@@ -73,7 +72,7 @@ def test_each_artifact_is_fetched_once_per_job_and_every_pool_is_identical(
     contents = comm.allgather_object((sorted(pool.objects()), pool.names()))
     assert all(c == contents[0] for c in contents)
     assert contents[0][0] == sorted(a.sha256 for a in artifacts)
-    reports = comm.allgather_object(dataclasses.asdict(report))  # plain data crosses ranks
+    reports = comm.allgather_object(report.as_dict())  # plain data crosses ranks
     assert all(r == reports[0] for r in reports)
     if report.pools > 1:
         assert report.broadcasts > 0 and len(report.downloaders) > 1

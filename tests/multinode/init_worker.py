@@ -21,7 +21,6 @@ their object and whether every read returned the right bytes.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -101,7 +100,7 @@ def main() -> None:
         comm = session.comm
         record["pool_id"] = session.pool.pool_id if session.pool is not None else None
         if session.report is not None:
-            record["report"] = dataclasses.asdict(session.report)
+            record["report"] = session.report.as_dict()
         if session.pool is not None:
             record.update(reads(session.pool, args.manifest))
     record["rank"] = int(os.environ["OMPI_COMM_WORLD_RANK"])

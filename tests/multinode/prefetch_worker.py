@@ -122,7 +122,7 @@ def _attempt(
     except PrefetchError as exc:
         outcome: dict[str, Any] = {"report": None, "error": _error(exc)}
     else:
-        outcome = {"report": dataclasses.asdict(report), "error": None}
+        outcome = {"report": report.as_dict(), "error": None}
     outcome["sent_bytes"] = comm.tally.sent - before[0]
     outcome["received_bytes"] = comm.tally.received - before[1]
     return outcome

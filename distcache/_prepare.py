@@ -1,0 +1,95 @@
+"""Before the start-up prefetch's collectives: what decides a rank's prefetch
+(:func:`inputs_key`), and setting up the origin's client ahead of the first download.
+
+An HTTP origin imports its client stack and builds its session on the first request:
+tens of milliseconds of CPU on the ranks that download, which the fetch phase would
+wait for. Between the moment a rank knows it may download and the fetch phase, the
+start-up runs rounds of small collectives that mostly wait on the other ranks; the
+set-up runs on a thread meanwhile. It is started only on a rank that may download
+(a node leader, or every rank where no leader acts for its node) and only when its
+pool lacks something listed (a warm start sets nothing up), and it never raises:
+the download reports what went wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from distcache._log import get_logger
+from distcache.artifact import Artifact, manifest_text, merge_manifests, read_manifest
+from distcache.config import settings
+from distcache.errors import DistcacheError
+
+if TYPE_CHECKING:
+    from distcache.integrations import Integration
+    from distcache.origins import Origin
+    from distcache.store import ArtifactPool
+
+log = get_logger(__name__)
+
+
+def lacks_any(pool: ArtifactPool, manifests: Sequence[Any],
+              integrations: Sequence[Integration]) -> bool:
+    """Whether ``pool`` may need a download: it lacks an artifact of ``manifests``, or
+    integrations are given (what they want is read later, from every rank). A manifest
+    that cannot be read counts as lacking: the prefetch reports it."""
+    if integrations:
+        return True
+    for spec in manifests:
+        try:
+            listed = read_manifest(spec) if isinstance(spec, str | os.PathLike) else spec
+        except (DistcacheError, OSError):
+            return True
+        if not all(pool.holding(a.sha256 for a in listed)):
+            return True
+    return False
+
+
+def prepare_in_background(origin: Origin | None, pool: ArtifactPool,
+                          manifests: Sequence[Any],
+                          integrations: Sequence[Integration]) -> threading.Thread | None:
+    """Start ``origin.prepare()`` on a daemon thread when ``pool`` lacks something
+    listed (:func:`lacks_any`); the thread, else None."""
+    prepare = getattr(origin, "prepare", None)
+    if prepare is None or not lacks_any(pool, manifests, integrations):
+        return None
+
+    def run() -> None:
+        try:
+            prepare()
+        except Exception as exc:  # the first download meets it again and reports it
+            log.debug("setting up %s ahead of the downloads failed: %s", origin, exc)
+
+    thread = threading.Thread(target=run, daemon=True, name="distcache-origin-setup")
+    thread.start()
+    return thread
+
+
+def inputs_key(manifests: Sequence[str | os.PathLike[str] | Sequence[Artifact]],
+               origin: Origin | None, offline: bool | None,
+               integrations: Sequence[Integration] = ()) -> str | None:
+    """A digest of what decides a rank's prefetch: the manifests (each file's bytes,
+    each list's artifacts), what the integrations want (their usage records), whether
+    there is an origin, whether downloads are off. None when something cannot be
+    read: that rank takes the full collective, which reports why."""
+    h = hashlib.sha256()
+    try:
+        for spec in manifests:
+            if isinstance(spec, str | os.PathLike):
+                h.update(b"file\0" + hashlib.sha256(Path(spec).read_bytes()).digest())
+            else:
+                h.update(b"list\0" + repr(list(spec)).encode())
+        if integrations:
+            wanted = merge_manifests((i.name, i.manifest()) for i in integrations)
+            h.update(b"wanted\0" + manifest_text(wanted).encode())
+        if offline is None:
+            offline = settings().offline
+    except (OSError, DistcacheError):
+        return None
+    h.update(f"\0origin={origin is not None}\0offline={bool(offline)}".encode())
+    return h.hexdigest()

@@ -1,0 +1,78 @@
+"""Setting up the origin's client ahead of the downloads (distcache._prepare): only on
+a pool that lacks something, never raising, and the HTTP origin's set-up is the one
+its first fetch would make."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from distcache._prepare import lacks_any, prepare_in_background
+from distcache.artifact import Artifact
+from distcache.origins import HttpOrigin, OriginChain
+from distcache.store import ArtifactPool
+
+
+class _Counting:
+    def __init__(self, fail: bool = False) -> None:
+        self.calls = 0
+        self.fail = fail
+
+    def prepare(self) -> None:
+        self.calls += 1
+        if self.fail:
+            raise OSError("no route to the origin")
+
+
+def _manifest(tmp_path: Path, pool: ArtifactPool, held: bool) -> Path:
+    data = b"kernel bytes"
+    sha = pool.put(data) if held else hashlib.sha256(data).hexdigest()
+    path = tmp_path / "m.txt"
+    path.write_text(f"{sha}  k.cubin\n")
+    return path
+
+
+def test_only_a_pool_that_lacks_something_sets_up_the_origin(tmp_path: Path) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    warm = _manifest(tmp_path, pool, held=True)
+    origin = _Counting()
+    assert not lacks_any(pool, [warm], [])
+    assert prepare_in_background(origin, pool, [warm], []) is None  # type: ignore[arg-type]
+    assert origin.calls == 0
+    missing = Artifact("other.cubin", "b" * 64)
+    assert lacks_any(pool, [warm, [missing]], [])
+    thread = prepare_in_background(origin, pool, [warm, [missing]], [])  # type: ignore[arg-type]
+    assert thread is not None
+    thread.join(30)
+    assert origin.calls == 1
+
+
+def test_an_unreadable_manifest_or_an_integration_counts_as_lacking(tmp_path: Path) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    assert lacks_any(pool, [tmp_path / "absent.txt"], [])
+    assert lacks_any(pool, [], [object()])  # type: ignore[list-item]
+    assert not lacks_any(pool, [], [])
+
+
+def test_a_failing_set_up_never_raises(tmp_path: Path) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    origin = _Counting(fail=True)
+    thread = prepare_in_background(origin, pool, [[Artifact("x", "c" * 64)]], [])  # type: ignore[arg-type]
+    assert thread is not None
+    thread.join(30)
+    assert origin.calls == 1 and not thread.is_alive()
+    assert prepare_in_background(None, pool, [[Artifact("x", "c" * 64)]], []) is None
+
+
+def test_the_http_origin_builds_its_session_once(tmp_path: Path) -> None:
+    origin = HttpOrigin("http://127.0.0.1:9")  # nothing is sent: set-up only
+    assert origin._session is None
+    origin.prepare()
+    session = origin._session
+    assert session is not None
+    origin.prepare()
+    assert origin._session is session  # idempotent
+    chain = OriginChain([HttpOrigin("http://127.0.0.1:9"), origin])
+    chain.prepare()
+    first = chain.origins[0]
+    assert isinstance(first, HttpOrigin) and first._session is not None
