@@ -14,9 +14,7 @@ and :meth:`~Record.as_dict`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar, TypeVar
-
-R = TypeVar("R", bound="Record")
+from typing import Any, ClassVar, Self
 
 
 class FrozenError(AttributeError):
@@ -67,7 +65,7 @@ class Record:
         shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._FIELDS)
         return f"{type(self).__qualname__}({shown})"
 
-    def replace(self: R, **changes: Any) -> R:
+    def replace(self, **changes: Any) -> Self:
         """A copy with ``changes`` in place of the fields they name.
 
         Raises:
