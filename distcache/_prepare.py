@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distcache._log import get_logger
-from distcache.artifact import Artifact, manifest_text, merge_manifests, read_manifest
+from distcache.artifact import Artifact, manifest_text, merge_manifests
 from distcache.config import settings
 from distcache.errors import DistcacheError
 
@@ -33,21 +33,42 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 
+#: Entries of each manifest :func:`lacks_any` looks up in the pool, spread over it.
+SAMPLE = 16
+
+
 def lacks_any(pool: ArtifactPool, manifests: Sequence[Any],
               integrations: Sequence[Integration]) -> bool:
-    """Whether ``pool`` may need a download: it lacks an artifact of ``manifests``, or
-    integrations are given (what they want is read later, from every rank). A manifest
-    that cannot be read counts as lacking: the prefetch reports it."""
+    """Whether ``pool`` may need a download: it lacks one of :data:`SAMPLE` entries
+    spread over each manifest (a start-up whose pool is cold lacks the first it looks
+    up; a warm one is looked up :data:`SAMPLE` times, not once per artifact, and the
+    manifest is not parsed twice), or integrations are given (what they want is read
+    later, from every rank). A manifest that cannot be read counts as lacking: the
+    prefetch reports it. A pool that lacks only entries outside the sample is
+    prefetched all the same, its client set up by the first download."""
     if integrations:
         return True
     for spec in manifests:
         try:
-            listed = read_manifest(spec) if isinstance(spec, str | os.PathLike) else spec
-        except (DistcacheError, OSError):
-            return True
-        if not all(pool.holding(a.sha256 for a in listed)):
-            return True
+            if isinstance(spec, str | os.PathLike):
+                lines = [line for line in Path(spec).read_bytes().splitlines()
+                         if line.strip() and not line.lstrip().startswith(b"#")]
+                shas = [line.split()[0].decode("ascii").lower() for line in _spread(lines)]
+            else:
+                shas = [a.sha256 for a in _spread(list(spec))]
+            if not all(pool.holding(shas)):
+                return True
+        except (OSError, ValueError, AttributeError, IndexError):
+            return True  # unreadable or malformed: the prefetch says how
     return False
+
+
+def _spread(entries: list[Any]) -> list[Any]:
+    """At most :data:`SAMPLE` of ``entries``, evenly spaced, the first and last among them."""
+    if len(entries) <= SAMPLE:
+        return entries
+    step = (len(entries) - 1) / (SAMPLE - 1)
+    return [entries[round(i * step)] for i in range(SAMPLE)]
 
 
 def prepare_in_background(origin: Origin | None, pool: ArtifactPool,

@@ -76,3 +76,28 @@ def test_the_http_origin_builds_its_session_once(tmp_path: Path) -> None:
     chain.prepare()
     first = chain.origins[0]
     assert isinstance(first, HttpOrigin) and first._session is not None
+
+
+def test_a_warm_pool_is_looked_up_a_sample_at_a_time(tmp_path: Path) -> None:
+    from distcache import _prepare
+
+    pool = ArtifactPool(tmp_path / "pool")
+    shas = [pool.put(f"kernel {i}".encode()) for i in range(200)]
+    manifest = tmp_path / "m.txt"
+    manifest.write_text("# the family\n\n" + "".join(f"{s}  k{i}.cubin\n" for i, s in enumerate(shas)))
+    looked: list[str] = []
+    holding = pool.holding
+
+    def counted(wanted: object) -> list[bool]:
+        listed = list(wanted)  # type: ignore[call-overload]
+        looked.extend(listed)
+        return holding(listed)
+
+    pool.holding = counted  # type: ignore[method-assign]
+    assert not lacks_any(pool, [manifest], [])
+    assert len(looked) == _prepare.SAMPLE and shas[0] in looked and shas[-1] in looked
+    # The last entry lacking is seen; a malformed line counts as lacking.
+    manifest.write_text(manifest.read_text() + f"{'d' * 64}  late.cubin\n")
+    assert lacks_any(pool, [manifest], [])
+    manifest.write_text("not a digest line\n")
+    assert lacks_any(pool, [manifest], [])
