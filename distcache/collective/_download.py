@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
 
 from distcache.artifact import Artifact
@@ -18,14 +17,21 @@ from distcache.origins import Origin
 from distcache.store import Pool
 
 
-@dataclass
 class Downloaded:
     """What one rank's downloads did."""
 
-    downloads: int = 0
-    origin_bytes: int = 0
-    #: The first ``(artifact name, error)``, if any download failed.
-    failure: tuple[str, BaseException] | None = None
+    __slots__ = ("downloads", "failure", "origin_bytes")
+
+    def __init__(self, downloads: int = 0, origin_bytes: int = 0,
+                 failure: tuple[str, BaseException] | None = None) -> None:
+        self.downloads = downloads
+        self.origin_bytes = origin_bytes
+        #: The first ``(artifact name, error)``, if any download failed.
+        self.failure = failure
+
+    def __repr__(self) -> str:
+        return (f"Downloaded(downloads={self.downloads}, origin_bytes={self.origin_bytes}, "
+                f"failure={self.failure!r})")
 
 
 def _only_this_artifact(exc: BaseException) -> bool:

@@ -20,13 +20,13 @@ import socket
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from typing import BinaryIO
 
 import requests
 import urllib3.exceptions
 
+from distcache._record import Record
 from distcache.artifact import Artifact
 
 _CHUNK = 256 * 1024
@@ -129,16 +129,21 @@ def unreachable(exc: BaseException) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class Backoff:
+class Backoff(Record):
     """Waits between attempts: ``base * 2**n`` seconds with full jitter, each at most
     ``cap``; a server's ``Retry-After`` instead, up to ``retry_after_cap``; all waits
     for one artifact together at most ``total``."""
 
+    _FIELDS = ("base", "cap", "retry_after_cap", "total")
+    __slots__ = _FIELDS
     base: float
     cap: float
     retry_after_cap: float
     total: float
+
+    def __init__(self, base: float, cap: float, retry_after_cap: float, total: float) -> None:
+        for name, value in zip(self._FIELDS, (base, cap, retry_after_cap, total), strict=True):
+            self._set(name, value)
 
     def delay(self, attempt: int, hint: float | None, waited: float,
               rng: random.Random) -> float | None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import http.client
 import socket
-from dataclasses import dataclass
 from urllib.parse import quote
 
+from distcache._record import Record
 from distcache.artifact import Artifact, sha256_hex
 from distcache.errors import ArtifactNotFound, PeerError
 from distcache.peer._auth import sign
@@ -27,14 +27,19 @@ HEADER_DEADLINE = "X-Distcache-Deadline"
 NOT_AT_ORIGIN = "not-at-origin"
 
 
-@dataclass(frozen=True, slots=True)
-class Answer:
+class Answer(Record):
     """Verified bytes and where the agent got them: ``pool`` (its pool held them),
     ``peer`` (another node's agent), ``origin`` (it owns the artifact and asked the
     origin), ``fallback`` (it asked the origin because no owner answered)."""
 
+    _FIELDS = ("data", "source")
+    __slots__ = _FIELDS
     data: bytes
     source: str
+
+    def __init__(self, data: bytes, source: str) -> None:
+        self._set("data", data)
+        self._set("source", source)
 
 
 class _Connection(http.client.HTTPConnection):
