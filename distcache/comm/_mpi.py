@@ -65,8 +65,10 @@ def _subtree(child: int, size: int) -> str:
     return str(child) if last == child else f"{child}-{last}"
 
 
-def _arrive(MPI: Any, base: Any, timeout: float) -> None:
-    """Return once every rank of ``base`` is here to ``Dup`` it, else raise.
+def _arrive(MPI: Any, base: Any, timeout: float, word: bytes = b"") -> bytes:
+    """Return once every rank of ``base`` is here to ``Dup`` it, else raise; return
+    rank 0's ``word`` (every rank passes one of the same length; rank 0's travels down
+    with the word to go, so that what rank 0 chose reaches every rank in this round).
 
     ``Dup`` is a blocking collective with no timeout: a rank that called it alone
     would hang, and its pending ``Dup`` would be matched against the caller's next
@@ -84,7 +86,8 @@ def _arrive(MPI: Any, base: Any, timeout: float) -> None:
     rank, size = base.Get_rank(), base.Get_size()
     until = time.monotonic() + timeout
     parent, children = _arrival_tree(rank, size)
-    tokens = [bytearray(1) for _ in range(len(children) + 1)]
+    tokens = [bytearray(1) for _ in range(len(children))]
+    tokens.append(bytearray(1 + len(word)))  # the word to go, with rank 0's word
     from_children = [base.Irecv([tokens[i], MPI.BYTE], child, ARRIVAL_TAG)
                      for i, child in enumerate(children)]
     from_parent: list[Any] = []
@@ -116,8 +119,10 @@ def _arrive(MPI: Any, base: Any, timeout: float) -> None:
             "the same collective) together",
             op="init", timeout=timeout, rank=rank, backend="mpi",
         )
+    go = b"g" + word if parent is None else bytes(tokens[-1])
     for child in children:
-        base.Isend([b"g", MPI.BYTE], child, ARRIVAL_TAG).Free()
+        base.Isend([go, MPI.BYTE], child, ARRIVAL_TAG).Free()
+    return go[1:]
 
 
 class MpiCommunicator(BackendCommunicator):
@@ -132,6 +137,9 @@ class MpiCommunicator(BackendCommunicator):
         chunk_bytes: largest single broadcast message (default ``DISTCACHE_CHUNK_BYTES``).
         node_id: this rank's node identity (default ``DISTCACHE_NODE_ID``, else the
             hostname).
+        announce: bytes of the same length on every rank; rank 0's reach every rank
+            with the arrival check before ``Dup`` (no collective of their own), as
+            :attr:`announced`.
 
     Raises:
         CommError: mpi4py cannot be imported or initialised.
@@ -150,6 +158,7 @@ class MpiCommunicator(BackendCommunicator):
         timeout: float | None = None,
         chunk_bytes: int | None = None,
         node_id: str | None = None,
+        announce: bytes = b"",
     ) -> None:
         try:
             from mpi4py import MPI
@@ -168,8 +177,10 @@ class MpiCommunicator(BackendCommunicator):
             # distcache's can never be matched by the caller's next collective on the
             # world (or on the communicator the caller passed). Dup is collective, like
             # every constructor of a communicator here.
+            #: Rank 0's ``announce``, the same on every rank.
+            self.announced = bytes(announce)
             if dup and base.Get_size() > 1:
-                _arrive(MPI, base, self._timeout)
+                self.announced = _arrive(MPI, base, self._timeout, self.announced)
             self._comm = base.Dup() if dup else base
             self._rank = int(self._comm.Get_rank())
             self._size = int(self._comm.Get_size())

@@ -250,20 +250,23 @@ def share_secret(comm: Communicator, until: float) -> bytes:
     return bytes(got)
 
 
-def share(comm: Communicator, job: str, attempt: int, until: float) -> RunScope:
-    """A scope rank 0 chooses, on every rank of ``comm`` (a communicator that needs no
-    store, such as a duplicate of the MPI world). Collective.
+#: The length of :func:`drawn`.
+DRAWN_BYTES = 2 * NONCE_BYTES + SECRET_BYTES
+
+
+def drawn() -> bytes:
+    """A fresh scope's nonce (hex) and secret, as rank 0 sends them."""
+    return os.urandom(NONCE_BYTES).hex().encode() + os.urandom(SECRET_BYTES)
+
+
+def scope_of(got: bytes, job: str, attempt: int, rank: int) -> RunScope:
+    """The scope of rank 0's :func:`drawn` bytes.
 
     Raises:
-        CollectiveTimeout: not every rank came by ``until``.
-        CommError: rank 0's message is not a nonce and a secret.
+        CommError: ``got`` is not a nonce and a secret.
     """
-    mine = None
-    if comm.rank == 0:
-        mine = os.urandom(NONCE_BYTES).hex().encode() + os.urandom(SECRET_BYTES)
-    got = bytes(comm.broadcast_bytes(mine, 0, timeout=_left(until)))
-    if len(got) != 2 * NONCE_BYTES + SECRET_BYTES:
-        raise CommError(f"rank {comm.rank}: rank 0 sent a scope of {len(got)} bytes, "
-                        f"expected {2 * NONCE_BYTES + SECRET_BYTES}", op="init", rank=comm.rank)
+    if len(got) != DRAWN_BYTES:
+        raise CommError(f"rank {rank}: rank 0 sent a scope of {len(got)} bytes, "
+                        f"expected {DRAWN_BYTES}", op="init", rank=rank)
     nonce = parse_nonce(got[: 2 * NONCE_BYTES], "rank 0's scope")
     return RunScope(job, attempt, nonce, got[2 * NONCE_BYTES:])

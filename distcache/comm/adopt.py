@@ -40,7 +40,7 @@ from distcache._log import get_logger
 from distcache.comm._base import Communicator
 from distcache.comm._local import LocalCommunicator
 from distcache.comm._mpi import MpiCommunicator
-from distcache.comm._scope import RunScope, StoreLost, fresh, share
+from distcache.comm._scope import RunScope, StoreLost, drawn, fresh, scope_of
 from distcache.config import settings
 from distcache.errors import DistcacheError
 from launch import LaunchInfo, detect, run_id
@@ -149,9 +149,11 @@ def adopt(
     until = time.monotonic() + wait
     if choice == "mpi":
         log.debug("communicator: a duplicate of the MPI world")
-        mpi = MpiCommunicator(**options)
+        # Rank 0's scope reaches every rank with the arrival check before Dup: no
+        # collective of its own.
+        mpi = MpiCommunicator(announce=drawn(), **options)
         try:
-            scope = share(mpi, job, attempt, until)
+            scope = scope_of(mpi.announced, job, attempt, mpi.rank)
         except DistcacheError:
             mpi.close()
             raise

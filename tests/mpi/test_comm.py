@@ -358,3 +358,31 @@ def test_a_payload_past_its_head_takes_a_second_round_on_every_rank_and_arrives_
     sent = _payload(0, 3 * width)
     assert fresh.broadcast_bytes(sent if fresh.rank == 0 else None, 0) == sent
     assert (counts["_broadcast_block"], counts["_broadcast_span"]) == (1, 1)
+
+
+def test_rank_0s_announcement_reaches_every_rank_with_the_arrival_check(
+        comm: Communicator) -> None:
+    if os.environ.get("DISTCACHE_TEST_COMM", "mpi") != "mpi":
+        pytest.skip("the arrival check is the MPI communicator's")
+    from distcache.comm import MpiCommunicator
+    from distcache.comm.adopt import adopt
+
+    mine = bytes([comm.rank]) * 48  # each rank passes its own; rank 0's must win
+    made = MpiCommunicator(announce=mine, timeout=60)
+    try:
+        assert made.announced == bytes(48)
+    finally:
+        made.close()
+    # The run scope an MPI adoption agrees on travels the same way: one on every rank,
+    # a fresh one per adoption.
+    scopes = []
+    for _ in range(2):
+        adopted = adopt(timeout=60)
+        try:
+            scope = adopted.scope
+            assert comm.allgather_object((scope.nonce, scope.secret)) == [
+                (scope.nonce, scope.secret)] * comm.size
+            scopes.append(scope.nonce)
+        finally:
+            adopted.close()
+    assert scopes[0] != scopes[1]
