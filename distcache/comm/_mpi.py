@@ -15,23 +15,17 @@ mpi4py is imported in the constructor, never at module import: importing
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import time
 from collections.abc import Sequence
 from typing import Any, Self
 
 from distcache._log import get_logger
+from distcache.comm._arrival import _arrive, node_key
 from distcache.comm._backend import BackendCommunicator, Budget
 from distcache.comm._base import MAX_MESSAGE_BYTES, poll_until
-from distcache.errors import CollectiveTimeout, CommError
+from distcache.errors import CommError
 
 log = get_logger(__name__)
-
-#: The point-to-point tag of the arrival check before ``Dup``. Point-to-point and
-#: collective traffic never match each other in MPI, so the check cannot disturb a
-#: collective the caller runs on the same communicator.
-ARRIVAL_TAG = 0x4443
 
 #: Communicators larger than this all-gather point to point (:meth:`MpiCommunicator.
 #: _bruck`) rather than through the MPI library's non-blocking all-gather; the tags of
@@ -41,88 +35,6 @@ BRUCK_TAG = 0x4500
 #: The tag of ``MPI_Comm_create_group`` (:meth:`MpiCommunicator.group_owned`): a rank
 #: makes one group at a time, so one tag serves them all.
 GROUP_TAG = 0x4444
-
-
-def _arrival_tree(rank: int, size: int) -> tuple[int | None, list[int]]:
-    """``rank``'s parent (``None`` for rank 0) and children in a binomial tree.
-
-    The subtree under a child ``c`` is the contiguous ranks ``[c, c + lowbit(c))``
-    (clipped to ``size``), so a missing subtree is named by a range; every rank talks
-    to at most ``log2(size) + 1`` others.
-    """
-    low = rank & -rank if rank else 1 << max(size - 1, 1).bit_length()
-    parent = rank - low if rank else None
-    children = []
-    step = 1
-    while step < low and rank + step < size:
-        children.append(rank + step)
-        step <<= 1
-    return parent, children
-
-
-def _subtree(child: int, size: int) -> str:
-    last = min(child + (child & -child), size) - 1
-    return str(child) if last == child else f"{child}-{last}"
-
-
-def _arrive(MPI: Any, base: Any, timeout: float, word: bytes = b"") -> bytes:
-    """Return once every rank of ``base`` is here to ``Dup`` it, else raise; return
-    rank 0's ``word`` (every rank passes one of the same length; rank 0's travels down
-    with the word to go, so that what rank 0 chose reaches every rank in this round).
-
-    ``Dup`` is a blocking collective with no timeout: a rank that called it alone
-    would hang, and its pending ``Dup`` would be matched against the caller's next
-    collective on ``base``. So every rank first reports arrival up a binomial tree
-    (once its whole subtree has reported) and waits for the word that comes back
-    down from rank 0, point to point, polled against ``timeout``; only then does
-    anyone ``Dup``. A rank exchanges messages with at most ``log2(size) + 1`` others,
-    so the check costs each rank the same at any job size. A timed-out receive is
-    cancelled, so a rank that came alone leaves nothing behind that a later
-    collective could match.
-
-    Raises:
-        CollectiveTimeout: not every rank arrived within ``timeout``.
-    """
-    rank, size = base.Get_rank(), base.Get_size()
-    until = time.monotonic() + timeout
-    parent, children = _arrival_tree(rank, size)
-    tokens = [bytearray(1) for _ in range(len(children))]
-    tokens.append(bytearray(1 + len(word)))  # the word to go, with rank 0's word
-    from_children = [base.Irecv([tokens[i], MPI.BYTE], child, ARRIVAL_TAG)
-                     for i, child in enumerate(children)]
-    from_parent: list[Any] = []
-
-    def progressed() -> bool:
-        if not MPI.Request.Testall(from_children):
-            return False
-        if parent is None:
-            return True
-        if not from_parent:
-            # The whole subtree is here: report up, then wait for the word.
-            base.Isend([b"a", MPI.BYTE], parent, ARRIVAL_TAG).Free()
-            from_parent.append(base.Irecv([tokens[-1], MPI.BYTE], parent, ARRIVAL_TAG))
-        return bool(MPI.Request.Testall(from_parent))
-
-    if not poll_until(progressed, until):
-        missing = [_subtree(c, size) for c, req in zip(children, from_children, strict=True)
-                   if not req.Test()]
-        waited_parent = bool(from_parent) and not from_parent[0].Test()
-        for request in [*from_children, *from_parent]:
-            with contextlib.suppress(MPI.Exception):
-                request.Cancel()
-                request.Wait()
-        where = (f"rank(s) {', '.join(missing)}" if missing
-                 else "a rank elsewhere in the job" if waited_parent else "some rank")
-        raise CollectiveTimeout(
-            f"rank {rank}/{size}: {where} did not arrive within {timeout:g} s to "
-            "make distcache's MPI communicator; every rank must call distcache.init (or "
-            "the same collective) together",
-            op="init", timeout=timeout, rank=rank, backend="mpi",
-        )
-    go = b"g" + word if parent is None else bytes(tokens[-1])
-    for child in children:
-        base.Isend([go, MPI.BYTE], child, ARRIVAL_TAG).Free()
-    return go[1:]
 
 
 class MpiCommunicator(BackendCommunicator):
@@ -179,8 +91,11 @@ class MpiCommunicator(BackendCommunicator):
             # every constructor of a communicator here.
             #: Rank 0's ``announce``, the same on every rank.
             self.announced = bytes(announce)
+            # Every rank's node key in rank order, where the arrival check carried them.
+            self._node_keys: list[bytes] | None = None
             if dup and base.Get_size() > 1:
-                self.announced = _arrive(MPI, base, self._timeout, self.announced)
+                self.announced, self._node_keys = _arrive(
+                    MPI, base, self._timeout, self.announced, node_key(self.node_id))
             self._comm = base.Dup() if dup else base
             self._rank = int(self._comm.Get_rank())
             self._size = int(self._comm.Get_size())
@@ -351,6 +266,12 @@ class MpiCommunicator(BackendCommunicator):
         made = type(self)(child, dup=False, **self._inherited())
         made._owned = True
         return made
+
+    def node_keys(self) -> list[bytes] | None:
+        """Every rank's :func:`node_key`, in rank order, where the arrival check before
+        ``Dup`` carried them (no collective); None for a communicator made without
+        one. Equal keys: the same node id."""
+        return self._node_keys
 
     def group_owned(self, ranks: Sequence[int]) -> Self:
         """A communicator of the caller's own over ``ranks`` (ascending, this rank

@@ -142,11 +142,16 @@ class NodeTree(Wrapping):
 
     def __init__(self, base: Communicator, *, timeout: float | None = None) -> None:
         self._base = base
-        nodes: list[str] = base.allgather_object(base.node_id, timeout=timeout)
-        index: dict[str, int] = {}
+        # Where the communicator's making already carried every rank's node (MPI's
+        # arrival check), no all-gather of its own.
+        known = getattr(base, "node_keys", None)
+        nodes: list[Any] | None = known() if known is not None else None
+        if nodes is None or len(nodes) != base.size:
+            nodes = base.allgather_object(base.node_id, timeout=timeout)
+        index: dict[Any, int] = {}
         self._members: list[list[int]] = []
         for rank, node in enumerate(nodes):
-            if type(node) is not str:
+            if type(node) not in (str, bytes):
                 raise WireError(
                     f"NodeTree on rank {base.rank}/{base.size}: rank {rank} sent a node id "
                     f"that is not a string ({type(node).__name__})",

@@ -267,7 +267,8 @@ def test_a_rank_missing_from_the_arrival_tree_times_out_its_peers_and_leaves_not
     # these ranks, so MPI is there.
     from mpi4py import MPI
 
-    from distcache.comm._mpi import MpiCommunicator, _arrival_tree
+    from distcache.comm._arrival import _arrival_tree
+    from distcache.comm._mpi import MpiCommunicator
 
     base = MPI.COMM_WORLD.Dup()
     try:
@@ -367,10 +368,18 @@ def test_rank_0s_announcement_reaches_every_rank_with_the_arrival_check(
     from distcache.comm import MpiCommunicator
     from distcache.comm.adopt import adopt
 
+    from distcache.comm._arrival import node_key
+    from distcache.comm._tree import NodeTree
+
     mine = bytes([comm.rank]) * 48  # each rank passes its own; rank 0's must win
-    made = MpiCommunicator(announce=mine, timeout=60)
+    made = MpiCommunicator(announce=mine, timeout=60, node_id=f"n{comm.rank // 2}")
     try:
         assert made.announced == bytes(48)
+        # Every rank's node came with it, in rank order: the node tree needs no
+        # all-gather of its own and groups the ranks by it.
+        assert made.node_keys() == [node_key(f"n{r // 2}") for r in range(comm.size)]
+        tree = NodeTree(made, timeout=60)
+        assert tree.nodes == (comm.size + 1) // 2 and tree.leader == comm.rank // 2 * 2
     finally:
         made.close()
     # The run scope an MPI adoption agrees on travels the same way: one on every rank,

@@ -125,7 +125,7 @@ def test_counting_counts_broadcasts_once_at_the_root_and_splits_agreement() -> N
 
 
 def test_the_mpi_arrival_tree_reaches_every_rank_once_with_few_peers_each() -> None:
-    from distcache.comm._mpi import _arrival_tree, _subtree
+    from distcache.comm._arrival import _arrival_tree, _subtree
 
     for size in (1, 2, 3, 7, 8, 9, 64, 255, 256, 4096):
         reached = {0}
