@@ -1,8 +1,10 @@
 """Starting the node agents of a job: once, at start-up, over distcache's communicator.
 
 The lowest rank of each node (``Communicator.node_id``) starts an agent on the
-address the job uses (:func:`job_address`) and a Unix socket in the pool directory;
-one all-gather through the node leaders shares every node's TCP endpoint and socket.
+address the job uses (:func:`job_address`) and a Unix socket in the pool directory,
+on a thread (:class:`Starting`); once the caller is ready, every node's TCP endpoint
+and socket are shared: handed down by the node leaders with the start-up prefetch's
+report (:meth:`Starting.among_leaders`), else by one all-gather through them.
 Each rank then uses its node's agent for lookups; the agents know each other and each
 artifact's owner follows from the endpoints alone (:mod:`distcache.peer._ring`), so
 serving needs no collective.

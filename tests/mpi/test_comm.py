@@ -366,10 +366,9 @@ def test_rank_0s_announcement_reaches_every_rank_with_the_arrival_check(
     if os.environ.get("DISTCACHE_TEST_COMM", "mpi") != "mpi":
         pytest.skip("the arrival check is the MPI communicator's")
     from distcache.comm import MpiCommunicator
-    from distcache.comm.adopt import adopt
-
     from distcache.comm._arrival import node_key
     from distcache.comm._tree import NodeTree
+    from distcache.comm.adopt import adopt
 
     mine = bytes([comm.rank]) * 48  # each rank passes its own; rank 0's must win
     made = MpiCommunicator(announce=mine, timeout=60, node_id=f"n{comm.rank // 2}")
