@@ -306,3 +306,67 @@ def test_a_pool_path_too_long_for_a_socket_leaves_no_directory_behind(tmp_path: 
     assert made != Path(pool.root) and made.is_dir()  # the private directory it made
     Hosted(None, agent).close()
     assert not made.exists()
+
+
+def test_endpoints_handed_down_by_the_leaders_need_no_round_and_an_unshared_start_stops(
+    tmp_path: Path,
+) -> None:
+    from distcache.comm import ThreadGroup
+    from distcache.errors import WireError
+    from distcache.peer import _hosting
+
+    group = ThreadGroup(2, ["node-a", "node-b"], timeout=10)
+    began: list[object] = [None, None]
+
+    def begin(rank: int) -> None:
+        pool = ArtifactPool(tmp_path / f"pool-node-{'ab'[rank]}")
+        began[rank] = _hosting.begin(group.comm(rank), pool, lambda: None, b"s" * 32,
+                                     timeout=10)
+
+    threads = [threading.Thread(target=begin, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    starting = [s for s in began if isinstance(s, _hosting.Starting)]
+    assert len(starting) == 2  # one rank per node: both lead
+    # The leaders' all-gather (what the delegate's word carries), then each finishes
+    # without a collective of its own.
+    entries: list[object] = [None, None]
+
+    def among(rank: int) -> None:
+        entries[rank] = starting[rank].among_leaders(group.comm(rank))
+
+    threads = [threading.Thread(target=among, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert entries[0] == entries[1] and len(entries[0]) == 2  # type: ignore[arg-type]
+    with pytest.raises(WireError, match="malformed"):
+        starting[1].received([("node-b", 7, "")])
+    for rank in range(2):
+        starting[rank].received(entries[rank])
+    hosted = [s.finish() for s in starting]  # no all-gather: the threads are gone
+    try:
+        assert all(h.agent is not None and h.tier is not None for h in hosted)
+        assert hosted[0].nodes == hosted[1].nodes
+    finally:
+        for h in hosted:
+            h.close()
+
+
+def test_a_start_that_is_never_shared_stops_its_agent(tmp_path: Path) -> None:
+    from distcache.comm import local
+    from distcache.peer import _hosting
+
+    pool = ArtifactPool(tmp_path / "pool")
+    starting = _hosting.Starting(local(), b"k" * 32, 10,
+                                 lambda: _hosting.host_agent(pool, lambda: None, b"k" * 32,
+                                                             "solo", {}))
+    agent = starting._started()
+    assert agent is not None and agent.socket_path is not None
+    socket = agent.socket_path
+    assert socket.exists()
+    starting.abandon()
+    assert not socket.exists() and starting._started() is None
