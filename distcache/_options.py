@@ -123,17 +123,8 @@ class InitOptions(Record):
         environ: Mapping[str, str] | None = None,
         jit_caches: Sequence[str] | None = None,
     ) -> None:
-        self._set("manifests", manifests)
-        self._set("integrations", integrations)
-        self._set("ipc_pools", ipc_pools)
-        self._set("pool", pool)
-        self._set("origin", origin)
-        self._set("comm", comm)
-        self._set("timeout", timeout)
-        self._set("transport", transport)
-        self._set("background", background)
-        self._set("environ", environ)
-        self._set("jit_caches", jit_caches)
+        self._assign(manifests, integrations, ipc_pools, pool, origin, comm, timeout,
+                     transport, background, environ, jit_caches)
 
     @classmethod
     def of(cls, options: InitOptions | None, fields: Mapping[str, Any]) -> InitOptions:

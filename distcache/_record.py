@@ -6,7 +6,7 @@ generated and compiled at import); a job pays that once per rank, on cores the r
 share. The classes ``distcache.init`` builds on every rank (``InitOptions``,
 ``Artifact``, ``PrefetchReport``, the pool's layout, the launch description) derive
 from :class:`Record` instead: each writes its ``__init__`` and lists its fields in
-``__slots__`` or ``_FIELDS``; the base gives equality, hashing, ``repr``, a refusal
+``_FIELDS``; the base gives equality, hashing, ``repr``, a refusal
 to be assigned to (as a frozen dataclass), copying and pickling, :meth:`~Record.replace`
 and :meth:`~Record.as_dict`.
 """
@@ -26,9 +26,9 @@ class Record:
 
     A subclass names its fields (what its ``__init__`` takes, in order) in
     ``_FIELDS`` and its slots in ``__slots__`` (the fields, and any it derives);
-    ``__init__`` sets them with :meth:`_set` (plain assignment is refused). Fields that ``__init__`` derives
-    from the others are left out of ``_FIELDS``: they take no part in equality,
-    ``repr`` or :meth:`replace`.
+    ``__init__`` sets them with :meth:`_assign` or :meth:`_set` (plain assignment is
+    refused). Fields that ``__init__`` derives from the others are left out of
+    ``_FIELDS``: they take no part in equality, ``repr`` or :meth:`replace`.
     """
 
     __slots__ = ()
@@ -42,6 +42,11 @@ class Record:
     def _set(self, name: str, value: Any) -> None:
         """Set a field (from ``__init__``; the object is not yet shared)."""
         object.__setattr__(self, name, value)
+
+    def _assign(self, *values: Any) -> None:
+        """Set every field of ``_FIELDS``, in order (from ``__init__``)."""
+        for name, value in zip(self._FIELDS, values, strict=True):
+            object.__setattr__(self, name, value)
 
     def _values(self) -> tuple[Any, ...]:
         return tuple(getattr(self, name) for name in self._FIELDS)
@@ -101,7 +106,3 @@ def _slots(cls: type) -> list[str]:
         names.extend([slots] if isinstance(slots, str) else slots)
     return [n for n in names if n not in ("__dict__", "__weakref__")]
 
-
-def fields(cls: type[Record] | Record) -> tuple[str, ...]:
-    """The field names of a :class:`Record` class or instance, in ``__init__``'s order."""
-    return cls._FIELDS

@@ -73,13 +73,8 @@ class LaunchInfo(Record):
                  local_world_size: int | None, node_rank: int | None, num_nodes: int | None,
                  node_id: str, master_addr: str | None, master_port: int | None,
                  source: tuple[str, ...] = ()) -> None:
-        for name, value in (
-                ("launcher", launcher), ("rank", rank), ("world_size", world_size),
-                ("local_rank", local_rank), ("local_world_size", local_world_size),
-                ("node_rank", node_rank), ("num_nodes", num_nodes), ("node_id", node_id),
-                ("master_addr", master_addr), ("master_port", master_port),
-                ("source", source)):
-            self._set(name, value)
+        self._assign(launcher, rank, world_size, local_rank, local_world_size, node_rank,
+                     num_nodes, node_id, master_addr, master_port, source)
 
     @property
     def is_mpi(self) -> bool:

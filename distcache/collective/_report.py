@@ -58,15 +58,10 @@ class PrefetchReport(Record):
                  objects_published: int, pools: int, writers: tuple[int, ...],
                  downloaders: tuple[int, ...], peak_bytes: int,
                  seconds: Mapping[str, float] | None = None) -> None:
-        for name, value in (
-                ("operation", operation), ("artifacts", artifacts), ("objects", objects),
-                ("downloads", downloads), ("origin_bytes", origin_bytes),
-                ("broadcasts", broadcasts), ("broadcast_bytes", broadcast_bytes),
-                ("received_bytes", received_bytes), ("discarded_bytes", discarded_bytes),
-                ("pool_hits", pool_hits), ("objects_published", objects_published),
-                ("pools", pools), ("writers", writers), ("downloaders", downloaders),
-                ("peak_bytes", peak_bytes), ("seconds", {} if seconds is None else seconds)):
-            self._set(name, value)
+        self._assign(operation, artifacts, objects, downloads, origin_bytes, broadcasts,
+                     broadcast_bytes, received_bytes, discarded_bytes, pool_hits,
+                     objects_published, pools, writers, downloaders, peak_bytes,
+                     {} if seconds is None else seconds)
 
     @property
     def total_seconds(self) -> float:

@@ -142,8 +142,7 @@ class Backoff(Record):
     total: float
 
     def __init__(self, base: float, cap: float, retry_after_cap: float, total: float) -> None:
-        for name, value in zip(self._FIELDS, (base, cap, retry_after_cap, total), strict=True):
-            self._set(name, value)
+        self._assign(base, cap, retry_after_cap, total)
 
     def delay(self, attempt: int, hint: float | None, waited: float,
               rng: random.Random) -> float | None:

@@ -38,8 +38,7 @@ class Answer(Record):
     source: str
 
     def __init__(self, data: bytes, source: str) -> None:
-        self._set("data", data)
-        self._set("source", source)
+        self._assign(data, source)
 
 
 class _Connection(http.client.HTTPConnection):
