@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from distcache._log import get_logger
 from distcache.artifact import Artifact, manifest_text, merge_manifests
+from distcache.comm import Communicator, NodeTree, node_tree
 from distcache.config import settings
 from distcache.errors import DistcacheError
 
@@ -89,6 +90,23 @@ def prepare_in_background(origin: Origin | None, pool: ArtifactPool,
     thread = threading.Thread(target=run, daemon=True, name="distcache-origin-setup")
     thread.start()
     return thread
+
+
+def set_up_where_downloading(comm: Communicator, pool: ArtifactPool, origin: Origin | None,
+                             manifests: Sequence[Any], integrations: Sequence[Integration],
+                             offline: bool | None, timeout: float | None
+                             ) -> threading.Thread | None:
+    """Collective where ``comm``'s node tree is not made yet: :func:`prepare_in_background`
+    on a rank that may download in the start-up prefetch (a node leader, or every rank
+    where no leader acts for its node), unless there is no origin, nothing listed or
+    wanted, or downloads are off; the thread, else None."""
+    if origin is None or not (manifests or integrations) or (
+            settings().offline if offline is None else offline):
+        return None
+    tree = node_tree(comm, timeout=timeout)
+    if isinstance(tree, NodeTree) and tree.selected() is tree and not tree.is_leader:
+        return None
+    return prepare_in_background(origin, pool, manifests, integrations)
 
 
 def inputs_key(manifests: Sequence[str | os.PathLike[str] | Sequence[Artifact]],

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from distcache._delegate import Aside, led_by_node_leaders
 from distcache._log import get_logger
-from distcache._prepare import inputs_key, prepare_in_background
+from distcache._prepare import inputs_key, set_up_where_downloading
 from distcache.artifact import (
     Artifact,
     manifest_text,
@@ -117,10 +117,12 @@ def prefetch_manifests(
     timeout: float | None = None,
     offline: bool | None = None,
     aside: Aside | None = None,
+    set_up: bool = True,
 ) -> PrefetchReport | None:
     """Collective: every artifact of ``manifests`` (the same on every rank) and of any
     rank's ``integrations`` reaches every pool, each fetched from ``origin`` once
-    (``aside``: see :func:`~distcache._delegate.led_by_node_leaders`).
+    (``aside``: see :func:`~distcache._delegate.led_by_node_leaders`; ``set_up``: False
+    where the caller began the origin's set-up, as :mod:`distcache._prepare` does).
 
     Returns ``None`` (on every rank alike) when there is nothing to prefetch. Nothing
     collective runs when neither manifests nor integrations are given. Without an
@@ -150,12 +152,10 @@ def prefetch_manifests(
     # Every all-gather below goes through node leaders: the ranks of a node mostly send
     # alike (no error, the same pool, the same flags), so what a rank receives follows
     # the nodes, not the ranks. The collective reuses the same tree.
+    if set_up:  # a rank that may download sets up its origin's client meanwhile
+        set_up_where_downloading(comm, pool, origin, manifests, integrations, offline, timeout)
     comm = node_tree(comm, timeout=timeout)
     tree = comm if isinstance(comm, NodeTree) and comm.selected() is comm else None
-    if origin is not None and (tree is None or tree.is_leader) and not (
-            settings().offline if offline is None else offline):
-        # A rank that may download sets up its origin's client while the ranks agree.
-        prepare_in_background(origin, pool, manifests, integrations)
     if tree is not None:
         # Where each node's ranks share their leader's pool and pass the same inputs,
         # the leaders prefetch for their nodes (distcache._delegate).

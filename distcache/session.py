@@ -1,16 +1,14 @@
 """``distcache.init``: the collective start-up hook an engine calls on every rank.
 
-Composition only, in the order of DESIGN.md's data flow: a communicator of
-distcache's own (:func:`distcache.comm.adopt`: a duplicate of the MPI world or a
-private gloo group, never the engine's groups), the pool and the origin, the IPC pool
-handle exchange, the start-up prefetch of the manifests and of what the integrations
-want (:mod:`distcache._resolve`), each integration's install. With
-``background=True`` the prefetch and the installs run on a thread over that private
-communicator while the engine goes on (loading weights, say); ``Session.wait`` joins
-them. What ``init`` is told is one :class:`~distcache._options.InitOptions`
-(keywords of ``init`` stand for its fields). The process keeps one session, in a
-:class:`SessionSlot`: a second ``init`` returns it, so an engine and a library it
-embeds can both call ``init`` safely.
+Composition only, in the order of DESIGN.md's data flow: a communicator of distcache's
+own (:func:`distcache.comm.adopt`: a duplicate of the MPI world or a private gloo
+group, never the engine's groups), the pool and the origin, the IPC pool handle
+exchange, the start-up prefetch of the manifests and of what the integrations want
+(:mod:`distcache._resolve`), each integration's install. With ``background=True`` the
+prefetch and the installs run on a thread over that private communicator while the
+engine goes on (loading weights, say); ``Session.wait`` joins them. ``init`` is told
+one :class:`~distcache._options.InitOptions` (its keywords stand for the fields). The
+process keeps one session (:class:`SessionSlot`): a second ``init`` returns it.
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 from distcache._log import get_logger
 from distcache._options import InitFields, InitOptions, compose, jit_families
+from distcache._prepare import set_up_where_downloading
 from distcache._resolve import prefetch_manifests, resolve_origin, resolve_pool
 from distcache.comm import Adopted, Communicator, adopt, bulk_transport, local
 from distcache.config import Settings, settings
@@ -64,6 +63,9 @@ class Session:
     settings: Settings | None
     integrations: list[Integration]
     options: InitOptions | None
+    _sync_state: SyncState | None
+    _peers: Hosted | None
+    _starting: Starting | None
 
     def __init__(self, comm: Communicator, pool: ArtifactPool | None, *,
                  registry: PoolRegistry | None = None, report: PrefetchReport | None = None,
@@ -73,13 +75,10 @@ class Session:
                  options: InitOptions | None = None, _adopted: Adopted | None = None,
                  _slot: SessionSlot | None = None) -> None:
         self.comm, self.pool, self.registry, self.report = comm, pool, registry, report
+        self.disabled, self.settings, self.options = disabled, settings, options
         self.phases = {} if phases is None else phases
-        self.disabled = disabled
-        self.settings = settings
         self.integrations = [] if integrations is None else integrations
-        self.options = options
-        self._closed = False
-        self._sync_state: SyncState | None = None
+        self._closed, self._sync_state = False, None
         # The communicator adopt() made for this session; close() discards it.
         self._adopted = _adopted
         # The background start-up (init(background=True)), what it raised.
@@ -89,8 +88,7 @@ class Session:
         self._slot = _slot
         # The node agents of the peer tier this rank hosts or uses (distcache.peer);
         # their start, until their endpoints are shared.
-        self._peers: Hosted | None = None
-        self._starting: Starting | None = None
+        self._peers, self._starting = None, None
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "disabled" if self.disabled else "open"
@@ -318,9 +316,11 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
         the_origin = resolve_origin(options.origin, conf, chosen)
         secret = adopted.scope.secret if adopted else None
         with _phase(phases, "peers"):
+            setting_up = set_up_where_downloading(comm, the_pool, the_origin, options.manifests,
+                                                  chosen, conf.offline, conf.timeout)
             session._starting = start_for_session(
                 comm, the_pool, the_origin, secret, conf.peers, timeout=conf.timeout,
-                environ=options.environ)
+                environ=options.environ, after=setting_up)
             if options.background:
                 # Lookups the engine makes while the start-up runs find the peers.
                 _share_peers(session)
@@ -340,7 +340,7 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
                 session.report = prefetch_manifests(
                     moving, the_pool, the_origin, manifests=options.manifests,
                     integrations=chosen, timeout=conf.timeout, offline=conf.offline,
-                    aside=session._starting)
+                    aside=session._starting, set_up=False)
             if session.report is not None:
                 _log_rank0(comm, "%s", session.report.summary())
             # The node agents started beside the prefetch; their endpoints came with its

@@ -36,6 +36,8 @@ log = get_logger(__name__)
 
 #: The longest Unix socket path Linux takes (108 bytes with the terminator), with room.
 _MAX_SOCKET_PATH = 100
+#: The longest a leader's agent waits for what it starts after (the origin's set-up).
+AFTER_WAIT_S = 10.0
 
 
 def job_address(environ: Mapping[str, str] | None = None) -> str:
@@ -120,18 +122,21 @@ class Starting:
     beside them."""
 
     def __init__(self, comm: Communicator, key: bytes, timeout: float | None,
-                 starter: Callable[[], Agent] | None) -> None:
+                 starter: Callable[[], Agent] | None,
+                 after: threading.Thread | None = None) -> None:
         self.comm, self.key, self.timeout = comm, key, timeout
         self._agent: Agent | None = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._entries: list[tuple[str, str, str]] | None = None
         if starter is not None:
-            self._thread = threading.Thread(target=self._run, args=(starter,), daemon=True,
-                                            name="distcache-agent-start")
+            self._thread = threading.Thread(target=self._run, args=(starter, after),
+                                            daemon=True, name="distcache-agent-start")
             self._thread.start()
 
-    def _run(self, starter: Callable[[], Agent]) -> None:
+    def _run(self, starter: Callable[[], Agent], after: threading.Thread | None) -> None:
+        if after is not None:  # what the prefetch waits for first (the origin's set-up)
+            after.join(AFTER_WAIT_S)
         try:
             self._agent = starter()
         except BaseException as exc:  # reported by finish(), on this rank's thread
@@ -218,11 +223,13 @@ class Starting:
 
 def begin(comm: Communicator, pool: ArtifactPool, origin: Callable[[], Origin | None],
           secret: bytes | None, *, timeout: float | None = None,
-          environ: Mapping[str, str] | None = None) -> Starting | None:
+          environ: Mapping[str, str] | None = None,
+          after: threading.Thread | None = None) -> Starting | None:
     """Collective: begin the node agents of this communicator's job (see
     :class:`Starting`); ``None`` (no agent, nothing to finish) when every rank is on
     one node. ``secret`` is the run scope's (``None``: rank 0 draws one, shared over
-    ``comm``).
+    ``comm``). A leader's agent starts once ``after`` ends (at most
+    :data:`AFTER_WAIT_S` later).
 
     Raises:
         CollectiveTimeout, CommError: a collective failed (on every rank).
@@ -245,7 +252,7 @@ def begin(comm: Communicator, pool: ArtifactPool, origin: Callable[[], Origin | 
         def starter() -> Agent:
             return host_agent(pool, origin, key, tag, environ)
 
-    return Starting(comm, key, timeout, starter)
+    return Starting(comm, key, timeout, starter, after)
 
 
 def start(comm: Communicator, pool: ArtifactPool, origin: Callable[[], Origin | None],
@@ -264,7 +271,8 @@ def start(comm: Communicator, pool: ArtifactPool, origin: Callable[[], Origin | 
 
 def start_for_session(comm: Communicator, pool: ArtifactPool, origin: Origin | None,
                       secret: bytes | None, peers: str, *, timeout: float | None = None,
-                      environ: Mapping[str, str] | None = None) -> Starting | None:
+                      environ: Mapping[str, str] | None = None,
+                      after: threading.Thread | None = None) -> Starting | None:
     """What ``init`` begins for ``DISTCACHE_PEERS`` (:func:`begin`; the caller calls
     :meth:`Starting.finish` when it is ready to share the endpoints): ``"1"`` and more
     than one rank, the node agents; ``"0"``, or a socket path (``python -m launch
@@ -272,7 +280,7 @@ def start_for_session(comm: Communicator, pool: ArtifactPool, origin: Origin | N
     if peers != "1" or comm.size < 2:
         return None
     return begin(comm, pool, origin_or_default(origin), secret, timeout=timeout,
-                 environ=environ)
+                 environ=environ, after=after)
 
 
 def origin_or_default(origin: Origin | None) -> Callable[[], Origin | None]:

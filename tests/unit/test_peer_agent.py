@@ -370,3 +370,37 @@ def test_a_start_that_is_never_shared_stops_its_agent(tmp_path: Path) -> None:
     assert socket.exists()
     starting.abandon()
     assert not socket.exists() and starting._started() is None
+
+
+def test_a_leaders_agent_starts_after_the_origin_set_up(tmp_path: Path) -> None:
+    import threading
+
+    from distcache.comm import local
+    from distcache.peer import _hosting
+
+    pool = ArtifactPool(tmp_path / "pool")
+    release = threading.Event()
+    order: list[str] = []
+
+    def set_up() -> None:
+        release.wait(30)
+        order.append("set-up")
+
+    first = threading.Thread(target=set_up)
+    first.start()
+
+    def starter() -> _hosting.Agent:
+        order.append("agent")
+        return _hosting.host_agent(pool, lambda: None, b"k" * 32, "after", {})
+
+    starting = _hosting.Starting(local(), b"k" * 32, 10, starter, first)
+    assert starting._thread is not None
+    starting._thread.join(0.2)
+    assert order == [] and starting._thread.is_alive()  # waiting for the set-up
+    release.set()
+    agent = starting._started()
+    first.join(30)
+    try:
+        assert order == ["set-up", "agent"] and agent is not None
+    finally:
+        starting.abandon()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from distcache._prepare import lacks_any, prepare_in_background
+from distcache._prepare import lacks_any, prepare_in_background, set_up_where_downloading
 from distcache.artifact import Artifact
 from distcache.origins import HttpOrigin, OriginChain
 from distcache.store import ArtifactPool
@@ -101,3 +101,22 @@ def test_a_warm_pool_is_looked_up_a_sample_at_a_time(tmp_path: Path) -> None:
     assert lacks_any(pool, [manifest], [])
     manifest.write_text("not a digest line\n")
     assert lacks_any(pool, [manifest], [])
+
+
+def test_the_set_up_runs_where_a_download_may_follow(tmp_path: Path) -> None:
+    from distcache.comm import local
+
+    pool = ArtifactPool(tmp_path / "pool")
+    cold = [[Artifact("x", "d" * 64)]]
+    origin = _Counting()
+    comm = local()
+    # No origin, nothing listed or wanted, downloads off: nothing is set up.
+    assert set_up_where_downloading(comm, pool, None, cold, [], None, 10) is None
+    assert set_up_where_downloading(comm, pool, origin, [], [], None, 10) is None  # type: ignore[arg-type]
+    assert set_up_where_downloading(comm, pool, origin, cold, [], True, 10) is None  # type: ignore[arg-type]
+    assert origin.calls == 0
+    # A single rank downloads for itself: its client is set up.
+    thread = set_up_where_downloading(comm, pool, origin, cold, [], False, 10)  # type: ignore[arg-type]
+    assert thread is not None
+    thread.join(30)
+    assert origin.calls == 1
