@@ -265,12 +265,16 @@ class MpiCommunicator(BackendCommunicator):
             raise self._comm_error("split", exc) from exc
         made = type(self)(child, dup=False, **self._inherited())
         made._owned = True
+        if self._node_keys is not None:  # ranks of this color, in this order (key: rank)
+            made._node_keys = [k for k, c in zip(self._node_keys, colors, strict=True)
+                               if c == color]
         return made
 
     def node_keys(self) -> list[bytes] | None:
         """Every rank's :func:`node_key`, in rank order, where the arrival check before
-        ``Dup`` carried them (no collective); None for a communicator made without
-        one. Equal keys: the same node id."""
+        ``Dup`` carried them (no collective), or the communicator was made off one
+        that knew them (``split``, :meth:`group_owned`); else None. Equal keys: the
+        same node id."""
         return self._node_keys
 
     def group_owned(self, ranks: Sequence[int]) -> Self:
@@ -302,6 +306,8 @@ class MpiCommunicator(BackendCommunicator):
             group.Free()
         made = type(self)(child, dup=False, **self._inherited())
         made._owned = True
+        if self._node_keys is not None:
+            made._node_keys = [self._node_keys[r] for r in members]
         self.groups_made += 1
         self._owned_children.append(made)
         return made

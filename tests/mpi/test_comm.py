@@ -379,6 +379,25 @@ def test_rank_0s_announcement_reaches_every_rank_with_the_arrival_check(
         assert made.node_keys() == [node_key(f"n{r // 2}") for r in range(comm.size)]
         tree = NodeTree(made, timeout=60)
         assert tree.nodes == (comm.size + 1) // 2 and tree.leader == comm.rank // 2 * 2
+        # A communicator made off it knows its ranks' nodes too: the node tree of the
+        # leaders' communicator, or of a split, needs no all-gather either.
+        evens = [r for r in range(comm.size) if r % 2 == 0]
+        if comm.rank in evens:
+            group = made.group_owned(evens)
+            assert group.node_keys() == [node_key(f"n{r // 2}") for r in evens]
+        half = made.split(comm.rank % 2)
+        assert half.node_keys() == [node_key(f"n{r // 2}") for r in range(comm.size)
+                                    if r % 2 == comm.rank % 2]
+        calls = {"n": 0}
+        gather = half.allgather_object
+
+        def counted(obj: object, **kw: object) -> list[object]:
+            calls["n"] += 1
+            return gather(obj, **kw)  # type: ignore[arg-type]
+
+        half.allgather_object = counted  # type: ignore[method-assign]
+        NodeTree(half, timeout=60)
+        assert calls["n"] == 0
     finally:
         made.close()
     # The run scope an MPI adoption agrees on travels the same way: one on every rank,
