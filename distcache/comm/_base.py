@@ -295,14 +295,47 @@ _LOCAL_PROCESSES = ("OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MPI_LOCAL
 @functools.cache
 def _longest_pause() -> float:
     """The longest pause between two polls: :data:`_POLL_OWN_CORE_S` times the
-    processes per core of this host (as the launcher counts them), at most
-    :data:`_POLL_LONG_S`, which is also what a host of unknown load gets. Where every
+    processes per core (the launcher counts the processes of this host,
+    :func:`usable_cpus` the cores), at most :data:`_POLL_LONG_S`, which is also what a
+    host of unknown load gets. Where every
     rank has a core, polling often costs nothing a working rank needs and a wait ends
     closer to when its peers arrive."""
     local = next((os.environ[v] for v in _LOCAL_PROCESSES if os.environ.get(v)), "")
     if not (local.isdigit() and int(local) > 0):
         return _POLL_LONG_S
-    return min(_POLL_LONG_S, _POLL_OWN_CORE_S * max(1.0, int(local) / (os.cpu_count() or 1)))
+    return min(_POLL_LONG_S, _POLL_OWN_CORE_S * max(1.0, int(local) / usable_cpus()))
+
+
+#: Where Linux says how much CPU time this process's control group may use per period:
+#: cgroup v2's ``cpu.max`` ("max 100000" or "200000 100000"), else v1's quota and period.
+CGROUP_CPU = ("/sys/fs/cgroup/cpu.max",
+              ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us"))
+
+
+def usable_cpus(cgroup: tuple[str, tuple[str, str]] = CGROUP_CPU) -> float:
+    """The cores this process may use: those it may run on (its affinity), at most
+    its control group's CPU quota (a container's limit, in cores, fractional), at
+    least one. ``os.cpu_count()`` counts the host's cores, which a container limited
+    to a few of them does not get."""
+    try:
+        cores = float(len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        cores = float(os.cpu_count() or 1)
+    v2, (quota_file, period_file) = cgroup
+    try:
+        with open(v2) as f:
+            quota, _, period = f.read().strip().partition(" ")
+    except OSError:
+        try:
+            with open(quota_file) as f, open(period_file) as g:
+                quota, period = f.read().strip(), g.read().strip()
+        except OSError:
+            return max(1.0, cores)
+    try:
+        limit = int(quota) / int(period)
+    except ValueError:  # "max", or unreadable: no quota
+        return max(1.0, cores)
+    return max(1.0, min(cores, limit)) if limit > 0 else max(1.0, cores)
 
 
 def poll_until(done: Callable[[], bool], until: float) -> bool:
