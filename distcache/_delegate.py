@@ -347,11 +347,15 @@ def _in_job_terms(error: BaseException, tree: NodeTree, leaders: list[int]
     if isinstance(error, ManifestMismatchError) and isinstance(given, dict):
         groups = {digest: sorted(r for i in ranks for r in tree.node_of(leaders[i]))
                   for digest, ranks in given.items()}
-        parts = "; ".join(f"ranks {ranks} have {digest[:12]}"
-                          for digest, ranks in groups.items())
+        counts = getattr(error, "counts", None)
+        counts = counts if isinstance(counts, dict) else {}
+        parts = "; ".join(
+            f"ranks {ranks} have {digest[:12]}"
+            + (f" ({counts[digest]} artifacts)" if digest in counts else "")
+            for digest, ranks in groups.items())
         mapped = ManifestMismatchError(
             f"ranks called prefetch with different artifact lists: {parts}; every rank "
-            "must pass the same list", groups=groups)
+            "must pass the same list", groups=groups, counts=counts)
         mapped.agreed = error.agreed
         return mapped
     rank = getattr(error, "rank", None)

@@ -201,9 +201,9 @@ class RemoteError(DistcacheError):
 
 class ManifestMismatchError(DistcacheError):
     """Ranks called a collective with different inputs. Attributes: ``groups``
-    (digest -> list of ranks)."""
+    (digest -> list of ranks), ``counts`` (digest -> artifacts listed, where known)."""
 
-    attributes = ("groups",)
+    attributes = ("groups", "counts")
 
 
 class PrefetchError(DistcacheError):

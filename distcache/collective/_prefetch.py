@@ -56,7 +56,7 @@ def _mismatch(digests: list[tuple[str, int]]) -> ManifestMismatchError:
     return ManifestMismatchError(
         f"ranks called prefetch with different artifact lists: {parts}; "
         "every rank must pass the same list",
-        groups=groups,
+        groups=groups, counts=counts,
     )
 
 
