@@ -96,14 +96,17 @@ def set_up_where_downloading(comm: Communicator, pool: ArtifactPool, origin: Ori
                              manifests: Sequence[Any], integrations: Sequence[Integration],
                              offline: bool | None, timeout: float | None
                              ) -> threading.Thread | None:
-    """Collective where ``comm``'s node tree is not made yet: :func:`prepare_in_background`
-    on a rank that may download in the start-up prefetch (a node leader, or every rank
-    where no leader acts for its node), unless there is no origin, nothing listed or
-    wanted, or downloads are off; the thread, else None."""
-    if origin is None or not (manifests or integrations) or (
-            settings().offline if offline is None else offline):
+    """:func:`prepare_in_background` on a rank that may download in the start-up
+    prefetch (a node leader, or every rank where no leader acts for its node), unless
+    there is no origin or downloads are off; the thread, else None. Collective where
+    something is listed or wanted (as on every rank alike) and ``comm``'s node tree is
+    not made yet: it is made first, whatever this rank's origin (the job's ranks may
+    differ there, and the prefetch says how)."""
+    if not (manifests or integrations):
         return None
     tree = node_tree(comm, timeout=timeout)
+    if origin is None or (settings().offline if offline is None else offline):
+        return None
     if isinstance(tree, NodeTree) and tree.selected() is tree and not tree.is_leader:
         return None
     return prepare_in_background(origin, pool, manifests, integrations)

@@ -2,14 +2,17 @@
 then what it saw as ``OUT/rank<N>.json``.
 
     init_worker.py --pool DIR --manifest FILE --origin URL --out DIR [--timeout S]
-                   [--torch] [--thread-level LEVEL] [--wedge SECONDS]
+                   [--torch] [--thread-level LEVEL] [--wedge SECONDS] [--ipc]
 
 ``--torch`` hands ``init`` a gloo communicator (``distcache.comm.from_torch``) in
 place of the MPI one it adopts by itself; ``--thread-level`` initialises MPI at that
 level (``mpi4py.rc.thread_level``, as an engine that initialises MPI itself may);
 ``--wedge`` holds the prefetch of a rank that runs it (a node leader, where members
 leave it to theirs) that many seconds before it starts, with no collective in flight.
-Records the pool id this rank knows its pool by after ``init``, too.
+Records the pool id this rank knows its pool by after ``init``, too. An empty
+``--origin`` gives this rank none; ``--ipc`` has ``init`` exchange IPC pools (none of
+this rank's own: the exchange is a collective of its own between the peers' start and
+the prefetch).
 
 Records the report (or the error's type and message) and whether this rank loaded
 the collective's planning (``distcache.collective._prefetch``): a node member whose
@@ -65,6 +68,7 @@ def main() -> None:
     parser.add_argument("--torch", action="store_true")
     parser.add_argument("--thread-level")
     parser.add_argument("--wedge", type=float)
+    parser.add_argument("--ipc", action="store_true")
     args = parser.parse_args()
     if args.wedge:
         import time
@@ -91,8 +95,9 @@ def main() -> None:
     record: dict[str, Any] = {"error": None, "report": None}
     try:
         session = distcache.init(manifests=[str(args.manifest)], integrations=[],
-                                 pool=args.pool, origin=args.origin, timeout=args.timeout,
-                                 comm=given)
+                                 pool=args.pool, origin=args.origin or None,
+                                 timeout=args.timeout, comm=given,
+                                 ipc_pools=[] if args.ipc else None)
     except distcache.errors.DistcacheError as exc:
         record["error"] = [type(exc).__name__, str(exc)]
         comm = None

@@ -46,14 +46,15 @@ class Job:
     def launch(self, run_mpmd: Callable[..., CompletedProcess[str]],
                pools: list[Path], *, manifests: list[Path] | None = None,
                timeout: float = 60.0, env: dict[str, str] | None = None,
-               torch: bool = False, extra: list[str] | None = None
-               ) -> list[dict[str, Any]]:
+               torch: bool = False, extra: list[str] | None = None,
+               origins: list[str] | None = None) -> list[dict[str, Any]]:
         """One rank per context: ranks 0, 1 on node a, 2, 3 on node b."""
         contexts = []
         for rank in range(4):
             argv = [sys.executable, str(WORKER), "--pool", str(pools[rank]),
                     "--manifest", str((manifests or [self.manifest] * 4)[rank]),
-                    "--origin", self.srv.url, "--out", str(self.out),
+                    "--origin", (origins or [self.srv.url] * 4)[rank],
+                    "--out", str(self.out),
                     "--timeout", str(timeout), *(["--torch"] if torch else []),
                     *(extra or [])]
             variables = {"DISTCACHE_NODE_ID": NODES[rank // 2],
@@ -215,6 +216,22 @@ def test_nodes_with_different_manifests_get_the_mismatch_in_the_jobs_ranks(
     assert re.search(rf"ranks \[0, 1\] have \w+ \({K} artifacts\)", records[0]["error"][1])
     assert re.search(rf"ranks \[2, 3\] have \w+ \({K - 1} artifacts\)", records[0]["error"][1])
     assert [r["planned"] for r in records] == [True, False, True, False]
+    assert job.srv.total_requests == 0
+
+
+def test_a_rank_without_an_origin_fails_the_job_alike_with_a_collective_in_between(
+    job: Job, run_mpmd: Callable[..., CompletedProcess[str]]
+) -> None:
+    # Rank 3 has no origin. The node tree the prefetch uses is made before the IPC
+    # exchange on every rank, whatever its origin (the origin's set-up on the ranks
+    # that have one needs it), so no rank's collectives cross another's; the prefetch
+    # then finds a rank without an origin and a cold job: every rank raises the same.
+    records = job.launch(run_mpmd, job.node_pools(), timeout=20.0, extra=["--ipc"],
+                         env={"DISTCACHE_PEERS": "0"},
+                         origins=[job.srv.url] * 3 + [""])
+
+    assert [r["error"][0] for r in records] == ["ConfigError"] * 4, records
+    assert len({r["error"][1] for r in records}) == 1
     assert job.srv.total_requests == 0
 
 
