@@ -92,6 +92,15 @@ def prepare_in_background(origin: Origin | None, pool: ArtifactPool,
     return thread
 
 
+def as_lists(manifests: Any) -> Any:
+    """``manifests`` with each artifact list in it made a list, so that every step of
+    the start-up may read it (a single path is returned as it is: the prefetch refuses
+    it, naming the mistake)."""
+    if isinstance(manifests, str | os.PathLike):
+        return manifests
+    return [spec if isinstance(spec, str | os.PathLike) else list(spec) for spec in manifests]
+
+
 def set_up_where_downloading(comm: Communicator, pool: ArtifactPool, origin: Origin | None,
                              manifests: Sequence[Any], integrations: Sequence[Integration],
                              offline: bool | None, timeout: float | None

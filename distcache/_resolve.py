@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from distcache._delegate import Aside, led_by_node_leaders
 from distcache._log import get_logger
-from distcache._prepare import inputs_key, set_up_where_downloading
+from distcache._prepare import as_lists, inputs_key, set_up_where_downloading
 from distcache.artifact import (
     Artifact,
     manifest_text,
@@ -146,9 +146,7 @@ def prefetch_manifests(
         )
     if not manifests and not integrations:
         return None
-    # Lists read twice (a member's digest, then the leader's parse) must not be spent.
-    manifests = [spec if isinstance(spec, str | os.PathLike) else list(spec)
-                 for spec in manifests]
+    manifests = as_lists(manifests)  # read twice (a member's digest, the leader's parse)
     # Every all-gather below goes through node leaders: the ranks of a node mostly send
     # alike (no error, the same pool, the same flags), so what a rank receives follows
     # the nodes, not the ranks. The collective reuses the same tree.

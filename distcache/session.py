@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 from distcache._log import get_logger
 from distcache._options import InitFields, InitOptions, compose, jit_families
-from distcache._prepare import set_up_where_downloading
+from distcache._prepare import as_lists, set_up_where_downloading
 from distcache._resolve import prefetch_manifests, resolve_origin, resolve_pool
 from distcache.comm import Adopted, Communicator, adopt, bulk_transport, local
 from distcache.config import Settings, settings
@@ -315,12 +315,13 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
         chosen = [*chosen, *jit_families(options.jit_caches, conf, the_pool, options.environ)]
         the_origin = resolve_origin(options.origin, conf, chosen)
         secret = adopted.scope.secret if adopted else None
+        manifests = as_lists(options.manifests)  # read by the set-up, then the prefetch
         with _phase(phases, "peers"):
-            setting_up = set_up_where_downloading(comm, the_pool, the_origin, options.manifests,
+            setting_up = set_up_where_downloading(comm, the_pool, the_origin, manifests,
                                                   chosen, conf.offline, conf.timeout)
-            session._starting = start_for_session(
+            session._starting = start_for_session(  # in the background: no wait for it
                 comm, the_pool, the_origin, secret, conf.peers, timeout=conf.timeout,
-                environ=options.environ, after=setting_up)
+                environ=options.environ, after=None if options.background else setting_up)
             if options.background:
                 # Lookups the engine makes while the start-up runs find the peers.
                 _share_peers(session)
@@ -334,11 +335,10 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
                        len(session.registry.opens), phases["ipc"])
 
         def start_up() -> None:
-            with _phase(phases, "prefetch"), bulk_transport(
-                comm, conf.transport, conf.timeout
-            ) as moving:
+            with _phase(phases, "prefetch"), bulk_transport(comm, conf.transport,
+                                                             conf.timeout) as moving:
                 session.report = prefetch_manifests(
-                    moving, the_pool, the_origin, manifests=options.manifests,
+                    moving, the_pool, the_origin, manifests=manifests,
                     integrations=chosen, timeout=conf.timeout, offline=conf.offline,
                     aside=session._starting, set_up=False)
             if session.report is not None:
@@ -356,10 +356,8 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
                            phases[integration.name])
 
         if options.background:
-            session._thread = threading.Thread(
-                target=_run_recording, args=(start_up, session), daemon=True,
-                name="distcache-start-up",
-            )
+            session._thread = threading.Thread(target=_run_recording, args=(start_up, session),
+                                               daemon=True, name="distcache-start-up")
             session._thread.start()
         else:
             start_up()

@@ -306,36 +306,61 @@ def _longest_pause() -> float:
     return min(_POLL_LONG_S, _POLL_OWN_CORE_S * max(1.0, int(local) / usable_cpus()))
 
 
-#: Where Linux says how much CPU time this process's control group may use per period:
-#: cgroup v2's ``cpu.max`` ("max 100000" or "200000 100000"), else v1's quota and period.
-CGROUP_CPU = ("/sys/fs/cgroup/cpu.max",
+#: Where Linux says which cores this process's control group may run on (cgroup v2,
+#: then v1: "0-3,8") and how much CPU time it may use per period (v2's ``cpu.max``,
+#: "max 100000" or "200000 100000", else v1's quota and period).
+CGROUP_CPU = (("/sys/fs/cgroup/cpuset.cpus.effective",
+               "/sys/fs/cgroup/cpuset/cpuset.effective_cpus"),
+              "/sys/fs/cgroup/cpu.max",
               ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us"))
 
 
-def usable_cpus(cgroup: tuple[str, tuple[str, str]] = CGROUP_CPU) -> float:
-    """The cores this process may use: those it may run on (its affinity), at most
-    its control group's CPU quota (a container's limit, in cores, fractional), at
-    least one. ``os.cpu_count()`` counts the host's cores, which a container limited
-    to a few of them does not get."""
-    try:
-        cores = float(len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # not Linux
-        cores = float(os.cpu_count() or 1)
-    v2, (quota_file, period_file) = cgroup
-    try:
-        with open(v2) as f:
-            quota, _, period = f.read().strip().partition(" ")
-    except OSError:
-        try:
-            with open(quota_file) as f, open(period_file) as g:
-                quota, period = f.read().strip(), g.read().strip()
-        except OSError:
-            return max(1.0, cores)
+def usable_cpus(cgroup: Any = CGROUP_CPU) -> float:
+    """The cores this host's processes of the job may use: the control group's cores
+    (a container's CPU set; else the host's), at most its CPU quota (a container's
+    limit, in cores, fractional), at least one. Not this process's own affinity: a
+    launcher that binds each rank to a core gives each an affinity of one core, and its
+    ranks still have a core each. ``os.cpu_count()`` alone counts the host's cores,
+    which a container limited to a few of them does not get."""
+    (cpusets, v2, (quota_file, period_file)) = cgroup
+    cores = float(os.cpu_count() or 1)
+    for path in cpusets:
+        listed = _cpu_list_size(_read(path))
+        if listed:
+            cores = min(cores, float(listed))
+            break
+    text = _read(v2)
+    quota, _, period = (text or "").partition(" ")
+    if text is None:
+        quota, period = _read(quota_file) or "", _read(period_file) or ""
     try:
         limit = int(quota) / int(period)
-    except ValueError:  # "max", or unreadable: no quota
-        return max(1.0, cores)
-    return max(1.0, min(cores, limit)) if limit > 0 else max(1.0, cores)
+    except (ValueError, ZeroDivisionError):  # "max", none, or unreadable: no quota
+        limit = 0.0
+    return max(1.0, min(cores, limit) if limit > 0 else cores)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _cpu_list_size(text: str | None) -> int:
+    """How many cores a Linux CPU list ("0-3,8,10-11") names; 0 when it is not one."""
+    count = 0
+    try:
+        for part in (text or "").split(","):
+            first, dash, last = part.partition("-")
+            span = (int(last) if dash else int(first)) - int(first) + 1
+            if span < 1:
+                return 0
+            count += span
+    except ValueError:
+        return 0
+    return count
 
 
 def poll_until(done: Callable[[], bool], until: float) -> bool:

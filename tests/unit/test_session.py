@@ -55,6 +55,21 @@ def test_init_prefetches_then_a_second_launch_downloads_nothing(
     assert srv.total_requests == k
 
 
+def test_an_artifact_list_read_once_is_prefetched_whole(
+    tmp_path: Path, origin_and_manifest: tuple[LoopbackOrigin, Path, int]
+) -> None:
+    # The origin's set-up looks into the lists before the prefetch reads them: a
+    # generator (read once) must reach the prefetch whole.
+    from distcache.artifact import parse_checksums
+
+    srv, manifest, k = origin_and_manifest
+    listed = parse_checksums(manifest.read_text())
+    with distcache.init(pool=tmp_path / "pool", origin=srv.url, integrations=(),
+                        manifests=[(a for a in listed)]) as session:
+        assert session.report is not None and session.report.downloads == k
+    assert srv.total_requests == k
+
+
 def test_second_init_returns_the_same_session(tmp_path: Path) -> None:
     first = distcache.init(pool=tmp_path / "pool", integrations=())
     second = distcache.init(pool=tmp_path / "other", integrations=())
