@@ -171,7 +171,8 @@ class NodeTree(Wrapping):
             # make a communicator among some ranks alone (MPI), each node makes its
             # own and only the leaders make theirs: a member takes part in one
             # creation among its node's ranks, not two among the job's. The node ids
-            # all-gathered above prove every rank is here.
+            # gathered above (all-gathered, or carried by MPI's arrival check) prove
+            # every rank is here.
             group = getattr(base, "group_owned", None)
             if group is not None:
                 self._local = group(self._members[self._node])
