@@ -71,7 +71,8 @@ def consumer(conn: Any, index: int, device: int) -> None:
     from cuda.bindings import runtime as rt
 
     from distcache.ipc import FeatureRef, PoolDescriptor, PoolRegistry
-    from distcache.ipc._devmap import DeviceArray, unpack_handle
+    from distcache.ipc._devmap import unpack_handle
+    from distcache.ipc._driver import DeviceArray
 
     torch.cuda.set_device(device)
     registry = PoolRegistry(index, device=device)

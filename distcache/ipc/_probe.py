@@ -15,7 +15,9 @@ ever meets an unusable handle (e.g. WSL2's "invalid resource handle", SGLang iss
 
 from __future__ import annotations
 
+import mmap
 import platform
+import sys
 
 from distcache._log import get_logger
 from distcache.comm._base import Communicator
@@ -25,6 +27,7 @@ from distcache.ipc import _driver as drv
 log = get_logger(__name__)
 
 _TRIAL_BYTES = 1 << 16
+_TRIAL_WORD = 0x5A17C0DE
 
 
 def resolve_device(device: int | None) -> int:
@@ -64,9 +67,12 @@ def probe_cuda_ipc(device: int | None = None) -> tuple[bool, str]:
         ordinal = resolve_device(device)
         if not 0 <= ordinal < count:
             return False, f"device {ordinal} does not exist ({count} visible)"
-        for name in ("CAN_USE_STREAM_MEM_OPS_V1", "CAN_MAP_HOST_MEMORY", "HOST_REGISTER_SUPPORTED"):
+        for name in ("CAN_MAP_HOST_MEMORY", "HOST_REGISTER_SUPPORTED"):
             if not drv.attribute(ordinal, f"CU_DEVICE_ATTRIBUTE_{name}"):
                 return False, f"cuda:{ordinal} lacks {name.lower()}"
+        failed = _trial_stream_ops(ordinal)
+        if failed:
+            return False, f"cuda:{ordinal}: {failed}"
         ptr = drv.mem_alloc(ordinal, _TRIAL_BYTES)
         try:
             drv.ipc_handle(ordinal, ptr)
@@ -75,6 +81,39 @@ def probe_cuda_ipc(device: int | None = None) -> tuple[bool, str]:
     except Exception as exc:  # a broken driver must be a vote, not a crash
         return False, f"CUDA IPC is unusable: {exc}"
     return True, ""
+
+
+def _trial_stream_ops(ordinal: int) -> str:
+    """Write and wait on a registered host word from the device's stream, the way
+    the pools order their slots; "" when both work, else what failed.
+
+    Tried rather than read from an attribute: the driver's
+    ``CAN_USE_STREAM_MEM_OPS_V1`` describes the legacy operations (off unless the
+    kernel module enables them), not the ones the bindings call, which every
+    current driver has.
+    """
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    try:
+        address = drv.buffer_address(page)
+        try:
+            device_address = drv.host_register(ordinal, address, mmap.PAGESIZE)
+        except Exception as exc:
+            return f"host registration failed: {exc}"
+        try:
+            drv.stream_write(ordinal, 0, device_address, _TRIAL_WORD)
+            drv.stream_synchronize(ordinal, 0)
+            seen = int.from_bytes(page[:4], sys.byteorder)
+            if seen != _TRIAL_WORD:
+                return f"a stream write left {seen:#x}, not {_TRIAL_WORD:#x}"
+            drv.stream_wait(ordinal, 0, device_address, _TRIAL_WORD)
+            drv.stream_synchronize(ordinal, 0)
+        except Exception as exc:
+            return f"stream memory operations failed: {exc}"
+        finally:
+            drv.host_unregister(ordinal, address)
+    finally:
+        page.close()
+    return ""
 
 
 def _export(device: int | None) -> tuple[str, bytes, bytes, int]:

@@ -3,7 +3,9 @@ per thread-rank: the real driver paths run only in scripts/gpu_check.sh."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,6 +26,7 @@ class FakeGpus:
         self.fail: dict[tuple[int, str], str] = {}
         self.live: dict[int, int] = {}  # ptr -> rank that allocated it
         self.opened: list[tuple[int, bytes]] = []
+        self.registered: dict[int, int] = {}  # host address -> rank that registered it
         self.rank_of: dict[int, int] = {}
         #: Ranks that made any driver call (a CUDA context, on a real GPU).
         self.touched: set[int] = set()
@@ -67,6 +70,21 @@ class FakeGpus:
             self.opened.append((self.rank(), handle))
             return int.from_bytes(handle, "little")
 
+        def host_register(ordinal: int, address: int, nbytes: int) -> int:
+            self._step("register")
+            with self._lock:
+                self.registered[address] = self.rank()
+            return address  # the device sees the page where the host does
+
+        def host_unregister(ordinal: int, address: int) -> None:
+            with self._lock:
+                del self.registered[address]
+
+        def stream_write(ordinal: int, stream: int, address: int, value: int) -> None:
+            self._step("stream")
+            if (self.rank(), "lost write") not in self.fail:
+                ctypes.memmove(address, value.to_bytes(4, sys.byteorder), 4)
+
         def visible() -> list[bytes]:
             # This rank's own GPU first (ordinal 0), then the others it can see.
             mine = self.uuids[self.rank()]
@@ -80,6 +98,11 @@ class FakeGpus:
             "ipc_handle": ipc_handle,
             "ipc_open": ipc_open,
             "ipc_close": lambda ordinal, ptr: None,
+            "host_register": host_register,
+            "host_unregister": host_unregister,
+            "stream_write": stream_write,
+            "stream_wait": lambda ordinal, stream, address, value: None,
+            "stream_synchronize": lambda ordinal, stream: None,
             "device_uuid": lambda ordinal: visible()[ordinal],
             "ordinal_of": lambda uuid: visible().index(uuid) if uuid in visible() else None,
             "can_access_peer": lambda a, b: a == b or self.peer,
@@ -132,7 +155,10 @@ def test_no_cuda_pool_means_no_probe_at_all(same_gpu: FakeGpus) -> None:
     assert same_gpu.opened == [] and same_gpu.live == {}
 
 
-@pytest.mark.parametrize(("rank", "step"), [(1, "open"), (0, "export"), (0, "alloc")])
+@pytest.mark.parametrize(
+    ("rank", "step"),
+    [(1, "open"), (0, "export"), (0, "alloc"), (0, "register"), (0, "stream")],
+)
 def test_one_failing_step_on_one_rank_moves_its_whole_node_to_host_memory(
     same_gpu: FakeGpus, rank: int, step: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -140,7 +166,21 @@ def test_one_failing_step_on_one_rank_moves_its_whole_node_to_host_memory(
     with caplog.at_level(logging.WARNING, logger="distcache.ipc._probe"):
         assert _run(same_gpu, [True, False, False]) == ["shm"] * 3
     assert f"rank {rank}" in caplog.text and "invalid resource handle" in caplog.text
-    assert same_gpu.live == {}
+    assert same_gpu.live == {} and same_gpu.registered == {}
+
+
+def test_the_probe_tries_stream_memory_operations_and_sees_a_lost_write(
+    same_gpu: FakeGpus, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A device that queues the write but never lands it in host memory: ordering
+    # through it would wait forever, so the node shares host memory instead.
+    assert _run(same_gpu, [True, False, False]) == ["cuda"] * 3
+    assert same_gpu.registered == {}
+    same_gpu.fail[(0, "lost write")] = "yes"
+    with caplog.at_level(logging.WARNING, logger="distcache.ipc._probe"):
+        assert _run(same_gpu, [True, False, False]) == ["shm"] * 3
+    assert "a stream write left 0x0, not 0x5a17c0de" in caplog.text
+    assert same_gpu.registered == {} and same_gpu.live == {}
 
 
 # -- per node: one probe each, and one node's failure stays its own ----------------------
