@@ -211,6 +211,16 @@ class CudaPool(ProducerPool):
         return self._host.free_bytes if self._host is not None else super().free_bytes
 
     def bind(self, owner: int | None, consumers: Sequence[int], node_id: str = "") -> None:
+        if self.unusable and self._host is None:
+            # Bound by its producer, not at an exchange: no probe will vote, and the
+            # pool cannot be exported, so it serves through host memory from the start.
+            log.warning(
+                "CUDA IPC pool %s cannot be exported (%s); it is shared through host "
+                "shared memory instead",
+                self.pool_id,
+                self.unusable,
+            )
+            self.fall_back_to_host()
         if self._host is None:
             super().bind(owner, consumers, node_id)
             return
@@ -275,16 +285,20 @@ class CudaPool(ProducerPool):
                 self.teardown_timeout,
                 self.capacity,
             )
-            return
-        self._release_device()
+        self._release_device(free_memory=not holders)
 
-    def _release_device(self) -> None:
+    def _release_device(self, free_memory: bool = True) -> None:
+        """Release the control words (their registration and mapping) and, unless
+        consumers still map it, the device memory. The registration always goes with
+        the mapping: a range left registered after the unmap makes the next mapping
+        at that address fail to register (``HOST_MEMORY_ALREADY_REGISTERED``)."""
         if self._ptr:
             drv.synchronize(self.device)  # this producer's own queued copies land first
             self._data = None
             self._words.release()
             drv.host_unregister(self.device, self._addr)
-            drv.mem_free(self.device, self._ptr)
+            if free_memory:
+                drv.mem_free(self.device, self._ptr)
             self._ptr = 0
             self._mm.close()
             self._unlink_words()

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from distcache.errors import IpcError
 from distcache.ipc import CudaPool, PoolRegistry, _cuda, _devmap, _driver
 
 
@@ -23,6 +24,8 @@ class FakeDriver:
         self.memory: dict[int, Any] = {}
         self.calls: list[tuple[str, Any]] = []
         self.open: set[int] = set()
+        self.registered: set[int] = set()  # host addresses registered with the device
+        self.refuse_register = False
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         def mem_alloc(ordinal: int, nbytes: int) -> int:
@@ -62,14 +65,25 @@ class FakeDriver:
             tensor._owner = owner  # type: ignore[attr-defined]
             return tensor
 
+        def host_register(ordinal: int, address: int, nbytes: int) -> int:
+            if self.refuse_register:
+                raise IpcError("cuMemHostRegister failed: CUDA_ERROR_NOT_PERMITTED (800)")
+            assert address not in self.registered, "HOST_MEMORY_ALREADY_REGISTERED"
+            self.registered.add(address)
+            return address
+
+        def host_unregister(ordinal: int, address: int) -> None:
+            self.calls.append(("unregister", address))
+            self.registered.remove(address)
+
         fakes = {
             "mem_alloc": mem_alloc,
             "mem_free": mem_free,
             "ipc_handle": lambda ordinal, ptr: ptr.to_bytes(8, "little") + bytes(56),
             "ipc_open": ipc_open,
             "ipc_close": ipc_close,
-            "host_register": lambda ordinal, address, nbytes: address,
-            "host_unregister": lambda ordinal, address: self.calls.append(("unregister", address)),
+            "host_register": host_register,
+            "host_unregister": host_unregister,
             "device_uuid": lambda ordinal: bytes(16),
             "stream_write": stream_write,
             "stream_wait": stream_wait,
@@ -150,7 +164,33 @@ def test_a_producer_never_frees_memory_a_consumer_still_maps(
         pool.close()
     assert "still map it" in caplog.text
     assert "free" not in [name for name, _ in fake.calls]
+    # The producer's own control words go: their mapping and, with it, their
+    # registration (left registered, the next mapping at that address would fail).
+    assert ("unregister", pool._addr) in fake.calls
     registry.close()
+    assert fake.registered == set()
+
+
+def test_a_pool_that_cannot_be_exported_serves_host_memory_once_bound(
+    fake: FakeDriver, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A producer that binds its pool itself (outside any exchange, after a restart):
+    # no probe votes, so the pool falls back at bind rather than failing its first put.
+    fake.refuse_register = True
+    with caplog.at_level(logging.WARNING, logger="distcache.ipc._cuda"):
+        pool = CudaPool(1 << 16, 0, slots=8, name="unexported")
+        assert "NOT_PERMITTED" in pool.unusable
+        pool.bind(owner=None, consumers=[1])
+    assert pool.backend == "shm" and pool.descriptor().backend == "shm"
+    assert "shared through host shared memory" in caplog.text
+    assert "free" in [name for name, _ in fake.calls]  # its device memory went at once
+    ref = pool.put(torch.ones(4))
+    assert ref is not None
+    registry = PoolRegistry(1)
+    registry.add(pool.descriptor().pack())
+    assert torch.equal(registry.fetch(ref), torch.ones(4))
+    registry.close()
+    pool.close()
 
 
 def test_cancel_waits_for_the_queued_copy_before_the_range_is_reused(fake: FakeDriver) -> None:
