@@ -146,8 +146,10 @@ class NodeTree(Wrapping):
         # arrival check), no all-gather of its own.
         known = getattr(base, "node_keys", None)
         nodes: list[Any] | None = known() if known is not None else None
-        if nodes is None or len(nodes) != base.size:
+        gathered = nodes is None or len(nodes) != base.size
+        if gathered:
             nodes = base.allgather_object(base.node_id, timeout=timeout)
+        assert nodes is not None
         index: dict[Any, int] = {}
         self._members: list[list[int]] = []
         for rank, node in enumerate(nodes):
@@ -170,11 +172,16 @@ class NodeTree(Wrapping):
             # on a thread while this tree carries the heartbeats. Where the backend can
             # make a communicator among some ranks alone (MPI), each node makes its
             # own and only the leaders make theirs: a member takes part in one
-            # creation among its node's ranks, not two among the job's. The node ids
-            # gathered above (all-gathered, or carried by MPI's arrival check) prove
-            # every rank is here.
+            # creation among its node's ranks, not two among the job's. Making a
+            # group has no timeout, so every rank must be known to be here first: the
+            # all-gather above proves it; node ids carried by MPI's arrival check
+            # prove only that every rank was there when the communicator was made,
+            # so a timed barrier does (a rank that failed since would otherwise
+            # leave its node's other ranks blocked in the creation).
             group = getattr(base, "group_owned", None)
             if group is not None:
+                if not gathered:
+                    base.barrier(timeout=timeout)
                 self._local = group(self._members[self._node])
                 if self.is_leader:
                     self._upper = group([members[0] for members in self._members])

@@ -290,6 +290,33 @@ def test_a_rank_missing_from_the_arrival_tree_times_out_its_peers_and_leaves_not
         base.Free()
 
 
+def test_a_rank_that_never_makes_the_node_tree_times_out_its_peers_instead_of_blocking(
+) -> None:
+    # The node ids come with MPI's arrival check, so the tree gathers none of its own;
+    # a rank that failed after the communicator was made must still not leave its
+    # node's other ranks blocked in making their node's group (which has no timeout).
+    from mpi4py import MPI
+
+    from distcache.comm._mpi import MpiCommunicator
+    from distcache.comm._tree import NodeTree
+
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    made = MpiCommunicator(timeout=60, node_id=f"n{rank // 2}")
+    late = size - 1
+    try:
+        assert made.node_keys() is not None
+        if rank != late:
+            with pytest.raises(CollectiveTimeout) as info:
+                NodeTree(made, timeout=1.0)
+            assert info.value.op == "barrier"  # type: ignore[attr-defined]
+        MPI.COMM_WORLD.Barrier()
+        if rank == late:
+            made.barrier(timeout=60)  # completes the barrier its peers abandoned
+    finally:
+        made.close()
+    MPI.COMM_WORLD.Barrier()
+
+
 def _count_rounds(fresh: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts of the transport's primitives that ``fresh`` calls from now on."""
     counts = {"_allgather_blocks": 0, "_allgather_payloads": 0, "_broadcast_block": 0,
