@@ -98,7 +98,18 @@ def as_lists(manifests: Any) -> Any:
     it, naming the mistake)."""
     if isinstance(manifests, str | os.PathLike):
         return manifests
+    if isinstance(manifests, list) and all(isinstance(spec, str | os.PathLike | list)
+                                           for spec in manifests):
+        return manifests  # made lists already (the session's, handed on to the prefetch)
     return [spec if isinstance(spec, str | os.PathLike) else list(spec) for spec in manifests]
+
+
+def leading_tree(comm: Communicator, timeout: float | None) -> NodeTree | None:
+    """``comm``'s node tree where its node leaders act for their nodes (more than one
+    node, not one rank each), else None. Collective the first time (see
+    :func:`~distcache.comm.node_tree`)."""
+    tree = node_tree(comm, timeout=timeout)
+    return tree if isinstance(tree, NodeTree) and tree.selected() is tree else None
 
 
 def set_up_where_downloading(comm: Communicator, pool: ArtifactPool, origin: Origin | None,
@@ -113,10 +124,10 @@ def set_up_where_downloading(comm: Communicator, pool: ArtifactPool, origin: Ori
     differ there, and the prefetch says how)."""
     if not (manifests or integrations):
         return None
-    tree = node_tree(comm, timeout=timeout)
+    tree = leading_tree(comm, timeout)
     if origin is None or (settings().offline if offline is None else offline):
         return None
-    if isinstance(tree, NodeTree) and tree.selected() is tree and not tree.is_leader:
+    if tree is not None and not tree.is_leader:
         return None
     return prepare_in_background(origin, pool, manifests, integrations)
 

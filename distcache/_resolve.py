@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from distcache._delegate import Aside, led_by_node_leaders
 from distcache._log import get_logger
-from distcache._prepare import as_lists, inputs_key, set_up_where_downloading
+from distcache._prepare import as_lists, inputs_key, leading_tree, set_up_where_downloading
 from distcache.artifact import (
     Artifact,
     manifest_text,
@@ -35,7 +35,7 @@ from distcache.artifact import (
     read_manifest,
     sha256_hex,
 )
-from distcache.comm import Communicator, NodeTree, agree_on_error, node_tree
+from distcache.comm import Communicator, agree_on_error, node_tree
 from distcache.config import Settings, settings
 from distcache.errors import ConfigError, DistcacheError, OriginError, PoolError
 from distcache.origins import Credentials, Origin, open_origin
@@ -153,7 +153,7 @@ def prefetch_manifests(
     if set_up:  # a rank that may download sets up its origin's client meanwhile
         set_up_where_downloading(comm, pool, origin, manifests, integrations, offline, timeout)
     comm = node_tree(comm, timeout=timeout)
-    tree = comm if isinstance(comm, NodeTree) and comm.selected() is comm else None
+    tree = leading_tree(comm, timeout)
     if tree is not None:
         # Where each node's ranks share their leader's pool and pass the same inputs,
         # the leaders prefetch for their nodes (distcache._delegate).

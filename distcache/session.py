@@ -345,9 +345,8 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
                 _log_rank0(comm, "%s", session.report.summary())
             # The node agents started beside the prefetch; their endpoints came with its
             # report, else are shared now, before the installs (whose lookups use them).
-            began = time.perf_counter()
-            _share_peers(session)
-            phases["peers"] += time.perf_counter() - began
+            with _phase(phases, "peers"):
+                _share_peers(session)
             for integration in chosen:
                 with _phase(phases, integration.name):
                     integration.install(the_pool, the_origin)
@@ -389,8 +388,8 @@ def _phase(phases: dict[str, float], name: str) -> Iterator[None]:
     start = time.perf_counter()
     try:
         yield
-    finally:
-        phases[name] = time.perf_counter() - start
+    finally:  # added up: a phase may come back (the peers' start, then their share)
+        phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
 
 
 def _log_rank0(comm: Communicator, msg: str, *args: Any) -> None:

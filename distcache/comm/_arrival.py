@@ -35,7 +35,7 @@ def _arrival_tree(rank: int, size: int) -> tuple[int | None, list[int]]:
 
 
 def _subtree(child: int, size: int) -> str:
-    last = min(child + (child & -child), size) - 1
+    last = _last(child, size)
     return str(child) if last == child else f"{child}-{last}"
 
 

@@ -15,7 +15,6 @@ each being retried.
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -36,6 +35,8 @@ from distcache.origins._base import BaseOrigin, rewind
 from distcache.origins._credentials import clean_token, host_key, redact_url
 
 if TYPE_CHECKING:
+    import random
+
     import requests
 
     from distcache.origins._response import Backoff
@@ -140,7 +141,7 @@ class HttpOrigin(BaseOrigin):
         self._allowed_hosts = {h.lower() for h in allow_redirect_hosts}
         self._backoff_args = (backoff_base, backoff_max, retry_after_max, backoff_total)
         self._sleep = sleep
-        self._rng = random.Random()
+        self._rng: random.Random | None = None
         self._headers = {
             # Identity encoding makes Content-Length the body length we check.
             "Accept-Encoding": "identity",
@@ -249,6 +250,9 @@ class HttpOrigin(BaseOrigin):
                     break
             if attempt == attempts:
                 break
+            if self._rng is None:  # at first use: every rank builds an origin, few retry
+                import random
+                self._rng = random.Random()
             delay = backoff.delay(attempt, last.delay, waited, self._rng)
             if delay is None:
                 break  # the waiting budget for this artifact is spent
