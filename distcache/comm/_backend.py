@@ -322,7 +322,10 @@ class BackendCommunicator(ABC):
         to use at the same time must not be one object). :meth:`close` of this
         communicator closes it too. Collective."""
         gathered = self.allgather_object(int(color))
-        made = self._split_child(tuple(gathered), int(color))
+        return self._keep_owned(self._split_child(tuple(gathered), int(color)))
+
+    def _keep_owned(self, made: Self) -> Self:
+        """Count ``made`` and keep it among the children :meth:`close` closes."""
         self.groups_made += 1
         self._owned_children.append(made)
         return made

@@ -263,11 +263,17 @@ class MpiCommunicator(BackendCommunicator):
             child = self._comm.Split(mpi_color, self._rank)
         except self._MPI.Exception as exc:
             raise self._comm_error("split", exc) from exc
+        # The ranks of this color, in rank order (the split's key is the rank).
+        return self._child(child, [r for r, c in enumerate(colors) if c == color])
+
+    def _child(self, child: Any, members: list[int]) -> Self:
+        """``child`` (an MPI communicator over ``members``, this one's ranks in that
+        order) as a communicator of this class that distcache owns, knowing its
+        ranks' node keys where this one knows them."""
         made = type(self)(child, dup=False, **self._inherited())
         made._owned = True
-        if self._node_keys is not None:  # ranks of this color, in this order (key: rank)
-            made._node_keys = [k for k, c in zip(self._node_keys, colors, strict=True)
-                               if c == color]
+        if self._node_keys is not None:
+            made._node_keys = [self._node_keys[r] for r in members]
         return made
 
     def node_keys(self) -> list[bytes] | None:
@@ -304,13 +310,7 @@ class MpiCommunicator(BackendCommunicator):
             raise self._comm_error("split", exc) from exc
         finally:
             group.Free()
-        made = type(self)(child, dup=False, **self._inherited())
-        made._owned = True
-        if self._node_keys is not None:
-            made._node_keys = [self._node_keys[r] for r in members]
-        self.groups_made += 1
-        self._owned_children.append(made)
-        return made
+        return self._keep_owned(self._child(child, members))
 
     def _release(self, why: str) -> None:
         # Free only a communicator distcache made, and only when no collective of its
