@@ -24,14 +24,9 @@ the rules of DESIGN.md ("Artifacts and the pool") for each object:
   one. A loser does not trust the winner blindly: it reads (so verifies) what is
   there and, if that was corrupt and moved aside, links again. Where ``link`` is
   refused (some FUSE, SMB) an atomic ``rename`` replaces instead.
-- **Durability per batch.** Inside :meth:`ObjectStore.batch` the per-object
-  ``fsync`` of the file and of its directory is deferred to the end of the batch,
-  which flushes everything at once (one ``syncfs``, else an ``fsync`` per file and
-  per directory). An ``fsync`` per object cost more than the copy itself for a
-  family of thousands of small kernels. A power loss inside a batch can leave a
-  linked object with torn bytes; that is safe because every read is verified: the
-  torn object is quarantined and reported as a miss, and the next prefetch fetches
-  it again (:mod:`distcache.store._durability`).
+- **Durability per batch.** Inside :meth:`ObjectStore.batch` the ``fsync`` of each
+  object and its directory is deferred to one flush when the batch ends; an object
+  a power loss tore is caught by the verified read (:mod:`distcache.store._durability`).
 
 Recency for LRU collection is the object's mtime, refreshed by reads at most once per
 ``stamp_interval`` seconds (atime is useless on ``noatime`` mounts); a reader that may
@@ -129,12 +124,8 @@ class ObjectStore:
 
     def batch(self, *, wait: bool = True) -> contextlib.AbstractContextManager[None]:
         """Defer the durability of publications until the outermost batch ends, then
-        flush them together (:mod:`distcache.store._durability`).
-
-        Raises:
-            PoolError: the flush failed (an I/O error): what was published may not
-                survive a power loss.
-        """
+        flush them together (:meth:`Durability.batch`, whose flush may raise
+        :class:`PoolError`)."""
         return self._durability.batch(wait=wait)
 
     def has(self, sha: str) -> bool:
@@ -233,14 +224,20 @@ class ObjectStore:
         """
         return scan_objects(self.layout)
 
-    def temp_file(self, tag: str) -> tuple[int, str]:
-        """A new exclusive temporary file in ``tmp/`` (its fd and path).
-
-        Raises:
-            PoolError: it cannot be created.
-        """
-        path = self.layout.temp_path(tag, self.host)
-        return temp_file(path), path
+    @contextlib.contextmanager
+    def staged(self, tag: str) -> Iterator[tuple[int, str]]:
+        """A new exclusive temporary file in ``tmp/`` (fd, path) for :meth:`publish`:
+        closed when the block ends, removed if it raises (:class:`PoolError` if it
+        cannot be created)."""
+        tmp = self.layout.temp_path(tag, self.host)
+        fd = temp_file(tmp)
+        try:
+            yield fd, tmp
+        except BaseException:
+            unlink_quietly(tmp)
+            raise
+        finally:
+            os.close(fd)
 
     def write(self, data: bytes | bytearray | memoryview, sha: str) -> bool:
         """Publish ``data``, already known to hash to ``sha``; whether this call
@@ -249,20 +246,17 @@ class ObjectStore:
         Raises:
             PoolError: it cannot be written.
         """
-        fd, tmp = self.temp_file(sha[:16])
-        try:
+        with self.staged(sha[:16]) as (fd, tmp):
             try:
                 write_all(fd, data)
             except OSError as exc:
                 raise pool_error("cannot write", tmp, exc) from exc
             return self.publish(fd, tmp, sha)
-        finally:
-            os.close(fd)
-            unlink_quietly(tmp)
 
     def publish(self, fd: int, tmp: str, sha: str) -> bool:
         """Make the whole, verified temporary file ``tmp`` (open as ``fd``) the object
-        ``sha``; whether this call published it. The caller removes ``tmp``.
+        ``sha``; whether this call published it. ``tmp`` is gone when it returns
+        (linked and removed, renamed, or removed: a good object was there first).
 
         Raises:
             PoolError: it cannot be published.
@@ -275,8 +269,8 @@ class ObjectStore:
             size = os.fstat(fd).st_size if deferred else 0
             if not deferred:
                 os.fsync(fd)
-            self._clear_fanout(directory, sha)
-            make_dir(Path(directory), setgid=self.setgid)
+            if not self._clear_fanout(directory, sha):
+                make_dir(Path(directory), setgid=self.setgid)
             # First publisher wins; a loser makes sure what won is whole, or repairs it.
             published = link_into_place(
                 tmp, final, lambda: self.read(sha, stamp=False) is not None)
@@ -289,6 +283,7 @@ class ObjectStore:
         except OSError as exc:
             raise pool_error("cannot publish", final, exc) from exc
         if published is None:
+            unlink_quietly(tmp)
             return False
         if seen is not None:
             with self._guard:
@@ -302,16 +297,19 @@ class ObjectStore:
             fsync_dir(directory)
         return True
 
-    def _clear_fanout(self, directory: str, sha: str) -> None:
-        """Move a non-directory (a planted symlink, a stray file) at ``objects/<xx>``
-        into quarantine, so that publishing heals the pool instead of failing for
-        ever. If it cannot be moved, :func:`make_dir` refuses to publish."""
+    def _clear_fanout(self, directory: str, sha: str) -> bool:
+        """Whether ``objects/<xx>`` is a real directory already (nothing to make);
+        else move what is there instead (a planted symlink, a stray file) into
+        quarantine, so that publishing heals the pool instead of failing for ever. If
+        it cannot be moved, :func:`make_dir` refuses to publish."""
         try:
             st = os.lstat(directory)
         except FileNotFoundError:
-            return
-        if not stat.S_ISDIR(st.st_mode):
-            self.quarantine(sha, "is not a directory (a planted symlink?)", st, path=directory)
+            return False
+        if stat.S_ISDIR(st.st_mode):
+            return True
+        self.quarantine(sha, "is not a directory (a planted symlink?)", st, path=directory)
+        return False
 
 
 #: Objects asked about in one fanout directory from which :meth:`ObjectStore.holding`

@@ -27,7 +27,7 @@ from distcache.artifact import Artifact, check_sha256, sha256_hex, validate_name
 from distcache.config import settings
 from distcache.errors import ConfigError, IntegrityError, PoolError
 from distcache.store import _maintenance
-from distcache.store._fs import make_dir, pool_error, process_umask, unlink_quietly
+from distcache.store._fs import make_dir, pool_error, process_umask
 from distcache.store._identity import PoolIdentity
 from distcache.store._locking import FileLock
 from distcache.store._log import Journal, NamesIndex
@@ -278,16 +278,12 @@ class ArtifactPool:
         if not hasattr(origin, "fetch_into"):  # a duck-typed origin with only ``fetch``
             data = origin.fetch(artifact)
             return len(data) if self.put(data, artifact.sha256) else 0
-        fd, tmp = self._store.temp_file(artifact.sha256[:16])
-        try:
+        with self._store.staged(artifact.sha256[:16]) as (fd, tmp):
             size = self._stream_in(fd, tmp, artifact, origin)
             check_size(artifact, size, origin.describe())
             if self._store.publish(fd, tmp, artifact.sha256):
                 self._published(artifact.sha256, size)
             return size
-        finally:
-            os.close(fd)
-            unlink_quietly(tmp)
 
     @staticmethod  # the origin's bytes into ``fd``; their size
     def _stream_in(fd: int, tmp: str, artifact: Artifact, origin: Origin) -> int:
@@ -304,9 +300,8 @@ class ArtifactPool:
 
     def _download(self, artifact: Artifact, origin: Origin) -> bytes:
         refuse_offline(artifact, self.root, origin)
-        fd, tmp = self._store.temp_file(artifact.sha256[:16])
         source = origin.describe()
-        try:
+        with self._store.staged(artifact.sha256[:16]) as (fd, tmp):
             data = os.pread(fd, self._stream_in(fd, tmp, artifact, origin), 0)
             actual = sha256_hex(data)
             if actual != artifact.sha256:
@@ -319,9 +314,6 @@ class ArtifactPool:
             if self._store.publish(fd, tmp, artifact.sha256):
                 self._published(artifact.sha256, len(data))
             return data
-        finally:
-            os.close(fd)
-            unlink_quietly(tmp)
 
     def materialize(self, artifact: Artifact, into_dir: str | os.PathLike[str]) -> Path:
         """Place the artifact at ``into_dir/<name>`` and return that path.

@@ -90,6 +90,30 @@ def test_put_is_idempotent_and_journals_once(pool: ArtifactPool) -> None:
     assert pool.put(DATA) == pool.put(DATA, DIGEST) == DIGEST
     assert pool.journal_since(0)[0] == [DIGEST]
     assert pool.stats().objects == 1
+    # The second writer's temporary file went too, though a good object was first.
+    assert os.listdir(pool.root / "tmp") == []
+
+
+def test_a_second_publisher_over_a_symlinked_fanout_quarantines_it_and_publishes(
+    pool: ArtifactPool, tmp_path: Path
+) -> None:
+    # The fan-out directory is checked once per publish: a real one is used as it
+    # is; anything else is moved aside and made again before the link.
+    pool.put(DATA)
+    fanout = pool.root / "objects" / DIGEST[:2]
+    other = b"another object in the same fan-out directory"
+    while sha(other)[:2] != DIGEST[:2]:
+        other += b"."
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (fanout / DIGEST).chmod(0o644)
+    (fanout / DIGEST).unlink()
+    fanout.rmdir()
+    fanout.symlink_to(outside)
+    assert pool.put(other) == sha(other)
+    assert fanout.is_dir() and not fanout.is_symlink()
+    assert os.listdir(outside) == [] and os.listdir(pool.root / "tmp") == []
+    assert (fanout / sha(other)).read_bytes() == other
 
 
 def test_put_with_wrong_digest_raises_and_stores_nothing(pool: ArtifactPool) -> None:
