@@ -90,7 +90,8 @@ def test_air_gapped_start_serves_every_rank_from_the_pool(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("DISTCACHE_TEST_CUBIN_WHEEL"),
-                    reason="set DISTCACHE_TEST_CUBIN_WHEEL to a flashinfer-cubin wheel")
+                    reason="set DISTCACHE_TEST_CUBIN_WHEEL to a flashinfer-cubin wheel "
+                           "(scripts/test.sh runs it in a step of its own)")
 def test_air_gapped_start_from_a_flashinfer_cubin_wheel(tmp_path: Path) -> None:
     wheel = Path(os.environ["DISTCACHE_TEST_CUBIN_WHEEL"])
     pool = tmp_path / "pool"
