@@ -580,6 +580,9 @@ def summarize(strategy: str, n: int, ranks: list[dict[str, Any]], stats: dict[st
             row[into] = {k: max(r[key].get(k, 0.0) for r in ranks) for k in names}
         row["imports_s"] = max(r["imports_s"] for r in ranks)
         row["cpu_s_per_rank"] = [r["cpu_s"] for r in ranks]
+        # Each rank's own figures: which rank is the slowest, and where it waited.
+        row["engine_s_per_rank"] = [r["engine_s"] for r in ranks]
+        row["init_phases_per_rank"] = [r["init_phases"] for r in ranks]
         row["downloaders"] = ranks[0]["downloaders"]
         row["pool_hits"] = ranks[0]["pool_hits"]
         row["integrations"] = ranks[0]["integrations"]
@@ -711,7 +714,8 @@ def engine_init_line(row: dict[str, Any]) -> str:
             f"{eng['import']:.3f}, init {eng['init']:.3f} ({listed(row['init_phases'])} "
             f"outside them {eng['init_unphased']:.3f}; "
             f"prefetch: {listed(row['phase_seconds'])}), load {eng['load']:.3f}; CPU s per "
-            f"rank {' '.join(f'{c:.3f}' for c in row['cpu_s_per_rank'])}")
+            f"rank {' '.join(f'{c:.3f}' for c in row['cpu_s_per_rank'])}; init+load per rank "
+            + " ".join("{init:.3f}+{load:.3f}".format(**e) for e in row["engine_s_per_rank"]))
 
 
 def _has_flashinfer() -> bool:

@@ -27,6 +27,10 @@ _ENTRY = struct.Struct("<Iq")
 _TRAILER = struct.Struct("<4sBI")
 _LAST = 1
 
+#: An item index that is no artifact: the bucket built so far travels now, even empty
+#: (a source whose next artifact is still downloading keeps its turns going).
+PAUSE = -1
+
 
 class StreamStats:
     """What one rank's streams cost (summed over streams)."""
@@ -123,14 +127,21 @@ def bucket_messages(
 
     ``items`` is consumed lazily (a generator reading from the pool keeps memory at
     the bucket being built and one artifact, beside the message yielded before while
-    it travels). An artifact larger than ``bucket_bytes`` travels
-    alone. Each payload is copied once, into the message being built, which the
-    broadcast then sends in place.
+    it travels). An artifact larger than ``bucket_bytes`` travels alone; an item of
+    index :data:`PAUSE` seals the bucket built so far (maybe empty). Each payload is
+    copied once, into the message being built, which the broadcast then sends in place.
     """
     body = bytearray()
     table: list[tuple[int, int]] = []
     sealed = 0  # the message yielded last, which may still be in flight
     for index, data in items:
+        if index == PAUSE:
+            message = _sealed(body, table, stats, last=False)
+            sealed = len(message)
+            yield message
+            del message
+            body, table = bytearray(), []
+            continue
         size = 0 if data is None else len(data)
         stats.hold(sealed + len(body) + size)
         if table and len(body) + size > bucket_bytes:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, BinaryIO, cast
 
 from distcache.artifact import Artifact
@@ -72,6 +72,29 @@ class _Watched:
         return self._origin.fetch_into(artifact, cast(BinaryIO, _Ticking(out, self._tick)))
 
 
+class Pending:
+    """The objects a rank's downloads have not settled yet (published or failed), for a
+    move that sends each as it lands (``move_objects``'s ``ready``)."""
+
+    def __init__(self, shas: Iterable[str]) -> None:
+        self._left = set(shas)
+        self._cond = threading.Condition()
+
+    def settle(self, sha: str | None = None) -> None:
+        """``sha`` is settled (``None``: every object, the downloads are over)."""
+        with self._cond:
+            if sha is None:
+                self._left.clear()
+            else:
+                self._left.discard(sha)
+            self._cond.notify_all()
+
+    def wait(self, sha: str, seconds: float) -> bool:
+        """Whether ``sha`` is settled, waiting at most ``seconds``."""
+        with self._cond:
+            return self._cond.wait_for(lambda: sha not in self._left, seconds)
+
+
 class Downloads:
     """One rank's downloads of ``artifacts`` from ``origin`` into ``pool``, on
     ``workers`` daemon threads started at once.
@@ -90,12 +113,15 @@ class Downloads:
     when that is a stall (an origin can hold a download for ever while answering each
     read in time). :meth:`abandon` leaves what still runs to its thread; whatever it
     publishes later is whole. ``on_done(nbytes)`` is called after each download (for a
-    progress bar).
+    progress bar); ``pending`` learns each artifact settled, and all of them at
+    :meth:`abandon`.
     """
 
     def __init__(self, pool: Pool, origin: Origin, artifacts: Sequence[Artifact], *,
-                 workers: int, on_done: Callable[[int], None] | None = None) -> None:
+                 workers: int, on_done: Callable[[int], None] | None = None,
+                 pending: Pending | None = None) -> None:
         self._pool = pool
+        self._pending = pending
         self._label = origin.describe()
         self._origin: Origin = (_Watched(origin, self._tick) if hasattr(origin, "fetch_into")
                                 else origin)
@@ -144,6 +170,8 @@ class Downloads:
         """Start nothing more, freeze the figures (late finishers no longer count),
         and return them."""
         self._stop.set()
+        if self._pending is not None:
+            self._pending.settle()
         with self._lock:
             self._finished.set()
             got = self._result
@@ -181,6 +209,8 @@ class Downloads:
                 artifact = self._todo.pop()
                 self._running[me] = artifact.name
             self._one(artifact)
+            if self._pending is not None:
+                self._pending.settle(artifact.sha256)
             with self._lock:
                 self._running.pop(me, None)
                 self._left -= 1

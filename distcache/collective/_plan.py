@@ -16,10 +16,11 @@ Decisions the plan encodes:
   therefore spread over *all* ranks, interleaved across nodes, largest first onto the
   least-loaded rank. With one shared pool this puts every rank to work and nothing
   moves over the communicator at all.
-* **Sources are writers, reading from their pool after the fetch phase.** An artifact
+* **Sources are writers, reading from their pool as the downloads land.** An artifact
   downloaded by rank r is sent by the writer of r's pool, which reads it back from the
-  pool once every download has finished. The downloader never holds the bytes for the
-  move, which keeps memory bounded by a bucket, not by the list.
+  pool as soon as it is published when r is the writer itself (the move runs beside
+  the fetch), else once every download has finished. The downloader never holds the
+  bytes for the move, which keeps memory bounded by a bucket, not by the list.
 * **One source per lack-set.** Objects that some pools already hold are sent by a
   holder; all objects lacked by the same set of pools share one source (the least
   loaded holder, lowest rank first), so they form one audience

@@ -9,10 +9,11 @@ import itertools
 from collections.abc import Iterable
 
 from distcache.artifact import Artifact, manifest_text
-from distcache.collective._plan import download_threads, make_plan
+from distcache.collective._heartbeat import concurrent
+from distcache.collective._plan import Plan, download_threads, make_plan
 from distcache.collective._progress import Progress, bytes_for_rank0
 from distcache.collective._report import PrefetchReport
-from distcache.collective._run import Run, discover
+from distcache.collective._run import Moving, Run, discover
 from distcache.collective._sharing import agree_pools
 from distcache.collective._totals import finish
 from distcache.comm import Communicator, node_tree
@@ -131,17 +132,21 @@ def prefetch(
             run.progress = Progress(
                 bytes_for_rank0(plan, [artifact_of[s].size for s in objects], pool_ids),
                 enabled=True)
+        name_of = {sha: a.name for sha, a in artifact_of.items()}
         with run.durable():
+            moving: Moving | None = None
             with run.phase("fetch"):
                 mine = plan.downloads.get(comm.rank, ())
                 todo = [artifact_of[plan.objects[i]] for i in mine]
                 threads = download_threads(plan, comm.rank, conf.downloads_per_rank,
                                            conf.downloads_per_job)
                 if plan.downloads:  # progress extends the phase; silence ends it
-                    run.fetch(todo, origin, threads)
-            with run.phase("move"):
-                if plan.sends:
-                    name_of = {sha: a.name for sha, a in artifact_of.items()}
+                    moving = _fetch(run, plan, pool_ids, todo, origin, threads,
+                                    conf.bucket_bytes)
+            with run.phase("move"):  # with a move beside the fetch: what is left of it
+                if moving is not None:
+                    run.finish_move(moving, plan, name_of)
+                elif plan.sends:
                     run.check(run.move(plan, pool_ids, name_of, conf.bucket_bytes))
         with run.phase("publish"):
             failure = None
@@ -153,3 +158,32 @@ def prefetch(
         return finish(run, plan, len(listing), failure)
 
     return run.guarded(body)
+
+
+def _fetch(run: Run, plan: Plan, pool_ids: list[str], todo: list[Artifact], origin: Origin,
+           threads: int, bucket_bytes: int) -> Moving | None:
+    """The fetch phase; where the plan also moves objects and the transport takes two
+    threads, the move starts first, beside the downloads: a source sends each object
+    as it lands instead of after the last, so a cold start waits for the last
+    downloads' bucket only, not for the whole move after the whole fetch (objects that
+    another rank downloads into this rank's pool are sent once the phase is over).
+    Returns that move (the caller finishes it), else None."""
+    from distcache.collective._download import Pending
+
+    if not (plan.sends and concurrent(run.comm)):
+        run.fetch(todo, origin, threads)
+        return None
+    # What this rank's pool is getting: its own downloads settle one by one, those of
+    # the ranks that share its pool when the fetch phase ends (every rank's are over).
+    pool_id = pool_ids[run.comm.rank]
+    pending = Pending(plan.objects[i] for r, mine in plan.downloads.items()
+                      if pool_ids[r] == pool_id for i in mine)
+    moving = run.start_move(plan, pool_ids, bucket_bytes, ready=pending.wait)
+    try:
+        run.fetch(todo, origin, threads, pending)
+    except BaseException:
+        # Every object is settled now (the failed ones are sent as unreadable), so the
+        # move ends on every rank; its own waits are bounded by the timeout.
+        moving[0].join(run.timeout)
+        raise
+    return moving

@@ -25,7 +25,9 @@ heartbeat by ``timeout`` (a peer that is gone, stopped or stuck: ``CollectiveTim
 So a slow, steady origin may take as long as it needs, and a silent one or a silent
 peer is reported within ``timeout`` plus one heartbeat. The move phase (:meth:`Run.move`)
 follows the same rule: the writers move buckets on a thread while every rank, taking
-part or not, beats the heart (:mod:`distcache.collective._heartbeat`).
+part or not, beats the heart (:mod:`distcache.collective._heartbeat`). A prefetch
+starts that thread before its downloads (:meth:`Run.start_move`), so objects travel
+as they land, and its move phase is what is left of the move when the fetch ends.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from distcache.origins import Origin
 from distcache.store import Pool
 
 if TYPE_CHECKING:
-    from distcache.collective._download import Downloads
+    from distcache.collective._download import Downloads, Pending
 
 log = get_logger(__name__)
 
@@ -64,6 +66,10 @@ _T = TypeVar("_T")
 
 #: The colors of the move's split: the writers and the rest (see :meth:`Run.move`).
 MOVE_COLORS = (0x4D56, 0x4D57)
+
+
+#: A move started beside the fetch (:meth:`Run.start_move`): its thread and activity.
+Moving = tuple[Worker, Activity]
 
 
 class Run:
@@ -152,11 +158,14 @@ class Run:
 
     # -- fetch ---------------------------------------------------------------------
 
-    def fetch(self, artifacts: list[Artifact], origin: Origin, workers: int) -> None:
+    def fetch(self, artifacts: list[Artifact], origin: Origin, workers: int,
+              pending: Pending | None = None) -> None:
         """Collective, entered by every rank when the plan has downloads: download this
         rank's ``artifacts`` (maybe none) with ``workers`` threads, beating the heart
         while they run, then raise the same error on every rank if any rank failed or
-        stalled (the rule: the module docstring).
+        stalled (the rule: the module docstring). ``pending`` learns each artifact
+        settled (a move running beside the downloads sends them as they land), and all
+        of them when this returns or raises.
 
         Raises:
             PrefetchError: a download failed or made no progress for ``timeout`` on
@@ -179,7 +188,7 @@ class Run:
                 "unset DISTCACHE_OFFLINE", variable="DISTCACHE_OFFLINE", value="1"))
         elif artifacts:
             job = Downloads(self.pool, origin, artifacts, workers=workers,
-                            on_done=self.progress.update)
+                            on_done=self.progress.update, pending=pending)
 
         def step(beat: float) -> tuple[bool, float, Any, Failure | None]:
             nonlocal job, failure
@@ -208,6 +217,8 @@ class Run:
                 got = job.abandon()
                 self.downloads += got.downloads
                 self.origin_bytes += got.origin_bytes
+            if pending is not None:
+                pending.settle()
 
     # -- move ----------------------------------------------------------------------
 
@@ -223,38 +234,28 @@ class Run:
         rank's move made no progress for ``timeout`` or a rank misses a heartbeat.
         Returns this rank's failure (the caller agrees on it with :meth:`check`).
         """
-        # Loaded by the runs that move objects (a warm start has nothing to send).
-        from distcache.collective._stream import move_objects
-
-        writers = plan.writer_ranks
-        is_writer = self.comm.rank in writers
-        # Always a communicator of the writers' own, even when every rank writes: the
-        # heartbeats run on this one at the same time. Colors of its own, too: split
-        # keeps one child per partition, and a node tree over this communicator may
-        # keep its leaders as split(0 if leader else 1), the same ranks as the writers
-        # when each node has one pool; that child is busy with the heartbeats.
-        wcomm = self.comm.split(MOVE_COLORS[0] if is_writer else MOVE_COLORS[1])
-        activity = Activity()
-
-        def published(nbytes: int) -> None:
-            activity.touch()
-            self.progress.update(nbytes)
-
-        def work() -> tuple[int, BaseException] | None:
-            # On the move's thread, a batch of that thread's own, like the caller's
-            # (durable): what the move publishes is flushed in the background.
-            with self.pool.batch(wait=False):
-                return move_objects(wcomm, self.comm.rank, plan, self.pool, pool_ids=pool_ids,
-                                    bucket_bytes=bucket_bytes, stats=self.stream,
-                                    timeout=self.timeout, on_done=published,
-                                    on_bucket=activity.touch)
-
         if not concurrent(self.comm):
             # The transport cannot take two threads: the move runs here, and a rank
             # outside it waits for its end within one timeout.
-            failed = work() if is_writer else None
+            work, _ = self._move_work(plan, pool_ids, bucket_bytes, None)
+            failed = work() if work is not None else None
             return None if failed is None else self._moved(plan, name_of, failed)
-        worker = Worker("move", work if is_writer else None)
+        self.finish_move(self.start_move(plan, pool_ids, bucket_bytes), plan, name_of)
+        return None
+
+    def start_move(self, plan: Plan, pool_ids: list[str], bucket_bytes: int,
+                   ready: Callable[[str, float], bool] | None = None) -> Moving:
+        """Collective: start :meth:`move`'s work on its thread and return at once (the
+        caller may run the fetch meanwhile; ``ready``: ``move_objects``'s, the
+        fetch's :class:`Pending`); :meth:`finish_move` waits for it. Only where
+        :func:`concurrent` holds."""
+        work, activity = self._move_work(plan, pool_ids, bucket_bytes, ready)
+        return Worker("move", work), activity
+
+    def finish_move(self, moving: Moving, plan: Plan, name_of: Mapping[str, str]) -> None:
+        """Collective: beat the heart until every rank's move started by
+        :meth:`start_move` is over; raise the agreed error if one failed or stalled."""
+        worker, activity = moving
         failure: list[Failure | None] = []  # this rank's, once its move is over
 
         def step(beat: float) -> tuple[bool, float, Any, Failure | None]:
@@ -276,7 +277,39 @@ class Run:
             heartbeats(self.comm, self.timeout, step, self.raise_first, stalled)
         finally:
             worker.join(self.timeout)
-        return None
+
+    def _move_work(
+        self, plan: Plan, pool_ids: list[str], bucket_bytes: int,
+        ready: Callable[[str, float], bool] | None,
+    ) -> tuple[Callable[[], tuple[int, BaseException] | None] | None, Activity]:
+        """Collective (the split): this rank's part of the move (``None``: not a
+        writer) and the activity it touches."""
+        # Loaded by the runs that move objects (a warm start has nothing to send).
+        from distcache.collective._stream import move_objects
+
+        is_writer = self.comm.rank in plan.writer_ranks
+        # Always a communicator of the writers' own, even when every rank writes: the
+        # heartbeats run on this one at the same time. Colors of its own, too: split
+        # keeps one child per partition, and a node tree over this communicator may
+        # keep its leaders as split(0 if leader else 1), the same ranks as the writers
+        # when each node has one pool; that child is busy with the heartbeats.
+        wcomm = self.comm.split(MOVE_COLORS[0] if is_writer else MOVE_COLORS[1])
+        activity = Activity()
+
+        def published(nbytes: int) -> None:
+            activity.touch()
+            self.progress.update(nbytes)
+
+        def work() -> tuple[int, BaseException] | None:
+            # On the move's thread, a batch of that thread's own, like the caller's
+            # (durable): what the move publishes is flushed in the background.
+            with self.pool.batch(wait=False):
+                return move_objects(wcomm, self.comm.rank, plan, self.pool, pool_ids=pool_ids,
+                                    bucket_bytes=bucket_bytes, stats=self.stream,
+                                    timeout=self.timeout, on_done=published,
+                                    on_bucket=activity.touch, ready=ready)
+
+        return (work if is_writer else None), activity
 
     def _moved(self, plan: Plan, name_of: Mapping[str, str],
                failed: tuple[int, BaseException]) -> Failure:

@@ -19,12 +19,19 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 
 from distcache.collective._audience import split_audiences
-from distcache.collective._bucket import StreamStats, bucket_messages, decode_bucket
+from distcache.collective._bucket import PAUSE, StreamStats, bucket_messages, decode_bucket
 from distcache.collective._plan import Plan
 from distcache.comm import Communicator
 from distcache.comm._base import lend_broadcast
 from distcache.errors import PoolError, WireError
 from distcache.store import Pool
+
+#: How long a source waits for its next object to land before it sends what it has
+#: read (an empty bucket if nothing), and the first interval of the empty buckets it
+#: sends while it waits on (see :func:`move_objects`).
+PATIENCE = 0.01
+#: Longest wait between two buckets of a source whose next object is still downloading.
+KEEPALIVE_MAX = 1.0
 
 
 class _Publisher:
@@ -154,6 +161,7 @@ def move_objects(
     timeout: float | None = None,
     on_done: Callable[[int], None] | None = None,
     on_bucket: Callable[[], None] | None = None,
+    ready: Callable[[str, float], bool] | None = None,
 ) -> tuple[int, BaseException] | None:
     """Collective over ``wcomm``, the writers' communicator: carry out
     ``plan.audiences`` among the pools' writers. ``rank`` is this writer's rank in
@@ -169,6 +177,14 @@ def move_objects(
     protocol: the rank keeps taking every bucket so its peers stay in step, and
     returns the first ``(object index, error)`` for the caller to agree on.
 
+    ``ready(sha, seconds)`` (a move that runs beside this rank's downloads) waits at
+    most ``seconds`` for an object this source may still be downloading and says
+    whether it is settled. A source whose next object has not settled within
+    :data:`PATIENCE` sends what it has read, then an empty bucket each time its wait
+    runs out (the waits doubling to :data:`KEEPALIVE_MAX`), so the other sources'
+    buckets are not held behind its downloads and no receiver waits a whole
+    ``timeout`` for a slow download.
+
     Raises:
         CollectiveTimeout: a peer did not arrive in time.
         WireError: a malformed bucket arrived.
@@ -178,8 +194,14 @@ def move_objects(
     # The first (object index, error) this rank met, shared with the reader.
     failed: list[tuple[int, BaseException]] = []
 
+    keepalive = KEEPALIVE_MAX if timeout is None else min(KEEPALIVE_MAX, timeout / 4)
+
     def read(indices: tuple[int, ...]) -> Iterator[tuple[int, bytes | None]]:
         for index in indices:
+            wait = min(keepalive, PATIENCE)
+            while ready is not None and not ready(plan.objects[index], wait):
+                yield PAUSE, None
+                wait = min(keepalive, 2 * wait)
             data: bytes | None = None
             try:
                 # Receivers hash what arrives; an object this process published

@@ -19,6 +19,7 @@ import pytest
 
 from distcache.artifact import Artifact, sha256_hex, verify_bytes
 from distcache.collective import PHASES, PrefetchReport, SyncState, prefetch, sync
+from distcache.collective import _stream
 from distcache.collective._bucket import decode_bucket
 from distcache.collective._download import download_objects
 from distcache.collective._plan import make_plan
@@ -360,6 +361,14 @@ def test_partial_pools_get_only_what_they_lack_and_nothing_is_downloaded() -> No
     assert reports[0].objects_published == 6 * 3
 
 
+@pytest.fixture
+def patient_sources(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sources wait for each download rather than send early (the buckets of a move
+    after the fetch), so that a test may count broadcasts exactly."""
+    monkeypatch.setattr(_stream, "PATIENCE", 60.0)
+
+
+@pytest.mark.usefixtures("patient_sources")
 def test_many_small_artifacts_travel_in_few_broadcasts() -> None:
     arts, blobs = make_blobs(200, low=100, high=200)
     origin = FakeOrigin(blobs)
@@ -377,9 +386,10 @@ def test_many_small_artifacts_travel_in_few_broadcasts() -> None:
     # Each of the 4 sources sends its ~50 downloads in one bucket.
     assert reports[0].broadcasts == 4
     assert all(s.objects == blobs for s in stores.values())
-    # On the job's communicator: 3 all-gathers + fetch heartbeat + the writers' split +
-    # one move heartbeat + move check. On the writers' own: rank map + 4 broadcasts.
-    assert group.calls == [3 + 1 + 1 + 1 + 1] * 4
+    # On the job's communicator: 3 all-gathers + the writers' split (the move starts
+    # beside the fetch) + fetch heartbeat + one move heartbeat, which agrees on the
+    # move's failures. On the writers' own: rank map + 4 broadcasts.
+    assert group.calls == [3 + 1 + 1 + 1] * 4
     (writers,) = group._children.values()
     assert writers.calls == [1 + 4] * 4
 
@@ -411,6 +421,7 @@ def test_memory_in_flight_is_bounded_by_a_few_buckets() -> None:
     assert all(s.objects == blobs for s in stores.values())
 
 
+@pytest.mark.usefixtures("patient_sources")
 def test_artifact_larger_than_a_bucket_travels_alone() -> None:
     arts, blobs = make_blobs(5, low=5000, high=6000)
     origin = FakeOrigin(blobs)
