@@ -89,5 +89,13 @@ def test_background_prefetch_runs_beside_the_engines_collectives_and_reports_ali
     for rec in background:
         assert rec["engine_sums_right"] is True and rec["engine_reductions"] >= 1, rec
         assert rec["after"] == 2
-    assert [r["report"] for r in background] == [r["report"] for r in foreground]
+    # How the objects were cut into buckets depends on when each download landed (the
+    # move runs beside them): every other figure is the same.
+    timed = ("broadcasts", "broadcast_bytes", "peak_bytes")
+
+    def untimed(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{k: v for k, v in r["report"].items() if k not in timed} for r in records]
+
+    assert untimed(background) == untimed(foreground)
+    assert len({r["report"]["broadcasts"] for r in background}) == 1
     assert background[0]["report"]["downloads"] == K

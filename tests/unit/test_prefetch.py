@@ -18,8 +18,7 @@ from typing import Any
 import pytest
 
 from distcache.artifact import Artifact, sha256_hex, verify_bytes
-from distcache.collective import PHASES, PrefetchReport, SyncState, prefetch, sync
-from distcache.collective import _stream
+from distcache.collective import PHASES, PrefetchReport, SyncState, _stream, prefetch, sync
 from distcache.collective._bucket import decode_bucket
 from distcache.collective._download import download_objects
 from distcache.collective._plan import make_plan
