@@ -73,11 +73,14 @@ class _Watched:
 
 
 class Pending:
-    """The objects a rank's downloads have not settled yet (published or failed), for a
-    move that sends each as it lands (``move_objects``'s ``ready``)."""
+    """The objects a rank's pool is still getting from the downloads (published or
+    failed: settled), for a move that sends each as it lands (``move_objects``'s
+    ``arrivals``)."""
 
     def __init__(self, shas: Iterable[str]) -> None:
         self._left = set(shas)
+        self._landed: list[str] = []  # settled one by one, in that order
+        self._over = False
         self._cond = threading.Condition()
 
     def settle(self, sha: str | None = None) -> None:
@@ -85,14 +88,20 @@ class Pending:
         with self._cond:
             if sha is None:
                 self._left.clear()
-            else:
+                self._over = True
+            elif sha in self._left:
                 self._left.discard(sha)
+                self._landed.append(sha)
             self._cond.notify_all()
 
-    def wait(self, sha: str, seconds: float) -> bool:
-        """Whether ``sha`` is settled, waiting at most ``seconds``."""
+    def waiting(self, sha: str) -> bool:
         with self._cond:
-            return self._cond.wait_for(lambda: sha not in self._left, seconds)
+            return sha in self._left
+
+    def landed(self, since: int, seconds: float) -> tuple[list[str], bool]:
+        with self._cond:
+            self._cond.wait_for(lambda: len(self._landed) > since or self._over, seconds)
+            return self._landed[since:], self._over
 
 
 class Downloads:

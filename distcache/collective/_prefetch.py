@@ -178,7 +178,7 @@ def _fetch(run: Run, plan: Plan, pool_ids: list[str], todo: list[Artifact], orig
     pool_id = pool_ids[run.comm.rank]
     pending = Pending(plan.objects[i] for r, mine in plan.downloads.items()
                       if pool_ids[r] == pool_id for i in mine)
-    moving = run.start_move(plan, pool_ids, bucket_bytes, ready=pending.wait)
+    moving = run.start_move(plan, pool_ids, bucket_bytes, arrivals=pending)
     try:
         run.fetch(todo, origin, threads, pending)
     except BaseException:

@@ -59,6 +59,7 @@ from distcache.store import Pool
 
 if TYPE_CHECKING:
     from distcache.collective._download import Downloads, Pending
+    from distcache.collective._stream import Arrivals
 
 log = get_logger(__name__)
 
@@ -244,12 +245,12 @@ class Run:
         return None
 
     def start_move(self, plan: Plan, pool_ids: list[str], bucket_bytes: int,
-                   ready: Callable[[str, float], bool] | None = None) -> Moving:
+                   arrivals: Arrivals | None = None) -> Moving:
         """Collective: start :meth:`move`'s work on its thread and return at once (the
-        caller may run the fetch meanwhile; ``ready``: ``move_objects``'s, the
+        caller may run the fetch meanwhile; ``arrivals``: ``move_objects``'s, the
         fetch's :class:`Pending`); :meth:`finish_move` waits for it. Only where
         :func:`concurrent` holds."""
-        work, activity = self._move_work(plan, pool_ids, bucket_bytes, ready)
+        work, activity = self._move_work(plan, pool_ids, bucket_bytes, arrivals)
         return Worker("move", work), activity
 
     def finish_move(self, moving: Moving, plan: Plan, name_of: Mapping[str, str]) -> None:
@@ -280,7 +281,7 @@ class Run:
 
     def _move_work(
         self, plan: Plan, pool_ids: list[str], bucket_bytes: int,
-        ready: Callable[[str, float], bool] | None,
+        arrivals: Arrivals | None,
     ) -> tuple[Callable[[], tuple[int, BaseException] | None] | None, Activity]:
         """Collective (the split): this rank's part of the move (``None``: not a
         writer) and the activity it touches."""
@@ -307,7 +308,7 @@ class Run:
                 return move_objects(wcomm, self.comm.rank, plan, self.pool, pool_ids=pool_ids,
                                     bucket_bytes=bucket_bytes, stats=self.stream,
                                     timeout=self.timeout, on_done=published,
-                                    on_bucket=activity.touch, ready=ready)
+                                    on_bucket=activity.touch, arrivals=arrivals)
 
         return (work if is_writer else None), activity
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
 from distcache.collective._audience import split_audiences
 from distcache.collective._bucket import PAUSE, StreamStats, bucket_messages, decode_bucket
@@ -25,6 +26,18 @@ from distcache.comm import Communicator
 from distcache.comm._base import lend_broadcast
 from distcache.errors import PoolError, WireError
 from distcache.store import Pool
+
+
+class Arrivals(Protocol):
+    """The downloads a move runs beside (:class:`~distcache.collective._download.Pending`)."""
+
+    def waiting(self, sha: str) -> bool:
+        """Whether ``sha`` is still being downloaded."""
+
+    def landed(self, since: int, seconds: float) -> tuple[list[str], bool]:
+        """The objects that landed one by one, from the ``since``-th on (waiting at
+        most ``seconds`` for one), and whether every download is over."""
+
 
 #: How long a source waits for its next object to land before it sends what it has
 #: read (an empty bucket if nothing), and the first interval of the empty buckets it
@@ -161,7 +174,7 @@ def move_objects(
     timeout: float | None = None,
     on_done: Callable[[int], None] | None = None,
     on_bucket: Callable[[], None] | None = None,
-    ready: Callable[[str, float], bool] | None = None,
+    arrivals: Arrivals | None = None,
 ) -> tuple[int, BaseException] | None:
     """Collective over ``wcomm``, the writers' communicator: carry out
     ``plan.audiences`` among the pools' writers. ``rank`` is this writer's rank in
@@ -177,13 +190,13 @@ def move_objects(
     protocol: the rank keeps taking every bucket so its peers stay in step, and
     returns the first ``(object index, error)`` for the caller to agree on.
 
-    ``ready(sha, seconds)`` (a move that runs beside this rank's downloads) waits at
-    most ``seconds`` for an object this source may still be downloading and says
-    whether it is settled. A source whose next object has not settled within
-    :data:`PATIENCE` sends what it has read, then an empty bucket each time its wait
-    runs out (the waits doubling to :data:`KEEPALIVE_MAX`), so the other sources'
-    buckets are not held behind its downloads and no receiver waits a whole
-    ``timeout`` for a slow download.
+    ``arrivals`` (a move that runs beside the downloads into this source's pool)
+    says which objects are still downloading and which landed since. A source sends
+    the objects it holds first, then each as it lands, whatever the plan's order;
+    when nothing lands within :data:`PATIENCE` it sends what it has read, then an
+    empty bucket each time its wait runs out (the waits doubling to
+    :data:`KEEPALIVE_MAX`), so the other sources' buckets are not held behind its
+    downloads and no receiver waits a whole ``timeout`` for a slow download.
 
     Raises:
         CollectiveTimeout: a peer did not arrive in time.
@@ -196,25 +209,44 @@ def move_objects(
 
     keepalive = KEEPALIVE_MAX if timeout is None else min(KEEPALIVE_MAX, timeout / 4)
 
+    def one(index: int) -> tuple[int, bytes | None]:
+        data: bytes | None = None
+        try:
+            # Receivers hash what arrives; an object this process published itself in
+            # this run (hashed as it was written) is not hashed again.
+            data = pool.get(plan.objects[index], trust_own=True)
+            if data is None:
+                raise FileNotFoundError(
+                    f"object {plan.objects[index]} vanished from pool {mine} (or was corrupt)"
+                )
+        except Exception as exc:
+            failed.append((index, exc))
+        return index, data
+
     def read(indices: tuple[int, ...]) -> Iterator[tuple[int, bytes | None]]:
+        # What is not being downloaded goes first, in the plan's order; then each
+        # object as it lands, and the rest once every download is over.
+        later: dict[str, int] = {}
         for index in indices:
-            wait = min(keepalive, PATIENCE)
-            while ready is not None and not ready(plan.objects[index], wait):
+            if arrivals is not None and arrivals.waiting(plan.objects[index]):
+                later[plan.objects[index]] = index
+            else:
+                yield one(index)
+        seen, wait = 0, min(keepalive, PATIENCE)
+        while later and arrivals is not None:
+            landed, over = arrivals.landed(seen, wait)
+            seen += len(landed)
+            batch = [later.pop(sha) for sha in landed if sha in later]
+            if over:
+                batch += later.values()
+                later = {}
+            for index in batch:
+                yield one(index)
+            if batch:
+                wait = min(keepalive, PATIENCE)
+            else:
                 yield PAUSE, None
                 wait = min(keepalive, 2 * wait)
-            data: bytes | None = None
-            try:
-                # Receivers hash what arrives; an object this process published
-                # itself in this run (hashed as it was written) is not hashed again.
-                data = pool.get(plan.objects[index], trust_own=True)
-                if data is None:
-                    raise FileNotFoundError(
-                        f"object {plan.objects[index]} vanished from pool {mine} (or was corrupt)"
-                    )
-            except Exception as exc:
-                failed.append((index, exc))
-            yield index, data
-            del data
 
     comms = split_audiences(wcomm, rank, writers, plan.audiences)
     try:

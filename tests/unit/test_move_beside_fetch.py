@@ -13,21 +13,23 @@ import pytest
 
 from distcache.artifact import Artifact, sha256_hex
 from distcache.collective import prefetch
+from distcache.collective._bucket import PAUSE, StreamStats, bucket_messages, decode_bucket
 from distcache.comm import ThreadGroup
 from distcache.errors import ArtifactNotFound, PrefetchError
 from distcache.store._pool import ArtifactPool
 
 
 class ScriptedOrigin:
-    """Serves ``blobs``; the first ``free`` requests at once, the rest once ``release``
-    is set; ``slow`` names are written in 25 pieces 0.1 s apart; ``missing`` names
+    """Serves ``blobs``; the first ``free`` requests at once, the rest (and the
+    ``held`` names) once ``release`` is set; ``slow`` names are written in 25 pieces 0.1 s apart; ``missing`` names
     are not found."""
 
     def __init__(self, blobs: dict[str, bytes], *, free: int | None = None,
-                 slow: frozenset[str] = frozenset(),
-                 missing: frozenset[str] = frozenset()) -> None:
+                 slow: frozenset[str] = frozenset(), missing: frozenset[str] = frozenset(),
+                 held: frozenset[str] = frozenset()) -> None:
         self.blobs = blobs
         self.free = free
+        self.held = held
         self.slow = slow
         self.missing = missing
         self.release = threading.Event()
@@ -51,7 +53,8 @@ class ScriptedOrigin:
     def _pieces(self, artifact: Artifact) -> Any:
         with self._lock:
             self.calls += 1
-            gated = self.free is not None and self.calls > self.free
+            gated = ((self.free is not None and self.calls > self.free)
+                     or artifact.name in self.held)
             self.waiting += gated
         if gated:
             assert self.release.wait(30), "the test never released the origin"
@@ -130,6 +133,31 @@ def test_objects_reach_the_other_pool_before_the_last_download_lands(tmp_path: P
     assert all(pool.has(s) for pool in pools for s in shas)
 
 
+def test_objects_travel_in_the_order_they_land_not_behind_a_held_one(tmp_path: Path) -> None:
+    arts, blobs = make(8)
+    # The first object of the plan's order (objects are ordered by digest) is held: the
+    # others land, and each must reach both pools while it waits.
+    first = min(arts, key=lambda a: a.sha256)
+    origin = ScriptedOrigin(blobs, held=frozenset({first.name}))
+    pools = [ArtifactPool(tmp_path / f"pool{r}") for r in range(2)]
+    outcomes, threads = start_two(arts, pools, origin, 20)
+    others = [a.sha256 for a in arts if a is not first]
+    try:
+        everywhere = False
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not everywhere:
+            everywhere = all(pool.has(s) for pool in pools for s in others)
+            time.sleep(0.01)
+        assert origin.waiting == 1, "the held download was answered"
+    finally:
+        origin.release.set()
+    joined(threads)
+    assert everywhere, "objects that landed waited behind the held one"
+    for outcome in outcomes:
+        assert not isinstance(outcome, BaseException), outcome
+    assert all(pool.has(a.sha256) for pool in pools for a in arts)
+
+
 def test_a_download_longer_than_the_timeout_keeps_the_move_waiting_in_step(
     tmp_path: Path,
 ) -> None:
@@ -177,3 +205,14 @@ def test_a_failed_download_ends_the_move_and_fails_every_rank_alike(
         if a.name != arts[5].name:
             held_by = [pool.get(a.sha256) for pool in pools if pool.has(a.sha256)]
             assert all(data == blobs[a.sha256] for data in held_by)
+
+
+def test_a_pause_seals_the_bucket_built_so_far_even_an_empty_one() -> None:
+    stats = StreamStats()
+    items = [(0, b"a" * 10), (PAUSE, None), (PAUSE, None), (1, b"b" * 5), (2, None)]
+    messages = list(bucket_messages(iter(items), bucket_bytes=1000, stats=stats))
+    decoded = [decode_bucket(m, 3) for m in messages]
+    assert [(last, [(i, None if v is None else bytes(v)) for i, v in entries])
+            for last, entries in decoded] == [
+        (False, [(0, b"a" * 10)]), (False, []), (True, [(1, b"b" * 5), (2, None)])]
+    assert stats.broadcasts == 3
