@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -102,6 +103,26 @@ def start_two(arts: list[Artifact], pools: list[ArtifactPool], origin: ScriptedO
     return outcomes, threads
 
 
+def seen_while_held(origin: ScriptedOrigin, seen: Callable[[], bool]) -> bool:
+    """Whether ``seen()`` came true within 15 s while ``origin`` held its gated
+    downloads (some must still be held then); the origin is released either way."""
+    try:
+        deadline = time.monotonic() + 15
+        while not seen():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        assert origin.waiting > 0, "every download was answered: nothing was held back"
+        return True
+    finally:
+        origin.release.set()
+
+
+def succeeded(outcomes: list[Any]) -> None:
+    for outcome in outcomes:
+        assert not isinstance(outcome, BaseException), outcome
+
+
 def joined(threads: list[threading.Thread]) -> None:
     for t in threads:
         t.join(30)
@@ -114,21 +135,13 @@ def test_objects_reach_the_other_pool_before_the_last_download_lands(tmp_path: P
     pools = [ArtifactPool(tmp_path / f"pool{r}") for r in range(2)]
     shas = [a.sha256 for a in arts]
     outcomes, threads = start_two(arts, pools, origin, 20)
-    try:
-        # Two downloads are answered, the other six wait: an object that reaches the
-        # pool that did not download it was moved while the fetch was still running.
-        moved_early = False
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and not moved_early:
-            moved_early = any(pools[0].has(s) and pools[1].has(s) for s in shas)
-            time.sleep(0.01)
-        assert origin.waiting > 0, "every download was answered: nothing was held back"
-    finally:
-        origin.release.set()
+    # Two downloads are answered, the other six wait: an object that reaches the pool
+    # that did not download it was moved while the fetch was still running.
+    moved_early = seen_while_held(
+        origin, lambda: any(pools[0].has(s) and pools[1].has(s) for s in shas))
     joined(threads)
     assert moved_early, "no object reached the other pool before the held downloads landed"
-    for outcome in outcomes:
-        assert not isinstance(outcome, BaseException), outcome
+    succeeded(outcomes)
     assert origin.calls == len(arts)
     assert all(pool.has(s) for pool in pools for s in shas)
 
@@ -142,19 +155,11 @@ def test_objects_travel_in_the_order_they_land_not_behind_a_held_one(tmp_path: P
     pools = [ArtifactPool(tmp_path / f"pool{r}") for r in range(2)]
     outcomes, threads = start_two(arts, pools, origin, 20)
     others = [a.sha256 for a in arts if a is not first]
-    try:
-        everywhere = False
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and not everywhere:
-            everywhere = all(pool.has(s) for pool in pools for s in others)
-            time.sleep(0.01)
-        assert origin.waiting == 1, "the held download was answered"
-    finally:
-        origin.release.set()
+    everywhere = seen_while_held(
+        origin, lambda: all(pool.has(s) for pool in pools for s in others))
     joined(threads)
     assert everywhere, "objects that landed waited behind the held one"
-    for outcome in outcomes:
-        assert not isinstance(outcome, BaseException), outcome
+    succeeded(outcomes)
     assert all(pool.has(a.sha256) for pool in pools for a in arts)
 
 
@@ -169,8 +174,7 @@ def test_a_download_longer_than_the_timeout_keeps_the_move_waiting_in_step(
     pools = [ArtifactPool(tmp_path / f"pool{r}") for r in range(2)]
     outcomes, threads = start_two(arts, pools, origin, 1.0)
     joined(threads)
-    for outcome in outcomes:
-        assert not isinstance(outcome, BaseException), outcome
+    succeeded(outcomes)
     assert origin.calls == len(arts)
     assert all(pool.has(a.sha256) for pool in pools for a in arts)
     # The waiting source sent empty buckets: more broadcasts than a bucket per source.
