@@ -122,8 +122,8 @@ class Downloads:
     when that is a stall (an origin can hold a download for ever while answering each
     read in time). :meth:`abandon` leaves what still runs to its thread; whatever it
     publishes later is whole. ``on_done(nbytes)`` is called after each download (for a
-    progress bar); ``pending`` learns each artifact settled, and all of them at
-    :meth:`abandon`.
+    progress bar); ``pending`` learns each artifact settled (the caller settles the
+    rest when it stops waiting).
     """
 
     def __init__(self, pool: Pool, origin: Origin, artifacts: Sequence[Artifact], *,
@@ -179,8 +179,6 @@ class Downloads:
         """Start nothing more, freeze the figures (late finishers no longer count),
         and return them."""
         self._stop.set()
-        if self._pending is not None:
-            self._pending.settle()
         with self._lock:
             self._finished.set()
             got = self._result
