@@ -14,12 +14,11 @@ process keeps one session (:class:`SessionSlot`): a second ``init`` returns it.
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Unpack
 
+from distcache._beside import InstallsBeside, install_rest
+from distcache._beside import phase as _phase
 from distcache._log import get_logger
 from distcache._options import InitFields, InitOptions, compose, jit_families
 from distcache._prepare import as_lists, set_up_where_downloading
@@ -335,24 +334,27 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
                        len(session.registry.opens), phases["ipc"])
 
         def start_up() -> None:
-            with _phase(phases, "prefetch"), bulk_transport(comm, conf.transport,
-                                                             conf.timeout) as moving:
-                session.report = prefetch_manifests(
-                    moving, the_pool, the_origin, manifests=manifests,
-                    integrations=chosen, timeout=conf.timeout, offline=conf.offline,
-                    aside=session._starting, set_up=False)
+            # Nothing looks artifacts up before a foreground init returns (_beside.py).
+            beside = InstallsBeside(() if options.background else chosen, the_pool,
+                                    the_origin, phases)
+            try:
+                with _phase(phases, "prefetch"), bulk_transport(comm, conf.transport,
+                                                                 conf.timeout) as moving:
+                    session.report = prefetch_manifests(
+                        moving, the_pool, the_origin, manifests=manifests,
+                        integrations=chosen, timeout=conf.timeout, offline=conf.offline,
+                        aside=session._starting, set_up=False)
+            finally:  # what was installed is uninstalled by close(), whatever failed
+                early = beside.join_into(session.integrations)
+            beside.check()
             if session.report is not None:
                 _log_rank0(comm, "%s", session.report.summary())
             # The node agents started beside the prefetch; their endpoints came with its
             # report, else are shared now, before the installs (whose lookups use them).
             with _phase(phases, "peers"):
                 _share_peers(session)
-            for integration in chosen:
-                with _phase(phases, integration.name):
-                    integration.install(the_pool, the_origin)
-                session.integrations.append(integration)
-                _log_rank0(comm, "%s: installed (%.2f s)", integration.name,
-                           phases[integration.name])
+            install_rest(chosen, early, the_pool, the_origin, phases, session.integrations,
+                         lambda *line: _log_rank0(comm, *line))
 
         if options.background:
             session._thread = threading.Thread(target=_run_recording, args=(start_up, session),
@@ -381,15 +383,6 @@ def _run_recording(body: Any, session: Session) -> None:
     except BaseException as exc:
         session._error = exc
         log.debug("background start-up failed: %s", exc)
-
-
-@contextmanager
-def _phase(phases: dict[str, float], name: str) -> Iterator[None]:
-    start = time.perf_counter()
-    try:
-        yield
-    finally:  # added up: a phase may come back (the peers' start, then their share)
-        phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
 
 
 def _log_rank0(comm: Communicator, msg: str, *args: Any) -> None:

@@ -6,7 +6,9 @@ where an unmodified program looks for files. ``distcache.init(integrations=[...]
 installs exactly those (``integrations=()``: none); without the option it installs the
 default set, FlashInfer when it is importable. Options of an integration are its own
 (``FlashInfer(record=DIR)``), not ``init``'s. Nothing outside an integration's own
-package reads its settings.
+package reads its settings. An integration whose install reads nothing the start-up
+prefetch brings may say so with a class attribute ``install_beside_prefetch = True``:
+a foreground ``init`` then installs it on a thread while the prefetch runs.
 """
 
 from __future__ import annotations

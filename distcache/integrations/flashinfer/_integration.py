@@ -35,6 +35,10 @@ class FlashInfer:
     """
 
     name = "flashinfer"
+    #: The install puts a wrapper in front of FlashInfer's loader and reads nothing the
+    #: start-up prefetch brings (the wrapper looks artifacts up when asked): ``init``
+    #: installs it while the prefetch runs (see :mod:`distcache._beside`).
+    install_beside_prefetch = True
 
     def __init__(
         self,

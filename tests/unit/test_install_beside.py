@@ -1,0 +1,186 @@
+"""A foreground init installs the integrations that read nothing the prefetch brings
+while the prefetch runs, the others after it; failures on either side leave nothing
+installed."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import pytest
+
+import distcache
+from distcache.artifact import Artifact, manifest_text
+from distcache.errors import ConfigError, PrefetchError
+from distcache.origins import DirOrigin
+from distcache.session import current
+from distcache.testing import make_artifacts
+
+HELD_S = 3.0  # how long a held download waits for the install before it gives up
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    for var in ("DISTCACHE_DISABLE", "DISTCACHE_ORIGIN", "DISTCACHE_POOL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    yield
+    session = current()
+    if session is not None:
+        session.close()
+
+
+class HeldOrigin(DirOrigin):
+    """A directory origin whose downloads wait until ``released`` is set (or
+    :data:`HELD_S` passes, then they fail): what an install beside the prefetch can
+    release and an install after it cannot."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.released = threading.Event()
+        self.waited_out = 0
+
+    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
+        if not self.released.wait(HELD_S):
+            self.waited_out += 1
+            raise distcache.errors.OriginError(f"{artifact.name}: held past {HELD_S} s",
+                                               name=artifact.name)
+        return super().fetch_into(artifact, out)
+
+
+class Noting:
+    """An integration that notes, at its install, which of ``watched`` the pool held,
+    and can release a held origin or fail."""
+
+    name = "noting"
+
+    def __init__(self, watched: list[Artifact], *, release: threading.Event | None = None,
+                 fail: bool = False, order: list[str] | None = None) -> None:
+        self.watched, self.release, self.fail = watched, release, fail
+        self.held_at_install: list[bool] | None = None
+        self.on_thread: str | None = None
+        self.order = order if order is not None else []
+        self.uninstalls = 0
+
+    def available(self) -> bool:
+        return True
+
+    def default_origin(self) -> str | None:
+        return None
+
+    def manifest(self) -> list[Artifact]:
+        return []
+
+    def install(self, pool: Any, origin: Any) -> None:
+        self.held_at_install = [pool.has(a.sha256) for a in self.watched]
+        self.on_thread = threading.current_thread().name
+        if self.fail:
+            raise ConfigError(f"{self.name}: cannot install here")
+        self.order.append(self.name)
+        if self.release is not None:
+            self.release.set()
+
+    def uninstall(self) -> None:
+        self.uninstalls += 1
+
+    def materialize_dir(self) -> Path | None:
+        return None
+
+
+class Beside(Noting):
+    name = "beside"
+    install_beside_prefetch = True
+
+
+@pytest.fixture
+def held(tmp_path: Path) -> tuple[HeldOrigin, Path, list[Artifact]]:
+    artifacts = make_artifacts(tmp_path / "origin", 4, min_size=1000, max_size=4000)
+    manifest = tmp_path / "manifest.txt"
+    manifest.write_text(manifest_text(artifacts))
+    return HeldOrigin(tmp_path / "origin"), manifest, artifacts
+
+
+def test_an_install_beside_the_prefetch_runs_while_the_downloads_wait_and_the_rest_after(
+    tmp_path: Path, held: tuple[HeldOrigin, Path, list[Artifact]]
+) -> None:
+    origin, manifest, artifacts = held
+    order: list[str] = []
+    after = Noting(artifacts, order=order)
+    beside = Beside(artifacts, release=origin.released, order=order)
+    with distcache.init(pool=tmp_path / "pool", origin=origin, manifests=[manifest],
+                        integrations=[after, beside]) as session:
+        # The downloads waited for the install: it ran on its own thread before any
+        # artifact was in the pool; the other install came after every one was.
+        assert origin.waited_out == 0
+        assert beside.held_at_install == [False] * len(artifacts)
+        assert beside.on_thread == "distcache-install"
+        assert after.held_at_install == [True] * len(artifacts)
+        assert session.report is not None and session.report.downloads == len(artifacts)
+        assert order == ["beside", "noting"] and session.integrations == [beside, after]
+        assert session.phases["beside"] > 0 and session.phases["noting"] > 0
+    assert beside.uninstalls == 1 and after.uninstalls == 1
+
+
+def test_without_the_attribute_an_install_waits_for_the_prefetch(
+    tmp_path: Path, held: tuple[HeldOrigin, Path, list[Artifact]]
+) -> None:
+    # The same integration, not marked: its release comes only after the prefetch,
+    # so every held download gives up and init fails (what the first test rules out).
+    origin, manifest, artifacts = held
+    plain = Noting(artifacts, release=origin.released)
+    with pytest.raises(PrefetchError):
+        distcache.init(pool=tmp_path / "pool", origin=origin, manifests=[manifest],
+                       integrations=[plain], timeout=60)
+    assert origin.waited_out > 0 and plain.held_at_install is None
+    assert current() is None
+
+
+def test_a_failing_install_beside_the_prefetch_raises_after_it_and_installs_nothing_else(
+    tmp_path: Path, held: tuple[HeldOrigin, Path, list[Artifact]]
+) -> None:
+    origin, manifest, artifacts = held
+    origin.released.set()
+    after = Noting(artifacts)
+    broken = Beside(artifacts, fail=True)
+    with pytest.raises(ConfigError, match="beside: cannot install here"):
+        distcache.init(pool=tmp_path / "pool", origin=origin, manifests=[manifest],
+                       integrations=[broken, after])
+    # The prefetch ran to its end first (a collective is never left half-way).
+    pool = distcache.ArtifactPool(tmp_path / "pool")
+    assert all(pool.has(a.sha256) for a in artifacts)
+    assert after.held_at_install is None and after.uninstalls == 0
+    assert broken.uninstalls == 0 and current() is None
+
+
+def test_a_failing_prefetch_uninstalls_what_was_installed_beside_it(
+    tmp_path: Path, held: tuple[HeldOrigin, Path, list[Artifact]]
+) -> None:
+    origin, manifest, artifacts = held
+    (tmp_path / "origin" / artifacts[0].name).unlink()  # one download fails for good
+    beside = Beside(artifacts, release=origin.released)
+    after = Noting(artifacts)
+    with pytest.raises(PrefetchError, match=artifacts[0].name):
+        distcache.init(pool=tmp_path / "pool", origin=origin, manifests=[manifest],
+                       integrations=[beside, after])
+    assert beside.held_at_install is not None and beside.uninstalls == 1
+    assert after.held_at_install is None and current() is None
+
+
+def test_in_the_background_every_install_follows_the_prefetch(
+    tmp_path: Path, held: tuple[HeldOrigin, Path, list[Artifact]]
+) -> None:
+    # The engine may look artifacts up while a background start-up runs: the wrapper
+    # is put in front of the loader only once the prefetch is over.
+    origin, manifest, artifacts = held
+    origin.released.set()
+    beside = Beside(artifacts)
+    session = distcache.init(pool=tmp_path / "pool", origin=origin, manifests=[manifest],
+                             integrations=[beside], background=True)
+    report = session.wait()
+    assert report is not None and report.downloads == len(artifacts)
+    assert beside.held_at_install == [True] * len(artifacts)
+    assert beside.on_thread == "distcache-start-up"
+    session.close()
+    assert beside.uninstalls == 1
