@@ -36,6 +36,7 @@ WRITTEN_AS = {
     "lazy.json": "scripts/bench_lazy.py",
     "lazy_scale.json": "scripts/scale_model.py",
     "startup_scale.json": "scripts/scale_model.py",
+    "install_beside.json": "scripts/bench_install_beside.py",
 }
 
 
