@@ -31,12 +31,16 @@ HEARTBEAT = 1.0
 #: (phase, artifact name or None, rank, host, "Type: message")
 Failure = tuple[str, str | None, int, str, str]
 
+#: How a failure that is a collective's timeout begins ("Type: message").
+TIMED_OUT = "CollectiveTimeout:"
+
+
 def primary(failures: Iterable[Failure]) -> Failure:
     """The failure every rank reports: the lowest rank that failed other than by a
     timeout, if any did (a timeout is often what another rank's failure did to its
     peers: a receiver that stopped taking buckets leaves its source waiting), else the
     lowest rank. ``failures`` must not be empty."""
-    return min(failures, key=lambda f: (f[4].startswith("CollectiveTimeout:"), f[2]))
+    return min(failures, key=lambda f: (f[4].startswith(TIMED_OUT), f[2]))
 
 
 #: One rank's step: wait at most the given seconds, then say (over, seconds idle,
@@ -73,8 +77,13 @@ def heartbeats(
             # A rank whose work already failed is a candidate beside the stalled one,
             # chosen by primary(): before a move's stall (a receiver that met a
             # malformed bucket leaves its source waiting), by rank against a fetch's.
+            # A timeout is not: it is what the stall did to a peer (a source waiting
+            # for a receiver stuck on its disk), and the stall names where it is.
             rank, idle, detail, host = state["late"]
-            raise_first([state["failure"], stalled(rank, idle, detail, host)])
+            failure = state["failure"]
+            if failure is not None and failure[4].startswith(TIMED_OUT):
+                failure = None
+            raise_first([failure, stalled(rank, idle, detail, host)])
 
 
 def _combine(states: list[dict[str, Any]]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ fails the test instead of the run.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,3 +81,18 @@ def origin_requests(comm: Any, url: str) -> int:
         count = int(json.load(answer)["total_requests"])
     comm.barrier()
     return count
+
+
+def isolated_init(monkeypatch: Any, tmp_path: Path) -> Iterator[None]:
+    """The body of an autouse fixture for tests that call ``distcache.init`` in the
+    test process: no ``DISTCACHE_*`` variable of the caller's, a cache home of the
+    test's own, and the process's session closed after the test."""
+    for var in [v for v in os.environ if v.startswith("DISTCACHE_")]:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    yield
+    from distcache.session import current
+
+    session = current()
+    if session is not None:
+        session.close()

@@ -19,21 +19,14 @@ from distcache.artifact import Artifact, manifest_text
 from distcache.errors import ConfigError
 from distcache.store import ArtifactPool
 from distcache.testing import LoopbackOrigin
+from tests.support.helpers import isolated_init
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    for var in [v for v in os.environ if v.startswith("DISTCACHE_")]:
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    yield
-    from distcache.session import current
-
-    session = current()
-    if session is not None:
-        session.close()
+    yield from isolated_init(monkeypatch, tmp_path)
 
 
 @pytest.fixture

@@ -17,19 +17,14 @@ from distcache.errors import ConfigError, PrefetchError
 from distcache.origins import DirOrigin
 from distcache.session import current
 from distcache.testing import make_artifacts
+from tests.support.helpers import isolated_init
 
 HELD_S = 3.0  # how long a held download waits for the install before it gives up
 
 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    for var in ("DISTCACHE_DISABLE", "DISTCACHE_ORIGIN", "DISTCACHE_POOL"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    yield
-    session = current()
-    if session is not None:
-        session.close()
+    yield from isolated_init(monkeypatch, tmp_path)
 
 
 class HeldOrigin(DirOrigin):
@@ -94,6 +89,13 @@ class Beside(Noting):
     install_beside_prefetch = True
 
 
+def _init(tmp_path: Path, held: tuple[HeldOrigin, Path, list[Artifact]],
+          integrations: list[Noting], **options: Any) -> distcache.Session:
+    origin, manifest, _ = held
+    return distcache.init(pool=tmp_path / "pool", origin=origin, manifests=[manifest],
+                          integrations=integrations, **options)
+
+
 @pytest.fixture
 def held(tmp_path: Path) -> tuple[HeldOrigin, Path, list[Artifact]]:
     artifacts = make_artifacts(tmp_path / "origin", 4, min_size=1000, max_size=4000)
@@ -105,12 +107,11 @@ def held(tmp_path: Path) -> tuple[HeldOrigin, Path, list[Artifact]]:
 def test_an_install_beside_the_prefetch_runs_while_the_downloads_wait_and_the_rest_after(
     tmp_path: Path, held: tuple[HeldOrigin, Path, list[Artifact]]
 ) -> None:
-    origin, manifest, artifacts = held
+    origin, _, artifacts = held
     order: list[str] = []
     after = Noting(artifacts, order=order)
     beside = Beside(artifacts, release=origin.released, order=order)
-    with distcache.init(pool=tmp_path / "pool", origin=origin, manifests=[manifest],
-                        integrations=[after, beside]) as session:
+    with _init(tmp_path, held, [after, beside]) as session:
         # The downloads waited for the install: it ran on its own thread before any
         # artifact was in the pool; the other install came after every one was.
         assert origin.waited_out == 0
@@ -128,11 +129,10 @@ def test_without_the_attribute_an_install_waits_for_the_prefetch(
 ) -> None:
     # The same integration, not marked: its release comes only after the prefetch,
     # so every held download gives up and init fails (what the first test rules out).
-    origin, manifest, artifacts = held
+    origin, _, artifacts = held
     plain = Noting(artifacts, release=origin.released)
     with pytest.raises(PrefetchError):
-        distcache.init(pool=tmp_path / "pool", origin=origin, manifests=[manifest],
-                       integrations=[plain], timeout=60)
+        _init(tmp_path, held, [plain], timeout=60)
     assert origin.waited_out > 0 and plain.held_at_install is None
     assert current() is None
 
@@ -140,13 +140,12 @@ def test_without_the_attribute_an_install_waits_for_the_prefetch(
 def test_a_failing_install_beside_the_prefetch_raises_after_it_and_installs_nothing_else(
     tmp_path: Path, held: tuple[HeldOrigin, Path, list[Artifact]]
 ) -> None:
-    origin, manifest, artifacts = held
+    origin, _, artifacts = held
     origin.released.set()
     after = Noting(artifacts)
     broken = Beside(artifacts, fail=True)
     with pytest.raises(ConfigError, match="beside: cannot install here"):
-        distcache.init(pool=tmp_path / "pool", origin=origin, manifests=[manifest],
-                       integrations=[broken, after])
+        _init(tmp_path, held, [broken, after])
     # The prefetch ran to its end first (a collective is never left half-way).
     pool = distcache.ArtifactPool(tmp_path / "pool")
     assert all(pool.has(a.sha256) for a in artifacts)
@@ -157,13 +156,12 @@ def test_a_failing_install_beside_the_prefetch_raises_after_it_and_installs_noth
 def test_a_failing_prefetch_uninstalls_what_was_installed_beside_it(
     tmp_path: Path, held: tuple[HeldOrigin, Path, list[Artifact]]
 ) -> None:
-    origin, manifest, artifacts = held
+    origin, _, artifacts = held
     (tmp_path / "origin" / artifacts[0].name).unlink()  # one download fails for good
     beside = Beside(artifacts, release=origin.released)
     after = Noting(artifacts)
     with pytest.raises(PrefetchError, match=artifacts[0].name):
-        distcache.init(pool=tmp_path / "pool", origin=origin, manifests=[manifest],
-                       integrations=[beside, after])
+        _init(tmp_path, held, [beside, after])
     assert beside.held_at_install is not None and beside.uninstalls == 1
     assert after.held_at_install is None and current() is None
 
@@ -173,11 +171,10 @@ def test_in_the_background_every_install_follows_the_prefetch(
 ) -> None:
     # The engine may look artifacts up while a background start-up runs: the wrapper
     # is put in front of the loader only once the prefetch is over.
-    origin, manifest, artifacts = held
+    origin, _, artifacts = held
     origin.released.set()
     beside = Beside(artifacts)
-    session = distcache.init(pool=tmp_path / "pool", origin=origin, manifests=[manifest],
-                             integrations=[beside], background=True)
+    session = _init(tmp_path, held, [beside], background=True)
     report = session.wait()
     assert report is not None and report.downloads == len(artifacts)
     assert beside.held_at_install == [True] * len(artifacts)

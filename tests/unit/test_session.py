@@ -12,19 +12,12 @@ import distcache
 from distcache.artifact import manifest_text
 from distcache.errors import ConfigError
 from distcache.testing import LoopbackOrigin, make_artifacts
+from tests.support.helpers import isolated_init
 
 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    for var in ("DISTCACHE_DISABLE", "DISTCACHE_ORIGIN", "DISTCACHE_POOL"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    yield
-    from distcache.session import current as current_session
-
-    current = current_session()
-    if current is not None:
-        current.close()
+    yield from isolated_init(monkeypatch, tmp_path)
 
 
 @pytest.fixture
