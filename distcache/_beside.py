@@ -4,10 +4,13 @@ An integration whose install reads nothing the prefetch brings (FlashInfer's: it
 puts a wrapper in front of the loader and looks artifacts up only when the engine
 asks, after ``init`` returns) need not wait for the prefetch: :class:`InstallsBeside`
 installs those on a thread of their own while the prefetch runs, in the order given,
-so that on a rank that waits for its node leader's downloads the install costs no
-time of its own. An integration says so with a true ``install_beside_prefetch``
-attribute; the rest (the JIT cache families, which fill their directories from the
-pool) are installed after the prefetch, as before.
+so that the install (and the import of the consumer it may do) costs no time of its
+own while the ranks wait for downloads. An integration says so with a true
+``install_beside_prefetch`` attribute (read when ``init`` starts its prefetch; a
+consumer whose import must happen on the main thread says false); the rest (the JIT
+cache families, which fill their directories from the pool) are installed after the
+prefetch. Such an install is timed as ``"<name>:beside"`` in ``Session.phases``: it
+overlaps the ``"prefetch"`` phase.
 """
 
 from __future__ import annotations
@@ -27,11 +30,14 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
+#: What the phase of an install beside the prefetch is named after (``"<name>:beside"``).
+BESIDE = ":beside"
+
 
 @contextmanager
 def phase(phases: dict[str, float], name: str) -> Iterator[None]:
     """Add the seconds of the block to ``phases[name]`` (a phase may come back: the
-    peers' start, then their share; an install beside the prefetch is timed apart)."""
+    peers' start, then their share)."""
     start = time.perf_counter()
     try:
         yield
@@ -46,43 +52,58 @@ def installs_beside(integration: Integration) -> bool:
 
 class InstallsBeside:
     """Installs the integrations of ``chosen`` that :func:`installs_beside` allows on
-    a thread started at once; :meth:`join` waits for it. Each install's seconds go to
-    ``phases`` under the integration's name (they overlap the prefetch's)."""
+    a thread :meth:`start` starts; :meth:`join_into` waits for it and :meth:`check`
+    raises what an install raised."""
 
     def __init__(self, chosen: Sequence[Integration], pool: ArtifactPool,
                  origin: Origin | None, phases: dict[str, float]) -> None:
         self.early = [i for i in chosen if installs_beside(i)]
         self._installed: list[Integration] = []
         self._error: BaseException | None = None
-        self._args = (pool, origin, phases)
+        self._pool, self._origin, self._phases = pool, origin, phases
         self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
         if self.early:
             self._thread = threading.Thread(target=self._run, daemon=True,
                                             name="distcache-install")
             self._thread.start()
 
     def _run(self) -> None:
-        pool, origin, phases = self._args
         for integration in self.early:
             try:
-                with phase(phases, integration.name):
-                    integration.install(pool, origin)
+                with phase(self._phases, integration.name + BESIDE):
+                    integration.install(self._pool, self._origin)
             except BaseException as exc:  # raised on the caller's thread by check()
                 self._error = exc
                 return
             self._installed.append(integration)
 
-    def join_into(self, installed: list[Integration]) -> list[Integration]:
+    def join_into(self, installed: list[Integration], *, failing: bool = False
+                  ) -> list[Integration]:
         """Wait for the installs (each is non-collective and bounded by its own
-        imports), append those done to ``installed`` in order and return them."""
-        if self._thread is not None:
-            self._thread.join()
+        imports), append those done to ``installed`` in order (so ``Session.close``
+        uninstalls them) and return them. A Ctrl-C while waiting is raised once the
+        thread is done, not before: what it installs must be recorded. ``failing``:
+        the caller is raising an error of its own; an install's error is logged."""
+        interrupted: BaseException | None = None
+        while self._thread is not None and self._thread.is_alive():
+            try:
+                self._thread.join()
+            except KeyboardInterrupt as exc:
+                interrupted = exc
         installed.extend(self._installed)
+        if failing and self._error is not None:
+            log.warning("installing %s beside the prefetch failed as well: %s",
+                        self.early[len(self._installed)].name, self._error)
+        if interrupted is not None:
+            raise interrupted
         return list(self._installed)
 
     def check(self) -> None:
         """Raise what the first failing install raised (those after it were not
-        tried), after :meth:`join_into`."""
+        tried), once :meth:`join_into` returned. Call it after the start-up's last
+        collective, so that the other ranks are not left waiting in it."""
         if self._error is not None:
             raise self._error
 
@@ -96,7 +117,7 @@ def install_rest(chosen: Sequence[Integration], early: Sequence[Integration],
     for integration in chosen:
         if any(integration is done for done in early):
             note("%s: installed beside the prefetch (%.2f s)", integration.name,
-                 phases.get(integration.name, 0.0))
+                 phases.get(integration.name + BESIDE, 0.0))
             continue
         with phase(phases, integration.name):
             integration.install(pool, origin)

@@ -47,9 +47,11 @@ class Session:
         pool: the artifact pool (``None`` when distcache is disabled).
         registry: the IPC pool registry (``None`` unless IPC pools were exchanged).
         report: the start-up prefetch report (``None`` when nothing was prefetched).
-        phases: seconds spent in each start-up phase on this rank.
+        phases: seconds spent in each start-up phase on this rank (an install beside
+            the prefetch, ``"<name>:beside"``, overlaps ``"prefetch"``).
         disabled: ``True`` when ``DISTCACHE_DISABLE=1`` made ``init`` a no-op.
-        integrations: the integrations installed, in order.
+        integrations: the integrations installed, in the order installed (those
+            installed beside the prefetch first; ``distcache._beside``).
         options: what ``init`` was told.
     """
 
@@ -338,21 +340,24 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
             beside = InstallsBeside(() if options.background else chosen, the_pool,
                                     the_origin, phases)
             try:
+                beside.start()
                 with _phase(phases, "prefetch"), bulk_transport(comm, conf.transport,
                                                                  conf.timeout) as moving:
                     session.report = prefetch_manifests(
                         moving, the_pool, the_origin, manifests=manifests,
                         integrations=chosen, timeout=conf.timeout, offline=conf.offline,
                         aside=session._starting, set_up=False)
-            finally:  # what was installed is uninstalled by close(), whatever failed
-                early = beside.join_into(session.integrations)
-            beside.check()
+            except BaseException:  # what was installed is uninstalled by close()
+                beside.join_into(session.integrations, failing=True)
+                raise
+            early = beside.join_into(session.integrations)
             if session.report is not None:
                 _log_rank0(comm, "%s", session.report.summary())
             # The node agents started beside the prefetch; their endpoints came with its
-            # report, else are shared now, before the installs (whose lookups use them).
+            # report, else are shared now (collective), before any install can fail.
             with _phase(phases, "peers"):
                 _share_peers(session)
+            beside.check()
             install_rest(chosen, early, the_pool, the_origin, phases, session.integrations,
                          lambda *line: _log_rank0(comm, *line))
 

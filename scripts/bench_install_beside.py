@@ -97,6 +97,10 @@ def main() -> None:
                     run = json.loads(done.stdout.strip().splitlines()[-1])
                     if run["downloads"] != args.artifacts or run["installed"] != ["flashinfer"]:
                         raise SystemExit(f"{kind} launch {k}: {run}")
+                    timed_as = "flashinfer:beside" if kind == "beside" else "flashinfer"
+                    if timed_as not in run["phases"]:  # installed the other way
+                        raise SystemExit(f"{kind} launch {k}: no phase {timed_as!r} in "
+                                         f"{sorted(run['phases'])}")
                     runs[kind].append(run)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -106,7 +110,8 @@ def main() -> None:
         rows.append({"install": kind, "init_s": round(median["init_s"], 3),
                      "init_runs_s": [round(r["init_s"], 3) for r in runs[kind]],
                      "prefetch_s": round(median["phases"]["prefetch"], 3),
-                     "flashinfer_install_s": round(median["phases"]["flashinfer"], 3)})
+                     "flashinfer_install_s": round(median["phases"][
+                         "flashinfer:beside" if kind == "beside" else "flashinfer"], 3)})
     ratio = rows[0]["init_s"] / rows[1]["init_s"]
     print(f"{'install':<8} {'init s':>7} {'prefetch s':>10} {'install s':>9}  runs")
     for row in rows:

@@ -480,8 +480,9 @@ def engine_init_worker(args: argparse.Namespace) -> None:
         "engine_s": {"import": imported - start, "init": initialised - imported,
                      # What init spends outside its named phases: the modules it
                      # imports and choosing the integrations (the peer agents' start is
-                     # the phase "peers").
-                     "init_unphased": initialised - imported - sum(session.phases.values()),
+                     # the phase "peers"; an install beside the prefetch overlaps it).
+                     "init_unphased": initialised - imported - sum(
+                         v for k, v in session.phases.items() if not k.endswith(":beside")),
                      "load": ready - initialised},
         "init_phases": dict(session.phases),
         "report_seconds": dict(report.seconds) if report is not None else {},

@@ -7,8 +7,9 @@ installs exactly those (``integrations=()``: none); without the option it instal
 default set, FlashInfer when it is importable. Options of an integration are its own
 (``FlashInfer(record=DIR)``), not ``init``'s. Nothing outside an integration's own
 package reads its settings. An integration whose install reads nothing the start-up
-prefetch brings may say so with a class attribute ``install_beside_prefetch = True``:
-a foreground ``init`` then installs it on a thread while the prefetch runs.
+prefetch brings may say so with a true ``install_beside_prefetch`` attribute: a
+foreground ``init`` then installs it on a thread while the prefetch runs (one whose
+install imports something that must be imported on the main thread says false).
 """
 
 from __future__ import annotations

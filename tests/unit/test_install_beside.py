@@ -71,11 +71,11 @@ class Noting:
     def install(self, pool: Any, origin: Any) -> None:
         self.held_at_install = [pool.has(a.sha256) for a in self.watched]
         self.on_thread = threading.current_thread().name
+        if self.release is not None:
+            self.release.set()
         if self.fail:
             raise ConfigError(f"{self.name}: cannot install here")
         self.order.append(self.name)
-        if self.release is not None:
-            self.release.set()
 
     def uninstall(self) -> None:
         self.uninstalls += 1
@@ -120,7 +120,9 @@ def test_an_install_beside_the_prefetch_runs_while_the_downloads_wait_and_the_re
         assert after.held_at_install == [True] * len(artifacts)
         assert session.report is not None and session.report.downloads == len(artifacts)
         assert order == ["beside", "noting"] and session.integrations == [beside, after]
-        assert session.phases["beside"] > 0 and session.phases["noting"] > 0
+        # The install beside is timed apart: it overlaps the prefetch's phase.
+        assert session.phases["beside:beside"] > 0 and session.phases["noting"] > 0
+        assert "beside" not in session.phases
     assert beside.uninstalls == 1 and after.uninstalls == 1
 
 
@@ -141,16 +143,52 @@ def test_a_failing_install_beside_the_prefetch_raises_after_it_and_installs_noth
     tmp_path: Path, held: tuple[HeldOrigin, Path, list[Artifact]]
 ) -> None:
     origin, _, artifacts = held
-    origin.released.set()
     after = Noting(artifacts)
-    broken = Beside(artifacts, fail=True)
+    # It releases the held downloads, then fails: raised only once the prefetch is over.
+    broken = Beside(artifacts, release=origin.released, fail=True)
     with pytest.raises(ConfigError, match="beside: cannot install here"):
         _init(tmp_path, held, [broken, after])
+    assert broken.on_thread == "distcache-install" and origin.waited_out == 0
     # The prefetch ran to its end first (a collective is never left half-way).
     pool = distcache.ArtifactPool(tmp_path / "pool")
     assert all(pool.has(a.sha256) for a in artifacts)
     assert after.held_at_install is None and after.uninstalls == 0
     assert broken.uninstalls == 0 and current() is None
+
+
+def test_an_install_failing_on_one_rank_leaves_the_other_ranks_ready(
+    tmp_path: Path, held: tuple[HeldOrigin, Path, list[Artifact]]
+) -> None:
+    # Two nodes with a pool each: every rank runs the prefetch, then the node agents'
+    # endpoints are shared (a collective). The failing rank raises after that round,
+    # so the other is not left waiting in it for the timeout.
+    from distcache.comm import ThreadGroup
+    from distcache.session import SessionSlot
+
+    origin, manifest, artifacts = held
+    origin.released.set()
+    group = ThreadGroup(2, ["node-a", "node-b"], timeout=5)
+    out: list[Any] = [None, None]
+
+    def body(rank: int) -> None:
+        try:
+            out[rank] = SessionSlot().init(
+                comm=group.comm(rank), pool=tmp_path / f"pool-{rank}", origin=origin,
+                manifests=[manifest], integrations=[Beside(artifacts, fail=rank == 0)],
+                timeout=5)
+        except BaseException as exc:
+            out[rank] = exc
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert isinstance(out[0], ConfigError), out[0]
+    assert isinstance(out[1], distcache.Session), out[1]
+    assert out[1].report is not None and out[1].report.objects == len(artifacts)
+    out[1].close()
 
 
 def test_a_failing_prefetch_uninstalls_what_was_installed_beside_it(
@@ -181,3 +219,34 @@ def test_in_the_background_every_install_follows_the_prefetch(
     assert beside.on_thread == "distcache-start-up"
     session.close()
     assert beside.uninstalls == 1
+
+
+@pytest.mark.parametrize(("imported", "environ", "beside"), [
+    (True, {}, True),
+    (False, {}, True),
+    (False, {"FLASHINFER_LOGLEVEL": "3"}, True),
+    # FlashInfer's import at level 10 installs a SIGTERM handler: main thread only.
+    (False, {"FLASHINFER_LOGLEVEL": "10"}, False),
+    (True, {"FLASHINFER_LOGLEVEL": "10"}, True),
+    (False, {"FLASHINFER_LOGLEVEL": "x"}, False),
+    # Offline, the install sets FLASHINFER_NO_DOWNLOAD: not beside running threads.
+    (True, {"DISTCACHE_OFFLINE": "1"}, False),
+])
+def test_flashinfer_is_installed_beside_the_prefetch_where_its_install_allows_it(
+    monkeypatch: pytest.MonkeyPatch, imported: bool, environ: dict[str, str], beside: bool
+) -> None:
+    import sys
+
+    from distcache._beside import installs_beside
+    from distcache.integrations.flashinfer import FlashInfer
+    from distcache.integrations.flashinfer._upstream import LOADER_MODULE
+
+    monkeypatch.delenv("FLASHINFER_LOGLEVEL", raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    if imported:
+        monkeypatch.setitem(sys.modules, LOADER_MODULE, sys.modules.get(LOADER_MODULE)
+                            or type(sys)(LOADER_MODULE))
+    else:
+        monkeypatch.delitem(sys.modules, LOADER_MODULE, raising=False)
+    assert installs_beside(FlashInfer()) is beside

@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from distcache.artifact import Artifact
+from distcache.config import settings
 from distcache.integrations.flashinfer._install import install, uninstall_if
 from distcache.integrations.flashinfer._loader import Families, PooledLoader
 from distcache.integrations.flashinfer._record import read_record, recorded_ns
 from distcache.integrations.flashinfer._upstream import (
+    LOADER_MODULE,
     REPOSITORY_VARIABLE,
     available,
     cubin_dir,
@@ -35,10 +38,22 @@ class FlashInfer:
     """
 
     name = "flashinfer"
-    #: The install puts a wrapper in front of FlashInfer's loader and reads nothing the
-    #: start-up prefetch brings (the wrapper looks artifacts up when asked): ``init``
-    #: installs it while the prefetch runs (see :mod:`distcache._beside`).
-    install_beside_prefetch = True
+
+    @property
+    def install_beside_prefetch(self) -> bool:
+        """Whether ``init`` may install this while its prefetch runs, on a thread (see
+        :mod:`distcache._beside`): the install puts a wrapper in front of FlashInfer's
+        loader and reads nothing the prefetch brings. Not offline, where it sets
+        ``FLASHINFER_NO_DOWNLOAD`` (the process's environment is not changed beside
+        running threads), nor where it would import FlashInfer with
+        ``FLASHINFER_LOGLEVEL`` at 10 or more (that import installs a SIGTERM handler,
+        which only the main thread can)."""
+        if settings().offline:
+            return False
+        if LOADER_MODULE in sys.modules:
+            return True
+        level = os.environ.get("FLASHINFER_LOGLEVEL", "0").strip() or "0"
+        return level.isdigit() and int(level) < 10
 
     def __init__(
         self,
