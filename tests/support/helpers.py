@@ -96,3 +96,26 @@ def isolated_init(monkeypatch: Any, tmp_path: Path) -> Iterator[None]:
     session = current()
     if session is not None:
         session.close()
+
+
+def on_threads(size: int, body: Any, join: float = 60) -> list[Any]:
+    """``body(rank)`` for each rank on a thread of its own (in-process ranks, a
+    ``ThreadGroup``'s); each rank's result or what it raised, in rank order. Fails the
+    test if a rank is still running after ``join`` seconds."""
+    import threading
+
+    out: list[Any] = [None] * size
+
+    def target(rank: int) -> None:
+        try:
+            out[rank] = body(rank)
+        except BaseException as exc:
+            out[rank] = exc
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return out

@@ -19,7 +19,7 @@ from distcache.artifact import Artifact, manifest_text
 from distcache.errors import ConfigError
 from distcache.store import ArtifactPool
 from distcache.testing import LoopbackOrigin
-from tests.support.helpers import isolated_init
+from tests.support.helpers import isolated_init, on_threads
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -170,26 +170,6 @@ def _steady(tmp_path: Path) -> tuple[LoopbackOrigin, list[Artifact]]:
     return LoopbackOrigin(tmp_path / "slow", latency=SLOW), listed
 
 
-def _run_ranks(size: int, body: Any, join: float = 60) -> list[Any]:
-    import threading
-
-    out: list[Any] = [None] * size
-
-    def target(rank: int) -> None:
-        try:
-            out[rank] = body(rank)
-        except BaseException as exc:
-            out[rank] = exc
-
-    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(join)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return out
-
-
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_a_slow_steady_origin_finishes_although_the_fetch_outlasts_the_timeout(
     tmp_path: Path, ranks: int
@@ -205,7 +185,7 @@ def test_a_slow_steady_origin_finishes_although_the_fetch_outlasts_the_timeout(
     pools = [ArtifactPool(tmp_path / f"pool{r}") for r in range(ranks)]
     start = time.monotonic()
     with server:
-        results = _run_ranks(ranks, lambda r: prefetch(
+        results = on_threads(ranks, lambda r: prefetch(
             listed, comm=group.comm(r), pool=pools[r], origin=open_origin(server.url),
             timeout=TIMEOUT, downloads_per_rank=1, downloads_per_job=1))
         requests = server.total_requests
@@ -271,7 +251,7 @@ def test_a_peer_silent_in_the_fetch_fails_the_others_within_the_timeout_despite_
                 if rank == 0:
                     silent.release.set()
 
-        results = _run_ranks(2, body)
+        results = on_threads(2, body)
         requests = server.total_requests
     assert isinstance(results[0], PrefetchError), results[0]
     assert isinstance(results[0].__cause__, CollectiveTimeout)
@@ -293,14 +273,14 @@ def test_ranks_that_disagree_on_having_an_origin_fetch_nothing_and_fail_alike(
     group = ThreadGroup(2, timeout=20)
     pools = [_fill(tmp_path / "warm", artifact_dir, artifacts), ArtifactPool(tmp_path / "cold")]
     origins = [None, open_origin(origin_server.url)]  # only rank 1 has one
-    reports = _run_ranks(2, lambda r: prefetch_manifests(
+    reports = on_threads(2, lambda r: prefetch_manifests(
         group.comm(r), pools[r], origins[r], manifests=[manifest], timeout=20, offline=False))
     for report in reports:
         assert not isinstance(report, BaseException), report
         assert report.downloads == 0
     assert all(pools[1].has(a.sha256) for a in artifacts)  # moved from rank 0's pool
     absent = Artifact("cubins/absent/none.cubin", "0" * 64)
-    errors = _run_ranks(2, lambda r: prefetch_manifests(
+    errors = on_threads(2, lambda r: prefetch_manifests(
         group.comm(r), pools[r], origins[r], manifests=[[*artifacts, absent]], timeout=20,
         offline=False))
     assert all(isinstance(e, ConfigError) for e in errors), errors
@@ -346,7 +326,7 @@ def test_a_slow_steady_move_finishes_for_a_rank_outside_it_past_the_timeout(
     group = ThreadGroup(3, timeout=TIMEOUT)
     start = time.monotonic()
     # One artifact per bucket: the move takes STEADY x SLOW, about twice the timeout.
-    results = _run_ranks(3, lambda r: prefetch(
+    results = on_threads(3, lambda r: prefetch(
         listed, comm=group.comm(r), pool=pools[r], origin=None, timeout=TIMEOUT,
         bucket_bytes=1))
     elapsed = time.monotonic() - start
@@ -390,7 +370,7 @@ def test_a_writer_stuck_in_the_move_fails_every_rank_within_the_timeout(
             failed_at[rank] = time.monotonic()
 
     try:
-        results = _run_ranks(3, body)
+        results = on_threads(3, body)
     finally:
         release.set()
     assert stuck_since

@@ -3,7 +3,6 @@ timeout it caused on a peer; a real failure on a peer still wins over the stall.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -11,6 +10,7 @@ import pytest
 
 from distcache.collective._heartbeat import Failure, heartbeats, primary
 from distcache.comm import ThreadGroup
+from tests.support.helpers import on_threads
 
 TIMEOUT = 2.0
 
@@ -32,11 +32,10 @@ def _stalled(rank: int, idle: float, _detail: Any, host: str) -> Failure:
             f"CollectiveTimeout: the move made no progress for {idle:.0f} s on rank {rank}")
 
 
-def _beat(peer_failure: Failure) -> list[BaseException | None]:
+def _beat(peer_failure: Failure) -> list[Any]:
     """Two ranks beat the heart: rank 0's work is over with ``peer_failure``, rank 1's
     never ends and has been idle past the timeout. What each rank raised."""
     group = ThreadGroup(2, timeout=TIMEOUT)
-    raised: list[BaseException | None] = [None, None]
 
     def rank(r: int) -> None:
         def step(beat: float) -> tuple[bool, float, Any, Failure | None]:
@@ -44,18 +43,9 @@ def _beat(peer_failure: Failure) -> list[BaseException | None]:
                 return True, 0.0, None, peer_failure
             return False, TIMEOUT + 1.0, None, None
 
-        try:
-            heartbeats(group.comm(r), TIMEOUT, step, _raise_first, _stalled)
-        except BaseException as exc:
-            raised[r] = exc
+        heartbeats(group.comm(r), TIMEOUT, step, _raise_first, _stalled)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not any(t.is_alive() for t in threads)
-    return raised
+    return on_threads(2, rank, join=30)
 
 
 def test_a_stall_is_reported_over_the_timeout_it_caused_on_a_lower_rank() -> None:

@@ -17,7 +17,7 @@ from distcache.errors import ConfigError, PrefetchError
 from distcache.origins import DirOrigin
 from distcache.session import current
 from distcache.testing import make_artifacts
-from tests.support.helpers import isolated_init
+from tests.support.helpers import isolated_init, on_threads
 
 HELD_S = 3.0  # how long a held download waits for the install before it gives up
 
@@ -168,23 +168,9 @@ def test_an_install_failing_on_one_rank_leaves_the_other_ranks_ready(
     origin, manifest, artifacts = held
     origin.released.set()
     group = ThreadGroup(2, ["node-a", "node-b"], timeout=5)
-    out: list[Any] = [None, None]
-
-    def body(rank: int) -> None:
-        try:
-            out[rank] = SessionSlot().init(
-                comm=group.comm(rank), pool=tmp_path / f"pool-{rank}", origin=origin,
-                manifests=[manifest], integrations=[Beside(artifacts, fail=rank == 0)],
-                timeout=5)
-        except BaseException as exc:
-            out[rank] = exc
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads)
+    out = on_threads(2, lambda rank: SessionSlot().init(
+        comm=group.comm(rank), pool=tmp_path / f"pool-{rank}", origin=origin,
+        manifests=[manifest], integrations=[Beside(artifacts, fail=rank == 0)], timeout=5))
     assert isinstance(out[0], ConfigError), out[0]
     assert isinstance(out[1], distcache.Session), out[1]
     assert out[1].report is not None and out[1].report.objects == len(artifacts)
