@@ -15,6 +15,7 @@ overlaps the ``"prefetch"`` phase.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -46,8 +47,17 @@ def phase(phases: dict[str, float], name: str) -> Iterator[None]:
 
 
 def installs_beside(integration: Integration) -> bool:
-    """Whether ``integration`` may be installed while the start-up prefetch runs."""
-    return getattr(integration, "install_beside_prefetch", False) is True
+    """Whether ``integration`` may be installed while the start-up prefetch runs (not
+    where asking raises: its install then raises after the prefetch, as any other's)."""
+    try:
+        return getattr(integration, "install_beside_prefetch", False) is True
+    except Exception:
+        return False
+
+
+#: Seconds an interrupted ``init`` still waits for an install beside the prefetch
+#: before it leaves it (which then uninstalls itself when it ends).
+ABANDON_S = 2.0
 
 
 class InstallsBeside:
@@ -62,6 +72,8 @@ class InstallsBeside:
         self._error: BaseException | None = None
         self._pool, self._origin, self._phases = pool, origin, phases
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._left = False  # join_into has returned: nothing more is recorded
 
     def start(self) -> None:
         if self.early:
@@ -77,28 +89,39 @@ class InstallsBeside:
             except BaseException as exc:  # raised on the caller's thread by check()
                 self._error = exc
                 return
-            self._installed.append(integration)
+            with self._lock:
+                if self._left:  # init was interrupted and went on without it
+                    integration.uninstall()
+                    return
+                self._installed.append(integration)
 
     def join_into(self, installed: list[Integration], *, failing: bool = False
                   ) -> list[Integration]:
         """Wait for the installs (each is non-collective and bounded by its own
         imports), append those done to ``installed`` in order (so ``Session.close``
-        uninstalls them) and return them. A Ctrl-C while waiting is raised once the
-        thread is done, not before: what it installs must be recorded. ``failing``:
-        the caller is raising an error of its own; an install's error is logged."""
+        uninstalls them) and return them. A Ctrl-C while waiting waits at most
+        :data:`ABANDON_S` more (a second one not at all), then is raised; an install
+        that ends later uninstalls itself. An install's error is logged here (with
+        ``failing``, the caller is raising an error of its own and drops it)."""
         interrupted: BaseException | None = None
-        while self._thread is not None and self._thread.is_alive():
+        if self._thread is not None:
             try:
                 self._thread.join()
             except KeyboardInterrupt as exc:
                 interrupted = exc
-        installed.extend(self._installed)
-        if failing and self._error is not None:
-            log.warning("installing %s beside the prefetch failed as well: %s",
-                        self.early[len(self._installed)].name, self._error)
+                with contextlib.suppress(KeyboardInterrupt):
+                    self._thread.join(ABANDON_S)
+        with self._lock:
+            self._left = True
+            done = list(self._installed)
+        installed.extend(done)
+        if self._error is not None:
+            log.warning("installing %s beside the prefetch failed%s: %s",
+                        self.early[len(done)].name, " as well" if failing else "",
+                        self._error, exc_info=self._error)
         if interrupted is not None:
             raise interrupted
-        return list(self._installed)
+        return done
 
     def check(self) -> None:
         """Raise what the first failing install raised (those after it were not

@@ -339,6 +339,7 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
             # Nothing looks artifacts up before a foreground init returns (_beside.py).
             beside = InstallsBeside(() if options.background else chosen, the_pool,
                                     the_origin, phases)
+            over = False
             try:
                 beside.start()
                 with _phase(phases, "prefetch"), bulk_transport(comm, conf.transport,
@@ -347,10 +348,9 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
                         moving, the_pool, the_origin, manifests=manifests,
                         integrations=chosen, timeout=conf.timeout, offline=conf.offline,
                         aside=session._starting, set_up=False)
-            except BaseException:  # what was installed is uninstalled by close()
-                beside.join_into(session.integrations, failing=True)
-                raise
-            early = beside.join_into(session.integrations)
+                over = True
+            finally:  # what was installed is uninstalled by close(), whatever happened
+                early = beside.join_into(session.integrations, failing=not over)
             if session.report is not None:
                 _log_rank0(comm, "%s", session.report.summary())
             # The node agents started beside the prefetch; their endpoints came with its

@@ -268,6 +268,8 @@ def init_rank_report(session: Any, result: str, *, rank: int, node: str,
                      init_s: float, cpu_s: float) -> None:
     """Gather the ranks' figures of a row through init (after the clock); rank 0 writes
     them to ``result``."""
+    from distcache._beside import BESIDE
+
     phases = dict(session.phases)
     report = session.report
     mine = {"rank": rank, "node": node, "mpi_init_s": mpi_init_s, "import_s": import_s,
@@ -280,7 +282,7 @@ def init_rank_report(session: Any, result: str, *, rank: int, node: str,
             # the peer start-up between pool and prefetch; an install beside the
             # prefetch overlaps it).
             "outside_phases_s": init_s - sum(v for k, v in phases.items()
-                                             if not k.endswith(":beside")),
+                                             if not k.endswith(BESIDE)),
             "report_seconds": {} if report is None else dict(report.seconds),
             "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     gathered = session.comm.allgather_object(mine)

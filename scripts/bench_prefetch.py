@@ -466,6 +466,8 @@ def engine_init_worker(args: argparse.Namespace) -> None:
     _stop_profile(profiler, f"{args.worker}-n{size}-rank{rank}")
     _barrier_sleeping(world)
     wall = time.perf_counter() - start
+    from distcache._beside import BESIDE  # after the clock
+
     report = session.report
     complete = all(hashlib.sha256(served.get(name, b"")).hexdigest() == sha
                    for name, sha in kernels)
@@ -482,7 +484,7 @@ def engine_init_worker(args: argparse.Namespace) -> None:
                      # imports and choosing the integrations (the peer agents' start is
                      # the phase "peers"; an install beside the prefetch overlaps it).
                      "init_unphased": initialised - imported - sum(
-                         v for k, v in session.phases.items() if not k.endswith(":beside")),
+                         v for k, v in session.phases.items() if not k.endswith(BESIDE)),
                      "load": ready - initialised},
         "init_phases": dict(session.phases),
         "report_seconds": dict(report.seconds) if report is not None else {},

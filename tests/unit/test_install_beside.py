@@ -5,6 +5,7 @@ installed."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -215,6 +216,7 @@ def test_in_the_background_every_install_follows_the_prefetch(
     (False, {"FLASHINFER_LOGLEVEL": "10"}, False),
     (True, {"FLASHINFER_LOGLEVEL": "10"}, True),
     (False, {"FLASHINFER_LOGLEVEL": "x"}, False),
+    (False, {"FLASHINFER_LOGLEVEL": "\u00b2"}, False),  # a digit int() refuses
     # Offline, the install sets FLASHINFER_NO_DOWNLOAD: not beside running threads.
     (True, {"DISTCACHE_OFFLINE": "1"}, False),
 ])
@@ -236,3 +238,53 @@ def test_flashinfer_is_installed_beside_the_prefetch_where_its_install_allows_it
     else:
         monkeypatch.delitem(sys.modules, LOADER_MODULE, raising=False)
     assert installs_beside(FlashInfer()) is beside
+
+
+def test_an_install_failing_beside_a_failing_prefetch_is_logged_under_its_error(
+    tmp_path: Path, held: tuple[HeldOrigin, Path, list[Artifact]],
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    artifacts = held[2]  # never released: every download gives up
+    broken = Beside(artifacts, fail=True)
+    with caplog.at_level(logging.WARNING, logger="distcache"), \
+            pytest.raises(PrefetchError, match="held past"):
+        _init(tmp_path, held, [broken])
+    assert any("installing beside beside the prefetch failed as well" in r.getMessage()
+               and "cannot install here" in r.getMessage() for r in caplog.records)
+    assert broken.uninstalls == 0 and current() is None
+
+
+def test_an_interrupted_wait_leaves_the_install_which_then_uninstalls_itself(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import signal
+
+    from distcache import _beside
+
+    monkeypatch.setattr(_beside, "ABANDON_S", 0.2)
+    gate = threading.Event()
+
+    class Hung(Beside):
+        def install(self, pool: Any, origin: Any) -> None:
+            gate.wait(30)  # an import stuck on a hung filesystem, until released
+            super().install(pool, origin)
+
+    hung = Hung([])
+    beside = _beside.InstallsBeside([hung], None, None, {})  # type: ignore[arg-type]
+    beside.start()
+    # Ctrl-C: SIGINT to the main thread, waiting in the join.
+    main = threading.main_thread().ident
+    assert main is not None
+    installed: list[Any] = []
+    with pytest.raises(KeyboardInterrupt):
+        threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT)).start()
+        beside.join_into(installed)  # Ctrl-C: left after ABANDON_S, not for ever
+    assert installed == [] and hung.uninstalls == 0
+    gate.set()
+    deadline = time.monotonic() + 10
+    while hung.uninstalls == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # It ended after init had gone on without it: it took itself out again.
+    assert hung.order == ["beside"] and hung.uninstalls == 1
