@@ -278,9 +278,14 @@ def test_an_interrupted_wait_leaves_the_install_which_then_uninstalls_itself(
     main = threading.main_thread().ident
     assert main is not None
     installed: list[Any] = []
-    with pytest.raises(KeyboardInterrupt):
-        threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT)).start()
-        beside.join_into(installed)  # Ctrl-C: left after ABANDON_S, not for ever
+    # A job started in the background (as CI's may be) inherits SIGINT ignored.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT)).start()
+            beside.join_into(installed)  # Ctrl-C: left after ABANDON_S, not for ever
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     assert installed == [] and hung.uninstalls == 0
     gate.set()
     deadline = time.monotonic() + 10
