@@ -48,7 +48,8 @@ def test_a_lazy_miss_crosses_hosts_once_per_job(
     # The agents listen on the veth addresses, one per host, never on loopback.
     endpoints = results[0]["endpoints"]
     assert sorted(e.rsplit(":", 1)[0] for e in endpoints) == [f"tcp://{a}" for a in ADDRESSES]
-    assert max(r["origin"] for r in results) == len(made)  # once per job, not per host
     stats = [r["stats"] for r in results]
+    # Once per job, not per host (the stats say which lookups went where if not).
+    assert max(r["origin"] for r in results) == len(made), stats
     assert sum(s["peer_failed"] + s["fallbacks"] for s in stats) == 0
     assert sum(s["peer"] for s in stats) >= len(made)  # bytes crossed the link from owners
