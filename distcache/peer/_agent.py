@@ -94,7 +94,7 @@ class Agent:
 
     def __init__(self, pool: ArtifactPool, origin: Callable[[], Origin | None], key: bytes, *,
                  host: str = "127.0.0.1", socket_path: Path | None = None,
-                 max_transfers: int = 16, fallbacks: int = 1) -> None:
+                 max_transfers: int = 16, fallbacks: int = 1, joining: bool = False) -> None:
         self.pool = pool
         self.origin = origin
         self.key = key
@@ -103,6 +103,13 @@ class Agent:
         self.fallbacks = fallbacks
         self.nodes: list[str] = []
         self.me = -1
+        # Set by join(). An agent that will be joined (``joining``: a node agent of a
+        # job) holds a filling request until then, for at most its budget: a member's
+        # init may return a moment before its leader's has joined the agent to the
+        # job's, and an agent that knows no other takes every artifact for its own.
+        self._joined = threading.Event()
+        if not joining:
+            self._joined.set()
         self.counts: Counter[str] = Counter()
         self._slots = threading.BoundedSemaphore(max_transfers)
         self._lock = threading.Lock()
@@ -145,6 +152,7 @@ class Agent:
     def join(self, nodes: Sequence[str], me: int) -> None:
         """The job's agents (TCP endpoints, the same list on every node) and this one's index."""
         self.nodes, self.me = list(nodes), me
+        self._joined.set()
 
     def stop(self) -> None:
         for server in self._servers:
@@ -169,6 +177,7 @@ class Agent:
         if not fill:
             raise PeerError("not held", sha256=artifact.sha256, status=404, refused=True)
         until = time.monotonic() + budget
+        self._joined.wait(budget)  # past it, as an agent of one node
         if local:
             return self._walks.do(artifact.sha256, lambda: self._walk(artifact, until),
                                   timeout=budget)

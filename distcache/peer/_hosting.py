@@ -103,7 +103,8 @@ def host_agent(pool: ArtifactPool, origin: Callable[[], Origin | None], key: byt
 
     path = socket_path(Path(pool.root), tag)
     try:
-        agent = Agent(pool, origin, key, host=job_address(environ), socket_path=path).start()
+        agent = Agent(pool, origin, key, host=job_address(environ), socket_path=path,
+                      joining=True).start()
     except BaseException:
         _remove_made_dir(path, pool)
         raise
