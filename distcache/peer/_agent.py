@@ -59,6 +59,9 @@ BUSY_WAIT_S = 5.0
 HOP_S = 20.0
 #: Seconds a request may take when the asker gives no budget.
 DEFAULT_BUDGET_S = 30.0
+#: Seconds a filling request waits, at most, for an agent that will be joined to the
+#: job's agents (and never more than half its budget); past it, as an agent of one node.
+JOIN_WAIT_S = 5.0
 
 
 class _TcpServer(http.server.ThreadingHTTPServer):
@@ -104,12 +107,13 @@ class Agent:
         self.nodes: list[str] = []
         self.me = -1
         # Set by join(). An agent that will be joined (``joining``: a node agent of a
-        # job) holds a filling request until then, for at most its budget: a member's
+        # job) holds a filling request until then, for at most JOIN_WAIT_S: a member's
         # init may return a moment before its leader's has joined the agent to the
         # job's, and an agent that knows no other takes every artifact for its own.
         self._joined = threading.Event()
         if not joining:
             self._joined.set()
+        self._unjoined_told = False
         self.counts: Counter[str] = Counter()
         self._slots = threading.BoundedSemaphore(max_transfers)
         self._lock = threading.Lock()
@@ -177,7 +181,12 @@ class Agent:
         if not fill:
             raise PeerError("not held", sha256=artifact.sha256, status=404, refused=True)
         until = time.monotonic() + budget
-        self._joined.wait(budget)  # past it, as an agent of one node
+        if not self._joined.wait(min(JOIN_WAIT_S, budget / 2)) and not self._unjoined_told:
+            self._unjoined_told = True
+            log.warning("peers: %s was not joined to the job's agents within %.1f s; "
+                        "answering %s as an agent of one node", self.endpoint,
+                        min(JOIN_WAIT_S, budget / 2), artifact.name)
+        budget = max(until - time.monotonic(), 0.001)
         if local:
             return self._walks.do(artifact.sha256, lambda: self._walk(artifact, until),
                                   timeout=budget)

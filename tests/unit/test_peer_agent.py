@@ -404,3 +404,48 @@ def test_a_leaders_agent_starts_after_the_origin_set_up(tmp_path: Path) -> None:
         assert order == ["set-up", "agent"] and agent is not None
     finally:
         starting.abandon()
+
+
+def test_a_lookup_before_the_join_waits_for_it_and_costs_the_job_one_origin_request(
+    tmp_path: Path, made: list[Artifact], origin: LoopbackOrigin
+) -> None:
+    agents = [host_agent(ArtifactPool(tmp_path / f"pool{i}"), lambda: HttpOrigin(origin.url),
+                         KEY, f"node{i}") for i in range(2)]
+    endpoints = [a.endpoint for a in agents]
+    try:
+        asks = [(Tier(a.local_endpoint or "", KEY, bound=10), art)
+                for a in agents for art in made]
+        with ThreadPoolExecutor(len(asks)) as pool:
+            futures = [pool.submit(lookup, art, tier) for tier, art in asks]
+            time.sleep(0.3)  # every lookup is at an agent that knows no other
+            assert origin.total_requests == 0
+            for i, agent in enumerate(agents):
+                agent.join(endpoints, i)
+            got = [f.result() for f in futures]
+        assert all(g is not None and sha256_hex(g.data) == a.sha256
+                   for g, (_, a) in zip(got, asks, strict=True))
+        assert origin.total_requests == len(made)  # not one per node
+    finally:
+        _stop(agents)
+
+
+def test_an_agent_never_joined_answers_as_one_node_after_its_join_wait_within_the_budget(
+    tmp_path: Path, made: list[Artifact], origin: LoopbackOrigin,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    from distcache.peer import _agent
+
+    monkeypatch.setattr(_agent, "JOIN_WAIT_S", 0.5)
+    agent = host_agent(ArtifactPool(tmp_path / "pool"), lambda: HttpOrigin(origin.url), KEY,
+                       "node0")
+    try:
+        started = time.monotonic()
+        got = [lookup(art, Tier(agent.local_endpoint or "", KEY, bound=10)) for art in made[:2]]
+        took = time.monotonic() - started
+    finally:
+        agent.stop()
+    assert all(g is not None and g.source == "origin" for g in got)
+    assert origin.total_requests == 2
+    assert took >= 2 * 0.5  # each waited for a join that never came
+    told = [r for r in caplog.records if "was not joined" in r.getMessage()]
+    assert len(told) == 1  # said once, not per request

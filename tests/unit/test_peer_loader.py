@@ -89,6 +89,7 @@ def test_an_owner_without_a_configured_origin_fills_from_flashinfers_repository(
     with LoopbackOrigin(tmp_path / "repo") as origin:
         monkeypatch.setenv("FLASHINFER_CUBINS_REPOSITORY", origin.url)
         agent = host_agent(ArtifactPool(tmp_path / "pool"), origin_or_default(None), KEY, "n")
+        agent.join([agent.endpoint], 0)  # as the job's start joins it
         try:
             got = lookup(made[0], Tier(agent.local_endpoint or "", KEY, bound=10))
         finally:
