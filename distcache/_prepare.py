@@ -117,7 +117,8 @@ def set_up_where_downloading(comm: Communicator, pool: ArtifactPool, origin: Ori
                              offline: bool | None, timeout: float | None
                              ) -> threading.Thread | None:
     """:func:`prepare_in_background` on a rank that may download in the start-up
-    prefetch (a node leader, or every rank where no leader acts for its node), unless
+    prefetch (a node leader among the :func:`leader_downloaders` first, or every rank
+    where no leader acts for its node), unless
     there is no origin or downloads are off; the thread, else None. Collective where
     something is listed or wanted (as on every rank alike) and ``comm``'s node tree is
     not made yet: it is made first, whatever this rank's origin (the job's ranks may
@@ -127,9 +128,28 @@ def set_up_where_downloading(comm: Communicator, pool: ArtifactPool, origin: Ori
     tree = leading_tree(comm, timeout)
     if origin is None or (settings().offline if offline is None else offline):
         return None
-    if tree is not None and not tree.is_leader:
+    if tree is not None and not (tree.is_leader and tree.node_index < leader_downloaders(tree)):
         return None
     return prepare_in_background(origin, pool, manifests, integrations)
+
+
+def leader_threads(ranks: int, nodes: int) -> int:
+    """Download threads per rank when only node leaders download: each leader may
+    take the connections its node's ranks would have had, up to an even share of the
+    job's, so a job on a few nodes keeps its concurrency at the origin while one on
+    many still spreads its downloads over as many nodes as before."""
+    conf = settings()
+    per_rank, per_job = conf.downloads_per_rank, conf.downloads_per_job
+    return max(per_rank, min(per_rank * -(-ranks // nodes), -(-per_job // nodes)))
+
+
+def leader_downloaders(tree: NodeTree) -> int:
+    """How many node leaders the leaders' prefetch may give downloads to: the job's
+    connections over :func:`leader_threads` each. The plan hands them to the first
+    ones in node order (:func:`~distcache.collective._plan.node_interleaved` over one
+    rank per node), so a leader placed after them never downloads in it."""
+    threads = leader_threads(tree.size, tree.nodes)
+    return -(-settings().downloads_per_job // threads)
 
 
 def inputs_key(manifests: Sequence[str | os.PathLike[str] | Sequence[Artifact]],

@@ -26,7 +26,13 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from distcache._delegate import Aside, led_by_node_leaders
 from distcache._log import get_logger
-from distcache._prepare import as_lists, inputs_key, leading_tree, set_up_where_downloading
+from distcache._prepare import (
+    as_lists,
+    inputs_key,
+    leader_threads,
+    leading_tree,
+    set_up_where_downloading,
+)
 from distcache.artifact import (
     Artifact,
     manifest_text,
@@ -162,20 +168,11 @@ def prefetch_manifests(
             timeout=timeout, aside=aside,
             lead=lambda leaders: _prefetch(
                 leaders, pool, origin, manifests, integrations, timeout, offline,
-                downloads_per_rank=_leader_threads(tree.size, tree.nodes)))
+                downloads_per_rank=leader_threads(tree.size, tree.nodes)))
         if led is not None:
             return led[0]
     return _prefetch(comm, pool, origin, manifests, integrations, timeout, offline)
 
-
-def _leader_threads(ranks: int, nodes: int) -> int:
-    """Download threads per rank when only node leaders download: each leader may
-    take the connections its node's ranks would have had, up to an even share of the
-    job's, so a job on a few nodes keeps its concurrency at the origin while one on
-    many still spreads its downloads over as many nodes as before."""
-    conf = settings()
-    per_rank, per_job = conf.downloads_per_rank, conf.downloads_per_job
-    return max(per_rank, min(per_rank * -(-ranks // nodes), -(-per_job // nodes)))
 
 
 def _prefetch(comm: Communicator, pool: ArtifactPool, origin: Origin | None,

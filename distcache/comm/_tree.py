@@ -212,6 +212,12 @@ class NodeTree(Wrapping):
     def is_leader(self) -> bool:
         return self.leader == self._base.rank
 
+    @property
+    def node_index(self) -> int:
+        """This rank's node's place among the nodes, in the order of their lowest
+        ranks: on a leader, its rank among the leaders."""
+        return self._node
+
     def __getattr__(self, name: str) -> Any:
         # Options of the wrapped communicator (timeout, chunk_bytes, broadcast_buffer).
         if name.startswith("_"):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import pytest
+
 from distcache._prepare import lacks_any, prepare_in_background, set_up_where_downloading
 from distcache.artifact import Artifact
 from distcache.origins import HttpOrigin, OriginChain
@@ -120,3 +122,41 @@ def test_the_set_up_runs_where_a_download_may_follow(tmp_path: Path) -> None:
     assert thread is not None
     thread.join(30)
     assert origin.calls == 1
+
+
+def test_only_the_leaders_the_plan_may_give_downloads_to_set_up_their_client(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from distcache._prepare import leader_downloaders
+    from distcache.collective._plan import make_plan
+    from distcache.comm import Communicator, NodeTree, ThreadGroup
+    from tests.unit.test_comm_local import run_ranks
+
+    # 6 nodes of 2 ranks; 4 connections for the job at 2 per rank: a leader takes 2
+    # (its share of the job's is less), so the job's 4 are carried by 2 leaders.
+    monkeypatch.setenv("DISTCACHE_DOWNLOADS_PER_RANK", "2")
+    monkeypatch.setenv("DISTCACHE_DOWNLOADS_PER_JOB", "4")
+    group = ThreadGroup(12, [f"n{r // 2}" for r in range(12)])
+    pools = [ArtifactPool(tmp_path / f"pool{n}") for n in range(6)]
+    cold = [[Artifact(f"k{i}.cubin", hashlib.sha256(b"%d" % i).hexdigest()) for i in range(12)]]
+    origins = [_Counting() for _ in range(12)]
+
+    def body(comm: Communicator) -> tuple[bool, int, int]:
+        tree = NodeTree(comm)
+        thread = set_up_where_downloading(tree, pools[comm.rank // 2], origins[comm.rank],  # type: ignore[arg-type]
+                                          cold, [], False, 10)
+        if thread is not None:
+            thread.join(30)
+        return thread is not None, leader_downloaders(tree), tree.node_index
+
+    results = run_ranks(group, body)
+    assert [r[0] for r in results] == [r in (0, 2) for r in range(12)]
+    assert [o.calls for o in origins] == [1 if r in (0, 2) else 0 for r in range(12)]
+    assert {r[1] for r in results} == {2}
+    assert [r[2] for r in results] == [r // 2 for r in range(12)]
+    # The leaders' plan over the 6 leaders (one per node, in node order) gives every
+    # download to those two.
+    plan = make_plan([a.sha256 for a in cold[0]], [None] * 12, [f"p{n}" for n in range(6)],
+                     [f"n{n}" for n in range(6)], {f"p{n}": [False] * 12 for n in range(6)},
+                     max_downloaders=results[0][1])
+    assert sorted(plan.downloads) == [0, 1]
