@@ -6,9 +6,9 @@ tens of milliseconds of CPU on the ranks that download, which the fetch phase wo
 wait for. Between the moment a rank knows it may download and the fetch phase, the
 start-up runs rounds of small collectives that mostly wait on the other ranks; the
 set-up runs on a thread meanwhile. It is started only on a rank that may download
-(a node leader, or every rank where no leader acts for its node) and only when its
-pool lacks something listed (a warm start sets nothing up), and it never raises:
-the download reports what went wrong.
+(a node leader the plan may give downloads to, or every rank where no leader acts for
+its node) and only when its pool lacks something listed (a warm start sets nothing
+up), and it never raises: the download reports what went wrong.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def set_up_where_downloading(comm: Communicator, pool: ArtifactPool, origin: Ori
     tree = leading_tree(comm, timeout)
     if origin is None or (settings().offline if offline is None else offline):
         return None
-    if tree is not None and not (tree.is_leader and tree.node_index < leader_downloaders(tree)):
+    if tree is not None and not (tree.is_leader and _may_download(tree)):
         return None
     return prepare_in_background(origin, pool, manifests, integrations)
 
@@ -147,9 +147,24 @@ def leader_downloaders(tree: NodeTree) -> int:
     """How many node leaders the leaders' prefetch may give downloads to: the job's
     connections over :func:`leader_threads` each. The plan hands them to the first
     ones in node order (:func:`~distcache.collective._plan.node_interleaved` over one
-    rank per node), so a leader placed after them never downloads in it."""
-    threads = leader_threads(tree.size, tree.nodes)
-    return -(-settings().downloads_per_job // threads)
+    rank per node), so a leader placed after them never downloads in it.
+
+    Raises:
+        ConfigError: a download count in the environment is malformed.
+    """
+    from distcache.collective._plan import max_downloaders  # a leader's, loaded once
+
+    return max_downloaders(leader_threads(tree.size, tree.nodes),
+                           settings().downloads_per_job)
+
+
+def _may_download(tree: NodeTree) -> bool:
+    """Whether this leader is among :func:`leader_downloaders`; True when the settings
+    cannot say (the prefetch reports them, on every rank alike)."""
+    try:
+        return tree.node_index < leader_downloaders(tree)
+    except DistcacheError:
+        return True
 
 
 def inputs_key(manifests: Sequence[str | os.PathLike[str] | Sequence[Artifact]],

@@ -174,7 +174,6 @@ def prefetch_manifests(
     return _prefetch(comm, pool, origin, manifests, integrations, timeout, offline)
 
 
-
 def _prefetch(comm: Communicator, pool: ArtifactPool, origin: Origin | None,
               manifests: Sequence[ManifestSpec], integrations: Sequence[Integration],
               timeout: float | None, offline: bool | None, *,

@@ -129,6 +129,12 @@ class Plan(NamedTuple):
         return sum(len(missing) for i, missing in enumerate(self.lacking) if i not in self.lost)
 
 
+def max_downloaders(per_rank: int, per_job: int) -> int:
+    """Most ranks that download in one plan: the job's ``per_job`` connections carried
+    at ``per_rank`` each, on as few ranks as hold them."""
+    return -(-per_job // per_rank)
+
+
 def download_threads(plan: Plan, rank: int, per_rank: int, per_job: int) -> int:
     """Threads ``rank`` downloads with: ``per_rank``, unless the job's ``per_job``
     connections shared over the plan's downloaders (the first ones get the remainder)

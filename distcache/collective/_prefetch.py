@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 from distcache.artifact import Artifact, manifest_text
 from distcache.collective._heartbeat import concurrent
-from distcache.collective._plan import Plan, download_threads, make_plan
+from distcache.collective._plan import Plan, download_threads, make_plan, max_downloaders
 from distcache.collective._progress import Progress, bytes_for_rank0
 from distcache.collective._report import PrefetchReport
 from distcache.collective._run import Moving, Run, discover
@@ -126,7 +126,8 @@ def prefetch(
             # an HTTP client and download threads are a handful, not one per node.
             plan = make_plan(
                 objects, [artifact_of[s].size for s in objects], pool_ids, node_ids, have,
-                max_downloaders=-(-conf.downloads_per_job // conf.downloads_per_rank),
+                max_downloaders=max_downloaders(conf.downloads_per_rank,
+                                                conf.downloads_per_job),
             )
         if comm.rank == 0:
             run.progress = Progress(

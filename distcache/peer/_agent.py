@@ -106,6 +106,8 @@ class Agent:
         self.fallbacks = fallbacks
         self.nodes: list[str] = []
         self.me = -1
+        # Both at once, for the request threads: nodes and this one's index in them.
+        self._ring: tuple[list[str], int] = ([], -1)
         # Set by join(). An agent that will be joined (``joining``: a node agent of a
         # job) holds a filling request until then, for at most JOIN_WAIT_S: a member's
         # init may return a moment before its leader's has joined the agent to the
@@ -156,6 +158,7 @@ class Agent:
     def join(self, nodes: Sequence[str], me: int) -> None:
         """The job's agents (TCP endpoints, the same list on every node) and this one's index."""
         self.nodes, self.me = list(nodes), me
+        self._ring = (self.nodes, me)
         self._joined.set()
 
     def stop(self) -> None:
@@ -197,19 +200,21 @@ class Agent:
         return self._fill(artifact, "origin" if position == 0 else "fallback", budget)
 
     def _position(self, artifact: Artifact) -> int:
-        if self.me < 0:
+        nodes, me = self._ring
+        if me < 0:
             return 0
-        return order(artifact.sha256, self.nodes).index(self.me)
+        return order(artifact.sha256, nodes).index(me)
 
     def _walk(self, artifact: Artifact, until: float) -> _client.Answer:
-        ranked = order(artifact.sha256, self.nodes) if self.me >= 0 else [0]
+        nodes, me = self._ring  # one view, whenever join() comes
+        ranked = order(artifact.sha256, nodes) if me >= 0 else [0]
         for place, index in enumerate(ranked):
-            if index == self.me or self.me < 0:
+            if index == me or me < 0:
                 if place > self.fallbacks:
                     break
                 return self._fill(artifact, "origin" if place == 0 else "fallback",
                                   until - time.monotonic())
-            endpoint = self.nodes[index]
+            endpoint = nodes[index]
             left = until - time.monotonic()
             if left <= 0 or self._is_down(endpoint):
                 continue

@@ -139,24 +139,30 @@ def test_only_the_leaders_the_plan_may_give_downloads_to_set_up_their_client(
     group = ThreadGroup(12, [f"n{r // 2}" for r in range(12)])
     pools = [ArtifactPool(tmp_path / f"pool{n}") for n in range(6)]
     cold = [[Artifact(f"k{i}.cubin", hashlib.sha256(b"%d" % i).hexdigest()) for i in range(12)]]
-    origins = [_Counting() for _ in range(12)]
+    origins: list[_Counting] = []
 
-    def body(comm: Communicator) -> tuple[bool, int, int]:
-        tree = NodeTree(comm)
-        thread = set_up_where_downloading(tree, pools[comm.rank // 2], origins[comm.rank],  # type: ignore[arg-type]
+    def set_up(comm: Communicator) -> bool:
+        thread = set_up_where_downloading(NodeTree(comm), pools[comm.rank // 2],
+                                          origins[comm.rank],  # type: ignore[arg-type]
                                           cold, [], False, 10)
         if thread is not None:
             thread.join(30)
-        return thread is not None, leader_downloaders(tree), tree.node_index
+        return thread is not None
 
-    results = run_ranks(group, body)
-    assert [r[0] for r in results] == [r in (0, 2) for r in range(12)]
+    origins[:] = [_Counting() for _ in range(12)]
+    assert run_ranks(group, set_up) == [r in (0, 2) for r in range(12)]
     assert [o.calls for o in origins] == [1 if r in (0, 2) else 0 for r in range(12)]
-    assert {r[1] for r in results} == {2}
-    assert [r[2] for r in results] == [r // 2 for r in range(12)]
+    places = run_ranks(group, lambda c: (NodeTree(c).node_index, leader_downloaders(NodeTree(c))))
+    assert places == [(r // 2, 2) for r in range(12)]
     # The leaders' plan over the 6 leaders (one per node, in node order) gives every
     # download to those two.
     plan = make_plan([a.sha256 for a in cold[0]], [None] * 12, [f"p{n}" for n in range(6)],
                      [f"n{n}" for n in range(6)], {f"p{n}": [False] * 12 for n in range(6)},
-                     max_downloaders=results[0][1])
+                     max_downloaders=2)
     assert sorted(plan.downloads) == [0, 1]
+
+    # A download count the settings cannot read: every leader sets up, and none
+    # raises before the collectives that follow (the members would wait in them).
+    monkeypatch.setenv("DISTCACHE_DOWNLOADS_PER_JOB", "many")
+    origins[:] = [_Counting() for _ in range(12)]
+    assert run_ranks(group, set_up) == [r % 2 == 0 for r in range(12)]
