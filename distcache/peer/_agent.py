@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import os
+import secrets
 import socket
 import threading
 import time
@@ -62,6 +63,26 @@ DEFAULT_BUDGET_S = 30.0
 #: Seconds a filling request waits, at most, for an agent that will be joined to the
 #: job's agents (and never more than half its budget); past it, as an agent of one node.
 JOIN_WAIT_S = 5.0
+
+
+def _private_socket(path: Path, handler: Any) -> _UnixServer:
+    """A server on a Unix socket at ``path`` that only this user may connect to: bound
+    at a fresh name beside it, made this user's alone, then renamed over ``path``, so
+    the socket is never reachable with wider permissions. (Not by setting the umask
+    around the bind: the umask is the process's, and the prefetch's threads create
+    the pool's directories and objects meanwhile.)"""
+    # No longer than ``path``'s name, where it can: a Unix socket's path is short.
+    fresh = path.with_name(f".{secrets.token_hex(8)}"[:max(len(path.name), 9)])
+    server = _UnixServer(str(fresh), handler)  # type: ignore[arg-type]
+    try:
+        os.chmod(fresh, 0o600)
+        os.replace(fresh, path)
+    except BaseException:
+        server.server_close()
+        with contextlib.suppress(OSError):
+            fresh.unlink()
+        raise
+    return server
 
 
 class _TcpServer(http.server.ThreadingHTTPServer):
@@ -143,13 +164,7 @@ class Agent:
         host = host.decode() if isinstance(host, bytes) else str(host)
         self._endpoint = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
         if self.socket_path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                self.socket_path.unlink()
-            old = os.umask(0o177)  # the socket: this user only
-            try:
-                self._servers.append(_UnixServer(str(self.socket_path), handler))  # type: ignore[arg-type]
-            finally:
-                os.umask(old)
+            self._servers.append(_private_socket(self.socket_path, handler))
         for server in self._servers:
             threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
                              daemon=True, name="distcache-peer-agent").start()

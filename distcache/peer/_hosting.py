@@ -194,12 +194,17 @@ class Starting:
         tier), and the other nodes leave it out of their walks.
 
         Raises:
-            CollectiveTimeout, CommError: the all-gather failed (on every rank).
+            CollectiveTimeout, CommError: the all-gather failed (on every rank); this
+                rank's agent is stopped first.
         """
         comm = self.comm
         everyone = self._entries
         if everyone is None:
-            everyone = comm.allgather_object(self._mine(), timeout=self.timeout)
+            try:
+                everyone = comm.allgather_object(self._mine(), timeout=self.timeout)
+            except BaseException:
+                self.abandon()  # nobody else holds the agent: stop it, remove its socket
+                raise
         agent = self._started()
         leaders = [(str(node), str(tcp), str(unix)) for node, tcp, unix in everyone if tcp]
         endpoints = [tcp for _, tcp, _ in leaders]

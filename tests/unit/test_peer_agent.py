@@ -450,3 +450,62 @@ def test_an_agent_never_joined_answers_as_one_node_after_its_join_wait_within_th
     assert took < 10  # not the lookups' whole budget: the origin was asked in time
     told = [r for r in caplog.records if "was not joined" in r.getMessage()]
     assert len(told) == 1  # said once, not per request
+
+
+def test_the_agents_socket_is_this_users_alone_without_touching_the_process_umask(
+    tmp_path: Path, made: list[Artifact], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+    import stat
+
+    # The umask is the process's: the prefetch's threads create the pool's directories
+    # and objects while the agent starts, and would get the socket's mode.
+    def no_umask(mask: int) -> int:
+        raise AssertionError(f"os.umask({mask:o}) while threads may be creating files")
+
+    monkeypatch.setattr(os, "umask", no_umask)
+    pool = ArtifactPool(tmp_path / "pool")
+    pool.put(b"held")
+    agent = host_agent(pool, lambda: None, KEY, "node0")
+    try:
+        assert agent.socket_path is not None
+        mode = os.stat(agent.socket_path).st_mode
+        assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+        # Nothing left at the name it was bound at, and it answers where it was moved.
+        assert sorted(p.name for p in agent.socket_path.parent.iterdir()
+                      if stat.S_ISSOCK(p.lstat().st_mode)) == [agent.socket_path.name]
+        held = Artifact("held.cubin", sha256_hex(b"held"))
+        got = lookup(held, Tier(agent.local_endpoint or "", KEY, bound=5))
+        assert got is not None and got.data == b"held" and got.source == "pool"
+    finally:
+        agent.stop()
+    assert not agent.socket_path.exists()
+
+
+def test_an_agent_whose_endpoints_cannot_be_shared_is_stopped_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    from distcache.errors import CollectiveTimeout
+    from distcache.peer._hosting import Starting
+
+    pool = ArtifactPool(tmp_path / "pool")
+    started: list[Agent] = []
+
+    def starter() -> Agent:
+        started.append(host_agent(pool, lambda: None, KEY, "node0/x"))
+        return started[-1]
+
+    class _Timing:  # the all-gather of the endpoints times out on this rank
+        node_id, rank, size = "node0", 0, 2
+
+        def allgather_object(self, obj: object, *, timeout: float | None = None) -> object:
+            raise CollectiveTimeout("allgather_object timed out", op="allgather_object")
+
+    starting = Starting(_Timing(), KEY, 1.0, starter)  # type: ignore[arg-type]
+    with pytest.raises(CollectiveTimeout):
+        starting.finish()
+    assert len(started) == 1 and started[0].socket_path is not None
+    assert not list(Path(pool.root).glob(".peer-*"))  # neither the socket nor its key
+    host, port = started[0].endpoint.removeprefix("tcp://").rsplit(":", 1)
+    with pytest.raises(ConnectionRefusedError):  # nobody listens any more
+        socket.create_connection((host, int(port)), 1)
