@@ -42,7 +42,7 @@ from distcache._log import get_logger
 from distcache.artifact import Artifact, validate_name
 from distcache.errors import ArtifactNotFound, DistcacheError, PeerError
 from distcache.peer import _client
-from distcache.peer._auth import verify
+from distcache.peer._auth import MAX_SKEW_S, verify
 from distcache.peer._flight import Singleflight
 from distcache.peer._ring import order
 
@@ -137,6 +137,7 @@ class Agent:
         if not joining:
             self._joined.set()
         self._unjoined_told = False
+        self._refused_by: set[str] = set()
         self.counts: Counter[str] = Counter()
         self._slots = threading.BoundedSemaphore(max_transfers)
         self._lock = threading.Lock()
@@ -214,6 +215,13 @@ class Agent:
                             status=404, refused=True)
         return self._fill(artifact, "origin" if position == 0 else "fallback", budget)
 
+    def _first_refusal(self, endpoint: str) -> bool:
+        """Whether ``endpoint`` refuses this agent's requests for the first time."""
+        with self._lock:
+            first = endpoint not in self._refused_by
+            self._refused_by.add(endpoint)
+        return first
+
     def _position(self, artifact: Artifact) -> int:
         nodes, me = self._ring
         if me < 0:
@@ -237,10 +245,25 @@ class Agent:
                 got = _client.fetch(endpoint, self.key, artifact, fill=True,
                                     timeout=min(HOP_S, left), deadline=min(HOP_S, left))
             except PeerError as exc:
-                if getattr(exc, "status", None) is None:  # no answer at all, not a 503
+                status = getattr(exc, "status", None)
+                if status is None:  # no answer at all, not a 503
                     self._mark_down(endpoint)
                 self.count("peer_skipped")
-                log.debug("agent %s skipped for %s: %s", endpoint, artifact.name, exc)
+                if status == 403 and self._first_refusal(endpoint):
+                    log.warning("peers: agent %s refused this node's request (403): its "
+                                "clock is more than %d s off this one's, or it runs with "
+                                "another run secret; what it owns goes to the next node "
+                                "in each artifact's order", endpoint, MAX_SKEW_S)
+                else:
+                    log.debug("agent %s skipped for %s: %s", endpoint, artifact.name, exc)
+                continue
+            except ArtifactNotFound:
+                raise  # the origin behind it has no such artifact: final
+            except Exception as exc:  # an answer no agent of ours sends: not one to ask
+                self._mark_down(endpoint)
+                self.count("peer_skipped")
+                log.warning("peers: agent %s skipped for %s: %s: %s", endpoint,
+                            artifact.name, type(exc).__name__, exc)
                 continue
             self.count("peer")
             # Published beside the answer, not before it: the asker has verified bytes
@@ -308,7 +331,13 @@ def _handler(agent: Agent) -> type[http.server.BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             why = verify(agent.key, "GET", self.path, dict(self.headers.items()))
             if why is not None:
-                log.debug("agent: refused a request from %s: %s", self.address_string(), why)
+                # The first at WARNING: a peer whose clock is off or whose run secret
+                # differs is refused on every request and its node goes to the origin.
+                first = agent.counts["refused_auth"] == 0
+                (log.warning if first else log.debug)(
+                    "agent %s: refused a request from %s: %s%s", agent.endpoint,
+                    self.address_string(), why,
+                    " (later refusals are logged at DEBUG)" if first else "")
                 return self._refuse(403, "unauthenticated", "refused_auth")
             parts = urlsplit(self.path)
             sha = parts.path.removeprefix("/v1/objects/")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import socket
+import time
 from urllib.parse import quote
 
 from distcache._record import Record
@@ -25,6 +26,11 @@ HEADER_REASON = "X-Distcache-Reason"
 HEADER_DEADLINE = "X-Distcache-Deadline"
 #: The answer's reason when the origin behind the agent has no such artifact.
 NOT_AT_ORIGIN = "not-at-origin"
+#: Most bytes an answer may carry for an artifact of unknown size (one of known size:
+#: its size); read as they come, never allocated ahead of them.
+MAX_ANSWER_BYTES = 16 << 30
+#: Bytes read from an answer at a time.
+_READ_BYTES = 1 << 20
 
 
 class Answer(Record):
@@ -42,7 +48,7 @@ class Answer(Record):
 
 
 class _Connection(http.client.HTTPConnection):
-    """One connection: a short connect bound, then ``timeout`` per read."""
+    """One connection: a short connect bound, then ``timeout`` for the whole answer."""
 
     def __init__(self, endpoint: str, timeout: float) -> None:
         self.endpoint = endpoint
@@ -76,13 +82,18 @@ def _host_port(endpoint: str) -> tuple[str, int]:
 
 
 def request(endpoint: str, key: bytes, path: str, *, timeout: float,
-            headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    """One signed GET: the status, the headers and the body.
+            headers: dict[str, str] | None = None,
+            most: int = MAX_ANSWER_BYTES) -> tuple[int, dict[str, str], bytes]:
+    """One signed GET: the status, the headers and the body, the whole answer within
+    ``timeout`` (each read waits only for what is left of it), its body at most
+    ``most`` bytes.
 
     Raises:
-        PeerError: no connection (``status`` None), or no answer within ``timeout``
-            (``status`` 0); ``refused`` False.
+        PeerError: no connection, or an answer longer than ``most`` (``status`` None:
+            the walk leaves the agent out for a while), or no whole answer within
+            ``timeout`` (``status`` 0); ``refused`` False.
     """
+    until = time.monotonic() + timeout
     conn = _Connection(endpoint, timeout)
     try:
         try:
@@ -92,8 +103,9 @@ def request(endpoint: str, key: bytes, path: str, *, timeout: float,
                             endpoint=endpoint, status=None, refused=False) from None
         try:
             conn.request("GET", path, headers={**sign(key, "GET", path), **(headers or {})})
+            _left(conn, until)
             answer = conn.getresponse()
-            body = answer.read()
+            body = _body(conn, answer, until, most)
             return answer.status, {k.lower(): v for k, v in answer.getheaders()}, body
         except (OSError, http.client.HTTPException) as exc:
             # Connected, but no whole answer in time: a busy agent (a long origin fill),
@@ -102,6 +114,36 @@ def request(endpoint: str, key: bytes, path: str, *, timeout: float,
                             endpoint=endpoint, status=0, refused=False) from None
     finally:
         conn.close()
+
+
+def _left(conn: _Connection, until: float) -> None:
+    """Let the next read wait only for what is left of the answer's time."""
+    left = until - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("no whole answer in time")
+    if conn.sock is not None:
+        conn.sock.settimeout(left)
+
+
+def _body(conn: _Connection, answer: http.client.HTTPResponse, until: float,
+          most: int) -> bytes:
+    """The answer's body, read as it comes (a length it announces is not allocated
+    ahead), refused past ``most`` bytes."""
+    endpoint = conn.endpoint
+    announced = answer.length
+    if announced is not None and announced > most:
+        raise PeerError(f"agent {endpoint} announced {announced} bytes, more than the "
+                        f"{most} asked for", endpoint=endpoint, status=None, refused=False)
+    body = bytearray()
+    while True:
+        _left(conn, until)
+        chunk = answer.read1(_READ_BYTES)  # what one receive brings, not a whole 1 MiB
+        if not chunk:
+            return bytes(body)
+        body += chunk
+        if len(body) > most:
+            raise PeerError(f"agent {endpoint} sent more than the {most} bytes asked for",
+                            endpoint=endpoint, status=None, refused=False)
 
 
 def fetch(endpoint: str, key: bytes, artifact: Artifact, *, fill: bool, timeout: float,
@@ -117,7 +159,9 @@ def fetch(endpoint: str, key: bytes, artifact: Artifact, *, fill: bool, timeout:
     sha = artifact.sha256
     path = f"/v1/objects/{sha}" + (f"?fill={quote(artifact.name, safe='')}" if fill else "")
     extra = {HEADER_DEADLINE: f"{deadline:.3f}"} if deadline is not None else None
-    status, headers, body = request(endpoint, key, path, timeout=timeout, headers=extra)
+    status, headers, body = request(endpoint, key, path, timeout=timeout, headers=extra,
+                                    most=MAX_ANSWER_BYTES if artifact.size is None
+                                    else artifact.size)
     if status == 200:
         if sha256_hex(body) != sha:
             raise PeerError(f"agent {endpoint} sent bytes that are not {sha}",

@@ -3,6 +3,7 @@ with real agents on loopback and the counting loopback origin."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import socket
 import threading
@@ -509,3 +510,101 @@ def test_an_agent_whose_endpoints_cannot_be_shared_is_stopped_and_leaves_nothing
     host, port = started[0].endpoint.removeprefix("tcp://").rsplit(":", 1)
     with pytest.raises(ConnectionRefusedError):  # nobody listens any more
         socket.create_connection((host, int(port)), 1)
+
+
+def _bad_peer(script: bytes, trickle: int = 0) -> tuple[str, threading.Thread]:
+    """A TCP endpoint that answers one request with ``script``, then ``trickle`` bytes
+    one every 0.3 s."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn, server:
+            conn.recv(65536)
+            conn.sendall(script)
+            for _ in range(trickle):
+                time.sleep(0.3)
+                with contextlib.suppress(OSError):
+                    conn.sendall(b"x")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return f"tcp://127.0.0.1:{server.getsockname()[1]}", thread
+
+
+def test_a_peer_that_trickles_or_announces_too_much_is_bounded_in_time_and_memory() -> None:
+    artifact = Artifact("k.cubin", sha256_hex(b"y"))
+    # One byte every 0.3 s: each read comes in time, the whole answer does not.
+    endpoint, _ = _bad_peer(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n", 20)
+    began = time.monotonic()
+    with pytest.raises(PeerError) as timed:
+        fetch(endpoint, KEY, artifact, fill=True, timeout=1.0, deadline=1.0)
+    assert time.monotonic() - began < 3.0 and timed.value.status == 0
+    # A length no artifact has is refused before anything is allocated for it.
+    endpoint, _ = _bad_peer(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000000000000\r\n\r\n")
+    with pytest.raises(PeerError, match="announced 1000000000000000 bytes") as long:
+        fetch(endpoint, KEY, artifact, fill=True, timeout=5.0)
+    assert long.value.status is None  # the walk leaves such an agent out for a while
+    # An artifact of known size: not one byte more.
+    sized = Artifact("k.cubin", sha256_hex(b"y"), size=1)
+    endpoint, _ = _bad_peer(b"HTTP/1.1 200 OK\r\n\r\nyy")
+    with pytest.raises(PeerError, match="more than the 1 bytes"):
+        fetch(endpoint, KEY, sized, fill=True, timeout=5.0)
+
+
+def test_an_owner_that_fails_in_an_unforeseen_way_is_skipped_and_left_out(
+    tmp_path: Path, made: list[Artifact], origin: LoopbackOrigin,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    from distcache.peer import _client
+
+    agents = _agents(tmp_path, origin.url, 2)
+    endpoints = [a.endpoint for a in agents]
+    real = _client.fetch
+
+    def failing(endpoint: str, *args: object, **kwargs: object) -> object:
+        if endpoint == endpoints[1]:
+            raise MemoryError("an answer no agent sends")
+        return real(endpoint, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_client, "fetch", failing)
+    owned = [a for a in made if owner(a.sha256, endpoints) == 1]
+    assert owned
+    try:
+        tier = Tier(agents[0].local_endpoint or "", KEY, bound=10)
+        got = [lookup(a, tier) for a in owned]
+    finally:
+        _stop(agents)
+    assert all(g is not None and g.source == "fallback" for g in got)
+    assert agents[0].counts["fallback"] == len(owned)
+    assert agents[0].counts["peer_skipped"] == 1  # left out of the walks after the first
+    assert any("MemoryError" in r.getMessage() for r in caplog.records)
+
+
+def test_a_peer_that_refuses_the_signature_is_named_once_on_both_sides(
+    tmp_path: Path, made: list[Artifact], origin: LoopbackOrigin,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    caplog.set_level(logging.WARNING)
+    # Node 1 runs with another secret: every request between them is refused.
+    agents = [host_agent(ArtifactPool(tmp_path / f"pool{i}"), lambda: HttpOrigin(origin.url),
+                         key, f"node{i}") for i, key in enumerate((KEY, derive_key(b"t" * 32)))]
+    endpoints = [a.endpoint for a in agents]
+    for i, agent in enumerate(agents):
+        agent.join(endpoints, i)
+    owned = [a for a in made if owner(a.sha256, endpoints) == 1]
+    assert owned
+    try:
+        tier = Tier(agents[0].local_endpoint or "", KEY, bound=10)
+        got = [lookup(a, tier) for a in owned]
+    finally:
+        _stop(agents)
+    assert all(g is not None and g.source == "fallback" for g in got)
+    assert agents[1].counts["refused_auth"] == len(owned)
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("refused this node's request (403)" in m for m in said) == 1
+    assert sum("refused a request from" in m for m in said) == 1
