@@ -19,8 +19,10 @@ node's own processes. One route, ``GET /v1/objects/<sha256>[?fill=<name>]``:
   artifact, ``fallback`` otherwise). Bytes from anywhere are verified and published
   into the pool before they are sent on.
 
-At most ``max_transfers`` answers are sent at once; more wait up to
-:data:`BUSY_WAIT_S`, then get 503. Every outcome is counted in :attr:`Agent.counts`.
+At most ``max_transfers`` answers are sent at once; more wait for a slot up to what is
+left of the request's budget (at least :data:`BUSY_WAIT_S`), then get 503: an asker
+turned away would go to the next node in the order, which may ask the origin for
+bytes this one already holds. Every outcome is counted in :attr:`Agent.counts`.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ log = get_logger(__name__)
 
 #: Seconds a node that did not answer is left out of owner walks.
 DOWN_S = 10.0
-#: Seconds an answer waits for a transfer slot before a 503.
+#: Seconds an answer waits for a transfer slot, at least, before a 503.
 BUSY_WAIT_S = 5.0
 #: Seconds one hop to another agent may take (its origin download included).
 HOP_S = 20.0
@@ -344,12 +346,13 @@ def _handler(agent: Agent) -> type[http.server.BaseHTTPRequestHandler]:
             query = parse_qs(parts.query)
             if sha == parts.path or len(sha) != 64 or sha.strip("0123456789abcdef"):
                 return self._refuse(404, "no-such-route", "refused_route")
+            began = time.monotonic()
             try:
                 name = validate_name(query["fill"][0]) if "fill" in query else "object"
                 budget = float(self.headers.get(_client.HEADER_DEADLINE) or DEFAULT_BUDGET_S)
+                budget = min(max(budget, 0.001), 300.0)
                 got = agent.answer(Artifact(name, sha), fill="fill" in query,
-                                   local=isinstance(self.server, _UnixServer),
-                                   budget=min(max(budget, 0.001), 300.0))
+                                   local=isinstance(self.server, _UnixServer), budget=budget)
             except ArtifactNotFound:
                 return self._refuse(404, _client.NOT_AT_ORIGIN, "not_at_origin")
             except PeerError as exc:
@@ -359,7 +362,10 @@ def _handler(agent: Agent) -> type[http.server.BaseHTTPRequestHandler]:
             except (DistcacheError, ValueError, TimeoutError) as exc:
                 log.debug("agent: %s failed: %s", sha, exc)
                 return self._refuse(503, "unavailable", "errors")
-            if not agent._slots.acquire(timeout=BUSY_WAIT_S):
+            # The bytes are here: wait for a slot as long as the asker waits (it would
+            # otherwise ask the next node, which may go to the origin for them).
+            if not agent._slots.acquire(
+                    timeout=max(BUSY_WAIT_S, began + budget - time.monotonic())):
                 return self._refuse(503, "busy", "busy")
             try:
                 self.send_response(200)

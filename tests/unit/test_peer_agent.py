@@ -608,3 +608,30 @@ def test_a_peer_that_refuses_the_signature_is_named_once_on_both_sides(
     said = [r.getMessage() for r in caplog.records]
     assert sum("refused this node's request (403)" in m for m in said) == 1
     assert sum("refused a request from" in m for m in said) == 1
+
+
+def test_an_answer_waits_for_a_transfer_slot_as_long_as_its_asker_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from distcache.peer import _agent
+
+    # A 503 "busy" sends the asker to the next node, which may ask the origin for
+    # bytes this agent holds: the answer waits for a slot within the asker's budget.
+    monkeypatch.setattr(_agent, "BUSY_WAIT_S", 0.1)
+    pool = ArtifactPool(tmp_path / "pool")
+    pool.put(b"held")
+    agent = Agent(pool, lambda: None, KEY, socket_path=tmp_path / "a.sock",
+                  max_transfers=1).start()
+    agent.join([agent.endpoint], 0)
+    held = Artifact("held.cubin", sha256_hex(b"held"))
+    try:
+        agent._slots.acquire()  # the one transfer slot is taken
+        with ThreadPoolExecutor(1) as ex:
+            asked = ex.submit(lookup, held, Tier(agent.local_endpoint or "", KEY, bound=10))
+            time.sleep(0.6)  # past BUSY_WAIT_S, within the asker's budget
+            agent._slots.release()
+            got = asked.result(10)
+    finally:
+        agent.stop()
+    assert got is not None and got.data == b"held"
+    assert agent.counts["busy"] == 0 and agent.counts["served"] == 1
