@@ -44,7 +44,7 @@ from distcache._log import get_logger
 from distcache.artifact import Artifact, validate_name
 from distcache.errors import ArtifactNotFound, DistcacheError, PeerError
 from distcache.peer import _client
-from distcache.peer._auth import MAX_SKEW_S, verify
+from distcache.peer._auth import HEADER_DEADLINE, HEADER_NONCE, MAX_SKEW_S, Nonces, verify
 from distcache.peer._flight import Singleflight
 from distcache.peer._ring import order
 
@@ -140,6 +140,7 @@ class Agent:
             self._joined.set()
         self._unjoined_told = False
         self._refused_by: set[str] = set()
+        self._nonces = Nonces()
         self.counts: Counter[str] = Counter()
         self._slots = threading.BoundedSemaphore(max_transfers)
         self._lock = threading.Lock()
@@ -341,6 +342,10 @@ def _handler(agent: Agent) -> type[http.server.BaseHTTPRequestHandler]:
                     self.address_string(), why,
                     " (later refusals are logged at DEBUG)" if first else "")
                 return self._refuse(403, "unauthenticated", "refused_auth")
+            if not agent._nonces.first(self.headers.get(HEADER_NONCE, "")):
+                log.warning("agent %s: refused a replayed request from %s",
+                            agent.endpoint, self.address_string())
+                return self._refuse(403, "unauthenticated", "refused_replay")
             parts = urlsplit(self.path)
             sha = parts.path.removeprefix("/v1/objects/")
             query = parse_qs(parts.query)
@@ -349,7 +354,7 @@ def _handler(agent: Agent) -> type[http.server.BaseHTTPRequestHandler]:
             began = time.monotonic()
             try:
                 name = validate_name(query["fill"][0]) if "fill" in query else "object"
-                budget = float(self.headers.get(_client.HEADER_DEADLINE) or DEFAULT_BUDGET_S)
+                budget = float(self.headers.get(HEADER_DEADLINE) or DEFAULT_BUDGET_S)
                 budget = min(max(budget, 0.001), 300.0)
                 got = agent.answer(Artifact(name, sha), fill="fill" in query,
                                    local=isinstance(self.server, _UnixServer), budget=budget)

@@ -3,10 +3,13 @@
 The key is derived from the run scope's secret (:class:`distcache.comm.Adopted.scope`)
 with HMAC-SHA256 under a fixed label, so the secret itself is used for nothing else
 here. A request carries the time, a random nonce and
-``HMAC(key, "v1\\nMETHOD\\nPATH\\nTIME\\nNONCE")`` in three headers; the agent
-recomputes it and compares in constant time, and refuses a time more than
-:data:`MAX_SKEW_S` away from its own clock. The key never travels: a worker of the
-node reads it from a file only its user can read, beside the agent's Unix socket.
+``HMAC(key, "v2\\nMETHOD\\nPATH\\nTIME\\nNONCE\\nDEADLINE")`` in three headers (the
+deadline, the seconds the asker gives the answer, in a fourth, signed too so that it
+cannot be changed on the way); the agent recomputes it and compares in constant time,
+refuses a time more than :data:`MAX_SKEW_S` away from its own clock, and a nonce it
+has seen within that time (:class:`Nonces`): a request cannot be replayed to it. The
+key never travels: a worker of the node reads it from a file only its user can read,
+beside the agent's Unix socket.
 """
 
 from __future__ import annotations
@@ -14,16 +17,19 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import threading
 import time
 from collections.abc import Mapping
 
 #: The version of the request format; it is part of what is signed.
-VERSION = "v1"
+VERSION = "v2"
 #: Seconds a request's time may differ from the agent's clock.
 MAX_SKEW_S = 300.0
 HEADER_TIME = "X-Distcache-Time"
 HEADER_NONCE = "X-Distcache-Nonce"
 HEADER_AUTH = "X-Distcache-Auth"
+#: Seconds the asker gives the answer (its budget); signed with the request.
+HEADER_DEADLINE = "X-Distcache-Deadline"
 _LABEL = b"distcache peer agent v1"
 
 
@@ -34,17 +40,22 @@ def derive_key(secret: bytes) -> bytes:
     return hmac.new(secret, _LABEL, hashlib.sha256).digest()
 
 
-def _mac(key: bytes, method: str, path: str, when: str, nonce: str) -> str:
-    text = "\n".join((VERSION, method, path, when, nonce)).encode()
+def _mac(key: bytes, method: str, path: str, when: str, nonce: str, deadline: str) -> str:
+    text = "\n".join((VERSION, method, path, when, nonce, deadline)).encode()
     return hmac.new(key, text, hashlib.sha256).hexdigest()
 
 
-def sign(key: bytes, method: str, path: str, *, now: float | None = None) -> dict[str, str]:
-    """The headers that authenticate one request of ``method`` for ``path``."""
+def sign(key: bytes, method: str, path: str, *, deadline: str = "",
+         now: float | None = None) -> dict[str, str]:
+    """The headers that authenticate one request of ``method`` for ``path`` (with
+    ``deadline``, the signed deadline header too)."""
     when = f"{time.time() if now is None else now:.3f}"
     nonce = os.urandom(12).hex()
-    return {HEADER_TIME: when, HEADER_NONCE: nonce,
-            HEADER_AUTH: _mac(key, method, path, when, nonce)}
+    headers = {HEADER_TIME: when, HEADER_NONCE: nonce,
+               HEADER_AUTH: _mac(key, method, path, when, nonce, deadline)}
+    if deadline:
+        headers[HEADER_DEADLINE] = deadline
+    return headers
 
 
 def verify(key: bytes, method: str, path: str, headers: Mapping[str, str], *,
@@ -60,7 +71,30 @@ def verify(key: bytes, method: str, path: str, headers: Mapping[str, str], *,
         return "a malformed time"
     if not skew <= MAX_SKEW_S:
         return f"a time {skew:.0f} s off"
-    expected = _mac(key, method, path, when, nonce).encode()
+    expected = _mac(key, method, path, when, nonce, headers.get(HEADER_DEADLINE) or "").encode()
     if not hmac.compare_digest(mac.encode("utf-8", "surrogateescape"), expected):
         return "a wrong signature"
     return None
+
+
+class Nonces:
+    """The nonces of the requests an agent accepted within :data:`MAX_SKEW_S` (and as
+    long again: a time may be that far either side of its clock), so that none is
+    accepted twice. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._pruned = time.monotonic()
+
+    def first(self, nonce: str) -> bool:
+        """Whether ``nonce`` is new (it is remembered from now on)."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._pruned > MAX_SKEW_S / 10:
+                self._seen = {n: t for n, t in self._seen.items() if t > now}
+                self._pruned = now
+            if nonce in self._seen:
+                return False
+            self._seen[nonce] = now + 2 * MAX_SKEW_S
+            return True

@@ -23,7 +23,6 @@ from distcache.peer._auth import sign
 CONNECT_TIMEOUT_S = 1.0
 HEADER_SOURCE = "X-Distcache-Source"
 HEADER_REASON = "X-Distcache-Reason"
-HEADER_DEADLINE = "X-Distcache-Deadline"
 #: The answer's reason when the origin behind the agent has no such artifact.
 NOT_AT_ORIGIN = "not-at-origin"
 #: Most bytes an answer may carry for an artifact of unknown size (one of known size:
@@ -81,10 +80,10 @@ def _host_port(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def request(endpoint: str, key: bytes, path: str, *, timeout: float,
-            headers: dict[str, str] | None = None,
+def request(endpoint: str, key: bytes, path: str, *, timeout: float, deadline: str = "",
             most: int = MAX_ANSWER_BYTES) -> tuple[int, dict[str, str], bytes]:
-    """One signed GET: the status, the headers and the body, the whole answer within
+    """One signed GET (``deadline``, the budget it gives the agent, signed with it):
+    the status, the headers and the body, the whole answer within
     ``timeout`` (each read waits only for what is left of it), its body at most
     ``most`` bytes.
 
@@ -102,7 +101,7 @@ def request(endpoint: str, key: bytes, path: str, *, timeout: float,
             raise PeerError(f"agent {endpoint}: {type(exc).__name__}: {exc}",
                             endpoint=endpoint, status=None, refused=False) from None
         try:
-            conn.request("GET", path, headers={**sign(key, "GET", path), **(headers or {})})
+            conn.request("GET", path, headers=sign(key, "GET", path, deadline=deadline))
             _left(conn, until)
             answer = conn.getresponse()
             body = _body(conn, answer, until, most)
@@ -158,8 +157,8 @@ def fetch(endpoint: str, key: bytes, artifact: Artifact, *, fill: bool, timeout:
     """
     sha = artifact.sha256
     path = f"/v1/objects/{sha}" + (f"?fill={quote(artifact.name, safe='')}" if fill else "")
-    extra = {HEADER_DEADLINE: f"{deadline:.3f}"} if deadline is not None else None
-    status, headers, body = request(endpoint, key, path, timeout=timeout, headers=extra,
+    status, headers, body = request(endpoint, key, path, timeout=timeout,
+                                    deadline="" if deadline is None else f"{deadline:.3f}",
                                     most=MAX_ANSWER_BYTES if artifact.size is None
                                     else artifact.size)
     if status == 200:

@@ -132,15 +132,22 @@ def test_without_the_secret_or_for_an_unheld_sha_an_agent_gives_only_a_refusal(
         assert _raw_get(agent.endpoint, path, wrong) == (403, b"")
         replayed = sign(KEY, "GET", f"/v1/objects/{unheld.sha256}")
         assert _raw_get(agent.endpoint, path, replayed) == (403, b"")
-        status, body = _raw_get(agent.endpoint, path, sign(KEY, "GET", path))
+        signed = sign(KEY, "GET", path, deadline="5.000")
+        status, body = _raw_get(agent.endpoint, path, signed)
         assert status == 200 and sha256_hex(body) == held.sha256
+        # The same request again, or with its deadline changed on the way: refused.
+        assert _raw_get(agent.endpoint, path, signed) == (403, b"")
+        stretched = {**sign(KEY, "GET", path, deadline="5.000"),
+                     "X-Distcache-Deadline": "300.000"}
+        assert _raw_get(agent.endpoint, path, stretched) == (403, b"")
+        assert agent.counts["refused_replay"] == 1
         path = f"/v1/objects/{unheld.sha256}"
         assert _raw_get(agent.endpoint, path, sign(KEY, "GET", path)) == (404, b"")
         with pytest.raises(PeerError) as refused:
             fetch(agent.endpoint, KEY, unheld, fill=False, timeout=5)
         assert refused.value.refused is True  # type: ignore[attr-defined]
         assert origin.total_requests == 0
-        assert agent.counts["refused_auth"] == 3 and agent.counts["refused_missing"] == 2
+        assert agent.counts["refused_auth"] == 4 and agent.counts["refused_missing"] == 2
     finally:
         agent.stop()
 
@@ -564,22 +571,24 @@ def test_an_owner_that_fails_in_an_unforeseen_way_is_skipped_and_left_out(
     endpoints = [a.endpoint for a in agents]
     real = _client.fetch
 
+    bad = owner(made[0].sha256, endpoints)  # the node that fails owns one at least
+    asker = agents[1 - bad]
+
     def failing(endpoint: str, *args: object, **kwargs: object) -> object:
-        if endpoint == endpoints[1]:
+        if endpoint == endpoints[bad]:
             raise MemoryError("an answer no agent sends")
         return real(endpoint, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(_client, "fetch", failing)
-    owned = [a for a in made if owner(a.sha256, endpoints) == 1]
-    assert owned
+    owned = [a for a in made if owner(a.sha256, endpoints) == bad]
     try:
-        tier = Tier(agents[0].local_endpoint or "", KEY, bound=10)
+        tier = Tier(asker.local_endpoint or "", KEY, bound=10)
         got = [lookup(a, tier) for a in owned]
     finally:
         _stop(agents)
     assert all(g is not None and g.source == "fallback" for g in got)
-    assert agents[0].counts["fallback"] == len(owned)
-    assert agents[0].counts["peer_skipped"] == 1  # left out of the walks after the first
+    assert asker.counts["fallback"] == len(owned)
+    assert asker.counts["peer_skipped"] == 1  # left out of the walks after the first
     assert any("MemoryError" in r.getMessage() for r in caplog.records)
 
 
@@ -596,15 +605,17 @@ def test_a_peer_that_refuses_the_signature_is_named_once_on_both_sides(
     endpoints = [a.endpoint for a in agents]
     for i, agent in enumerate(agents):
         agent.join(endpoints, i)
-    owned = [a for a in made if owner(a.sha256, endpoints) == 1]
-    assert owned
+    # Asked from the node that does not own made[0], of what the other owns.
+    other = owner(made[0].sha256, endpoints)
+    owned = [a for a in made if owner(a.sha256, endpoints) == other]
     try:
-        tier = Tier(agents[0].local_endpoint or "", KEY, bound=10)
+        tier = Tier(agents[1 - other].local_endpoint or "",
+                    (KEY, derive_key(b"t" * 32))[1 - other], bound=10)
         got = [lookup(a, tier) for a in owned]
     finally:
         _stop(agents)
     assert all(g is not None and g.source == "fallback" for g in got)
-    assert agents[1].counts["refused_auth"] == len(owned)
+    assert agents[other].counts["refused_auth"] == len(owned)
     said = [r.getMessage() for r in caplog.records]
     assert sum("refused this node's request (403)" in m for m in said) == 1
     assert sum("refused a request from" in m for m in said) == 1
