@@ -87,9 +87,40 @@ def _private_socket(path: Path, handler: Any) -> _UnixServer:
     return server
 
 
+#: Most connections an agent's TCP listener handles at once; one more is closed at
+#: once (the job's agents keep a few each; a host of the job's network that opens
+#: connections and sends nothing would otherwise hold a thread each, without a key).
+MAX_CONNECTIONS = 256
+
+
 class _TcpServer(http.server.ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._open = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.turned_away = 0
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._open.acquire(blocking=False):
+            self.turned_away += 1
+            if self.turned_away == 1:
+                log.warning("peers: agent %s: %d connections open; closing the next "
+                            "ones until some end", self.server_address, MAX_CONNECTIONS)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread to release it
+            self._open.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._open.release()
 
 
 class _UnixServer(http.server.ThreadingHTTPServer):

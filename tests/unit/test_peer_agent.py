@@ -646,3 +646,34 @@ def test_an_answer_waits_for_a_transfer_slot_as_long_as_its_asker_waits(
         agent.stop()
     assert got is not None and got.data == b"held"
     assert agent.counts["busy"] == 0 and agent.counts["served"] == 1
+
+
+def test_connections_that_send_nothing_hold_at_most_the_agents_cap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from distcache.peer import _agent
+
+    monkeypatch.setattr(_agent, "MAX_CONNECTIONS", 2)
+    pool = ArtifactPool(tmp_path / "pool")
+    pool.put(b"held")
+    agent = Agent(pool, lambda: None, KEY).start()
+    agent.join([agent.endpoint], 0)
+    host, port = agent.endpoint.removeprefix("tcp://").rsplit(":", 1)
+    held = Artifact("held.cubin", sha256_hex(b"held"))
+    listener = agent._servers[0]  # the TCP one
+    idle = [socket.create_connection((host, int(port)), 2) for _ in range(2)]
+    try:
+        time.sleep(0.3)  # both accepted, each holding a handler thread
+        with socket.create_connection((host, int(port)), 2) as third:
+            third.settimeout(5)
+            assert third.recv(1) == b""  # closed at once, not left waiting
+        for conn in idle:
+            conn.close()
+        time.sleep(0.3)
+        got = fetch(agent.endpoint, KEY, held, fill=False, timeout=5)
+        assert got.data == b"held"
+    finally:
+        for conn in idle:
+            conn.close()
+        agent.stop()
+    assert getattr(listener, "turned_away", None) == 1 and agent.counts["served"] == 1
