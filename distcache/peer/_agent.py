@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import http.server
-import os
-import secrets
 import socket
 import threading
 import time
@@ -47,6 +45,7 @@ from distcache.peer import _client
 from distcache.peer._auth import HEADER_DEADLINE, HEADER_NONCE, MAX_SKEW_S, Nonces, verify
 from distcache.peer._flight import Singleflight
 from distcache.peer._ring import order
+from distcache.peer._servers import TcpServer, UnixServer, private_socket
 
 if TYPE_CHECKING:
     from distcache.origins import Origin
@@ -65,73 +64,6 @@ DEFAULT_BUDGET_S = 30.0
 #: Seconds a filling request waits, at most, for an agent that will be joined to the
 #: job's agents (and never more than half its budget); past it, as an agent of one node.
 JOIN_WAIT_S = 5.0
-
-
-def _private_socket(path: Path, handler: Any) -> _UnixServer:
-    """A server on a Unix socket at ``path`` that only this user may connect to: bound
-    at a fresh name beside it, made this user's alone, then renamed over ``path``, so
-    the socket is never reachable with wider permissions. (Not by setting the umask
-    around the bind: the umask is the process's, and the prefetch's threads create
-    the pool's directories and objects meanwhile.)"""
-    # No longer than ``path``'s name, where it can: a Unix socket's path is short.
-    fresh = path.with_name(f".{secrets.token_hex(8)}"[:max(len(path.name), 9)])
-    server = _UnixServer(str(fresh), handler)  # type: ignore[arg-type]
-    try:
-        os.chmod(fresh, 0o600)
-        os.replace(fresh, path)
-    except BaseException:
-        server.server_close()
-        with contextlib.suppress(OSError):
-            fresh.unlink()
-        raise
-    return server
-
-
-#: Most connections an agent's TCP listener handles at once; one more is closed at
-#: once (the job's agents keep a few each; a host of the job's network that opens
-#: connections and sends nothing would otherwise hold a thread each, without a key).
-MAX_CONNECTIONS = 256
-
-
-class _TcpServer(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 128
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._open = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self.turned_away = 0
-        super().__init__(*args, **kwargs)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._open.acquire(blocking=False):
-            self.turned_away += 1
-            if self.turned_away == 1:
-                log.warning("peers: agent %s: %d connections open; closing the next "
-                            "ones until some end", self.server_address, MAX_CONNECTIONS)
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:  # no thread to release it
-            self._open.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._open.release()
-
-
-class _UnixServer(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-    address_family = socket.AF_UNIX
-    request_queue_size = 128
-
-    def server_bind(self) -> None:  # HTTPServer's would resolve the path as a host name
-        self.socket.bind(self.server_address)
-        self.server_address = self.socket.getsockname()
-        self.server_name, self.server_port = "localhost", 0
 
 
 class Agent:
@@ -193,13 +125,13 @@ class Agent:
     def start(self) -> Agent:
         handler = _handler(self)
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        tcp = type("_Tcp", (_TcpServer,), {"address_family": family})((self.host, 0), handler)
+        tcp = type("_Tcp", (TcpServer,), {"address_family": family})((self.host, 0), handler)
         self._servers.append(tcp)
         host, port = tcp.server_address[:2]
         host = host.decode() if isinstance(host, bytes) else str(host)
         self._endpoint = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
         if self.socket_path is not None:
-            self._servers.append(_private_socket(self.socket_path, handler))
+            self._servers.append(private_socket(self.socket_path, handler))
         for server in self._servers:
             threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
                              daemon=True, name="distcache-peer-agent").start()
@@ -388,7 +320,7 @@ def _handler(agent: Agent) -> type[http.server.BaseHTTPRequestHandler]:
                 budget = float(self.headers.get(HEADER_DEADLINE) or DEFAULT_BUDGET_S)
                 budget = min(max(budget, 0.001), 300.0)
                 got = agent.answer(Artifact(name, sha), fill="fill" in query,
-                                   local=isinstance(self.server, _UnixServer), budget=budget)
+                                   local=isinstance(self.server, UnixServer), budget=budget)
             except ArtifactNotFound:
                 return self._refuse(404, _client.NOT_AT_ORIGIN, "not_at_origin")
             except PeerError as exc:

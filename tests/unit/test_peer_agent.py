@@ -651,9 +651,9 @@ def test_an_answer_waits_for_a_transfer_slot_as_long_as_its_asker_waits(
 def test_connections_that_send_nothing_hold_at_most_the_agents_cap(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from distcache.peer import _agent
+    from distcache.peer import _servers
 
-    monkeypatch.setattr(_agent, "MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(_servers, "MAX_CONNECTIONS", 2)
     pool = ArtifactPool(tmp_path / "pool")
     pool.put(b"held")
     agent = Agent(pool, lambda: None, KEY).start()

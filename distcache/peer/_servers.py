@@ -1,0 +1,85 @@
+"""The node agent's listeners: its TCP server for the other nodes' agents, with a cap on
+the connections it holds at once, and its Unix socket for this node's processes, which
+only this user may connect to."""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import os
+import secrets
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+from distcache._log import get_logger
+
+log = get_logger(__name__)
+
+
+def private_socket(path: Path, handler: Any) -> UnixServer:
+    """A server on a Unix socket at ``path`` that only this user may connect to: bound
+    at a fresh name beside it, made this user's alone, then renamed over ``path``, so
+    the socket is never reachable with wider permissions. (Not by setting the umask
+    around the bind: the umask is the process's, and the prefetch's threads create
+    the pool's directories and objects meanwhile.)"""
+    # No longer than ``path``'s name, where it can: a Unix socket's path is short.
+    fresh = path.with_name(f".{secrets.token_hex(8)}"[:max(len(path.name), 9)])
+    server = UnixServer(str(fresh), handler)  # type: ignore[arg-type]
+    try:
+        os.chmod(fresh, 0o600)
+        os.replace(fresh, path)
+    except BaseException:
+        server.server_close()
+        with contextlib.suppress(OSError):
+            fresh.unlink()
+        raise
+    return server
+
+
+#: Most connections an agent's TCP listener handles at once; one more is closed at
+#: once (the job's agents keep a few each; a host of the job's network that opens
+#: connections and sends nothing would otherwise hold a thread each, without a key).
+MAX_CONNECTIONS = 256
+
+
+class TcpServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._open = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.turned_away = 0
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._open.acquire(blocking=False):
+            self.turned_away += 1
+            if self.turned_away == 1:
+                log.warning("peers: agent %s: %d connections open; closing the next "
+                            "ones until some end", self.server_address, MAX_CONNECTIONS)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread to release it
+            self._open.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._open.release()
+
+
+class UnixServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    address_family = socket.AF_UNIX
+    request_queue_size = 128
+
+    def server_bind(self) -> None:  # HTTPServer's would resolve the path as a host name
+        self.socket.bind(self.server_address)
+        self.server_address = self.socket.getsockname()
+        self.server_name, self.server_port = "localhost", 0
