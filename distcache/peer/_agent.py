@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import math
 import socket
 import threading
 import time
@@ -42,7 +43,15 @@ from distcache._log import get_logger
 from distcache.artifact import Artifact, validate_name
 from distcache.errors import ArtifactNotFound, DistcacheError, PeerError
 from distcache.peer import _client
-from distcache.peer._auth import HEADER_DEADLINE, HEADER_NONCE, MAX_SKEW_S, Nonces, verify
+from distcache.peer._auth import (
+    HEADER_AUTH,
+    HEADER_DEADLINE,
+    HEADER_NONCE,
+    HEADER_TIME,
+    MAX_SKEW_S,
+    Nonces,
+    verify,
+)
 from distcache.peer._flight import Singleflight
 from distcache.peer._ring import order
 from distcache.peer._servers import TcpServer, UnixServer, private_socket
@@ -141,6 +150,9 @@ class Agent:
         """The job's agents (TCP endpoints, the same list on every node) and this one's index."""
         self.nodes, self.me = list(nodes), me
         self._ring = (self.nodes, me)
+        for server in self._servers:
+            if isinstance(server, TcpServer):
+                server.joined(len(self.nodes))
         self._joined.set()
 
     def stop(self) -> None:
@@ -294,8 +306,21 @@ def _handler(agent: Agent) -> type[http.server.BaseHTTPRequestHandler]:
             self.send_header("Content-Length", "0")
             self.end_headers()
 
+        def _signed(self) -> tuple[dict[str, str], str | None]:
+            """The request's authentication headers, each read once (the values the
+            signature is checked against are the ones used after it), and why they
+            do not authenticate it (``None``: they do)."""
+            signed: dict[str, str] = {}
+            for name in (HEADER_TIME, HEADER_NONCE, HEADER_AUTH, HEADER_DEADLINE):
+                values = self.headers.get_all(name) or []
+                if len(values) > 1:
+                    return signed, f"{len(values)} {name} headers"
+                if values:
+                    signed[name] = values[0]
+            return signed, verify(agent.key, "GET", self.path, signed)
+
         def do_GET(self) -> None:
-            why = verify(agent.key, "GET", self.path, dict(self.headers.items()))
+            signed, why = self._signed()
             if why is not None:
                 # The first at WARNING: a peer whose clock is off or whose run secret
                 # differs is refused on every request and its node goes to the origin.
@@ -305,9 +330,11 @@ def _handler(agent: Agent) -> type[http.server.BaseHTTPRequestHandler]:
                     self.address_string(), why,
                     " (later refusals are logged at DEBUG)" if first else "")
                 return self._refuse(403, "unauthenticated", "refused_auth")
-            if not agent._nonces.first(self.headers.get(HEADER_NONCE, "")):
-                log.warning("agent %s: refused a replayed request from %s",
-                            agent.endpoint, self.address_string())
+            if not agent._nonces.first(signed[HEADER_NONCE]):
+                first = agent.counts["refused_replay"] == 0
+                (log.warning if first else log.debug)(
+                    "agent %s: refused a replayed request from %s", agent.endpoint,
+                    self.address_string())
                 return self._refuse(403, "unauthenticated", "refused_replay")
             parts = urlsplit(self.path)
             sha = parts.path.removeprefix("/v1/objects/")
@@ -317,7 +344,9 @@ def _handler(agent: Agent) -> type[http.server.BaseHTTPRequestHandler]:
             began = time.monotonic()
             try:
                 name = validate_name(query["fill"][0]) if "fill" in query else "object"
-                budget = float(self.headers.get(HEADER_DEADLINE) or DEFAULT_BUDGET_S)
+                budget = float(signed.get(HEADER_DEADLINE) or DEFAULT_BUDGET_S)
+                if not math.isfinite(budget):
+                    raise ValueError(f"a deadline of {budget} s")
                 budget = min(max(budget, 0.001), 300.0)
                 got = agent.answer(Artifact(name, sha), fill="fill" in query,
                                    local=isinstance(self.server, UnixServer), budget=budget)

@@ -8,8 +8,10 @@ a lookup fail but never hand over other bytes.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import socket
+import threading
 import time
 from urllib.parse import quote
 
@@ -94,12 +96,18 @@ def request(endpoint: str, key: bytes, path: str, *, timeout: float, deadline: s
     """
     until = time.monotonic() + timeout
     conn = _Connection(endpoint, timeout)
+    cut: threading.Timer | None = None
     try:
         try:
             conn.connect()
         except OSError as exc:  # nobody there: status None, the walk marks it down
             raise PeerError(f"agent {endpoint}: {type(exc).__name__}: {exc}",
                             endpoint=endpoint, status=None, refused=False) from None
+        # Each read waits only for what is left; past the end, the socket is shut, so
+        # that a status line or headers sent a byte at a time end in time too.
+        cut = threading.Timer(max(0.0, until - time.monotonic()), _shut, (conn,))
+        cut.daemon = True
+        cut.start()
         try:
             conn.request("GET", path, headers=sign(key, "GET", path, deadline=deadline))
             _left(conn, until)
@@ -112,7 +120,16 @@ def request(endpoint: str, key: bytes, path: str, *, timeout: float, deadline: s
             raise PeerError(f"agent {endpoint}: {type(exc).__name__}: {exc}",
                             endpoint=endpoint, status=0, refused=False) from None
     finally:
+        if cut is not None:
+            cut.cancel()
         conn.close()
+
+
+def _shut(conn: _Connection) -> None:
+    sock = conn.sock
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 def _left(conn: _Connection, until: float) -> None:
@@ -138,6 +155,8 @@ def _body(conn: _Connection, answer: http.client.HTTPResponse, until: float,
         _left(conn, until)
         chunk = answer.read1(_READ_BYTES)  # what one receive brings, not a whole 1 MiB
         if not chunk:
+            if announced is not None and len(body) < announced:  # the peer went away
+                raise http.client.IncompleteRead(bytes(body), announced - len(body))
             return bytes(body)
         body += chunk
         if len(body) > most:

@@ -26,10 +26,12 @@ def private_socket(path: Path, handler: Any) -> UnixServer:
     the pool's directories and objects meanwhile.)"""
     # No longer than ``path``'s name, where it can: a Unix socket's path is short.
     fresh = path.with_name(f".{secrets.token_hex(8)}"[:max(len(path.name), 9)])
-    server = UnixServer(str(fresh), handler)  # type: ignore[arg-type]
+    server = UnixServer(str(fresh), handler, bind_and_activate=False)  # type: ignore[arg-type]
     try:
+        server.server_bind()
         os.chmod(fresh, 0o600)
         os.replace(fresh, path)
+        server.server_activate()  # listening only now: nobody connected before the chmod
     except BaseException:
         server.server_close()
         with contextlib.suppress(OSError):
@@ -38,10 +40,12 @@ def private_socket(path: Path, handler: Any) -> UnixServer:
     return server
 
 
-#: Most connections an agent's TCP listener handles at once; one more is closed at
-#: once (the job's agents keep a few each; a host of the job's network that opens
-#: connections and sends nothing would otherwise hold a thread each, without a key).
+#: Most connections an agent's TCP listener handles at once, at least; a job's agents
+#: raise it to :data:`PER_NODE` per node (every node may ask one owner for a popular
+#: artifact at once). One more is closed at once: a host of the job's network that
+#: opens connections and sends nothing would otherwise hold a thread each, unsigned.
 MAX_CONNECTIONS = 256
+PER_NODE = 4
 
 
 class TcpServer(http.server.ThreadingHTTPServer):
@@ -49,29 +53,43 @@ class TcpServer(http.server.ThreadingHTTPServer):
     request_queue_size = 128
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._open = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.cap = MAX_CONNECTIONS
         self.turned_away = 0
+        self._open = 0
+        self._lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
+    def joined(self, nodes: int) -> None:
+        """The job has ``nodes`` agents: hold as many connections as they may open."""
+        self.cap = max(MAX_CONNECTIONS, PER_NODE * nodes)
+
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._open.acquire(blocking=False):
-            self.turned_away += 1
+        with self._lock:
+            admitted = self._open < self.cap
+            self._open += admitted
+            if not admitted:
+                self.turned_away += 1
+        if not admitted:
             if self.turned_away == 1:
-                log.warning("peers: agent %s: %d connections open; closing the next "
-                            "ones until some end", self.server_address, MAX_CONNECTIONS)
+                log.warning("peers: agent at %s: %d connections open; closing the next "
+                            "ones until some end", self.server_address, self.cap)
             self.shutdown_request(request)
             return
         try:
             super().process_request(request, client_address)
-        except BaseException:  # no thread to release it
-            self._open.release()
+        except BaseException:  # no thread to let it go
+            self._release()
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._open.release()
+            self._release()
+
+    def _release(self) -> None:
+        with self._lock:
+            self._open -= 1
 
 
 class UnixServer(http.server.ThreadingHTTPServer):

@@ -654,6 +654,7 @@ def test_connections_that_send_nothing_hold_at_most_the_agents_cap(
     from distcache.peer import _servers
 
     monkeypatch.setattr(_servers, "MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(_servers, "PER_NODE", 1)
     pool = ArtifactPool(tmp_path / "pool")
     pool.put(b"held")
     agent = Agent(pool, lambda: None, KEY).start()
@@ -663,13 +664,17 @@ def test_connections_that_send_nothing_hold_at_most_the_agents_cap(
     listener = agent._servers[0]  # the TCP one
     idle = [socket.create_connection((host, int(port)), 2) for _ in range(2)]
     try:
-        time.sleep(0.3)  # both accepted, each holding a handler thread
+        deadline = time.monotonic() + 20  # both accepted, each holding a handler thread
+        while getattr(listener, "_open", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
         with socket.create_connection((host, int(port)), 2) as third:
             third.settimeout(5)
             assert third.recv(1) == b""  # closed at once, not left waiting
         for conn in idle:
             conn.close()
-        time.sleep(0.3)
+        deadline = time.monotonic() + 20  # the idle handlers end as their peers close
+        while getattr(listener, "_open", 0) and time.monotonic() < deadline:
+            time.sleep(0.02)
         got = fetch(agent.endpoint, KEY, held, fill=False, timeout=5)
         assert got.data == b"held"
     finally:
@@ -677,3 +682,51 @@ def test_connections_that_send_nothing_hold_at_most_the_agents_cap(
             conn.close()
         agent.stop()
     assert getattr(listener, "turned_away", None) == 1 and agent.counts["served"] == 1
+
+
+def _raw_request(endpoint: str, lines: list[str]) -> bytes:
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), 10) as conn:
+        conn.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        conn.settimeout(10)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_a_header_sent_twice_or_a_deadline_no_clock_has_is_refused(tmp_path: Path) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    sha = pool.put(b"held")
+    agent = Agent(pool, lambda: None, KEY).start()
+    agent.join([agent.endpoint], 0)
+    path = f"/v1/objects/{sha}"
+    try:
+        signed = sign(KEY, "GET", path, deadline="5.000")
+        # Another nonce (or deadline) put before the signed one: the signature would
+        # be checked against one copy and the other used.
+        for extra in ("X-Distcache-Nonce: 00", "x-distcache-deadline: 300.000"):
+            answer = _raw_request(agent.endpoint, [
+                f"GET {path} HTTP/1.1", "Host: x", "Connection: close", extra,
+                *(f"{k}: {v}" for k, v in signed.items())])
+            assert answer.startswith(b"HTTP/1.0 403") or answer.startswith(b"HTTP/1.1 403")
+        assert agent.counts["refused_auth"] == 2
+        status, _ = _raw_get(agent.endpoint, path, signed)  # the request itself: fine
+        assert status == 200
+        status, _ = _raw_get(agent.endpoint, path, sign(KEY, "GET", path, deadline="nan"))
+        assert status == 503 and agent.counts["errors"] == 1
+    finally:
+        agent.stop()
+
+
+def test_a_status_line_sent_a_byte_at_a_time_or_a_body_cut_short_ends_the_hop() -> None:
+    artifact = Artifact("k.cubin", sha256_hex(b"y"))
+    endpoint, _ = _bad_peer(b"H", 20)  # then "x" every 0.3 s: never a whole status line
+    began = time.monotonic()
+    with pytest.raises(PeerError) as slow:
+        fetch(endpoint, KEY, artifact, fill=True, timeout=1.0)
+    assert time.monotonic() - began < 3.0 and slow.value.status == 0
+    endpoint, _ = _bad_peer(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\ny")
+    with pytest.raises(PeerError, match="IncompleteRead") as cut:
+        fetch(endpoint, KEY, artifact, fill=True, timeout=5.0)
+    assert cut.value.status == 0  # went away mid-answer: not "sent other bytes"
