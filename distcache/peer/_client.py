@@ -96,7 +96,7 @@ def request(endpoint: str, key: bytes, path: str, *, timeout: float, deadline: s
     """
     until = time.monotonic() + timeout
     conn = _Connection(endpoint, timeout)
-    cut: threading.Timer | None = None
+    cut: _Cut | None = None
     try:
         try:
             conn.connect()
@@ -104,19 +104,21 @@ def request(endpoint: str, key: bytes, path: str, *, timeout: float, deadline: s
             raise PeerError(f"agent {endpoint}: {type(exc).__name__}: {exc}",
                             endpoint=endpoint, status=None, refused=False) from None
         # Each read waits only for what is left; past the end, the socket is shut, so
-        # that a status line or headers sent a byte at a time end in time too.
-        cut = threading.Timer(max(0.0, until - time.monotonic()), _shut, (conn,))
-        cut.daemon = True
-        cut.start()
+        # that a status line or headers sent a byte at a time end in time too. The
+        # socket is kept here: an answer that closes the connection (HTTP/1.0, no
+        # length) is read after http.client has let go of it.
+        sock = conn.sock
         try:
+            cut = _Cut(sock, until)
             conn.request("GET", path, headers=sign(key, "GET", path, deadline=deadline))
-            _left(conn, until)
+            _left(sock, until)
             answer = conn.getresponse()
-            body = _body(conn, answer, until, most)
+            body = _body(conn, sock, answer, until, most)
             return answer.status, {k.lower(): v for k, v in answer.getheaders()}, body
-        except (OSError, http.client.HTTPException) as exc:
+        except (OSError, RuntimeError, http.client.HTTPException) as exc:
             # Connected, but no whole answer in time: a busy agent (a long origin fill),
-            # status 0, not one to leave out of every walk.
+            # status 0, not one to leave out of every walk. (RuntimeError: no thread
+            # for the cut.)
             raise PeerError(f"agent {endpoint}: {type(exc).__name__}: {exc}",
                             endpoint=endpoint, status=0, refused=False) from None
     finally:
@@ -125,24 +127,38 @@ def request(endpoint: str, key: bytes, path: str, *, timeout: float, deadline: s
         conn.close()
 
 
-def _shut(conn: _Connection) -> None:
-    sock = conn.sock
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
+class _Cut:
+    """Shuts ``sock`` when ``until`` passes, unless cancelled first: never after
+    :meth:`cancel` returns (the descriptor may belong to another socket by then)."""
+
+    def __init__(self, sock: socket.socket, until: float) -> None:
+        self._sock, self._done, self._lock = sock, False, threading.Lock()
+        self._timer = threading.Timer(max(0.0, until - time.monotonic()), self._shut)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _shut(self) -> None:
+        with self._lock:
+            if not self._done:
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._done = True
+        self._timer.cancel()
 
 
-def _left(conn: _Connection, until: float) -> None:
+def _left(sock: socket.socket, until: float) -> None:
     """Let the next read wait only for what is left of the answer's time."""
     left = until - time.monotonic()
     if left <= 0:
         raise TimeoutError("no whole answer in time")
-    if conn.sock is not None:
-        conn.sock.settimeout(left)
+    sock.settimeout(left)
 
 
-def _body(conn: _Connection, answer: http.client.HTTPResponse, until: float,
-          most: int) -> bytes:
+def _body(conn: _Connection, sock: socket.socket, answer: http.client.HTTPResponse,
+          until: float, most: int) -> bytes:
     """The answer's body, read as it comes (a length it announces is not allocated
     ahead), refused past ``most`` bytes."""
     endpoint = conn.endpoint
@@ -152,7 +168,7 @@ def _body(conn: _Connection, answer: http.client.HTTPResponse, until: float,
                         f"{most} asked for", endpoint=endpoint, status=None, refused=False)
     body = bytearray()
     while True:
-        _left(conn, until)
+        _left(sock, until)
         chunk = answer.read1(_READ_BYTES)  # what one receive brings, not a whole 1 MiB
         if not chunk:
             if announced is not None and len(body) < announced:  # the peer went away

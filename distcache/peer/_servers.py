@@ -60,8 +60,12 @@ class TcpServer(http.server.ThreadingHTTPServer):
         super().__init__(*args, **kwargs)
 
     def joined(self, nodes: int) -> None:
-        """The job has ``nodes`` agents: hold as many connections as they may open."""
+        """The job has ``nodes`` agents: hold as many connections as they may open,
+        and queue as many not yet accepted (the kernel caps it at ``somaxconn``)."""
         self.cap = max(MAX_CONNECTIONS, PER_NODE * nodes)
+        if self.cap > self.request_queue_size:
+            with contextlib.suppress(OSError):
+                self.socket.listen(self.cap)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         with self._lock:

@@ -519,9 +519,10 @@ def test_an_agent_whose_endpoints_cannot_be_shared_is_stopped_and_leaves_nothing
         socket.create_connection((host, int(port)), 1)
 
 
-def _bad_peer(script: bytes, trickle: int = 0) -> tuple[str, threading.Thread]:
-    """A TCP endpoint that answers one request with ``script``, then ``trickle`` bytes
-    one every 0.3 s."""
+def _bad_peer(script: bytes, trickle: int = 0, delay: float = 0.0,
+              hold: float = 0.0) -> tuple[str, threading.Thread]:
+    """A TCP endpoint that answers one request with ``script`` after ``delay`` s, then
+    ``trickle`` bytes one every 0.3 s, then keeps the connection ``hold`` s."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen()
@@ -530,11 +531,14 @@ def _bad_peer(script: bytes, trickle: int = 0) -> tuple[str, threading.Thread]:
         conn, _ = server.accept()
         with conn, server:
             conn.recv(65536)
-            conn.sendall(script)
+            time.sleep(delay)
+            with contextlib.suppress(OSError):
+                conn.sendall(script)
             for _ in range(trickle):
                 time.sleep(0.3)
                 with contextlib.suppress(OSError):
                     conn.sendall(b"x")
+            time.sleep(hold)
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -726,6 +730,13 @@ def test_a_status_line_sent_a_byte_at_a_time_or_a_body_cut_short_ends_the_hop() 
     with pytest.raises(PeerError) as slow:
         fetch(endpoint, KEY, artifact, fill=True, timeout=1.0)
     assert time.monotonic() - began < 3.0 and slow.value.status == 0
+    # An answer without a length (read until the peer closes), its head sent just
+    # before the bound, then nothing: it ends at the bound, not a read's timeout later.
+    endpoint, _ = _bad_peer(b"HTTP/1.0 200 OK\r\n\r\n", delay=1.8, hold=10)
+    began = time.monotonic()
+    with pytest.raises(PeerError):
+        fetch(endpoint, KEY, artifact, fill=True, timeout=2.0)
+    assert time.monotonic() - began < 3.0
     endpoint, _ = _bad_peer(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\ny")
     with pytest.raises(PeerError, match="IncompleteRead") as cut:
         fetch(endpoint, KEY, artifact, fill=True, timeout=5.0)
