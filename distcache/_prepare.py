@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from distcache._log import get_logger
 from distcache.artifact import Artifact, manifest_text, merge_manifests
 from distcache.comm import Communicator, NodeTree, node_tree
-from distcache.config import settings
+from distcache.config import Settings, settings
 from distcache.errors import DistcacheError
 
 if TYPE_CHECKING:
@@ -118,8 +118,8 @@ def set_up_where_downloading(comm: Communicator, pool: ArtifactPool, origin: Ori
                              ) -> threading.Thread | None:
     """:func:`prepare_in_background` on a rank that may download in the start-up
     prefetch (a node leader among the :func:`leader_downloaders` first, or every rank
-    where no leader acts for its node), unless
-    there is no origin or downloads are off; the thread, else None. Collective where
+    where no leader acts for its node), unless there is no origin or downloads are
+    off; the thread, else None. Collective where
     something is listed or wanted (as on every rank alike) and ``comm``'s node tree is
     not made yet: it is made first, whatever this rank's origin (the job's ranks may
     differ there, and the prefetch says how)."""
@@ -133,12 +133,13 @@ def set_up_where_downloading(comm: Communicator, pool: ArtifactPool, origin: Ori
     return prepare_in_background(origin, pool, manifests, integrations)
 
 
-def leader_threads(ranks: int, nodes: int) -> int:
+def leader_threads(ranks: int, nodes: int, conf: Settings | None = None) -> int:
     """Download threads per rank when only node leaders download: each leader may
     take the connections its node's ranks would have had, up to an even share of the
     job's, so a job on a few nodes keeps its concurrency at the origin while one on
-    many still spreads its downloads over as many nodes as before."""
-    conf = settings()
+    many still spreads its downloads over as many nodes as before. ``conf``: the
+    settings, when the caller has read them."""
+    conf = settings() if conf is None else conf
     per_rank, per_job = conf.downloads_per_rank, conf.downloads_per_job
     return max(per_rank, min(per_rank * -(-ranks // nodes), -(-per_job // nodes)))
 
@@ -154,8 +155,8 @@ def leader_downloaders(tree: NodeTree) -> int:
     """
     from distcache.collective._plan import max_downloaders  # a leader's, loaded once
 
-    return max_downloaders(leader_threads(tree.size, tree.nodes),
-                           settings().downloads_per_job)
+    conf = settings()
+    return max_downloaders(leader_threads(tree.size, tree.nodes, conf), conf.downloads_per_job)
 
 
 def _may_download(tree: NodeTree) -> bool:

@@ -110,8 +110,7 @@ class Agent:
         self._joined = threading.Event()
         if not joining:
             self._joined.set()
-        self._unjoined_told = False
-        self._refused_by: set[str] = set()
+        self._told: set[str] = set()  # what was logged at WARNING once (see _first)
         self._nonces = Nonces()
         self.counts: Counter[str] = Counter()
         self._slots = threading.BoundedSemaphore(max_transfers)
@@ -178,8 +177,7 @@ class Agent:
         if not fill:
             raise PeerError("not held", sha256=artifact.sha256, status=404, refused=True)
         until = time.monotonic() + budget
-        if not self._joined.wait(min(JOIN_WAIT_S, budget / 2)) and not self._unjoined_told:
-            self._unjoined_told = True
+        if not self._joined.wait(min(JOIN_WAIT_S, budget / 2)) and self._first("unjoined"):
             log.warning("peers: %s was not joined to the job's agents within %.1f s; "
                         "answering %s as an agent of one node", self.endpoint,
                         min(JOIN_WAIT_S, budget / 2), artifact.name)
@@ -193,11 +191,12 @@ class Agent:
                             status=404, refused=True)
         return self._fill(artifact, "origin" if position == 0 else "fallback", budget)
 
-    def _first_refusal(self, endpoint: str) -> bool:
-        """Whether ``endpoint`` refuses this agent's requests for the first time."""
+    def _first(self, what: str) -> bool:
+        """Whether ``what`` happens for the first time (it is said at WARNING once,
+        later at DEBUG)."""
         with self._lock:
-            first = endpoint not in self._refused_by
-            self._refused_by.add(endpoint)
+            first = what not in self._told
+            self._told.add(what)
         return first
 
     def _position(self, artifact: Artifact) -> int:
@@ -227,7 +226,7 @@ class Agent:
                 if status is None:  # no answer at all, not a 503
                     self._mark_down(endpoint)
                 self.count("peer_skipped")
-                if status == 403 and self._first_refusal(endpoint):
+                if status == 403 and self._first(f"refused by {endpoint}"):
                     log.warning("peers: agent %s refused this node's request (403): its "
                                 "clock is more than %d s off this one's, or it runs with "
                                 "another run secret; what it owns goes to the next node "
@@ -324,14 +323,14 @@ def _handler(agent: Agent) -> type[http.server.BaseHTTPRequestHandler]:
             if why is not None:
                 # The first at WARNING: a peer whose clock is off or whose run secret
                 # differs is refused on every request and its node goes to the origin.
-                first = agent.counts["refused_auth"] == 0
+                first = agent._first("refused_auth")
                 (log.warning if first else log.debug)(
                     "agent %s: refused a request from %s: %s%s", agent.endpoint,
                     self.address_string(), why,
                     " (later refusals are logged at DEBUG)" if first else "")
                 return self._refuse(403, "unauthenticated", "refused_auth")
             if not agent._nonces.first(signed[HEADER_NONCE]):
-                first = agent.counts["refused_replay"] == 0
+                first = agent._first("refused_replay")
                 (log.warning if first else log.debug)(
                     "agent %s: refused a replayed request from %s", agent.endpoint,
                     self.address_string())

@@ -113,7 +113,7 @@ def request(endpoint: str, key: bytes, path: str, *, timeout: float, deadline: s
             conn.request("GET", path, headers=sign(key, "GET", path, deadline=deadline))
             _left(sock, until)
             answer = conn.getresponse()
-            body = _body(conn, sock, answer, until, most)
+            body = _body(endpoint, sock, answer, until, most)
             return answer.status, {k.lower(): v for k, v in answer.getheaders()}, body
         except (OSError, RuntimeError, http.client.HTTPException) as exc:
             # Connected, but no whole answer in time: a busy agent (a long origin fill),
@@ -157,11 +157,10 @@ def _left(sock: socket.socket, until: float) -> None:
     sock.settimeout(left)
 
 
-def _body(conn: _Connection, sock: socket.socket, answer: http.client.HTTPResponse,
+def _body(endpoint: str, sock: socket.socket, answer: http.client.HTTPResponse,
           until: float, most: int) -> bytes:
     """The answer's body, read as it comes (a length it announces is not allocated
     ahead), refused past ``most`` bytes."""
-    endpoint = conn.endpoint
     announced = answer.length
     if announced is not None and announced > most:
         raise PeerError(f"agent {endpoint} announced {announced} bytes, more than the "
