@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from distcache.peer._auth import derive_key, sign, verify
+from distcache.peer._auth import derive_key, sign, target_of, verify
 from distcache.peer._flight import Singleflight
 from distcache.peer._hosting import (
     Hosted,
@@ -55,6 +55,7 @@ __all__ = [
     "sign",
     "start",
     "start_for_session",
+    "target_of",
     "verify",
 ]
 

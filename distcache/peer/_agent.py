@@ -54,7 +54,7 @@ from distcache.peer._auth import (
 )
 from distcache.peer._flight import Singleflight
 from distcache.peer._ring import order
-from distcache.peer._servers import TcpServer, UnixServer, private_socket
+from distcache.peer._servers import BoundedHead, TcpServer, UnixServer, private_socket
 
 if TYPE_CHECKING:
     from distcache.origins import Origin
@@ -284,7 +284,7 @@ class Agent:
 
 
 def _handler(agent: Agent) -> type[http.server.BaseHTTPRequestHandler]:
-    class Handler(http.server.BaseHTTPRequestHandler):
+    class Handler(BoundedHead):
         protocol_version = "HTTP/1.1"
         server_version = "distcache-peer/1"
         # A connection that sends nothing for this long is closed: an idle client must
@@ -297,6 +297,14 @@ def _handler(agent: Agent) -> type[http.server.BaseHTTPRequestHandler]:
 
         def address_string(self) -> str:
             return str(self.client_address[0]) if self.client_address else "local"
+
+        def head_cut(self, bound: float) -> None:
+            agent.count("cut_head")
+            first = agent._first("cut_head")
+            (log.warning if first else log.debug)(
+                "agent %s: closed a connection from %s that did not send a whole request "
+                "within %.0f s%s", agent.endpoint, self.address_string(), bound,
+                " (later ones are logged at DEBUG)" if first else "")
 
         def _refuse(self, status: int, reason: str, outcome: str) -> None:
             agent.count(outcome)
@@ -316,7 +324,8 @@ def _handler(agent: Agent) -> type[http.server.BaseHTTPRequestHandler]:
                     return signed, f"{len(values)} {name} headers"
                 if values:
                     signed[name] = values[0]
-            return signed, verify(agent.key, "GET", self.path, signed)
+            target = "unix" if isinstance(self.server, UnixServer) else agent.endpoint
+            return signed, verify(agent.key, "GET", self.path, signed, target=target)
 
         def do_GET(self) -> None:
             signed, why = self._signed()

@@ -3,11 +3,13 @@
 The key is derived from the run scope's secret (:class:`distcache.comm.Adopted.scope`)
 with HMAC-SHA256 under a fixed label, so the secret itself is used for nothing else
 here. A request carries the time, a random nonce and
-``HMAC(key, "v2\\nMETHOD\\nPATH\\nTIME\\nNONCE\\nDEADLINE")`` in three headers (the
-deadline, the seconds the asker gives the answer, in a fourth, signed too so that it
-cannot be changed on the way); the agent recomputes it and compares in constant time,
-refuses a time more than :data:`MAX_SKEW_S` away from its own clock, and a nonce it
-has seen within that time (:class:`Nonces`): a request cannot be replayed to it. The
+``HMAC(key, "v3\\nMETHOD\\nPATH\\nTIME\\nNONCE\\nDEADLINE\\nTARGET")`` in three headers
+(the deadline, the seconds the asker gives the answer, in a fourth, signed too so that
+it cannot be changed on the way; the target, the agent it is for, is not sent: each
+side knows it, :func:`target_of`). The agent recomputes it for itself and compares in
+constant time, refuses a time more than :data:`MAX_SKEW_S` away from its own clock,
+and a nonce it has seen within that time (:class:`Nonces`): a request cannot be
+replayed to it, nor sent to another node's agent, which computes another MAC. The
 key never travels: a worker of the node reads it from a file only its user can read,
 beside the agent's Unix socket.
 """
@@ -22,7 +24,7 @@ import time
 from collections.abc import Mapping
 
 #: The version of the request format; it is part of what is signed.
-VERSION = "v2"
+VERSION = "v3"
 #: Seconds a request's time may differ from the agent's clock.
 MAX_SKEW_S = 300.0
 HEADER_TIME = "X-Distcache-Time"
@@ -40,28 +42,39 @@ def derive_key(secret: bytes) -> bytes:
     return hmac.new(secret, _LABEL, hashlib.sha256).digest()
 
 
-def _mac(key: bytes, method: str, path: str, when: str, nonce: str, deadline: str) -> str:
-    text = "\n".join((VERSION, method, path, when, nonce, deadline)).encode()
+def target_of(endpoint: str) -> str:
+    """What a request to the agent at ``endpoint`` is signed for: its TCP endpoint
+    (``tcp://HOST:PORT``, the string the job's agents shared), or ``unix`` for a node's
+    own agent over its Unix socket, which only this user can reach (its path may be
+    spelled differently by the processes of the node)."""
+    return "unix" if endpoint.startswith("unix:") else endpoint
+
+
+def _mac(key: bytes, method: str, path: str, when: str, nonce: str, deadline: str,
+         target: str) -> str:
+    text = "\n".join((VERSION, method, path, when, nonce, deadline, target)).encode()
     return hmac.new(key, text, hashlib.sha256).hexdigest()
 
 
-def sign(key: bytes, method: str, path: str, *, deadline: str = "",
+def sign(key: bytes, method: str, path: str, *, target: str, deadline: str = "",
          now: float | None = None) -> dict[str, str]:
-    """The headers that authenticate one request of ``method`` for ``path`` (with
-    ``deadline``, the signed deadline header too)."""
+    """The headers that authenticate one request of ``method`` for ``path`` to the
+    agent ``target`` (:func:`target_of` its endpoint), with ``deadline``, the signed
+    deadline header too."""
     when = f"{time.time() if now is None else now:.3f}"
     nonce = os.urandom(12).hex()
     headers = {HEADER_TIME: when, HEADER_NONCE: nonce,
-               HEADER_AUTH: _mac(key, method, path, when, nonce, deadline)}
+               HEADER_AUTH: _mac(key, method, path, when, nonce, deadline, target)}
     if deadline:
         headers[HEADER_DEADLINE] = deadline
     return headers
 
 
-def verify(key: bytes, method: str, path: str, headers: Mapping[str, str], *,
+def verify(key: bytes, method: str, path: str, headers: Mapping[str, str], *, target: str,
            now: float | None = None) -> str | None:
-    """``None`` when ``headers`` authenticate the request, else why not (for the log;
-    the asker only learns that it was refused)."""
+    """``None`` when ``headers`` authenticate the request to the agent ``target`` (as
+    :func:`sign`), else why not (for the log; the asker only learns that it was
+    refused)."""
     when, nonce, mac = (headers.get(h) for h in (HEADER_TIME, HEADER_NONCE, HEADER_AUTH))
     if not when or not nonce or not mac:
         return "no authentication headers"
@@ -71,7 +84,8 @@ def verify(key: bytes, method: str, path: str, headers: Mapping[str, str], *,
         return "a malformed time"
     if not skew <= MAX_SKEW_S:
         return f"a time {skew:.0f} s off"
-    expected = _mac(key, method, path, when, nonce, headers.get(HEADER_DEADLINE) or "").encode()
+    expected = _mac(key, method, path, when, nonce, headers.get(HEADER_DEADLINE) or "",
+                    target).encode()
     if not hmac.compare_digest(mac.encode("utf-8", "surrogateescape"), expected):
         return "a wrong signature"
     return None

@@ -18,7 +18,7 @@ from urllib.parse import quote
 from distcache._record import Record
 from distcache.artifact import Artifact, sha256_hex
 from distcache.errors import ArtifactNotFound, PeerError
-from distcache.peer._auth import sign
+from distcache.peer._auth import sign, target_of
 
 #: Seconds to open a connection to an agent: a live agent accepts at once, so an
 #: owner that does not is skipped for the next in rendezvous order.
@@ -96,7 +96,7 @@ def request(endpoint: str, key: bytes, path: str, *, timeout: float, deadline: s
     """
     until = time.monotonic() + timeout
     conn = _Connection(endpoint, timeout)
-    cut: _Cut | None = None
+    cut: Cut | None = None
     try:
         try:
             conn.connect()
@@ -109,8 +109,9 @@ def request(endpoint: str, key: bytes, path: str, *, timeout: float, deadline: s
         # length) is read after http.client has let go of it.
         sock = conn.sock
         try:
-            cut = _Cut(sock, until)
-            conn.request("GET", path, headers=sign(key, "GET", path, deadline=deadline))
+            cut = Cut(sock, until)
+            conn.request("GET", path, headers=sign(key, "GET", path, target=target_of(endpoint),
+                                                 deadline=deadline))
             _left(sock, until)
             answer = conn.getresponse()
             body = _body(endpoint, sock, answer, until, most)
@@ -127,12 +128,14 @@ def request(endpoint: str, key: bytes, path: str, *, timeout: float, deadline: s
         conn.close()
 
 
-class _Cut:
+class Cut:
     """Shuts ``sock`` when ``until`` passes, unless cancelled first: never after
-    :meth:`cancel` returns (the descriptor may belong to another socket by then)."""
+    :meth:`cancel` returns (the descriptor may belong to another socket by then).
+    ``fired``: whether it shut it."""
 
     def __init__(self, sock: socket.socket, until: float) -> None:
         self._sock, self._done, self._lock = sock, False, threading.Lock()
+        self.fired = False
         self._timer = threading.Timer(max(0.0, until - time.monotonic()), self._shut)
         self._timer.daemon = True
         self._timer.start()
@@ -140,6 +143,7 @@ class _Cut:
     def _shut(self) -> None:
         with self._lock:
             if not self._done:
+                self.fired = True
                 with contextlib.suppress(OSError):
                     self._sock.shutdown(socket.SHUT_RDWR)
 

@@ -1,6 +1,7 @@
 """The node agent's listeners: its TCP server for the other nodes' agents, with a cap on
 the connections it holds at once, and its Unix socket for this node's processes, which
-only this user may connect to."""
+only this user may connect to; and the base of their handler, which gives a request's
+head a bound in total time (:class:`BoundedHead`)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import os
 import secrets
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from distcache._log import get_logger
+from distcache.peer._client import Cut
 
 log = get_logger(__name__)
 
@@ -105,3 +108,41 @@ class UnixServer(http.server.ThreadingHTTPServer):
         self.socket.bind(self.server_address)
         self.server_address = self.socket.getsockname()
         self.server_name, self.server_port = "localhost", 0
+
+
+#: Seconds a connection has to send a request's head (its line and headers), from when
+#: the agent starts reading it. The per-read timeout alone let a client that sends a
+#: byte every few seconds hold a thread, and one of the listener's connections, for as
+#: long as it kept on, unsigned; one that sends nothing is cut here too.
+HEAD_S = 10.0
+
+
+class BoundedHead(http.server.BaseHTTPRequestHandler):
+    """A handler whose requests' heads must arrive whole within :data:`HEAD_S`: past
+    it the connection is shut, and a head cut short is not handled (not even
+    refused: nothing is sent back). :meth:`head_cut` is told each time."""
+
+    _head: Cut | None = None
+
+    def handle_one_request(self) -> None:
+        bound = HEAD_S
+        self._head = head = Cut(self.connection, time.monotonic() + bound)
+        try:
+            super().handle_one_request()
+        finally:
+            head.cancel()
+            if head.fired:
+                self.close_connection = True
+                self.head_cut(bound)
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()
+        head = self._head
+        if head is not None:
+            head.cancel()  # the head is in: the answer has its own bounds
+            if head.fired:  # what was read is a head cut short, not a request
+                return False
+        return parsed
+
+    def head_cut(self, bound: float) -> None:
+        """A request's head did not arrive within ``bound`` seconds."""

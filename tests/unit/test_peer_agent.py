@@ -28,6 +28,7 @@ from distcache.peer import (
     order,
     owner,
     sign,
+    target_of,
     verify,
 )
 from distcache.store import ArtifactPool
@@ -98,13 +99,24 @@ def test_singleflight_runs_the_work_once_for_concurrent_callers() -> None:
     assert flight.do("k", lambda: 7) == 7  # a later call runs anew
 
 
-def test_a_signature_binds_key_method_path_and_time() -> None:
-    headers = sign(KEY, "GET", "/v1/objects/ab", now=1000.0)
-    assert verify(KEY, "GET", "/v1/objects/ab", headers, now=1000.0) is None
-    assert verify(KEY, "GET", "/v1/objects/ac", headers, now=1000.0) == "a wrong signature"
-    assert verify(derive_key(b"t" * 32), "GET", "/v1/objects/ab", headers, now=1000.0)
-    assert verify(KEY, "GET", "/v1/objects/ab", headers, now=2000.0) == "a time 1000 s off"
-    assert verify(KEY, "GET", "/v1/objects/ab", {}, now=1000.0) == "no authentication headers"
+def test_a_signature_binds_key_method_path_time_and_target() -> None:
+    to = "tcp://10.0.0.1:4000"
+    headers = sign(KEY, "GET", "/v1/objects/ab", target=to, now=1000.0)
+    assert verify(KEY, "GET", "/v1/objects/ab", headers, target=to, now=1000.0) is None
+    assert verify(KEY, "GET", "/v1/objects/ac", headers, target=to,
+                  now=1000.0) == "a wrong signature"
+    assert verify(derive_key(b"t" * 32), "GET", "/v1/objects/ab", headers, target=to,
+                  now=1000.0)
+    assert verify(KEY, "GET", "/v1/objects/ab", headers, target=to,
+                  now=2000.0) == "a time 1000 s off"
+    assert verify(KEY, "GET", "/v1/objects/ab", {}, target=to,
+                  now=1000.0) == "no authentication headers"
+    for other in ("tcp://10.0.0.2:4000", "tcp://10.0.0.1:4001", "unix"):
+        assert verify(KEY, "GET", "/v1/objects/ab", headers, target=other,
+                      now=1000.0) == "a wrong signature"
+    # A node's own agent over its socket: whatever the path's spelling.
+    assert target_of("unix:/a/b/.peer") == target_of("unix:/a/./b/.peer") == "unix"
+    assert target_of(to) == to
     assert b"s" * 32 not in repr(headers).encode()
 
 
@@ -128,21 +140,22 @@ def test_without_the_secret_or_for_an_unheld_sha_an_agent_gives_only_a_refusal(
         agent.pool.put((tmp_path / "repo" / held.name).read_bytes(), held.sha256)
         path = f"/v1/objects/{held.sha256}"
         assert _raw_get(agent.endpoint, path, {}) == (403, b"")
-        wrong = sign(derive_key(b"x" * 32), "GET", path)
+        wrong = sign(derive_key(b"x" * 32), "GET", path, target=agent.endpoint)
         assert _raw_get(agent.endpoint, path, wrong) == (403, b"")
-        replayed = sign(KEY, "GET", f"/v1/objects/{unheld.sha256}")
+        replayed = sign(KEY, "GET", f"/v1/objects/{unheld.sha256}", target=agent.endpoint)
         assert _raw_get(agent.endpoint, path, replayed) == (403, b"")
-        signed = sign(KEY, "GET", path, deadline="5.000")
+        signed = sign(KEY, "GET", path, target=agent.endpoint, deadline="5.000")
         status, body = _raw_get(agent.endpoint, path, signed)
         assert status == 200 and sha256_hex(body) == held.sha256
         # The same request again, or with its deadline changed on the way: refused.
         assert _raw_get(agent.endpoint, path, signed) == (403, b"")
-        stretched = {**sign(KEY, "GET", path, deadline="5.000"),
+        stretched = {**sign(KEY, "GET", path, target=agent.endpoint, deadline="5.000"),
                      "X-Distcache-Deadline": "300.000"}
         assert _raw_get(agent.endpoint, path, stretched) == (403, b"")
         assert agent.counts["refused_replay"] == 1
         path = f"/v1/objects/{unheld.sha256}"
-        assert _raw_get(agent.endpoint, path, sign(KEY, "GET", path)) == (404, b"")
+        assert _raw_get(agent.endpoint, path,
+                        sign(KEY, "GET", path, target=agent.endpoint)) == (404, b"")
         with pytest.raises(PeerError) as refused:
             fetch(agent.endpoint, KEY, unheld, fill=False, timeout=5)
         assert refused.value.refused is True  # type: ignore[attr-defined]
@@ -239,8 +252,10 @@ def test_no_tier_answers_none_at_once(made: list[Artifact]) -> None:
 def test_a_signature_that_is_not_ascii_is_a_wrong_signature_not_an_error() -> None:
     from distcache.peer._auth import HEADER_AUTH
 
-    headers = {**sign(KEY, "GET", "/v1/objects/ab", now=1000.0), HEADER_AUTH: "\u00e9" * 64}
-    assert verify(KEY, "GET", "/v1/objects/ab", headers, now=1000.0) == "a wrong signature"
+    headers = {**sign(KEY, "GET", "/v1/objects/ab", target="unix", now=1000.0),
+               HEADER_AUTH: "\u00e9" * 64}
+    assert verify(KEY, "GET", "/v1/objects/ab", headers, target="unix",
+                  now=1000.0) == "a wrong signature"
 
 
 def test_a_node_whose_agent_cannot_listen_goes_without_one_and_nobody_waits(
@@ -706,7 +721,7 @@ def test_a_header_sent_twice_or_a_deadline_no_clock_has_is_refused(tmp_path: Pat
     agent.join([agent.endpoint], 0)
     path = f"/v1/objects/{sha}"
     try:
-        signed = sign(KEY, "GET", path, deadline="5.000")
+        signed = sign(KEY, "GET", path, target=agent.endpoint, deadline="5.000")
         # Another nonce (or deadline) put before the signed one: the signature would
         # be checked against one copy and the other used.
         for extra in ("X-Distcache-Nonce: 00", "x-distcache-deadline: 300.000"):
@@ -717,7 +732,8 @@ def test_a_header_sent_twice_or_a_deadline_no_clock_has_is_refused(tmp_path: Pat
         assert agent.counts["refused_auth"] == 2
         status, _ = _raw_get(agent.endpoint, path, signed)  # the request itself: fine
         assert status == 200
-        status, _ = _raw_get(agent.endpoint, path, sign(KEY, "GET", path, deadline="nan"))
+        status, _ = _raw_get(agent.endpoint, path,
+                             sign(KEY, "GET", path, target=agent.endpoint, deadline="nan"))
         assert status == 503 and agent.counts["errors"] == 1
     finally:
         agent.stop()
@@ -741,3 +757,81 @@ def test_a_status_line_sent_a_byte_at_a_time_or_a_body_cut_short_ends_the_hop() 
     with pytest.raises(PeerError, match="IncompleteRead") as cut:
         fetch(endpoint, KEY, artifact, fill=True, timeout=5.0)
     assert cut.value.status == 0  # went away mid-answer: not "sent other bytes"
+
+
+def test_a_request_for_one_agent_is_refused_by_another_with_the_same_key(
+    tmp_path: Path,
+) -> None:
+    pools = [ArtifactPool(tmp_path / f"pool-{i}") for i in range(2)]
+    sha = pools[0].put(b"held by both")
+    pools[1].put(b"held by both")
+    agents = [Agent(pool, lambda: None, KEY, host="127.0.0.1",
+                    socket_path=Path(pool.root) / ".peer").start() for pool in pools]
+    try:
+        path = f"/v1/objects/{sha}"
+        # Seen on its way to the first agent and sent to the second: refused there, as
+        # the second's signature for it would differ. The first still takes it.
+        meant = sign(KEY, "GET", path, target=agents[0].endpoint, deadline="5.000")
+        assert _raw_get(agents[1].endpoint, path, meant) == (403, b"")
+        assert agents[1].counts["refused_auth"] == 1 and agents[1].counts["served"] == 0
+        status, body = _raw_get(agents[0].endpoint, path, meant)
+        assert status == 200 and body == b"held by both"
+        # The client signs for the agent it asks; a node's own socket is "unix".
+        assert fetch(agents[1].endpoint, KEY, Artifact("x", sha), fill=False,
+                     timeout=5).data == b"held by both"
+        local = agents[1].local_endpoint
+        assert local is not None
+        assert fetch(local, KEY, Artifact("x", sha), fill=False,
+                     timeout=5).data == b"held by both"
+    finally:
+        for agent in agents:
+            agent.stop()
+
+
+def test_a_request_head_trickled_a_byte_at_a_time_is_cut_at_its_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from distcache.peer import _agent, _servers
+
+    monkeypatch.setattr(_servers, "HEAD_S", 1.0)
+    assert _agent.HOP_S == 20.0  # each read may wait that long: the head bound cuts
+    pool = ArtifactPool(tmp_path / "pool")
+    sha = pool.put(b"held")
+    agent = Agent(pool, lambda: None, KEY, host="127.0.0.1").start()
+    try:
+        path = f"/v1/objects/{sha}"
+        head = "".join(f"{line}\r\n" for line in [
+            f"GET {path} HTTP/1.1", "Host: x",
+            *(f"{k}: {v}" for k, v in sign(KEY, "GET", path,
+                                           target=agent.endpoint).items())]) + "\r\n"
+        host, port = agent.endpoint[len("tcp://"):].rsplit(":", 1)
+        with caplog.at_level("WARNING", logger="distcache"), \
+                socket.create_connection((host, int(port)), timeout=10) as slow:
+            began = time.monotonic()
+            closed_at = None
+            for byte in head.encode():  # 0.1 s a byte: minutes for the whole head
+                try:
+                    slow.sendall(bytes([byte]))
+                except OSError:
+                    closed_at = time.monotonic()
+                    break
+                slow.settimeout(0.1)
+                try:
+                    got = slow.recv(64)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    got = b""
+                assert got == b""  # nothing answered: the connection was closed
+                closed_at = time.monotonic()
+                break
+            assert closed_at is not None and closed_at - began < 3.0
+        assert agent.counts["cut_head"] == 1 and agent.counts["refused_auth"] == 0
+        assert sum("did not send a whole request within 1 s" in r.getMessage()
+                   for r in caplog.records) == 1
+        # A request sent at once is served as before.
+        status, body = _raw_get(agent.endpoint, path,
+                                sign(KEY, "GET", path, target=agent.endpoint))
+        assert (status, body) == (200, b"held")
+    finally:
+        agent.stop()
