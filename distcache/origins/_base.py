@@ -81,6 +81,28 @@ class BaseOrigin(ABC):
         return buffer.getvalue()
 
 
+class Asked:
+    """``origin``, noting whether it was asked for an artifact's bytes (``asked``): a
+    pool asks its origin only for an object still missing once it holds the object's
+    lock, so the caller of ``ArtifactPool.fetch`` learns whether the origin served it
+    or another process had published it meanwhile."""
+
+    def __init__(self, origin: Origin) -> None:
+        self._origin = origin
+        self.asked = False
+
+    def describe(self) -> str:
+        return self._origin.describe()
+
+    def fetch(self, artifact: Artifact) -> bytes:
+        self.asked = True
+        return self._origin.fetch(artifact)
+
+    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
+        self.asked = True
+        return self._origin.fetch_into(artifact, out)
+
+
 def rewind(out: BinaryIO, start: int | None) -> bool:
     """Drop what a failed attempt wrote into ``out`` after offset ``start``; False
     when ``out`` cannot be rewound (``start`` is None)."""

@@ -42,6 +42,7 @@ from urllib.parse import parse_qs, urlsplit
 from distcache._log import get_logger
 from distcache.artifact import Artifact, validate_name
 from distcache.errors import ArtifactNotFound, DistcacheError, PeerError
+from distcache.origins._base import Asked
 from distcache.peer import _client
 from distcache.peer._auth import (
     HEADER_AUTH,
@@ -52,7 +53,7 @@ from distcache.peer._auth import (
     Nonces,
     verify,
 )
-from distcache.peer._flight import Singleflight
+from distcache.peer._flight import Singleflight, StillRunning
 from distcache.peer._ring import order
 from distcache.peer._servers import BoundedHead, TcpServer, UnixServer, private_socket
 
@@ -257,10 +258,11 @@ class Agent:
         if origin is None:
             raise PeerError("this agent has no origin", sha256=artifact.sha256, status=503,
                             refused=False)
-        got = origin
-
         def download() -> _client.Answer:
-            data = self.pool.fetch(artifact, got)
+            asked = Asked(origin)
+            data = self.pool.fetch(artifact, asked)
+            if not asked.asked:  # another process published it since the pool was read
+                return _client.Answer(data, "pool")
             self.count(source)
             return _client.Answer(data, source)
 
@@ -363,6 +365,8 @@ def _handler(agent: Agent) -> type[http.server.BaseHTTPRequestHandler]:
             except PeerError as exc:
                 if getattr(exc, "refused", False):
                     return self._refuse(404, "not-held", "refused_missing")
+                return self._refuse(503, "unavailable", "unavailable")
+            except StillRunning:  # the fill another request started goes on: not a failure
                 return self._refuse(503, "unavailable", "unavailable")
             except (DistcacheError, ValueError, TimeoutError) as exc:
                 log.debug("agent: %s failed: %s", sha, exc)

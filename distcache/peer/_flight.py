@@ -9,6 +9,10 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 
 
+class StillRunning(TimeoutError):
+    """A caller stopped waiting for another caller's work, which goes on."""
+
+
 class _Call(Generic[T]):
     def __init__(self) -> None:
         self.done = threading.Event()
@@ -30,8 +34,8 @@ class Singleflight(Generic[T]):
 
     def do(self, key: str, work: Callable[[], T], *, timeout: float | None = None) -> T:
         """Raises:
-            TimeoutError: this caller waited on another's call longer than ``timeout``
-                (that call goes on).
+            StillRunning: this caller waited on another's call longer than ``timeout``
+                (that call goes on); a :class:`TimeoutError`.
             what ``work`` raised, in every caller that shared the call.
         """
         with self._lock:
@@ -52,7 +56,7 @@ class Singleflight(Generic[T]):
                     del self._calls[key]
                 call.done.set()
         elif not call.done.wait(timeout):
-            raise TimeoutError(f"waited {timeout} s for another caller's work on {key}")
+            raise StillRunning(f"waited {timeout} s for another caller's work on {key}")
         if call.error is not None:
             raise call.error
         return call.value  # type: ignore[return-value]

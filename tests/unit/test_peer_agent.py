@@ -826,6 +826,10 @@ def test_a_request_head_trickled_a_byte_at_a_time_is_cut_at_its_bound(
                 closed_at = time.monotonic()
                 break
             assert closed_at is not None and closed_at - began < 3.0
+        # Counted by the agent's thread just after it shut the connection.
+        until = time.monotonic() + 5
+        while agent.counts["cut_head"] == 0 and time.monotonic() < until:
+            time.sleep(0.01)
         assert agent.counts["cut_head"] == 1 and agent.counts["refused_auth"] == 0
         assert sum("did not send a whole request within 1 s" in r.getMessage()
                    for r in caplog.records) == 1
@@ -835,3 +839,54 @@ def test_a_request_head_trickled_a_byte_at_a_time_is_cut_at_its_bound(
         assert (status, body) == (200, b"held")
     finally:
         agent.stop()
+
+
+def test_a_fill_that_finds_the_object_published_meanwhile_answers_from_the_pool(
+    tmp_path: Path, made: list[Artifact], origin: LoopbackOrigin,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    (agent,) = _agents(tmp_path, origin.url, 1)
+    try:
+        art = made[0]
+        # Another process of the node publishes it right after the agent looked.
+        agent.pool.put((tmp_path / "repo" / art.name).read_bytes(), art.sha256)
+        looked = agent.pool.get
+        first = [True]
+
+        def missed_once(sha: str) -> bytes | None:
+            if first[0]:
+                first[0] = False
+                return None
+            return looked(sha)
+
+        monkeypatch.setattr(agent.pool, "get", missed_once)
+        got = fetch(agent.endpoint, KEY, art, fill=True, timeout=5)
+        assert sha256_hex(got.data) == art.sha256 and got.source == "pool"
+        assert origin.total_requests == 0 and agent.counts["origin"] == 0
+        # A real miss still counts the origin.
+        got = fetch(agent.endpoint, KEY, made[1], fill=True, timeout=5)
+        assert got.source == "origin" and agent.counts["origin"] == 1
+        assert origin.total_requests == 1
+    finally:
+        agent.stop()
+
+
+def test_a_request_that_stops_waiting_for_anothers_fill_is_unavailable_not_an_error(
+    tmp_path: Path, made: list[Artifact],
+) -> None:
+    with LoopbackOrigin(tmp_path / "repo", latency=2.0) as slow:
+        (agent,) = _agents(tmp_path, slow.url, 1)
+        try:
+            art = made[0]
+            with ThreadPoolExecutor(1) as pool:
+                filling = pool.submit(fetch, agent.endpoint, KEY, art, fill=True,
+                                      timeout=10, deadline=10.0)
+                time.sleep(0.5)  # the first request's fill is under way
+                with pytest.raises(PeerError) as late:
+                    fetch(agent.endpoint, KEY, art, fill=True, timeout=5, deadline=0.5)
+                assert late.value.status == 503  # type: ignore[attr-defined]
+                assert agent.counts["unavailable"] == 1 and agent.counts["errors"] == 0
+                assert sha256_hex(filling.result().data) == art.sha256
+            assert slow.total_requests == 1 and agent.counts["origin"] == 1
+        finally:
+            agent.stop()
