@@ -189,7 +189,7 @@ def _prefetch(comm: Communicator, pool: ArtifactPool, origin: Origin | None,
         wanted = merge_manifests((i.name, i.manifest()) for i in integrations)
         if offline is None:
             offline = settings().offline
-    except DistcacheError as exc:
+    except Exception as exc:  # any failure, a defect of an integration's too: said to all
         error = exc
     # A rank that cannot read its manifest or record must not leave the others waiting.
     # The same all-gather carries whether the rank may download and the digest of what
@@ -207,7 +207,7 @@ def _prefetch(comm: Communicator, pool: ArtifactPool, origin: Origin | None,
             try:
                 artifacts = merge_manifests([("manifests", listed),
                                              ("integrations of every rank", everyone)])
-            except DistcacheError as exc:
+            except Exception as exc:
                 error = exc
             agree_on_error(comm, error, timeout=timeout)
     if not artifacts:

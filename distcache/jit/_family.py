@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from distcache._log import get_logger
-from distcache.errors import JitCacheError
+from distcache.errors import JitCacheError, PoolError
 from distcache.jit._place import Placed, Seen, check_owner, materialize_entries, scan_into
 from distcache.jit._tree import (
     ConflictLog,
@@ -55,12 +55,17 @@ class FamilySpec:
         roots: the directories, each with the prefix its files carry in the tree.
         environ: variables :meth:`Family.install` sets (when unset) and
             :meth:`Family.uninstall` removes again.
+        pool_variable: a variable :meth:`Family.install` sets (when unset) to the
+            installed pool's directory, for what the tool loads later in the process
+            (Triton's cache manager) to use the session's pool, whichever way it was
+            given.
     """
 
     name: str
     key: str
     roots: tuple[Root, ...]
     environ: Mapping[str, str] = field(default_factory=dict)
+    pool_variable: str | None = None
 
 
 @dataclass
@@ -129,16 +134,24 @@ class Family:
         return held_labels(self.pool, self.name, self._trees)
 
     def install(self, pool: ArtifactPool, origin: Origin | None) -> None:
-        """Fill the family's directories from ``pool`` (a directory of another user is
-        refused and logged, not raised: the engine compiles as it would without
-        distcache), then set the family's variables where unset."""
+        """Fill the family's directories from ``pool`` (a directory that cannot be
+        filled, of another user or unwritable, is logged, not raised: the engine
+        compiles as it would without distcache), then set the family's variables
+        where unset."""
         self.pool = pool
         try:
             self.materialize(pool)
-        except JitCacheError as exc:
+        except (JitCacheError, PoolError, OSError) as exc:
+            # A directory that cannot be filled (another user's, a file in its place,
+            # read-only, a full disk) or a pool that cannot be read: the engine
+            # compiles as it would without distcache.
             self.report.refused = str(exc)
-            log.warning("%s", exc)
-        for name, value in self.spec.environ.items():
+            log.warning("%s: the cache was not filled from the pool (%s); the engine "
+                        "compiles what it lacks", self.name, exc)
+        wanted = dict(self.spec.environ)
+        if self.spec.pool_variable is not None:
+            wanted[self.spec.pool_variable] = str(pool.root)
+        for name, value in wanted.items():
             if name not in os.environ:
                 self._set[name] = value
                 os.environ[name] = value

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from distcache.artifact import Artifact
 from distcache.errors import JitCacheError
-from distcache.jit._tree import MAX_TREE_BYTES, PREFIX, TreeManifest, key_id, union
+from distcache.jit._tree import PREFIX, TreeManifest, key_id, tree_bytes, union
 from distcache.store import ArtifactPool
 
 
@@ -41,8 +41,8 @@ def summarize(pool: ArtifactPool, families: tuple[str, ...] = ()) -> list[Family
         parts = label.name.split("/")
         if len(parts) != 5 or parts[3] != "tree":
             continue
-        data = pool.get(label.sha256)
-        if data is None or len(data) > MAX_TREE_BYTES:
+        data = tree_bytes(pool, label.sha256)
+        if data is None:
             continue
         try:
             tree = TreeManifest.decode(data)

@@ -55,16 +55,22 @@ def transient(relpath: str, patterns: Sequence[str] = TRANSIENT) -> bool:
 
 
 def check_owner(directory: Path, *, family: str) -> None:
-    """Refuse ``directory`` unless it is a directory owned by this process's user.
+    """Refuse ``directory`` unless it is a directory owned by this process's user,
+    and not a symbolic link (whoever made the link chose where the files would go).
 
     Raises:
-        JitCacheError: it is owned by another user, or is not a directory.
+        JitCacheError: it is owned by another user, is a link, or is not a directory.
     """
     try:
-        st = os.stat(directory)
+        st = os.lstat(directory)
     except OSError as exc:
         raise JitCacheError(f"{family}: cannot read {directory}: {exc}", family=family,
                             path=str(directory)) from exc
+    if stat.S_ISLNK(st.st_mode):
+        raise JitCacheError(
+            f"{family}: refusing to fill {directory}: it is a symbolic link (to "
+            f"{os.readlink(directory)!r}); point the tool at the directory itself",
+            family=family, path=str(directory))
     if not stat.S_ISDIR(st.st_mode):
         raise JitCacheError(f"{family}: {directory} is not a directory", family=family,
                             path=str(directory))
@@ -167,10 +173,14 @@ def materialize_entries(pool: ArtifactPool, root: Path, entries: Sequence[TreeEn
     mode, and a tool that writes in place would write into the pool, so copying is
     the default).
 
+    A file where the tree has a directory keeps its place: the entries under it are
+    counted as ``kept``, the others written.
+
     Raises:
         JitCacheError: ``root`` or a directory on the way belongs to another user or
             is a symbolic link.
         PoolError: an object cannot be read.
+        OSError: a directory or file cannot be created or written (read-only, full).
     """
     root.mkdir(parents=True, exist_ok=True)
     check_owner(root, family=family)
@@ -181,7 +191,11 @@ def materialize_entries(pool: ArtifactPool, root: Path, entries: Sequence[TreeEn
             continue
         rel = entry.path[len(prefix):]
         target = root.joinpath(*rel.split("/"))
-        parent = _ensure_dirs(root, target.parent, checked, family)
+        try:
+            parent = _ensure_dirs(root, target.parent, checked, family)
+        except _InTheWay:  # a file where the tree has a directory: left as it is
+            placed.kept += 1
+            continue
         try:
             st = os.lstat(target)
         except FileNotFoundError:
@@ -204,9 +218,15 @@ def materialize_entries(pool: ArtifactPool, root: Path, entries: Sequence[TreeEn
     return placed
 
 
+class _InTheWay(Exception):
+    """Something other than a directory or a link (a stale file) where a tree has a
+    directory: the entries under it are left out, the others placed."""
+
+
 def _ensure_dirs(root: Path, directory: Path, checked: set[Path], family: str) -> Path:
     """Create the directories from ``root`` to ``directory``; refuse a symbolic link
-    or another user's directory on the way."""
+    or another user's directory on the way (:class:`JitCacheError`), and raise
+    :class:`_InTheWay` for a file in the way."""
     missing: list[Path] = []
     here = directory
     while here not in checked:
@@ -221,9 +241,11 @@ def _ensure_dirs(root: Path, directory: Path, checked: set[Path], family: str) -
             raise JitCacheError(f"{family}: cannot create {path}: {exc}", family=family,
                                 path=str(path)) from exc
         st = os.lstat(path)
-        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-            raise JitCacheError(f"{family}: {path} is not a directory (a link or a file); "
-                                "refusing to write through it", family=family, path=str(path))
+        if stat.S_ISLNK(st.st_mode):
+            raise JitCacheError(f"{family}: {path} is a symbolic link; refusing to write "
+                                "through it", family=family, path=str(path))
+        if not stat.S_ISDIR(st.st_mode):
+            raise _InTheWay(path)
         if st.st_uid != os.geteuid():
             check_owner(path, family=family)
         checked.add(path)

@@ -67,27 +67,29 @@ def inductor_default_dir(environ: Mapping[str, str]) -> Path:
 
 def inductor(environ: Mapping[str, str]) -> FamilySpec:
     """``TORCHINDUCTOR_CACHE_DIR`` (else torch's default), plus the precompiled
-    headers under torch's default directory when that is elsewhere."""
+    headers under torch's default directory when that is elsewhere (whether or not
+    it exists on this node yet: the roots decide where a tree's files go)."""
     default = inductor_default_dir(environ)
     given = environ.get("TORCHINDUCTOR_CACHE_DIR")
     directory = Path(os.path.abspath(given)) if given else default
     roots = [Root(directory)]
-    headers = default / "precompiled_headers"
-    if directory != default and headers.is_dir():
-        roots.append(Root(headers, "precompiled_headers@default/"))
+    if directory != default:  # filled only with the headers some rank's tree lists
+        roots.append(Root(default / "precompiled_headers", "precompiled_headers@default/"))
     key = f"{base_key('torch', _version('torch'))};dir={directory}"
     return FamilySpec("inductor", key, tuple(roots))
 
 
 def triton(environ: Mapping[str, str]) -> FamilySpec:
     """``TRITON_CACHE_DIR`` (else ``$TRITON_HOME/.triton/cache``); the family sets
-    ``TRITON_CACHE_MANAGER`` to the pool's cache manager when it is unset."""
+    ``TRITON_CACHE_MANAGER`` to the pool's cache manager, and ``DISTCACHE_POOL`` (which
+    the manager reads) to the installed pool, when they are unset."""
     given = environ.get("TRITON_CACHE_DIR")
     home = Path(environ.get("TRITON_HOME") or _home(environ))
     directory = Path(os.path.abspath(given)) if given else home / ".triton" / "cache"
     key = f"{base_key('triton', _version('triton'))};dir={directory}"
     manager = "distcache.jit._triton:PoolCacheManager"
-    return FamilySpec("triton", key, (Root(directory),), {"TRITON_CACHE_MANAGER": manager})
+    return FamilySpec("triton", key, (Root(directory),), {"TRITON_CACHE_MANAGER": manager},
+                      pool_variable="DISTCACHE_POOL")
 
 
 def deep_gemm(environ: Mapping[str, str]) -> FamilySpec:

@@ -22,6 +22,7 @@ none of them. A tree of format 1 (no publisher) is a publisher of its own.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -89,6 +90,8 @@ class TreeManifest:
         """
         try:
             doc = json.loads(data.decode("utf-8"))
+            if not isinstance(doc, dict):
+                raise ValueError(f"a JSON {type(doc).__name__}, not an object")
             version = doc.get("version")
             if version not in TREE_VERSIONS:
                 raise ValueError(f"tree format {version!r}, not one of {TREE_VERSIONS}")
@@ -106,10 +109,24 @@ class TreeManifest:
                     raise ValueError(f"bad mode or size for {path!r}")
                 entries.append(TreeEntry(validate_name(path), check_sha256(sha),
                                          mode & MODE_MASK, size))
-        except (ValueError, KeyError, TypeError, ArtifactNameError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError,
+                ArtifactNameError) as exc:  # RecursionError: JSON nested too deep
             raise JitCacheError(f"malformed tree manifest: {exc}", family=None,
                                 path=None) from exc
         return cls(family, key, tuple(entries), publisher, seq)
+
+
+def tree_bytes(pool: ArtifactPool, sha: str) -> bytes | None:
+    """The verified bytes of the tree object ``sha``; ``None`` when the pool lacks it
+    or it is larger than :data:`MAX_TREE_BYTES`, which is checked before anything is
+    read (a label may name any object, a large one too)."""
+    try:
+        if os.stat(pool.layout.object_path(sha)).st_size > MAX_TREE_BYTES:
+            return None
+    except OSError:
+        return None
+    data = pool.get(sha)
+    return None if data is None or len(data) > MAX_TREE_BYTES else data
 
 
 def publisher_id(host: str, directories: Iterable[str]) -> str:
@@ -158,8 +175,8 @@ def read_trees(pool: ArtifactPool, family: str, key: str,
         if cache is not None and sha in cache:
             trees.append(cache[sha])
             continue
-        data = pool.get(sha)
-        if data is None or len(data) > MAX_TREE_BYTES:
+        data = tree_bytes(pool, sha)
+        if data is None:
             continue
         try:
             tree = TreeManifest.decode(data)
@@ -276,8 +293,8 @@ def _read_tree(pool: ArtifactPool, sha: str,
     :func:`read_trees`."""
     if cache is not None and sha in cache:
         return cache[sha]
-    data = pool.get(sha)
-    if data is None or len(data) > MAX_TREE_BYTES:
+    data = tree_bytes(pool, sha)
+    if data is None:
         return None
     try:
         tree = TreeManifest.decode(data)
