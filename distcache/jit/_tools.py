@@ -7,13 +7,18 @@ Inductor's shared objects record their build directory and Triton's group files 
 absolute paths, so their cache directory is part of the key (nodes that use the same
 path share; a node with another path builds its own). DeepGEMM's and FlashInfer's keys
 include where the package is installed (DeepGEMM's kernels include headers by
-absolute path). Versions are read from the installed distributions, so nothing here
-imports the tool.
+absolute path). Inductor builds its CPU kernels for the building host's processor
+(``-march=native``), so its key, and vLLM's (whose compile cache holds Inductor's
+output), also names the processor's instruction set extensions
+(:func:`cpu_features`): a kernel built on one CPU model is never run on another that
+may lack an instruction it uses. Versions are read from the installed
+distributions, so nothing here imports the tool.
 """
 
 from __future__ import annotations
 
 import getpass
+import hashlib
 import os
 import platform
 import re
@@ -42,6 +47,27 @@ def _installed_at(module: str) -> str:
     if spec is None or not spec.submodule_search_locations:
         return "absent"
     return os.path.abspath(next(iter(spec.submodule_search_locations)))
+
+
+#: Where Linux lists the processor's features: ``flags`` (x86), ``Features`` (Arm).
+CPUINFO = "/proc/cpuinfo"
+
+
+def cpu_features(path: str | None = None) -> str:
+    """12 hex digits naming this processor's instruction set extensions (the first
+    core's feature list, order ignored), or the machine name where that list cannot
+    be read (``path``: in place of :data:`CPUINFO`)."""
+    try:
+        with open(CPUINFO if path is None else path, encoding="ascii",
+                  errors="replace") as f:
+            for line in f:
+                name, sep, value = line.partition(":")
+                if sep and name.strip().lower() in ("flags", "features"):
+                    listed = " ".join(sorted(set(value.split())))
+                    return hashlib.sha256(listed.encode()).hexdigest()[:12]
+    except OSError:
+        pass
+    return platform.machine() or "unknown"
 
 
 def base_key(tool: str, version: str) -> str:
@@ -75,7 +101,7 @@ def inductor(environ: Mapping[str, str]) -> FamilySpec:
     roots = [Root(directory)]
     if directory != default:  # filled only with the headers some rank's tree lists
         roots.append(Root(default / "precompiled_headers", "precompiled_headers@default/"))
-    key = f"{base_key('torch', _version('torch'))};dir={directory}"
+    key = f"{base_key('torch', _version('torch'))};cpu={cpu_features()};dir={directory}"
     return FamilySpec("inductor", key, tuple(roots))
 
 
@@ -121,7 +147,7 @@ def vllm(environ: Mapping[str, str]) -> FamilySpec:
     base = Path(os.path.abspath(root)) if root else _home(environ) / ".cache" / "vllm"
     directory = base / "torch_compile_cache"
     key = (f"{base_key('vllm', _version('vllm'))};torch={_version('torch')};"
-           f"dir={directory}")
+           f"cpu={cpu_features()};dir={directory}")  # Inductor's kernels, as above
     return FamilySpec("vllm", key, (Root(directory),))
 
 

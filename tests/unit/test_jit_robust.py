@@ -223,3 +223,25 @@ def test_an_integration_that_fails_unexpectedly_on_one_rank_fails_every_rank_at_
     assert isinstance(out[0], AttributeError)  # its own error, as it was
     assert isinstance(out[1], RemoteError) and "no attribute 'get'" in str(out[1])
     assert max(took) < 30  # told in the same round, not after the 60 s timeout
+
+
+def test_inductors_key_names_the_processors_features(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from distcache.jit import _tools
+
+    info = tmp_path / "cpuinfo"
+    keys = []
+    for flags in ("fpu sse2 avx2 avx512f", "avx512f avx2 sse2 fpu", "fpu sse2 avx2"):
+        info.write_text(f"processor\t: 0\nmodel name\t: X\nflags\t\t: {flags}\n\n"
+                        f"processor\t: 1\nflags\t\t: other\n")
+        monkeypatch.setattr(_tools, "CPUINFO", str(info))
+        keys.append((jit.family("inductor", environ={
+            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "c")}).key,
+            jit.family("vllm", environ={"VLLM_CACHE_ROOT": str(tmp_path / "v")}).key))
+    # The same features in another order: one key; a processor without AVX-512: another
+    # key, so it never runs a kernel built with it.
+    assert keys[0] == keys[1] and keys[1][0] != keys[2][0] and keys[1][1] != keys[2][1]
+    info.write_text("processor\t: 0\nFeatures\t: fp asimd sve\n")
+    assert _tools.cpu_features(str(info)) != _tools.cpu_features(str(tmp_path / "absent"))
+    assert _tools.cpu_features(str(tmp_path / "absent")) == (
+        __import__("platform").machine() or "unknown")
