@@ -12,9 +12,13 @@ a pool object: :class:`~distcache.store._pool.ArtifactPool` calls them as its ``
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import threading
 import time
+from collections.abc import Callable, Collection, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,11 +33,11 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 
-def gc(layout: PoolLayout, max_bytes: int | None) -> GcReport:
+def gc(layout: PoolLayout, max_bytes: int | None, keep: Collection[str] = ()) -> GcReport:
     """Remove the least recently used objects of the pool at ``layout`` until at
-    most ``max_bytes`` remain (``None``: no cap, nothing is removed). Safe under
-    concurrent readers: an open object stays readable; a reader that comes later
-    sees a miss.
+    most ``max_bytes`` remain (``None``: no cap, nothing is removed), never one of
+    ``keep`` (sha256s). Safe under concurrent readers: an open object stays
+    readable; a reader that comes later sees a miss.
 
     Raises:
         PoolError: the objects directory cannot be listed.
@@ -47,6 +51,8 @@ def gc(layout: PoolLayout, max_bytes: int | None) -> GcReport:
         for _mtime, path, size in entries:
             if total - freed <= max_bytes:
                 break
+            if keep and os.path.basename(path) in keep:
+                continue
             try:
                 os.unlink(path)
             except FileNotFoundError:
@@ -148,3 +154,82 @@ def _older_than(directory: Path, cutoff: float) -> list[str]:
     except OSError:
         return []
     return found
+
+
+class Cap:
+    """A pool's size cap (``max_bytes``; ``None``: none). Past it, the least recently
+    used objects are collected: after a publication outside any batch, and once when
+    the last open batch (:meth:`batch`, any thread) ends, not after each of its
+    objects (each collection scans the whole pool). What the batches published is
+    never collected by that collection: an import or a prefetch of more than the cap
+    keeps its whole set, over the cap, and says so. ``total`` counts the pool's
+    bytes on the first publication (a scan), then follows them."""
+
+    def __init__(self, layout: PoolLayout, max_bytes: int | None,
+                 total: Callable[[], int]) -> None:
+        self.layout = layout
+        self.max_bytes = max_bytes
+        self._total = total
+        self._guard = threading.Lock()
+        self._approx: int | None = None
+        self._open = 0
+        self._fresh: dict[str, int] = {}
+        self._due = False
+
+    def set_total(self, size: int) -> None:
+        """The pool holds ``size`` bytes (a scan or a collection found so)."""
+        with self._guard:
+            self._approx = size
+
+    def published(self, sha: str, size: int) -> None:
+        """``size`` bytes were published as ``sha``: collect if the pool is past its
+        cap (when the last batch ends, if one is open)."""
+        if self.max_bytes is None:
+            return
+        with self._guard:
+            if self._approx is not None:
+                self._approx += size
+            current = self._approx
+            if self._open:
+                self._fresh[sha] = size
+        if current is None:
+            current = self._total()
+            self.set_total(current)
+        if current <= self.max_bytes:
+            return
+        with self._guard:
+            if self._open:
+                self._due = True
+                return
+        self.collect()
+
+    def collect(self, max_bytes: int | None = None, keep: Collection[str] = ()) -> GcReport:
+        """:func:`gc` down to ``max_bytes`` (default: the cap), keeping ``keep``."""
+        report = gc(self.layout, self.max_bytes if max_bytes is None else max_bytes, keep)
+        self.set_total(report.kept_bytes)
+        return report
+
+    @contextlib.contextmanager
+    def batch(self, inner: AbstractContextManager[None]) -> Iterator[None]:
+        """``inner`` (the store's durability batch), with collection held until the
+        last open batch ends."""
+        with self._guard:
+            self._open += 1
+        try:
+            with inner:
+                yield
+        finally:
+            with self._guard:
+                self._open -= 1
+                last = self._open == 0
+                fresh, due = (self._fresh, self._due) if last else ({}, False)
+                if last:
+                    self._fresh, self._due = {}, False
+            if due:
+                report = self.collect(keep=fresh)
+                if self.max_bytes is not None and report.kept_bytes > self.max_bytes:
+                    logger.warning(
+                        "pool %s holds %d bytes, more than its cap of %d: the %d objects "
+                        "(%d bytes) just published are kept whole; later collections "
+                        "remove them as they age", self.layout.root, report.kept_bytes,
+                        self.max_bytes, len(fresh), sum(fresh.values()))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import stat
-import threading
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -75,8 +74,6 @@ class ArtifactPool:
         self.root = self.layout.root
         file_mode = 0o444 & ~process_umask()
         host = "".join(c if c.isalnum() or c in "-." else "_" for c in os.uname().nodename)
-        self._guard = threading.Lock()
-        self._approx_bytes: int | None = None
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             setgid = bool(os.stat(self.root).st_mode & stat.S_ISGID)
@@ -93,6 +90,8 @@ class ArtifactPool:
         #: The pool's identity: its ``pool_id``, and the probes a collective places
         #: to show which ranks see this directory (a copy takes a fresh id).
         self.identity = PoolIdentity(self.layout, host=host, mode=file_mode)
+        self._cap = _maintenance.Cap(self.layout, self.max_bytes, lambda: sum(
+            st.st_size for _p, _s, st in self._store.scan()))
         self.sweep()
 
     def __repr__(self) -> str:
@@ -203,21 +202,8 @@ class ArtifactPool:
 
     def _published(self, sha: str, size: int) -> None:
         self._journal.append(sha)
-        if self.max_bytes is None:
-            return
-        with self._guard:
-            if self._approx_bytes is not None:
-                self._approx_bytes += size
-            current = self._approx_bytes
-        if current is None:
-            current = sum(st.st_size for _p, _s, st in self._store.scan())
-            self._set_approx_bytes(current)
-        if current > self.max_bytes:
-            self.gc()
-
-    def _set_approx_bytes(self, size: int) -> None:  # exact (a scan, gc()); publishes add
-        with self._guard:
-            self._approx_bytes = size
+        self._cap.max_bytes = self.max_bytes  # an attribute callers may set
+        self._cap.published(sha, size)
 
     def fetch(self, artifact: Artifact, origin: Origin) -> bytes:
         """The verified bytes of ``artifact``: from the pool, else from ``origin``.
@@ -258,11 +244,13 @@ class ArtifactPool:
         (one filesystem flush, not an ``fsync`` per object and directory; with
         ``wait=False`` on a thread of its own, logging a failure). Safe because every
         read is verified: a torn object after a power loss is quarantined and fetched.
+        A capped pool collects once the last open batch ends, never what the batches
+        published (:class:`~distcache.store._maintenance.Cap`).
 
         Raises:
             PoolError: (on exit, waiting) the flush failed.
         """
-        return self._store.batch(wait=wait)
+        return self._cap.batch(self._store.batch(wait=wait))
 
     def download(self, artifact: Artifact, origin: Origin) -> int:
         """Stream ``artifact`` from ``origin`` into the pool, publish it, return its
@@ -372,9 +360,8 @@ class ArtifactPool:
         Raises:
             PoolError: the objects directory cannot be listed.
         """
-        report = _maintenance.gc(self.layout, self.max_bytes if max_bytes is None else max_bytes)
-        self._set_approx_bytes(report.kept_bytes)
-        return report
+        self._cap.max_bytes = self.max_bytes
+        return self._cap.collect(max_bytes)
 
     def verify(self) -> VerifyReport:
         """Hash every object; quarantine the corrupt ones (PoolError: the pool cannot

@@ -716,6 +716,39 @@ def test_max_bytes_cap_collects_on_publish(tmp_path: Path) -> None:
     assert not pool.has(digests[0])
 
 
+def test_a_capped_pool_keeps_a_whole_batch_and_collects_once_when_it_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from distcache.store import _maintenance
+
+    pool = ArtifactPool(tmp_path / "p", max_bytes=2500)
+    old = [pool.put(bytes([100 + i]) * 1000) for i in range(2)]
+    for i, digest in enumerate(old):
+        _age(pool, digest, 2000 - i * 100)
+    passes: list[int] = []
+    real_gc = _maintenance.gc
+
+    def counted(*args: object, **kwargs: object) -> object:
+        passes.append(1)
+        return real_gc(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_maintenance, "gc", counted)
+    # An import or a prefetch: four objects, 4000 bytes, more than the cap alone.
+    with caplog.at_level(logging.WARNING), pool.batch():
+        fresh = [pool.put(bytes([i]) * 1000) for i in range(4)]
+        assert passes == [] and all(pool.has(d) for d in fresh + old)  # nothing yet
+    assert passes == [1]  # one collection, when the batch ended
+    assert all(pool.has(d) for d in fresh)  # the whole set is kept...
+    assert not any(pool.has(d) for d in old)  # ...the older objects make room
+    assert any("more than its cap" in r.getMessage() for r in caplog.records)
+    # Outside a batch the cap applies as before: the oldest goes.
+    for i, digest in enumerate(fresh):
+        _age(pool, digest, 1000 - i * 100)
+    newest = pool.put(b"z" * 1000)
+    assert pool.has(newest) and not pool.has(fresh[0])
+    assert pool.stats().bytes <= 2500
+
+
 def test_config_from_environment_and_explicit_override(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
