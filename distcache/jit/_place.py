@@ -18,6 +18,7 @@ import fnmatch
 import os
 import secrets
 import stat
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from distcache.artifact import sha256_hex, validate_name
 from distcache.errors import ArtifactNameError, JitCacheError
 from distcache.jit._tree import MODE_MASK, TreeEntry
 from distcache.store import ArtifactPool
+from distcache.store.layout import STALE_TMP_SECONDS
 
 #: Names a tool writes while it works (temporary files, locks, build directories,
 #: byte code stamped with a local time); never published.
@@ -186,6 +188,7 @@ def materialize_entries(pool: ArtifactPool, root: Path, entries: Sequence[TreeEn
     check_owner(root, family=family)
     placed = Placed()
     checked: set[Path] = {root}
+    swept: set[Path] = set()
     for entry in entries:
         if not entry.path.startswith(prefix):
             continue
@@ -210,6 +213,9 @@ def materialize_entries(pool: ArtifactPool, root: Path, entries: Sequence[TreeEn
         if data is None:
             placed.missing += 1
             continue
+        if parent not in swept:
+            swept.add(parent)
+            _sweep_stale(parent)
         if _place(pool, parent, target, data, entry, link):
             placed.written += 1
             placed.bytes += len(data)
@@ -252,6 +258,31 @@ def _ensure_dirs(root: Path, directory: Path, checked: set[Path], family: str) -
     return directory
 
 
+#: Seconds after which a temporary file of a placement is taken for one whose writer
+#: was killed (a placement writes one file in well under that); as the pool's own.
+STALE_TMP_S = STALE_TMP_SECONDS
+_TMP_SUFFIX = ".distcache.tmp"
+
+
+def _sweep_stale(directory: Path) -> None:
+    """Remove the temporary files placements killed mid-write left in ``directory``
+    (hidden, so no tool and no later placement would ever see or replace them),
+    once they are :data:`STALE_TMP_S` old: a live writer elsewhere on a shared
+    directory finishes long before."""
+    cutoff = time.time() - STALE_TMP_S
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return
+    for entry in entries:
+        if not (entry.name.startswith(".") and entry.name.endswith(_TMP_SUFFIX)):
+            continue
+        with contextlib.suppress(OSError):
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff and st.st_uid == os.geteuid():
+                os.unlink(entry.path)
+
+
 def _place(pool: ArtifactPool, parent: Path, target: Path, data: bytes, entry: TreeEntry,
            link: bool) -> bool:
     """Put ``data`` at ``target`` unless something is there; whether this wrote it."""
@@ -261,7 +292,7 @@ def _place(pool: ArtifactPool, parent: Path, target: Path, data: bytes, entry: T
             return True
         if os.path.lexists(target):
             return False
-    tmp = parent / f".{target.name[:64]}.{os.getpid()}.{secrets.token_hex(4)}.distcache.tmp"
+    tmp = parent / f".{target.name[:64]}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         view = memoryview(data)

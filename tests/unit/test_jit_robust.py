@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -188,7 +189,6 @@ def test_an_integration_that_fails_unexpectedly_on_one_rank_fails_every_rank_at_
     tmp_path: Path,
 ) -> None:
     import threading
-    import time
 
     from distcache._resolve import prefetch_manifests
     from distcache.comm import ThreadGroup
@@ -245,3 +245,23 @@ def test_inductors_key_names_the_processors_features(tmp_path: Path,
     assert _tools.cpu_features(str(info)) != _tools.cpu_features(str(tmp_path / "absent"))
     assert _tools.cpu_features(str(tmp_path / "absent")) == (
         __import__("platform").machine() or "unknown")
+
+
+def test_a_placements_temporary_file_left_by_a_killed_writer_is_removed_once_stale(
+    tmp_path: Path,
+) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    _built(tmp_path, pool)
+    fresh = tmp_path / "fresh"
+    (fresh / "zz").mkdir(parents=True)
+    stale = fresh / "zz" / ".k2.so.4242.deadbeef.distcache.tmp"  # a writer killed at it
+    recent = fresh / "zz" / ".k9.so.4343.cafecafe.distcache.tmp"  # one still writing
+    other = fresh / "zz" / ".keep.tmp"  # a tool's own hidden file
+    for path in (stale, recent, other):
+        path.write_bytes(b"x" * 100)
+    old = time.time() - 2 * 3600
+    os.utime(stale, (old, old))
+    os.utime(other, (old, old))
+    placed = Family(FamilySpec("inductor", KEY, (Root(fresh),)), pool).materialize()
+    assert placed.written == len(FILES)
+    assert not stale.exists() and recent.exists() and other.exists()
