@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import FrameType
 
 from distcache import __version__
 from distcache._logging import configure_logging, error_line
@@ -36,11 +39,24 @@ exit codes:
        'pool gc' that could not get under its cap
   2    bad usage
   3    'pool verify' found corrupt objects (moved to quarantine/)
-  130  interrupted
+  130  interrupted (SIGINT)
+  143  terminated (SIGTERM); like an interrupt, a partial tarball is removed
 
 environment: DISTCACHE_POOL, DISTCACHE_POOL_MAX_BYTES, DISTCACHE_ORIGIN,
 DISTCACHE_ORIGIN_TOKEN, DISTCACHE_HTTP_TIMEOUT, DISTCACHE_HTTP_RETRIES
 """
+
+
+#: The exit code after SIGTERM: 128 + the signal number, as a shell reports it.
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is, so it unwinds (and cleans up) like Ctrl-C."""
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise Terminated
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``distcache`` command line; return the exit code (0 success, 1 error,
-    2 bad usage, 3 corrupt objects found, 130 interrupted).
+    2 bad usage, 3 corrupt objects found, 130 interrupted, 143 terminated). While it
+    runs in the main thread, SIGTERM unwinds the command like Ctrl-C.
 
     Raises:
         Nothing: every error becomes an exit code and one line on stderr
@@ -98,9 +115,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.verbose = getattr(args, "verbose", 0)
     # Not collective yet: ``prefetch`` sets the rank once it has joined the job.
     restore_logging = configure_logging(args.verbose, None)
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if on_main else None
     try:
         return _run(parser, args)
     finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
         restore_logging()
 
 
@@ -112,6 +133,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.print_usage(sys.stderr)
         print(f"distcache: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
+    except Terminated:
+        print("distcache: terminated", file=sys.stderr)
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         print("distcache: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -20,7 +20,7 @@ from distcache.cli._common import EXIT_OK, UsageError, emit, human_bytes, progre
 from distcache.config import settings
 from distcache.integrations.flashinfer._warm import ARCH_RULE, arch_filter
 from distcache.store import ArtifactPool
-from distcache.store._export import export_tar
+from distcache.store._export import check_names, export_tar
 from distcache.store._import import import_set
 
 IMPORT_HELP = """\
@@ -36,12 +36,15 @@ unchanged, and such a kernel is stored once.
 
 Verification: every checksums.txt under the root (one per pin in a wheel) lists files
 relative to its directory; each listed file must match its sha256. Files no manifest
-lists are skipped, unless the source has no checksums.txt at all. Files listed but
-absent from the source are reported, not imported.
+lists are skipped, unless the source has no checksums.txt at all. Files a pin's
+checksums.txt lists but the source lacks are reported, not imported; a file the
+checksums.txt at the top lists but the source lacks refuses the import.
 
 All or nothing: an unsafe member (absolute path, '..', symlink, hard link, device),
-an unreadable archive, conflicting manifests or a single sha256 mismatch refuses the
-whole import (exit 1) and nothing is added to the pool.
+an unreadable, truncated or damaged archive, a member larger than
+DISTCACHE_MAX_ARTIFACT_BYTES, conflicting manifests or a single sha256 mismatch
+refuses the whole import (exit 1) and nothing is added to the pool. SRC must be a
+regular file or a directory (it is read twice; a pipe cannot be).
 
 With --arch: """ + ARCH_RULE + "\n"
 
@@ -61,8 +64,9 @@ def setup_export(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("directory", type=Path, metavar="DIR", nargs="?",
                         help="write every named artifact and checksums.txt under DIR")
     parser.add_argument("--tar", type=Path, metavar="FILE",
-                        help="write one tarball instead (.tar, .tar.gz/.tgz, .tar.xz), "
-                             "atomically; 'pool import FILE' reads it back")
+                        help="write one tarball instead (.tar, .tar.gz/.tgz, .tar.bz2/.tbz2, "
+                             ".tar.xz/.txz; the suffix picks the compression), atomically; "
+                             "'pool import FILE' reads it back")
     parser.add_argument("--manifest", type=Path, metavar="M",
                         help="export only the artifacts this checksums.txt lists (all "
                              "must be in the pool)")
@@ -133,6 +137,7 @@ def run_export(args: argparse.Namespace) -> int:
             f"exported {report.artifacts} artifacts ({human_bytes(report.bytes)}) and "
             f"checksums.txt to {report.target}"])
         return EXIT_OK
+    check_names(artifacts)
     target: Path = args.directory
     target.mkdir(parents=True, exist_ok=True)
     manifest = target / "checksums.txt"

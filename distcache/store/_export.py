@@ -5,8 +5,10 @@ read-only files: the layout ``distcache pool import`` reads back, and the one a
 :class:`~distcache.origins.DirOrigin` serves once unpacked. It is written to a
 temporary file beside the target, flushed, then renamed over it, so the target is
 either the old file or the whole new one. The compression follows the target's
-suffix: ``.tar.gz``/``.tgz`` gzip, ``.tar.xz`` xz, anything else uncompressed
-(cubins compress about 4:1, but gzip runs near 50 MB/s on one core).
+suffix: ``.tar`` none, ``.tar.gz``/``.tgz`` gzip, ``.tar.bz2``/``.tbz2`` bzip2,
+``.tar.xz``/``.txz`` xz (cubins compress about 4:1, but gzip runs near 50 MB/s on one
+core); any other suffix is refused before anything is written, as is an artifact
+named ``checksums.txt`` at the top, whose place the set's own manifest takes.
 """
 
 from __future__ import annotations
@@ -20,11 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distcache.artifact import Artifact, manifest_text
-from distcache.errors import PoolError
+from distcache.errors import ConfigError, PoolError
 from distcache.store._import import Progress
 from distcache.store._pool import ArtifactPool
 
 _SHOWN_MISSING = 5
+MANIFEST = "checksums.txt"
+#: Every tarball suffix ``pool import`` reads, and the mode that writes it.
+_MODES = {".tar": "w", ".tar.gz": "w:gz", ".tgz": "w:gz", ".tar.bz2": "w:bz2",
+          ".tbz2": "w:bz2", ".tar.xz": "w:xz", ".txz": "w:xz"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,11 +44,27 @@ class ExportReport:
 
 def _mode(target: Path) -> str:
     name = target.name.lower()
-    if name.endswith((".tar.gz", ".tgz")):
-        return "w:gz"
-    if name.endswith((".tar.xz", ".txz")):
-        return "w:xz"
-    return "w"
+    for suffix, mode in sorted(_MODES.items(), key=lambda item: -len(item[0])):
+        if name.endswith(suffix):
+            return mode
+    raise ConfigError(f"cannot export to {target}: the name must end in one of "
+                      f"{', '.join(_MODES)} (the suffix picks the compression, and "
+                      "pool import reads the tarball back by it)",
+                      variable="--tar", value=str(target))
+
+
+def check_names(artifacts: list[Artifact]) -> None:
+    """Refuse a selection with an artifact named ``checksums.txt`` at the top: an
+    exported set keeps its own manifest there, and import reads that file as the
+    set's manifest, never as an artifact.
+
+    Raises:
+        ConfigError: such an artifact is selected.
+    """
+    if any(a.name == MANIFEST for a in artifacts):
+        raise ConfigError(f"cannot export an artifact named {MANIFEST}: the exported set "
+                          f"keeps its own {MANIFEST} at the top; leave it out with "
+                          "--manifest M", variable="--manifest", value=MANIFEST)
 
 
 def _info(name: str, size: int, mtime: float) -> tarfile.TarInfo:
@@ -66,8 +88,12 @@ def export_tar(pool: ArtifactPool, artifacts: list[Artifact], target: Path,
     Raises:
         PoolError: an artifact is missing from the pool or corrupt there, or the
             target's directory does not exist (nothing is written in either case).
+        ConfigError: the target's suffix is not one import reads back, or an
+            artifact is named ``checksums.txt`` (nothing is written).
         OSError: the target cannot be written (the temporary file is removed).
     """
+    mode = _mode(target)
+    check_names(artifacts)
     absent = missing_from(pool, artifacts)
     if absent:
         names = ", ".join(a.name for a in absent[:_SHOWN_MISSING])
@@ -85,10 +111,10 @@ def export_tar(pool: ArtifactPool, artifacts: list[Artifact], target: Path,
         progress.phase("exporting", sum(a.size or 0 for a in artifacts) or None)
     try:
         with open(tmp, "xb") as raw:
-            with tarfile.open(fileobj=raw, mode=_mode(target),
+            with tarfile.open(fileobj=raw, mode=mode,
                               format=tarfile.PAX_FORMAT) as archive:  # type: ignore[call-overload]
                 manifest = manifest_text(artifacts).encode()
-                archive.addfile(_info("checksums.txt", len(manifest), now), io.BytesIO(manifest))
+                archive.addfile(_info(MANIFEST, len(manifest), now), io.BytesIO(manifest))
                 for artifact in artifacts:
                     data = pool.get(artifact.sha256)
                     if data is None:

@@ -14,20 +14,24 @@ manifest lists is hashed and must match; a ``checksums.txt`` file itself is labe
 too (FlashInfer asks for it, pinned by its own sha256), except the one at the root,
 which describes the set. Files that no manifest lists are skipped, unless the source
 has no ``checksums.txt`` at all, where every file is imported under its path. Files a
-manifest lists but the source lacks (a wheel ships some pins' manifests without their
-files) are counted and reported, not an error.
+pin's manifest lists but the source lacks (a wheel ships some pins' manifests without
+their files) are counted and reported, not an error; a file the root ``checksums.txt``
+lists but the source lacks (an exported set cut short) refuses the import.
 
 All or nothing. The first pass reads every member, checks it (see
-:mod:`distcache.store._sources`) and hashes it; any unsafe member, conflicting
-manifests or a single sha256 mismatch refuses the whole import before anything is
-written. The second pass publishes the objects, then records every label in one
-append. A failure during the second pass (a full disk) leaves some objects without
-labels: invisible to lookups by name, and collected by ``pool gc`` like any other.
+:mod:`distcache.store._sources`) and hashes it in chunks, keeping only the manifests;
+any unsafe or oversized member, an unreadable archive, conflicting manifests, a file
+missing from the root manifest or a single sha256 mismatch refuses the whole import
+before anything is written. The second pass publishes the objects, then records the
+labels in one append, only once every planned object is in the pool: a source that
+changed between the passes (a member gone, or different bytes) fails the import with
+no label recorded. A failure during the second pass (a full disk) leaves some objects
+without labels: invisible to lookups by name, and collected by ``pool gc`` like any
+other.
 """
 
 from __future__ import annotations
 
-import hashlib
 import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,7 +39,8 @@ from pathlib import Path
 from typing import Protocol
 
 from distcache.artifact import Artifact, decode_manifest, parse_checksums
-from distcache.errors import ArtifactNameError, IntegrityError, ManifestError
+from distcache.config import settings
+from distcache.errors import ArtifactNameError, ConfigError, IntegrityError, ManifestError
 from distcache.store._pool import ArtifactPool
 from distcache.store._sources import kind_of, members, refuse, total_bytes
 
@@ -85,33 +90,40 @@ def _root_of(path: str, root: str) -> str | None:
     return path[len(root):] if path.startswith(root) else None
 
 
-def _scan(source: Path, kind: str, progress: Progress | None) -> _Scan:
+def _is_manifest(path: str) -> bool:
+    return posixpath.basename(path) == MANIFEST
+
+
+def _scan(source: Path, kind: str, progress: Progress | None, max_bytes: int) -> _Scan:
     # The first member under a wheel's artifact directory makes it the root; what was
     # collected before it (the package's own files) is then outside the root.
     scan = _Scan()
     if progress is not None:
         progress.phase("verifying", total_bytes(source, kind))
-    for path, size, data in members(source, kind, want=lambda p: True):
+    for path, size, sha, data in members(source, kind, want=_is_manifest, digest=True,
+                                         max_bytes=max_bytes):
         if not scan.root and WHEEL_ROOT in path:
             scan.root = path[: path.index(WHEEL_ROOT) + len(WHEEL_ROOT)]
             scan.ignored += len(scan.files)
             scan.files.clear()
             scan.manifests.clear()
         rel = _root_of(path, scan.root)
-        assert data is not None  # every member was wanted
+        assert sha is not None  # every member is hashed
         if rel is None:
             scan.ignored += 1
         else:
-            scan.files[rel] = (hashlib.sha256(data).hexdigest(), size)
-            if posixpath.basename(rel) == MANIFEST:
+            scan.files[rel] = (sha, size)
+            if data is not None:
                 scan.manifests[rel] = data
         if progress is not None:
             progress.advance(size)
     return scan
 
 
-def _expected(source: Path, scan: _Scan) -> dict[str, str]:
+def _expected(source: Path, scan: _Scan) -> tuple[dict[str, str], set[str]]:
+    # Every listed name and its sha256, and the names the root manifest lists.
     expected: dict[str, str] = {}
+    at_root: set[str] = set()
     for rel, data in sorted(scan.manifests.items()):
         directory = posixpath.dirname(rel)
         try:
@@ -123,7 +135,9 @@ def _expected(source: Path, scan: _Scan) -> dict[str, str]:
             if other != artifact.sha256:
                 raise refuse(source, f"manifests disagree on {artifact.name}: {other} and "
                                      f"{artifact.sha256} (in {rel})")
-    return expected
+            if rel == MANIFEST:
+                at_root.add(artifact.name)
+    return expected, at_root
 
 
 def plan_import(source: Path, scan: _Scan, kind: str,
@@ -133,9 +147,10 @@ def plan_import(source: Path, scan: _Scan, kind: str,
 
     Raises:
         IntegrityError: a listed file does not match its sha256 (nothing is imported).
-        ConfigError: a malformed or conflicting manifest.
+        ConfigError: a malformed or conflicting manifest, or a file the root
+            ``checksums.txt`` lists is not in the source.
     """
-    expected = _expected(source, scan)
+    expected, at_root = _expected(source, scan)
     loose = not scan.manifests
     report = ImportReport(source=str(source), kind=kind, manifests=len(scan.manifests),
                           ignored=scan.ignored)
@@ -166,6 +181,10 @@ def plan_import(source: Path, scan: _Scan, kind: str,
             f"{f'; and {more} more' if more > 0 else ''}; nothing was imported",
             source=str(source), name=mismatches[0].split(":", 1)[0],
         )
+    cut = sorted(at_root - set(scan.files))
+    if cut:
+        raise refuse(source, f"{len(cut)} file(s) its checksums.txt lists are not in it "
+                             f"(e.g. {', '.join(cut[:3])}): it is cut short or incomplete")
     missing = sorted(set(expected) - set(scan.files))
     report.absent = len(missing)
     report.absent_examples = missing[:3]
@@ -174,19 +193,25 @@ def plan_import(source: Path, scan: _Scan, kind: str,
 
 
 def import_set(pool: ArtifactPool, source: Path, progress: Progress | None = None,
-               keep: Callable[[str], bool] | None = None) -> ImportReport:
+               keep: Callable[[str], bool] | None = None,
+               max_bytes: int | None = None) -> ImportReport:
     """Import a wheel, tarball or directory into ``pool``, all or nothing (see the
     module docstring). ``keep`` selects among the verified files by name (every file
-    is still verified).
+    is still verified). A member larger than ``max_bytes`` (by default
+    ``DISTCACHE_MAX_ARTIFACT_BYTES``) refuses the import before it is read.
 
     Raises:
         ConfigError: the source is missing, of an unknown kind, unreadable, or has an
-            unsafe member or a malformed or conflicting manifest.
-        IntegrityError: a file does not match its ``checksums.txt``.
+            unsafe or oversized member, a malformed or conflicting manifest, or lacks
+            a file its root manifest lists; or it lost a file between the passes.
+        IntegrityError: a file does not match its ``checksums.txt``, or changed
+            between the passes.
         PoolError: the pool cannot be written.
     """
+    if max_bytes is None:
+        max_bytes = settings().max_artifact_bytes
     kind = kind_of(source)
-    scan = _scan(source, kind, progress)
+    scan = _scan(source, kind, progress, max_bytes)
     labels, report = plan_import(source, scan, kind, keep)
     wanted = {scan.root + a.name: a for a in labels}
     if progress is not None:
@@ -194,15 +219,23 @@ def import_set(pool: ArtifactPool, source: Path, progress: Progress | None = Non
     publish: Callable[[str], bool] = wanted.__contains__
     # One flush for the whole set rather than an fsync per object; the labels are
     # recorded only once the objects are durable.
+    published: set[str] = set()
     with pool.batch():
-        for path, size, data in members(source, kind, want=publish):
+        for path, size, _sha, data in members(source, kind, want=publish,
+                                              max_bytes=max_bytes):
             artifact = wanted.get(path)
             if artifact is None or data is None:
                 continue
             report.new_objects += not pool.has(artifact.sha256)
             # put() hashes again: a source changed since the first pass is refused here.
             pool.put(data, artifact.sha256)
+            published.add(path)
             if progress is not None:
                 progress.advance(size)
+    gone = sorted(set(wanted) - published)
+    if gone:
+        raise ConfigError(f"cannot import {source}: it changed while being imported "
+                          f"({len(gone)} verified file(s) are gone, e.g. {gone[0]}); no "
+                          "names were recorded", variable="SRC", value=str(source))
     pool.remember(labels)
     return report

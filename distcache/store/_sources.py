@@ -1,35 +1,61 @@
 """Read the members of an artifact set: a ``flashinfer-cubin`` wheel (a zip), a
 tarball, or a directory.
 
-Each source yields its regular files one at a time, as ``(path, size, bytes or
-None)``: the bytes only of the members the caller asks for, so a 2 GB wheel or
-tarball is streamed member by member and never held whole in memory. Every member is
-checked before it is yielded, and any of these refuses the whole source with a
-:class:`~distcache.errors.ConfigError` naming the source and the member: an absolute
-path or a ``..`` segment (or any name :func:`~distcache.artifact.validate_name`
-rejects), a symbolic or hard link, a device, FIFO or socket, the same path twice, and
-an archive that cannot be read (a corrupt or truncated zip, a bad CRC, a broken
-compressed stream).
+Each source yields its regular files one at a time, as :class:`Member`: the sha256
+when the caller asks for it (hashed in chunks), and the bytes only of the members the
+caller wants, so a 2 GB wheel or tarball is streamed member by member and never held
+whole in memory. Every member is checked before it is read, and any of these refuses
+the whole source with a :class:`~distcache.errors.ConfigError` naming the source and
+the member: an absolute path or a ``..`` segment (or any name
+:func:`~distcache.artifact.validate_name` rejects), a symbolic or hard link, a
+device, FIFO or socket, the same path twice, a member larger than an artifact may be
+(``DISTCACHE_MAX_ARTIFACT_BYTES``), an encrypted zip member, and an archive that
+cannot be read (a corrupt or truncated zip, a bad CRC, a broken compressed stream, a
+tarball cut short or with a damaged header). A tarball is read to its end, so the
+gzip, bzip2 or xz checksums are verified, and it must end with the end-of-archive
+marker.
 """
 
 from __future__ import annotations
 
+import bz2
+import gzip
+import hashlib
+import lzma
 import os
 import stat
 import tarfile
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import IO, NamedTuple, Protocol
 
 from distcache.artifact import validate_name
 from distcache.errors import ArtifactNameError, ConfigError
 
-#: ``(path inside the source, size, the bytes when wanted else None)``.
-Member = tuple[str, int, bytes | None]
 
-_TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
+class Member(NamedTuple):
+    """One regular file of a source."""
+
+    path: str  #: the path inside the source
+    size: int
+    sha256: str | None  #: when the caller asked for hashes
+    data: bytes | None  #: when the caller wants this member's bytes
+
+
+TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
 _ZIP_SUFFIXES = (".whl", ".zip")
+_CHUNK = 1 << 20
+_ZIP_ENCRYPTED = 0x1
+
+
+class _Readable(Protocol):
+    def read(self, size: int = -1, /) -> bytes: ...
+
 
 
 def refuse(source: Path, what: str) -> ConfigError:
@@ -46,12 +72,16 @@ def kind_of(source: Path) -> str:
     """
     if source.is_dir():
         return "dir"
-    if not source.is_file():
+    if not source.exists():
         raise refuse(source, "no such file or directory")
+    if not source.is_file():
+        # Import reads a source twice (verify, then publish); a pipe reads once.
+        raise refuse(source, "not a regular file or directory (a pipe or device cannot "
+                             "be read twice; save it to a file first)")
     name = source.name.lower()
     if name.endswith(_ZIP_SUFFIXES):
         return "zip"
-    if name.endswith(_TAR_SUFFIXES):
+    if name.endswith(TAR_SUFFIXES):
         return "tar"
     if zipfile.is_zipfile(source):
         return "zip"
@@ -82,20 +112,61 @@ def _checked_path(source: Path, raw: str) -> str:
         raise refuse(source, f"unsafe member {raw!r} ({getattr(exc, 'reason', exc)})") from exc
 
 
-def members(source: Path, kind: str, want: Callable[[str], bool]) -> Iterator[Member]:
-    """Every regular file of ``source`` (of ``kind``, see :func:`kind_of`), with its
-    bytes when ``want(path)``.
+@dataclass(frozen=True, slots=True)
+class _Reader:
+    """How the members of one source are read: which to hash, which to keep, and the
+    largest one allowed."""
+
+    source: Path
+    want: Callable[[str], bool]
+    digest: bool
+    max_bytes: int | None
+
+    def member(self, path: str, size: int,
+               open_: Callable[[], AbstractContextManager[_Readable]]) -> Member:
+        if self.max_bytes is not None and size > self.max_bytes:
+            raise refuse(self.source, f"member {path!r} is {size} bytes, more than the "
+                                      f"{self.max_bytes} an artifact may be "
+                                      "(DISTCACHE_MAX_ARTIFACT_BYTES)")
+        keep = self.want(path)
+        if not (keep or self.digest):
+            return Member(path, size, None, None)
+        digest = hashlib.sha256()
+        chunks: list[bytes] = []
+        got = 0
+        with open_() as stream:
+            while chunk := stream.read(min(_CHUNK, size - got + 1)):
+                got += len(chunk)
+                if got > size:
+                    break
+                digest.update(chunk)
+                if keep:
+                    chunks.append(chunk)
+        if got != size:
+            raise refuse(self.source, f"member {path!r} holds {'more' if got > size else 'fewer'}"
+                                      f" bytes than the {size} it should (truncated or "
+                                      "changed while being read)")
+        return Member(path, size, digest.hexdigest() if self.digest else None,
+                      b"".join(chunks) if keep else None)
+
+
+def members(source: Path, kind: str, want: Callable[[str], bool], *, digest: bool = False,
+            max_bytes: int | None = None) -> Iterator[Member]:
+    """Every regular file of ``source`` (of ``kind``, see :func:`kind_of`): with its
+    sha256 when ``digest``, with its bytes when ``want(path)``. A member larger than
+    ``max_bytes`` is refused before it is read.
 
     Raises:
-        ConfigError: an unsafe or unsupported member, or an unreadable archive.
+        ConfigError: an unsafe, oversized or unsupported member, or an unreadable
+            archive.
     """
     walk = {"dir": _dir_members, "zip": _zip_members, "tar": _tar_members}[kind]
     seen: set[str] = set()
-    for path, size, data in walk(source, want):
-        if path in seen:
-            raise refuse(source, f"member {path!r} appears twice")
-        seen.add(path)
-        yield path, size, data
+    for member in walk(_Reader(source, want, digest, max_bytes)):
+        if member.path in seen:
+            raise refuse(source, f"member {member.path!r} appears twice")
+        seen.add(member.path)
+        yield member
 
 
 def total_bytes(source: Path, kind: str) -> int | None:
@@ -113,7 +184,8 @@ def total_bytes(source: Path, kind: str) -> int | None:
     return None
 
 
-def _zip_members(source: Path, want: Callable[[str], bool]) -> Iterator[Member]:
+def _zip_members(reader: _Reader) -> Iterator[Member]:
+    source = reader.source
     try:
         archive = zipfile.ZipFile(source)
     except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
@@ -130,44 +202,85 @@ def _zip_members(source: Path, want: Callable[[str], bool]) -> Iterator[Member]:
             if mode and not (stat.S_ISREG(mode) or stat.S_IFMT(mode) == 0):
                 raise refuse(source, f"member {path!r} is not a regular file "
                                      f"(a link or special file)")
-            data = None
-            if want(path):
-                try:
-                    data = archive.read(info)
-                except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError) as exc:
-                    raise refuse(source, f"member {path!r} is corrupt ({exc})") from exc
-            yield path, info.file_size, data
+            if info.flag_bits & _ZIP_ENCRYPTED:
+                raise refuse(source, f"member {path!r} is encrypted")
+            try:
+                member = reader.member(path, info.file_size, partial(archive.open, info))
+            except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError,
+                    RuntimeError) as exc:
+                raise refuse(source, f"member {path!r} is corrupt ({exc})") from exc
+            yield member
 
 
-def _tar_members(source: Path, want: Callable[[str], bool]) -> Iterator[Member]:
+class _StrictTarInfo(tarfile.TarInfo):
+    """A header that tarfile would take as a quiet end of the archive (a damaged or
+    missing header after the first member) is an error; only a zero block ends it."""
+
+    @classmethod
+    def fromtarfile(cls, tarfile_: tarfile.TarFile) -> _StrictTarInfo:
+        try:
+            return super().fromtarfile(tarfile_)
+        except tarfile.HeaderError as exc:
+            if tarfile_.offset == 0 or type(exc).__name__ == "EOFHeaderError":  # private
+                raise
+            raise tarfile.ReadError(f"bad or missing header at byte {tarfile_.offset} "
+                                    f"({exc}): the tarball is cut short or damaged") from None
+
+
+def _decompressed(raw: IO[bytes]) -> IO[bytes] | gzip.GzipFile | bz2.BZ2File | lzma.LZMAFile:
+    # gzip, bz2 and lzma verify their checksums once read to the end, which tarfile's
+    # own stream reader does not do for gzip.
+    magic = raw.read(6)
+    raw.seek(0)
+    if magic.startswith(b"\x1f\x8b"):
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if magic.startswith(b"BZh"):
+        return bz2.BZ2File(raw)
+    if magic.startswith(b"\xfd7zXZ\x00"):
+        return lzma.LZMAFile(raw)
+    return raw
+
+
+def _tar_members(reader: _Reader) -> Iterator[Member]:
+    source = reader.source
     try:
-        # Stream mode ("r|*"): members are read in order, once, with bounded memory.
-        with tarfile.open(source, mode="r|*") as archive:
-            for info in archive:
-                if info.isdir() and _is_top(info.name):
-                    continue
-                path = _checked_path(source, info.name.rstrip("/") if info.isdir()
-                                     else info.name)
-                if info.isdir():
-                    continue
-                if not info.isreg():
-                    kind = ("a symbolic link" if info.issym() else "a hard link"
-                            if info.islnk() else "a device, FIFO or other special file")
-                    raise refuse(source, f"member {path!r} is {kind}")
-                data = None
-                if want(path):
-                    reader = archive.extractfile(info)
-                    data = reader.read() if reader is not None else b""
-                    if len(data) != info.size:
-                        raise refuse(source, f"member {path!r} is truncated")
-                yield path, info.size, data
+        with open(source, "rb") as raw, _decompressed(raw) as stream:
+            # Stream mode ("r|"): members are read in order, once, with bounded memory.
+            with tarfile.open(fileobj=stream, mode="r|", tarinfo=_StrictTarInfo) as archive:
+                yield from _tar_walk(reader, archive)
+            # Past the end-of-archive marker: read the rest so a compressed stream's
+            # checksum is checked.
+            while stream.read(_CHUNK):
+                pass
     except (tarfile.TarError, EOFError, zlib.error) as exc:
         raise refuse(source, f"not a readable tarball ({exc})") from exc
     except OSError as exc:  # gzip.BadGzipFile, lzma and bz2 errors
         raise refuse(source, f"not a readable tarball ({exc})") from exc
 
 
-def _dir_members(source: Path, want: Callable[[str], bool]) -> Iterator[Member]:
+def _tar_walk(reader: _Reader, archive: tarfile.TarFile) -> Iterator[Member]:
+    source = reader.source
+    for info in archive:
+        if info.isdir() and _is_top(info.name):
+            continue
+        path = _checked_path(source, info.name.rstrip("/") if info.isdir() else info.name)
+        if info.isdir():
+            continue
+        if not info.isreg():
+            kind = ("a symbolic link" if info.issym() else "a hard link"
+                    if info.islnk() else "a device, FIFO or other special file")
+            raise refuse(source, f"member {path!r} is {kind}")
+        yield reader.member(path, info.size, partial(_extract, archive, info))
+
+
+def _extract(archive: tarfile.TarFile, info: tarfile.TarInfo) -> IO[bytes]:
+    stream = archive.extractfile(info)
+    assert stream is not None  # a regular file
+    return stream
+
+
+def _dir_members(reader: _Reader) -> Iterator[Member]:
+    source = reader.source
     for dirpath, dirnames, filenames in os.walk(source, onerror=_raise):
         dirnames.sort()
         for entry in sorted([*filenames, *(d for d in dirnames
@@ -178,11 +291,11 @@ def _dir_members(source: Path, want: Callable[[str], bool]) -> Iterator[Member]:
             if not stat.S_ISREG(st.st_mode):
                 kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
                 raise refuse(source, f"{path!r} is {kind}")
-            data = None
-            if want(path):
-                with open(full, "rb") as f:
-                    data = f.read()
-            yield path, st.st_size, data
+            yield reader.member(path, st.st_size, partial(_open_file, full))
+
+
+def _open_file(path: str) -> IO[bytes]:
+    return open(path, "rb")
 
 
 def _raise(exc: OSError) -> None:
