@@ -16,12 +16,16 @@ both give; a disagreement raises :class:`LaunchError` listing the variables. Two
 nestings are normal and are not errors:
 
 * Slurm under MPI: ``mpirun`` in an allocation starts its daemons with ``srun``, so
-  the ranks inherit the daemons' step (one task per node). A Slurm step whose rank or
-  size differs from the MPI source describes that parent and is ignored.
+  the ranks inherit the daemons' step (one task per node). Under Open MPI's variables a
+  Slurm step is always ignored; under MPICH's or PMIx's (which ``srun --mpi=pmi2`` and
+  ``--mpi=pmix`` set beside the step) a step that differs from them in any field
+  describes that parent and is ignored.
 * Anything under torchrun: when ``TORCHELASTIC_RUN_ID`` is set, torchrun's agent
   spawned this process, and Slurm or MPI variables that disagree describe the agent;
-  they are ignored. Without ``TORCHELASTIC_RUN_ID``, ``RANK`` disagreeing with another
-  launcher is almost always a stale ``export RANK=...``, and raises.
+  they are ignored. One that counts more processes than torchrun's workers more likely
+  started this process inside a torchrun worker: that is logged as a warning. Without
+  ``TORCHELASTIC_RUN_ID``, ``RANK`` disagreeing with another launcher is almost always
+  a stale ``export RANK=...``, and raises.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import hashlib
 import os
 from collections.abc import Mapping
 
+from distcache._log import get_logger
 from distcache._record import Record
 from distcache.errors import LaunchError
 from launch import _sources
@@ -38,6 +43,8 @@ from launch._sources import FIELDS, Signal, parsed, read_int
 
 LAUNCHERS = ("torchrun", "openmpi", "mpich", "pmix", "slurm", "single")
 MPI_LAUNCHERS = frozenset({"openmpi", "mpich", "pmix"})
+
+log = get_logger(__name__)
 
 class LaunchInfo(Record):
     """Where this process sits in its job, as the launcher describes it."""
@@ -100,28 +107,61 @@ def _disagreements(a: Signal, b: Signal) -> list[str]:
     ]
 
 
+_WARNED: set[str] = set()
+
+
+def _warn_if_inside_a_worker(torchrun: Signal, outer: list[Signal]) -> None:
+    """Warn (once per process) when a launcher around torchrun's agent counts more
+    processes than torchrun has workers: an agent starts at least one worker, so that
+    launcher more likely started this process inside a torchrun worker, whose
+    variables it inherited."""
+    world = torchrun.get("world_size")
+    for sig in outer:
+        size = sig.get("world_size")
+        if world is None or size is None or size <= world:
+            continue
+        message = (
+            f"{_describe(sig, 'world_size')} is larger than {_describe(torchrun, 'world_size')}: "
+            f"{sig.launcher} probably started this process inside a torchrun worker, whose "
+            f"TORCHELASTIC_RUN_ID, RANK and WORLD_SIZE it inherited; it runs as torchrun "
+            f"rank {torchrun.get('rank')} of {world}, not as {sig.launcher} rank "
+            f"{sig.get('rank')} of {size}. Unset the torchrun variables before starting "
+            f"{sig.launcher} inside a worker"
+        )
+        if message not in _WARNED:
+            _WARNED.add(message)
+            log.warning("%s", message)
+
+
+def _slurm_is_this_step(inner: list[Signal], slurm: Signal) -> bool:
+    """Whether an ``srun`` step describes the processes the inner launchers started."""
+    mpi = [s for s in inner if s.launcher in MPI_LAUNCHERS]
+    if any(s.launcher == "openmpi" for s in mpi):
+        # Open MPI's mpirun started the ranks itself: a step around them is the one
+        # that started its daemons (or an outer srun), whichever fields happen to match.
+        return False
+    if mpi:
+        # srun --mpi=pmi2/pmix gives the step and the MPI variables one meaning; a step
+        # that differs anywhere is a launcher's daemon step, on every rank alike.
+        return not _disagreements(mpi[0], slurm)
+    # Alone, or under RANK without torchrun's agent: a stale RANK disagreeing with a
+    # real step must not pass.
+    return True
+
+
 def _merge(env: Mapping[str, str]) -> tuple[str, dict[str, tuple[int, str]]]:
     inner = [s for s in (read(env) for read in _sources.INNER) if s]
     slurm = _sources.slurm(env)
     elastic = "TORCHELASTIC_RUN_ID" in env
     if inner and inner[0].launcher == "torchrun" and elastic:
         # torchrun's agent spawned us; other launchers' variables describe the agent.
-        accepted = [inner[0]] + [
-            s for s in inner[1:] + ([slurm] if slurm else []) if not _disagreements(inner[0], s)
-        ]
+        outer = inner[1:] + ([slurm] if slurm else [])
+        _warn_if_inside_a_worker(inner[0], outer)
+        accepted = [inner[0]] + [s for s in outer if not _disagreements(inner[0], s)]
     else:
         accepted = list(inner)
-        if slurm is not None:
-            if not inner:
-                accepted.append(slurm)
-            else:
-                identity = [
-                    d for d in _disagreements(inner[0], slurm) if d.split(":")[0] in ("rank", "world_size")
-                ]
-                if not identity or inner[0].launcher == "torchrun":
-                    # Under MPI a disagreeing step is mpirun's daemon step (ignored);
-                    # a stale RANK disagreeing with a real step must not pass.
-                    accepted.append(slurm)
+        if slurm is not None and _slurm_is_this_step(inner, slurm):
+            accepted.append(slurm)
     if not accepted:
         return "single", {}
     conflicts: list[str] = []
@@ -231,7 +271,8 @@ def detect(environ: Mapping[str, str] = os.environ, *, hostname: str | None = No
         )
     _check_bounds(
         values,
-        [("rank", "world_size"), ("local_rank", "local_world_size"), ("node_rank", "num_nodes")],
+        [("rank", "world_size"), ("local_rank", "local_world_size"), ("node_rank", "num_nodes"),
+         ("local_rank", "world_size"), ("node_rank", "world_size")],
     )
     if "local_world_size" in values and "world_size" in values:
         (lv, lvar), (wv, wvar) = values["local_world_size"], values["world_size"]

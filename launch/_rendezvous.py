@@ -65,7 +65,8 @@ def find_store(
 
     Raises:
         LaunchError: the launcher gives no address to meet at (no ``MASTER_ADDR`` /
-            ``MASTER_PORT`` and no initialised torch.distributed).
+            ``MASTER_PORT`` and no initialised torch.distributed), or ``MASTER_PORT`` is
+            the last port, with none above it for the store rank 0 hosts.
         CommError: the store cannot be reached or hosted within ``timeout``.
     """
     import torch.distributed as dist
@@ -85,6 +86,13 @@ def find_store(
         )
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     port = info.master_port if agent else info.master_port + PORT_OFFSET
+    if port > 65535:
+        raise LaunchError(
+            f"MASTER_PORT={info.master_port} leaves no port above it for distcache's "
+            f"rendezvous store (MASTER_PORT + {PORT_OFFSET}); set MASTER_PORT to at most "
+            f"{65535 - PORT_OFFSET}",
+            variable="MASTER_PORT", value=str(info.master_port),
+        )
     host_it = not agent and info.rank == 0
     if host_it:
         derived = "SLURM_JOB_ID" in info.source

@@ -6,7 +6,9 @@ agreement rules between launchers live in :mod:`launch._detect`.
 
 1. ``torchrun`` -- the ``env://`` variables ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
    ``LOCAL_WORLD_SIZE``/``GROUP_RANK``/``GROUP_WORLD_SIZE``, set by torchrun,
-   torchelastic or ``python -m launch``.
+   torchelastic or ``python -m launch``. Without ``GROUP_WORLD_SIZE`` the node count is
+   ``WORLD_SIZE / LOCAL_WORLD_SIZE`` only where ``TORCHELASTIC_RUN_ID`` says torchrun's
+   agent started the process (the same number of workers on every node).
 2. ``openmpi`` -- ``OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}``.
 3. ``mpich`` -- MPICH/Hydra and Intel MPI: ``PMI_RANK`` (old Hydra: ``PMI_ID``),
    ``PMI_SIZE``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``.
@@ -29,6 +31,7 @@ all jobs, not the node's index (docs.open-mpi.org, "environment variables").
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from typing import NamedTuple, TypeVar
 
@@ -41,6 +44,8 @@ FIELDS = ("rank", "world_size", "local_rank", "local_world_size", "node_rank", "
 """Fields a launcher can report, in the order they are checked and reported."""
 
 _COUNTS = frozenset({"world_size", "local_world_size", "num_nodes"})
+
+_INTEGER = re.compile(r"[+-]?[0-9]+", re.ASCII)
 
 
 class Signal(NamedTuple):
@@ -58,19 +63,19 @@ def read_int(env: Mapping[str, str], name: str, *, minimum: int = 0) -> int | No
     """``env[name]`` as an integer ``>= minimum``; ``None`` when unset.
 
     Raises:
-        LaunchError: the value is not an integer or is below ``minimum``.
+        LaunchError: the value is not an integer in ASCII digits or is below ``minimum``.
     """
     raw = env.get(name)
     if raw is None:
         return None
-    try:
-        value = int(raw.strip())
-    except ValueError:
+    # ASCII digits only: int() would also take "1_0" and other scripts' digits.
+    if _INTEGER.fullmatch(raw.strip()) is None:
         raise LaunchError(
             f"{name}={raw!r} is not an integer; the launcher environment is malformed",
             variable=name,
             value=raw,
-        ) from None
+        )
+    value = int(raw.strip())
     if value < minimum:
         raise LaunchError(
             f"{name}={raw!r} must be >= {minimum}", variable=name, value=raw
@@ -120,8 +125,10 @@ def torchrun(env: Mapping[str, str]) -> Signal | None:
         },
     )
     world, local = sig.get("world_size"), sig.get("local_world_size")
-    if "num_nodes" not in sig.values and world and local and world % local == 0:
-        # torchrun runs the same number of workers on every node.
+    elastic = "TORCHELASTIC_RUN_ID" in env
+    if elastic and "num_nodes" not in sig.values and world and local and world % local == 0:
+        # torchrun runs the same number of workers on every node. Other launchers that
+        # export these variables (``python -m launch`` under srun or mpirun) need not.
         sig.values["num_nodes"] = (world // local, "WORLD_SIZE/LOCAL_WORLD_SIZE")
     return sig
 
@@ -169,8 +176,8 @@ def slurm(env: Mapping[str, str]) -> Signal | None:
     """An ``srun`` step's ``SLURM_*`` variables, or ``None`` outside a step.
 
     Raises:
-        LaunchError: a variable is malformed, or ``SLURM_NODEID`` is past the nodes
-            ``SLURM_STEP_TASKS_PER_NODE`` names.
+        LaunchError: a variable is malformed, ``SLURM_NODEID`` is past the nodes
+            ``SLURM_STEP_TASKS_PER_NODE`` names, or that gives a node no tasks.
     """
     # srun sets the SLURM_STEP_* variables; an sbatch script has only job-level ones.
     if "SLURM_PROCID" not in env or "SLURM_STEP_NUM_TASKS" not in env:
@@ -194,6 +201,12 @@ def slurm(env: Mapping[str, str]) -> Signal | None:
             raise LaunchError(
                 f"SLURM_NODEID={node} but SLURM_STEP_TASKS_PER_NODE={per_node!r} "
                 f"names only {len(counts)} nodes",
+                variable="SLURM_STEP_TASKS_PER_NODE",
+                value=per_node,
+            )
+        if min(counts) < 1:
+            raise LaunchError(
+                f"SLURM_STEP_TASKS_PER_NODE={per_node!r} gives a node no tasks",
                 variable="SLURM_STEP_TASKS_PER_NODE",
                 value=per_node,
             )

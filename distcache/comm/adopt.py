@@ -42,7 +42,7 @@ from distcache.comm._local import LocalCommunicator
 from distcache.comm._mpi import MpiCommunicator
 from distcache.comm._scope import RunScope, StoreLost, drawn, fresh, scope_of
 from distcache.config import settings
-from distcache.errors import DistcacheError
+from distcache.errors import DistcacheError, LaunchError
 from launch import LaunchInfo, detect, run_id
 
 __all__ = ["Adopted", "Choice", "adopt", "auto", "choose", "launcher_is_mpi",
@@ -131,8 +131,8 @@ def adopt(
             store unreachable).
         CollectiveTimeout: not every rank came to make the communicator (and agree
             on the run scope) in time.
-        LaunchError: the launcher variables contradict each other, or the rendezvous
-            address is missing.
+        LaunchError: the launcher variables contradict each other or MPI's rank and
+            size, or the rendezvous address is missing.
         ConfigError: a ``DISTCACHE_*`` variable has a bad value.
     """
     unknown = set(options) - _OPTIONS
@@ -153,6 +153,7 @@ def adopt(
         # collective of its own.
         mpi = MpiCommunicator(announce=drawn(), **options)
         try:
+            _check_mpi_world(info, mpi)
             scope = scope_of(mpi.announced, job, attempt, mpi.rank)
         except DistcacheError:
             mpi.close()
@@ -167,6 +168,24 @@ def adopt(
     if node_id is None:
         node_id = settings().node_id
     return Adopted(LocalCommunicator(node_id), choice, fresh(job, attempt))
+
+
+def _check_mpi_world(info: LaunchInfo, mpi: MpiCommunicator) -> None:
+    """Raise unless MPI places this process where the launcher's variables do.
+
+    Raises:
+        LaunchError: MPI's rank or size differs from the launcher's (mpi4py linked to
+            another MPI than the one that started the job runs every rank alone).
+    """
+    if not info.is_mpi or (mpi.rank, mpi.size) == (info.rank, info.world_size):
+        return
+    raise LaunchError(
+        f"the environment says rank {info.rank} of {info.world_size} ({info.launcher}) "
+        f"but MPI says rank {mpi.rank} of {mpi.size}; mpi4py is probably linked to a "
+        "different MPI than the mpirun that started this job",
+        variable=info.source[0] if info.source else "",
+        value=str(info.rank),
+    )
 
 
 def _gloo(info: LaunchInfo, env: Mapping[str, str], run: tuple[str, int], wait: float,

@@ -4,22 +4,16 @@ run scope every adoption agrees on."""
 from __future__ import annotations
 
 import os
-import pickle
 import re
+import subprocess
 import sys
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
-from typing import Any
 
 import pytest
 
 from distcache.comm import adopt
 from distcache.comm._local import LocalCommunicator
-from distcache.comm._scope import job_root, meet
+from distcache.comm._scope import job_root
 from distcache.comm.adopt import Adopted, choose
-from distcache.errors import CollectiveTimeout, CommError
 from launch import detect
 
 OPENMPI_4 = {
@@ -121,124 +115,33 @@ def test_the_scope_names_the_launchers_job_and_attempt() -> None:
            "TORCHELASTIC_RUN_ID": "job-a", "TORCHELASTIC_RESTART_COUNT": "3"}
     scope = adopt(environ=env).scope
     assert (scope.job, scope.attempt) == ("torchrun:job-a", 3)
-    assert scope.prefix == f"{job_root('torchrun:job-a', 3)}/{scope.nonce}"
-    # Jobs and attempts never share a prefix.
-    roots = {job_root(job, attempt) for job in ("a", "b", "") for attempt in (0, 1)}
-    assert len(roots) == 6
+    assert scope.prefix == f"{job_root('torchrun:job-a')}/{scope.nonce}"
+    # Jobs never share a prefix (attempts are told apart by the nonce: test_comm_meet).
+    assert len({job_root(job) for job in ("a", "b", "")}) == 3
 
 
-# -- agreeing on a nonce over a store shared with other adoptions ---------------------
+_MISMATCH_PROGRAM = """
+from distcache.comm import adopt
+from distcache.errors import LaunchError
+try:
+    adopted = adopt(timeout=10)
+except LaunchError as exc:
+    print("LaunchError:", exc)
+else:
+    print("adopted", adopted.choice, adopted.comm.rank, adopted.comm.size)
+    adopted.close()
+"""
 
 
-class _Store:
-    """The part of a ``torch.distributed.Store`` that :func:`meet` uses, in memory."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-        self._changed = threading.Condition()
-
-    def add(self, key: str, amount: int) -> int:
-        with self._changed:
-            value = int(self.data.get(key, b"0")) + amount
-            self.data[key] = str(value).encode()
-            self._changed.notify_all()
-            return value
-
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        with self._changed:
-            current = self.data.get(key)
-            if (current is None and expected == "") or current == expected.encode():
-                self.data[key] = desired.encode()
-                self._changed.notify_all()
-                return desired.encode()
-            return expected.encode() if current is None else current
-
-    def wait(self, keys: list[str], timeout: timedelta) -> None:
-        with self._changed:
-            if not self._changed.wait_for(lambda: all(k in self.data for k in keys),
-                                          timeout.total_seconds()):
-                raise RuntimeError(f"wait timeout after {timeout}, keys: {keys}")
-
-    def get(self, key: str) -> bytes:
-        return self.data[key]
-
-
-def _soon(seconds: float = 5.0) -> float:
-    return time.monotonic() + seconds
-
-
-def _ranks(store: _Store, adoptions: list[tuple[int, float, str, int]],
-           size: int = 2) -> list[Any]:
-    """Run ``(rank, delay, job, attempt)`` adoptions at once on threads, each with 5 s;
-    each gives its nonce or the error it raised."""
-    def one(rank: int, delay: float, job: str, attempt: int) -> Any:
-        time.sleep(delay)
-        try:
-            return meet(store, rank, size, job, attempt, _soon())
-        except CommError as exc:
-            return exc
-
-    with ThreadPoolExecutor(len(adoptions)) as pool:
-        return list(pool.map(lambda a: one(*a), adoptions))
-
-
-def test_each_ranks_nth_adoption_meets_the_others_nth_however_late_it_comes() -> None:
-    store = _Store()
-    # Three adoptions in a row (the wrapper, then two inits); rank 1 comes late each time.
-    for _ in range(3):
-        zero, one = _ranks(store, [(0, 0.0, "torchrun:j", 0), (1, 0.3, "torchrun:j", 0)])
-        assert isinstance(zero, str) and zero == one
-    counts = {k: v for k, v in store.data.items() if "adoptions" in k}
-    assert sorted(counts.values()) == [b"3", b"3"]
-
-
-def test_a_new_attempt_or_another_job_never_reads_an_earlier_nonce() -> None:
-    store = _Store()
-    old, same = _ranks(store, [(0, 0.0, "torchrun:j", 0), (1, 0.0, "torchrun:j", 0)])
-    assert old == same
-    start = time.monotonic()
-    for job, attempt in (("torchrun:j", 1), ("torchrun:other", 0)):
-        with pytest.raises(CollectiveTimeout, match="rank 0 did not open"):
-            meet(store, 1, 2, job, attempt, time.monotonic() + 0.3)
-    assert time.monotonic() - start < 5.0  # each wait ends at its deadline
-    # A restart (attempt 2) meets afresh.
-    fresh_nonce, again = _ranks(store, [(0, 0.0, "torchrun:j", 2), (1, 0.0, "torchrun:j", 2)])
-    assert fresh_nonce == again != old
-
-
-def test_a_rank_that_comes_after_its_peer_gave_up_learns_so_at_once() -> None:
-    store = _Store()
-    start = time.monotonic()
-    with pytest.raises(CollectiveTimeout, match=r"this rank gave up.*1 of 2 ranks"):
-        meet(store, 0, 2, "j", 0, time.monotonic() + 0.3)
-    late = time.monotonic()
-    with pytest.raises(CollectiveTimeout, match="another rank gave up"):
-        meet(store, 1, 2, "j", 0, _soon())
-    assert time.monotonic() - late < 1.0 and late - start < 3.0
-
-
-def test_a_store_value_that_is_not_a_nonce_is_refused_never_unpickled() -> None:
-    class Boom:
-        def __reduce__(self) -> tuple[Any, tuple[str]]:
-            return (os.system, ("touch /nonexistent/should-never-run",))
-
-    store = _Store()
-    where = f"{job_root('j', 0)}/1/nonce"
-    store.data[where] = pickle.dumps(Boom())
-    with pytest.raises(CommError, match="not a nonce"):
-        meet(store, 1, 2, "j", 0, _soon())
-    # Rank 0 finding its meeting already claimed refuses too.
-    store.data[where] = b"0" * 32
-    with pytest.raises(CommError, match="already claimed"):
-        meet(store, 0, 2, "j", 0, _soon())
-    # And a meeting state that is not distcache's.
-    store.data[f"{job_root('j', 0)}/2/state"] = b"\x80\x04junk"
-    with pytest.raises(CommError, match="not distcache's meeting state"):
-        meet(store, 0, 1, "j", 0, _soon())
-
-
-def test_ranks_meeting_at_once_on_threads_agree() -> None:
-    store = _Store()
-    for _ in range(3):
-        got = _ranks(store, [(r, 0.0, "j", 0) for r in range(4)], size=4)
-        assert len(set(got)) == 1 and isinstance(got[0], str)
+def test_an_mpi_world_that_contradicts_the_launcher_is_refused() -> None:
+    # Hydra's variables, while mpi4py's own MPI starts this process as a singleton:
+    # the MPI world is rank 0 of 1 where the launcher says rank 1 of 2.
+    pytest.importorskip("mpi4py")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_", "SLURM_", "RANK", "WORLD_SIZE"))}
+    env.update({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2",
+                "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
+    done = subprocess.run([sys.executable, "-c", _MISMATCH_PROGRAM], env=env, text=True,
+                          capture_output=True, timeout=120)
+    assert "LaunchError:" in done.stdout, done.stdout + done.stderr
+    assert "rank 1 of 2 (mpich)" in done.stdout and "MPI says rank 0 of 1" in done.stdout

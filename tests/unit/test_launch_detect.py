@@ -374,10 +374,6 @@ def test_lone_local_rank_does_not_make_a_launch() -> None:
             {**LAUNCH_UNDER_OPENMPI, "LOCAL_RANK": "0"},
             ["LOCAL_RANK=0", "OMPI_COMM_WORLD_LOCAL_RANK=1"],
         ),
-        (
-            {**SLURM_PMI2, "SLURM_LOCALID": "0", "MPI_LOCALRANKID": "1"},
-            ["MPI_LOCALRANKID=1", "SLURM_LOCALID=0"],
-        ),
     ],
     ids=[
         "torchrun-vs-openmpi",
@@ -385,7 +381,6 @@ def test_lone_local_rank_does_not_make_a_launch() -> None:
         "mpich-vs-openmpi",
         "stale-rank-in-srun",
         "launch-vs-openmpi-local",
-        "pmi2-vs-slurm-local",
     ],
 )
 def test_conflicting_launchers_raise_listing_every_variable(
