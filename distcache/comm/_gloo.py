@@ -85,8 +85,9 @@ class GlooCommunicator(TorchCommunicator):
         agreeing: tuple[str, int, str] | None = None
         if scope is None:
             job, attempt = run if run is not None else run_id(os.environ)[:2]
-            agreeing = (job, attempt, meet(store, rank, size, job, attempt, until))
-            base = f"{job_root(job, attempt)}/{agreeing[2]}"
+            nonce, agreed = meet(store, rank, size, job, attempt, until)
+            agreeing = (job, agreed, nonce)
+            base = f"{job_root(job)}/{nonce}"
         else:
             base = scope.prefix
         self._prefix = base if prefix is None else prefix

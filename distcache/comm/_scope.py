@@ -2,37 +2,40 @@
 
 A :class:`RunScope` is the launcher's job id, the restart attempt, a nonce chosen for
 this adoption and a secret of this run. Every store key and group name distcache makes
-derives from :attr:`RunScope.prefix`, so two adoptions never meet each other's keys:
-the ``python -m launch`` wrapper and the program it starts, two ``init``/``close``
-cycles in one process, a torchrun restart, two jobs sharing one agent store.
+derives from :attr:`RunScope.prefix` (the job and the nonce), so two adoptions never
+meet each other's keys: the ``python -m launch`` wrapper and the program it starts, two
+``init``/``close`` cycles in one process, a torchrun restart, two jobs sharing one
+agent store.
 
 Agreeing on a store that outlives processes (torchrun's agent store lives as long as
 the agent, across worker restarts; torch's workers are plain clients of it, and only
-the agents' own keys carry a ``torch.rendezvous.<run id>.<round>`` prefix):
+the agents' own keys carry a ``torch.rendezvous.<run id>.<round>`` prefix) cannot rest
+on anything the ranks count or read from their environment: torch raises
+``TORCHELASTIC_RESTART_COUNT`` only on the node whose workers failed (a restart for a
+membership change does not count), so the nodes of one round may hold different
+counts, and a rank's earlier adoptions may have ended anywhere. Each adoption is a
+handshake between processes instead, under ``distcache/<hash of the job id>/``:
 
-1. each rank counts its adoptions in this ``(job, attempt)`` on the store itself
-   (``store.add``, atomic). Ranks adopt in the same order (adopting is collective), so
-   the n-th adoption of every rank is the same meeting, whichever process makes it and
-   however late a rank comes; a count kept in a process (the wrapper's, then its
-   program's) would start at 0 again;
-2. rank 0 claims meeting n with a fresh nonce (``compare_set`` on an absent key: an
-   existing one means another process claimed it, refused); the others wait for it, up
-   to the deadline. A meeting's key is written once, so no rank can read a nonce of an
-   earlier meeting, wrapper or attempt;
-3. every rank counts itself in; the last one marks the meeting complete, a rank whose
-   deadline passes first marks it abandoned (one ``compare_set``, so all read the same
-   outcome): gloo is only dialled once every rank is known to be there;
-4. the group meets under ``<job>/<attempt>/<n>/<nonce>``; rank 0's secret travels over
-   the group once it is made, never through the store (whoever can read the store need
-   not learn it).
+1. every rank but 0 draws a token of its own and writes it as its hello
+   (``hello/<rank>``, overwriting any earlier process's), then waits for rank 0's
+   answer under ``ack/<rank>/<token>``, a key only this process can have asked for;
+2. rank 0 draws the adoption's nonce, and for each rank answers the token its hello
+   holds with the nonce (and rank 0's attempt, which every rank then reports), then
+   waits for that rank to count itself in under ``<nonce>/in/<rank>``. A hello an
+   earlier process left is answered too and never counted in: rank 0 reads the hello
+   again until the live process's token is there;
+3. once every rank is in, rank 0 marks the meeting complete; a rank whose deadline
+   passes first marks it abandoned (one ``compare_set``, so all read the same outcome):
+   gloo is only dialled once every rank is known to be there;
+4. the group meets under ``<job>/<nonce>``; rank 0's secret travels over the group once
+   it is made, never through the store (whoever can read the store need not learn it).
 
-A rank that comes to meeting n after its peer gave up on it raises at once. A rank that
-gave up on meeting n and adopts again is one meeting ahead of a peer that comes late
-to n: both raise within their timeouts, and a restart (a new attempt) starts the
-counts again.
+A rank that comes after rank 0 gave up waits for an answer until its own deadline and
+raises :class:`~distcache.errors.CollectiveTimeout`; it never dials an address an
+earlier process left.
 
-Values read from the store are parsed strictly (a nonce is 32 hex digits), never
-unpickled. The secret is never logged: it is left out of ``repr``.
+Values read from the store are parsed strictly (a nonce or token is 32 hex digits),
+never unpickled. The secret is never logged: it is left out of ``repr``.
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ ROOT = "distcache"
 NONCE_BYTES = 16
 SECRET_BYTES = 32
 _NONCE = re.compile(rb"[0-9a-f]{%d}" % (2 * NONCE_BYTES))
+_ANSWER = re.compile(rb"([0-9a-f]{%d}):([0-9]{1,9})" % (2 * NONCE_BYTES))
+#: The longest pause of rank 0 between two looks at the ranks' keys.
+_STEP_MAX_S = 0.5
 
 
 class RunScope(NamedTuple):
@@ -71,18 +77,18 @@ class RunScope(NamedTuple):
     @property
     def prefix(self) -> str:
         """The store prefix every key and group name of this adoption starts with."""
-        return f"{job_root(self.job, self.attempt)}/{self.nonce}"
+        return f"{job_root(self.job)}/{self.nonce}"
 
     def key(self, *parts: str) -> str:
         """A store key (or group name) of this adoption: ``prefix/part/...``."""
         return "/".join((self.prefix, *parts))
 
 
-def job_root(job: str, attempt: int) -> str:
-    """The store prefix of one job's attempt; the job id is hashed, so that whatever
-    characters a launcher puts in it, keys stay short and unambiguous."""
+def job_root(job: str) -> str:
+    """The store prefix of one job; the job id is hashed, so that whatever characters
+    a launcher puts in it, keys stay short and unambiguous."""
     digest = hashlib.sha256(job.encode()).hexdigest()[:16]
-    return f"{ROOT}/{digest}/{attempt}"
+    return f"{ROOT}/{digest}"
 
 
 def fresh(job: str, attempt: int) -> RunScope:
@@ -114,11 +120,13 @@ def _lost(exc: BaseException) -> bool:
     return type(exc).__name__ == "DistNetworkError" or any(t in text for t in _LOST)
 
 
-def _wait_for(until: float) -> Any:
-    """What a store's ``wait`` takes for the seconds left until ``until``."""
+def _wait_for(until: float, most: float | None = None) -> Any:
+    """What a store's ``wait`` takes for the seconds left until ``until`` (at most
+    ``most``)."""
     from datetime import timedelta  # for the gloo rendezvous only
 
-    return timedelta(seconds=_left(until))
+    left = _left(until)
+    return timedelta(seconds=left if most is None else min(left, most))
 
 
 def _timed_out(exc: BaseException) -> bool:
@@ -142,38 +150,46 @@ def parse_nonce(raw: bytes, where: str) -> str:
     return raw.decode()
 
 
-def meet(store: Any, rank: int, size: int, job: str, attempt: int, until: float) -> str:
+def meet(store: Any, rank: int, size: int, job: str, attempt: int,
+         until: float) -> tuple[str, int]:
     """Agree with every rank on this adoption's nonce over ``store`` (see the module
-    docstring) and wait until every rank has come to it; returns the nonce. Collective
-    over the ``size`` ranks; waits no later than ``until`` (a ``time.monotonic()``
-    value).
+    docstring) and wait until every rank has come to it; returns the nonce and rank
+    0's ``attempt``. Collective over the ``size`` ranks; waits no later than ``until``
+    (a ``time.monotonic()`` value).
 
     Raises:
         CollectiveTimeout: not every rank came by ``until``, or a rank gave up on this
             adoption before every rank came.
         CommError: the store failed, or holds something other than distcache's values.
     """
-    root = job_root(job, attempt)
-    where = "(counting)"
+    root = job_root(job)
+    where = f"{root}/hello/{rank}"
     try:
-        count = int(store.add(f"{root}/adoptions/rank{rank}", 1))
-        where = f"{root}/{count}/nonce"
         if rank == 0:
             nonce = os.urandom(NONCE_BYTES).hex()
-            found = store.compare_set(where, "", nonce)
-            if parse_nonce(bytes(found), where) != nonce:
-                raise CommError(
-                    f"rank 0/{size}: adoption {count} of job {job!r} attempt {attempt} was "
-                    f"already claimed under {where!r}: two processes run as rank 0 of one "
-                    "job on one store; give each run its own id (torchrun --rdzv-id)",
-                    op="rendezvous", rank=rank, backend="gloo",
-                )
-        else:
-            store.wait([where], _wait_for(until))
-            nonce = parse_nonce(bytes(store.get(where)), where)
-        where = f"{root}/{count}/state"
-        _all_came(store, f"{root}/{count}", rank, size, until)
-        return nonce
+            where = f"{root}/hello"
+            missing = _answer_all(store, root, size, nonce, attempt, until)
+            if missing is not None:
+                _give_up(store, f"{root}/{nonce}", rank, size, missing)
+            where = f"{root}/{nonce}/state"
+            _decided(store, f"{root}/{nonce}", rank, size, bytes(
+                store.compare_set(where, "", "complete")), mine="")
+            return nonce, attempt
+        token = os.urandom(NONCE_BYTES).hex()
+        store.set(where, token)
+        where = f"{root}/ack/{rank}/{token}"
+        store.wait([where], _wait_for(until))
+        answer = _ANSWER.fullmatch(bytes(store.get(where)))
+        if answer is None:
+            raise CommError(f"the store key {where!r} holds something other than rank 0's "
+                            "answer; something other than distcache wrote it",
+                            op="rendezvous", rank=rank, backend="gloo")
+        nonce, agreed = answer.group(1).decode(), int(answer.group(2))
+        where = f"{root}/{nonce}/in/{rank}"
+        store.set(where, token)
+        where = f"{root}/{nonce}/state"
+        _all_came(store, f"{root}/{nonce}", rank, size, until)
+        return nonce, agreed
     except DistcacheError:
         raise  # already ours (a CollectiveTimeout is an OSError too)
     except (RuntimeError, OSError) as exc:
@@ -184,23 +200,76 @@ def meet(store: Any, rank: int, size: int, job: str, attempt: int, until: float)
             ) from exc
         if _timed_out(exc):
             raise CollectiveTimeout(
-                f"rank {rank}/{size}: rank 0 did not open distcache's adoption under "
-                f"{where!r} in time ({exc}); every rank must call distcache.init (or "
-                "the same collective) within the timeout",
+                f"rank {rank}/{size}: rank 0 did not open distcache's adoption (no answer "
+                f"under {where!r}) in time ({exc}); every rank must call distcache.init "
+                "(or the same collective) within the timeout",
                 op="rendezvous", rank=rank,
             ) from exc
         raise CommError(f"rank {rank}/{size}: the rendezvous store failed at {where!r}: "
                         f"{exc}", op="rendezvous", rank=rank, backend="gloo") from exc
 
 
-def _all_came(store: Any, meeting: str, rank: int, size: int, until: float) -> None:
-    """Return once every rank has come to ``meeting``; one outcome for all of them.
+def _answer_all(store: Any, root: str, size: int, nonce: str, attempt: int,
+                until: float) -> int | None:
+    """Rank 0's side of every rank's handshake: answer the token of each hello, and
+    read the hellos again (an earlier process's may still be there) until every rank
+    counted itself in; None then, else the lowest rank missing when ``until`` passes.
+    Keys are looked at (``check``), never waited on: a store client logs each wait
+    that times out."""
+    answered: dict[int, str] = {}
+    pending = list(range(1, size))
+    pause = 0.001
+    while pending:
+        for peer in pending:
+            hello = f"{root}/hello/{peer}"
+            if store.check([hello]):
+                token = parse_nonce(bytes(store.get(hello)), hello)
+                if answered.get(peer) != token:
+                    store.set(f"{root}/ack/{peer}/{token}", f"{nonce}:{attempt}")
+                    answered[peer] = token
+        pending = [p for p in pending
+                   if not (p in answered and store.check([f"{root}/{nonce}/in/{p}"]))]
+        if not pending:
+            return None
+        left = until - time.monotonic()
+        if left <= 0:
+            return pending[0]
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, _STEP_MAX_S)
+    return None
 
-    The last rank to come marks the meeting complete; a rank whose deadline passes first
-    marks it abandoned. Both use ``compare_set`` on one key, so exactly one wins and
-    every rank reads the same outcome: a rank that comes after its peer gave up (and
-    left, or is exiting) learns so at once, instead of dialling that peer's gloo address
-    and waiting on gloo's own connect timeout (10 s, whatever the group's timeout).
+
+def _give_up(store: Any, meeting: str, rank: int, size: int, missing: int) -> None:
+    """Rank 0 gives up on ``meeting``, still missing rank ``missing``: every rank that
+    came reads the same outcome."""
+    outcome = bytes(store.compare_set(f"{meeting}/state", "", "abandoned"))
+    _decided(store, meeting, rank, size, outcome, mine="abandoned", missing=missing)
+
+
+def _decided(store: Any, meeting: str, rank: int, size: int, outcome: bytes, *,
+             mine: str, missing: int | None = None) -> None:
+    """Return if ``outcome`` (the meeting's state) is complete; raise otherwise."""
+    if outcome == b"complete":
+        return
+    if outcome != b"abandoned":
+        raise CommError(f"the store key {meeting}/state holds {outcome[:80]!r}, not "
+                        "distcache's meeting state; something other than distcache wrote "
+                        "it", op="rendezvous", rank=rank, backend="gloo")
+    who = "this rank" if mine else "another rank"
+    lacking = (f", rank {missing} of {size} not come" if missing is not None
+               else f", not all {size} ranks come")
+    raise CollectiveTimeout(
+        f"rank {rank}/{size}: {who} gave up on distcache's adoption under {meeting!r}"
+        f"{lacking}; every rank must call distcache.init (or the same collective) within "
+        "the timeout", op="rendezvous", rank=rank,
+    )
+
+
+def _all_came(store: Any, meeting: str, rank: int, size: int, until: float) -> None:
+    """A rank but 0: return once rank 0 marked ``meeting`` complete; raise if it, or a
+    rank whose deadline passed first (this one included), marked it abandoned. Both
+    use ``compare_set`` on one key, so every rank reads the same outcome, and no rank
+    dials a gloo address of a peer that gave up.
 
     Raises:
         CollectiveTimeout: the meeting was abandoned, by this rank or another.
@@ -208,31 +277,15 @@ def _all_came(store: Any, meeting: str, rank: int, size: int, until: float) -> N
     """
     state = f"{meeting}/state"
     mine = ""
-    if int(store.add(f"{meeting}/arrived", 1)) == size:
-        outcome = bytes(store.compare_set(state, "", "complete"))
-    else:
-        try:
-            store.wait([state], _wait_for(until))
-            outcome = bytes(store.get(state))
-        except RuntimeError as exc:
-            if not _timed_out(exc):
-                raise
-            mine = "abandoned"
-            outcome = bytes(store.compare_set(state, "", mine))
-    if outcome == b"complete":
-        return
-    if outcome != b"abandoned":
-        raise CommError(f"the store key {state!r} holds {outcome[:80]!r}, not distcache's "
-                        "meeting state; something other than distcache wrote it",
-                        op="rendezvous", rank=rank, backend="gloo")
-    came = int(store.add(f"{meeting}/arrived", 0))
-    who = "this rank" if mine else "another rank"
-    raise CollectiveTimeout(
-        f"rank {rank}/{size}: {who} gave up on distcache's adoption under {meeting!r} "
-        f"with {came} of {size} ranks come; every rank must call distcache.init (or the "
-        "same collective) within the timeout",
-        op="rendezvous", rank=rank,
-    )
+    try:
+        store.wait([state], _wait_for(until))
+        outcome = bytes(store.get(state))
+    except RuntimeError as exc:
+        if not _timed_out(exc):
+            raise
+        mine = "abandoned"
+        outcome = bytes(store.compare_set(state, "", mine))
+    _decided(store, meeting, rank, size, outcome, mine=mine)
 
 
 def share_secret(comm: Communicator, until: float) -> bytes:
