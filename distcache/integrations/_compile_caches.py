@@ -19,6 +19,13 @@ nor publishes them again: its owner outlives it
 publication at exit sees every file they built. A process without an owner (a rank
 started by ``mpirun``, ``srun`` or ``torchrun``, a node of its own) is its own owner.
 Nothing here is collective; nothing raises into the engine.
+
+Publishing hashes every file of the directories, so an owner that changed nothing
+(``pip``, ``python -c`` under ``DISTCACHE_AUTOINSTALL=1``) skips it: when the exit
+handler is registered it takes a :func:`snapshot` of each family's files (path, size,
+modification time and inode, by ``stat`` alone), and at exit a family whose snapshot
+is the same is not published. A family whose directories held files the pool's trees
+do not list (by path and size) when it was taken is published at exit regardless.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -122,7 +130,9 @@ def _start(source: str, role: str, names: tuple[str, ...],
     if not inherited:
         if record is not None:
             write_owner(record, digest)
-        atexit.register(publish_at_exit, chosen, source, role, os.getpid())
+        refused = {s["name"] for s in summaries if "refused" in s}
+        armed = {f.name: armed_snapshot(f) for f in chosen if f.name not in refused}
+        atexit.register(publish_at_exit, chosen, source, role, os.getpid(), armed)
         log.info("distcache %s hook: JIT caches %s materialised from %s", source,
                  ",".join(f.name for f in chosen), pool_dir)
     return summaries
@@ -173,10 +183,53 @@ def write_owner(record: Path, digest: str) -> None:
         log.debug("no JIT owner file at %s: %s", record, exc)
 
 
-def publish_at_exit(chosen: list[Family], source: str, role: str,
-                    owner: int) -> list[dict[str, Any]]:
+#: Path in the family's trees -> (size, modification time in ns, inode) of its file.
+Snapshot = dict[str, tuple[int, int, int]]
+
+
+def snapshot(family: Family) -> Snapshot:
+    """The files of ``family``'s directories that a publication would scan, by
+    ``stat`` alone (nothing is read)."""
+    from distcache.jit._place import walk
+
+    found: Snapshot = {}
+    for root in family.spec.roots:
+        for rel, path in walk(root.path):
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            found[root.prefix + rel] = (st.st_size, st.st_mtime_ns, st.st_ino)
+    return found
+
+
+def armed_snapshot(family: Family) -> Snapshot | None:
+    """:func:`snapshot` of ``family`` when the pool's trees of its key list every file
+    it holds with the same size; ``None`` (publish at exit regardless) when they do
+    not, or when it cannot be told."""
+    from distcache.errors import DistcacheError
+    from distcache.jit import read_trees, union
+
+    try:
+        now = snapshot(family)
+        if family.pool is None:
+            return None
+        known = union(read_trees(family.pool, family.name, family.key))
+    except (DistcacheError, OSError) as exc:
+        log.debug("%s: no snapshot of its directories: %s", family.name, exc)
+        return None
+    for path, (size, _mtime, _inode) in now.items():
+        entry = known.entries.get(path)
+        if path not in known.conflicts and (entry is None or entry.size != size):
+            return None
+    return now
+
+
+def publish_at_exit(chosen: list[Family], source: str, role: str, owner: int,
+                    armed: Mapping[str, Snapshot | None] | None = None) -> list[dict[str, Any]]:
     """Store what the owner's families gained (a forked child that inherited the exit
-    handler publishes nothing) and report it as one ``engine.jit_publish`` event."""
+    handler publishes nothing) and report it as one ``engine.jit_publish`` event. A
+    family whose ``armed`` snapshot still holds is skipped (``unchanged``)."""
     if os.getpid() != owner:
         return []
     from distcache import _events
@@ -186,6 +239,11 @@ def publish_at_exit(chosen: list[Family], source: str, role: str,
     for family in chosen:
         row: dict[str, Any] = {"name": family.name}
         began = time.monotonic()
+        before = (armed or {}).get(family.name)
+        if before is not None and snapshot(family) == before:
+            row.update(files=0, unchanged=True, seconds=round(time.monotonic() - began, 3))
+            published.append(row)
+            continue
         try:
             row["files"] = family.publish()
             row["seconds"] = round(time.monotonic() - began, 3)

@@ -160,3 +160,56 @@ def test_a_forked_copy_of_the_exit_handler_publishes_nothing(tmp_path: Path) -> 
     assert read_trees(fam.pool, "vllm", fam.key) == []
     (row,) = _compile_caches.publish_at_exit([fam], "vllm", "main", os.getpid())
     assert row["files"] == 1 and len(read_trees(fam.pool, "vllm", fam.key)) == 1
+
+
+def _arm(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[int]]:
+    """Start the hook for ``vllm`` in this process; the exit handler it registers, and
+    a list that grows by one for each publication that scans the directories."""
+    registered: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(_compile_caches.atexit, "register", lambda *a: registered.append(a))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp / "vllm"))
+    _compile_caches._start("startup", "main", ("vllm",), tmp / "pool", None)
+    (handler, *args), = registered
+    scans: list[int] = []
+    for fam in args[0]:
+        publish = fam.publish
+        fam.publish = lambda *a, _p=publish: scans.append(1) or _p(*a)
+    return lambda: handler(*args), scans
+
+
+def _build(tmp: Path, files: dict[str, bytes]) -> None:
+    for rel, data in files.items():
+        path = tmp / "vllm" / "torch_compile_cache" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+
+def test_an_owner_that_changed_nothing_does_not_publish_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _build(tmp_path, BUILT)
+    vllm_family(tmp_path).publish()
+    exit_handler, scans = _arm(tmp_path, monkeypatch)
+    (row,) = exit_handler()
+    assert row["files"] == 0 and row["unchanged"] is True and scans == []
+    fam = vllm_family(tmp_path)
+    assert len(read_trees(fam.pool, "vllm", fam.key)) == 1
+
+
+def test_an_owner_that_built_a_file_publishes_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _build(tmp_path, BUILT)
+    vllm_family(tmp_path).publish()
+    exit_handler, scans = _arm(tmp_path, monkeypatch)
+    _build(tmp_path, {f"{HASH}/rank_2_0/backbone/model": b"another graph"})
+    (row,) = exit_handler()
+    assert row["files"] == 1 and "unchanged" not in row and scans == [1]
+
+
+def test_files_the_pool_lacked_when_the_hook_armed_are_published_at_exit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _build(tmp_path, BUILT)  # built before distcache: no tree lists them yet
+    exit_handler, scans = _arm(tmp_path, monkeypatch)
+    (row,) = exit_handler()
+    assert row["files"] == 3 and scans == [1]
+    fam = vllm_family(tmp_path)
+    assert set(union(read_trees(fam.pool, "vllm", fam.key)).entries) == set(BUILT)

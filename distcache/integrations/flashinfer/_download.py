@@ -12,8 +12,8 @@ stands in for that function:
   loader (from the pool, fetched once per pool and verified) and written to the
   destination, as FlashInfer's function would.
 - ``get_artifact``'s own download (it passes ``expected_sha256``), a call made while
-  such a file is being served, and a file without a pinned sha256 go to FlashInfer's
-  function unchanged.
+  such a file is being served, a file without a pinned sha256, and every call while
+  ``FLASHINFER_CUBIN_CHECKSUM_DISABLED`` is set go to FlashInfer's function unchanged.
 - With ``DISTCACHE_OFFLINE=1`` nothing reaches FlashInfer's function: a call the
   pool cannot serve returns ``False``, FlashInfer's "download failed", after one
   error line.
@@ -30,9 +30,11 @@ from typing import Any
 
 from distcache._log import get_logger
 from distcache.artifact import sha256_hex
-from distcache.integrations.flashinfer._loader import PooledLoader, write_replacing
+from distcache.integrations.flashinfer._files import write_replacing
+from distcache.integrations.flashinfer._loader import PooledLoader
 from distcache.integrations.flashinfer._upstream import (
     REPOSITORY_VARIABLE,
+    checksum_disabled,
     loader_attr,
     pinned_digest,
 )
@@ -88,7 +90,8 @@ class RoutedDownload:
     def __call__(self, source: Any, destination: Any, *args: Any, **kwargs: Any) -> Any:
         name = None
         sha256 = None
-        if kwargs.get("expected_sha256") is None and not getattr(_serving, "active", False):
+        if (kwargs.get("expected_sha256") is None and not getattr(_serving, "active", False)
+                and not checksum_disabled()):
             name = _name_under(loader_attr(REPOSITORY_VARIABLE), str(source))
             sha256 = pinned_digest(name) if name is not None else None
         if name is None or sha256 is None:

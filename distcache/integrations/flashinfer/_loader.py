@@ -7,9 +7,16 @@ FlashInfer's own function raises passes through unchanged.
 
 A pool miss asks the peer tier first (:func:`distcache.peer.lookup`: this node's
 agent, which asks the artifact's owner node; bounded by ``LOOKUP_BOUND_S``, never
-raising), then the origin. Two answers are final and FlashInfer's function is not
-asked: a name the origin FlashInfer itself would use says it does not have, and, with
-``DISTCACHE_OFFLINE=1``, a miss while FlashInfer's download cannot be switched off.
+raising), then the origin. Three answers are final and FlashInfer's function is not
+asked: a name the origin FlashInfer itself would use says it does not have, bytes from
+that origin that do not match the sha256 (FlashInfer would download the same bytes and
+reject them), and, with ``DISTCACHE_OFFLINE=1``, a miss while FlashInfer's download
+cannot be switched off.
+
+Only FlashInfer's function answers while ``FLASHINFER_CUBIN_CHECKSUM_DISABLED`` is set
+(it then returns the file in its cubin directory whatever its sha256), and for names
+the pool cannot store but that stay inside a directory (``pin/./a.cubin``). A name
+that could leave the directory (an absolute path, a ``..`` segment) gets ``b""``.
 
 A verified download is never thrown away: when the pool cannot take it, the caller
 gets the bytes, the failure is logged once per pool, and FlashInfer's function is not
@@ -20,19 +27,23 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import tempfile
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from distcache import _events, peer
 from distcache._log import get_logger
 from distcache.artifact import Artifact, check_sha256, path_under, sha256_hex, validate_name
 from distcache.config import Settings, settings
-from distcache.errors import ArtifactNameError, ArtifactNotFound, PoolError
+from distcache.errors import ArtifactNameError, ArtifactNotFound, IntegrityError, PoolError
+from distcache.integrations.flashinfer._files import Keeping, valid_bytes, write_replacing
 from distcache.integrations.flashinfer._record import Recorder
-from distcache.integrations.flashinfer._upstream import default_origin, no_download
+from distcache.integrations.flashinfer._upstream import (
+    checksum_disabled,
+    default_origin,
+    no_download,
+)
 
 if TYPE_CHECKING:
     from distcache.origins import Origin
@@ -83,21 +94,38 @@ def _matches(name: str, globs: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, g) for g in globs)
 
 
+def _escape(file_name: Any) -> str | None:
+    """Why joining ``file_name`` onto a directory could leave it (an absolute path, a
+    ``..`` segment), or ``None`` when it cannot (other odd names are FlashInfer's)."""
+    try:
+        name = os.fspath(file_name)
+    except TypeError:
+        return None
+    if not isinstance(name, str):
+        return None
+    if name.startswith("/"):
+        return "absolute path"
+    if ".." in name.split("/"):
+        return "'..' segment"
+    return None
+
+
 class LoaderStats:
     """What the loader did in this process (for logs and tests)."""
 
     def __init__(self) -> None:
-        self.hits = 0  #: served from the pool
+        self.hits = 0  #: served from the pool (also after waiting for another download)
         self.local = 0  #: found valid in FLASHINFER_CUBIN_DIR and added to the pool
-        self.fetched = 0  #: fetched from the origin through the pool (or the owner's agent)
+        self.fetched = 0  #: fetched from the origin by this process (or the owner's agent)
         self.peer = 0  #: copied from another node's agent (the artifact's owner)
         self.peer_fallbacks = 0  #: the node's agent asked the origin: no owner answered
         self.peer_failed = 0  #: the peer tier did not serve in its bound; the origin then
         self.passthrough = 0  #: not a pooled family: FlashInfer's own function
         self.fallbacks = 0  #: distcache failed; FlashInfer's own function answered
-        self.rejected = 0  #: unsafe name: answered ``b""`` without touching a file
+        self.rejected = 0  #: a name that could leave the directory: ``b""``, nothing touched
         self.offline_misses = 0  #: DISTCACHE_OFFLINE and not in the pool
         self.not_found = 0  #: FlashInfer's own origin has no such artifact: final
+        self.mismatched = 0  #: FlashInfer's own origin sent other bytes than the sha256: final
         self.unpublished = 0  #: downloaded and served, but the pool could not take it
         self.failures: dict[str, str] = {}  #: name -> first reason
 
@@ -131,8 +159,9 @@ class PooledLoader:
         seed_dirs: read-only directories (an installed ``flashinfer-cubin``) whose
             valid files are served and added to the pool, never written to.
         offline: never fetch; a miss is logged with :func:`fetch_hint`.
-        final_not_found: an :class:`~distcache.errors.ArtifactNotFound` from the
-            origin is final (the origin is FlashInfer's own repository).
+        final_not_found: an :class:`~distcache.errors.ArtifactNotFound` or
+            :class:`~distcache.errors.IntegrityError` from the origin is final (the
+            origin is FlashInfer's own repository).
     """
 
     def __init__(self, pool: ArtifactPool, original: GetArtifact, *, origin: Origin | None = None,
@@ -164,16 +193,21 @@ class PooledLoader:
         return self._fallback(file_name, sha256, session)
 
     def _load(self, file_name: Any, sha256: Any) -> bytes | object:
+        escape = _escape(file_name)
+        if escape is not None:
+            # FlashInfer would join the name onto its cache directory and write there;
+            # a name that leaves it gets FlashInfer's failure answer and touches nothing.
+            self._note("rejected", repr(file_name), escape)
+            return b""
+        if checksum_disabled():
+            # FlashInfer then returns whatever file its cubin directory holds (a kernel
+            # being developed): only its own function answers, and nothing is replaced.
+            self._bump("passthrough")
+            return _ASK_FLASHINFER
         try:
             name = validate_name(file_name)
-        except ArtifactNameError as exc:
-            # FlashInfer would join the name onto its cache directory and write there;
-            # an unsafe name gets FlashInfer's failure answer and touches nothing.
-            self._note("rejected", repr(file_name), getattr(exc, "reason", str(exc)))
-            return b""
-        try:
             check_sha256(sha256)
-        except ValueError:
+        except ValueError:  # a name the pool cannot store, or not a sha256
             self._bump("passthrough")
             return _ASK_FLASHINFER
         if not self.families.is_pooled(name):
@@ -193,6 +227,17 @@ class PooledLoader:
                       "has no such file, so its download of the same URL is not tried",
                       name, sha256, exc)
             _events.emit("flashinfer.not_found", name=name, sha256=sha256, reason=str(exc))
+            return b""
+        except IntegrityError as exc:
+            if not self.final_not_found:
+                self._note("fallbacks", name, f"{type(exc).__name__}: {exc}")
+                return _ASK_FLASHINFER
+            # FlashInfer would download the same URL once more and get the same bytes,
+            # which fail its own check: its answer is b"".
+            self._bump("mismatched")
+            log.error("flashinfer artifact %s (sha256 %s): %s; FlashInfer's own download of "
+                      "the same URL is not tried", name, sha256, exc)
+            _events.emit("flashinfer.mismatch", name=name, sha256=sha256, reason=str(exc))
             return b""
         except Exception as exc:
             self._note("fallbacks", name, f"{type(exc).__name__}: {exc}")
@@ -227,10 +272,10 @@ class PooledLoader:
             self._bump("hits")
             return data, False, True
         root = self.cubin_dir()
-        data = _valid_bytes(root, artifact) if root is not None else None
+        data = valid_bytes(root, artifact) if root is not None else None
         in_cubin_dir = data is not None
         for seed in () if in_cubin_dir else self.seed_dirs():
-            data = _valid_bytes(seed, artifact)
+            data = valid_bytes(seed, artifact)
             if data is not None:
                 break
         if data is not None:
@@ -248,7 +293,7 @@ class PooledLoader:
         if peered is not None:
             return peered, False, self.pool.has(artifact.sha256)
         origin = self.origin if self.origin is not None else default_origin()
-        keeping = _Keeping(origin)
+        keeping = Keeping(origin)
         try:
             data = self.pool.fetch(artifact, keeping)
         except PoolError as exc:
@@ -260,7 +305,8 @@ class PooledLoader:
                 origin.fetch(artifact))
             self._bump("fetched")
             return data, False, False
-        self._bump("fetched")
+        # Another thread or process may have fetched it while this one waited.
+        self._bump("fetched" if keeping.called else "hits")
         return data, False, True
 
     def _from_peers(self, artifact: Artifact) -> bytes | None:
@@ -299,7 +345,7 @@ class PooledLoader:
         root = self.cubin_dir()
         if root is None:
             return
-        if _valid_bytes(root, artifact) is not None:
+        if valid_bytes(root, artifact) is not None:
             return
         if data is None:
             self.pool.materialize(artifact, Path(root))
@@ -344,57 +390,3 @@ class PooledLoader:
                 self.stats.failures[name] = reason
         if first:
             log.warning("flashinfer artifact %s: %s; using FlashInfer's own loader", name, reason)
-
-
-class _Keeping:
-    """``origin``, keeping a copy of the verified bytes it delivered to the pool, so
-    that a publication that fails after them does not cost a second download."""
-
-    def __init__(self, origin: Origin) -> None:
-        self._origin = origin
-        self.kept: bytes | None = None
-
-    def describe(self) -> str:
-        return self._origin.describe()
-
-    def fetch(self, artifact: Artifact) -> bytes:
-        self.kept = self._origin.fetch(artifact)
-        return self.kept
-
-    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
-        if not hasattr(self._origin, "fetch_into"):
-            data = self.fetch(artifact)
-            out.write(data)
-            return len(data)
-        start = out.tell()
-        size = self._origin.fetch_into(artifact, out)
-        try:
-            # The pool's own temporary file: read back what was just written (page cache).
-            out.seek(start)
-            self.kept = out.read()
-        except (OSError, ValueError):
-            self.kept = None
-        return size
-
-
-def _valid_bytes(root: Path, artifact: Artifact) -> bytes | None:
-    """The bytes of ``root/<name>`` when that file exists and matches the sha256."""
-    try:
-        data = path_under(Path(root), artifact.name).read_bytes()
-    except OSError:
-        return None
-    return data if sha256_hex(data) == artifact.sha256 else None
-
-
-def write_replacing(target: Path, data: bytes) -> None:
-    """Write ``data`` to ``target`` whole (a temporary file beside it renamed over it: a
-    reader sees the old file or the new one, never a part); ``OSError`` as it comes."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".distcache-", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-        os.replace(tmp, target)
-    except BaseException:
-        os.unlink(tmp)
-        raise

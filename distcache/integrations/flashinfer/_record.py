@@ -22,6 +22,8 @@ removed opens a new one. The record is bounded: at most :data:`MAX_ENTRIES` name
 are kept, the least recently recorded dropped first. A name recorded with two digests
 (FlashInfer was upgraded) keeps the newest (the later file by modification time, the
 later line within a file), with one warning, and the compacted file holds only that.
+The merged file counts as written at the time of its newest source, so a process that
+started before an upgrade and finishes after it cannot bring an older digest back.
 """
 
 from __future__ import annotations
@@ -263,9 +265,14 @@ def _compact(root: Path, max_entries: int) -> dict[str, tuple[str, str]]:
     held: list[tuple[Path, int]] = []
     try:
         newest = 0
+        # The merged file and the finished ones are merged oldest first, so the newest
+        # digest wins even when a process that was running at the last compaction
+        # wrote an older one (a tie puts the finished file last).
+        sources: list[tuple[int, bool, Path]] = []
         for mtime, path in _record_files(root):
             if path == compact:
                 newest = max(newest, mtime)
+                sources.append((mtime, False, path))
             if not mine.fullmatch(path.name):
                 continue
             try:
@@ -278,11 +285,11 @@ def _compact(root: Path, max_entries: int) -> dict[str, tuple[str, str]]:
                 os.close(fd)
                 continue
             held.append((path, fd))
+            sources.append((mtime, True, path))
             newest = max(newest, mtime)
         if not held:
             return {}
-        sources = ([compact] if compact.exists() else []) + [path for path, _fd in held]
-        entries, conflicts = _newest(_read_files(sources))
+        entries, conflicts = _newest(_read_files([source[2] for source in sorted(sources)]))
         kept = list(entries.items())[-max_entries:]
         tmp = root / f".{host}.{os.getpid()}.compact.tmp"
         try:

@@ -32,6 +32,7 @@ ARTIFACTS_MODULE = "flashinfer.artifacts"
 REPOSITORY_VARIABLE = "FLASHINFER_CUBINS_REPOSITORY"
 CUBIN_DIR_VARIABLE = "FLASHINFER_CUBIN_DIR"
 NO_DOWNLOAD_VARIABLE = "FLASHINFER_NO_DOWNLOAD"
+CHECKSUM_DISABLED_VARIABLE = "FLASHINFER_CUBIN_CHECKSUM_DISABLED"
 
 # The wrapper's default origin per spec: FlashInfer's loader is one module-level
 # function per process, so its misses share one origin (one connection pool).
@@ -113,6 +114,13 @@ def repository() -> str | None:
 def no_download() -> bool:
     """FlashInfer's ``FLASHINFER_NO_DOWNLOAD``: any non-empty value forbids downloads."""
     return bool(os.environ.get(NO_DOWNLOAD_VARIABLE))
+
+
+def checksum_disabled() -> bool:
+    """FlashInfer's ``FLASHINFER_CUBIN_CHECKSUM_DISABLED``: any non-empty value makes its
+    loader return the file in its cubin directory whatever its sha256 (read per call,
+    as FlashInfer does)."""
+    return bool(os.environ.get(CHECKSUM_DISABLED_VARIABLE))
 
 
 def forbid_downloads() -> bool:

@@ -1,0 +1,71 @@
+"""Files and bytes the loader wrapper handles: the files in FlashInfer's cubin
+directory, writing one whole, and an origin that keeps what it delivered."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
+
+from distcache.artifact import Artifact, path_under, sha256_hex
+
+if TYPE_CHECKING:
+    from distcache.origins import Origin
+
+
+class Keeping:
+    """``origin``, keeping a copy of the verified bytes it delivered to the pool, so
+    that a publication that fails after them does not cost a second download."""
+
+    def __init__(self, origin: Origin) -> None:
+        self._origin = origin
+        self.kept: bytes | None = None
+        self.called = False  #: the origin was asked (this process downloaded)
+
+    def describe(self) -> str:
+        return self._origin.describe()
+
+    def fetch(self, artifact: Artifact) -> bytes:
+        self.called = True
+        self.kept = self._origin.fetch(artifact)
+        return self.kept
+
+    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
+        if not hasattr(self._origin, "fetch_into"):
+            data = self.fetch(artifact)
+            out.write(data)
+            return len(data)
+        self.called = True
+        start = out.tell()
+        size = self._origin.fetch_into(artifact, out)
+        try:
+            # The pool's own temporary file: read back what was just written (page cache).
+            out.seek(start)
+            self.kept = out.read()
+        except (OSError, ValueError):
+            self.kept = None
+        return size
+
+
+def valid_bytes(root: Path, artifact: Artifact) -> bytes | None:
+    """The bytes of ``root/<name>`` when that file exists and matches the sha256."""
+    try:
+        data = path_under(Path(root), artifact.name).read_bytes()
+    except OSError:
+        return None
+    return data if sha256_hex(data) == artifact.sha256 else None
+
+
+def write_replacing(target: Path, data: bytes) -> None:
+    """Write ``data`` to ``target`` whole (a temporary file beside it renamed over it: a
+    reader sees the old file or the new one, never a part); ``OSError`` as it comes."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".distcache-", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise
