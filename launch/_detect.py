@@ -321,3 +321,22 @@ def detect(environ: Mapping[str, str] = os.environ, *, hostname: str | None = No
         master_port=port,
         source=tuple(dict.fromkeys(source)),
     )
+
+
+def check_mpi_place(info: LaunchInfo, rank: int, size: int) -> None:
+    """Raise unless MPI's ``rank`` and ``size`` are where the launcher's variables
+    place this process.
+
+    Raises:
+        LaunchError: they differ (mpi4py linked to another MPI than the one that
+            started the job runs every rank alone, as rank 0 of 1).
+    """
+    if (rank, size) == (info.rank, info.world_size):
+        return
+    raise LaunchError(
+        f"the environment says rank {info.rank} of {info.world_size} ({info.launcher}) "
+        f"but MPI says rank {rank} of {size}; mpi4py is probably linked to a different "
+        "MPI than the mpirun that started this job",
+        variable=info.source[0] if info.source else "",
+        value=str(info.rank),
+    )

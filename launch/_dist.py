@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from distcache._log import get_logger
 from distcache.config import settings
 from distcache.errors import CollectiveTimeout, CommError, LaunchError
-from launch._detect import LaunchInfo, detect
+from launch._detect import LaunchInfo, check_mpi_place, detect
 from launch._mpiwire import allgather_str, bcast_message
 from launch._rendezvous import host_store
 
@@ -125,14 +125,7 @@ def _mpi_world(info: LaunchInfo) -> Any:
             rank=info.rank,
         ) from exc
     comm = MPI.COMM_WORLD
-    if comm.Get_size() != info.world_size or comm.Get_rank() != info.rank:
-        raise LaunchError(
-            f"the environment says rank {info.rank} of {info.world_size} ({info.launcher}) "
-            f"but MPI says rank {comm.Get_rank()} of {comm.Get_size()}; mpi4py is probably "
-            "linked to a different MPI than the mpirun that started this job",
-            variable=info.source[0] if info.source else "",
-            value=str(info.rank),
-        )
+    check_mpi_place(info, comm.Get_rank(), comm.Get_size())
     return comm
 
 

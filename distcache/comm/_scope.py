@@ -40,6 +40,7 @@ never unpickled. The secret is never logged: it is left out of ``repr``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -55,6 +56,7 @@ NONCE_BYTES = 16
 SECRET_BYTES = 32
 _NONCE = re.compile(rb"[0-9a-f]{%d}" % (2 * NONCE_BYTES))
 _ANSWER = re.compile(rb"([0-9a-f]{%d}):([0-9]{1,9})" % (2 * NONCE_BYTES))
+_ABANDONED = re.compile(rb"abandoned:([0-9]{1,9})")
 #: The longest pause of rank 0 between two looks at the ranks' keys.
 _STEP_MAX_S = 0.5
 
@@ -169,11 +171,12 @@ def meet(store: Any, rank: int, size: int, job: str, attempt: int,
             nonce = os.urandom(NONCE_BYTES).hex()
             where = f"{root}/hello"
             missing = _answer_all(store, root, size, nonce, attempt, until)
-            if missing is not None:
-                _give_up(store, f"{root}/{nonce}", rank, size, missing)
             where = f"{root}/{nonce}/state"
+            if missing is not None:
+                _decided(store, f"{root}/{nonce}", rank, size, bytes(store.compare_set(
+                    where, "", f"abandoned:{rank}")), missing=missing)
             _decided(store, f"{root}/{nonce}", rank, size, bytes(
-                store.compare_set(where, "", "complete")), mine="")
+                store.compare_set(where, "", "complete")))
             return nonce, attempt
         token = os.urandom(NONCE_BYTES).hex()
         store.set(where, token)
@@ -185,10 +188,15 @@ def meet(store: Any, rank: int, size: int, job: str, attempt: int,
                             "answer; something other than distcache wrote it",
                             op="rendezvous", rank=rank, backend="gloo")
         nonce, agreed = answer.group(1).decode(), int(answer.group(2))
+        _forget(store, where)
         where = f"{root}/{nonce}/in/{rank}"
         store.set(where, token)
+        store.add(f"{root}/{nonce}/arrived", 1)
         where = f"{root}/{nonce}/state"
-        _all_came(store, f"{root}/{nonce}", rank, size, until)
+        try:
+            _all_came(store, f"{root}/{nonce}", rank, size, until)
+        finally:
+            _forget(store, f"{root}/{nonce}/in/{rank}")
         return nonce, agreed
     except DistcacheError:
         raise  # already ours (a CollectiveTimeout is an OSError too)
@@ -199,9 +207,11 @@ def meet(store: Any, rank: int, size: int, job: str, attempt: int,
                 f"{where!r} ({exc})", op="rendezvous", rank=rank, backend="gloo",
             ) from exc
         if _timed_out(exc):
+            what = (f"the rendezvous store did not answer rank 0 at {where!r} in time"
+                    if rank == 0 else f"rank 0 did not open distcache's adoption (no answer "
+                    f"under {where!r}) in time")
             raise CollectiveTimeout(
-                f"rank {rank}/{size}: rank 0 did not open distcache's adoption (no answer "
-                f"under {where!r}) in time ({exc}); every rank must call distcache.init "
+                f"rank {rank}/{size}: {what} ({exc}); every rank must call distcache.init "
                 "(or the same collective) within the timeout",
                 op="rendezvous", rank=rank,
             ) from exc
@@ -212,52 +222,72 @@ def meet(store: Any, rank: int, size: int, job: str, attempt: int,
 def _answer_all(store: Any, root: str, size: int, nonce: str, attempt: int,
                 until: float) -> int | None:
     """Rank 0's side of every rank's handshake: answer the token of each hello, and
-    read the hellos again (an earlier process's may still be there) until every rank
-    counted itself in; None then, else the lowest rank missing when ``until`` passes.
-    Keys are looked at (``check``), never waited on: a store client logs each wait
-    that times out."""
+    read the hellos of the ranks not counted in yet again (an earlier process's may
+    still be there) until every rank has counted itself in; None then, else the lowest
+    rank missing when ``until`` passes. One counter says when every rank is in, so a
+    pass costs a round trip when all have come and a few per rank still missing. Keys
+    are looked at (``check``), never waited on: a store client logs each wait that
+    times out.
+
+    Raises:
+        CollectiveTimeout: another rank gave up on the meeting meanwhile.
+    """
+    meeting = f"{root}/{nonce}"
     answered: dict[int, str] = {}
     pending = list(range(1, size))
     pause = 0.001
     while pending:
         for peer in pending:
+            if time.monotonic() >= until:
+                return pending[0]
+            if peer in answered and store.check([f"{meeting}/in/{peer}"]):
+                continue
             hello = f"{root}/hello/{peer}"
             if store.check([hello]):
                 token = parse_nonce(bytes(store.get(hello)), hello)
-                if answered.get(peer) != token:
+                before = answered.get(peer)
+                if before != token:
+                    if before is not None:  # an earlier process's: nobody reads it now
+                        _forget(store, f"{root}/ack/{peer}/{before}")
                     store.set(f"{root}/ack/{peer}/{token}", f"{nonce}:{attempt}")
                     answered[peer] = token
-        pending = [p for p in pending
-                   if not (p in answered and store.check([f"{root}/{nonce}/in/{p}"]))]
-        if not pending:
+        if int(store.add(f"{meeting}/arrived", 0)) >= size - 1:
             return None
+        if store.check([f"{meeting}/state"]):  # a rank gave up: say so at once
+            _decided(store, meeting, 0, size, bytes(store.get(f"{meeting}/state")))
+        pending = [p for p in pending
+                   if not (p in answered and store.check([f"{meeting}/in/{p}"]))]
         left = until - time.monotonic()
         if left <= 0:
-            return pending[0]
+            return pending[0] if pending else None
         time.sleep(min(pause, left))
         pause = min(pause * 2, _STEP_MAX_S)
     return None
 
 
-def _give_up(store: Any, meeting: str, rank: int, size: int, missing: int) -> None:
-    """Rank 0 gives up on ``meeting``, still missing rank ``missing``: every rank that
-    came reads the same outcome."""
-    outcome = bytes(store.compare_set(f"{meeting}/state", "", "abandoned"))
-    _decided(store, meeting, rank, size, outcome, mine="abandoned", missing=missing)
+def _forget(store: Any, key: str) -> None:
+    """Delete ``key`` where the store can (every adoption would otherwise leave keys
+    in proportion to the ranks on a store that lives as long as the job)."""
+    delete = getattr(store, "delete_key", None)
+    if delete is not None:
+        with contextlib.suppress(RuntimeError, OSError):
+            delete(key)
 
 
 def _decided(store: Any, meeting: str, rank: int, size: int, outcome: bytes, *,
-             mine: str, missing: int | None = None) -> None:
-    """Return if ``outcome`` (the meeting's state) is complete; raise otherwise."""
+             missing: int | None = None) -> None:
+    """Return if ``outcome`` (the meeting's state) is complete; raise otherwise: it is
+    ``abandoned:<rank>``, naming the rank that gave up first."""
     if outcome == b"complete":
         return
-    if outcome != b"abandoned":
+    gave_up = _ABANDONED.fullmatch(outcome)
+    if gave_up is None:
         raise CommError(f"the store key {meeting}/state holds {outcome[:80]!r}, not "
                         "distcache's meeting state; something other than distcache wrote "
                         "it", op="rendezvous", rank=rank, backend="gloo")
-    who = "this rank" if mine else "another rank"
-    lacking = (f", rank {missing} of {size} not come" if missing is not None
-               else f", not all {size} ranks come")
+    first = int(gave_up.group(1))
+    who = "this rank" if first == rank else f"rank {first}"
+    lacking = f", rank {missing} of {size} not come" if missing is not None else ""
     raise CollectiveTimeout(
         f"rank {rank}/{size}: {who} gave up on distcache's adoption under {meeting!r}"
         f"{lacking}; every rank must call distcache.init (or the same collective) within "
@@ -276,16 +306,14 @@ def _all_came(store: Any, meeting: str, rank: int, size: int, until: float) -> N
         CommError: the state key holds something else.
     """
     state = f"{meeting}/state"
-    mine = ""
     try:
         store.wait([state], _wait_for(until))
         outcome = bytes(store.get(state))
     except RuntimeError as exc:
         if not _timed_out(exc):
             raise
-        mine = "abandoned"
-        outcome = bytes(store.compare_set(state, "", mine))
-    _decided(store, meeting, rank, size, outcome, mine=mine)
+        outcome = bytes(store.compare_set(state, "", f"abandoned:{rank}"))
+    _decided(store, meeting, rank, size, outcome)
 
 
 def share_secret(comm: Communicator, until: float) -> bytes:

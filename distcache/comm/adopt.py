@@ -42,7 +42,7 @@ from distcache.comm._local import LocalCommunicator
 from distcache.comm._mpi import MpiCommunicator
 from distcache.comm._scope import RunScope, StoreLost, drawn, fresh, scope_of
 from distcache.config import settings
-from distcache.errors import DistcacheError, LaunchError
+from distcache.errors import DistcacheError
 from launch import LaunchInfo, detect, run_id
 
 __all__ = ["Adopted", "Choice", "adopt", "auto", "choose", "launcher_is_mpi",
@@ -171,21 +171,12 @@ def adopt(
 
 
 def _check_mpi_world(info: LaunchInfo, mpi: MpiCommunicator) -> None:
-    """Raise unless MPI places this process where the launcher's variables do.
+    """Raise unless MPI places this process where the launcher's variables do
+    (:func:`launch._detect.check_mpi_place`; LaunchError)."""
+    if info.is_mpi:
+        from launch._detect import check_mpi_place
 
-    Raises:
-        LaunchError: MPI's rank or size differs from the launcher's (mpi4py linked to
-            another MPI than the one that started the job runs every rank alone).
-    """
-    if not info.is_mpi or (mpi.rank, mpi.size) == (info.rank, info.world_size):
-        return
-    raise LaunchError(
-        f"the environment says rank {info.rank} of {info.world_size} ({info.launcher}) "
-        f"but MPI says rank {mpi.rank} of {mpi.size}; mpi4py is probably linked to a "
-        "different MPI than the mpirun that started this job",
-        variable=info.source[0] if info.source else "",
-        value=str(info.rank),
-    )
+        check_mpi_place(info, mpi.rank, mpi.size)
 
 
 def _gloo(info: LaunchInfo, env: Mapping[str, str], run: tuple[str, int], wait: float,

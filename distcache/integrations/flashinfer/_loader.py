@@ -218,26 +218,19 @@ class PooledLoader:
             data, in_cubin_dir, pooled = self._resolve(artifact)
             if data is not None and not in_cubin_dir and self.families.is_materialized(name):
                 self._materialize(artifact, None if pooled else data)
-        except ArtifactNotFound as exc:
+        except (ArtifactNotFound, IntegrityError) as exc:
             if not self.final_not_found:
                 self._note("fallbacks", name, f"{type(exc).__name__}: {exc}")
                 return _ASK_FLASHINFER
-            self._bump("not_found")
-            log.error("flashinfer artifact %s (sha256 %s): %s; FlashInfer's own repository "
-                      "has no such file, so its download of the same URL is not tried",
-                      name, sha256, exc)
-            _events.emit("flashinfer.not_found", name=name, sha256=sha256, reason=str(exc))
-            return b""
-        except IntegrityError as exc:
-            if not self.final_not_found:
-                self._note("fallbacks", name, f"{type(exc).__name__}: {exc}")
-                return _ASK_FLASHINFER
-            # FlashInfer would download the same URL once more and get the same bytes,
-            # which fail its own check: its answer is b"".
-            self._bump("mismatched")
+            # FlashInfer's own repository answered: FlashInfer would download the same
+            # URL once more and get the same answer (no file, or bytes that fail its
+            # own check); its answer is b"".
+            kind = "not_found" if isinstance(exc, ArtifactNotFound) else "mismatched"
+            self._bump(kind)
             log.error("flashinfer artifact %s (sha256 %s): %s; FlashInfer's own download of "
                       "the same URL is not tried", name, sha256, exc)
-            _events.emit("flashinfer.mismatch", name=name, sha256=sha256, reason=str(exc))
+            _events.emit("flashinfer.not_found" if kind == "not_found" else
+                         "flashinfer.mismatch", name=name, sha256=sha256, reason=str(exc))
             return b""
         except Exception as exc:
             self._note("fallbacks", name, f"{type(exc).__name__}: {exc}")
