@@ -216,6 +216,11 @@ class Durability:
             for directory in sorted(directories):
                 fsync_dir(directory)
         except OSError as exc:
+            if isinstance(exc, FileNotFoundError) and not os.path.lexists(self.root):
+                # The pool was removed meanwhile (a finished job's scratch pool, an
+                # operator's rm -rf): nothing of it is left to make durable.
+                logger.debug("%s is gone: nothing to flush", self.root)
+                return
             raise pool_error("cannot flush published objects under", self.root, exc) from exc
 
 

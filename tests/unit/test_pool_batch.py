@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import signal
 import threading
@@ -210,6 +211,31 @@ def test_a_batch_that_does_not_wait_logs_a_failed_flush(
     assert pool.get(sha) == b"kept and readable"
     assert any("cannot flush" in r.getMessage() and r.levelname == "ERROR"
                for r in caplog.records)
+
+
+def test_a_flush_in_the_background_of_a_pool_removed_meanwhile_is_not_an_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import shutil
+
+    monkeypatch.setattr(_durability.Durability, "flush_delay", 0.3)
+    caplog.set_level(logging.DEBUG, logger="distcache")
+    for syncfs in (True, False):  # one syncfs, or an fsync per file and directory
+        if not syncfs:
+            monkeypatch.setattr(_durability, "sync_filesystem", lambda path: False)
+        root = tmp_path / f"pool-{syncfs}"
+        pool = ArtifactPool(root)
+        with pool.batch(wait=False):
+            pool.put(b"published, then the pool is removed")
+        shutil.rmtree(root)  # a job's scratch pool, gone before its flush ran
+        for thread in _threads("distcache-flush"):
+            thread.join(30)
+        assert not any(r.levelno >= logging.WARNING for r in caplog.records), [
+            r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        # One syncfs of a directory that is gone: said at DEBUG. File by file, what is
+        # gone is skipped as a file collected meanwhile is.
+        assert any("is gone: nothing to flush" in r.getMessage()
+                   for r in caplog.records) == syncfs
+        caplog.clear()
 
 
 def _threads(name: str) -> list[threading.Thread]:
