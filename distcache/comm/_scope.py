@@ -237,10 +237,12 @@ def _answer_all(store: Any, root: str, size: int, nonce: str, attempt: int,
     pending = list(range(1, size))
     pause = 0.001
     while pending:
+        counted = set()
         for peer in pending:
             if time.monotonic() >= until:
                 return pending[0]
             if peer in answered and store.check([f"{meeting}/in/{peer}"]):
+                counted.add(peer)
                 continue
             hello = f"{root}/hello/{peer}"
             if store.check([hello]):
@@ -255,8 +257,7 @@ def _answer_all(store: Any, root: str, size: int, nonce: str, attempt: int,
             return None
         if store.check([f"{meeting}/state"]):  # a rank gave up: say so at once
             _decided(store, meeting, 0, size, bytes(store.get(f"{meeting}/state")))
-        pending = [p for p in pending
-                   if not (p in answered and store.check([f"{meeting}/in/{p}"]))]
+        pending = [p for p in pending if p not in counted]
         left = until - time.monotonic()
         if left <= 0:
             return pending[0] if pending else None

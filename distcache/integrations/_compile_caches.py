@@ -208,13 +208,12 @@ def armed_snapshot(family: Family) -> Snapshot | None:
     it holds with the same size; ``None`` (publish at exit regardless) when they do
     not, or when it cannot be told."""
     from distcache.errors import DistcacheError
-    from distcache.jit import read_trees, union
 
     try:
         now = snapshot(family)
         if family.pool is None:
             return None
-        known = union(read_trees(family.pool, family.name, family.key))
+        known = family.merged()  # the trees its materialisation just read
     except (DistcacheError, OSError) as exc:
         log.debug("%s: no snapshot of its directories: %s", family.name, exc)
         return None

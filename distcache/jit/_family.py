@@ -18,6 +18,7 @@ from distcache.jit._place import Placed, Seen, check_owner, materialize_entries,
 from distcache.jit._tree import (
     ConflictLog,
     TreeManifest,
+    Union,
     held_labels,
     latest,
     next_seq,
@@ -176,7 +177,7 @@ class Family:
             PoolError: the pool cannot be read.
         """
         pool = self._pool(pool)
-        merged = union(read_trees(pool, self.name, self.key, cache=self._trees))
+        merged = self.merged(pool)
         self.report.conflicts = self._conflicts.report(self.name, self.key, merged.conflicts)
         entries = sorted(merged.entries.values(), key=lambda e: e.path)
         total = Placed()
@@ -228,6 +229,16 @@ class Family:
                                         self.publisher, next_seq(trees, self.publisher)))
         self.report.published = len(unique)
         return len(unique)
+
+    def merged(self, pool: ArtifactPool | None = None) -> Union:
+        """The union of this key's trees in ``pool`` (default: the bound one), each
+        tree read once per family object, as :meth:`materialize` and :meth:`publish`
+        read them.
+
+        Raises:
+            JitCacheError: no pool is bound and none is given.
+        """
+        return union(read_trees(self._pool(pool), self.name, self.key, cache=self._trees))
 
     def _pool(self, pool: ArtifactPool | None) -> ArtifactPool:
         chosen = pool if pool is not None else self.pool

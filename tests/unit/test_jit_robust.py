@@ -25,12 +25,15 @@ FILES = {"aa/k1.so": b"\x7fELF" + b"1" * 200, "m": b"meta",
          "zz/k2.so": b"\x7fELF" + b"2" * 200, "zz/k3.so": b"\x7fELF" + b"3" * 200}
 
 
-def _built(tmp_path: Path, pool: ArtifactPool) -> None:
+def _built(tmp_path: Path) -> ArtifactPool:
+    """A pool holding one published tree of FILES (the inductor family, KEY)."""
+    pool = ArtifactPool(tmp_path / "pool")
     built = tmp_path / "built"
     for rel, data in FILES.items():
         (built / rel).parent.mkdir(parents=True, exist_ok=True)
         (built / rel).write_bytes(data)
     assert Family(FamilySpec("inductor", KEY, (Root(built),)), pool).publish() == len(FILES)
+    return pool
 
 
 def _label_tree(pool: ArtifactPool, data: bytes) -> None:
@@ -44,8 +47,7 @@ def _label_tree(pool: ArtifactPool, data: bytes) -> None:
                                  b'"files": [[7, "x", 0, 0]]}'])
 def test_a_malformed_tree_object_is_ignored_not_raised(tmp_path: Path, doc: bytes,
                                                        caplog: pytest.LogCaptureFixture) -> None:
-    pool = ArtifactPool(tmp_path / "pool")
-    _built(tmp_path, pool)
+    pool = _built(tmp_path)
     with pytest.raises(JitCacheError, match="malformed tree manifest"):
         TreeManifest.decode(doc)
     _label_tree(pool, doc)
@@ -65,8 +67,7 @@ def test_a_malformed_tree_object_is_ignored_not_raised(tmp_path: Path, doc: byte
 def test_a_tree_label_naming_a_large_object_is_skipped_unread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    pool = ArtifactPool(tmp_path / "pool")
-    _built(tmp_path, pool)
+    pool = _built(tmp_path)
     _label_tree(pool, b"x" * 4096)
     monkeypatch.setattr("distcache.jit._tree.MAX_TREE_BYTES", 1024)
     read: list[str] = []
@@ -89,8 +90,7 @@ def test_a_tree_label_naming_a_large_object_is_skipped_unread(
 def test_a_cache_directory_that_cannot_be_created_is_logged_not_raised(
     tmp_path: Path, blocker: str, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    pool = ArtifactPool(tmp_path / "pool")
-    _built(tmp_path, pool)
+    pool = _built(tmp_path)
     cache = tmp_path / "cache"
     if blocker == "file":
         cache.write_bytes(b"not a directory")
@@ -112,8 +112,7 @@ def test_a_cache_directory_that_cannot_be_created_is_logged_not_raised(
 def test_a_file_where_the_tree_has_a_directory_keeps_its_place_and_the_rest_is_placed(
     tmp_path: Path,
 ) -> None:
-    pool = ArtifactPool(tmp_path / "pool")
-    _built(tmp_path, pool)
+    pool = _built(tmp_path)
     fresh = tmp_path / "fresh"
     fresh.mkdir()
     (fresh / "aa").write_bytes(b"stale")  # where the tree has the directory aa/
@@ -125,8 +124,7 @@ def test_a_file_where_the_tree_has_a_directory_keeps_its_place_and_the_rest_is_p
 
 
 def test_a_cache_directory_that_is_a_symbolic_link_is_refused(tmp_path: Path) -> None:
-    pool = ArtifactPool(tmp_path / "pool")
-    _built(tmp_path, pool)
+    pool = _built(tmp_path)
     real = tmp_path / "real"
     real.mkdir()
     link = tmp_path / "cache"
@@ -250,8 +248,7 @@ def test_inductors_key_names_the_processors_features(tmp_path: Path,
 def test_a_placements_temporary_file_left_by_a_killed_writer_is_removed_once_stale(
     tmp_path: Path,
 ) -> None:
-    pool = ArtifactPool(tmp_path / "pool")
-    _built(tmp_path, pool)
+    pool = _built(tmp_path)
     fresh = tmp_path / "fresh"
     (fresh / "zz").mkdir(parents=True)
     stale = fresh / "zz" / ".k2.so.4242.deadbeef.distcache.tmp"  # a writer killed at it

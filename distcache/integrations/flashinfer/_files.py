@@ -9,26 +9,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from distcache.artifact import Artifact, path_under, sha256_hex
+from distcache.origins._base import Asked
 
 if TYPE_CHECKING:
     from distcache.origins import Origin
 
 
-class Keeping:
-    """``origin``, keeping a copy of the verified bytes it delivered to the pool, so
-    that a publication that fails after them does not cost a second download."""
+class Keeping(Asked):
+    """``origin``, noting whether it was asked (``asked``: this process downloaded)
+    and keeping a copy of the verified bytes it delivered to the pool, so that a
+    publication that fails after them does not cost a second download."""
 
     def __init__(self, origin: Origin) -> None:
-        self._origin = origin
+        super().__init__(origin)
         self.kept: bytes | None = None
-        self.called = False  #: the origin was asked (this process downloaded)
-
-    def describe(self) -> str:
-        return self._origin.describe()
 
     def fetch(self, artifact: Artifact) -> bytes:
-        self.called = True
-        self.kept = self._origin.fetch(artifact)
+        self.kept = super().fetch(artifact)
         return self.kept
 
     def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
@@ -36,9 +33,8 @@ class Keeping:
             data = self.fetch(artifact)
             out.write(data)
             return len(data)
-        self.called = True
         start = out.tell()
-        size = self._origin.fetch_into(artifact, out)
+        size = super().fetch_into(artifact, out)
         try:
             # The pool's own temporary file: read back what was just written (page cache).
             out.seek(start)

@@ -299,7 +299,7 @@ class PooledLoader:
             self._bump("fetched")
             return data, False, False
         # Another thread or process may have fetched it while this one waited.
-        self._bump("fetched" if keeping.called else "hits")
+        self._bump("fetched" if keeping.asked else "hits")
         return data, False, True
 
     def _from_peers(self, artifact: Artifact) -> bytes | None:
