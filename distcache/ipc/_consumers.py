@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 
+from distcache.errors import IpcError
 from distcache.ipc._layout import ABSENT, LEFT, MAPPED, ControlWords, Layout
 
 
@@ -56,9 +57,20 @@ class ConsumerTable:
         self._words = words
         self._layout = layout
 
-    def join(self, index: int) -> None:
-        """Record that this process mapped the pool as consumer ``index``."""
+    def join(self, index: int, pool_id: str | None = None) -> None:
+        """Record that this process mapped the pool as consumer ``index``.
+
+        Raises:
+            IpcError: a live process (this one included) already maps the pool as
+                consumer ``index``: two readers would share one ack word.
+        """
         base = self._layout.consumer(index)
+        if self._words.get(base) == MAPPED and not self.gone(index):
+            raise IpcError(
+                f"consumer {index} of pool {pool_id} is already mapped by pid "
+                f"{self._words.get(base + 1)}, which still maps it; it must close first",
+                pool_id=pool_id,
+            )
         self._words.set(base + 1, os.getpid())
         self._words.set(base + 2, pid_namespace())
         self._words.set(base, MAPPED)

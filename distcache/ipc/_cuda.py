@@ -49,7 +49,7 @@ from distcache.ipc._devmap import pack_handle, stream_handle
 from distcache.ipc._layout import WORD_BYTES, WordArray, align_up
 from distcache.ipc._producer import DEFAULT_SLOTS, ProducerPool
 from distcache.ipc._ref import FeatureRef
-from distcache.ipc._shm import SHM_DIR, ShmPool, create_segment, unlink_quietly
+from distcache.ipc._shm import SHM_DIR, ShmPool, create_segment, segment_name, unlink_quietly
 
 log = get_logger(__name__)
 
@@ -90,7 +90,7 @@ class CudaPool(ProducerPool):
         self._host: ShmPool | None = None
         self._stream = 0
         self._slot_streams: dict[int, int] = {}
-        self.segment = f"distcache.{self.pool_id}.{self.epoch:x}"
+        self.segment = segment_name(self.pool_id, self.epoch)
         self.path = os.path.join(SHM_DIR, self.segment)
         self._ptr = 0
         #: Why this pool cannot be exported with CUDA IPC ("" when it can): the

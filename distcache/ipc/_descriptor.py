@@ -10,7 +10,7 @@ import struct
 from dataclasses import dataclass
 
 from distcache.errors import IpcError
-from distcache.ipc._layout import Layout
+from distcache.ipc._layout import ALIGNMENT, Layout
 from distcache.ipc._wire import BACKENDS, MAX_BYTES, bad, check_int, check_pool_id, decode
 
 _DESC_MAGIC = b"DCP"
@@ -66,10 +66,14 @@ class PoolDescriptor:
             raise bad(f"device={self.device!r} must be -1 (host) or a device index", pid)
         if self.slots == 0 or Layout(self.slots, self.ack_words).words * 4 > self.data_start:
             raise bad("control words overlap the data region", pid)
+        if self.data_start % ALIGNMENT:
+            raise bad(f"data_start={self.data_start} is not aligned to {ALIGNMENT} bytes", pid)
         if not isinstance(self.consumers, tuple) or len(self.consumers) > self.ack_words:
             raise bad(f"{self.consumers!r} consumers exceed {self.ack_words} ack words", pid)
         for rank in self.consumers:
             check_int("consumer rank", rank, 0xFFFFFFFF, pid)
+        if len(set(self.consumers)) != len(self.consumers):
+            raise bad(f"consumer ranks {list(self.consumers)} repeat a rank", pid)
         if not isinstance(self.handle, bytes) or not 0 < len(self.handle) <= 0xFFFF:
             raise bad("handle must be 1-65535 bytes", pid)
         if not isinstance(self.node_id, str) or len(self.node_id.encode()) > 255:
@@ -113,6 +117,8 @@ class PoolDescriptor:
         Raises:
             IpcError: the bytes are not a valid descriptor of a supported version.
         """
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise bad(f"expected bytes for a pool descriptor, got {type(data).__name__}")
         return decode(cls._unpack, data, "pool descriptor")
 
     @classmethod

@@ -102,7 +102,7 @@ class Entry:
         self.words = mapping.words.array
         self.host = mapping.host_ready
         self.table = ConsumerTable(mapping.words, layout)
-        self.table.join(index)
+        self.table.join(index, descriptor.pool_id)
         self._whole: Any = None
         #: dtype name -> (the segment viewed as that dtype, its storage offset, itemsize)
         self._typed: dict[str, tuple[Any, int, int]] = {}

@@ -142,6 +142,12 @@ class ProducerPool:
                 ack words per slot.
         """
         ranks = self._explicit if self._explicit is not None else tuple(int(r) for r in consumers)
+        if self._bound and (owner, ranks) != (self.owner, self.consumers):
+            raise IpcError(
+                f"pool {self.pool_id} is already bound to owner {self.owner} and consumers "
+                f"{list(self.consumers or ())}; consumers map it by those indices",
+                pool_id=self.pool_id,
+            )
         if len(set(ranks)) != len(ranks):
             raise IpcError(
                 f"pool {self.pool_id}: consumer ranks {list(ranks)} repeat a rank",
@@ -219,9 +225,12 @@ class ProducerPool:
             raise IpcError(
                 "put() needs a contiguous tensor; call .contiguous() first", pool_id=self.pool_id
             )
+        # A lazy conjugate or negative view stores its values, not the raw memory.
+        tensor = tensor.resolve_conj().resolve_neg()
         audience = self._audience(consumers)
         dtype = str(tensor.dtype).removeprefix("torch.")
         nbytes = int(tensor.numel()) * itemsize(dtype)
+        carried = self.descriptor() if with_descriptor else None
         with self._lock:
             self._check_open()
             alloc = self._allocator()
@@ -256,7 +265,7 @@ class ProducerPool:
             strides=tuple(int(s) for s in tensor.stride()),
             slot=lease.slot,
             generation=lease.generation,
-            descriptor=self.descriptor() if with_descriptor else None,
+            descriptor=carried,
         )
 
     def _audience(self, consumers: Sequence[int] | None) -> tuple[int, ...] | None:

@@ -144,6 +144,7 @@ class PoolRegistry:
                 pool_id=descriptor.pool_id,
             )
         with self._lock:
+            self._check_open()
             old = self._entries.get(descriptor.pool_id)
             if old is not None and descriptor.epoch <= old.descriptor.epoch:
                 if descriptor.epoch == old.descriptor.epoch:
@@ -159,10 +160,13 @@ class PoolRegistry:
                     pool_id=descriptor.pool_id,
                 )
             mapping = open_mapping(descriptor, self.device)
+            try:
+                entry = Entry(mapping, descriptor, descriptor.consumers.index(self.rank))
+            except BaseException:
+                mapping.close()
+                raise
             self.opens[descriptor.pool_id] = self.opens.get(descriptor.pool_id, 0) + 1
-            self._entries[descriptor.pool_id] = Entry(
-                mapping, descriptor, descriptor.consumers.index(self.rank)
-            )
+            self._entries[descriptor.pool_id] = entry
             if old is not None:
                 log.info(
                     "pool %s restarted (epoch %d -> %d); remapped",

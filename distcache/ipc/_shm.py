@@ -15,6 +15,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import stat
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,10 +49,10 @@ def create_segment(path: str, size: int, pool_id: str) -> mmap.mmap:
         PoolError: ``/dev/shm`` has too little free space, or creating it failed.
     """
     try:
-        stat = os.statvfs(SHM_DIR)
+        vfs = os.statvfs(SHM_DIR)
     except OSError as exc:
         raise PoolError(f"cannot use {SHM_DIR}: {exc}", path=SHM_DIR) from exc
-    free = stat.f_bavail * stat.f_frsize
+    free = vfs.f_bavail * vfs.f_frsize
     if size > free:
         raise PoolError(
             f"IPC pool {pool_id} needs {size} bytes of {SHM_DIR} but only {free} are "
@@ -93,6 +94,13 @@ def open_segment(name: str, size: int, descriptor: PoolDescriptor) -> mmap.mmap:
             f"pool {descriptor.pool_id}: {name!r} is not a distcache segment name",
             pool_id=descriptor.pool_id,
         )
+    expected = segment_name(descriptor.pool_id, descriptor.epoch)
+    if name != expected:
+        raise IpcError(
+            f"pool {descriptor.pool_id} epoch {descriptor.epoch}: handle names segment "
+            f"{name!r}, not its own {expected!r}",
+            pool_id=descriptor.pool_id,
+        )
     path = os.path.join(SHM_DIR, name)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -105,7 +113,14 @@ def open_segment(name: str, size: int, descriptor: PoolDescriptor) -> mmap.mmap:
             pool_id=descriptor.pool_id,
         ) from exc
     try:
-        found = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise IpcError(
+                f"segment {path} of pool {descriptor.pool_id} is not a regular file owned by "
+                f"this user (mode {st.st_mode:o}, owned by uid {st.st_uid}, not {os.geteuid()})",
+                pool_id=descriptor.pool_id,
+            )
+        found = st.st_size
         if found != size:
             raise IpcError(
                 f"segment {path} is {found} bytes, descriptor says {size}",
@@ -114,6 +129,11 @@ def open_segment(name: str, size: int, descriptor: PoolDescriptor) -> mmap.mmap:
         return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
+
+
+def segment_name(pool_id: str, epoch: int) -> str:
+    """The ``/dev/shm`` name of the segment of pool ``pool_id`` at ``epoch``."""
+    return f"distcache.{pool_id}.{epoch:x}"
 
 
 def _owner(descriptor: PoolDescriptor) -> str:
@@ -167,7 +187,7 @@ class ShmPool(ProducerPool):
         slots: int = DEFAULT_SLOTS,
     ) -> None:
         super().__init__(capacity_bytes, consumers=consumers, name=name, slots=slots, device=-1)
-        self.segment = f"distcache.{self.pool_id}.{self.epoch:x}"
+        self.segment = segment_name(self.pool_id, self.epoch)
         self.path = os.path.join(SHM_DIR, self.segment)
         mm = create_segment(self.path, self.data_start + self.capacity, self.pool_id)
         self._mem = _Memory(mm, self.data_start, self.layout.stride)

@@ -34,11 +34,12 @@ SLOTS = 8
 
 
 class Served:
-    """One producer pool (rank 0) mapped by one consumer registry (rank 1)."""
+    """One producer pool (rank 0) mapped by one consumer registry (rank 1); rank 2 is
+    left for a registry of one example's own (one live mapping per consumer)."""
 
     def __init__(self) -> None:
-        self.pool = ShmPool(CAPACITY, consumers=[1], name="fuzzed", slots=SLOTS)
-        self.pool.bind(owner=0, consumers=[1])
+        self.pool = ShmPool(CAPACITY, consumers=[1, 2], name="fuzzed", slots=SLOTS)
+        self.pool.bind(owner=0, consumers=[1, 2])
         self.descriptor = self.pool.descriptor()
         self.registry = PoolRegistry(rank=1)
         self.registry.add(self.descriptor)
@@ -174,8 +175,9 @@ def test_forged_carried_descriptors_never_map_outside_a_segment(
     epoch_delta: int,
 ) -> None:
     # A fresh consumer per example: a forged newer epoch is remapped by design
-    # (invalidate-and-retry), and must not disturb the other examples.
-    registry = PoolRegistry(rank=1)
+    # (invalidate-and-retry), and must not disturb the other examples. It is rank 2:
+    # rank 1's consumer is mapped by the fixture's registry, which is still open.
+    registry = PoolRegistry(rank=2)
     try:
         registry.add(served.descriptor)
         real = served.descriptor
