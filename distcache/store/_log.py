@@ -26,6 +26,9 @@ from distcache.store._fs import APPEND_FLAGS, READ_FLAGS, is_sha, pool_error, wr
 from distcache.store._locking import flock_fd
 
 _APPEND_LOCK_WAIT = 5.0
+#: How much of the journal is read at a time, and the length of one record.
+_CHUNK = 1 << 16
+_RECORD = 64
 
 
 class AppendLog:
@@ -219,14 +222,75 @@ class Journal:
 
     def since(self, cursor: int = 0) -> tuple[list[str], int]:
         """Shas recorded after ``cursor``, oldest first and without repeats (torn or
-        foreign lines are skipped), and the cursor to pass next time.
+        foreign lines are skipped), and the cursor to pass next time. A cursor past the
+        end (the journal was replaced) restarts from the beginning. The journal is read
+        a chunk at a time: what is held is the distinct shas, not the file.
 
         Raises:
             PoolError: the journal cannot be read.
         """
-        records, offset = self._log.read_from(cursor)
+        path = self._log.path
+        try:
+            fd = os.open(path, READ_FLAGS)
+        except FileNotFoundError:
+            return [], 0
+        except OSError as exc:
+            raise pool_error("cannot read", path, exc) from exc
         seen: dict[str, None] = {}
-        for line in records:
-            if is_sha(line):
-                seen[line] = None
-        return list(seen), offset
+        try:
+            size = os.fstat(fd).st_size
+            end = pos = 0 if cursor > size else cursor
+            line: bytes | None = b""  # the line so far; None: too long to be a record
+            while pos < size:
+                data = os.pread(fd, min(_CHUNK, size - pos), pos)
+                if not data:
+                    break
+                pieces = data.split(b"\n")
+                for piece in pieces[:-1]:
+                    record = None if line is None else line + piece
+                    if record is not None and len(record) == _RECORD:
+                        text = record.decode("ascii", "replace")
+                        if is_sha(text):
+                            seen[text] = None
+                    line = b""
+                if len(pieces) > 1:
+                    end = pos + data.rfind(b"\n") + 1
+                line = None if line is None else line + pieces[-1]
+                if line is not None and len(line) > _RECORD:
+                    line = None
+                pos += len(data)
+        except OSError as exc:
+            raise pool_error("cannot read", path, exc) from exc
+        finally:
+            os.close(fd)
+        return list(seen), end
+
+
+#: How many journal bytes before a cursor its mark covers (about two records).
+_MARK_BYTES = 128
+
+
+def journal_mark(path: Path, offset: int) -> str | None:
+    """A check on the journal at ``path`` up to ``offset``: the crc32 of the bytes just
+    before it, as 8 hex digits (``offset`` 0: the crc32 of nothing). None when the
+    journal is shorter than ``offset``, or cannot be read. A cursor kept with its mark
+    is only resumed from where the journal still holds those bytes, so a journal
+    removed, replaced or restored from elsewhere is read from its beginning instead
+    of from an offset into other records.
+    """
+    if offset < 0:
+        return None
+    try:
+        fd = os.open(path, READ_FLAGS)
+    except OSError:
+        return None if offset else f"{zlib.crc32(b''):08x}"
+    try:
+        if offset > os.fstat(fd).st_size:
+            return None
+        start = max(0, offset - _MARK_BYTES)
+        data = os.pread(fd, offset - start, start)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return f"{zlib.crc32(data):08x}" if len(data) == offset - start else None

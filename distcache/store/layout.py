@@ -15,8 +15,10 @@ A pool root holds::
     locks/pool_id.lock          held while a copied pool takes a fresh ``pool_id``
     names.log                   append-only "name -> sha" labels, last entry wins
     journal.log                 append-only list of shas published into this pool
-    sync.cursor                 where the last collective sync left journal.log (a
-                                byte offset), so the next one sends only what follows
+    sync.cursor                 where the last collective sync over a set of pools left
+                                journal.log ("<pools key> <byte offset> <crc32 of the
+                                bytes before it>" lines), so the next one over the same
+                                pools sends only what follows
 
 :class:`PoolLayout` is the one place that names these paths; the rest of
 :mod:`distcache.store` asks it rather than joining paths itself, so a change of layout
@@ -109,7 +111,7 @@ class PoolLayout(Record):
     names_log: Path
     #: ``journal.log``: the shas published into the pool.
     journal_log: Path
-    #: ``sync.cursor``: the journal offset the last collective sync reached.
+    #: ``sync.cursor``: the journal offsets the last collective syncs reached.
     sync_cursor: Path
     # Object paths are built on every read: one string concatenation, no Path objects.
     _objects_prefix: str
