@@ -152,16 +152,24 @@ class PoolIdentity:
         the id this object knew (a concurrent renewal won), that id is adopted instead.
 
         Raises:
-            PoolError: the id cannot be read or replaced (a read-only pool).
+            PoolError: the id cannot be read or replaced (a read-only pool), or
+                another process held the renewal lock past the wait.
         """
         lock = FileLock(self._layout.id_lock_path(), timeout=_RENEW_LOCK_TIMEOUT,
                         remove_on_release=True)
-        lock.acquire()
+        locked = lock.acquire()
         try:
             current = self._read()
             if current != self.pool_id:
                 self.pool_id = current
                 return current
+            if not locked:
+                # Replacing the id beside a renewal in progress could leave this
+                # process with an id the file no longer holds.
+                raise PoolError(
+                    f"cannot renew the id of the pool at {self._layout.root}: another "
+                    f"process has held {lock.path} for {_RENEW_LOCK_TIMEOUT:g}s",
+                    path=lock.path)
             fresh = new_pool_id()
             self._replace(fresh)
         finally:

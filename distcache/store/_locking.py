@@ -17,10 +17,13 @@ That shapes every choice below:
 - Where locking does not work (Lustre without ``-o flock``, some FUSE and CIFS
   mounts: ``ENOLCK``, ``ENOSYS``, ``EOPNOTSUPP``) or the lock file cannot be
   created (a read-only pool), the lock degrades to no lock. That is logged once per
-  directory, not once per object.
+  directory, not once per object. A directory or socket found at a lock's path
+  costs that one lock, logged each time.
 - A holder may remove the lock file when it releases (``remove_on_release``) so that
   lock files do not pile up; an acquirer therefore checks, after locking, that the
-  path still names the inode it locked, and starts over when it does not.
+  path still names the inode it locked, and starts over when it does not. A holder
+  removes the file only while the path still names its inode: a file that replaced
+  it (someone removed the holder's) belongs to another holder.
 
 A process that ``fork``s while holding a lock shares it with the child; the lock
 fd is opened ``O_CLOEXEC`` so an ``exec`` does not carry it further.
@@ -45,6 +48,9 @@ _UNSUPPORTED = frozenset({errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EN
 _BUSY = frozenset({errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES})
 # Errors opening the lock file that only cost us the lock, not the operation.
 _CANNOT_CREATE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+# Errors opening it that mean something other than a file is there (a directory, a
+# socket): that one lock is lost, the operation goes on.
+_NOT_A_FILE = frozenset({errno.EISDIR, errno.ENXIO})
 _OPEN_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _MAX_POLL = 0.05
 
@@ -142,6 +148,10 @@ class FileLock:
                 if exc.errno in _CANNOT_CREATE:
                     _warn_degraded(self.path, f"cannot create lock file: {exc.strerror}")
                     return None
+                if exc.errno in _NOT_A_FILE:
+                    logger.warning("%s is not a lock file (%s); going on without this lock",
+                                   self.path, exc.strerror)
+                    return None
                 raise PoolError(
                     f"cannot open lock file {self.path}: {exc.strerror}", path=self.path
                 ) from exc
@@ -149,11 +159,20 @@ class FileLock:
         return None
 
     def _still_named(self, fd: int) -> bool:
+        """Whether the path still names the file open as ``fd`` (ESTALE: an NFS
+        client's handle of a file removed on another client, so no).
+
+        Raises:
+            PoolError: the path or ``fd`` cannot be examined.
+        """
         try:
             on_disk = os.stat(self.path, follow_symlinks=False)
-        except FileNotFoundError:
-            return False
-        mine = os.fstat(fd)
+            mine = os.fstat(fd)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ESTALE):
+                return False
+            raise PoolError(f"cannot examine lock file {self.path}: {exc.strerror}",
+                            path=self.path) from exc
         return (on_disk.st_ino, on_disk.st_dev) == (mine.st_ino, mine.st_dev)
 
     def acquire(self, timeout: float | None = None) -> bool:
@@ -185,22 +204,33 @@ class FileLock:
             if not got:
                 os.close(fd)
                 return False
-            if self._still_named(fd):
+            try:
+                named = self._still_named(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            if named:
                 self._fd = fd
                 return True
             # The previous holder removed the file after we opened it: our lock is
             # on an orphaned inode. Start over on whatever the path names now.
             os.close(fd)
 
-    def release(self) -> None:
-        """Unlock (and remove the file when ``remove_on_release``). Idempotent."""
+    def release(self) -> bool:
+        """Unlock (and remove the file when ``remove_on_release``); whether the file
+        was removed. Idempotent."""
         fd, self._fd = self._fd, None
         if fd is None:
-            return
+            return False
+        removed = False
         try:
             if self.remove_on_release:
+                # Only the file this lock is on: one that replaced it (after someone
+                # removed ours) may be another holder's.
                 with contextlib.suppress(OSError):
-                    os.unlink(self.path)
+                    if self._still_named(fd):
+                        os.unlink(self.path)
+                        removed = True
             # Unlock explicitly: a forked child sharing the fd would otherwise keep
             # the lock alive after our close.
             fcntl.flock(fd, fcntl.LOCK_UN)
@@ -208,6 +238,7 @@ class FileLock:
             pass
         finally:
             os.close(fd)
+        return removed
 
     def __repr__(self) -> str:
         state = "held" if self.held else ("degraded" if self.degraded else "free")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from distcache._log import get_logger
+from distcache.errors import PoolError
 from distcache.store._locking import FileLock
 from distcache.store._objects import ObjectStore, scan_objects
 from distcache.store.layout import STALE_TMP_SECONDS, PoolLayout
@@ -47,16 +48,20 @@ def gc(layout: PoolLayout, max_bytes: int | None, keep: Collection[str] = ()) ->
     entries = sorted((st.st_mtime_ns, path, st.st_size) for path, _sha, st in scan_objects(layout))
     total = sum(size for _m, _p, size in entries)
     removed = freed = 0
+    # Objects another process removed since the scan: neither removed here nor kept.
+    gone = gone_bytes = 0
     if max_bytes is not None:
         for _mtime, path, size in entries:
-            if total - freed <= max_bytes:
+            if total - freed - gone_bytes <= max_bytes:
                 break
             if keep and os.path.basename(path) in keep:
                 continue
             try:
                 os.unlink(path)
             except FileNotFoundError:
-                pass
+                gone += 1
+                gone_bytes += size
+                continue
             except OSError as exc:
                 logger.warning("cannot remove %s during gc: %s", path, exc)
                 if exc.errno == errno.EROFS:
@@ -67,7 +72,7 @@ def gc(layout: PoolLayout, max_bytes: int | None, keep: Collection[str] = ()) ->
     if removed:
         logger.info("gc removed %d objects (%d bytes) from %s", removed, freed, layout.root)
     return GcReport(max_bytes=max_bytes, removed=removed, freed_bytes=freed,
-                    kept=len(entries) - removed, kept_bytes=total - freed)
+                    kept=len(entries) - removed - gone, kept_bytes=total - freed - gone_bytes)
 
 
 def verify(store: ObjectStore) -> VerifyReport:
@@ -79,15 +84,26 @@ def verify(store: ObjectStore) -> VerifyReport:
     from distcache.store._report import VerifyReport  # the report, with the call
 
     ok = corrupt = ok_bytes = 0
-    for _path, sha, _st in list(store.scan()):
+    for path, sha, st in list(store.scan()):
+        before = store.quarantined
         data = store.read(sha, stamp=False)
-        if data is None:
-            corrupt += 1
-        else:
+        if data is not None:
             ok += 1
             ok_bytes += len(data)
+        elif store.quarantined > before or _same_file(path, st):
+            # Moved aside, or found bad and still there (it could not be moved). An
+            # object that is simply gone (collected or pruned meanwhile) is neither.
+            corrupt += 1
     return VerifyReport(ok=ok, corrupt=corrupt, quarantined=_count(store.layout.quarantine),
                         ok_bytes=ok_bytes)
+
+
+def _same_file(path: str, st: os.stat_result) -> bool:
+    try:
+        now = os.lstat(path)
+    except OSError:
+        return False
+    return (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev)
 
 
 def stats(layout: PoolLayout, *, pool_id: str, names: int, max_bytes: int | None) -> PoolStats:
@@ -131,8 +147,12 @@ def sweep(layout: PoolLayout, max_age: float = STALE_TMP_SECONDS) -> int:
             pass
     for path in _older_than(layout.locks, cutoff):
         lock = FileLock(path, timeout=0, remove_on_release=True)
-        if lock.acquire() and lock.held:
-            lock.release()
+        try:
+            taken = lock.acquire() and lock.held
+        except PoolError as exc:  # not a lock file (a socket, an I/O error): left alone
+            logger.debug("not sweeping %s: %s", path, exc)
+            continue
+        if taken and lock.release():
             removed += 1
     if removed:
         logger.info("swept %d stale temporary/lock files from %s", removed, layout.root)
@@ -160,10 +180,11 @@ class Cap:
     """A pool's size cap (``max_bytes``; ``None``: none). Past it, the least recently
     used objects are collected: after a publication outside any batch, and once when
     the last open batch (:meth:`batch`, any thread) ends, not after each of its
-    objects (each collection scans the whole pool). What the batches published is
-    never collected by that collection: an import or a prefetch of more than the cap
-    keeps its whole set, over the cap, and says so. ``total`` counts the pool's
-    bytes on the first publication (a scan), then follows them."""
+    objects (each collection scans the whole pool). What was just published is never
+    collected by that collection: an object larger than the cap stays until a later
+    one, and an import or a prefetch of more than the cap keeps its whole set, over
+    the cap, and says so. ``total`` counts the pool's bytes on the first
+    publication (a scan), then follows them."""
 
     def __init__(self, layout: PoolLayout, max_bytes: int | None,
                  total: Callable[[], int]) -> None:
@@ -201,7 +222,7 @@ class Cap:
             if self._open:
                 self._due = True
                 return
-        self.collect()
+        self.collect(keep=(sha,))
 
     def collect(self, max_bytes: int | None = None, keep: Collection[str] = ()) -> GcReport:
         """:func:`gc` down to ``max_bytes`` (default: the cap), keeping ``keep``."""

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from distcache._log import get_logger
-from distcache.errors import ConfigError
+from distcache.errors import ConfigError, PoolError
 from distcache.store._fs import pool_error
 from distcache.store._locking import flock_fd
 from distcache.store._log import _name_record
@@ -35,10 +35,13 @@ _LOCK_WAIT = 30.0
 
 @dataclass
 class Removal:
-    """What a removal drops: ``labels`` (name -> sha) and ``objects`` (sha -> size)."""
+    """What a removal drops: ``labels`` (name -> sha) and ``objects`` (sha -> size).
+    ``cutoff`` (a prune's): an object whose recency stamp is no older than this when
+    the removal is carried out was used since the plan, and it and its labels stay."""
 
     labels: dict[str, str] = field(default_factory=dict)
     objects: dict[str, int] = field(default_factory=dict)
+    cutoff: float | None = None
 
     @property
     def bytes(self) -> int:
@@ -100,20 +103,42 @@ def plan_prune(pool: ArtifactPool, older_than: float, now: float | None = None) 
     present = _sizes(pool)
     objects = {s: size for s, (size, stamp) in present.items() if stamp < cutoff}
     labels = {n: s for n, s in pool.names().items() if s in objects or s not in present}
-    return Removal(labels=labels, objects=objects)
+    return Removal(labels=labels, objects=objects, cutoff=cutoff)
 
 
-def _rewrite_labels(pool: ArtifactPool, dropped: dict[str, str]) -> int:
-    """Rewrite ``names.log`` without the ``dropped`` labels; how many were dropped."""
+def _used_since(pool: ArtifactPool, removal: Removal) -> set[str]:
+    """The planned objects whose recency stamp moved to ``removal.cutoff`` or later."""
+    if removal.cutoff is None:
+        return set()
+    used = set()
+    for sha in removal.objects:
+        try:
+            if os.lstat(pool.layout.object_path(sha)).st_mtime >= removal.cutoff:
+                used.add(sha)
+        except OSError:
+            continue
+    return used
+
+
+def _rewrite_labels(pool: ArtifactPool, dropped: dict[str, str]) -> tuple[int, dict[str, str]]:
+    """Rewrite ``names.log`` without the ``dropped`` labels; how many were dropped, and
+    the labels that stay.
+
+    Raises:
+        PoolError: the log cannot be rewritten, or an appender held it past the wait.
+    """
     path = pool.layout.names_log
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except FileNotFoundError:
-        return 0
+        return 0, {}
     except OSError as exc:
         raise pool_error("cannot open", path, exc) from exc
     try:
-        flock_fd(fd, _LOCK_WAIT, path=str(path))
+        if flock_fd(fd, _LOCK_WAIT, path=str(path)) is False:
+            # Rewriting beside an appender would lose the label it records.
+            raise PoolError(f"cannot rewrite {path}: another process held it locked for "
+                            f"{_LOCK_WAIT:g}s; run the command again", path=str(path))
         # Under the lock no appender writes: this is every label.
         current = pool.names()
         keep = {n: s for n, s in current.items() if dropped.get(n) != s}
@@ -123,7 +148,9 @@ def _rewrite_labels(pool: ArtifactPool, dropped: dict[str, str]) -> int:
             written += os.pwrite(fd, data[written:], written)
         os.ftruncate(fd, len(data))
         os.fsync(fd)
-        return len(current) - len(keep)
+        return len(current) - len(keep), keep
+    except PoolError:
+        raise
     except OSError as exc:
         raise pool_error("cannot rewrite", path, exc) from exc
     finally:
@@ -136,9 +163,20 @@ def apply(pool: ArtifactPool, removal: Removal) -> tuple[int, int, int]:
     Raises:
         PoolError: the label log cannot be rewritten.
     """
-    labels = _rewrite_labels(pool, removal.labels) if removal.labels else 0
+    used = _used_since(pool, removal)
+    if used:
+        removal = Removal(labels={n: s for n, s in removal.labels.items() if s not in used},
+                          objects={s: n for s, n in removal.objects.items() if s not in used})
+    if removal.labels:
+        labels, kept = _rewrite_labels(pool, removal.labels)
+    else:
+        labels, kept = 0, pool.names()
+    # A label recorded since the plan (another name for the same bytes) keeps them.
+    wanted = set(kept.values())
     deleted = freed = 0
     for sha, size in removal.objects.items():
+        if sha in wanted:
+            continue
         try:
             os.unlink(pool.layout.object_path(sha))
         except FileNotFoundError:
