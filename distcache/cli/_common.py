@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from distcache.config import settings
-from distcache.errors import PoolError
+from distcache.errors import ConfigError, PoolError
+from distcache.store import ArtifactPool, PoolLayout
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -109,11 +110,85 @@ def pool_root(args: argparse.Namespace) -> Path:
     return settings().pool_dir
 
 
+def is_pool(root: Path) -> bool:
+    """Whether ``root`` holds a distcache pool: ``objects/`` and the ``format`` or
+    ``pool_id`` file every pool has (a pool older than ``format`` has ``pool_id``).
+    Another directory with an ``objects/`` (a git directory) is not one."""
+    layout = PoolLayout(root)
+    return layout.is_pool() and (layout.format_file.is_file() or layout.pool_id_file.is_file())
+
+
+def refuse_foreign(root: Path) -> None:
+    """Refuse a directory that has ``objects/`` but is not a pool, before anything
+    opens it as one (opening a pool records its format and identity there).
+
+    Raises:
+        PoolError: ``root`` has ``objects/`` and neither ``format`` nor ``pool_id``.
+    """
+    if PoolLayout(root).is_pool() and not is_pool(root):
+        raise PoolError(
+            f"{root} is not a distcache pool: it has objects/ but no format or pool_id "
+            "file (another tool's directory?); nothing was changed there: pass --pool DIR "
+            "or set DISTCACHE_POOL", path=str(root))
+
+
+def existing_pool(args: argparse.Namespace) -> ArtifactPool:
+    """The pool ``--pool`` (or the settings) names, which must already exist.
+
+    Raises:
+        PoolError: there is no pool there, or the directory is not a pool.
+        ConfigError: a ``DISTCACHE_*`` variable has a bad value.
+    """
+    from distcache._resolve import resolve_pool
+
+    conf = settings()
+    root = Path(args.pool) if args.pool is not None else conf.pool_dir
+    refuse_foreign(root)
+    return resolve_pool(root, conf, must_exist=True)
+
+
+def check_families(names: Iterable[str]) -> None:
+    """Refuse a JIT cache family name that is not one (a typo would match nothing).
+
+    Raises:
+        ConfigError: a name is not one of :data:`distcache.jit.NAMES`.
+    """
+    from distcache.jit import NAMES
+
+    for name in names:
+        if name not in NAMES:
+            raise ConfigError(f"--family: unknown JIT cache {name!r}; the JIT caches are "
+                              f"{', '.join(NAMES)}", variable="--family", value=name)
+
+
+def positive_seconds(text: str) -> float:
+    """An option's value in seconds: a finite number above 0 (argparse type).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text!r}")
+    return value
+
+
+def _directory(text: str) -> str:
+    """``--pool``'s value: an empty one (an unset shell variable) would be the current
+    directory, so it is refused (argparse type)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty directory name")
+    return text
+
+
 def common_options() -> Parser:
     """A parent parser with ``--pool`` and ``--verbose``, for every level of subcommand."""
     common = Parser(add_help=False)
     # SUPPRESS lets the options also follow a subcommand without resetting them.
-    common.add_argument("--pool", metavar="DIR", default=argparse.SUPPRESS,
+    common.add_argument("--pool", metavar="DIR", default=argparse.SUPPRESS, type=_directory,
                         help="pool directory (default: DISTCACHE_POOL, else "
                              "$XDG_CACHE_HOME/distcache)")
     common.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
@@ -191,5 +266,8 @@ def confirm(args: argparse.Namespace, question: str) -> bool:
     if not sys.stdin.isatty():
         raise UsageError("refusing to remove without confirmation: pass --yes, or "
                          "--dry-run to see what would be removed")
-    answer = input(f"{question} [y/N] ").strip().lower()
+    # The question goes to stderr: stdout holds only the result (one JSON document
+    # with --json, even when redirected).
+    print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
+    answer = sys.stdin.readline().strip().lower()
     return answer in ("y", "yes")

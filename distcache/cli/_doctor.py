@@ -23,11 +23,17 @@ import tempfile
 from pathlib import Path
 
 from distcache import __version__
-from distcache.cli._common import EXIT_OK, add_json_option, emit, human_bytes, pool_root
+from distcache.cli._common import (
+    EXIT_OK,
+    add_json_option,
+    emit,
+    human_bytes,
+    is_pool,
+    pool_root,
+)
 from distcache.config import settings
 from distcache.ipc import probe_cuda_ipc
 from distcache.ipc._shm import SHM_DIR
-from distcache.store.layout import PoolLayout
 from launch import detect
 
 # Filesystems where flock may be node-local or advisory only (DESIGN.md, pool).
@@ -148,7 +154,7 @@ def doctor_lines(pool_root: Path) -> list[tuple[str, str]]:
     resolved = settings()
     lines = [("distcache", f"{__version__} (python {sys.version.split()[0]})"),
              ("launcher", _launcher())]
-    exists = PoolLayout(pool_root).is_pool()
+    exists = is_pool(pool_root)
     lines.append(("pool", f"{pool_root} ({'exists' if exists else 'not created yet'})"))
     probe = _existing(pool_root)
     fs = filesystem_of(probe)

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 
 from distcache.artifact import Artifact, merge_manifests, read_manifest
-from distcache.cli._common import EXIT_OK, emit, human_bytes, pool_root
+from distcache.cli._common import EXIT_OK, emit, human_bytes, is_pool, pool_root
+from distcache.errors import ConfigError
 from distcache.integrations.flashinfer import FlashInfer, family_checksums
 from distcache.integrations.flashinfer._warm import _parse_family, arch_filter
-from distcache.store import ArtifactPool, PoolLayout
+from distcache.store import ArtifactPool
 
 
 def _families(pool: ArtifactPool | None, families: list[str],
@@ -41,7 +43,13 @@ def _families(pool: ArtifactPool | None, families: list[str],
 def run_dry_run(args: argparse.Namespace) -> int:
     """Print what the pool lacks: names as text, or one JSON document."""
     root = pool_root(args)
-    pool = ArtifactPool(root) if PoolLayout(root).is_pool() else None
+    pool = ArtifactPool(root) if is_pool(root) else None
+    if args.flashinfer and args.record and not Path(args.record).is_dir():
+        # A typo would otherwise list nothing and succeed.
+        raise ConfigError(f"--record {args.record}: no such directory on this machine; "
+                          "pass the directory the engine's runs recorded into (the "
+                          "FlashInfer integration's record=...)",
+                          variable="--record", value=args.record)
     keep = arch_filter(args.arch)
     parts: list[tuple[str, list[Artifact]]] = []
     for path in args.manifest or ():

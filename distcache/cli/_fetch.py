@@ -25,6 +25,8 @@ from distcache.cli._common import (
     human_bytes,
     not_writable,
     one_line,
+    pool_root,
+    refuse_foreign,
 )
 from distcache.cli._interrupt import Interrupted, Stopper, run_threads
 from distcache.config import settings
@@ -65,7 +67,9 @@ def run_fetch(args: argparse.Namespace) -> int:
         raise UsageError(f"fetch: --jobs must be >= 1, got {jobs}")
     origin = resolve_origin(args.origin or None, conf)
     artifacts = read_manifest(args.manifest, args.prefix)
-    pool = resolve_pool(args.pool, conf)
+    root = pool_root(args)
+    refuse_foreign(root)
+    pool = resolve_pool(root, conf)
     try:
         pool.remember(artifacts)
     except PoolError as exc:
@@ -80,6 +84,8 @@ def run_fetch(args: argparse.Namespace) -> int:
         origin = NoOrigin(conf.offline)
     failures: list[tuple[Artifact, BaseException]] = []
     downloaded = nbytes = 0
+    # Two names of one object: the second finds it in the pool; one download.
+    counted: set[str] = set()
     bar = _progress(len(artifacts))
     # Daemon workers behind a Stopper: Ctrl-C stops the running downloads at their
     # next write and removes their temporary files, and leaves the queue undone.
@@ -99,7 +105,8 @@ def run_fetch(args: argparse.Namespace) -> int:
                 raise error
             if isinstance(error, DistcacheError):
                 failures.append((artifact, error))
-            elif data is not None and artifact.sha256 not in present:
+            elif data is not None and artifact.sha256 not in present | counted:
+                counted.add(artifact.sha256)
                 downloaded += 1
                 nbytes += len(data)
             if bar is not None:

@@ -12,16 +12,15 @@ import argparse
 import re
 import sys
 
-from distcache._resolve import resolve_pool
 from distcache.cli._common import (
     EXIT_ERROR,
     EXIT_OK,
     add_json_option,
     confirm,
     emit,
+    existing_pool,
     human_bytes,
 )
-from distcache.config import settings
 from distcache.errors import ConfigError
 from distcache.store import ArtifactPool
 from distcache.store._prune import Removal, apply, plan_prune, plan_rm
@@ -82,10 +81,6 @@ def setup_prune(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run_prune)
 
 
-def _existing_pool(args: argparse.Namespace) -> ArtifactPool:
-    return resolve_pool(args.pool, settings(), must_exist=True)
-
-
 def _carry_out(args: argparse.Namespace, pool: ArtifactPool, removal: Removal,
                what: str) -> int:
     plan = (f"{len(removal.labels)} labels and {len(removal.objects)} objects "
@@ -119,7 +114,7 @@ def _carry_out(args: argparse.Namespace, pool: ArtifactPool, removal: Removal,
 
 def run_rm(args: argparse.Namespace) -> int:
     """``pool rm``: exit 1 when nothing matches."""
-    pool = _existing_pool(args)
+    pool = existing_pool(args)
     removal = plan_rm(pool, args.patterns)
     if not removal.labels:
         print(f"distcache: error: no label in {pool.root} matches "
@@ -131,5 +126,5 @@ def run_rm(args: argparse.Namespace) -> int:
 def run_prune(args: argparse.Namespace) -> int:
     """``pool prune --older-than DURATION``: nothing to remove is success."""
     age = parse_duration(args.older_than)
-    pool = _existing_pool(args)
+    pool = existing_pool(args)
     return _carry_out(args, pool, plan_prune(pool, age), f"unused for {args.older_than}")

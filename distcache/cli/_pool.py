@@ -14,18 +14,19 @@ import os
 import sys
 from collections.abc import Iterator
 
-from distcache._resolve import resolve_pool
 from distcache.cli._common import (
     EXIT_CORRUPT,
     EXIT_OK,
     add_json_option,
+    check_families,
     common_options,
     emit,
+    existing_pool,
     human_bytes,
 )
 from distcache.cli._hygiene import PRUNE_HELP, RM_HELP, setup_prune, setup_rm
 from distcache.cli._transfer import IMPORT_HELP, setup_export, setup_import
-from distcache.config import parse_bytes, settings
+from distcache.config import parse_bytes
 from distcache.errors import PoolError
 from distcache.store import ArtifactPool
 
@@ -70,15 +71,6 @@ def setup_pool(parser: argparse.ArgumentParser) -> None:
                        PRUNE_HELP))
 
 
-def existing_pool(args: argparse.Namespace) -> ArtifactPool:
-    """The pool ``--pool`` (or the settings) names, which must already exist.
-
-    Raises:
-        PoolError: there is no pool there.
-    """
-    return resolve_pool(args.pool, settings(), must_exist=True)
-
-
 def run_ls(args: argparse.Namespace) -> int:
     """``pool ls``: each named artifact whose object is present, as ``sha  name``."""
     pool = existing_pool(args)
@@ -95,6 +87,8 @@ def _ls_families(args: argparse.Namespace, pool: ArtifactPool) -> int:
     """``pool ls --family [NAME]``: each family and key the pool holds trees for."""
     from distcache.jit import summarize
 
+    if args.family:
+        check_families([args.family])
     found = summarize(pool, (args.family,) if args.family else ())
     data = {"root": pool.root, "families": [dataclasses.asdict(f) for f in found]}
     emit(args, data, (

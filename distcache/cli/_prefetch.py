@@ -26,6 +26,7 @@ from typing import Any
 
 from distcache._logging import configure_logging, reports_error
 from distcache._resolve import prefetch_manifests, resolve_origin, resolve_pool
+from distcache.cli._common import positive_seconds, refuse_foreign
 from distcache.cli._interrupt import Stopper
 from distcache.collective import PrefetchReport
 from distcache.comm import Communicator, adopt
@@ -82,7 +83,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", action="append", default=[], metavar="SM",
                         help="keep only the family kernels GPUs of this architecture can "
                              "load, e.g. sm_90 or sm_100 (repeatable). " + ARCH_RULE)
-    parser.add_argument("--timeout", type=float, metavar="SECONDS",
+    parser.add_argument("--timeout", type=positive_seconds, metavar="SECONDS",
                         help="collective timeout (default: DISTCACHE_TIMEOUT)")
     parser.add_argument("--dry-run", action="store_true",
                         help="not collective: list what this process's pool lacks, "
@@ -148,7 +149,9 @@ def _prefetch(args: argparse.Namespace) -> tuple[PrefetchReport | None, int]:
         comm = adopted.comm
         log.info("comm: %s backend, %d rank(s) (%.2f s)", comm.backend, comm.size,
                  time.perf_counter() - started)
-        pool = resolve_pool(args.pool, conf)
+        root = Path(args.pool) if args.pool is not None else conf.pool_dir
+        refuse_foreign(root)
+        pool = resolve_pool(root, conf)
         log.info("pool: %s (id %s)", pool.root, pool.pool_id)
         if args.flashinfer:
             _check_record(comm, args.record, conf.timeout)

@@ -16,11 +16,23 @@ from pathlib import Path
 
 from distcache._resolve import resolve_pool
 from distcache.artifact import Artifact, manifest_text, read_manifest
-from distcache.cli._common import EXIT_OK, UsageError, emit, human_bytes, progress_bar
+from distcache.cli._common import (
+    EXIT_OK,
+    UsageError,
+    check_families,
+    emit,
+    existing_pool,
+    human_bytes,
+    is_pool,
+    pool_root,
+    progress_bar,
+    refuse_foreign,
+)
 from distcache.config import settings
+from distcache.errors import PoolError
 from distcache.integrations.flashinfer._warm import ARCH_RULE, arch_filter
 from distcache.store import ArtifactPool
-from distcache.store._export import check_names, export_tar
+from distcache.store._export import check_names, export_tar, missing_from
 from distcache.store._import import import_set
 
 IMPORT_HELP = """\
@@ -79,7 +91,15 @@ def setup_export(parser: argparse.ArgumentParser) -> None:
 def run_import(args: argparse.Namespace) -> int:
     """``pool import SRC``: all or nothing; exit 1 (one line on stderr) if refused."""
     keep = arch_filter(args.arch) if args.arch else None
-    pool = resolve_pool(args.pool, settings())
+    if is_pool(args.source):
+        # Its files are the pool's internals, not artifacts: their names would be lost.
+        raise PoolError(f"cannot import {args.source}: it is a distcache pool, not an "
+                        "artifact set; write one with 'distcache --pool "
+                        f"{args.source} pool export --tar FILE' and import FILE",
+                        path=str(args.source))
+    root = pool_root(args)
+    refuse_foreign(root)
+    pool = resolve_pool(root, settings())
     bar = progress_bar(args)
     try:
         report = import_set(pool, args.source, bar, keep)
@@ -117,11 +137,13 @@ def run_export(args: argparse.Namespace) -> int:
     """``pool export DIR`` or ``pool export --tar FILE``."""
     if (args.directory is None) == (args.tar is None):
         raise UsageError("export: give either DIR or --tar FILE")
-    pool = resolve_pool(args.pool, settings(), must_exist=True)
     if args.family and args.manifest is not None:
         raise UsageError("export: give either --manifest or --family")
+    pool = existing_pool(args)
     if args.family:
         from distcache.jit import family_labels
+
+        check_families(args.family)
 
         artifacts = family_labels(pool, tuple(args.family))
     else:
@@ -138,7 +160,16 @@ def run_export(args: argparse.Namespace) -> int:
             f"checksums.txt to {report.target}"])
         return EXIT_OK
     check_names(artifacts)
+    absent = missing_from(pool, artifacts)
+    if absent:
+        # Checked before DIR is made: a refused export writes nothing.
+        raise PoolError(f"cannot export: {len(absent)} artifact(s) are not in pool "
+                        f"{pool.root}: {', '.join(a.name for a in absent[:5])}; fetch them "
+                        "first (distcache fetch --manifest FILE)", path=str(pool.root))
     target: Path = args.directory
+    if target.resolve().is_relative_to(pool.root.resolve()):
+        raise PoolError(f"cannot export to {target}: it is inside the pool at {pool.root}; "
+                        "export to a directory outside it", path=str(target))
     target.mkdir(parents=True, exist_ok=True)
     manifest = target / "checksums.txt"
     listed = {a.name: a for a in read_manifest(manifest)} if manifest.is_file() else {}
