@@ -120,6 +120,10 @@ def _arrive(MPI: Any, base: Any, timeout: float, word: bytes = b"",
     # Every rank is here and polling: the sends complete at once; their buffers are
     # kept until they have.
     if not poll_until(lambda: MPI.Request.Testall([r for r, _ in sent]), until):
+        for request, _ in sent:  # cancelled, so that no later receive can match them
+            with contextlib.suppress(MPI.Exception):
+                request.Cancel()
+                request.Wait()
         raise CollectiveTimeout(
             f"rank {rank}/{size}: a rank stopped in the arrival check before taking "
             "its word to go", op="init", timeout=timeout, rank=rank, backend="mpi")

@@ -39,6 +39,7 @@ A subclass sets ``_rank`` and ``_size`` in its constructor, after calling
 
 from __future__ import annotations
 
+import math
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -48,7 +49,7 @@ from distcache.comm._base import MAX_MESSAGE_BYTES, check_broadcast, chunk_spans
 from distcache.comm._codec import decode_each, encode
 from distcache.comm._inline import HEAD, INLINE_MAX, carried, head, inline_width, length_of
 from distcache.config import settings
-from distcache.errors import CollectiveTimeout, CommError
+from distcache.errors import CollectiveTimeout, CommError, WireError
 
 #: Most children one communicator keeps from ``split``; the least recently used one
 #: beyond this is closed. The collective splits off at most a handful of audiences per
@@ -89,8 +90,8 @@ class BackendCommunicator(ABC):
         node_id: str | None = None,
     ) -> None:
         conf = settings(timeout=timeout, chunk_bytes=chunk_bytes, node_id=node_id)
-        if not conf.timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {conf.timeout}")
+        if not 0 < conf.timeout < math.inf:
+            raise ValueError(f"timeout must be a finite number of seconds > 0, got {conf.timeout}")
         if not 0 < conf.chunk_bytes <= MAX_MESSAGE_BYTES:
             raise ValueError(
                 f"chunk_bytes must be between 1 and {MAX_MESSAGE_BYTES} (2 GiB - 1), "
@@ -175,6 +176,8 @@ class BackendCommunicator(ABC):
                 backend=self._kind,
             )
         wait = self._timeout if timeout is None else timeout
+        if not 0 < wait < math.inf:
+            raise ValueError(f"timeout must be a finite number of seconds > 0, got {wait}")
         return Budget(wait, time.monotonic() + wait)
 
     def _timed_out(self, op: str, wait: float) -> CollectiveTimeout:
@@ -195,18 +198,11 @@ class BackendCommunicator(ABC):
         via = f" over {over}" if over else ""
         return CommError(
             f"{op} failed on rank {self._rank}/{self._size} ({self._node_id}){via}: {exc}",
-            op=op,
-            rank=self._rank,
-            backend=self._kind,
-        )
+            op=op, rank=self._rank, backend=self._kind)
 
     def _too_large(self, text: str) -> CommError:
-        return CommError(
-            f"allgather_object: {text}; all-gather small objects only",
-            op="allgather_object",
-            rank=self._rank,
-            backend=self._kind,
-        )
+        return CommError(f"allgather_object: {text}; all-gather small objects only",
+                         op="allgather_object", rank=self._rank, backend=self._kind)
 
     # -- collectives ------------------------------------------------------------------
 
@@ -297,9 +293,10 @@ class BackendCommunicator(ABC):
         # creates a communicator alone (torch's group names must stay in step, too).
         broken = any(c._broken is not None for c in self._children.values())
         gathered = self.allgather_object((int(color), broken))
+        colors = self._colors([e[0] if type(e) is tuple and len(e) == 2 else None
+                               for e in gathered], "split")
         if any(b for _, b in gathered):
             self._let_go_children("a kept child broke")
-        colors = tuple(c for c, _ in gathered)
         kept = self._children.get(colors)
         if kept is not None:
             self._children.move_to_end(colors)
@@ -322,7 +319,18 @@ class BackendCommunicator(ABC):
         to use at the same time must not be one object). :meth:`close` of this
         communicator closes it too. Collective."""
         gathered = self.allgather_object(int(color))
-        return self._keep_owned(self._split_child(tuple(gathered), int(color)))
+        return self._keep_owned(self._split_child(self._colors(gathered, "split_owned"),
+                                                  int(color)))
+
+    def _colors(self, gathered: list[Any], op: str) -> tuple[int, ...]:
+        """Every rank's split color; one that is not an int is a WireError, raised alike
+        on every rank (every rank read the same all-gather)."""
+        for peer, color in enumerate(gathered):
+            if type(color) is not int:
+                raise WireError(f"{op} on rank {self._rank}/{self._size}: rank {peer} sent no "
+                                "split color; check that every rank runs the same distcache",
+                                op=op, rank=self._rank, backend=self._kind, peer=peer)
+        return tuple(gathered)
 
     def _keep_owned(self, made: Self) -> Self:
         """Count ``made`` and keep it among the children :meth:`close` closes."""

@@ -10,6 +10,7 @@ instead of hanging.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -148,6 +149,17 @@ def check_broadcast(rank: int, size: int, root: int, data: bytes | bytearray | N
         raise ValueError(f"root {root} is out of range for a communicator of size {size}")
     if rank == root and data is None:
         raise ValueError("broadcast_bytes: the root rank must pass data")
+
+
+def check_timeout(timeout: float | None) -> None:
+    """The check every collective makes of its ``timeout`` before it communicates.
+
+    Raises:
+        ValueError: ``timeout`` is not None and not a finite number of seconds > 0
+            (0, a negative number, NaN or infinity would end a wait at once or never).
+    """
+    if timeout is not None and not 0 < timeout < math.inf:
+        raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout}")
 
 
 def lend_broadcast(comm: Communicator, data: bytearray | None, root: int, *,
@@ -370,7 +382,7 @@ def poll_until(done: Callable[[], bool], until: float) -> bool:
     began = time.monotonic()
     while not done():
         now = time.monotonic()
-        if now >= until:
+        if not now < until:  # a NaN deadline has passed too
             return False
         time.sleep(min(pause, until - now))
         if pause < _POLL_MAX_S:

@@ -139,7 +139,12 @@ def bulk_transport(comm: Communicator, transport: str, timeout: float) -> Iterat
                                 run=("", 0), timeout=timeout, node_id=comm.node_id)
     except DistcacheError as exc:
         error = exc
-    agree_on_error(comm, error, timeout=timeout)
+    try:
+        agree_on_error(comm, error, timeout=timeout)
+    except BaseException:
+        if bulk is not None:  # made here, but another rank failed: let it go
+            bulk.close()
+        raise
     assert bulk is not None  # agree_on_error raised otherwise
     log.debug("prefetch bytes move over %r", bulk)
     try:

@@ -257,7 +257,9 @@ def decode(data: bytes | bytearray | memoryview) -> Any:
         WireError: ``data`` is not a payload of this version: another format (a
             pickle, say), a newer version, truncated, forged or trailing bytes.
     """
-    view = memoryview(data).cast("B") if isinstance(data, memoryview) else memoryview(data)
+    view = memoryview(data)
+    if view.format != "B" or view.ndim != 1 or not view.c_contiguous:
+        view = memoryview(view.tobytes())  # any buffer, strided or not, as its bytes
     if len(view) == 0 or view[0] != MAGIC:
         head = bytes(view[:2]).hex(" ") or "nothing"
         hint = " (a pickle?)" if view[:1] == b"\x80" else ""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from distcache.comm._base import Communicator, check_broadcast, hostname
+from distcache.comm._base import Communicator, check_broadcast, check_timeout, hostname
 from distcache.comm._codec import decode, decode_from, encode
 from distcache.errors import CollectiveTimeout
 
@@ -47,14 +47,16 @@ class LocalCommunicator:
         self, data: bytes | None, root: int, *, timeout: float | None = None
     ) -> bytes:
         check_broadcast(0, 1, root, data)
+        check_timeout(timeout)
         assert data is not None  # checked: rank 0 is the root
         return bytes(data)
 
     def allgather_object(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
+        check_timeout(timeout)
         return [decode(encode(obj))]
 
     def barrier(self, *, timeout: float | None = None) -> None:
-        return None
+        check_timeout(timeout)
 
     def split(self, color: int) -> Communicator:
         return LocalCommunicator(self._node_id)
@@ -77,6 +79,7 @@ class ThreadGroup:
             raise ValueError(f"size must be >= 1, got {size}")
         if node_ids is not None and len(node_ids) != size:
             raise ValueError(f"{len(node_ids)} node ids for {size} ranks")
+        check_timeout(timeout)
         self.size = size
         self.node_ids = node_ids if node_ids is not None else ["node0"] * size
         self.timeout = timeout
@@ -84,6 +87,8 @@ class ThreadGroup:
         self._slots: list[Any] = [None] * size
         self._lock = threading.Lock()
         self._children: dict[tuple[int, int], ThreadGroup] = {}
+        # Splits each rank made, over every view of it (the key of the next child).
+        self._splits = [0] * size
         #: Number of collectives each rank entered (tests read it).
         self.calls = [0] * size
 
@@ -91,6 +96,7 @@ class ThreadGroup:
         return ThreadCommunicator(self, rank)
 
     def _exchange(self, rank: int, obj: Any, op: str, timeout: float | None) -> list[Any]:
+        check_timeout(timeout)
         wait = self.timeout if timeout is None else timeout
         self.calls[rank] += 1
         self._slots[rank] = obj
@@ -108,9 +114,11 @@ class ThreadGroup:
             ) from None
         return result
 
-    def _child(self, seq: int, color: int, members: list[int]) -> ThreadGroup:
+    def _child(self, rank: int, color: int, members: list[int]) -> ThreadGroup:
+        """The group ``rank``'s next split makes (counted over every view of ``rank``)."""
         with self._lock:
-            key = (seq, color)
+            self._splits[rank] += 1
+            key = (self._splits[rank], color)
             if key not in self._children:
                 self._children[key] = ThreadGroup(
                     len(members), [self.node_ids[m] for m in members], timeout=self.timeout
@@ -126,7 +134,6 @@ class ThreadCommunicator:
             raise ValueError(f"rank {rank} is out of range for a group of size {group.size}")
         self._group = group
         self._rank = rank
-        self._splits = 0
 
     @property
     def rank(self) -> int:
@@ -162,9 +169,8 @@ class ThreadCommunicator:
 
     def split(self, color: int) -> Communicator:
         colors = self._group._exchange(self._rank, color, "split", None)
-        self._splits += 1
         members = [r for r, c in enumerate(colors) if c == color]
-        child = self._group._child(self._splits, color, members)
+        child = self._group._child(self._rank, color, members)
         return child.comm(members.index(self._rank))
 
     def __repr__(self) -> str:

@@ -36,7 +36,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from distcache.comm._base import Communicator, Wrapping
+from distcache.comm._base import Communicator, Wrapping, check_timeout
 from distcache.comm._codec import decode_each, decode_from, encode
 from distcache.errors import WireError
 
@@ -134,6 +134,17 @@ def _runs(indices: list[int]) -> list[int]:
         else:
             out.extend((1, index))
     return out
+
+
+def _combined(combine: Callable[[list[Any]], Any], values: list[Any]) -> tuple[bool, Any]:
+    """``(True, combine(values))``, or ``(False, why)`` where it raised or its result
+    is not plain data."""
+    try:
+        value = combine(values)
+        encode(value)
+    except Exception as exc:
+        return False, f"{type(exc).__name__}: {exc}"
+    return True, value
 
 
 class NodeTree(Wrapping):
@@ -240,6 +251,7 @@ class NodeTree(Wrapping):
         return self._base.split(color)
 
     def _clock(self, timeout: float | None) -> Callable[[], float | None]:
+        check_timeout(timeout)
         wait = timeout if timeout is not None else getattr(self._base, "timeout", None)
         until = None if wait is None else time.monotonic() + wait
 
@@ -273,23 +285,35 @@ class NodeTree(Wrapping):
                          timeout: float | None = None) -> Any:
         """:func:`reduce_object` through the node leaders."""
         encode(obj)  # refused here, before this rank enters the collective
-        local, upper = self.levels()
         left = self._clock(timeout)
+        local, upper = self.levels()
         values = local.allgather_object(obj, timeout=left())
         if self.is_leader:
-            per_node = self._leaders(upper).allgather_object(combine(values), timeout=left())
-            answer = self._down(local, encode(combine(per_node)), left())
+            # A combination that fails travels on as its reason, so that every rank
+            # raises alike instead of the others waiting out their timeout.
+            per_node = self._leaders(upper).allgather_object(_combined(combine, values),
+                                                             timeout=left())
+            failed = next((p for p in per_node if not (type(p) is tuple and len(p) == 2
+                                                       and p[0] is True)), None)
+            answer = self._down(local, encode(failed if failed is not None else _combined(
+                combine, [p[1] for p in per_node])), left())
         else:
             answer = self._down(local, None, left())
         base = self._base
-        return decode_from(answer, self._members[self._node][0],
-                           f"rank {base.rank}/{base.size} ({base.node_id})",
-                           rank=base.rank, backend=base.backend)
+        where = f"rank {base.rank}/{base.size} ({base.node_id})"
+        leader = self._members[self._node][0]
+        result = decode_from(answer, leader, where, rank=base.rank, backend=base.backend)
+        if not (type(result) is tuple and len(result) == 2 and result[0] is True):
+            why = result[1] if type(result) is tuple and len(result) == 2 else "malformed"
+            raise WireError(f"allreduce_object on {where}: the reduction failed: {why}",
+                            op="allreduce_object", rank=base.rank, backend=base.backend,
+                            peer=leader)
+        return result[1]
 
     def allgather_object(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
         mine = encode(obj)  # refused here, before this rank enters the collective
-        local, upper = self.levels()
         left = self._clock(timeout)
+        local, upper = self.levels()
         parts = local.allgather_object(mine, timeout=left())
         if self.is_leader:
             distinct: dict[bytes, int] = {}
@@ -339,17 +363,17 @@ class NodeTree(Wrapping):
         if type(folded) is str:
             raise WireError(f"allgather_object on {where}: {folded}", op="allgather_object",
                             rank=base.rank, backend=base.backend, peer=leader)
-        if not (type(folded) is tuple and len(folded) == 2 and type(folded[0]) is list
-                and type(folded[1]) is list):
+        table, runs = folded if type(folded) is tuple and len(folded) == 2 else (None, None)
+        # Checked whole before any run is expanded: a forged count must not allocate.
+        if not (type(table) is list and all(type(p) is bytes for p in table)
+                and type(runs) is list and len(runs) % 2 == 0
+                and all(type(c) is int and c > 0 for c in runs[::2])
+                and all(type(i) is int and 0 <= i < len(table) for i in runs[1::2])
+                and sum(runs[::2]) == base.size):
             raise WireError(f"allgather_object on {where}: the node leader's answer is "
-                            "malformed", op="allgather_object", rank=base.rank,
-                            backend=base.backend, peer=leader)
-        table, runs = folded
-        out = decode_each(((index, table[index])
-                           for count, index in zip(runs[::2], runs[1::2], strict=True)
-                           for _ in range(count)), where, rank=base.rank, backend=base.backend)
-        if len(out) != base.size:
-            raise WireError(f"allgather_object on {where}: the node leader's answer covers "
-                            f"{len(out)} of {base.size} ranks", op="allgather_object",
-                            rank=base.rank, backend=base.backend, peer=leader)
-        return out
+                            f"malformed or does not cover the {base.size} ranks",
+                            op="allgather_object", rank=base.rank, backend=base.backend,
+                            peer=leader)
+        return decode_each(((index, table[index])
+                            for count, index in zip(runs[::2], runs[1::2], strict=True)
+                            for _ in range(count)), where, rank=base.rank, backend=base.backend)
