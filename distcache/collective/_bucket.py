@@ -106,7 +106,9 @@ def decode_bucket(message: bytes | bytearray, objects: int | None = None,
         index, length = _ENTRY.unpack_from(view, table_start + k * _ENTRY.size)
         if objects is not None and index >= objects:
             raise WireError(f"bucket entry {k} names object {index} of {objects}", op="decode")
-        if length < 0:
+        if length < -1:
+            raise WireError(f"bucket entry {k} has length {length}", op="decode")
+        if length == -1:
             entries.append((index, None))
             continue
         if offset + length > table_start:

@@ -158,7 +158,10 @@ def prefetch(
                     failure = run.failure("publish", None, exc)
         return finish(run, plan, len(listing), failure)
 
-    return run.guarded(body)
+    try:
+        return run.guarded(body)
+    finally:
+        run.progress.close()  # rank 0's bar, on failure as on success
 
 
 def _fetch(run: Run, plan: Plan, pool_ids: list[str], todo: list[Artifact], origin: Origin,

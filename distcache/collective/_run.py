@@ -238,8 +238,13 @@ class Run:
         if not concurrent(self.comm):
             # The transport cannot take two threads: the move runs here, and a rank
             # outside it waits for its end within one timeout.
+            # What the move raises (a malformed bucket, a peer's timeout) is this rank's
+            # failure, agreed on like the concurrent move's.
             work, _ = self._move_work(plan, pool_ids, bucket_bytes, None)
-            failed = work() if work is not None else None
+            try:
+                failed = work() if work is not None else None
+            except Exception as exc:
+                return self.failure("move", None, exc)
             return None if failed is None else self._moved(plan, name_of, failed)
         self.finish_move(self.start_move(plan, pool_ids, bucket_bytes), plan, name_of)
         return None
@@ -314,6 +319,8 @@ class Run:
 
     def _moved(self, plan: Plan, name_of: Mapping[str, str],
                failed: tuple[int, BaseException]) -> Failure:
+        if failed[0] < 0:  # not one object's failure (the flush of what was published)
+            return self.failure("move", None, failed[1])
         sha = plan.objects[failed[0]]
         return self.failure("move", name_of.get(sha, sha), failed[1])
 
@@ -328,6 +335,19 @@ def discover(run: Run, objects: list[str], pool_ids: list[str]) -> dict[str, lis
             payload = encode_bitmap(run.pool.holding(objects))
         except Exception as exc:
             failure = run.failure("discover", None, exc)
-    gathered = run.comm.allgather_object((payload, failure), timeout=run.timeout)
-    run.raise_first(f for _, f in gathered)
-    return {p: decode_bitmap(gathered[w][0], len(objects)) for p, w in writers.items()}
+    gathered = run.comm.allgather_object((payload, failure, run.comm.node_id),
+                                         timeout=run.timeout)
+    run.raise_first(f for _, f, _ in gathered)
+    have: dict[str, list[bool]] = {}
+    for p, w in writers.items():
+        # Every rank decodes the same gathered payloads: a malformed one fails alike.
+        bitmap = gathered[w][0]
+        try:
+            if not isinstance(bitmap, bytes):
+                raise ValueError(f"a have-set of type {type(bitmap).__name__}")
+            have[p] = decode_bitmap(bitmap, len(objects))
+        except ValueError as exc:
+            run.raise_first([("discover", None, w, str(gathered[w][2]),
+                              f"WireError: rank {w} sent a malformed have-set for its "
+                              f"pool: {exc}")])
+    return have

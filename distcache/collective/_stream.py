@@ -45,6 +45,8 @@ class Arrivals(Protocol):
 PATIENCE = 0.01
 #: Longest wait between two buckets of a source whose next object is still downloading.
 KEEPALIVE_MAX = 1.0
+#: The object index of a failure that is no single object's (a failed flush).
+NO_OBJECT = -1
 
 
 class _Publisher:
@@ -188,7 +190,9 @@ def move_objects(
     digest) those its pool lacks as each bucket arrives. ``on_bucket`` is called after
     every bucket this rank sent or received (progress). A failure does not stop the
     protocol: the rank keeps taking every bucket so its peers stay in step, and
-    returns the first ``(object index, error)`` for the caller to agree on.
+    returns the first ``(object index, error)`` for the caller to agree on (index
+    :data:`NO_OBJECT`: the flush failed). A stream that ends without an object this
+    rank's pool lacks is such a failure too.
 
     ``arrivals`` (a move that runs beside the downloads into this source's pool)
     says which objects are still downloading and which landed since. A source sends
@@ -200,7 +204,8 @@ def move_objects(
 
     Raises:
         CollectiveTimeout: a peer did not arrive in time.
-        WireError: a malformed bucket arrived.
+        WireError: a malformed bucket arrived (one naming an object outside its
+            source's stream, or one sent before, included).
     """
     writers = plan.writer_ranks
     mine = pool_ids[rank]
@@ -256,7 +261,7 @@ def move_objects(
             _move(rank, plan, pool, comms, read, mine, bucket_bytes, stats, timeout, failed,
                   on_done, on_bucket)
     except PoolError as exc:  # the batch's flush
-        failed.append((0, exc))
+        failed.append((NO_OBJECT, exc))
     return failed[0] if failed else None
 
 
@@ -267,6 +272,8 @@ def _move(rank: int, plan: Plan, pool: Pool, comms: list[Communicator | None],
           on_done: Callable[[int], None] | None,
           on_bucket: Callable[[], None] | None) -> None:
     publisher = _Publisher(pool, plan.objects, stats, failed, on_done)
+    # Objects a stream ended without: failures once what did arrive is published.
+    missing: list[tuple[int, BaseException]] = []
     try:
         for audience, acomm in zip(plan.audiences, comms, strict=True):
             if acomm is None:
@@ -283,20 +290,31 @@ def _move(rank: int, plan: Plan, pool: Pool, comms: list[Communicator | None],
                                                            stats=stats))
                         for source, indices in audience.sends if source == rank}
             try:
-                _take_turns(rank, audience.sends, acomm, root_of, outgoing, publisher, plan,
-                            mine, stats, timeout, on_bucket)
+                missing += _take_turns(rank, audience.sends, acomm, root_of, outgoing,
+                                       publisher, plan, mine, stats, timeout, on_bucket)
             finally:
                 for ahead in outgoing.values():
                     ahead.close()
     finally:
         publisher.close()
+        failed.extend(missing)
 
 
 def _take_turns(rank: int, sends: Sequence[tuple[int, tuple[int, ...]]],
                 acomm: Communicator, root_of: dict[int, int], outgoing: dict[int, _ReadAhead],
                 publisher: _Publisher, plan: Plan, mine: str, stats: StreamStats,
-                timeout: float | None, on_bucket: Callable[[], None] | None) -> None:
+                timeout: float | None, on_bucket: Callable[[], None] | None,
+                ) -> list[tuple[int, BaseException]]:
+    """One audience's turns; returns, per other source whose stream ended without an
+    object this rank's pool lacks, the first such object and its error."""
+    missing: list[tuple[int, BaseException]] = []
     active = [source for source, _ in sends]
+    # Per other source, the objects of its stream not arrived yet (each arrives once)
+    # and of those the ones this rank's pool lacks: each must arrive, as bytes or as
+    # an entry its source could not read (and reports).
+    unsent = {source: set(indices) for source, indices in sends if source != rank}
+    owed = {source: {i for i in indices if mine in plan.lacking[i]}
+            for source, indices in sends if source != rank}
     while active:
         for source in list(active):
             # The root lends its message and receivers own theirs: no copies.
@@ -309,16 +327,39 @@ def _take_turns(rank: int, sends: Sequence[tuple[int, tuple[int, ...]]],
                 publisher.arrived(len(message))
             try:
                 last, entries = decode_bucket(message, len(plan.objects))
+                if source != rank:
+                    _take_entries(entries, unsent[source], plan)
             except WireError as exc:
                 raise WireError(f"rank {rank}: rank {source} sent a malformed bucket: "
                                 f"{exc}", op="stream", rank=rank, peer=source) from None
             if last:
                 active.remove(source)
             if source != rank:
+                owed[source].difference_update(index for index, _ in entries)
+                if last and owed[source]:
+                    index = min(owed[source])
+                    missing.append((index, WireError(
+                        f"rank {rank}: the stream of rank {source} ended without object "
+                        f"{plan.objects[index]}", op="stream", rank=rank, peer=source)))
                 publisher.submit(_wanted(entries, plan, mine, stats), len(message))
             del message, entries
             if on_bucket is not None:
                 on_bucket()
+    return missing
+
+
+def _take_entries(entries: list[tuple[int, memoryview | None]], unsent: set[int],
+                  plan: Plan) -> None:
+    """Strike ``entries`` off their stream's ``unsent`` objects.
+
+    Raises:
+        WireError: an entry names an object outside the stream, or one sent before.
+    """
+    for index, _ in entries:
+        if index not in unsent:
+            raise WireError(f"the bucket names object {plan.objects[index]}, which is not "
+                            "in its stream or was sent before", op="decode")
+        unsent.discard(index)
 
 
 def _wanted(entries: list[tuple[int, memoryview | None]], plan: Plan, mine: str,
