@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from distcache.artifact import Artifact, path_under
+from distcache.config import settings
 from distcache.errors import ArtifactNotFound, IntegrityError, OriginError
 from distcache.origins._base import BaseOrigin
 
@@ -18,12 +19,13 @@ _CHUNK = 1 << 20
 class DirOrigin(BaseOrigin):
     """Artifacts at ``path/<name>`` in a local or shared mirror directory.
 
-    Symlinks inside the mirror are followed only while they stay inside it.
+    Symlinks inside the mirror are followed only while they stay inside it. A file
+    for an artifact of unknown size is refused past ``DISTCACHE_MAX_ARTIFACT_BYTES``.
 
     Raises:
         ArtifactNotFound: (from ``fetch``) the mirror has no such file.
-        OriginError: (from ``fetch``) a symlink leaving the mirror, or an unreadable
-            file.
+        OriginError: (from ``fetch``) a symlink leaving the mirror, an unreadable
+            file, or a file of an artifact of unknown size over the byte cap.
         IntegrityError: (from ``fetch``) the file's bytes do not match the artifact.
         ArtifactNameError: (from ``fetch``) the name is unsafe.
     """
@@ -78,6 +80,13 @@ class DirOrigin(BaseOrigin):
             raise
         return fd
 
+    def _over_cap(self, artifact: Artifact, candidate: Path, cap: int) -> OriginError:
+        return OriginError(
+            f"{candidate} in mirror {self.path} exceeds the cap of {cap} bytes for an "
+            "artifact of unknown size; give the artifact's size in the manifest, or "
+            "raise DISTCACHE_MAX_ARTIFACT_BYTES if it really is this large",
+            url=str(candidate), status=None, name=artifact.name)
+
     def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
         candidate = path_under(self.path, artifact.name)
         fd = self._open(artifact, candidate)
@@ -90,14 +99,20 @@ class DirOrigin(BaseOrigin):
                     raise OriginError(
                         f"{candidate} in mirror {self.path} is not a regular file",
                         url=str(candidate), status=None, name=artifact.name)
-                # Read at most one byte past a declared size: a huge (or sparse) file
-                # in the mirror is refused without reading it all, and nothing past
-                # the declared size reaches ``out``.
-                while chunk := src.read(_CHUNK if limit is None else
-                                        min(_CHUNK, limit + 1 - count)):
+                # An artifact of unknown size is capped like an HTTP body; a file
+                # already over the cap is refused before a byte is read.
+                bound = settings().max_artifact_bytes if limit is None else limit
+                if limit is None and os.fstat(fd).st_size > bound:
+                    raise self._over_cap(artifact, candidate, bound)
+                # Read at most one byte past the bound: a huge (or sparse) file in the
+                # mirror is refused without reading it all, and nothing past the
+                # declared size (or the cap) reaches ``out``.
+                while chunk := src.read(min(_CHUNK, bound + 1 - count)):
                     count += len(chunk)
                     digest.update(chunk)
-                    if limit is not None and count > limit:
+                    if count > bound:
+                        if limit is None:  # the file grew while it was read
+                            raise self._over_cap(artifact, candidate, bound)
                         break
                     out.write(chunk)
         except IsADirectoryError as exc:

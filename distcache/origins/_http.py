@@ -47,7 +47,6 @@ _REDIRECTS = {301, 302, 303, 307, 308}
 _MAX_REDIRECTS = 5
 _SECRET_HEADERS = ("authorization", "cookie", "proxy-authorization")
 
-
 #: Seconds an unreachable origin is not asked again: the whole of a command's run,
 #: while a process that serves for days (the FlashInfer wrapper) finds the origin again
 #: once it is back.
@@ -173,7 +172,6 @@ class HttpOrigin(BaseOrigin):
             if self._session is None or self._backoff is None:
                 self._backoff = Backoff(*self._backoff_args)
                 if not any(k.lower() == "user-agent" for k in self._headers):
-                    # Read from the distribution's metadata: costly to import too.
                     self._headers = {"User-Agent": _user_agent(), **self._headers}
                 self._session = new_session(self._pool_size)
             return self._session, self._backoff
@@ -323,6 +321,7 @@ class HttpOrigin(BaseOrigin):
             Retry,
             as_given,
             unreachable,
+            untrusted,
         )
 
         session, _backoff = self._ready()
@@ -343,7 +342,8 @@ class HttpOrigin(BaseOrigin):
                     where = "" if current == url else (
                         f" at the redirect target {redact_url(current)}")
                     raise _Unreachable(down, down + where) from None
-                failure, cause = Retry(f"{type(exc).__name__}: {self._scrub(exc)}"), exc
+                kind = Fatal if untrusted(exc) else Retry
+                failure, cause = kind(f"{type(exc).__name__}: {self._scrub(exc)}"), exc
             except FATAL as exc:
                 failure, cause = Fatal(f"{type(exc).__name__}: {self._scrub(exc)}"), exc
             if failure is not None:
@@ -386,9 +386,9 @@ class HttpOrigin(BaseOrigin):
 
     def _attempt(self, url: str, artifact: Artifact, out: BinaryIO, written: list[int]) -> int:
         from distcache.origins._response import read_response
-
-        return read_response(self._get(url), artifact, out, written, self.timeout,
-                             self.max_bytes)
+        response = self._get(url)
+        other = redact_url(response.url) if host_key(response.url) != self._origin_host else None
+        return read_response(response, artifact, out, written, self.timeout, self.max_bytes, other)
 
 
 class _Unreachable(Exception):

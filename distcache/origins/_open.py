@@ -23,7 +23,15 @@ from distcache.origins._directory import DirOrigin
 
 
 def _file_url(spec: str, credentials: Credentials) -> Origin:
-    return DirOrigin(unquote(urlsplit(spec).path))
+    parts = urlsplit(spec)
+    if parts.netloc.lower() not in ("", "localhost") or not parts.path:
+        # file://cubins/fmha names host "cubins": read as /fmha (or, without a path,
+        # as the working directory) it would serve another directory's files.
+        raise ConfigError(
+            f"origin {_label(spec)!r} is not a local file URL; write file:///absolute/path "
+            "(three slashes) or give the directory path itself",
+            variable="origin", value=_label(spec))
+    return DirOrigin(unquote(parts.path))
 
 
 def _http_url(spec: str, credentials: Credentials) -> Origin:

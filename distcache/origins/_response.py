@@ -3,11 +3,12 @@
 :func:`read_response` turns a response into the artifact's bytes in ``out`` or into a
 :class:`Retry` (another attempt may fix it: overload, a cut or stalled body, wrong
 bytes from one cache node) or a :class:`Fatal` (it will not: 404, 403, a refused
-redirect, a body over the byte cap). Bytes are hashed and counted as they stream, so
-nothing past the artifact's declared size (or, for an artifact of unknown size, past
-the cap) reaches ``out`` and a digest mismatch is known the moment the body ends.
-:class:`Backoff` decides how long to wait before the next attempt;
-:func:`unreachable` tells a refused connection or an unknown host from the rest.
+redirect, a body over the byte cap, a certificate that fails verification). Bytes are
+hashed and counted as they stream, so nothing past the artifact's declared size (or,
+for an artifact of unknown size, past the cap) reaches ``out`` and a digest mismatch
+is known the moment the body ends. :class:`Backoff` decides how long to wait before
+the next attempt; :func:`unreachable` tells a refused connection or an unknown host
+from the rest, and :func:`untrusted` a certificate that fails verification.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import http.client
 import random
 import re
 import socket
+import ssl
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -42,6 +44,8 @@ _MIN_WINDOW = 2.0
 _CONTENT_LENGTH = re.compile(r"[0-9]{1,20}\Z")
 # Statuses worth another try: the server is overloaded or a proxy timed out.
 _RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
+# Server errors that say what the server cannot do at all: another attempt meets them.
+_FINAL_STATUS = {501, 505}
 
 #: Failures of the connection or the body that another attempt may not meet.
 TRANSIENT = (
@@ -64,12 +68,22 @@ TRANSIENT = (
 FATAL = (requests.RequestException, urllib3.exceptions.HTTPError, ValueError)
 
 
+class _Session(requests.Session):
+    """A session that leaves redirects to its caller: even with
+    ``allow_redirects=False`` requests reads a redirect's whole body (unbounded, at
+    any pace) to prepare the next request, unless no redirect target is seen."""
+
+    def get_redirect_target(self, resp: requests.Response) -> str | None:
+        return None
+
+
 def new_session(pool_size: int) -> requests.Session:
     """A session keeping up to ``pool_size`` connections per host, never retrying
-    on its own (the origin's attempts and backoff are its caller's)."""
+    on its own (the origin's attempts and backoff are its caller's) nor reading a
+    redirect's body (the origin follows redirects itself)."""
     from requests.adapters import HTTPAdapter
 
-    session = requests.Session()
+    session = _Session()
     adapter = HTTPAdapter(pool_connections=4, pool_maxsize=pool_size, max_retries=0)
     session.mount("http://", adapter)
     session.mount("https://", adapter)
@@ -110,6 +124,25 @@ def unreachable(exc: BaseException) -> str | None:
     ``exc`` (from requests) is a refused connection or a failed name lookup; ``None``
     for every other failure (timeouts, resets, TLS errors and a resolver's temporary
     failure may pass)."""
+    for error in _linked(exc):
+        if isinstance(error, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(error, socket.gaierror) and error.errno != socket.EAI_AGAIN:
+            # EAI_AGAIN is the resolver's "try again" (a DNS server under load as a
+            # thousand ranks start): retried like any transient failure.
+            return f"host name does not resolve ({error.strerror or error})"
+    return None
+
+
+def untrusted(exc: BaseException) -> bool:
+    """Whether ``exc`` (from requests) is a server certificate that failed
+    verification: the same certificate fails every attempt, unlike a handshake cut
+    short."""
+    return any(isinstance(e, ssl.SSLCertVerificationError) for e in _linked(exc))
+
+
+def _linked(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and every exception it links to (causes, contexts, reasons, args)."""
     seen: set[int] = set()
     stack: list[BaseException] = [exc]
     while stack:
@@ -117,16 +150,10 @@ def unreachable(exc: BaseException) -> str | None:
         if id(error) in seen:
             continue
         seen.add(id(error))
-        if isinstance(error, ConnectionRefusedError):
-            return "connection refused"
-        if isinstance(error, socket.gaierror) and error.errno != socket.EAI_AGAIN:
-            # EAI_AGAIN is the resolver's "try again" (a DNS server under load as a
-            # thousand ranks start): retried like any transient failure.
-            return f"host name does not resolve ({error.strerror or error})"
+        yield error
         linked = [error.__cause__, error.__context__, getattr(error, "reason", None),
                   *error.args]
         stack.extend(e for e in linked if isinstance(e, BaseException))
-    return None
 
 
 class Backoff(Record):
@@ -176,12 +203,14 @@ def retry_after(value: str | None) -> float | None:
 
 
 def read_response(response: requests.Response, artifact: Artifact, out: BinaryIO,
-                  written: list[int], timeout: float, max_bytes: int) -> int:
+                  written: list[int], timeout: float, max_bytes: int,
+                  elsewhere: str | None = None) -> int:
     """Stream a (non-redirect) response's body into ``out``, verifying it against
     ``artifact``; return the byte count. ``written[0]`` counts what reached ``out``,
     also when this raises. ``timeout`` is the origin's per-read timeout and the length
     of the window the minimum rate is judged over; ``max_bytes`` caps a body of unknown
-    size (nothing past it reaches ``out``).
+    size (nothing past it reaches ``out``). ``elsewhere`` is the (redacted) URL of the
+    host a redirect led to when that is not the origin's: a refusal names it.
 
     Raises:
         Retry: an overloaded server, a cut, stalled or overlong body, wrong bytes.
@@ -189,11 +218,22 @@ def read_response(response: requests.Response, artifact: Artifact, out: BinaryIO
     """
     with response:
         status = response.status_code
-        if status in _RETRY_STATUS or status >= 500:
+        if status in _RETRY_STATUS or (status >= 500 and status not in _FINAL_STATUS):
             raise Retry(f"HTTP {status}", status=status,
                         delay=retry_after(response.headers.get("Retry-After")))
+        if status != 200 and elsewhere is not None:
+            # That host was sent no credentials: its refusal says nothing of the token.
+            raise Fatal(f"HTTP {status} from the redirect target {elsewhere}", status=status,
+                        advice="check where the origin redirects to" if status in (401, 403)
+                        else None)
         if status != 200:
             raise Fatal(f"HTTP {status}", status=status)
+        coding = (response.headers.get("Content-Encoding") or "identity").strip().lower()
+        if coding != "identity":
+            # The digest is of the bytes as sent: a coded body never matches it.
+            raise Fatal(f"the body came with Content-Encoding: {coding[:40]} although only "
+                        "identity was asked for", status=status,
+                        advice="serve the artifacts uncompressed")
         length_header = (response.headers.get("Content-Length") or "").strip()
         expected_len = int(length_header) if _CONTENT_LENGTH.match(length_header) else None
         limit = artifact.size
@@ -282,14 +322,16 @@ class _Window:
 
 
 def _body(response: requests.Response, window: _Window, written: list[int]) -> Iterator[bytes]:
-    """The decoded body in pieces as they arrive, judged by ``window`` after each one
+    """The body in pieces as they arrive, judged by ``window`` after each one
     (``written[0]`` counts what was accepted). ``read1`` returns whatever one socket
     read brings, so a server dripping bytes is noticed after its first piece past a
     window, not after the whole body (iter_content blocks until a full chunk has
-    arrived)."""
+    arrived). The body is taken as sent, never decoded: identity is the only coding
+    asked for, the digest is of the artifact's own bytes, and a decoder keeps reading
+    for as long as a stream decodes to nothing."""
     raw = response.raw
     while True:
-        piece = raw.read1(_CHUNK, decode_content=True)
+        piece = raw.read1(_CHUNK, decode_content=False)
         if not piece:
             return
         yield piece
