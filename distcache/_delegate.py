@@ -370,10 +370,9 @@ def _in_job_terms(error: BaseException, tree: NodeTree, leaders: list[int]
 def _in_job_ranks(report: PrefetchReport | None, leaders: list[int]
                   ) -> PrefetchReport | None:
     """``report`` with the ranks it names (the leaders' own) as ranks of the job."""
-    if report is None:
-        return None
-    return report.replace(writers=tuple(leaders[r] for r in report.writers),
-                          downloaders=tuple(leaders[r] for r in report.downloaders))
+    return None if report is None else report.replace(
+        writers=tuple(leaders[r] for r in report.writers),
+        downloaders=tuple(leaders[r] for r in report.downloaders))
 
 
 def _unpacked(fields: Any, where: str, tree: NodeTree) -> PrefetchReport | None:
@@ -385,8 +384,13 @@ def _unpacked(fields: Any, where: str, tree: NodeTree) -> PrefetchReport | None:
         values = dict(fields)
         for name in _RANK_FIELDS:
             values[name] = tuple(values[name])
+        if not (type(values["operation"]) is str and type(seconds := values["seconds"]) is dict
+                and all(type(v) is int for n in PrefetchReport._FIELDS[1:-1]
+                        for v in (values[n] if n in _RANK_FIELDS else (values[n],)))
+                and all(type(k) is str and type(v) in (int, float) for k, v in seconds.items())):
+            raise ValueError("a field of the report has the wrong type")
         return PrefetchReport(**values)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, KeyError) as exc:
         raise _malformed(where, tree) from exc
 
 

@@ -21,10 +21,12 @@ record). ``DISTCACHE_FLASHINFER=0`` removes FlashInfer from either (:func:`compo
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from distcache._log import get_logger
 from distcache._record import Record
 from distcache.config import Settings
 from distcache.errors import ConfigError
@@ -148,7 +150,47 @@ class InitOptions(Record):
                 f"{', '.join(known)} (FlashInfer is an integration: "
                 "integrations=[FlashInfer(record=DIR)] records, integrations=() leaves it "
                 "out)", variable=unknown[0], value=None)
-        return base.replace(**fields) if fields else base
+        chosen = base.replace(**fields) if fields else base
+        if not isinstance(chosen.background, bool):
+            raise ConfigError(f"init's background={chosen.background!r} must be True or False",
+                              variable="background", value=repr(chosen.background))
+        return chosen
+
+    def warn_ignored(self, options: InitOptions | None, fields: Mapping[str, Any]) -> list[str]:
+        """Log a warning naming the fields a later ``init(options, **fields)`` names (as
+        keywords, or in ``options`` away from their defaults) with values other than
+        these, which the open session ignores; return those fields."""
+        default = InitOptions()
+        named = set(fields) | {n for n in self._FIELDS if options is not None
+                               and not _same(getattr(options, n), getattr(default, n))}
+        asked = InitOptions.of(options, fields)
+        ignored = sorted(n for n in named if not _same(getattr(asked, n), getattr(self, n)))
+        if ignored:
+            log.warning("init was called again with other %s; the open session keeps "
+                        "those of the first call: the new ones are ignored", ", ".join(ignored))
+        return ignored
+
+    def __repr__(self) -> str:
+        """The fields, but no value of ``environ`` (tokens) nor a URL's password."""
+        shown = {name: repr(getattr(self, name)) for name in self._FIELDS}
+        if self.environ is not None:
+            shown["environ"] = f"<{len(self.environ)} variables>"
+        shown["origin"] = _PASSWORD.sub(r"\1***@", shown["origin"])
+        return "InitOptions(" + ", ".join(f"{k}={v}" for k, v in shown.items()) + ")"
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two option values are equal (a comparison that fails says no)."""
+    try:
+        return a is b or bool(a == b)
+    except Exception:
+        return False
+
+
+#: A URL's ``user:password@`` (the password is not shown).
+_PASSWORD = re.compile(r"(://[^/@:\s'\"]*:)[^/@\s'\"]*@")
+
+log = get_logger(__name__)
 
 _FLASHINFER = "distcache.integrations.flashinfer"
 

@@ -17,20 +17,8 @@ from typing import Any, NamedTuple
 
 from distcache.errors import ConfigError
 
-__all__ = [
-    "ENV_VARS",
-    "TABLE",
-    "Settings",
-    "Variable",
-    "default_pool_dir",
-    "env_bool",
-    "env_bytes",
-    "env_float",
-    "env_int",
-    "env_str",
-    "parse_bytes",
-    "settings",
-]
+__all__ = ["ENV_VARS", "TABLE", "Settings", "Variable", "default_pool_dir", "env_bool",
+           "env_bytes", "env_float", "env_int", "env_str", "parse_bytes", "settings"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -89,9 +77,14 @@ def _seconds(name: str, raw: str) -> float:
         number = float(raw.strip())
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a number", variable=name, value=raw) from None
-    if not number > 0:
-        raise ConfigError(f"{name}={raw!r} must be > 0", variable=name, value=raw)
+    if not 0 < number < _FOREVER:
+        raise ConfigError(f"{name}={raw!r} must be a finite number > 0", variable=name,
+                          value=raw)
     return number
+
+
+#: Seconds no timeout may reach: the waits of ``threading`` overflow on infinity.
+_FOREVER = float("inf")
 
 
 def _bytes(name: str, raw: str) -> int:
@@ -109,6 +102,17 @@ def _transport(name: str, raw: str) -> str:
             f"{name}={raw!r}: expected one of {', '.join(TRANSPORTS)}", variable=name, value=raw
         )
     return value
+
+
+def _peers(name: str, raw: str) -> str:
+    """``0``, ``1`` (spaces around them ignored), or a socket path (it holds a ``/``)."""
+    value = raw.strip()
+    if value in ("0", "1"):
+        return value
+    if "/" not in raw:
+        raise ConfigError(f"{name}={raw!r}: expected 0, 1 or the path of a node agent's "
+                          "socket", variable=name, value=raw)
+    return raw
 
 
 def _path(name: str, raw: str) -> Path:
@@ -290,7 +294,7 @@ TABLE: tuple[Variable, ...] = (
     Variable("DISTCACHE_AUTOINSTALL", "autoinstall", False, _bool, "0",
              "1: the start-up hook installed with the package puts the FlashInfer wrapper "
              "into every Python process (workers an engine spawns itself)"),
-    Variable("DISTCACHE_PEERS", "peers", "1", _text, "1", "0: a pool miss goes to the origin; 1: under init, ask the node agents first; a socket path: the node agent python -m launch --peers hosts (it sets this)"),
+    Variable("DISTCACHE_PEERS", "peers", "1", _peers, "1", "0: a pool miss goes to the origin; 1: under init, ask the node agents first; a socket path: the node agent python -m launch --peers hosts (it sets this)"),
 )
 
 #: ``variable -> (default as documented, meaning)``: the README's table, from :data:`TABLE`.
@@ -306,44 +310,28 @@ class Settings(NamedTuple):
     disable: bool  #: Disable every hook.
     pool_dir: Path  #: Pool directory.
     pool_max_bytes: int | None  #: Pool size cap in bytes, or ``None`` for unlimited.
-    #: Origins tried in order (URLs or directories); empty when unset.
-    origins: tuple[str, ...]
-    #: Bearer token for the first HTTP(S) origin (never in ``repr``).
-    origin_token: str | None
+    origins: tuple[str, ...]  #: Origins tried in order (URLs or directories); empty when unset.
+    origin_token: str | None  #: Bearer token for the first HTTP(S) origin (never in ``repr``).
     #: Bearer tokens per host (``host[:port]=token,...``), unparsed (never in ``repr``).
     origin_tokens: str | None
-    #: Largest body accepted for an artifact of unknown size.
-    max_artifact_bytes: int
-    #: Seconds a collective may take.
-    timeout: float
-    #: Seconds per HTTP connect/read.
-    http_timeout: float
-    #: Retries per artifact.
-    http_retries: int
-    #: Seconds to wait for another downloader's lock.
-    lock_timeout: float
-    #: Bytes per broadcast bucket.
-    bucket_bytes: int
-    #: Largest single message.
-    chunk_bytes: int
-    #: Concurrent downloads per rank.
-    downloads_per_rank: int
-    #: Concurrent downloads over the whole job.
-    downloads_per_job: int
-    #: Node identity override, or ``None`` for the hostname.
-    node_id: str | None
-    #: How the prefetch moves bulk bytes: ``"default"`` or ``"nccl"``.
-    transport: str
-    #: Seconds ``launch.init_process_group`` allows the rendezvous.
-    init_timeout: float
-    #: FlashInfer integration enabled.
-    flashinfer: bool
+    max_artifact_bytes: int  #: Largest body accepted for an artifact of unknown size.
+    timeout: float  #: Seconds a collective may take.
+    http_timeout: float  #: Seconds per HTTP connect/read.
+    http_retries: int  #: Retries per artifact.
+    lock_timeout: float  #: Seconds to wait for another downloader's lock.
+    bucket_bytes: int  #: Bytes per broadcast bucket.
+    chunk_bytes: int  #: Largest single message.
+    downloads_per_rank: int  #: Concurrent downloads per rank.
+    downloads_per_job: int  #: Concurrent downloads over the whole job.
+    node_id: str | None  #: Node identity override, or ``None`` for the hostname.
+    transport: str  #: How the prefetch moves bulk bytes: ``"default"`` or ``"nccl"``.
+    init_timeout: float  #: Seconds ``launch.init_process_group`` allows the rendezvous.
+    flashinfer: bool  #: FlashInfer integration enabled.
     #: Globs of the FlashInfer names that are pooled, or ``None`` for the
     #: integration's own default.
     flashinfer_families: tuple[str, ...] | None
     jit_caches: tuple[str, ...]  #: JIT caches init fills and Session.sync publishes.
-    #: File structured events are appended to, or ``None``.
-    log_json: Path | None
+    log_json: Path | None  #: File structured events are appended to, or ``None``.
     offline: bool  #: Never contact an origin.
     autoinstall: bool  #: The start-up hook installs the FlashInfer wrapper in every process.
     peers: str  #: "0", "1", or the Unix socket of the node's agent (see docs/peers.md).
@@ -358,6 +346,18 @@ class Settings(NamedTuple):
 
 
 _FIELDS = frozenset(Settings._fields)
+
+
+def _explicit(variable: Variable, given: Any) -> Any:
+    """A keyword's value checked as its variable's is (seconds, a transport); a bad
+    one raises :class:`ConfigError` naming the keyword and the value."""
+    if variable.parse is _transport:
+        return _transport(variable.name, str(given))
+    if isinstance(given, bool) or not isinstance(given, int | float) or not (
+            0 < given < _FOREVER):
+        raise ConfigError(f"{variable.field}={given!r} must be a finite number of seconds "
+                          f"> 0 (as {variable.name})", variable=variable.field, value=given)
+    return float(given)
 
 
 def settings(environ: Mapping[str, str] | None = None, **explicit: Any) -> Settings:
@@ -379,6 +379,8 @@ def settings(environ: Mapping[str, str] | None = None, **explicit: Any) -> Setti
     resolved: dict[str, Any] = {}
     for variable in TABLE:
         given = explicit.get(variable.field)
+        if given is not None and variable.field in ("timeout", "transport"):
+            given = _explicit(variable, given)
         resolved[variable.field] = given if given is not None else variable.read(env)
     if isinstance(resolved["origins"], str):
         resolved["origins"] = (resolved["origins"],)
@@ -386,11 +388,8 @@ def settings(environ: Mapping[str, str] | None = None, **explicit: Any) -> Setti
     resolved["pool_dir"] = Path(resolved["pool_dir"])
     chunk = resolved["chunk_bytes"]
     if not 0 < chunk < _TWO_GIB:
-        raise ConfigError(
-            f"DISTCACHE_CHUNK_BYTES={chunk} must be between 1 and 2 GiB - 1",
-            variable="DISTCACHE_CHUNK_BYTES",
-            value=chunk,
-        )
+        raise ConfigError(f"DISTCACHE_CHUNK_BYTES={chunk} must be between 1 and 2 GiB - 1",
+                          variable="DISTCACHE_CHUNK_BYTES", value=chunk)
     if resolved["bucket_bytes"] <= 0:
         raise ConfigError(
             f"DISTCACHE_BUCKET_BYTES={resolved['bucket_bytes']} must be > 0",

@@ -13,6 +13,7 @@ process keeps one session (:class:`SessionSlot`): a second ``init`` returns it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Unpack
@@ -85,6 +86,7 @@ class Session:
         # The background start-up (init(background=True)), what it raised.
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._waited = False  # wait() raised self._error
         # The slot this session is kept in (SessionSlot); close() leaves it.
         self._slot = _slot
         # The node agents of the peer tier this rank hosts or uses (distcache.peer);
@@ -120,10 +122,10 @@ class Session:
             if thread.is_alive():
                 raise CollectiveTimeout(
                     f"rank {self.comm.rank}/{self.comm.size}: the background start-up is "
-                    f"still running after {timeout:g} s",
-                    op="wait", timeout=timeout, rank=self.comm.rank,
-                )
+                    f"still running after {timeout:g} s", op="wait", timeout=timeout,
+                    rank=self.comm.rank)
         if self._error is not None:
+            self._waited = True
             raise self._error
         return self.report
 
@@ -165,26 +167,28 @@ class Session:
 
     def close(self) -> None:
         """Uninstall the integrations, unmap IPC pools, and tear down what init
-        started. Idempotent; not collective."""
+        started. Idempotent; not collective. Every step runs even where one fails;
+        the error of the last failing step is raised (the others chained to it)."""
         if self._closed:
             return
         self._closed = True
         if self._thread is not None:
             # Every collective of the start-up is bounded by the timeout, so this ends.
             self._thread.join()
-        for integration in reversed(self.integrations):
-            integration.uninstall()
-        if self._starting is not None:
-            self._starting.abandon()
-            self._starting = None
-        if self._peers is not None:
-            self._peers.close()
-        if self.registry is not None:
-            self.registry.close()
-        if self._adopted is not None:
-            self._adopted.close()
-        if self._slot is not None:
-            self._slot.leave(self)
+            if self._error is not None and not self._waited:
+                log.warning("the background start-up failed and no wait() raised it: %s",
+                            self._error)
+        with contextlib.ExitStack() as steps:  # run last-pushed first
+            if self._slot is not None:
+                steps.callback(self._slot.leave, self)
+            for closing in (self._adopted, self.registry, self._peers):
+                if closing is not None:
+                    steps.callback(closing.close)
+            if self._starting is not None:
+                steps.callback(self._starting.abandon)
+                self._starting = None
+            for integration in self.integrations:
+                steps.callback(integration.uninstall)
 
     @property
     def closed(self) -> bool:
@@ -197,12 +201,8 @@ class Session:
     def __enter__(self) -> Session:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.close()
 
 
@@ -239,6 +239,8 @@ class SessionSlot:
             if session is None:
                 session = _start(InitOptions.of(options, fields), self)
                 self._session = session
+            elif session.options is not None and (options is not None or fields):
+                session.options.warn_ignored(options, fields)
             return session
 
     def leave(self, session: Session) -> None:
@@ -368,7 +370,10 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
         else:
             start_up()
     except BaseException:
-        session.close()
+        try:
+            session.close()
+        except Exception as also:  # the start-up's own error is the one raised
+            log.warning("closing the failed start-up: %s", also)
         raise
     return session
 
