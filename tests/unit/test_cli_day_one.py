@@ -16,20 +16,15 @@ import pytest
 
 from distcache.store import ArtifactPool
 from distcache.testing import LoopbackOrigin, make_artifacts
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.cli import cli_env, run_cli
 
 
 @pytest.fixture
 def env(tmp_path: Path) -> dict[str, str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("DISTCACHE_")}
-    clean.update({"XDG_CACHE_HOME": str(tmp_path / "xdg"), "PYTHONPATH": str(REPO)})
-    return clean
+    return cli_env(tmp_path)
 
 
-def distcache(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "distcache", *args], capture_output=True,
-                          text=True, env=env, timeout=120, start_new_session=True, check=False)
+distcache = run_cli
 
 
 # --- Ctrl-C -----------------------------------------------------------------------------

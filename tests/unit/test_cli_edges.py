@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,20 +14,15 @@ import pytest
 from distcache.artifact import parse_checksums
 from distcache.cli import main
 from distcache.testing import make_artifacts
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.cli import cli_env, run_cli
 
 
 @pytest.fixture
 def env(tmp_path: Path) -> dict[str, str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("DISTCACHE_")}
-    clean.update({"XDG_CACHE_HOME": str(tmp_path / "xdg"), "PYTHONPATH": str(REPO)})
-    return clean
+    return cli_env(tmp_path)
 
 
-def distcache(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "distcache", *args], capture_output=True,
-                          text=True, env=env, timeout=120, start_new_session=True, check=False)
+distcache = run_cli
 
 
 @pytest.fixture
