@@ -119,3 +119,22 @@ def on_threads(size: int, body: Any, join: float = 60) -> list[Any]:
         t.join(join)
     assert not any(t.is_alive() for t in threads), "a rank hung"
     return out
+
+
+class PlainIntegration:
+    """An integration that is available, offers no origin, wants no artifact and has
+    no directory to fill; a test's integration overrides what it watches."""
+
+    install_beside_prefetch = False
+
+    def available(self) -> bool:
+        return True
+
+    def default_origin(self) -> str | None:
+        return None
+
+    def manifest(self) -> list[Any]:
+        return []
+
+    def materialize_dir(self) -> Path | None:
+        return None

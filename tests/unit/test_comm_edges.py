@@ -19,30 +19,9 @@ from distcache.comm._backend import BackendCommunicator, Budget
 from distcache.comm._base import poll_until
 from distcache.comm._codec import decode, encode
 from distcache.errors import CollectiveTimeout, CommError, WireError
+from tests.support.threads import run_ranks
 
 BAD_TIMEOUTS = (0.0, -1.0, math.nan, math.inf)
-
-
-def run_ranks(group: ThreadGroup, body: Callable[[Communicator], Any],
-              limit: float = 20.0) -> list[Any]:
-    """``body(comm)`` on every thread-rank, each result or raised exception; fails
-    the test when a rank is still running after ``limit`` seconds."""
-    results: list[Any] = [None] * group.size
-
-    def one(rank: int) -> None:
-        try:
-            results[rank] = body(group.comm(rank))
-        except BaseException as exc:
-            results[rank] = exc
-
-    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in range(group.size)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + limit
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    assert not any(t.is_alive() for t in threads), "a thread-rank hung"
-    return results
 
 
 def in_thread(fn: Callable[[], Any], limit: float = 5.0) -> Any:

@@ -15,8 +15,6 @@ import pickle
 import subprocess
 import sys
 import textwrap
-import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,28 +32,10 @@ from distcache.comm._base import MAX_MESSAGE_BYTES, chunk_spans
 from distcache.comm.adopt import launcher_is_mpi
 from distcache.errors import CollectiveTimeout, IntegrityError, RemoteError, WireError
 from tests.support.helpers import run_group
+from tests.support.threads import run_ranks
 
 GiB = 1 << 30
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def run_ranks(group: ThreadGroup, body: Callable[[Communicator], Any]) -> list[Any]:
-    """Run ``body(comm)`` on every thread-rank; return results (or raised exceptions)."""
-    results: list[Any] = [None] * group.size
-
-    def one(rank: int) -> None:
-        try:
-            results[rank] = body(group.comm(rank))
-        except BaseException as exc:
-            results[rank] = exc
-
-    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in range(group.size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a thread-rank hung"
-    return results
 
 
 # -- chunking ---------------------------------------------------------------------------

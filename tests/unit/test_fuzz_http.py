@@ -11,12 +11,10 @@ declared size; a body longer than declared is cut off early rather than buffered
 from __future__ import annotations
 
 import contextlib
-import gc
 import io
 import socket
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -28,6 +26,7 @@ from distcache.artifact import Artifact, sha256_hex
 from distcache.errors import IntegrityError, OriginError
 from distcache.origins import HttpOrigin
 from distcache.testing import LoopbackOrigin
+from tests.support.origins import close_all, started
 
 FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=120,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -89,15 +88,7 @@ class RawServer:
 
 @pytest.fixture
 def raw() -> Iterator[Callable[[Responder], RawServer]]:
-    servers: list[RawServer] = []
-
-    def start(respond: Responder) -> RawServer:
-        servers.append(RawServer(respond))
-        return servers[-1]
-
-    yield start
-    for server in servers:
-        server.close()
+    yield from started(RawServer)
 
 
 _opened: list[HttpOrigin] = []
@@ -105,16 +96,8 @@ _opened: list[HttpOrigin] = []
 
 @pytest.fixture(autouse=True)
 def _close_origins() -> Iterator[None]:
-    # Pooled connections left to the garbage collector are ResourceWarnings (errors).
     yield
-    while _opened:
-        _opened.pop().close()
-    # urllib3 refuses a response with conflicting Content-Length values (InvalidHeader)
-    # before handing it to anyone, and its socket is only closed by the garbage
-    # collector; collect it here rather than let the warning land in a later test.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        gc.collect()
+    close_all(_opened)
 
 
 def origin(url: str, **kwargs: Any) -> HttpOrigin:

@@ -18,7 +18,7 @@ from distcache.errors import ConfigError, PrefetchError
 from distcache.origins import DirOrigin
 from distcache.session import current
 from distcache.testing import make_artifacts
-from tests.support.helpers import isolated_init, on_threads
+from tests.support.helpers import PlainIntegration, isolated_init, on_threads
 
 HELD_S = 3.0  # how long a held download waits for the install before it gives up
 
@@ -46,7 +46,7 @@ class HeldOrigin(DirOrigin):
         return super().fetch_into(artifact, out)
 
 
-class Noting:
+class Noting(PlainIntegration):
     """An integration that notes, at its install, which of ``watched`` the pool held,
     and can release a held origin or fail."""
 
@@ -60,15 +60,6 @@ class Noting:
         self.order = order if order is not None else []
         self.uninstalls = 0
 
-    def available(self) -> bool:
-        return True
-
-    def default_origin(self) -> str | None:
-        return None
-
-    def manifest(self) -> list[Artifact]:
-        return []
-
     def install(self, pool: Any, origin: Any) -> None:
         self.held_at_install = [pool.has(a.sha256) for a in self.watched]
         self.on_thread = threading.current_thread().name
@@ -80,9 +71,6 @@ class Noting:
 
     def uninstall(self) -> None:
         self.uninstalls += 1
-
-    def materialize_dir(self) -> Path | None:
-        return None
 
 
 class Beside(Noting):

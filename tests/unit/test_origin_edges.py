@@ -7,12 +7,10 @@ so a response can stall, trickle or lie while the next connection is served.
 from __future__ import annotations
 
 import contextlib
-import gc
 import io
 import socket
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ import pytest
 from distcache.artifact import Artifact, sha256_hex
 from distcache.errors import ConfigError, OriginError
 from distcache.origins import Credentials, DirOrigin, HttpOrigin, open_origin
+from tests.support.origins import close_all, started
 
 BODY = bytes(range(256)) * 40  # 10240 bytes
 SHA = sha256_hex(BODY)
@@ -86,15 +85,7 @@ class ThreadedRawServer:
 
 @pytest.fixture
 def raw() -> Iterator[Callable[[Responder], ThreadedRawServer]]:
-    servers: list[ThreadedRawServer] = []
-
-    def start(respond: Responder) -> ThreadedRawServer:
-        servers.append(ThreadedRawServer(respond))
-        return servers[-1]
-
-    yield start
-    for server in servers:
-        server.close()
+    yield from started(ThreadedRawServer)
 
 
 _opened: list[HttpOrigin] = []
@@ -103,11 +94,7 @@ _opened: list[HttpOrigin] = []
 @pytest.fixture(autouse=True)
 def _close_origins() -> Iterator[None]:
     yield
-    while _opened:
-        _opened.pop().close()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        gc.collect()
+    close_all(_opened)
 
 
 def http_origin(url: str, **kwargs: Any) -> HttpOrigin:

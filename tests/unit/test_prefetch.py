@@ -945,34 +945,53 @@ def test_a_journal_exchange_is_compact_and_round_trips() -> None:
     assert decode_gained(encode_gained([], {})) == ([], {})
 
 
-class ForgingComm(CountingComm):
-    """Rank 1's communicator, through every split: each bucket it receives names an
-    object far beyond the plan, as a hostile peer's could."""
+class TamperingComm(CountingComm):
+    """A receiver's communicator, through every split: each bucket it receives passes
+    through :meth:`tamper` first, as a faulty or hostile peer's bytes could differ."""
+
+    def tamper(self, got: bytes) -> bytes:
+        return got
 
     def broadcast_bytes(
         self, data: bytes | None, root: int, *, timeout: float | None = None
     ) -> bytes:
         got = self.inner.broadcast_bytes(data, root, timeout=timeout)
-        if self.rank == root or len(got) < 21:
+        return got if self.rank == root else self.tamper(got)
+
+    def split(self, color: int) -> Communicator:
+        return type(self)(self.inner.split(color), self.world_rank, self.tally)
+
+
+class ForgingComm(TamperingComm):
+    """Each bucket received names an object far beyond the plan."""
+
+    def tamper(self, got: bytes) -> bytes:
+        if len(got) < 21:
             return got
         forged = bytearray(got)
         forged[-21:-17] = (1 << 30).to_bytes(4, "little")  # the last entry's index
         return bytes(forged)
 
-    def split(self, color: int) -> Communicator:
-        return ForgingComm(self.inner.split(color), self.world_rank, self.tally)
+
+def sent_to_one(receiving: Any, *, bucket_bytes: int, timeout: float
+                ) -> tuple[list[Artifact], dict[str, bytes], dict[str, Any], list[Any]]:
+    """Rank 0 holds four artifacts and sends every one to rank 1, whose communicator is
+    ``receiving(inner, 1, tally)``: the artifacts, their bytes, the pools' stores and
+    each rank's report or error."""
+    arts, blobs = make_blobs(4)
+    pools, stores = make_pools(2, lambda r: f"rank{r}")
+    stores["rank0"].objects.update(blobs)
+    group = ThreadGroup(2, timeout=timeout)
+    tally = Tally()
+    comms = [CountingComm(group.comm(0), 0, tally), receiving(group.comm(1), 1, tally)]
+    results = run_ranks(group, lambda r: prefetch(arts, comm=comms[r], pool=pools[r],
+                                                  origin=None, bucket_bytes=bucket_bytes,
+                                                  timeout=timeout))
+    return arts, blobs, stores, results
 
 
 def test_a_bucket_naming_an_object_beyond_the_plan_is_a_typed_error_on_every_rank() -> None:
-    arts, blobs = make_blobs(4)
-    pools, stores = make_pools(2, lambda r: f"rank{r}")
-    stores["rank0"].objects.update(blobs)  # rank 0 sends every artifact to rank 1
-    group = ThreadGroup(2, timeout=3)
-    tally = Tally()
-    comms = [CountingComm(group.comm(0), 0, tally), ForgingComm(group.comm(1), 1, tally)]
-    results = run_ranks(group, lambda r: prefetch(arts, comm=comms[r], pool=pools[r],
-                                                  origin=None, bucket_bytes=8000,
-                                                  timeout=3))
+    _, _, stores, results = sent_to_one(ForgingComm, bucket_bytes=8000, timeout=3)
     for result in results:
         assert isinstance(result, DistcacheError), result
     assert "malformed bucket" in str(results[1]) and "names object" in str(results[1])

@@ -20,45 +20,31 @@ from tests.unit.test_prefetch import (
     CountingComm,
     FakeOrigin,
     FakePool,
+    ForgingComm,
     Tally,
+    TamperingComm,
     make_blobs,
     make_pools,
     ok,
     run_ranks,
+    sent_to_one,
 )
 
 pytestmark = pytest.mark.timeout(60)
 
 
-class DroppingComm(CountingComm):
-    """A receiver's communicator, through every split: the first entry of each bucket
-    it receives is left out of the bucket, as a faulty or hostile peer's could be."""
+class DroppingComm(TamperingComm):
+    """The first entry of each bucket received is left out of the bucket."""
 
-    def broadcast_bytes(
-        self, data: bytes | None, root: int, *, timeout: float | None = None
-    ) -> bytes:
-        got = self.inner.broadcast_bytes(data, root, timeout=timeout)
-        if self.rank == root:
-            return got
+    def tamper(self, got: bytes) -> bytes:
         last, entries = decode_bucket(got)
         kept = [(i, None if v is None else bytes(v)) for i, v in entries[1:]]
         return bytes(encode_bucket(kept, last=last))
 
-    def split(self, color: int) -> Communicator:
-        return DroppingComm(self.inner.split(color), self.world_rank, self.tally)
-
 
 def test_a_bucket_that_leaves_out_an_object_fails_the_prefetch_on_every_rank() -> None:
-    arts, blobs = make_blobs(4)
-    pools, stores = make_pools(2, lambda r: f"rank{r}")
-    stores["rank0"].objects.update(blobs)  # rank 0 sends every artifact to rank 1
-    group = ThreadGroup(2, timeout=5)
-    tally = Tally()
-    comms = [CountingComm(group.comm(0), 0, tally), DroppingComm(group.comm(1), 1, tally)]
     # One bucket holds all four: the one left out is the first sent, the lowest digest.
-    results = run_ranks(group, lambda r: prefetch(arts, comm=comms[r], pool=pools[r],
-                                                  origin=None, bucket_bytes=1 << 20,
-                                                  timeout=5))
+    arts, blobs, stores, results = sent_to_one(DroppingComm, bucket_bytes=1 << 20, timeout=5)
     assert all(isinstance(e, PrefetchError) for e in results), results
     assert len({str(e) for e in results}) == 1
     assert results[0].rank == 1 and results[0].phase == "move"
@@ -75,24 +61,6 @@ def test_a_bucket_entry_with_a_negative_length_other_than_unreadable_is_malforme
     struct.pack_into("<Iq", bad, 3 + 12, 1, -2)
     with pytest.raises(WireError, match="length"):
         decode_bucket(bad, 2)
-
-
-class ForgingComm(CountingComm):
-    """Rank 1's communicator, through every split: each bucket it receives names an
-    object far beyond the plan."""
-
-    def broadcast_bytes(
-        self, data: bytes | None, root: int, *, timeout: float | None = None
-    ) -> bytes:
-        got = self.inner.broadcast_bytes(data, root, timeout=timeout)
-        if self.rank == root or len(got) < 21:
-            return got
-        forged = bytearray(got)
-        forged[-21:-17] = (1 << 30).to_bytes(4, "little")
-        return bytes(forged)
-
-    def split(self, color: int) -> Communicator:
-        return ForgingComm(self.inner.split(color), self.world_rank, self.tally)
 
 
 def test_a_malformed_bucket_in_a_move_on_one_thread_fails_every_rank_alike(
@@ -215,34 +183,17 @@ def test_a_malformed_have_set_fails_every_rank_alike_with_a_typed_error() -> Non
     assert "malformed have-set" in str(results[0])
 
 
-class RepeatingComm(CountingComm):
-    """A receiver's communicator, through every split: each bucket it receives names
-    its first object twice."""
+class RepeatingComm(TamperingComm):
+    """Each bucket received names its first object twice."""
 
-    def broadcast_bytes(
-        self, data: bytes | None, root: int, *, timeout: float | None = None
-    ) -> bytes:
-        got = self.inner.broadcast_bytes(data, root, timeout=timeout)
-        if self.rank == root:
-            return got
+    def tamper(self, got: bytes) -> bytes:
         last, entries = decode_bucket(got)
         items = [(i, None if v is None else bytes(v)) for i, v in entries]
         return bytes(encode_bucket(items + items[:1], last=last))
 
-    def split(self, color: int) -> Communicator:
-        return RepeatingComm(self.inner.split(color), self.world_rank, self.tally)
-
 
 def test_a_bucket_that_names_an_object_twice_is_a_malformed_bucket_on_every_rank() -> None:
-    arts, blobs = make_blobs(4)
-    pools, stores = make_pools(2, lambda r: f"rank{r}")
-    stores["rank0"].objects.update(blobs)
-    group = ThreadGroup(2, timeout=3)
-    tally = Tally()
-    comms = [CountingComm(group.comm(0), 0, tally), RepeatingComm(group.comm(1), 1, tally)]
-    results = run_ranks(group, lambda r: prefetch(arts, comm=comms[r], pool=pools[r],
-                                                  origin=None, bucket_bytes=1 << 20,
-                                                  timeout=3))
+    _, _, _, results = sent_to_one(RepeatingComm, bucket_bytes=1 << 20, timeout=3)
     assert all(isinstance(e, PrefetchError) for e in results), results
     assert len({str(e) for e in results}) == 1
     assert results[0].rank == 1 and "malformed bucket" in str(results[0])

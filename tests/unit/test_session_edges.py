@@ -18,7 +18,7 @@ from distcache.artifact import Artifact
 from distcache.config import settings
 from distcache.errors import ConfigError, WireError
 from distcache.session import SessionSlot
-from tests.support.helpers import isolated_init
+from tests.support.helpers import PlainIntegration, isolated_init
 
 
 @pytest.fixture(autouse=True)
@@ -26,24 +26,13 @@ def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]
     yield from isolated_init(monkeypatch, tmp_path)
 
 
-class Tracked:
+class Tracked(PlainIntegration):
     """An integration that notes its install and uninstall; its uninstall may fail."""
-
-    install_beside_prefetch = False
 
     def __init__(self, name: str, notes: list[str], *, fail_uninstall: bool = False,
                  fail_install: bool = False) -> None:
         self.name, self.notes, self.fail_uninstall = name, notes, fail_uninstall
         self.fail_install = fail_install
-
-    def available(self) -> bool:
-        return True
-
-    def default_origin(self) -> str | None:
-        return None
-
-    def manifest(self) -> list[Artifact]:
-        return []
 
     def install(self, pool: Any, origin: Any) -> None:
         if self.fail_install:
@@ -54,9 +43,6 @@ class Tracked:
         self.notes.append(f"uninstall {self.name}")
         if self.fail_uninstall:
             raise RuntimeError(f"{self.name} cannot uninstall")
-
-    def materialize_dir(self) -> Path | None:
-        return None
 
 
 @pytest.mark.parametrize("value", [-1, 0, "soon", float("nan"), float("inf")])
