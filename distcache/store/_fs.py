@@ -111,16 +111,27 @@ def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
         view = view[os.write(fd, view) :]
 
 
+#: What a filesystem that does not flush directories answers their fsync with.
+_NO_DIR_FSYNC = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS,
+                           errno.EBADF})
+
+
 def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """Flush a directory's entries, where the filesystem allows it."""
+    """Flush a directory's entries, where the filesystem allows it.
+
+    Raises:
+        PoolError: the flush failed (an I/O error); a filesystem that refuses
+            fsync on directories is not an error (rename is still atomic there).
+    """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return
     try:
         os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on directories; rename is still atomic
+    except OSError as exc:
+        if exc.errno not in _NO_DIR_FSYNC:
+            raise pool_error("cannot flush directory", path, exc) from exc
     finally:
         os.close(fd)
 
@@ -308,7 +319,8 @@ def link_into_place(tmp: str, final: str, existing_is_good: Callable[[], bool]) 
     """Link the whole, fsynced ``tmp`` to ``final``: :data:`LINKED` or :data:`REPLACED`
     when this call published it, else ``None``. An existing ``final`` wins unless
     ``existing_is_good()`` (which verifies it and moves a bad one aside) says
-    otherwise; then the link is tried once more."""
+    otherwise; then the link is tried once more, and a corrupt file there again is
+    a ``FileExistsError`` (nothing was published)."""
     for _attempt in range(2):
         try:
             os.link(tmp, final)
@@ -321,7 +333,7 @@ def link_into_place(tmp: str, final: str, existing_is_good: Callable[[], bool]) 
                 raise
             os.replace(tmp, final)
             return REPLACED
-    return None
+    raise FileExistsError(errno.EEXIST, "a corrupt file took its place again", final)
 
 
 def move_aside(path: str, dest: Path, st: os.stat_result | None) -> bool:

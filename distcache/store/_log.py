@@ -21,11 +21,14 @@ import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
+from distcache._log import get_logger
 from distcache.artifact import collapse_slashes, validate_name
 from distcache.store._fs import APPEND_FLAGS, READ_FLAGS, is_sha, pool_error, write_all
 from distcache.store._locking import flock_fd
 
 _APPEND_LOCK_WAIT = 5.0
+
+logger = get_logger(__name__)
 #: How much of the journal is read at a time, and the length of one record.
 _CHUNK = 1 << 16
 _RECORD = 64
@@ -37,7 +40,11 @@ class AppendLog:
     Each append is one ``O_APPEND`` write of ``"\\n<record>\\n"`` under a briefly
     held ``flock`` (O_APPEND alone is not atomic across NFS clients). The leading
     newline isolates the torn tail a crashed writer may have left, so a torn record
-    costs that record only; readers consume complete lines only.
+    costs that record only; readers consume complete lines only. A lock another
+    process holds past ``_APPEND_LOCK_WAIT`` seconds (a stopped process, a long
+    ``pool rm``) is not waited for further: the records are appended without it, with
+    a warning, since a record the logs lose only costs a later lookup or sync, and a
+    failed append would fail the publication it records.
     """
 
     def __init__(self, path: Path, mode: int) -> None:
@@ -53,7 +60,9 @@ class AppendLog:
         except OSError as exc:
             raise pool_error("cannot open", self.path, exc) from exc
         try:
-            flock_fd(fd, _APPEND_LOCK_WAIT, path=str(self.path))
+            if flock_fd(fd, _APPEND_LOCK_WAIT, path=str(self.path)) is False:
+                logger.warning("%s: another process has held its lock for more than %gs; "
+                               "appending without it", self.path, _APPEND_LOCK_WAIT)
             write_all(fd, data)
         except OSError as exc:
             raise pool_error("cannot append to", self.path, exc) from exc

@@ -79,10 +79,17 @@ def place_file(obj: str, into: Path, target: Path, sha: str, data: bytes,
     tmp = os.path.join(target.parent, f".{target.name}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
     try:
         try:
+            # The linked file must be this user's regular file of the bytes verified:
+            # the object may have been replaced since (by a symlink, another file),
+            # and then the verified bytes are copied instead.
             os.link(obj, tmp)
+            linked = _holds(tmp, data)
         except OSError as exc:
             if exc.errno != errno.EXDEV and exc.errno not in NO_LINK:
                 raise
+            linked = False
+        if not linked:
+            unlink_quietly(tmp)
             fd = os.open(tmp, CREATE_FLAGS, 0o600)
             try:
                 write_all(fd, data)
@@ -110,6 +117,25 @@ def _ensure_dirs(into: Path, parent: Path) -> None:
                 f"{current} is not a directory (a symlink?); refusing to write through it",
                 path=str(current),
             )
+
+
+def _holds(path: str, data: bytes) -> bool:
+    """Whether ``path`` is this user's regular file (not followed through a link) of
+    exactly ``data``: another user's could be rewritten by its owner, so a link to it
+    is no placed copy."""
+    try:
+        fd = os.open(path, READ_FLAGS)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and (
+            st.st_size == len(data)) and (
+            read_fd(fd, st.st_size) == data)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _file_matches(path: Path, sha: str) -> bool:

@@ -19,6 +19,7 @@ marker.
 from __future__ import annotations
 
 import bz2
+import errno
 import gzip
 import hashlib
 import lzma
@@ -291,11 +292,24 @@ def _dir_members(reader: _Reader) -> Iterator[Member]:
             if not stat.S_ISREG(st.st_mode):
                 kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
                 raise refuse(source, f"{path!r} is {kind}")
-            yield reader.member(path, st.st_size, partial(_open_file, full))
+            yield reader.member(path, st.st_size, partial(_open_file, source, path, full, st))
 
 
-def _open_file(path: str) -> IO[bytes]:
-    return open(path, "rb")
+def _open_file(source: Path, path: str, full: str, st: os.stat_result) -> IO[bytes]:
+    """``full`` opened to read, if it is still the regular file ``st`` describes: one
+    swapped since for a symlink is not followed, a FIFO not blocked on."""
+    try:
+        fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise refuse(source, f"{path!r} was replaced by a symbolic link while being "
+                             "read") from exc
+    now = os.fstat(fd)
+    if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+        os.close(fd)
+        raise refuse(source, f"{path!r} was replaced while being read")
+    return open(fd, "rb")
 
 
 def _raise(exc: OSError) -> None:
