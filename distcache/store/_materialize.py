@@ -15,6 +15,7 @@ import errno
 import hashlib
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from distcache.artifact import Artifact, check_sha256, path_under
@@ -123,31 +124,29 @@ def _holds(path: str, data: bytes) -> bool:
     """Whether ``path`` is this user's regular file (not followed through a link) of
     exactly ``data``: another user's could be rewritten by its owner, so a link to it
     is no placed copy."""
-    try:
-        fd = os.open(path, READ_FLAGS)
-    except OSError:
-        return False
-    try:
-        st = os.fstat(fd)
-        return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and (
-            st.st_size == len(data)) and (
-            read_fd(fd, st.st_size) == data)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
+    return _read_if(path, lambda st: stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+                    and st.st_size == len(data)) == data
 
 
 def _file_matches(path: Path, sha: str) -> bool:
+    data = _read_if(path, lambda st: True)
+    return data is not None and hashlib.sha256(data).hexdigest() == sha
+
+
+def _read_if(path: str | Path, admit: Callable[[os.stat_result], bool]) -> bytes | None:
+    """``path``'s bytes, opened without following a link, when ``admit`` takes its
+    status; None when it does not, or the file cannot be read whole."""
     try:
         fd = os.open(path, READ_FLAGS)
     except OSError:
-        return False
+        return None
     try:
         st = os.fstat(fd)
+        if not admit(st):
+            return None
         data = read_fd(fd, st.st_size)
     except OSError:
-        return False
+        return None
     finally:
         os.close(fd)
-    return len(data) == st.st_size and hashlib.sha256(data).hexdigest() == sha
+    return data if len(data) == st.st_size else None
