@@ -177,8 +177,13 @@ class TorchCommunicator(BackendCommunicator):
 
     # -- one collective: start, then wait within the budget ---------------------------
 
-    def _run(self, op: str, wait: float, start: Any, *args: Any, **kwargs: Any) -> None:
-        """Issue one async collective and wait for it, translating torch's errors."""
+    def _run(self, op: str, budget: Budget, start: Any, *args: Any, **kwargs: Any) -> None:
+        """Issue one async collective and wait for it within what is left of the call's
+        ``budget`` (a call of many chunks or rounds takes its timeout once, not once
+        per chunk), translating torch's errors."""
+        wait = budget.until - time.monotonic()
+        if wait <= 0:
+            raise self._timed_out(op, budget.seconds)
         try:
             work = start(*args, **kwargs)
             if self._device.type == "cpu":
@@ -187,7 +192,7 @@ class TorchCommunicator(BackendCommunicator):
                 self._poll(work, wait)
         except RuntimeError as exc:  # DistBackendError, DistError are RuntimeErrors
             if any(marker in str(exc) for marker in _TIMEOUT_MARKERS):
-                raise self._timed_out(op, wait) from exc
+                raise self._timed_out(op, budget.seconds) from exc
             self._broken = f"{op} failed"
             raise self._comm_error(op, exc, over=self._backend_name) from exc
 
@@ -229,7 +234,7 @@ class TorchCommunicator(BackendCommunicator):
                          budget: Budget) -> bytearray:
         tensor = (self._torch.empty(width, dtype=self._torch.uint8, device=self._device)
                   if block is None else self._bytes_tensor(block))
-        self._run("broadcast_bytes", budget.seconds, self._start_broadcast, tensor, root)
+        self._run("broadcast_bytes", budget, self._start_broadcast, tensor, root)
         return self._to_host(tensor)
 
     def _payload_buffer(self, data: bytes | None, total: int) -> torch.Tensor:
@@ -242,7 +247,7 @@ class TorchCommunicator(BackendCommunicator):
     ) -> None:
         # A slice of a contiguous 1-D tensor is contiguous: broadcast in place.
         span = buffer[start:stop]
-        self._run("broadcast_bytes", budget.seconds, self._start_broadcast, span, root)
+        self._run("broadcast_bytes", budget, self._start_broadcast, span, root)
 
     def _buffer_bytes(self, buffer: torch.Tensor) -> bytes:
         return self._to_bytes(buffer)
@@ -259,7 +264,7 @@ class TorchCommunicator(BackendCommunicator):
     def _allgather_blocks(self, block: bytes, budget: Budget) -> list[bytearray]:
         mine = self._bytes_tensor(block)
         parts = [self._torch.empty_like(mine) for _ in range(self._size)]
-        self._run("allgather_object", budget.seconds, self._start_allgather, parts, mine)
+        self._run("allgather_object", budget, self._start_allgather, parts, mine)
         return [self._to_host(part) for part in parts]
 
     def _allgather_payloads(self, mine: bytes, lengths: list[int], budget: Budget) -> list[bytes]:
@@ -277,7 +282,7 @@ class TorchCommunicator(BackendCommunicator):
         if mine and len(mine) <= width:
             padded[: len(mine)] = self._bytes_tensor(mine)
         parts = [torch.empty_like(padded) for _ in range(self._size)]
-        self._run("allgather_object", budget.seconds, self._start_allgather, parts, padded)
+        self._run("allgather_object", budget, self._start_allgather, parts, padded)
         out = [self._to_bytes(part[:n]) if n <= width else b""
                for part, n in zip(parts, lengths, strict=True)]
         del parts, padded
@@ -285,7 +290,7 @@ class TorchCommunicator(BackendCommunicator):
             if n > width:
                 tensor = (self._bytes_tensor(mine) if rank == self._rank else
                           torch.empty(n, dtype=torch.uint8, device=self._device))
-                self._run("allgather_object", budget.seconds, self._start_broadcast, tensor,
+                self._run("allgather_object", budget, self._start_broadcast, tensor,
                           rank)
                 out[rank] = self._to_bytes(tensor)
         return out
@@ -294,7 +299,7 @@ class TorchCommunicator(BackendCommunicator):
         # dist.barrier() takes no timeout on most backends; an all-reduce of one
         # element waited with a timeout is a barrier that can give up.
         token = self._torch.zeros(1, dtype=self._torch.int32, device=self._device)
-        self._run("barrier", budget.seconds, self._start_allreduce, token)
+        self._run("barrier", budget, self._start_allreduce, token)
 
     def _split_child(self, colors: tuple[int, ...], color: int) -> Self:
         dist = self._dist
