@@ -393,7 +393,9 @@ def test_auto_makes_its_own_gloo_group_beside_an_initialised_torch_world(
 def test_torch_backend_maps_timeouts_and_failures_to_comm_errors(tmp_path: Path) -> None:
     proc = _python(
         f"""
+        import time
         import torch.distributed as dist
+        from distcache.comm._backend import Budget
         from distcache.comm._torch import TorchCommunicator
         from distcache.errors import CollectiveTimeout, CommError
         dist.init_process_group("gloo", init_method="file://{tmp_path}/rdv", rank=0, world_size=1)
@@ -409,7 +411,7 @@ def test_torch_backend_maps_timeouts_and_failures_to_comm_errors(tmp_path: Path)
                            ("Connection closed by peer", CommError)):
             comm = TorchCommunicator(timeout=5)
             try:
-                comm._run("barrier", 5.0, failing(text))
+                comm._run("barrier", Budget(5.0, time.monotonic() + 5.0), failing(text))
             except kind as exc:
                 assert type(exc) is kind and isinstance(exc.__cause__, RuntimeError), exc
                 assert exc.op == "barrier" and exc.backend == "torch"
