@@ -4,10 +4,9 @@
 protocol once: option resolution and checks, identity, the broken-after-timeout
 state and its refusal, the chunked broadcast (length first, then chunks of at most
 ``chunk_bytes``; small payloads ride with their lengths, :mod:`~distcache.comm._inline`),
-the plain-data wire form of ``allgather_object``
-(:mod:`distcache.comm._codec`: no pickle, a malformed peer payload is a
-:class:`~distcache.errors.WireError`), the ``chunk_messages`` and
-``payload_bytes`` counters, and ``split``'s agreement and per-partition child cache.
+the plain-data wire form of ``allgather_object`` (:mod:`distcache.comm._codec`: no
+pickle, a malformed peer payload is a :class:`~distcache.errors.WireError`), the
+``chunk_messages`` and ``payload_bytes`` counters, and ``split``'s agreement and child cache.
 
 A backend supplies only its transport. Each primitive starts one collective,
 waits for it no longer than the :class:`Budget` allows, and translates the
@@ -39,13 +38,18 @@ A subclass sets ``_rank`` and ``_size`` in its constructor, after calling
 
 from __future__ import annotations
 
-import math
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Any, ClassVar, NamedTuple, Self
 
-from distcache.comm._base import MAX_MESSAGE_BYTES, check_broadcast, chunk_spans, hostname
+from distcache.comm._base import (
+    MAX_MESSAGE_BYTES,
+    check_broadcast,
+    check_timeout,
+    chunk_spans,
+    hostname,
+)
 from distcache.comm._codec import decode_each, encode
 from distcache.comm._inline import HEAD, INLINE_MAX, carried, head, inline_width, length_of
 from distcache.config import settings
@@ -90,8 +94,7 @@ class BackendCommunicator(ABC):
         node_id: str | None = None,
     ) -> None:
         conf = settings(timeout=timeout, chunk_bytes=chunk_bytes, node_id=node_id)
-        if not 0 < conf.timeout < math.inf:
-            raise ValueError(f"timeout must be a finite number of seconds > 0, got {conf.timeout}")
+        check_timeout(conf.timeout)
         if not 0 < conf.chunk_bytes <= MAX_MESSAGE_BYTES:
             raise ValueError(
                 f"chunk_bytes must be between 1 and {MAX_MESSAGE_BYTES} (2 GiB - 1), "
@@ -176,8 +179,7 @@ class BackendCommunicator(ABC):
                 backend=self._kind,
             )
         wait = self._timeout if timeout is None else timeout
-        if not 0 < wait < math.inf:
-            raise ValueError(f"timeout must be a finite number of seconds > 0, got {wait}")
+        check_timeout(wait)
         return Budget(wait, time.monotonic() + wait)
 
     def _timed_out(self, op: str, wait: float) -> CollectiveTimeout:
