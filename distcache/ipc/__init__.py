@@ -5,7 +5,7 @@ every peer pool exactly once and take small refs by copy (``fetch``) or view.
 
     pool = ShmPool(64 << 20)                     # or CudaPool(64 << 20, device)
     registry = PoolRegistry.exchange(comm, [pool])   # collective, once
-    ref = pool.put(tensor, consumers=[3])        # None: pool full; [3]: rank 3 reads it
+    ref = pool.put(tensor, consumers=[3])        # None: full for now; [3]: rank 3 reads it
     send(ref.pack())                             # a few dozen bytes, no pickle
     t = registry.fetch(FeatureRef.unpack(data))  # on rank 3: its own copy, then the ack
     with registry.view(ref) as t: ...            # or zero-copy, acked on exit

@@ -73,11 +73,16 @@ class SlotAllocator:
         self._gone = gone if gone is not None else (lambda index: False)
         # Free ranges as parallel sorted lists of starts and ends (absolute offsets).
         self._starts = [data_start]
-        self._ends = [data_start + capacity - capacity % ALIGNMENT]
+        self._ends = [data_start + self.largest]
         self._free_slots = list(reversed(range(slots)))
         self._generations = [0] * slots
         self._leases: dict[int, Lease] = {}
         self._audiences: dict[int, tuple[int, ...]] = {}
+
+    @property
+    def largest(self) -> int:
+        """The most bytes one lease can ever hold: the data region, whole and aligned."""
+        return self.capacity - self.capacity % ALIGNMENT
 
     @property
     def consumers(self) -> int | None:
@@ -117,9 +122,14 @@ class SlotAllocator:
         consumer that receives the ref finds them in place.
 
         Raises:
-            IpcError: no consumer count is bound yet, or the audience names an index
-                that is not a consumer.
+            IpcError: no consumer count is bound yet, the audience names an index
+                that is not a consumer, or ``nbytes`` is more than :attr:`largest`
+                (no lease can ever hold it, so None would mean wait for nothing).
         """
+        if nbytes > self.largest:
+            raise IpcError(
+                f"a lease of {nbytes} bytes can never fit: the largest is {self.largest} bytes"
+            )
         if self._consumers is None:
             raise IpcError("the pool's consumers are not known yet; exchange the pool first")
         readers = tuple(range(self._consumers)) if audience is None else audience

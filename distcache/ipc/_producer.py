@@ -204,20 +204,22 @@ class ProducerPool:
         *,
         with_descriptor: bool = False,
     ) -> FeatureRef | None:
-        """Copy a contiguous tensor into a lease; None when the pool is full.
+        """Copy a contiguous tensor into a lease; None when the pool is full for now.
 
         ``consumers`` are the ranks that will read the feature, and the only ones that
         must acknowledge it: None means every consumer of the pool; under attention-DP
         pass the one scheduler that takes it. A consumer that leaves or dies releases
         its part of every lease. A full pool answers at once (the caller retries after
         :meth:`reclaim`, or sends a copy) and is logged once per pool, not per call.
+        A tensor larger than the pool's capacity could never fit, so it raises instead.
         ``with_descriptor`` makes the ref carry the pool's descriptor, so a consumer
         that has not mapped this epoch can map it.
 
         Raises:
             IpcError: the pool is closed or not exchanged yet; the tensor is not
-                contiguous, on the wrong device, or of an unsupported dtype; or
-                ``consumers`` is empty or names a rank that is not a consumer.
+                contiguous, on the wrong device, or of an unsupported dtype; its
+                bytes exceed the pool's capacity; or ``consumers`` is empty or names
+                a rank that is not a consumer.
         """
         self._check_open()
         self._check_tensor(tensor)
@@ -234,6 +236,12 @@ class ProducerPool:
         with self._lock:
             self._check_open()
             alloc = self._allocator()
+            if nbytes > alloc.largest:
+                raise IpcError(
+                    f"put() of {nbytes} bytes can never fit in pool {self.pool_id}, whose "
+                    f"capacity is {alloc.largest} bytes; send it by copy or use a larger pool",
+                    pool_id=self.pool_id,
+                )
             lease = alloc.allocate(nbytes, audience)
             if lease is None:
                 self.full_count += 1

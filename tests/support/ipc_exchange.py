@@ -304,7 +304,12 @@ def _produce(
 ) -> dict[str, Any]:
     rng = random.Random(20240611)
     # -- the tight pool: filled, held by the slow consumer ---------------------------
-    assert tight.put(torch.zeros(TIGHT_CAPACITY + 1, dtype=torch.uint8, device=device)) is None
+    try:
+        tight.put(torch.zeros(TIGHT_CAPACITY + 1, dtype=torch.uint8, device=device))
+    except IpcError as exc:
+        assert f"{TIGHT_CAPACITY + 1} bytes" in str(exc), exc
+    else:
+        raise AssertionError("a feature larger than the tight pool was not refused")
     held = []
     for i in range(TIGHT_SLOTS):
         t = torch.full((TIGHT_FEATURE,), i + 1, dtype=torch.uint8, device=device)
@@ -377,7 +382,7 @@ def _produce(
     comm.allgather_object(None, timeout=TIMEOUT)  # everyone acked everything
     assert tight.reclaim() == TIGHT_SLOTS and tight.in_flight == 0
     assert tight.free_bytes == tight.capacity
-    assert tight.full_count == no_lease + 1  # + the over-capacity put at the start
+    assert tight.full_count == no_lease  # the over-capacity put raised, it was not "full"
     # A producer never maps its own pool, not even to resolve a ref of its own.
     try:
         registry.resolve(FeatureRef.unpack(items[0][0]))
