@@ -8,6 +8,10 @@ small kernels. Deferring it is safe because every read of the pool is verified: 
 power loss inside a batch can leave a linked object with torn bytes, which the next
 read quarantines and reports as a miss.
 
+What a batch does not defer is the entry of a new fan-out directory ``objects/<xx>``:
+``objects/`` is fsynced once when the directory is created, before anything is
+published in it (:func:`~distcache.store._fs.make_fanout`), batch or not.
+
 Every :attr:`Durability.writeback_bytes` published inside a batch, a background
 ``syncfs`` starts writing them back, so that the disk works while the batch goes on
 (hashing, receiving) and the final flush finds little left. Each writeback keeps its

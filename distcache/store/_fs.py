@@ -192,11 +192,14 @@ def unlink_quietly(path: str | os.PathLike[str]) -> None:
         os.unlink(path)
 
 
-def make_dir(path: Path, *, setgid: bool) -> None:
+def make_dir(path: Path, *, setgid: bool) -> bool:
     """Create ``path`` unless it exists (re-adding set-gid when ``setgid``) and check
-    that it is a real directory; :class:`PoolError` when not."""
+    that it is a real directory; whether this call created it. :class:`PoolError`
+    when it is not a real directory."""
+    created = False
     try:
         os.mkdir(path, 0o777)
+        created = True
         if setgid and not os.stat(path).st_mode & stat.S_ISGID:
             # Best effort: group inheritance is a convenience, not a need.
             with contextlib.suppress(OSError):
@@ -215,6 +218,29 @@ def make_dir(path: Path, *, setgid: bool) -> None:
             "follow it. Remove it or use another pool root.",
             path=str(path),
         )
+    return created
+
+
+def make_fanout(path: Path, *, setgid: bool) -> None:
+    """Create the fan-out directory ``path`` unless it exists, as :func:`make_dir`
+    does, and make a new one durable before anything is published into it: its
+    parent (``objects/``) is fsynced once, right after the creation. Without that, a
+    power loss may take the new directory's entry, and with it every object already
+    reported published there. A directory that was already there costs no flush.
+
+    Raises:
+        PoolError: it cannot be created, is not a real directory, or the flush of
+            its parent failed; then the new directory, still empty, is removed (if
+            it can be) so that the next publication creates and flushes it again.
+    """
+    if not make_dir(path, setgid=setgid):
+        return
+    try:
+        fsync_dir(path.parent)
+    except PoolError:
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
+        raise
 
 
 def temp_file(path: str) -> int:

@@ -27,6 +27,7 @@ the rules of DESIGN.md ("Artifacts and the pool") for each object:
 - **Durability per batch.** Inside :meth:`ObjectStore.batch` the ``fsync`` of each
   object and its directory is deferred to one flush when the batch ends; an object
   a power loss tore is caught by the verified read (:mod:`distcache.store._durability`).
+  A new ``objects/<xx>`` is flushed into ``objects/`` at once, batch or not (:func:`make_fanout`).
 
 Recency for LRU collection is the object's mtime, refreshed by reads at most once per
 ``stamp_interval`` seconds (atime is useless on ``noatime`` mounts); a reader that may
@@ -54,7 +55,7 @@ from distcache.store._fs import (
     Witness,
     fsync_dir,
     link_into_place,
-    make_dir,
+    make_fanout,
     move_aside,
     pool_error,
     read_fd,
@@ -270,7 +271,7 @@ class ObjectStore:
             if not deferred:
                 os.fsync(fd)
             if not self._clear_fanout(directory, sha):
-                make_dir(Path(directory), setgid=self.setgid)
+                make_fanout(Path(directory), setgid=self.setgid)
             # First publisher wins; a loser makes sure what won is whole, or repairs it.
             published = link_into_place(
                 tmp, final, lambda: self.read(sha, stamp=False) is not None)
@@ -301,7 +302,7 @@ class ObjectStore:
         """Whether ``objects/<xx>`` is a real directory already (nothing to make);
         else move what is there instead (a planted symlink, a stray file) into
         quarantine, so that publishing heals the pool instead of failing for ever. If
-        it cannot be moved, :func:`make_dir` refuses to publish."""
+        it cannot be moved, :func:`make_fanout` refuses to publish."""
         try:
             st = os.lstat(directory)
         except FileNotFoundError:
@@ -334,7 +335,7 @@ def _regular_files(fanout: str, names: set[str]) -> set[str]:
 def open_fanout(path: str) -> int | None:
     """A descriptor of the fan-out directory ``path``, or None when it is absent or
     not a real directory (a miss for readers; a publisher moves it aside, or fails
-    in :func:`make_dir`). :class:`PoolError` when it cannot be opened."""
+    in :func:`make_fanout`). :class:`PoolError` when it cannot be opened."""
     try:
         return os.open(path, DIR_FLAGS)
     except FileNotFoundError:

@@ -37,12 +37,15 @@ def _mirror(tmp_path: Path, blobs: list[bytes]) -> list[Artifact]:
     return arts
 
 
-def _count(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+def _count(monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, int], list[str]]:
+    """Count fsyncs and syncfs calls, and record the path of each fsynced descriptor."""
     calls = {"fsync": 0, "syncfs": 0}
+    synced: list[str] = []
     real_fsync, real_sync = os.fsync, _fs.sync_filesystem
 
     def fsync(fd: int) -> None:
         calls["fsync"] += 1
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
         real_fsync(fd)
 
     def sync(path: str | os.PathLike[str]) -> bool:
@@ -51,27 +54,42 @@ def _count(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(_durability, "sync_filesystem", sync)
-    return calls
+    return calls, synced
 
 
 def test_a_batch_flushes_once_instead_of_per_object(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pool = ArtifactPool(tmp_path / "pool")
-    calls = _count(monkeypatch)
+    calls, synced = _count(monkeypatch)
     with pool.batch():
-        for data in _blobs(20):
-            pool.put(data)
-        assert calls == {"fsync": 0, "syncfs": 0}
+        shas = [pool.put(data) for data in _blobs(20)]
+        # What no batch defers: objects/ once for each new fan-out directory (20 here).
+        assert len({s[:2] for s in shas}) == 20
+        assert calls == {"fsync": 20, "syncfs": 0}
+        assert synced == [os.path.realpath(pool.layout.objects)] * 20
     assert calls["syncfs"] == 1
-    assert calls["fsync"] == (0 if _fs._syncfs() is not None else 20 + 20)
+    assert calls["fsync"] == 20 + (0 if _fs._syncfs() is not None else 20 + 20)
 
 
 def test_outside_a_batch_each_object_is_fsynced_with_its_directory(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pool = ArtifactPool(tmp_path / "pool")
-    calls = _count(monkeypatch)
-    pool.put(b"one object")
+    calls, synced = _count(monkeypatch)
+    sha = pool.put(b"one object")
+    # The file, then objects/ (its fan-out directory is new), then that directory.
+    objects, fanout = (os.path.realpath(p) for p in (pool.layout.objects, pool.layout.fanout(sha)))
+    assert calls == {"fsync": 3, "syncfs": 0}
+    assert os.path.dirname(synced[0]) == os.path.realpath(pool.layout.root / "tmp")
+    assert synced[1:] == [objects, fanout]
+    # Another object in the same fan-out directory: the file and the directory only.
+    data = next(d for i in range(10_000) if hashlib.sha256(
+        d := f"another object {i}".encode()).hexdigest()[:2] == sha[:2])
+    calls["fsync"] = 0
+    synced.clear()
+    pool.put(data)
     assert calls == {"fsync": 2, "syncfs": 0}
+    assert os.path.dirname(synced[0]) == os.path.realpath(pool.layout.root / "tmp")
+    assert synced[1:] == [fanout]
 
 
 def test_without_syncfs_a_batch_fsyncs_each_file_then_each_directory(
@@ -365,8 +383,12 @@ def test_the_background_flush_holds_off_then_flushes(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_durability.Durability, "flush_delay", 0.5)
     flushed: list[float] = []
-    monkeypatch.setattr(_durability, "sync_filesystem",
-                        lambda path: flushed.append(time.monotonic()) or True)
+
+    def sync(path: str | os.PathLike[str]) -> bool:
+        flushed.append(time.monotonic())
+        return True
+
+    monkeypatch.setattr(_durability, "sync_filesystem", sync)
     pool = ArtifactPool(tmp_path / "pool")
     with pool.batch(wait=False):
         pool.put(b"published, flushed later")

@@ -1,0 +1,246 @@
+"""A new fan-out directory ``objects/<xx>`` is made durable before the first object in
+it is reported published: ``objects/`` is fsynced once after the directory is created,
+before the object's journal entry, in a batch as outside one, and never again for a
+fan-out directory that was already there."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from distcache.errors import PoolError
+from distcache.store import _durability
+from distcache.store._import import import_set
+from distcache.store._pool import ArtifactPool
+
+#: What happened, in order: ("fsync", path of the flushed descriptor), ("journal", sha).
+Events = list[tuple[str, str]]
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _blobs(prefixes: int, per_prefix: int) -> Iterator[bytes]:
+    """``per_prefix`` blobs for each of ``prefixes`` distinct fan-out directories."""
+    seen: dict[str, int] = {}
+    i = 0
+    while len([n for n in seen.values() if n >= per_prefix]) < prefixes:
+        data = f"kernel {i}".encode()
+        i += 1
+        prefix = _sha(data)[:2]
+        if seen.get(prefix, 0) >= per_prefix or (prefix not in seen and len(seen) >= prefixes):
+            continue
+        seen[prefix] = seen.get(prefix, 0) + 1
+        yield data
+
+
+def _record(pool: ArtifactPool, monkeypatch: pytest.MonkeyPatch) -> Events:
+    """Record every ``fsync`` (by the path of its descriptor) and journal append."""
+    events: Events = []
+    real_fsync = os.fsync
+    real_append = pool._journal.append
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def append(sha: str) -> None:
+        events.append(("journal", sha))
+        real_append(sha)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(pool._journal, "append", append)
+    return events
+
+
+def _objects(pool: ArtifactPool) -> str:
+    return os.path.realpath(pool.layout.objects)
+
+
+def _fanout(pool: ArtifactPool, sha: str) -> str:
+    return os.path.realpath(pool.layout.fanout(sha))
+
+
+def _temps(events: Events, pool: ArtifactPool) -> Events:
+    """``events`` with each fsync of a temporary file written as ("fsync", "tmp")."""
+    tmp = os.path.realpath(pool.layout.root / "tmp") + os.sep
+    return [("fsync", "tmp") if kind == "fsync" and path.startswith(tmp) else (kind, path)
+            for kind, path in events]
+
+
+def test_the_first_object_of_a_fanout_flushes_objects_before_it_is_journaled(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    first, second = list(_blobs(1, 2))
+    events = _record(pool, monkeypatch)
+    sha = pool.put(first)
+    assert _temps(events, pool) == [
+        ("fsync", "tmp"),
+        ("fsync", _objects(pool)),
+        ("fsync", _fanout(pool, sha)),
+        ("journal", sha),
+    ]
+    events.clear()
+    # The same fan-out directory again: it existed, so objects/ is not flushed again.
+    other = pool.put(second)
+    assert _fanout(pool, other) == _fanout(pool, sha)
+    assert _temps(events, pool) == [
+        ("fsync", "tmp"),
+        ("fsync", _fanout(pool, other)),
+        ("journal", other),
+    ]
+
+
+def test_a_fanout_left_by_another_pool_instance_is_not_flushed_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first, second = list(_blobs(1, 2))
+    ArtifactPool(tmp_path / "pool").put(first)
+    pool = ArtifactPool(tmp_path / "pool")
+    events = _record(pool, monkeypatch)
+    sha = pool.put(second)
+    assert ("fsync", _objects(pool)) not in events
+    assert _temps(events, pool) == [
+        ("fsync", "tmp"), ("fsync", _fanout(pool, sha)), ("journal", sha)]
+
+
+@pytest.mark.parametrize("syncfs", [True, False])
+def test_a_batch_flushes_objects_once_per_new_fanout_before_its_journal_entry(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, syncfs: bool) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    blobs = list(_blobs(4, 3))
+    old = pool.put(blobs[0])  # its fan-out directory exists before the batch
+    if not syncfs:
+        monkeypatch.setattr(_durability, "sync_filesystem", lambda path: False)
+    events = _record(pool, monkeypatch)
+    with pool.batch():
+        shas = [pool.put(data) for data in blobs[1:]]
+        inside = list(events)
+    new = {_fanout(pool, s) for s in shas} - {_fanout(pool, old)}
+    assert len(new) == 3
+    # Inside the batch: one flush of objects/ for each new fan-out directory, just
+    # before the journal entry of the first object published into it; nothing else.
+    expected: Events = []
+    made = {_fanout(pool, old)}
+    for sha in shas:
+        if _fanout(pool, sha) not in made:
+            made.add(_fanout(pool, sha))
+            expected.append(("fsync", _objects(pool)))
+        expected.append(("journal", sha))
+    assert inside == expected
+    # The batch's own flush is unchanged: one syncfs, or each file then each directory.
+    after = events[len(inside):]
+    if syncfs:
+        assert after == []
+    else:
+        assert after == [("fsync", os.path.realpath(pool.layout.object_path(s))) for s in shas] + [
+            ("fsync", d) for d in sorted({_fanout(pool, s) for s in shas})]
+
+
+def test_objects_is_flushed_at_most_once_per_fanout_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    events = _record(pool, monkeypatch)
+    with pool.batch():
+        shas = [pool.put(data) for data in _blobs(256, 2)]
+    assert len(shas) == 512
+    assert len({s[:2] for s in shas}) == 256
+    assert events.count(("fsync", _objects(pool))) == 256
+    events.clear()
+    pool.put(b"one more, into a fan-out directory that exists")
+    assert ("fsync", _objects(pool)) not in events
+
+
+def test_importing_a_set_flushes_objects_once_per_new_fanout(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = tmp_path / "set"
+    blobs = list(_blobs(3, 2))
+    for i, data in enumerate(blobs):
+        (source / "k").mkdir(parents=True, exist_ok=True)
+        (source / "k" / f"{i}.cubin").write_bytes(data)
+    pool = ArtifactPool(tmp_path / "pool")
+    events = _record(pool, monkeypatch)
+    report = import_set(pool, source)
+    assert report.new_objects == len(blobs)
+    journal = [sha for kind, sha in events if kind == "journal"]
+    assert sorted(journal) == sorted(_sha(d) for d in blobs)
+    flushed = [i for i, event in enumerate(events) if event == ("fsync", _objects(pool))]
+    assert len(flushed) == 3
+    # Each flush of objects/ comes before the first journal entry in its directory.
+    for sha in {_fanout(pool, s): s for s in reversed(journal)}.values():
+        first = events.index(("journal", sha))
+        assert any(i < first for i in flushed)
+        assert len([i for i in flushed if i < first]) == len(
+            {_fanout(pool, s) for s in journal[: journal.index(sha) + 1]})
+
+
+def test_a_fanout_recreated_after_a_planted_file_is_flushed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    data = b"an object whose fan-out name was taken by a file"
+    sha = _sha(data)
+    Path(pool.layout.fanout(sha)).write_bytes(b"not a directory")
+    events = _record(pool, monkeypatch)
+    assert pool.put(data) == sha
+    assert stat.S_ISDIR(os.lstat(pool.layout.fanout(sha)).st_mode)
+    assert _temps(events, pool) == [
+        ("fsync", "tmp"),
+        ("fsync", _objects(pool)),
+        ("fsync", _fanout(pool, sha)),
+        ("journal", sha),
+    ]
+
+
+def test_a_failed_flush_of_objects_publishes_nothing_and_is_retried(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    data = b"an object whose new fan-out directory cannot be flushed"
+    sha = _sha(data)
+    objects = _objects(pool)
+    real_fsync = os.fsync
+    failed: list[int] = []
+
+    def failing_on_objects(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}") == objects and not failed:
+            failed.append(fd)
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing_on_objects)
+    with pytest.raises(PoolError, match="Input/output error"):
+        pool.put(data)
+    assert pool._journal.since()[0] == []
+    assert not pool.has(sha)
+    # The directory that could not be made durable is gone: the next publication
+    # creates it again, and flushes objects/ again.
+    assert not os.path.lexists(pool.layout.fanout(sha))
+    assert os.listdir(pool.layout.root / "tmp") == []
+    events = _record(pool, monkeypatch)
+    assert pool.put(data) == sha
+    assert _temps(events, pool) == [
+        ("fsync", "tmp"), ("fsync", objects), ("fsync", _fanout(pool, sha)), ("journal", sha)]
+
+
+def test_a_failed_flush_of_an_existing_fanout_is_reported_and_not_journaled(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    first, second = list(_blobs(1, 2))
+    fanout = _fanout(pool, pool.put(first))
+    real_fsync = os.fsync
+
+    def failing_on_the_fanout(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}") == fanout:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing_on_the_fanout)
+    with pytest.raises(PoolError, match="Input/output error"):
+        pool.put(second)
+    assert pool._journal.since()[0] == [_sha(first)]
+    assert os.path.isdir(fanout)  # not new: kept, with the object already in it
