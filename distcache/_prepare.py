@@ -114,21 +114,26 @@ def leading_tree(comm: Communicator, timeout: float | None) -> NodeTree | None:
 
 def set_up_where_downloading(comm: Communicator, pool: ArtifactPool, origin: Origin | None,
                              manifests: Sequence[Any], integrations: Sequence[Integration],
-                             offline: bool | None, timeout: float | None
-                             ) -> threading.Thread | None:
+                             offline: bool | None, timeout: float | None,
+                             conf: Settings | None = None) -> threading.Thread | None:
     """:func:`prepare_in_background` on a rank that may download in the start-up
     prefetch (a node leader among the :func:`leader_downloaders` first, or every rank
     where no leader acts for its node), unless there is no origin or downloads are
     off; the thread, else None. Collective where
     something is listed or wanted (as on every rank alike) and ``comm``'s node tree is
     not made yet: it is made first, whatever this rank's origin (the job's ranks may
-    differ there, and the prefetch says how)."""
+    differ there, and the prefetch says how). ``conf``: the settings the prefetch
+    runs with (``offline`` when None, and the download counts), else the process's."""
     if not (manifests or integrations):
         return None
     tree = leading_tree(comm, timeout)
-    if origin is None or (settings().offline if offline is None else offline):
+    if origin is None:
         return None
-    if tree is not None and not (tree.is_leader and _may_download(tree)):
+    if offline is None:
+        offline = (settings() if conf is None else conf).offline
+    if offline:
+        return None
+    if tree is not None and not (tree.is_leader and _may_download(tree, conf)):
         return None
     return prepare_in_background(origin, pool, manifests, integrations)
 
@@ -144,26 +149,39 @@ def leader_threads(ranks: int, nodes: int, conf: Settings | None = None) -> int:
     return max(per_rank, min(per_rank * -(-ranks // nodes), -(-per_job // nodes)))
 
 
-def leader_downloaders(tree: NodeTree) -> int:
+def leader_downloaders(tree: NodeTree, conf: Settings | None = None) -> int:
     """How many node leaders the leaders' prefetch may give downloads to: the job's
     connections over :func:`leader_threads` each. The plan hands them to the first
     ones in node order (:func:`~distcache.collective._plan.node_interleaved` over one
-    rank per node), so a leader placed after them never downloads in it.
+    rank per node), so a leader placed after them never downloads in it. ``conf``: the
+    settings the prefetch runs with, else the process's.
 
     Raises:
         ConfigError: a download count in the environment is malformed.
     """
     from distcache.collective._plan import max_downloaders  # a leader's, loaded once
 
-    conf = settings()
+    conf = settings() if conf is None else conf
     return max_downloaders(leader_threads(tree.size, tree.nodes, conf), conf.downloads_per_job)
 
 
-def _may_download(tree: NodeTree) -> bool:
-    """Whether this leader is among :func:`leader_downloaders`; True when the settings
-    cannot say (the prefetch reports them, on every rank alike)."""
+def collective_counts(conf: Settings | None, per_rank: int | None = None
+                      ) -> dict[str, int | None]:
+    """The download counts and bucket size handed to the collective prefetch: those of
+    ``conf``, the settings the start-up runs with (None: the collective reads the
+    process's), with ``per_rank`` in place of its per-rank count when given (a leader's,
+    :func:`leader_threads`)."""
+    if conf is None:
+        return {"downloads_per_rank": per_rank}
+    return {"downloads_per_rank": conf.downloads_per_rank if per_rank is None else per_rank,
+            "downloads_per_job": conf.downloads_per_job, "bucket_bytes": conf.bucket_bytes}
+
+
+def _may_download(tree: NodeTree, conf: Settings | None) -> bool:
+    """Whether this leader is among :func:`leader_downloaders` (of ``conf``); True when
+    the settings cannot say (the prefetch reports them, on every rank alike)."""
     try:
-        return tree.node_index < leader_downloaders(tree)
+        return tree.node_index < leader_downloaders(tree, conf)
     except DistcacheError:
         return True
 

@@ -28,6 +28,7 @@ from distcache._delegate import Aside, led_by_node_leaders
 from distcache._log import get_logger
 from distcache._prepare import (
     as_lists,
+    collective_counts,
     inputs_key,
     leader_threads,
     leading_tree,
@@ -124,11 +125,13 @@ def prefetch_manifests(
     offline: bool | None = None,
     aside: Aside | None = None,
     set_up: bool = True,
+    conf: Settings | None = None,
 ) -> PrefetchReport | None:
     """Collective: every artifact of ``manifests`` (the same on every rank) and of any
     rank's ``integrations`` reaches every pool, each fetched from ``origin`` once
     (``aside``: see :func:`~distcache._delegate.led_by_node_leaders`; ``set_up``: False
-    where the caller began the origin's set-up, as :mod:`distcache._prepare` does).
+    where the caller began the origin's set-up, as :mod:`distcache._prepare` does;
+    ``conf``: the settings it runs with, else the process's).
 
     Returns ``None`` (on every rank alike) when there is nothing to prefetch. Nothing
     collective runs when neither manifests nor integrations are given. Without an
@@ -153,11 +156,13 @@ def prefetch_manifests(
     if not manifests and not integrations:
         return None
     manifests = as_lists(manifests)  # read twice (a member's digest, the leader's parse)
+    offline = conf.offline if offline is None and conf is not None else offline
     # Every all-gather below goes through node leaders: the ranks of a node mostly send
     # alike (no error, the same pool, the same flags), so what a rank receives follows
     # the nodes, not the ranks. The collective reuses the same tree.
     if set_up:  # a rank that may download sets up its origin's client meanwhile
-        set_up_where_downloading(comm, pool, origin, manifests, integrations, offline, timeout)
+        set_up_where_downloading(comm, pool, origin, manifests, integrations, offline, timeout,
+                                 conf)
     comm = node_tree(comm, timeout=timeout)
     tree = leading_tree(comm, timeout)
     if tree is not None:
@@ -167,19 +172,19 @@ def prefetch_manifests(
             tree, pool, inputs_key(manifests, origin, offline, integrations),
             timeout=timeout, aside=aside,
             lead=lambda leaders: _prefetch(
-                leaders, pool, origin, manifests, integrations, timeout, offline,
-                downloads_per_rank=leader_threads(tree.size, tree.nodes)))
+                leaders, pool, origin, manifests, integrations, timeout, offline, conf,
+                downloads_per_rank=leader_threads(tree.size, tree.nodes, conf)))
         if led is not None:
             return led[0]
-    return _prefetch(comm, pool, origin, manifests, integrations, timeout, offline)
+    return _prefetch(comm, pool, origin, manifests, integrations, timeout, offline, conf)
 
 
 def _prefetch(comm: Communicator, pool: ArtifactPool, origin: Origin | None,
               manifests: Sequence[ManifestSpec], integrations: Sequence[Integration],
-              timeout: float | None, offline: bool | None, *,
+              timeout: float | None, offline: bool | None, conf: Settings | None, *,
               downloads_per_rank: int | None = None) -> PrefetchReport | None:
-    """:func:`prefetch_manifests` on every rank of ``comm`` (its node tree, made);
-    ``downloads_per_rank`` in place of the setting."""
+    """:func:`prefetch_manifests` on every rank of ``comm`` (its node tree, made), the
+    collective told :func:`collective_counts` of ``conf`` and ``downloads_per_rank``."""
     comm = node_tree(comm, timeout=timeout)
     listed: list[Artifact] = []
     wanted: list[Artifact] = []
@@ -225,7 +230,7 @@ def _prefetch(comm: Communicator, pool: ArtifactPool, origin: Origin | None,
             raise error
         origin = NoOrigin(offline)
     return collective_prefetch(artifacts, comm=comm, pool=pool, origin=origin, timeout=timeout,
-                               downloads_per_rank=downloads_per_rank)
+                               **collective_counts(conf, downloads_per_rank))
 
 
 def collective_prefetch(artifacts: Sequence[Artifact], **given: Any) -> PrefetchReport:

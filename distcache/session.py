@@ -321,7 +321,7 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
         manifests = as_lists(options.manifests)  # read by the set-up, then the prefetch
         with _phase(phases, "peers"):
             setting_up = set_up_where_downloading(comm, the_pool, the_origin, manifests,
-                                                  chosen, conf.offline, conf.timeout)
+                                                  chosen, conf.offline, conf.timeout, conf)
             session._starting = start_for_session(  # in the background: no wait for it
                 comm, the_pool, the_origin, secret, conf.peers, timeout=conf.timeout,
                 environ=options.environ, after=None if options.background else setting_up)
@@ -349,7 +349,7 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
                     session.report = prefetch_manifests(
                         moving, the_pool, the_origin, manifests=manifests,
                         integrations=chosen, timeout=conf.timeout, offline=conf.offline,
-                        aside=session._starting, set_up=False)
+                        aside=session._starting, set_up=False, conf=conf)
                 over = True
             finally:  # what was installed is uninstalled by close(), whatever happened
                 early = beside.join_into(session.integrations, failing=not over)
