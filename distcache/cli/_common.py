@@ -110,14 +110,6 @@ def pool_root(args: argparse.Namespace) -> Path:
     return settings().pool_dir
 
 
-def is_pool(root: Path) -> bool:
-    """Whether ``root`` holds a distcache pool: ``objects/`` and the ``format`` or
-    ``pool_id`` file every pool has (a pool older than ``format`` has ``pool_id``).
-    Another directory with an ``objects/`` (a git directory) is not one."""
-    layout = PoolLayout(root)
-    return layout.is_pool() and (layout.format_file.is_file() or layout.pool_id_file.is_file())
-
-
 def refuse_foreign(root: Path) -> None:
     """Refuse a directory that has ``objects/`` but is not a pool, before anything
     opens it as one (opening a pool records its format and identity there).
@@ -125,7 +117,8 @@ def refuse_foreign(root: Path) -> None:
     Raises:
         PoolError: ``root`` has ``objects/`` and neither ``format`` nor ``pool_id``.
     """
-    if PoolLayout(root).is_pool() and not is_pool(root):
+    layout = PoolLayout(root)
+    if layout.is_pool() and not layout.is_pool(made_by_distcache=True):
         raise PoolError(
             f"{root} is not a distcache pool: it has objects/ but no format or pool_id "
             "file (another tool's directory?); nothing was changed there: pass --pool DIR "
@@ -147,8 +140,9 @@ def existing_pool(args: argparse.Namespace) -> ArtifactPool:
     return resolve_pool(root, conf, must_exist=True)
 
 
-def check_families(names: Iterable[str]) -> None:
-    """Refuse a JIT cache family name that is not one (a typo would match nothing).
+def check_families(names: Iterable[str], option: str = "--family") -> None:
+    """Refuse a JIT cache family name that is not one (a typo would match nothing);
+    ``option`` is the option that gave the names.
 
     Raises:
         ConfigError: a name is not one of :data:`distcache.jit.NAMES`.
@@ -157,8 +151,8 @@ def check_families(names: Iterable[str]) -> None:
 
     for name in names:
         if name not in NAMES:
-            raise ConfigError(f"--family: unknown JIT cache {name!r}; the JIT caches are "
-                              f"{', '.join(NAMES)}", variable="--family", value=name)
+            raise ConfigError(f"{option}: unknown JIT cache {name!r}; the JIT caches are "
+                              f"{', '.join(NAMES)}", variable=option, value=name)
 
 
 def positive_seconds(text: str) -> float:

@@ -28,12 +28,12 @@ from distcache.cli._common import (
     add_json_option,
     emit,
     human_bytes,
-    is_pool,
     pool_root,
 )
 from distcache.config import settings
 from distcache.ipc import probe_cuda_ipc
 from distcache.ipc._shm import SHM_DIR
+from distcache.store import PoolLayout
 from launch import detect
 
 # Filesystems where flock may be node-local or advisory only (DESIGN.md, pool).
@@ -154,7 +154,7 @@ def doctor_lines(pool_root: Path) -> list[tuple[str, str]]:
     resolved = settings()
     lines = [("distcache", f"{__version__} (python {sys.version.split()[0]})"),
              ("launcher", _launcher())]
-    exists = is_pool(pool_root)
+    exists = PoolLayout(pool_root).is_pool(made_by_distcache=True)
     lines.append(("pool", f"{pool_root} ({'exists' if exists else 'not created yet'})"))
     probe = _existing(pool_root)
     fs = filesystem_of(probe)

@@ -17,11 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from distcache.artifact import Artifact, merge_manifests, read_manifest
-from distcache.cli._common import EXIT_OK, emit, human_bytes, is_pool, pool_root
+from distcache.cli._common import EXIT_OK, emit, human_bytes, pool_root
 from distcache.errors import ConfigError
 from distcache.integrations.flashinfer import FlashInfer, family_checksums
 from distcache.integrations.flashinfer._warm import _parse_family, arch_filter
-from distcache.store import ArtifactPool
+from distcache.store import ArtifactPool, PoolLayout
 
 
 def _families(pool: ArtifactPool | None, families: list[str],
@@ -43,7 +43,7 @@ def _families(pool: ArtifactPool | None, families: list[str],
 def run_dry_run(args: argparse.Namespace) -> int:
     """Print what the pool lacks: names as text, or one JSON document."""
     root = pool_root(args)
-    pool = ArtifactPool(root) if is_pool(root) else None
+    pool = ArtifactPool(root) if PoolLayout(root).is_pool(made_by_distcache=True) else None
     if args.flashinfer and args.record and not Path(args.record).is_dir():
         # A typo would otherwise list nothing and succeed.
         raise ConfigError(f"--record {args.record}: no such directory on this machine; "

@@ -26,7 +26,7 @@ from typing import Any
 
 from distcache._logging import configure_logging, reports_error
 from distcache._resolve import prefetch_manifests, resolve_origin, resolve_pool
-from distcache.cli._common import positive_seconds, refuse_foreign
+from distcache.cli._common import check_families, positive_seconds, refuse_foreign
 from distcache.cli._interrupt import Stopper
 from distcache.collective import PrefetchReport
 from distcache.comm import Communicator, adopt
@@ -112,6 +112,9 @@ def run(args: argparse.Namespace) -> int:
               "not --jit caches (see 'distcache pool ls --family')", file=sys.stderr)
         return 2
     try:
+        if args.jit:
+            # Before the pool is opened (and made): a misspelt name leaves nothing behind.
+            check_families(args.jit, "--jit")
         if args.dry_run:
             from distcache.cli._dryrun import run_dry_run  # reads FlashInfer's pins
 

@@ -23,7 +23,6 @@ from distcache.cli._common import (
     emit,
     existing_pool,
     human_bytes,
-    is_pool,
     pool_root,
     progress_bar,
     refuse_foreign,
@@ -31,7 +30,7 @@ from distcache.cli._common import (
 from distcache.config import settings
 from distcache.errors import PoolError
 from distcache.integrations.flashinfer._warm import ARCH_RULE, arch_filter
-from distcache.store import ArtifactPool
+from distcache.store import ArtifactPool, PoolLayout
 from distcache.store._export import check_names, export_tar, missing_from
 from distcache.store._import import import_set
 
@@ -91,7 +90,7 @@ def setup_export(parser: argparse.ArgumentParser) -> None:
 def run_import(args: argparse.Namespace) -> int:
     """``pool import SRC``: all or nothing; exit 1 (one line on stderr) if refused."""
     keep = arch_filter(args.arch) if args.arch else None
-    if is_pool(args.source):
+    if PoolLayout(args.source).is_pool(made_by_distcache=True):
         # Its files are the pool's internals, not artifacts: their names would be lost.
         raise PoolError(f"cannot import {args.source}: it is a distcache pool, not an "
                         "artifact set; write one with 'distcache --pool "
@@ -170,7 +169,7 @@ def run_export(args: argparse.Namespace) -> int:
     if target.resolve().is_relative_to(pool.root.resolve()):
         raise PoolError(f"cannot export to {target}: it is inside the pool at {pool.root}; "
                         "export to a directory outside it", path=str(target))
-    target.mkdir(parents=True, exist_ok=True)
+    _make_directory(target)
     manifest = target / "checksums.txt"
     listed = {a.name: a for a in read_manifest(manifest)} if manifest.is_file() else {}
     for artifact in artifacts:
@@ -182,3 +181,25 @@ def run_export(args: argparse.Namespace) -> int:
     emit(args, {"root": pool.root, "target": target, "artifacts": len(artifacts)},
          [f"exported {len(artifacts)} artifacts and checksums.txt to {target}"])
     return EXIT_OK
+
+
+def _make_directory(target: Path) -> None:
+    """Create the export directory ``target`` and its parents (an existing directory
+    is used as it is).
+
+    Raises:
+        PoolError: ``target`` or a parent exists and is not a directory, or the
+            directory cannot be created.
+    """
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as exc:
+        blocker = next((p for p in (target, *target.parents)
+                        if (p.exists() or p.is_symlink()) and not p.is_dir()), target)
+        raise PoolError(f"cannot export to {target}: {blocker} exists and is not a "
+                        "directory; give a new or existing directory, or --tar FILE to "
+                        "write one tarball", path=str(target), errno=exc.errno) from None
+    except OSError as exc:
+        raise PoolError(f"cannot export to {target}: the directory cannot be created "
+                        f"({exc.strerror or exc}); check the permissions of its parent, or "
+                        "give another directory", path=str(target), errno=exc.errno) from None

@@ -11,8 +11,11 @@ from __future__ import annotations
 import io
 from abc import ABC, abstractmethod
 from typing import BinaryIO, Protocol, runtime_checkable
+from urllib.parse import SplitResult, urlsplit
 
 from distcache.artifact import Artifact
+from distcache.errors import ConfigError
+from distcache.origins._credentials import redact_url
 
 
 @runtime_checkable
@@ -111,3 +114,29 @@ def rewind(out: BinaryIO, start: int | None) -> bool:
     out.seek(start)
     out.truncate()
     return True
+
+
+def split_url(url: str, *, variable: str) -> SplitResult:
+    """``urlsplit(url)``, once its port (when it names one) is known to be a number from
+    1 to 65535 and its host readable (urlsplit raises a bare ValueError for these, and
+    for the port only when it is asked for).
+
+    Raises:
+        ConfigError: a port that is not a number, 0 or out of range, or a broken IPv6
+            literal; the message names the URL without its user-info and query.
+    """
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        problem = "its host is malformed (an IPv6 address is written in brackets: [::1])"
+    else:
+        try:
+            port = parts.port
+        except ValueError:  # not a number, or over 65535
+            port = 0
+        if port != 0:
+            return parts
+        problem = "its port is not a number from 1 to 65535"
+    shown = redact_url(url)
+    raise ConfigError(f"origin {shown!r} is not a valid URL: {problem}",
+                      variable=variable, value=shown)

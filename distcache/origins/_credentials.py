@@ -34,11 +34,26 @@ _TOKENS_VARIABLE = "DISTCACHE_ORIGIN_TOKENS"
 
 
 def redact_url(url: str) -> str:
-    """``url`` without user-info and query (signed URLs carry secrets there)."""
-    parts = urlsplit(url)
+    """``url`` without user-info and query (signed URLs carry secrets there), for a
+    message. A port that is not a number in range is kept as written when it is
+    digits, else shown as ``...``; a URL whose host urlsplit cannot read (a broken
+    IPv6 literal) is cut to its scheme."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url.split("://", 1)[0] + "://..."
     host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
+    if ":" in host:  # an IPv6 address, written back in its brackets
+        host = f"[{host}]"
+    try:
+        port: int | str | None = parts.port
+    except ValueError:
+        # What urlsplit read as the port; a password written without its "@" is read
+        # as one, so only digits are shown.
+        written = parts.netloc.rpartition("@")[2].rpartition("]")[2].partition(":")[2]
+        port = written if written.isascii() and written.isdigit() else "..."
+    if port is not None:
+        host = f"{host}:{port}"
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 

@@ -46,13 +46,28 @@ class DirOrigin(BaseOrigin):
             self._resolved = self.path.resolve()
         return self._resolved
 
+    def _not_regular(self, artifact: Artifact, candidate: Path, mode: int) -> OriginError:
+        what = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "a socket" if stat.S_ISSOCK(mode) else "another kind of file")
+        return OriginError(
+            f"{candidate} in mirror {self.path} is not a regular file ({what}); a mirror "
+            "holds the artifacts' files: remove it or replace it with the file",
+            url=str(candidate), status=None, name=artifact.name)
+
     def _open(self, artifact: Artifact, candidate: Path) -> int:
         """Open ``candidate`` (following symlinks) and check that the file reached is
         inside the mirror. The kernel names the file an fd reached in one call
         (``/proc/self/fd``), so the per-component walk of ``resolve`` is paid only
         where ``/proc`` is missing."""
         try:
-            # O_NONBLOCK: a FIFO planted in the mirror must not hang the open.
+            # Refused from its stat, before it is opened: opening a device node can act
+            # on the device (a tape rewinds), opening a FIFO is seen by its writer.
+            mode = os.stat(candidate).st_mode
+            if not stat.S_ISREG(mode):
+                raise self._not_regular(artifact, candidate, mode)
+            # O_NONBLOCK: a FIFO put in place of the file since the stat must not hang
+            # the open (the fstat after it refuses it).
             fd = os.open(candidate, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             raise ArtifactNotFound(
@@ -95,10 +110,9 @@ class DirOrigin(BaseOrigin):
         limit = artifact.size
         try:
             with open(fd, "rb") as src:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise OriginError(
-                        f"{candidate} in mirror {self.path} is not a regular file",
-                        url=str(candidate), status=None, name=artifact.name)
+                mode = os.fstat(fd).st_mode
+                if not stat.S_ISREG(mode):  # replaced since the stat in _open
+                    raise self._not_regular(artifact, candidate, mode)
                 # An artifact of unknown size is capped like an HTTP body; a file
                 # already over the cap is refused before a byte is read.
                 bound = settings().max_artifact_bytes if limit is None else limit

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, BinaryIO
-from urllib.parse import quote, urljoin, urlsplit
+from urllib.parse import quote, urljoin
 
 from distcache._log import get_logger
 from distcache.artifact import Artifact
@@ -31,7 +31,7 @@ from distcache.errors import (
     OriginError,
     OriginUnreachable,
 )
-from distcache.origins._base import BaseOrigin, rewind
+from distcache.origins._base import BaseOrigin, rewind, split_url
 from distcache.origins._credentials import clean_token, host_key, redact_url
 
 if TYPE_CHECKING:
@@ -88,8 +88,9 @@ class HttpOrigin(BaseOrigin):
     ``backoff_total``. ``sleep`` is the function that waits (tests pass a recorder).
 
     Raises:
-        ConfigError: a scheme other than http/https, no host, a bad timeout, retries
-            or max_bytes, or a token with control or non-ASCII characters.
+        ConfigError: a scheme other than http/https, no host, a port that is not a
+            number from 1 to 65535, a bad timeout, retries or max_bytes, or a token
+            with control or non-ASCII characters.
     """
 
     def __init__(
@@ -109,7 +110,7 @@ class HttpOrigin(BaseOrigin):
         backoff_total: float = 60.0,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        parts = urlsplit(base_url)
+        parts = split_url(base_url, variable="base_url")
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError(
                 f"origin URL {redact_url(base_url)!r} is not an http:// or https:// URL "
@@ -141,10 +142,8 @@ class HttpOrigin(BaseOrigin):
         self._backoff_args = (backoff_base, backoff_max, retry_after_max, backoff_total)
         self._sleep = sleep
         self._rng: random.Random | None = None
-        self._headers = {
-            # Identity encoding makes Content-Length the body length we check.
-            "Accept-Encoding": "identity",
-        }
+        # Identity encoding makes Content-Length the body length we check.
+        self._headers = {"Accept-Encoding": "identity"}
         self._headers.update(headers or {})
         self._token = clean_token(token, "token")
         # Values never to show in a message: requests quotes a header value it refuses

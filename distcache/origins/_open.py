@@ -16,7 +16,7 @@ from urllib.parse import unquote, urlsplit
 
 from distcache.config import settings
 from distcache.errors import ConfigError
-from distcache.origins._base import Origin
+from distcache.origins._base import Origin, split_url
 from distcache.origins._chain import OriginChain
 from distcache.origins._credentials import Credentials, redact_url
 from distcache.origins._directory import DirOrigin
@@ -28,9 +28,9 @@ def _file_url(spec: str, credentials: Credentials) -> Origin:
         # file://cubins/fmha names host "cubins": read as /fmha (or, without a path,
         # as the working directory) it would serve another directory's files.
         raise ConfigError(
-            f"origin {_label(spec)!r} is not a local file URL; write file:///absolute/path "
+            f"origin {redact_url(spec)!r} is not a local file URL; write file:///absolute/path "
             "(three slashes) or give the directory path itself",
-            variable="origin", value=_label(spec))
+            variable="origin", value=redact_url(spec))
     return DirOrigin(unquote(parts.path))
 
 
@@ -54,19 +54,19 @@ def _open_one(spec: str, credentials: Credentials) -> Origin:
     text = spec.strip()
     if not text:
         raise ConfigError("empty origin; give a URL or a directory", variable="origin", value=spec)
-    try:
-        factory = SCHEMES.get(urlsplit(text).scheme.lower())
-    except ValueError as exc:  # a broken IPv6 literal
-        raise ConfigError(f"origin {_label(text)!r} is not a valid URL ({exc})",
-                          variable="origin", value=_label(text)) from None
+    # The scheme as urlsplit reads it, whenever it is one of the table's.
+    factory = SCHEMES.get(text.partition(":")[0].lower())
     if factory is not None:
+        # A port that is not a number in range, or a broken IPv6 literal, is refused
+        # here, naming the spec: urlsplit would raise a bare ValueError later.
+        split_url(text, variable="origin")
         return factory(text, credentials)
     if "://" in text:
         # Only a spec that spells ``scheme://`` is a URL: "C:\\mirror" or "a:b" are paths.
         scheme = text.split("://", 1)[0]
         known = ", ".join(f"{s}://" for s in sorted(SCHEMES))
         raise ConfigError(
-            f"origin {_label(text)!r}: scheme {scheme}:// is not supported; "
+            f"origin {redact_url(text)!r}: scheme {scheme}:// is not supported; "
             f"use one of {known}, or a directory path",
             variable="origin", value=scheme)
     if not os.path.isdir(text):
@@ -81,14 +81,6 @@ def _open_one(spec: str, credentials: Credentials) -> Origin:
             f"origin {text!r} has no scheme and is not an existing directory ({what}); {fix}",
             variable="origin", value=text)
     return DirOrigin(text)
-
-
-def _label(url: str) -> str:
-    """``url`` fit for a message: no user-info or query, which may hold secrets."""
-    try:
-        return redact_url(url)
-    except ValueError:  # a port that is not a number
-        return url.split("://", 1)[0] + "://..."
 
 
 def open_origin(
@@ -108,7 +100,8 @@ def open_origin(
 
     Raises:
         ConfigError: an empty spec, a ``scheme://`` not in :data:`SCHEMES` (the
-            message names the spec and the known schemes), a spec without a scheme
+            message names the spec and the known schemes), a URL whose port is not a
+            number from 1 to 65535 or whose host is malformed, a spec without a scheme
             that is not an existing directory, or malformed credentials.
     """
     if credentials is None:

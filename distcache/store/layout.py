@@ -132,9 +132,16 @@ class PoolLayout(Record):
         """The directories a pool needs, in the order they are created."""
         return (self.objects, self.tmp, self.quarantine, self.locks)
 
-    def is_pool(self) -> bool:
-        """Whether ``root`` already holds a pool (its ``objects/`` is a directory)."""
-        return self.objects.is_dir()
+    def is_pool(self, *, made_by_distcache: bool = False) -> bool:
+        """Whether ``root`` already holds a pool: its ``objects/`` is a directory.
+
+        With ``made_by_distcache``, also the ``format`` or ``pool_id`` file that every
+        pool distcache made has (a pool older than ``format`` has ``pool_id``): another
+        tool's directory with an ``objects/`` (a git directory) is then not a pool.
+        """
+        if not self.objects.is_dir():
+            return False
+        return not made_by_distcache or self.format_file.is_file() or self.pool_id_file.is_file()
 
     @staticmethod
     def fanout_name(sha: str) -> str:
