@@ -4,18 +4,23 @@ download after warm-up) reaches every other pool. The origin is never contacted.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import os
-import secrets
-import stat
 import struct
 import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from distcache._log import get_logger
 from distcache.artifact import Artifact
+from distcache.collective._cursors import (
+    journal_matches,
+    journal_past_received,
+    journal_path,
+    labels_past_received,
+    labels_since,
+    pools_key,
+    store_cursor,
+    store_labels_cursor,
+    stored_cursor,
+)
 from distcache.collective._plan import elect_writers, make_plan
 from distcache.collective._report import PrefetchReport
 from distcache.collective._run import Failure, Run, discover
@@ -24,7 +29,6 @@ from distcache.collective._totals import finish
 from distcache.comm import Communicator, node_tree
 from distcache.config import settings
 from distcache.store import Pool
-from distcache.store._fs import CREATE_FLAGS, READ_FLAGS, is_hex, process_umask, write_all
 from distcache.store._log import journal_mark
 
 log = get_logger(__name__)
@@ -32,136 +36,18 @@ log = get_logger(__name__)
 
 @dataclass
 class SyncState:
-    """Where the previous :func:`sync` left each pool's journal (owned by the caller,
-    e.g. a session). The pool keeps the same cursor itself (``sync.cursor``, see
-    :mod:`distcache.store.layout`), so a sync without a state, or a session's first,
-    starts where the last sync over that pool ended. ``marks`` holds each cursor's
-    check on the journal (:func:`~distcache.store._log.journal_mark`): a cursor whose
-    journal no longer holds the bytes it was taken after is not resumed from."""
+    """Where the previous :func:`sync` left each pool's journal and labels (owned by
+    the caller, e.g. a session). The pool keeps the same cursors itself
+    (``sync.cursor`` and ``sync.names.cursor``, see :mod:`distcache.store.layout`), so
+    a sync without a state, or a session's first, starts where the last sync over that
+    pool ended. ``marks`` holds each journal cursor's check on the journal
+    (:func:`~distcache.store._log.journal_mark`): a cursor whose journal no longer holds
+    the bytes it was taken after is not resumed from. ``labels`` holds each pool's
+    ``names.log`` offset with its mark (:func:`~distcache.store._log.names_since`)."""
 
     cursors: dict[str, int] = field(default_factory=dict)
     marks: dict[str, str] = field(default_factory=dict)
-
-
-#: The most a cursor file is read of, and the most cursors it keeps (the latest).
-_CURSOR_BYTES = 4096
-_MAX_CURSORS = 32
-
-
-def pools_key(pool_ids: list[str]) -> str:
-    """The key of the cursor a sync over ``pool_ids`` keeps: what one job's sync sent
-    says nothing of what a sync over other pools (another job sharing a pool) did."""
-    joined = "\n".join(sorted(set(pool_ids)))
-    return hashlib.sha256(joined.encode("utf-8")).hexdigest()[:16]
-
-
-def stored_cursor(pool: Pool, key: str = "-") -> int:
-    """The journal offset the last sync over ``pool`` with ``key`` (:func:`pools_key`)
-    reached (0: none, a pool that keeps no files, or a cursor whose mark the journal no
-    longer matches). The file is opened as the pool opens every file: never through a
-    link, never blocking; one that is not a regular file holds no cursor."""
-    path = _cursor_path(pool)
-    if path is None:
-        return 0
-    cursor, mark = _read_cursors(path).get(key, (0, None))
-    return cursor if mark is not None and _matches(pool, cursor, mark) else 0
-
-
-def store_cursor(pool: Pool, cursor: int, mark: str | None = None, key: str = "-") -> None:
-    """Keep ``cursor`` for ``key`` in ``pool`` with its ``mark`` (taken now when not
-    given), beside the latest cursors of other keys, written to a fresh exclusive
-    temporary file and renamed into place; a failure is logged: the next sync then
-    sends more than it must, and nothing is lost."""
-    path = _cursor_path(pool)
-    journal = _journal_path(pool)
-    if path is None or journal is None:
-        return
-    mark = journal_mark(journal, cursor) if mark is None else mark
-    if mark is None:
-        log.warning("sync: the journal of %s no longer reaches %d; no cursor kept",
-                    path.parent, cursor)
-        return
-    cursors = _read_cursors(path)
-    cursors.pop(key, None)
-    cursors[key] = (cursor, mark)
-    text = "".join(f"{k} {c} {m}\n" for k, (c, m) in list(cursors.items())[-_MAX_CURSORS:])
-    temp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}")
-    try:
-        fd = os.open(temp, CREATE_FLAGS, 0o600)
-        try:
-            os.fchmod(fd, 0o666 & ~process_umask())
-            write_all(fd, text.encode("ascii"))
-        finally:
-            os.close(fd)
-        os.replace(temp, path)
-    except OSError as exc:
-        log.warning("sync: cannot keep the journal cursor in %s: %s", path, exc)
-        with contextlib.suppress(OSError):
-            temp.unlink()
-
-
-def _read_cursors(path: Path) -> dict[str, tuple[int, str]]:
-    """The well-formed ``<key> <offset> <mark>`` lines of the cursor file, oldest
-    first (none when it is absent, not a regular file, or unreadable)."""
-    try:
-        fd = os.open(path, READ_FLAGS)
-    except OSError:
-        return {}
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return {}
-        text = os.read(fd, _CURSOR_BYTES).decode("ascii", "replace")
-    except OSError:
-        return {}
-    finally:
-        os.close(fd)
-    cursors: dict[str, tuple[int, str]] = {}
-    for line in text.split("\n"):
-        parts = line.split(" ")
-        if (len(parts) == 3 and parts[1].isascii() and parts[1].isdigit()
-                and len(parts[1]) <= 20 and is_hex(parts[2], 8)):
-            cursors.pop(parts[0], None)
-            cursors[parts[0]] = (int(parts[1]), parts[2])
-    return cursors
-
-
-def _matches(pool: Pool, cursor: int, mark: str | None) -> bool:
-    """Whether ``pool``'s journal still holds what ``cursor`` was taken after (a pool
-    without files, or a cursor kept without a mark, is taken at its word)."""
-    journal = _journal_path(pool)
-    if journal is None or mark is None:
-        return True
-    return journal_mark(journal, cursor) == mark
-
-
-def _past_received(pool: Pool, cursor: int, mark: str | None,
-                   everywhere: set[str]) -> tuple[int, str | None]:
-    """``cursor`` moved past what the journal gained during the sync when all of it
-    is in ``everywhere`` (what the sync left in every pool: the objects it received),
-    so the next sync does not list them again; else ``cursor`` as it was."""
-    try:
-        gained, end = pool.journal_since(cursor)
-    except Exception:  # the journal is read again by the next sync
-        return cursor, mark
-    if end <= cursor or not everywhere.issuperset(gained):
-        return cursor, mark
-    journal = _journal_path(pool)
-    if journal is None:
-        return end, None
-    later = journal_mark(journal, end)
-    return (end, later) if later is not None else (cursor, mark)
-
-
-def _cursor_path(pool: Pool) -> Path | None:
-    layout = getattr(pool, "layout", None)
-    path = getattr(layout, "sync_cursor", None)
-    return path if isinstance(path, Path) else None
-
-
-def _journal_path(pool: Pool) -> Path | None:
-    layout = getattr(pool, "layout", None)
-    path = getattr(layout, "journal_log", None)
-    return path if isinstance(path, Path) else None
+    labels: dict[str, tuple[int, str]] = field(default_factory=dict)
 
 
 def encode_gained(shas: list[str], names: dict[str, str]) -> bytes:
@@ -176,12 +62,20 @@ def encode_gained(shas: list[str], names: dict[str, str]) -> bytes:
     return struct.pack("<I", len(shas)) + digests + zlib.compress(text.encode("utf-8"))
 
 
+def encode_labels(labels: dict[str, str]) -> bytes:
+    """Labels recorded in a writer's ``names.log`` since its cursor, for bytes the
+    journal part does not list: :func:`encode_gained` of their digests."""
+    return encode_gained(sorted(set(labels.values())), labels)
+
+
 def decode_gained(blob: bytes) -> tuple[list[str], dict[str, str]]:
-    """The inverse of :func:`encode_gained`.
+    """The inverse of :func:`encode_gained` (and of :func:`encode_labels`).
 
     Raises:
         ValueError: the blob is malformed.
     """
+    if not isinstance(blob, bytes):
+        raise ValueError(f"journal exchange of type {type(blob).__name__}")
     try:
         (count,) = struct.unpack_from("<I", blob)
         end = 4 + 32 * count
@@ -211,9 +105,12 @@ def sync(
     """Collective, at a safe point: every object any rank's pool gained since the last
     sync over it (its journal past the cursor the pool keeps for a sync over the same
     pools, or ``state``'s when that is further; the whole journal of a pool never
-    synced over them) reaches every other pool, with its names. The origin is never contacted. Each pool's writer sends what its
-    journal gained; through node leaders (:func:`distcache.comm.node_tree`) a rank
-    receives one such list per node, not per rank.
+    synced over them) reaches every other pool, with its names. So does every label
+    recorded since (its ``names.log`` past a cursor kept alike, the whole log when it
+    was rewritten), with its bytes where a pool lacks them. The origin is never
+    contacted. Each pool's writer sends what its journal and its labels gained; through
+    node leaders (:func:`distcache.comm.node_tree`) a rank receives one such list per
+    node, not per rank.
 
     ``state`` is updated in place when the sync succeeds.
 
@@ -235,35 +132,46 @@ def sync(
             is_writer = elect_writers(pool_ids)[pool_ids[comm.rank]] == comm.rank
         with run.phase("discover"):
             gained: bytes | None = None
+            named: bytes | None = None
             failure: Failure | None = None
             cursor, mark, key = 0, None, "-"
+            labelled: tuple[int, str] | None = None  # the names.log cursor reached
             if is_writer:
                 try:
                     key = pools_key(pool_ids)
                     start = stored_cursor(pool, key)
                     if state is not None:
                         held = state.cursors.get(pool.pool_id, 0)
-                        if _matches(pool, held, state.marks.get(pool.pool_id)):
+                        if journal_matches(pool, held, state.marks.get(pool.pool_id)):
                             start = max(start, held)
                     shas, cursor = pool.journal_since(start)
-                    journal = _journal_path(pool)
+                    journal = journal_path(pool)
                     mark = None if journal is None else journal_mark(journal, cursor)
                     new = set(shas)
-                    gained = encode_gained(
-                        shas, {n: s for n, s in pool.names().items() if s in new})
+                    own = {n: s for n, s in pool.names().items() if s in new}
+                    gained = encode_gained(shas, own)
+                    since = labels_since(
+                        pool, key, None if state is None else state.labels.get(pool.pool_id))
+                    if since is not None:
+                        recorded, reached, reached_mark = since
+                        labelled = (reached, reached_mark)
+                        # What the journal part names already is not sent twice.
+                        extra = {n: s for n, s in recorded.items() if own.get(n) != s}
+                        named = encode_labels(extra) if extra else None
                 except Exception as exc:
                     failure = run.failure("discover", None, exc)
-            reports = comm.allgather_object((gained, failure), timeout=run.timeout)
-            run.raise_first(f for _, f in reports)
+            reports = comm.allgather_object((gained, named, failure), timeout=run.timeout)
+            run.raise_first(f for *_, f in reports)
             decoded = []
-            for sender, (g, _) in enumerate(reports):
-                if g is None:
-                    continue
-                try:
-                    decoded.append(decode_gained(g))
-                except ValueError as exc:  # every rank holds the same blob: the same error
-                    run.raise_first([("discover", None, sender, node_ids[sender],
-                                      f"{type(exc).__name__}: {exc}")])
+            for sender, (*blobs, _) in enumerate(reports):
+                for blob in blobs:
+                    if blob is None:
+                        continue
+                    try:
+                        decoded.append(decode_gained(blob))
+                    except ValueError as exc:  # every rank holds the same blob: one error
+                        run.raise_first([("discover", None, sender, node_ids[sender],
+                                          f"{type(exc).__name__}: {exc}")])
             objects = sorted({s for shas, _ in decoded for s in shas})
             labels: dict[str, str] = {}
             for _, names in decoded:  # rank order: the lowest writer's label wins a conflict
@@ -276,7 +184,8 @@ def sync(
             )
             if plan.lost:
                 log.warning(
-                    "sync: %d object(s) listed in a journal are in no pool any more", len(plan.lost)
+                    "sync: %d object(s) listed in a journal or a label are in no pool any more",
+                    len(plan.lost),
                 )
         name_of = {sha: name for name, sha in sorted(labels.items(), reverse=True)}
         # A serving loop's safe point does not wait on the flush (see Run.durable).
@@ -294,7 +203,10 @@ def sync(
                 except Exception as exc:
                     failure = run.failure("publish", None, exc)
             if is_writer and failure is None:
-                cursor, mark = _past_received(pool, cursor, mark, present)
+                cursor, mark = journal_past_received(pool, cursor, mark, present)
+                if labelled is not None:
+                    left = {n: s for n, s in labels.items() if s in present}
+                    labelled = labels_past_received(pool, *labelled, left)
         report = finish(run, plan, len(objects), failure)
         if is_writer:
             if mark is not None:  # a cursor is kept only with its check on the journal
@@ -305,6 +217,10 @@ def sync(
                     state.marks[pool.pool_id] = mark
                 else:
                     state.marks.pop(pool.pool_id, None)
+            if labelled is not None:
+                store_labels_cursor(pool, *labelled, key)
+                if state is not None:
+                    state.labels[pool.pool_id] = labelled
         return report
 
     return run.guarded(body)

@@ -16,6 +16,7 @@ does it, with the pieces of :mod:`distcache.store._fs`.
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import zlib
 from collections.abc import Iterable
@@ -303,3 +304,86 @@ def journal_mark(path: Path, offset: int) -> str | None:
     finally:
         os.close(fd)
     return f"{zlib.crc32(data):08x}" if len(data) == offset - start else None
+
+
+def names_since(path: Path, starts: Iterable[tuple[int, str]], *,
+                verify: bool = True) -> tuple[dict[str, str], int, str]:
+    """The labels ``names.log`` at ``path`` records after the furthest of ``starts``
+    (``(offset, mark)`` pairs) whose mark still holds, else all of them, the last record
+    of a name winning; the offset after the last complete record, and its mark.
+
+    A mark here is the crc32 of every byte before its offset, as 8 hex digits. The log
+    is rewritten in place by ``pool prune`` (labels dropped, a relabelled name written
+    where it first appeared) and may keep its length and its last records, so a check
+    on the bytes just before an offset (the journal's) would not notice. ``verify``
+    False takes a single start at its word (a cursor taken during the same sync); a
+    wrong one then only yields a mark that the next read does not match. The log is
+    read a chunk at a time; one that is absent or not a regular file holds no labels.
+
+    Raises:
+        PoolError: the log cannot be read.
+    """
+    try:
+        fd = os.open(path, READ_FLAGS)
+    except FileNotFoundError:
+        return {}, 0, f"{0:08x}"
+    except OSError as exc:
+        raise pool_error("cannot read", path, exc) from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return {}, 0, f"{0:08x}"
+        start, crc = _valid_start(fd, st.st_size, sorted(set(starts)), verify)
+        return _labels_from(fd, st.st_size, start, crc)
+    except OSError as exc:
+        raise pool_error("cannot read", path, exc) from exc
+    finally:
+        os.close(fd)
+
+
+def _valid_start(fd: int, size: int, starts: list[tuple[int, str]],
+                 verify: bool) -> tuple[int, int]:
+    """The furthest of ``starts`` (sorted) whose mark is the crc32 of the bytes before
+    it, and that crc32; ``(0, 0)`` when none is."""
+    if not verify:
+        offset, mark = starts[0] if len(starts) == 1 else (0, "")
+        return (offset, int(mark, 16)) if 0 < offset <= size else (0, 0)
+    found = (0, 0)
+    crc = pos = 0
+    for offset, mark in starts:
+        if offset > size:
+            break
+        while pos < offset:
+            data = os.pread(fd, min(_CHUNK, offset - pos), pos)
+            if not data:
+                return found
+            crc = zlib.crc32(data, crc)
+            pos += len(data)
+        if pos == offset and f"{crc:08x}" == mark:
+            found = (offset, crc)
+    return found
+
+
+def _labels_from(fd: int, size: int, start: int, crc: int) -> tuple[dict[str, str], int, str]:
+    """The labels of the complete records from ``start`` (``crc`` the crc32 of the
+    bytes before it), the offset after them and its mark."""
+    labels: dict[str, str] = {}
+    pos = end = start
+    tail = b""
+    while pos < size:
+        data = os.pread(fd, min(_CHUNK, size - pos), pos)
+        if not data:
+            break
+        pos += len(data)
+        cut = data.rfind(b"\n") + 1
+        if not cut:
+            tail += data
+            continue
+        lines, tail = tail + data[:cut], data[cut:]
+        crc = zlib.crc32(lines, crc)
+        end += len(lines)
+        for line in lines.decode("utf-8", "replace").split("\n"):
+            parsed = _parse_name_record(line) if line else None
+            if parsed is not None:
+                labels[parsed[0]] = parsed[1]
+    return labels, end, f"{crc:08x}"

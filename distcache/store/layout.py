@@ -19,6 +19,9 @@ A pool root holds::
                                 journal.log ("<pools key> <byte offset> <crc32 of the
                                 bytes before it>" lines), so the next one over the same
                                 pools sends only what follows
+    sync.names.cursor           the same for names.log ("<pools key> <byte offset>
+                                <crc32 of every byte before it>" lines), so the labels
+                                recorded since reach the other pools too
 
 :class:`PoolLayout` is the one place that names these paths; the rest of
 :mod:`distcache.store` asks it rather than joining paths itself, so a change of layout
@@ -92,7 +95,8 @@ class PoolLayout(Record):
 
     _FIELDS = ("root",)
     __slots__ = (*_FIELDS, "format_file", "pool_id_file", "objects", "tmp", "quarantine",
-                 "locks", "names_log", "journal_log", "sync_cursor", "_objects_prefix")
+                 "locks", "names_log", "journal_log", "sync_cursor", "sync_names_cursor",
+                 "_objects_prefix")
     #: The pool directory.
     root: Path
     #: ``format``: the on-disk format version.
@@ -113,6 +117,8 @@ class PoolLayout(Record):
     journal_log: Path
     #: ``sync.cursor``: the journal offsets the last collective syncs reached.
     sync_cursor: Path
+    #: ``sync.names.cursor``: the ``names.log`` offsets the last collective syncs reached.
+    sync_names_cursor: Path
     # Object paths are built on every read: one string concatenation, no Path objects.
     _objects_prefix: str
 
@@ -123,6 +129,7 @@ class PoolLayout(Record):
                  "quarantine": base / "quarantine", "locks": base / "locks",
                  "names_log": base / "names.log", "journal_log": base / "journal.log",
                  "sync_cursor": base / "sync.cursor",
+                 "sync_names_cursor": base / "sync.names.cursor",
                  "_objects_prefix": f"{base / 'objects'}{os.sep}"}
         for name, value in paths.items():
             self._set(name, value)
