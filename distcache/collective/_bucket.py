@@ -94,12 +94,8 @@ def decode_bucket(message: bytes | bytearray, objects: int | None = None,
         WireError: the message is not a well-formed bucket (a ``ValueError``).
     """
     view = memoryview(message)
-    if len(view) < _TRAILER.size:
-        raise WireError(f"bucket of {len(view)} bytes is shorter than its trailer", op="decode")
-    magic, flags, count = _TRAILER.unpack_from(view, len(view) - _TRAILER.size)
+    last, count = _trailer(view)
     table_start = len(view) - _TRAILER.size - count * _ENTRY.size
-    if magic != MAGIC or table_start < 0:
-        raise WireError("bucket trailer is corrupt (bad magic or count)", op="decode")
     entries: list[tuple[int, memoryview | None]] = []
     offset = 0
     for k in range(count):
@@ -118,7 +114,27 @@ def decode_bucket(message: bytes | bytearray, objects: int | None = None,
     if offset != table_start:
         raise WireError(f"bucket payload area has {table_start - offset} unclaimed bytes",
                         op="decode")
-    return bool(flags & _LAST), entries
+    return last, entries
+
+
+def bucket_last(message: bytes | bytearray) -> bool:
+    """Whether ``message`` is the last bucket of its stream, read from its trailer
+    alone (a bucket whose table is malformed still says where its stream ends).
+
+    Raises:
+        WireError: the trailer itself cannot be read.
+    """
+    return _trailer(memoryview(message))[0]
+
+
+def _trailer(view: memoryview) -> tuple[bool, int]:
+    """The trailer's ``(last, count)``, its table within the message."""
+    if len(view) < _TRAILER.size:
+        raise WireError(f"bucket of {len(view)} bytes is shorter than its trailer", op="decode")
+    magic, flags, count = _TRAILER.unpack_from(view, len(view) - _TRAILER.size)
+    if magic != MAGIC or len(view) - _TRAILER.size - count * _ENTRY.size < 0:
+        raise WireError("bucket trailer is corrupt (bad magic or count)", op="decode")
+    return bool(flags & _LAST), count
 
 
 def bucket_messages(

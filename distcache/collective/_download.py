@@ -121,8 +121,9 @@ class Downloads:
     the last byte arrived or the last artifact was published, and the caller decides
     when that is a stall (an origin can hold a download for ever while answering each
     read in time). :meth:`abandon` leaves what still runs to its thread; whatever it
-    publishes later is whole. ``on_done(nbytes)`` is called after each download (for a
-    progress bar); ``pending`` learns each artifact settled (the caller settles the
+    publishes later is whole. ``on_done(nbytes)`` is called after each download, and
+    for each artifact skipped because the pool holds it by then (for a progress bar,
+    with its listed size); ``pending`` learns each artifact settled (the caller settles the
     rest when it stops waiting).
     """
 
@@ -189,7 +190,11 @@ class Downloads:
             return
         try:
             if self._pool.has(artifact.sha256):
-                return  # published since discovery: a concurrent job, a resumed run
+                # Published since discovery (a concurrent job, a resumed run): nothing
+                # to download, but what the progress bar counted on is here.
+                if self._on_done is not None:
+                    self._on_done(artifact.size or 0)
+                return
             # Streamed into the pool, verified by the origin as it streams, published
             # atomically; made durable with the rest of the batch.
             size = self._pool.download(artifact, self._origin)

@@ -20,7 +20,13 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 from distcache.collective._audience import split_audiences
-from distcache.collective._bucket import PAUSE, StreamStats, bucket_messages, decode_bucket
+from distcache.collective._bucket import (
+    PAUSE,
+    StreamStats,
+    bucket_last,
+    bucket_messages,
+    decode_bucket,
+)
 from distcache.collective._plan import Plan
 from distcache.comm import Communicator
 from distcache.comm._base import lend_broadcast
@@ -192,7 +198,8 @@ def move_objects(
     protocol: the rank keeps taking every bucket so its peers stay in step, and
     returns the first ``(object index, error)`` for the caller to agree on (index
     :data:`NO_OBJECT`: the flush failed). A stream that ends without an object this
-    rank's pool lacks is such a failure too.
+    rank's pool lacks is such a failure too, and so is a bucket that is malformed or
+    names an object outside its source's stream or sent before (thrown away whole).
 
     ``arrivals`` (a move that runs beside the downloads into this source's pool)
     says which objects are still downloading and which landed since. A source sends
@@ -204,8 +211,8 @@ def move_objects(
 
     Raises:
         CollectiveTimeout: a peer did not arrive in time.
-        WireError: a malformed bucket arrived (one naming an object outside its
-            source's stream, or one sent before, included).
+        WireError: a bucket arrived whose trailer cannot be read (where its
+            stream ends is unknown).
     """
     writers = plan.writer_ranks
     mine = pool_ids[rank]
@@ -325,13 +332,9 @@ def _take_turns(rank: int, sends: Sequence[tuple[int, tuple[int, ...]]],
             else:
                 message = lend_broadcast(acomm, None, root_of[source], timeout=timeout)
                 publisher.arrived(len(message))
-            try:
-                last, entries = decode_bucket(message, len(plan.objects))
-                if source != rank:
-                    _take_entries(entries, unsent[source], plan)
-            except WireError as exc:
-                raise WireError(f"rank {rank}: rank {source} sent a malformed bucket: "
-                                f"{exc}", op="stream", rank=rank, peer=source) from None
+            last, entries, rejected = _decode(message, rank, source, unsent.get(source, set()), plan)
+            if rejected is not None:  # agreed when the move ends: the rank stays in step
+                missing.append(rejected)
             if last:
                 active.remove(source)
             if source != rank:
@@ -348,18 +351,35 @@ def _take_turns(rank: int, sends: Sequence[tuple[int, tuple[int, ...]]],
     return missing
 
 
-def _take_entries(entries: list[tuple[int, memoryview | None]], unsent: set[int],
-                  plan: Plan) -> None:
-    """Strike ``entries`` off their stream's ``unsent`` objects.
+def _decode(message: bytes | bytearray, rank: int, source: int, unsent: set[int],
+            plan: Plan) -> tuple[bool, list[tuple[int, memoryview | None]],
+                                 tuple[int, BaseException] | None]:
+    """``(last, entries, rejection)`` of a bucket from ``source``, whose entries are struck
+    off ``unsent`` (another rank's). A bucket whose table is malformed, or names an
+    object outside the stream or sent before, is rejected: no entries, and the first
+    such object (:data:`NO_OBJECT`: none known) with the error.
 
     Raises:
-        WireError: an entry names an object outside the stream, or one sent before.
+        WireError: the trailer cannot be read (where the stream ends is unknown).
     """
-    for index, _ in entries:
+    def malformed(reason: object) -> WireError:
+        return WireError(f"rank {rank}: rank {source} sent a malformed bucket: {reason}",
+                         op="stream", rank=rank, peer=source)
+
+    try:
+        last, entries = decode_bucket(message, len(plan.objects))
+    except WireError as exc:
+        try:
+            return bucket_last(message), [], (NO_OBJECT, malformed(exc))
+        except WireError:
+            raise malformed(exc) from None
+    for index, _ in entries if source != rank else ():
         if index not in unsent:
-            raise WireError(f"the bucket names object {plan.objects[index]}, which is not "
-                            "in its stream or was sent before", op="decode")
+            return last, [], (index, malformed(
+                f"the bucket names object {plan.objects[index]}, which is not in its "
+                "stream or was sent before"))
         unsent.discard(index)
+    return last, entries, None
 
 
 def _wanted(entries: list[tuple[int, memoryview | None]], plan: Plan, mine: str,
