@@ -23,9 +23,12 @@ Nothing here is collective; nothing raises into the engine.
 Publishing hashes every file of the directories, so an owner that changed nothing
 (``pip``, ``python -c`` under ``DISTCACHE_AUTOINSTALL=1``) skips it: when the exit
 handler is registered it takes a :func:`snapshot` of each family's files (path, size,
-modification time and inode, by ``stat`` alone), and at exit a family whose snapshot
-is the same is not published. A family whose directories held files the pool's trees
-do not list (by path and size) when it was taken is published at exit regardless.
+modification and change times, inode: by ``stat`` alone), and at exit a family whose
+snapshot is the same is not published. A file rewritten with bytes of the same size
+moves its change time (and a file renamed into place has another inode), even where
+the tool keeps its modification time; a file that was only read changes none of
+them. A family whose directories held files the pool's trees do not list (by path and
+size) when it was taken is published at exit regardless.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from distcache._log import get_logger
 
 if TYPE_CHECKING:
     from distcache.jit import Family
+    from distcache.jit._place import FileId
 
 log = get_logger(__name__)
 
@@ -183,14 +187,15 @@ def write_owner(record: Path, digest: str) -> None:
         log.debug("no JIT owner file at %s: %s", record, exc)
 
 
-#: Path in the family's trees -> (size, modification time in ns, inode) of its file.
-Snapshot = dict[str, tuple[int, int, int]]
+#: Path in the family's trees -> the ``stat`` identity of its file
+#: (:data:`distcache.jit._place.FileId`: size, modification and change times, inode).
+Snapshot = dict[str, "FileId"]
 
 
 def snapshot(family: Family) -> Snapshot:
     """The files of ``family``'s directories that a publication would scan, by
     ``stat`` alone (nothing is read)."""
-    from distcache.jit._place import walk
+    from distcache.jit._place import file_id, walk
 
     found: Snapshot = {}
     for root in family.spec.roots:
@@ -199,7 +204,7 @@ def snapshot(family: Family) -> Snapshot:
                 st = os.lstat(path)
             except OSError:
                 continue
-            found[root.prefix + rel] = (st.st_size, st.st_mtime_ns, st.st_ino)
+            found[root.prefix + rel] = file_id(st)
     return found
 
 
@@ -217,9 +222,9 @@ def armed_snapshot(family: Family) -> Snapshot | None:
     except (DistcacheError, OSError) as exc:
         log.debug("%s: no snapshot of its directories: %s", family.name, exc)
         return None
-    for path, (size, _mtime, _inode) in now.items():
+    for path, identity in now.items():
         entry = known.entries.get(path)
-        if path not in known.conflicts and (entry is None or entry.size != size):
+        if path not in known.conflicts and (entry is None or entry.size != identity[0]):
             return None
     return now
 

@@ -104,9 +104,31 @@ def walk(root: Path) -> Iterator[tuple[str, Path]]:
                 yield rel, Path(entry.path)
 
 
-#: path -> (size, mtime in ns, sha256) of a file hashed before: what a later scan
-#: of the same directory in the same process need not read again.
-Seen = dict[str, tuple[int, int, str]]
+#: What ``stat`` tells of a file's bytes without reading them: size, modification
+#: and change times (ns) and inode. A rewrite moves the change time even where the
+#: tool keeps the modification time, and a new file renamed into place has another
+#: inode; reading a file (its access time) changes none of them.
+FileId = tuple[int, int, int, int]
+
+#: A file changed this close (ns) to the scan that hashed it may change again within
+#: the same tick of the filesystem's clock (a second on some filesystems) without
+#: its times moving: it is hashed again at the next scan.
+RACY_NS = 2 * 10**9
+
+#: path -> (:data:`FileId`, sha256) of a file hashed before: what a later scan of
+#: the same directory in the same process need not read again.
+Seen = dict[str, tuple[FileId, str]]
+
+
+def file_id(st: os.stat_result) -> FileId:
+    """The :data:`FileId` of a file from its ``stat``."""
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
+
+def settled(st: os.stat_result) -> bool:
+    """Whether the file last changed well before now (:data:`RACY_NS`), so that a
+    later rewrite moves its :data:`FileId`."""
+    return max(st.st_mtime_ns, st.st_ctime_ns) < time.time_ns() - RACY_NS
 
 
 def scan_into(pool: ArtifactPool, root: Path, prefix: str = "",
@@ -114,9 +136,10 @@ def scan_into(pool: ArtifactPool, root: Path, prefix: str = "",
               seen: Seen | None = None) -> list[TreeEntry]:
     """Store every file under ``root`` in ``pool`` and return its entries (paths
     under ``prefix``). A file ``known`` lists with the digest it still has is not
-    stored again, and one ``seen`` records with its current size and modification
-    time is not read again (``seen`` is updated). Files vanishing mid-scan and names
-    that are not safe artifact paths are skipped."""
+    stored again, and one ``seen`` records with its current :data:`FileId` is not
+    read again (``seen`` is updated; a file changed just before is not recorded).
+    Files vanishing mid-scan and names that are not safe artifact paths are
+    skipped."""
     entries: list[TreeEntry] = []
     with pool.batch():  # one flush for the whole directory, not one per file
         for rel, path in walk(root):
@@ -142,9 +165,9 @@ def _scan_one(pool: ArtifactPool, rel: str, path: Path, prefix: str,
         mode = st.st_mode & MODE_MASK
         before = known.get(name) if known else None
         last = seen.get(name) if seen is not None else None
-        if (last is not None and last[:2] == (st.st_size, st.st_mtime_ns)
-                and before is not None and before.sha256 == last[2]):
-            return TreeEntry(name, last[2], mode, st.st_size)
+        if (last is not None and last[0] == file_id(st)
+                and before is not None and before.sha256 == last[1]):
+            return TreeEntry(name, last[1], mode, st.st_size)
         data = _read_all(fd, st.st_size)
     except OSError:
         return None
@@ -154,7 +177,10 @@ def _scan_one(pool: ArtifactPool, rel: str, path: Path, prefix: str,
     if before is None or before.sha256 != sha or not pool.has(sha):
         pool.put(data, sha)
     if seen is not None:
-        seen[name] = (st.st_size, st.st_mtime_ns, sha)
+        if settled(st):
+            seen[name] = (file_id(st), sha)
+        else:
+            seen.pop(name, None)
     return TreeEntry(name, sha, mode, len(data))
 
 
