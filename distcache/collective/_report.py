@@ -16,7 +16,8 @@ class PrefetchReport(Record):
     Counts are over *objects* (distinct sha256s; two names with the same bytes are
     one object). ``pool_hits`` counts objects every pool already held before the call
     (no download and no movement were needed for them). ``objects_published`` counts
-    ``(pool, object)`` publications: an object new to 4 pools counts 4.
+    ``(pool, object)`` publications: an object new to 4 pools counts 4 (one that another
+    job published into a pool after this call looked counts too: the pool keeps one).
     ``broadcast_bytes`` counts each bucket once, however many ranks received it.
     ``received_bytes`` counts the artifact bytes that reached pool writers over the
     communicator, once per receiving writer (an object sent to 3 pools counts 3
