@@ -9,6 +9,8 @@ value. ``0`` and ``""`` are real values: nothing here uses ``x or default``.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -17,8 +19,9 @@ from typing import Any, NamedTuple
 
 from distcache.errors import ConfigError
 
-__all__ = ["ENV_VARS", "TABLE", "Settings", "Variable", "default_pool_dir", "env_bool",
-           "env_bytes", "env_float", "env_int", "env_str", "parse_bytes", "settings"]
+__all__ = ["ENV_VARS", "TABLE", "Settings", "Variable", "check_seconds", "default_pool_dir",
+           "env_bool", "env_bytes", "env_float", "env_int", "env_str", "parse_bytes",
+           "settings"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -72,19 +75,32 @@ def _int(minimum: int) -> Callable[[str, str], int]:
     return parse
 
 
+def check_seconds(value: object, *, what: str, text: bool = True) -> float:
+    """``value`` as seconds: a finite number above 0; a text is parsed when ``text`` (a
+    variable, an option), never when not (a keyword's value). ``what`` names the value
+    in the message (``""``: an option, which argparse names itself).
+
+    Raises:
+        ConfigError: not a number, or not a finite number above 0.
+    """
+    shown, variable = (f"{what}={value!r}", what) if what else (repr(value), None)
+    number: float | None = None
+    if text and isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            number = float(value.strip())
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        number = value
+    if number is None:
+        raise ConfigError(f"{shown} is not a number", variable=variable, value=value)
+    # Infinity is refused too: the waits of ``threading`` overflow on it.
+    if not 0 < number < math.inf:
+        raise ConfigError(f"{shown} must be a finite number of seconds > 0",
+                          variable=variable, value=value)
+    return float(number)
+
+
 def _seconds(name: str, raw: str) -> float:
-    try:
-        number = float(raw.strip())
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number", variable=name, value=raw) from None
-    if not 0 < number < _FOREVER:
-        raise ConfigError(f"{name}={raw!r} must be a finite number > 0", variable=name,
-                          value=raw)
-    return number
-
-
-#: Seconds no timeout may reach: the waits of ``threading`` overflow on infinity.
-_FOREVER = float("inf")
+    return check_seconds(raw, what=name)
 
 
 def _bytes(name: str, raw: str) -> int:
@@ -155,9 +171,8 @@ def env_bool(name: str, default: bool, environ: Mapping[str, str] | None = None)
     return default if value is None else _bool(name, value)
 
 
-def env_int(
-    name: str, default: int | None, environ: Mapping[str, str] | None = None, *, minimum: int = 0
-) -> int | None:
+def env_int(name: str, default: int | None, environ: Mapping[str, str] | None = None, *,
+            minimum: int = 0) -> int | None:
     """Parse an integer variable that must be >= ``minimum``; blank is unset.
 
     Raises:
@@ -167,21 +182,14 @@ def env_int(
     return default if value is None else _int(minimum)(name, value)
 
 
-def env_float(
-    name: str, default: float | None, environ: Mapping[str, str] | None = None
-) -> float | None:
-    """Parse a positive number of seconds; blank is unset.
-
-    Raises:
-        ConfigError: not a number, or not positive.
-    """
+def env_float(name: str, default: float | None,
+              environ: Mapping[str, str] | None = None) -> float | None:
+    """Parse a number of seconds (:func:`check_seconds`); blank is unset."""
     value = _given(name, environ)
     return default if value is None else _seconds(name, value)
 
 
-def env_bytes(
-    name: str, default: int | None, environ: Mapping[str, str] | None = None
-) -> int | None:
+def env_bytes(name: str, default: int | None, environ: Mapping[str, str] | None = None) -> int | None:
     """Parse a size variable (``64M``, ``1G`` ...); blank is unset.
 
     Raises:
@@ -218,6 +226,9 @@ class Variable(NamedTuple):
     doc: str
     #: Blank means "unset" (see the note above the table).
     blank_is_unset: bool = True
+    #: How an explicit keyword's value is checked; ``None`` takes it as given (its
+    #: caller checks it: ``ArtifactPool(lock_timeout=0)`` means not to wait).
+    check: Callable[[Variable, Any], Any] | None = None
 
     def read(self, environ: Mapping[str, str]) -> Any:
         """The parsed value, or the default when the variable is unset.
@@ -230,16 +241,24 @@ class Variable(NamedTuple):
             return self.default(environ) if callable(self.default) else self.default
         return self.parse(self.name, raw)
 
+    def take(self, given: Any) -> Any:
+        """An explicit keyword's value (not ``None``), as :attr:`check` lets it through."""
+        return given if self.check is None else self.check(self, given)
 
-def _pool_default(environ: Mapping[str, str]) -> Path:
-    return default_pool_dir(environ)
+
+def _given_seconds(variable: Variable, given: Any) -> float:
+    return check_seconds(given, what=variable.field, text=False)
+
+
+def _given_transport(variable: Variable, given: Any) -> str:
+    return _transport(variable.name, str(given))
 
 
 #: Every variable distcache reads: one row each, in the README's order.
 TABLE: tuple[Variable, ...] = (
     Variable("DISTCACHE_DISABLE", "disable", False, _bool, "0",
              "1 turns every hook (init, the FlashInfer wrapper) into a no-op"),
-    Variable("DISTCACHE_POOL", "pool_dir", _pool_default, _path, "$XDG_CACHE_HOME/distcache",
+    Variable("DISTCACHE_POOL", "pool_dir", default_pool_dir, _path, "$XDG_CACHE_HOME/distcache",
              "artifact pool directory"),
     Variable("DISTCACHE_POOL_MAX_BYTES", "pool_max_bytes", None, _bytes, "unlimited",
              "size cap of the pool; LRU objects are collected"),
@@ -255,7 +274,8 @@ TABLE: tuple[Variable, ...] = (
              "largest body accepted for an artifact of unknown size"),
     Variable("DISTCACHE_TIMEOUT", "timeout", 600.0, _seconds, "600",
              "seconds a rank waits for a peer, and a rank's downloads may go without "
-             "progress, before every rank raises; progress extends a fetch"),
+             "progress, before every rank raises; progress extends a fetch",
+             check=_given_seconds),
     Variable("DISTCACHE_HTTP_TIMEOUT", "http_timeout", 30.0, _seconds, "30",
              "seconds per HTTP connect/read"),
     Variable("DISTCACHE_HTTP_RETRIES", "http_retries", 4, _int(0), "4",
@@ -275,7 +295,8 @@ TABLE: tuple[Variable, ...] = (
              "node identity used to group ranks"),
     Variable("DISTCACHE_TRANSPORT", "transport", "default", _transport, "default",
              "how the prefetch moves bulk bytes: default (over MPI or gloo) or nccl (a "
-             "dedicated NCCL group made for the prefetch and destroyed after it)"),
+             "dedicated NCCL group made for the prefetch and destroyed after it)",
+             check=_given_transport),
     Variable("DISTCACHE_INIT_TIMEOUT", "init_timeout", 300.0, _seconds, "300",
              "seconds launch.init_process_group allows the rendezvous"),
     Variable("DISTCACHE_FLASHINFER", "flashinfer", True, _bool, "1",
@@ -348,18 +369,6 @@ class Settings(NamedTuple):
 _FIELDS = frozenset(Settings._fields)
 
 
-def _explicit(variable: Variable, given: Any) -> Any:
-    """A keyword's value checked as its variable's is (seconds, a transport); a bad
-    one raises :class:`ConfigError` naming the keyword and the value."""
-    if variable.parse is _transport:
-        return _transport(variable.name, str(given))
-    if isinstance(given, bool) or not isinstance(given, int | float) or not (
-            0 < given < _FOREVER):
-        raise ConfigError(f"{variable.field}={given!r} must be a finite number of seconds "
-                          f"> 0 (as {variable.name})", variable=variable.field, value=given)
-    return float(given)
-
-
 def settings(environ: Mapping[str, str] | None = None, **explicit: Any) -> Settings:
     """Resolve settings: explicit keyword > ``DISTCACHE_*`` variable > default.
 
@@ -371,17 +380,12 @@ def settings(environ: Mapping[str, str] | None = None, **explicit: Any) -> Setti
     env = os.environ if environ is None else environ
     unknown = set(explicit) - _FIELDS
     if unknown:
-        raise ConfigError(
-            f"unknown setting(s) {sorted(unknown)}; known: {sorted(_FIELDS)}",
-            variable=",".join(sorted(unknown)),
-            value=None,
-        )
+        raise ConfigError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(_FIELDS)}",
+                          variable=",".join(sorted(unknown)), value=None)
     resolved: dict[str, Any] = {}
     for variable in TABLE:
         given = explicit.get(variable.field)
-        if given is not None and variable.field in ("timeout", "transport"):
-            given = _explicit(variable, given)
-        resolved[variable.field] = given if given is not None else variable.read(env)
+        resolved[variable.field] = variable.read(env) if given is None else variable.take(given)
     if isinstance(resolved["origins"], str):
         resolved["origins"] = (resolved["origins"],)
     resolved["origins"] = tuple(resolved["origins"])
@@ -391,9 +395,6 @@ def settings(environ: Mapping[str, str] | None = None, **explicit: Any) -> Setti
         raise ConfigError(f"DISTCACHE_CHUNK_BYTES={chunk} must be between 1 and 2 GiB - 1",
                           variable="DISTCACHE_CHUNK_BYTES", value=chunk)
     if resolved["bucket_bytes"] <= 0:
-        raise ConfigError(
-            f"DISTCACHE_BUCKET_BYTES={resolved['bucket_bytes']} must be > 0",
-            variable="DISTCACHE_BUCKET_BYTES",
-            value=resolved["bucket_bytes"],
-        )
+        raise ConfigError(f"DISTCACHE_BUCKET_BYTES={resolved['bucket_bytes']} must be > 0",
+                          variable="DISTCACHE_BUCKET_BYTES", value=resolved["bucket_bytes"])
     return Settings(**resolved)

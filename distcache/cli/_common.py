@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from distcache.config import settings
+from distcache.config import check_seconds, settings
 from distcache.errors import ConfigError, PoolError
 from distcache.store import ArtifactPool, PoolLayout
 
@@ -156,18 +156,16 @@ def check_families(names: Iterable[str], option: str = "--family") -> None:
 
 
 def positive_seconds(text: str) -> float:
-    """An option's value in seconds: a finite number above 0 (argparse type).
+    """An option's value in seconds: a finite number above 0, as
+    :func:`~distcache.config.check_seconds` checks it (argparse type).
 
     Raises:
         argparse.ArgumentTypeError: anything else.
     """
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text!r}")
-    return value
+        return check_seconds(text, what="")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _directory(text: str) -> str:

@@ -10,7 +10,6 @@ instead of hanging.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -18,7 +17,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from distcache import errors
 from distcache.comm._codec import encode
-from distcache.errors import DistcacheError, RemoteError, WireError
+from distcache.config import check_seconds
+from distcache.errors import ConfigError, DistcacheError, RemoteError, WireError
 
 #: No single message may exceed this: MPI counts are 32-bit and several transports
 #: misbehave at 2**31 bytes.
@@ -156,10 +156,14 @@ def check_timeout(timeout: float | None) -> None:
 
     Raises:
         ValueError: ``timeout`` is not None and not a finite number of seconds > 0
-            (0, a negative number, NaN or infinity would end a wait at once or never).
+            (0, a negative number, NaN or infinity would end a wait at once or never),
+            as :func:`~distcache.config.check_seconds` words it.
     """
-    if timeout is not None and not 0 < timeout < math.inf:
-        raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout}")
+    if timeout is not None:
+        try:
+            check_seconds(timeout, what="timeout", text=False)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
 
 
 def lend_broadcast(comm: Communicator, data: bytearray | None, root: int, *,
