@@ -13,7 +13,7 @@ process keeps one session (:class:`SessionSlot`): a second ``init`` returns it.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import threading
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Unpack
@@ -24,6 +24,7 @@ from distcache._log import get_logger
 from distcache._options import InitFields, InitOptions, compose, jit_families
 from distcache._prepare import as_lists, set_up_where_downloading
 from distcache._resolve import prefetch_manifests, resolve_origin, resolve_pool
+from distcache._teardown import Closing
 from distcache.comm import Adopted, Communicator, adopt, bulk_transport, local
 from distcache.config import Settings, settings
 from distcache.errors import CollectiveTimeout, DistcacheError
@@ -80,7 +81,7 @@ class Session:
         self.disabled, self.settings, self.options = disabled, settings, options
         self.phases = {} if phases is None else phases
         self.integrations = [] if integrations is None else integrations
-        self._closed, self._sync_state = False, None
+        self._closing, self._sync_state = Closing(), None  # close() runs once
         # The communicator adopt() made for this session; close() discards it.
         self._adopted = _adopted
         # The background start-up (init(background=True)), what it raised.
@@ -94,7 +95,7 @@ class Session:
         self._peers, self._starting = None, None
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "disabled" if self.disabled else "open"
+        state = "closed" if self.closed else "disabled" if self.disabled else "open"
         return (f"Session({state}, rank {self.comm.rank}/{self.comm.size}, pool="
                 f"{self.pool and str(self.pool.root)!r}, integrations="
                 f"{[i.name for i in self.integrations]})")
@@ -167,35 +168,29 @@ class Session:
 
     def close(self) -> None:
         """Uninstall the integrations, unmap IPC pools, and tear down what init
-        started. Idempotent; not collective. Every step runs even where one fails;
-        the error of the last failing step is raised (the others chained to it)."""
-        if self._closed:
+        started. Idempotent and thread-safe (:class:`~distcache._teardown.Closing`); not
+        collective. Every step runs even where one fails; the call that tore down raises
+        the error of the last failing step (the others chained to it)."""
+        start_up = self._thread
+        if not self._closing.claim(start_up, self.settings and self.settings.timeout):
             return
-        self._closed = True
-        if self._thread is not None:
-            # Every collective of the start-up is bounded by the timeout, so this ends.
-            self._thread.join()
-            if self._error is not None and not self._waited:
-                log.warning("the background start-up failed and no wait() raised it: %s",
-                            self._error)
-        with contextlib.ExitStack() as steps:  # run last-pushed first
-            if self._slot is not None:
-                steps.callback(self._slot.leave, self)
-            for closing in (self._adopted, self.registry, self._peers):
-                if closing is not None:
-                    steps.callback(closing.close)
-            if self._starting is not None:
-                steps.callback(self._starting.abandon)
-                self._starting = None
-            for integration in self.integrations:
-                steps.callback(integration.uninstall)
+        with self._closing.tearing_down():
+            if start_up is not None and start_up is not threading.current_thread():
+                start_up.join()  # every collective of the start-up is bounded by the timeout
+                if self._error is not None and not self._waited:
+                    log.warning("the background start-up failed and no wait() raised it: "
+                                "%s", self._error)
+            starting, slot, self._starting = self._starting, self._slot, None
+            self._closing.tear_down(self.integrations, starting.abandon if starting else None,
+                                    (self._peers, self.registry, self._adopted),
+                                    functools.partial(slot.leave, self) if slot else None)
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._closing.closed
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self.closed:
             raise DistcacheError("this distcache session is closed; call distcache.init() again")
 
     def __enter__(self) -> Session:
@@ -360,8 +355,10 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
             with _phase(phases, "peers"):
                 _share_peers(session)
             beside.check()
+            note = session._closing.unless_torn_down(  # no install after a close
+                session.integrations, lambda *line: _log_rank0(comm, *line))
             install_rest(chosen, early, the_pool, the_origin, phases, session.integrations,
-                         lambda *line: _log_rank0(comm, *line))
+                         note)
 
         if options.background:
             session._thread = threading.Thread(target=_run_recording, args=(start_up, session),
@@ -384,6 +381,8 @@ def _share_peers(session: Session) -> None:
     starting, session._starting = session._starting, None
     if starting is not None:
         session._peers = starting.finish()
+        if session._closing.torn_down and session._peers is not None:
+            session._peers.close()  # closed meanwhile on this thread: keep nothing
 
 
 def _run_recording(body: Any, session: Session) -> None:

@@ -1,0 +1,129 @@
+"""Closing a session once, whichever thread asks.
+
+``Session.close`` may be called from two threads at once (an engine's shutdown hook
+and its main thread), from inside its own teardown (an uninstall that closes the
+session), and from the background start-up's own thread (an install that gives up and
+closes the session it is starting). :class:`Closing` lets the first caller tear down;
+another caller waits until the teardown is over, except where the teardown waits for
+that caller: the closer itself, and the start-up's thread, which the closer joins.
+Once the start-up's own thread tore the session down, the start-up goes no further
+(:meth:`Closing.unless_torn_down`) and leaves nothing set up behind it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from distcache._log import get_logger
+from distcache.errors import DistcacheError
+
+if TYPE_CHECKING:
+    from distcache.integrations import Integration
+
+log = get_logger(__name__)
+
+#: Seconds a second ``close`` waits for the teardown when the session has no settings
+#: (and so no ``DISTCACHE_TIMEOUT``) to go by.
+WAIT_S = 600.0
+
+
+class Closable(Protocol):
+    """A part of a session that ``close`` closes (the communicator, the registry...)."""
+
+    def close(self) -> object: ...
+
+
+class Closing:
+    """Whether a session is closed, who tears it down, and when that is over."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._over = threading.Event()
+        self._closer: threading.Thread | None = None
+        self.closed = False
+        # How many of the session's integrations the teardown uninstalls (None until it
+        # runs); any installed after that were installed by a start-up it did not join.
+        self.taken: int | None = None
+
+    def claim(self, start_up: threading.Thread | None, timeout: float | None) -> bool:
+        """Whether the calling thread is to tear the session down: true for the first
+        caller only. A later one returns at once when the teardown is over, or runs on
+        its thread, or is the ``start_up`` thread (which the teardown joins); else it
+        waits until it is over, at most ``timeout`` seconds, and then returns (with a
+        warning) rather than wait for ever."""
+        me = threading.current_thread()
+        with self._lock:
+            if not self.closed:
+                self.closed, self._closer = True, me
+                return True
+            closer = self._closer
+        if me is closer or me is start_up:
+            return False
+        bound = WAIT_S if timeout is None else timeout
+        if not self._over.wait(bound):
+            log.warning("close: the teardown on thread %r is still running after %g s; "
+                        "returning without it", closer and closer.name, bound)
+        return False
+
+    @contextlib.contextmanager
+    def tearing_down(self) -> Iterator[None]:
+        """The block of the caller :meth:`claim` chose; when it ends, however it ends,
+        the callers waiting in :meth:`claim` return."""
+        try:
+            yield
+        finally:
+            self._over.set()
+
+    def tear_down(self, integrations: Sequence[Integration],
+                  abandon: Callable[[], object] | None, parts: Sequence[Closable | None],
+                  leave: Callable[[], object] | None) -> None:
+        """Undo the set-up, last done first, each step even where one fails (the error
+        of the last failing step is raised, the others chained to it): uninstall the
+        ``integrations`` (last installed first), ``abandon`` the node agents' start,
+        close the ``parts`` in order, ``leave`` the slot."""
+        self.taken = len(integrations)
+        steps: list[Callable[[], object]] = [i.uninstall for i in reversed(integrations)]
+        if abandon is not None:
+            steps.append(abandon)
+        steps += [part.close for part in parts if part is not None]
+        if leave is not None:
+            steps.append(leave)
+        run_steps(steps)
+
+    @property
+    def torn_down(self) -> bool:
+        """Whether the teardown has run (or is running) and will not run again."""
+        return self.taken is not None
+
+    def unless_torn_down(self, integrations: list[Integration],
+                         note: Callable[..., None]) -> Callable[..., None]:
+        """``note``, which the start-up calls after each install, preceded by a check:
+        once the session was torn down on the start-up's own thread (a teardown on
+        another thread joins the start-up first), it uninstalls and drops the
+        integrations appended to ``integrations`` since, so that the closed session
+        keeps nothing, and raises a ``DistcacheError`` that ends the start-up (and that
+        ``Session.wait`` raises)."""
+        def checked(*line: object) -> None:
+            if self.taken is not None:
+                late = integrations[self.taken:]
+                del integrations[self.taken:]
+                for integration in reversed(late):
+                    try:
+                        integration.uninstall()
+                    except Exception as exc:  # the start-up's error is the one raised
+                        log.warning("%s: not uninstalled: %s", integration.name, exc)
+                raise DistcacheError("this distcache session was closed during its start-up")
+            note(*line)
+
+        return checked
+
+
+def run_steps(steps: Sequence[Callable[[], object]]) -> None:
+    """Run each of ``steps`` in order, even where one fails; the error of the last
+    failing step is raised, the errors before it chained to it."""
+    with contextlib.ExitStack() as stack:  # runs last-pushed first
+        for step in reversed(steps):
+            stack.callback(step)
