@@ -26,7 +26,7 @@ from distcache.artifact import Artifact, check_sha256, sha256_hex, validate_name
 from distcache.config import settings
 from distcache.errors import ConfigError, IntegrityError, PoolError
 from distcache.store import _maintenance
-from distcache.store._fs import make_dir, pool_error, process_umask
+from distcache.store._fs import fsync_dir, make_dir, pool_error, process_umask
 from distcache.store._identity import PoolIdentity
 from distcache.store._locking import FileLock
 from distcache.store._log import Journal, NamesIndex
@@ -82,8 +82,11 @@ class ArtifactPool:
         #: The on-disk format version (always :data:`~distcache.store.layout.FORMAT_VERSION`
         #: once open: an older pool is migrated, a newer one refused).
         self.format_version = self.layout.open_format(host=host, mode=file_mode, setgid=setgid)
-        for directory in self.layout.directories:
-            make_dir(directory, setgid=setgid)
+        # A directory made here is flushed into the root once, so that objects/ (and
+        # every object later journaled under it) survives a power loss.
+        made = [make_dir(directory, setgid=setgid) for directory in self.layout.directories]
+        if any(made):
+            fsync_dir(self.root)
         self._store = ObjectStore(self.layout, host=host, file_mode=file_mode, setgid=setgid)
         self._names_index = NamesIndex(self.layout.names_log, 0o666)
         self._journal = Journal(self.layout.journal_log, 0o666)

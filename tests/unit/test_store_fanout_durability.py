@@ -244,3 +244,44 @@ def test_a_failed_flush_of_an_existing_fanout_is_reported_and_not_journaled(
         pool.put(second)
     assert pool._journal.since()[0] == [_sha(first)]
     assert os.path.isdir(fanout)  # not new: kept, with the object already in it
+
+
+
+def _opening(root: Path, monkeypatch: pytest.MonkeyPatch) -> Events:
+    """What ``ArtifactPool(root)`` does to directories while it opens (or creates) the
+    pool, in order: ("mkdir", name under root) and ("fsync", path flushed)."""
+    events: Events = []
+    real_fsync, real_mkdir = os.fsync, os.mkdir
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def mkdir(path: str | os.PathLike[str], *args: int, **kwargs: int) -> None:
+        real_mkdir(path, *args, **kwargs)
+        events.append(("mkdir", os.path.relpath(path, root)))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "fsync", fsync)
+        patch.setattr(os, "mkdir", mkdir)
+        ArtifactPool(root)
+    return events
+
+
+def test_a_new_pool_flushes_its_root_after_making_its_directories(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "pool"
+    root.mkdir()
+    events = _opening(root, monkeypatch)
+    flushed_root = ("fsync", os.path.realpath(root))
+    made = [i for i, (kind, name) in enumerate(events)
+            if kind == "mkdir" and name in ("objects", "tmp", "quarantine", "locks")]
+    assert len(made) == 4, events
+    # The flush of the format file, before them, does not cover their entries.
+    assert flushed_root in events[max(made):], events
+    # Reopened: one directory made again, one flush of the root; then none.
+    os.rmdir(root / "quarantine")
+    again = _opening(root, monkeypatch)
+    assert [e for e in again if e[0] == "mkdir"] == [("mkdir", "quarantine")]
+    assert again[-1] == flushed_root and again.count(flushed_root) == 1, again
+    assert [e for e in _opening(root, monkeypatch) if e[0] == "fsync"] == []
