@@ -15,7 +15,7 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, SupportsFloat
 
 from distcache.errors import ConfigError
 
@@ -76,9 +76,8 @@ def _int(minimum: int) -> Callable[[str, str], int]:
 
 
 def check_seconds(value: object, *, what: str, text: bool = True) -> float:
-    """``value`` as seconds: a finite number above 0; a text is parsed when ``text`` (a
-    variable, an option), never when not (a keyword's value). ``what`` names the value
-    in the message (``""``: an option, which argparse names itself).
+    """``value`` as seconds, a finite number above 0: a text is parsed when ``text`` (a
+    variable, an option), never otherwise; ``what`` names it (``""``: argparse does).
 
     Raises:
         ConfigError: not a number, or not a finite number above 0.
@@ -88,8 +87,9 @@ def check_seconds(value: object, *, what: str, text: bool = True) -> float:
     if text and isinstance(value, str):
         with contextlib.suppress(ValueError):
             number = float(value.strip())
-    elif isinstance(value, int | float) and not isinstance(value, bool):
-        number = value
+    elif isinstance(value, SupportsFloat) and not isinstance(value, bool):
+        with contextlib.suppress(ValueError, OverflowError):  # numpy's, Decimal, Fraction
+            number = float(value)
     if number is None:
         raise ConfigError(f"{shown} is not a number", variable=variable, value=value)
     # Infinity is refused too: the waits of ``threading`` overflow on it.

@@ -54,8 +54,10 @@ def _open_one(spec: str, credentials: Credentials) -> Origin:
     text = spec.strip()
     if not text:
         raise ConfigError("empty origin; give a URL or a directory", variable="origin", value=spec)
-    # The scheme as urlsplit reads it, whenever it is one of the table's.
-    factory = SCHEMES.get(text.partition(":")[0].lower())
+    # The scheme as urlsplit reads it, whenever it is one of the table's ("https"
+    # alone is a directory of that name).
+    scheme, colon, _ = text.partition(":")
+    factory = SCHEMES.get(scheme.lower()) if colon else None
     if factory is not None:
         # A port that is not a number in range, or a broken IPv6 literal, is refused
         # here, naming the spec: urlsplit would raise a bare ValueError later.

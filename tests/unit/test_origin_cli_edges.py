@@ -77,6 +77,22 @@ def test_a_password_where_the_port_goes_is_never_shown() -> None:
     assert "hunter2" not in str(info.value) and "not a valid URL" in str(info.value)
 
 
+@pytest.mark.parametrize("secret", ["98765432109", "123456"])
+def test_a_numeric_password_where_the_port_goes_is_never_shown(secret: str) -> None:
+    # Digits longer than any port are a secret read as the port, not a mistyped port.
+    with pytest.raises(ConfigError) as info:
+        open_origin(f"https://alice:{secret}/cubins", credentials=Credentials.none())
+    assert secret not in str(info.value) and "alice:..." in str(info.value)
+
+
+def test_a_directory_named_like_a_scheme_is_a_mirror(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    for name in ("https", "http", "file"):
+        (tmp_path / name).mkdir()
+        assert isinstance(open_origin(name, credentials=Credentials.none()), DirOrigin)
+
+
 def test_a_file_url_with_a_bad_port_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="not a valid URL"):
         open_origin("file://localhost:x/srv/mirror", credentials=Credentials.none())
