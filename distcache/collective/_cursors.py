@@ -97,11 +97,12 @@ def journal_path(pool: Pool) -> Path | None:
 
 
 def labels_since(pool: Pool, key: str,
-                 held: tuple[int, str] | None = None) -> tuple[dict[str, str], int, str] | None:
+                 held: tuple[int, str] | None = None
+                 ) -> tuple[dict[str, str], int, str, bool] | None:
     """The labels ``pool``'s ``names.log`` recorded after the cursor the pool keeps for
     ``key``, or after ``held`` (a session's) when that is further and still valid; all
-    of them when neither is. With the offset read up to and its mark; None for a pool
-    that keeps no files.
+    of them when neither is. With the offset read up to, its mark, and whether a cursor
+    held (False: the whole log); None for a pool that keeps no files.
 
     Raises:
         PoolError: the log cannot be read.
@@ -127,13 +128,13 @@ def store_labels_cursor(pool: Pool, cursor: int, mark: str, key: str) -> None:
 def labels_past_received(pool: Pool, cursor: int, mark: str,
                          everywhere: dict[str, str]) -> tuple[int, str]:
     """``cursor`` moved past the labels ``names.log`` gained during the sync when each
-    is the one ``everywhere`` holds (the labels the sync left in every pool), so the
+    is the one ``everywhere`` holds (the labels the sync recorded in this pool), so the
     next sync does not send them back; else ``cursor`` as it was."""
     names = _layout_path(pool, "names_log")
     if names is None:
         return cursor, mark
     try:
-        gained, end, later = names_since(names, [(cursor, mark)], verify=False)
+        gained, end, later, _ = names_since(names, [(cursor, mark)], verify=False)
     except Exception:  # the log is read again by the next sync
         return cursor, mark
     if end <= cursor or any(everywhere.get(n) != s for n, s in gained.items()):

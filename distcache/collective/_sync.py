@@ -133,6 +133,7 @@ def sync(
         with run.phase("discover"):
             gained: bytes | None = None
             named: bytes | None = None
+            whole = (True, True)  # whether each part was sent whole (no cursor held)
             failure: Failure | None = None
             cursor, mark, key = 0, None, "-"
             labelled: tuple[int, str] | None = None  # the names.log cursor reached
@@ -150,33 +151,41 @@ def sync(
                     new = set(shas)
                     own = {n: s for n, s in pool.names().items() if s in new}
                     gained = encode_gained(shas, own)
+                    whole = (start == 0, True)
                     since = labels_since(
                         pool, key, None if state is None else state.labels.get(pool.pool_id))
                     if since is not None:
-                        recorded, reached, reached_mark = since
+                        recorded, reached, reached_mark, resumed = since
                         labelled = (reached, reached_mark)
+                        whole = (start == 0, not resumed)
                         # What the journal part names already is not sent twice.
                         extra = {n: s for n, s in recorded.items() if own.get(n) != s}
                         named = encode_labels(extra) if extra else None
                 except Exception as exc:
                     failure = run.failure("discover", None, exc)
-            reports = comm.allgather_object((gained, named, failure), timeout=run.timeout)
+            reports = comm.allgather_object((gained, named, whole, failure),
+                                            timeout=run.timeout)
             run.raise_first(f for *_, f in reports)
             decoded = []
-            for sender, (*blobs, _) in enumerate(reports):
-                for blob in blobs:
-                    if blob is None:
-                        continue
-                    try:
-                        decoded.append(decode_gained(blob))
-                    except ValueError as exc:  # every rank holds the same blob: one error
-                        run.raise_first([("discover", None, sender, node_ids[sender],
-                                          f"{type(exc).__name__}: {exc}")])
-            objects = sorted({s for shas, _ in decoded for s in shas})
-            labels: dict[str, str] = {}
-            for _, names in decoded:  # rank order: the lowest writer's label wins a conflict
+            for sender, (*blobs, parts, _) in enumerate(reports):
+                try:
+                    for blob, sent_whole in zip(blobs, parts, strict=True):
+                        if blob is not None:
+                            decoded.append((*decode_gained(blob), sent_whole is True))
+                except (TypeError, ValueError) as exc:  # every rank holds the same: one error
+                    run.raise_first([("discover", None, sender, node_ids[sender],
+                                      f"{type(exc).__name__}: {exc}")])
+            objects = sorted({s for shas, _, _ in decoded for s in shas})
+            # A label recorded since a held cursor is news and wins over one from a part
+            # sent whole (a pool never synced, or whose log was rewritten), which only
+            # fills a name a pool lacks: an old label never reverts a new one. In rank
+            # order, the lowest writer's wins a conflict within a kind.
+            fresh: dict[str, str] = {}
+            old: dict[str, str] = {}
+            for _, names, sent_whole in decoded:
                 for name, sha in names.items():
-                    labels.setdefault(name, sha)
+                    (old if sent_whole else fresh).setdefault(name, sha)
+            labels = {**old, **fresh}
             have = discover(run, objects, pool_ids)
         with run.phase("plan"):
             plan = make_plan(
@@ -195,18 +204,20 @@ def sync(
         with run.phase("publish"):
             failure = None
             present = set(objects) - {objects[i] for i in plan.lost}
+            recorded_here: dict[str, str] = {}
             if is_writer:
                 try:
-                    pool.remember(
-                        [Artifact(n, s) for n, s in sorted(labels.items()) if s in present]
-                    )
+                    mine = pool.names()
+                    recorded_here = {n: s for n, s in old.items()
+                                     if s in present and n not in mine and n not in fresh}
+                    recorded_here.update((n, s) for n, s in fresh.items() if s in present)
+                    pool.remember([Artifact(n, s) for n, s in sorted(recorded_here.items())])
                 except Exception as exc:
                     failure = run.failure("publish", None, exc)
             if is_writer and failure is None:
                 cursor, mark = journal_past_received(pool, cursor, mark, present)
                 if labelled is not None:
-                    left = {n: s for n, s in labels.items() if s in present}
-                    labelled = labels_past_received(pool, *labelled, left)
+                    labelled = labels_past_received(pool, *labelled, recorded_here)
         report = finish(run, plan, len(objects), failure)
         if is_writer:
             if mark is not None:  # a cursor is kept only with its check on the journal

@@ -307,10 +307,11 @@ def journal_mark(path: Path, offset: int) -> str | None:
 
 
 def names_since(path: Path, starts: Iterable[tuple[int, str]], *,
-                verify: bool = True) -> tuple[dict[str, str], int, str]:
+                verify: bool = True) -> tuple[dict[str, str], int, str, bool]:
     """The labels ``names.log`` at ``path`` records after the furthest of ``starts``
     (``(offset, mark)`` pairs) whose mark still holds, else all of them, the last record
-    of a name winning; the offset after the last complete record, and its mark.
+    of a name winning; the offset after the last complete record, its mark, and whether
+    a start held (False: the whole log was read).
 
     A mark here is the crc32 of every byte before its offset, as 8 hex digits. The log
     is rewritten in place by ``pool prune`` (labels dropped, a relabelled name written
@@ -326,15 +327,15 @@ def names_since(path: Path, starts: Iterable[tuple[int, str]], *,
     try:
         fd = os.open(path, READ_FLAGS)
     except FileNotFoundError:
-        return {}, 0, f"{0:08x}"
+        return {}, 0, f"{0:08x}", False
     except OSError as exc:
         raise pool_error("cannot read", path, exc) from exc
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            return {}, 0, f"{0:08x}"
+            return {}, 0, f"{0:08x}", False
         start, crc = _valid_start(fd, st.st_size, sorted(set(starts)), verify)
-        return _labels_from(fd, st.st_size, start, crc)
+        return (*_labels_from(fd, st.st_size, start, crc), start > 0)
     except OSError as exc:
         raise pool_error("cannot read", path, exc) from exc
     finally:

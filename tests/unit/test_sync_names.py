@@ -126,8 +126,27 @@ def test_a_names_log_rewritten_by_a_prune_is_sent_whole(tmp_path: Path,
     assert pools[0].layout.names_log.stat().st_size == size
     sent.clear()
     _ok(_sync_all(pools))
-    assert pools[1].names()["cubins/a.cubin"] == two
     assert _labels(sent) == {"cubins/a.cubin": two, long: two}
+    # Sent whole, a label only fills a name a pool lacks: nothing says it is newer
+    # than the one rank 1 holds, so that one stays.
+    assert pools[1].names()["cubins/a.cubin"] == one
+    assert pools[1].names()[long] == two
+
+
+def test_a_label_sent_whole_never_reverts_a_newer_one(tmp_path: Path) -> None:
+    pools, sha = _two_synced_pools(tmp_path)
+    other = pools[1].put(b"a newer build" * 40)
+    # Rank 1 relabels "first" (news since its cursor); rank 0 lost its cursors (a pool
+    # restored from a backup, an upgrade) and sends its whole log, with the old label,
+    # and a name of its own that rank 1 lacks.
+    pools[1].remember([Artifact("cubins/first.cubin", other)])
+    pools[0].remember([Artifact("cubins/only-here.cubin", sha)])
+    pools[0].layout.sync_names_cursor.unlink()
+    pools[0].layout.sync_cursor.unlink()
+    _ok(_sync_all(pools))
+    assert [p.names()["cubins/first.cubin"] for p in pools] == [other, other]
+    assert pools[1].names()["cubins/only-here.cubin"] == sha
+    assert pools[0].has(other)
 
 
 def test_a_removed_names_log_is_sent_whole_as_it_grows_again(tmp_path: Path) -> None:
