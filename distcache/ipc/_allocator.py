@@ -114,9 +114,11 @@ class SlotAllocator:
     def free_ranges(self) -> list[tuple[int, int]]:
         return list(zip(self._starts, self._ends, strict=True))
 
-    def allocate(self, nbytes: int, audience: tuple[int, ...] | None = None) -> Lease | None:
+    def allocate(self, nbytes: int, audience: tuple[int, ...] | None = None, *,
+                 pool_id: str | None = None) -> Lease | None:
         """A lease for ``nbytes`` read by consumer indices ``audience`` (None: every
-        consumer), or None when no range or slot is free even after reclaiming.
+        consumer), or None when no range or slot is free even after reclaiming
+        (``pool_id``: the pool's, for the messages).
 
         The slot's lease and audience words are written before this returns, so a
         consumer that receives the ref finds them in place.
@@ -128,8 +130,10 @@ class SlotAllocator:
         """
         if nbytes > self.largest:
             raise IpcError(
-                f"a lease of {nbytes} bytes can never fit: the largest is {self.largest} bytes"
-            )
+                f"{nbytes} bytes can never fit in {f'IPC pool {pool_id}' if pool_id else 'the pool'}"
+                f", whose capacity is {self.largest} bytes; send the feature by copy or use a "
+                "larger pool",
+                pool_id=pool_id)
         if self._consumers is None:
             raise IpcError("the pool's consumers are not known yet; exchange the pool first")
         readers = tuple(range(self._consumers)) if audience is None else audience

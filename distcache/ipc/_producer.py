@@ -236,13 +236,7 @@ class ProducerPool:
         with self._lock:
             self._check_open()
             alloc = self._allocator()
-            if nbytes > alloc.largest:
-                raise IpcError(
-                    f"put() of {nbytes} bytes can never fit in pool {self.pool_id}, whose "
-                    f"capacity is {alloc.largest} bytes; send it by copy or use a larger pool",
-                    pool_id=self.pool_id,
-                )
-            lease = alloc.allocate(nbytes, audience)
+            lease = alloc.allocate(nbytes, audience, pool_id=self.pool_id)  # may refuse
             if lease is None:
                 self.full_count += 1
                 level = WARNING if self.full_count == 1 else DEBUG
