@@ -27,6 +27,9 @@ CYCLES = 1000
 # Over HTTP fewer cycles suffice: a per-request leak still shows as ~100.
 HTTP_CYCLES = 100
 SHM_DIR = "/dev/shm"
+#: The IPC pools made here are named with this process's id, and only their segments are
+#: counted: another process of the host (a test run beside this one) makes its own.
+SHM_PREFIX = f"distcache.hygiene-{os.getpid()}-"
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,7 +43,8 @@ def settled() -> None:
 
 
 def census(pool: ArtifactPool | None = None) -> dict[str, object]:
-    """What a leak would grow: open descriptors, live threads, shm segments, temp files
+    """What a leak would grow: open descriptors, live threads, this process's shm
+    segments (:data:`SHM_PREFIX`), temp files
     (after the background flushes are done, and after a collection: a descriptor an
     earlier test left to the garbage collector would otherwise close mid-count)."""
     settled()
@@ -48,7 +52,7 @@ def census(pool: ArtifactPool | None = None) -> dict[str, object]:
     found: dict[str, object] = {
         "fds": len(os.listdir("/proc/self/fd")),
         "threads": sorted(t.name for t in threading.enumerate()),
-        "shm": sorted(n for n in os.listdir(SHM_DIR) if n.startswith("distcache.")),
+        "shm": sorted(n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX)),
     }
     if pool is not None:
         found["tmp"] = sorted(os.listdir(pool.root / "tmp"))
@@ -113,8 +117,10 @@ def test_thousand_init_close_cycles_with_an_ipc_exchange_leak_nothing(tmp_path: 
     pool = ArtifactPool(tmp_path / "pool")
     comm = LocalCommunicator()
 
+    made = iter(range(CYCLES + 1))
+
     def cycle() -> None:
-        shm = ShmPool(4096, slots=4)
+        shm = ShmPool(4096, slots=4, name=f"{SHM_PREFIX.removeprefix('distcache.')}{next(made)}")
         try:
             session = distcache.init(comm=comm, pool=pool, ipc_pools=[shm], integrations=())
             try:
