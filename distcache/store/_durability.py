@@ -217,10 +217,7 @@ class Durability:
                 with contextlib.suppress(FileNotFoundError):  # collected meanwhile
                     fsync_path(path)
                 directories.add(os.path.dirname(path))
-            # Then objects/, whose entries for fan-out directories made in the batch the
-            # flush of those directories does not cover.
-            for directory in [*sorted(directories), *sorted({os.path.dirname(d)
-                                                              for d in directories})]:
+            for directory in sorted(directories):
                 fsync_dir(directory)
         except OSError as exc:
             if isinstance(exc, FileNotFoundError) and not os.path.lexists(self.root):

@@ -221,20 +221,19 @@ def make_dir(path: Path, *, setgid: bool) -> bool:
     return created
 
 
-def make_fanout(path: Path, *, setgid: bool, flush: bool = True) -> None:
+def make_fanout(path: Path, *, setgid: bool) -> None:
     """Create the fan-out directory ``path`` unless it exists, as :func:`make_dir`
     does, and make a new one durable before anything is published into it: its
     parent (``objects/``) is fsynced once, right after the creation. Without that, a
     power loss may take the new directory's entry, and with it every object already
-    reported published there. A directory that was already there costs no flush; nor
-    does one made in a batch (``flush`` False), whose own flush covers ``objects/``.
+    reported published there. A directory that was already there costs no flush.
 
     Raises:
         PoolError: it cannot be created, is not a real directory, or the flush of
             its parent failed; then the new directory, still empty, is removed (if
             it can be) so that the next publication creates and flushes it again.
     """
-    if not make_dir(path, setgid=setgid) or not flush:
+    if not make_dir(path, setgid=setgid):
         return
     try:
         fsync_dir(path.parent)

@@ -27,7 +27,7 @@ the rules of DESIGN.md ("Artifacts and the pool") for each object:
 - **Durability per batch.** Inside :meth:`ObjectStore.batch` the ``fsync`` of each
   object and its directory is deferred to one flush when the batch ends; an object
   a power loss tore is caught by the verified read (:mod:`distcache.store._durability`).
-  A new ``objects/<xx>`` is flushed into ``objects/`` at once, or by the batch's flush.
+  A new ``objects/<xx>`` is flushed into ``objects/`` at once, batch or not (:func:`make_fanout`).
 
 Recency for LRU collection is the object's mtime, refreshed by reads at most once per
 ``stamp_interval`` seconds (atime is useless on ``noatime`` mounts); a reader that may
@@ -271,7 +271,7 @@ class ObjectStore:
             if not deferred:
                 os.fsync(fd)
             if not self._clear_fanout(directory, sha):
-                make_fanout(Path(directory), setgid=self.setgid, flush=not deferred)
+                make_fanout(Path(directory), setgid=self.setgid)
             # First publisher wins; a loser makes sure what won is whole, or repairs it.
             published = link_into_place(
                 tmp, final, lambda: self.read(sha, stamp=False) is not None)

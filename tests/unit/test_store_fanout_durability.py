@@ -111,7 +111,7 @@ def test_a_fanout_left_by_another_pool_instance_is_not_flushed_again(
 
 
 @pytest.mark.parametrize("syncfs", [True, False])
-def test_a_batch_leaves_the_flush_of_objects_to_its_own(
+def test_a_batch_flushes_objects_once_per_new_fanout_before_its_journal_entry(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, syncfs: bool) -> None:
     pool = ArtifactPool(tmp_path / "pool")
     blobs = list(_blobs(4, 3))
@@ -124,25 +124,31 @@ def test_a_batch_leaves_the_flush_of_objects_to_its_own(
         inside = list(events)
     new = {_fanout(pool, s) for s in shas} - {_fanout(pool, old)}
     assert len(new) == 3
-    # Inside the batch the objects are journaled and nothing is flushed: a batch makes
-    # what it published durable when it ends (a torn object is caught by the verified
-    # read, and a fan-out directory lost with it is a miss, fetched again).
-    assert inside == [("journal", sha) for sha in shas]
-    # The batch's flush: one syncfs, or each file, each fan-out directory, objects/.
+    # Inside the batch: one flush of objects/ for each new fan-out directory, just
+    # before the journal entry of the first object published into it; nothing else.
+    expected: Events = []
+    made = {_fanout(pool, old)}
+    for sha in shas:
+        if _fanout(pool, sha) not in made:
+            made.add(_fanout(pool, sha))
+            expected.append(("fsync", _objects(pool)))
+        expected.append(("journal", sha))
+    assert inside == expected
+    # The batch's own flush is unchanged: one syncfs, or each file then each directory.
     after = events[len(inside):]
     if syncfs:
         assert after == []
     else:
         assert after == [("fsync", os.path.realpath(pool.layout.object_path(s))) for s in shas] + [
-            ("fsync", d) for d in sorted({_fanout(pool, s) for s in shas})] + [
-            ("fsync", _objects(pool))]
+            ("fsync", d) for d in sorted({_fanout(pool, s) for s in shas})]
 
 
 def test_objects_is_flushed_at_most_once_per_fanout_directory(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pool = ArtifactPool(tmp_path / "pool")
     events = _record(pool, monkeypatch)
-    shas = [pool.put(data) for data in _blobs(256, 2)]
+    with pool.batch():
+        shas = [pool.put(data) for data in _blobs(256, 2)]
     assert len(shas) == 512
     assert len({s[:2] for s in shas}) == 256
     assert events.count(("fsync", _objects(pool))) == 256
@@ -151,7 +157,7 @@ def test_objects_is_flushed_at_most_once_per_fanout_directory(
     assert ("fsync", _objects(pool)) not in events
 
 
-def test_importing_a_set_flushes_objects_with_its_batch(
+def test_importing_a_set_flushes_objects_once_per_new_fanout(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     source = tmp_path / "set"
     blobs = list(_blobs(3, 2))
@@ -159,19 +165,19 @@ def test_importing_a_set_flushes_objects_with_its_batch(
         (source / "k").mkdir(parents=True, exist_ok=True)
         (source / "k" / f"{i}.cubin").write_bytes(data)
     pool = ArtifactPool(tmp_path / "pool")
-    monkeypatch.setattr(_durability, "sync_filesystem", lambda path: False)
     events = _record(pool, monkeypatch)
     report = import_set(pool, source)
     assert report.new_objects == len(blobs)
     journal = [sha for kind, sha in events if kind == "journal"]
     assert sorted(journal) == sorted(_sha(d) for d in blobs)
-    # An import is one batch: objects/ is flushed once, with it, after the new fan-out
-    # directories it made.
     flushed = [i for i, event in enumerate(events) if event == ("fsync", _objects(pool))]
-    fanouts = {_fanout(pool, s) for s in journal}
-    assert len(fanouts) == 3 and len(flushed) == 1
-    assert all(events.index(("fsync", d)) < flushed[0] for d in fanouts)
-    assert flushed[0] > max(events.index(("journal", s)) for s in journal)
+    assert len(flushed) == 3
+    # Each flush of objects/ comes before the first journal entry in its directory.
+    for sha in {_fanout(pool, s): s for s in reversed(journal)}.values():
+        first = events.index(("journal", sha))
+        assert any(i < first for i in flushed)
+        assert len([i for i in flushed if i < first]) == len(
+            {_fanout(pool, s) for s in journal[: journal.index(sha) + 1]})
 
 
 def test_a_fanout_recreated_after_a_planted_file_is_flushed(
