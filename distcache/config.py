@@ -15,7 +15,7 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple, SupportsFloat
+from typing import Any, NamedTuple
 
 from distcache.errors import ConfigError
 
@@ -87,9 +87,8 @@ def check_seconds(value: object, *, what: str, text: bool = True) -> float:
     if text and isinstance(value, str):
         with contextlib.suppress(ValueError):
             number = float(value.strip())
-    elif isinstance(value, SupportsFloat) and not isinstance(value, bool):
-        with contextlib.suppress(ValueError, OverflowError):  # numpy's, Decimal, Fraction
-            number = float(value)
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        number = value  # not numpy's ints or Fraction: the waits downstream take floats
     if number is None:
         raise ConfigError(f"{shown} is not a number", variable=variable, value=value)
     # Infinity is refused too: the waits of ``threading`` overflow on it.

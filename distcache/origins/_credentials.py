@@ -35,9 +35,9 @@ _TOKENS_VARIABLE = "DISTCACHE_ORIGIN_TOKENS"
 
 def redact_url(url: str) -> str:
     """``url`` without user-info and query (signed URLs carry secrets there), for a
-    message. A port that is not a number in range is kept as written when it is at
-    most 5 digits (a mistyped port), else shown as ``...``: a password written without
-    its ``@host`` is read as the port. A URL whose host urlsplit cannot read (a broken
+    message. A port that is not a number in range is shown as ``...``: a password
+    written without its ``@host`` is read as the port, and a 5-digit PIN is a number
+    out of range like a mistyped port. A URL whose host urlsplit cannot read (a broken
     IPv6 literal) is cut to its scheme."""
     try:
         parts = urlsplit(url)
@@ -49,9 +49,7 @@ def redact_url(url: str) -> str:
     try:
         port: int | str | None = parts.port
     except ValueError:
-        written = parts.netloc.rpartition("@")[2].rpartition("]")[2].partition(":")[2]
-        port = written if written.isascii() and written.isdigit() and len(written) <= 5 \
-            else "..."
+        port = "..."
     if port is not None:
         host = f"{host}:{port}"
     return urlunsplit((parts.scheme, host, parts.path, "", ""))

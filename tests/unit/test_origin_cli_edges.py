@@ -23,13 +23,13 @@ from distcache.testing import make_artifacts
 from tests.support.cli import cli_env, run_cli
 
 BAD_PORTS = [
-    ("http://mirror.example:99999/cubins", "mirror.example:99999"),
-    ("https://mirror.example:65536", "mirror.example:65536"),
+    ("http://mirror.example:99999/cubins", "mirror.example:..."),
+    ("https://mirror.example:65536", "mirror.example:..."),
     ("http://mirror.example:80a/cubins", "mirror.example"),
     ("https://mirror.example:-1/cubins", "mirror.example"),
     ("http://mirror.example:0/cubins", "mirror.example:0"),
-    ("http://[::1]:99999/cubins", "[::1]:99999"),
-    ("https://user:hunter2@mirror.example:99999/c?sig=s3cret", "mirror.example:99999"),
+    ("http://[::1]:99999/cubins", "[::1]:..."),
+    ("https://user:hunter2@mirror.example:99999/c?sig=s3cret", "mirror.example:..."),
 ]
 
 
@@ -77,7 +77,7 @@ def test_a_password_where_the_port_goes_is_never_shown() -> None:
     assert "hunter2" not in str(info.value) and "not a valid URL" in str(info.value)
 
 
-@pytest.mark.parametrize("secret", ["98765432109", "123456"])
+@pytest.mark.parametrize("secret", ["98765432109", "123456", "65536"])
 def test_a_numeric_password_where_the_port_goes_is_never_shown(secret: str) -> None:
     # Digits longer than any port are a secret read as the port, not a mistyped port.
     with pytest.raises(ConfigError) as info:
@@ -112,7 +112,7 @@ def test_distcache_origin_with_a_bad_port_is_refused_by_the_cli(tmp_path: Path) 
     env["DISTCACHE_ORIGIN"] = "https://user:hunter2@mirror.example:99999/cubins"
     done = run_cli(env, "--pool", str(tmp_path / "pool"), "fetch", "--manifest", str(manifest))
     assert done.returncode == 1, done.stderr
-    assert "not a valid URL" in done.stderr and "mirror.example:99999" in done.stderr
+    assert "not a valid URL" in done.stderr and "mirror.example:..." in done.stderr
     assert "internal error" not in done.stderr and "Traceback" not in done.stderr
     assert "hunter2" not in done.stderr
 
