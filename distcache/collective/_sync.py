@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from distcache._log import get_logger
 from distcache.artifact import Artifact
 from distcache.collective._cursors import (
+    held_cursor,
     journal_matches,
     journal_past_received,
     journal_path,
@@ -19,7 +20,6 @@ from distcache.collective._cursors import (
     pools_key,
     store_cursor,
     store_labels_cursor,
-    stored_cursor,
 )
 from distcache.collective._plan import elect_writers, make_plan
 from distcache.collective._report import PrefetchReport
@@ -68,7 +68,23 @@ def encode_labels(labels: dict[str, str]) -> bytes:
     return encode_gained(sorted(set(labels.values())), labels)
 
 
-def decode_gained(blob: bytes) -> tuple[list[str], dict[str, str]]:
+def _report_parts(report: object) -> tuple[object, object, tuple[bool, bool], object]:
+    """A writer's ``(gained, named, whole, failure)`` as sent, its shape checked.
+
+    Raises:
+        ValueError: it is not of that shape (a peer of another version, or damage).
+    """
+    if isinstance(report, tuple | list) and len(report) == 4:
+        gained, named, whole, failure = report
+        if isinstance(whole, tuple | list) and len(whole) == 2 and all(
+                isinstance(w, bool) for w in whole):
+            return gained, named, (whole[0], whole[1]), failure
+    size = len(report) if isinstance(report, tuple | list) else None
+    raise ValueError(f"sync report is not (gained, named, whole, failure): a "
+                     f"{type(report).__name__}" + ("" if size is None else f" of {size}"))
+
+
+def decode_gained(blob: object) -> tuple[list[str], dict[str, str]]:
     """The inverse of :func:`encode_gained` (and of :func:`encode_labels`).
 
     Raises:
@@ -140,46 +156,49 @@ def sync(
             if is_writer:
                 try:
                     key = pools_key(pool_ids)
-                    start = stored_cursor(pool, key)
-                    if state is not None:
-                        held = state.cursors.get(pool.pool_id, 0)
-                        if journal_matches(pool, held, state.marks.get(pool.pool_id)):
-                            start = max(start, held)
+                    start, resumed = held_cursor(pool, key)
+                    if state is not None and pool.pool_id in state.cursors:
+                        at = state.cursors[pool.pool_id]
+                        if journal_matches(pool, at, state.marks.get(pool.pool_id)):
+                            start, resumed = max(start, at), True
                     shas, cursor = pool.journal_since(start)
                     journal = journal_path(pool)
                     mark = None if journal is None else journal_mark(journal, cursor)
                     new = set(shas)
                     own = {n: s for n, s in pool.names().items() if s in new}
                     gained = encode_gained(shas, own)
-                    whole = (start == 0, True)
+                    whole = (not resumed, True)
                     since = labels_since(
                         pool, key, None if state is None else state.labels.get(pool.pool_id))
                     if since is not None:
-                        recorded, reached, reached_mark, resumed = since
+                        recorded, reached, reached_mark, held = since
                         labelled = (reached, reached_mark)
-                        whole = (start == 0, not resumed)
-                        # What the journal part names already is not sent twice.
-                        extra = {n: s for n, s in recorded.items() if own.get(n) != s}
+                        whole = (not resumed, not held)
+                        # What the journal part names already, as news or not alike, is
+                        # not sent twice.
+                        extra = {n: s for n, s in recorded.items()
+                                 if own.get(n) != s or whole[0] != whole[1]}
                         named = encode_labels(extra) if extra else None
                 except Exception as exc:
                     failure = run.failure("discover", None, exc)
             reports = comm.allgather_object((gained, named, whole, failure),
                                             timeout=run.timeout)
-            run.raise_first(f for *_, f in reports)
             decoded = []
-            for sender, (*blobs, parts, _) in enumerate(reports):
+            for sender, report in enumerate(reports):
                 try:
+                    *blobs, parts, _ = _report_parts(report)
                     for blob, sent_whole in zip(blobs, parts, strict=True):
                         if blob is not None:
-                            decoded.append((*decode_gained(blob), sent_whole is True))
-                except (TypeError, ValueError) as exc:  # every rank holds the same: one error
+                            decoded.append((*decode_gained(blob), sent_whole))
+                except ValueError as exc:  # every rank holds the same report: one error
                     run.raise_first([("discover", None, sender, node_ids[sender],
                                       f"{type(exc).__name__}: {exc}")])
+            run.raise_first(f for *_, f in reports)
             objects = sorted({s for shas, _, _ in decoded for s in shas})
             # A label recorded since a held cursor is news and wins over one from a part
-            # sent whole (a pool never synced, or whose log was rewritten), which only
-            # fills a name a pool lacks: an old label never reverts a new one. In rank
-            # order, the lowest writer's wins a conflict within a kind.
+            # sent whole (a pool never synced over these pools, or whose log was
+            # rewritten): an old label never reverts a new one. Within a kind the lowest
+            # writer's wins, so that every pool ends with the same label for a name.
             fresh: dict[str, str] = {}
             old: dict[str, str] = {}
             for _, names, sent_whole in decoded:
@@ -207,10 +226,7 @@ def sync(
             recorded_here: dict[str, str] = {}
             if is_writer:
                 try:
-                    mine = pool.names()
-                    recorded_here = {n: s for n, s in old.items()
-                                     if s in present and n not in mine and n not in fresh}
-                    recorded_here.update((n, s) for n, s in fresh.items() if s in present)
+                    recorded_here = {n: s for n, s in labels.items() if s in present}
                     pool.remember([Artifact(n, s) for n, s in sorted(recorded_here.items())])
                 except Exception as exc:
                     failure = run.failure("publish", None, exc)

@@ -311,7 +311,8 @@ def names_since(path: Path, starts: Iterable[tuple[int, str]], *,
     """The labels ``names.log`` at ``path`` records after the furthest of ``starts``
     (``(offset, mark)`` pairs) whose mark still holds, else all of them, the last record
     of a name winning; the offset after the last complete record, its mark, and whether
-    a start held (False: the whole log was read).
+    a start held (False: the whole log was read; a start at 0 holds when its mark is
+    that of no bytes, ``00000000``).
 
     A mark here is the crc32 of every byte before its offset, as 8 hex digits. The log
     is rewritten in place by ``pool prune`` (labels dropped, a relabelled name written
@@ -327,15 +328,15 @@ def names_since(path: Path, starts: Iterable[tuple[int, str]], *,
     try:
         fd = os.open(path, READ_FLAGS)
     except FileNotFoundError:
-        return {}, 0, f"{0:08x}", False
+        return {}, 0, f"{0:08x}", (0, f"{0:08x}") in set(starts)
     except OSError as exc:
         raise pool_error("cannot read", path, exc) from exc
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return {}, 0, f"{0:08x}", False
-        start, crc = _valid_start(fd, st.st_size, sorted(set(starts)), verify)
-        return (*_labels_from(fd, st.st_size, start, crc), start > 0)
+        start, crc, held = _valid_start(fd, st.st_size, sorted(set(starts)), verify)
+        return (*_labels_from(fd, st.st_size, start, crc), held)
     except OSError as exc:
         raise pool_error("cannot read", path, exc) from exc
     finally:
@@ -343,13 +344,13 @@ def names_since(path: Path, starts: Iterable[tuple[int, str]], *,
 
 
 def _valid_start(fd: int, size: int, starts: list[tuple[int, str]],
-                 verify: bool) -> tuple[int, int]:
+                 verify: bool) -> tuple[int, int, bool]:
     """The furthest of ``starts`` (sorted) whose mark is the crc32 of the bytes before
-    it, and that crc32; ``(0, 0)`` when none is."""
+    it, that crc32, and True; ``(0, 0, False)`` when none is."""
     if not verify:
         offset, mark = starts[0] if len(starts) == 1 else (0, "")
-        return (offset, int(mark, 16)) if 0 < offset <= size else (0, 0)
-    found = (0, 0)
+        return (offset, int(mark, 16), True) if 0 < offset <= size else (0, 0, False)
+    found = (0, 0, False)
     crc = pos = 0
     for offset, mark in starts:
         if offset > size:
@@ -361,7 +362,7 @@ def _valid_start(fd: int, size: int, starts: list[tuple[int, str]],
             crc = zlib.crc32(data, crc)
             pos += len(data)
         if pos == offset and f"{crc:08x}" == mark:
-            found = (offset, crc)
+            found = (offset, crc, True)
     return found
 
 

@@ -13,7 +13,8 @@ import pytest
 
 from distcache.artifact import Artifact, sha256_hex
 from distcache.collective import SyncState, _sync, sync
-from distcache.collective._sync import decode_gained, store_cursor, stored_cursor
+from distcache.collective._cursors import store_cursor, stored_cursor
+from distcache.collective._sync import decode_gained
 from distcache.comm import ThreadGroup
 from distcache.errors import PrefetchError
 from distcache.store._pool import ArtifactPool

@@ -127,10 +127,8 @@ def test_a_names_log_rewritten_by_a_prune_is_sent_whole(tmp_path: Path,
     sent.clear()
     _ok(_sync_all(pools))
     assert _labels(sent) == {"cubins/a.cubin": two, long: two}
-    # Sent whole, a label only fills a name a pool lacks: nothing says it is newer
-    # than the one rank 1 holds, so that one stays.
-    assert pools[1].names()["cubins/a.cubin"] == one
-    assert pools[1].names()[long] == two
+    # Sent whole, and the only label for the name in this sync: every pool takes it.
+    assert [p.names()["cubins/a.cubin"] for p in pools] == [two, two]
 
 
 def test_a_label_sent_whole_never_reverts_a_newer_one(tmp_path: Path) -> None:
@@ -194,3 +192,65 @@ def test_a_malformed_label_exchange_names_its_sender(
     assert len({str(e) for e in errors}) == 1
     assert errors[0].phase == "discover"  # type: ignore[attr-defined]
     assert errors[0].rank == 2  # type: ignore[attr-defined]
+
+
+def test_two_labels_sent_whole_end_as_one_in_every_pool(tmp_path: Path) -> None:
+    # Two pools never synced, each with its own label for a name: neither is news, the
+    # lowest rank's is kept everywhere, so the ranks resolve the name alike.
+    pools = [ArtifactPool(tmp_path / f"rank{r}") for r in range(2)]
+    mine = [pool.put(f"build of rank {r}".encode() * 30) for r, pool in enumerate(pools)]
+    for pool, sha in zip(pools, mine, strict=True):
+        pool.remember([Artifact("cubins/k.cubin", sha)])
+    _ok(_sync_all(pools))
+    assert [p.names()["cubins/k.cubin"] for p in pools] == [mine[0], mine[0]]
+
+
+def test_a_cursor_held_at_the_start_of_an_empty_log_makes_labels_news(tmp_path: Path) -> None:
+    # Two empty pools synced (a serving loop's first safe point): their cursors sit at
+    # offset 0 and hold. Labels recorded after are news on both sides and end alike.
+    pools = [ArtifactPool(tmp_path / f"rank{r}") for r in range(2)]
+    _ok(_sync_all(pools))
+    mine = [pool.put(f"build of rank {r}".encode() * 30) for r, pool in enumerate(pools)]
+    for pool, sha in zip(pools, mine, strict=True):
+        pool.remember([Artifact("cubins/k.cubin", sha)])
+    _ok(_sync_all(pools))
+    _ok(_sync_all(pools))
+    assert [p.names()["cubins/k.cubin"] for p in pools] == [mine[0], mine[0]]
+
+
+def test_news_beats_a_label_sent_whole_whatever_the_ranks(tmp_path: Path) -> None:
+    # Rank 0 sends whole (its cursors gone) with the old label; rank 1 relabelled since
+    # its cursor. The news wins though rank 0 is lower; a third pool follows it too.
+    pools = [ArtifactPool(tmp_path / f"rank{r}") for r in range(3)]
+    first = pools[0].put(b"first build" * 40)
+    pools[0].remember([Artifact("cubins/k.cubin", first)])
+    _ok(_sync_all(pools))
+    newer = pools[1].put(b"newer build" * 40)
+    pools[1].remember([Artifact("cubins/k.cubin", newer)])
+    pools[0].layout.sync_names_cursor.unlink()
+    pools[0].layout.sync_cursor.unlink()
+    _ok(_sync_all(pools))
+    assert [p.names()["cubins/k.cubin"] for p in pools] == [newer] * 3
+
+
+@pytest.mark.parametrize("report", [("one",), ("a", None, (True,), None), ["x"] * 5],
+                         ids=["short", "bad-flags", "long"])
+def test_a_sync_report_of_another_shape_names_its_sender(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, report: tuple[object, ...]) -> None:
+    pools = [ArtifactPool(tmp_path / f"rank{r}") for r in range(2)]
+    _ok(_sync_all(pools))
+    group = ThreadGroup(2, timeout=20)
+    comms = [group.comm(r) for r in range(2)]
+    real = type(comms[1]).allgather_object
+
+    def shaped(self: object, obj: object, **kw: object) -> list[object]:
+        if self is comms[1] and isinstance(obj, tuple) and len(obj) == 4:
+            obj = report
+        return real(self, obj, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(type(comms[1]), "allgather_object", shaped)
+    results = on_threads(2, lambda r: sync(comm=comms[r], pool=pools[r]))
+    assert all(isinstance(x, PrefetchError) for x in results), results
+    assert len({str(x) for x in results}) == 1
+    assert results[0].rank == 1  # type: ignore[union-attr]
+    assert "sync report" in str(results[0])
