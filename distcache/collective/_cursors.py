@@ -74,11 +74,12 @@ def store_cursor(pool: Pool, cursor: int, mark: str | None = None, key: str = "-
 
 def journal_matches(pool: Pool, cursor: int, mark: str | None) -> bool:
     """Whether ``pool``'s journal still holds what ``cursor`` was taken after (a pool
-    without files, or a cursor kept without a mark, is taken at its word)."""
+    without files is taken at its word; a cursor kept without a mark, where there is a
+    journal, is not)."""
     journal = journal_path(pool)
-    if journal is None or mark is None:
+    if journal is None:
         return True
-    return journal_mark(journal, cursor) == mark
+    return mark is not None and journal_mark(journal, cursor) == mark
 
 
 def journal_past_received(pool: Pool, cursor: int, mark: str | None,

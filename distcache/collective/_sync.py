@@ -43,11 +43,14 @@ class SyncState:
     pool ended. ``marks`` holds each journal cursor's check on the journal
     (:func:`~distcache.store._log.journal_mark`): a cursor whose journal no longer holds
     the bytes it was taken after is not resumed from. ``labels`` holds each pool's
-    ``names.log`` offset with its mark (:func:`~distcache.store._log.names_since`)."""
+    ``names.log`` offset with its mark (:func:`~distcache.store._log.names_since`).
+    ``key`` names the set of pools they were taken over (:func:`pools_key`): a sync over
+    another set starts from the cursors its pools keep for that set instead."""
 
     cursors: dict[str, int] = field(default_factory=dict)
     marks: dict[str, str] = field(default_factory=dict)
     labels: dict[str, tuple[int, str]] = field(default_factory=dict)
+    key: str | None = None
 
 
 def encode_gained(shas: list[str], names: dict[str, str]) -> bytes:
@@ -77,11 +80,37 @@ def _report_parts(report: object) -> tuple[object, object, tuple[bool, bool], ob
     if isinstance(report, tuple | list) and len(report) == 4:
         gained, named, whole, failure = report
         if isinstance(whole, tuple | list) and len(whole) == 2 and all(
-                isinstance(w, bool) for w in whole):
+                isinstance(w, bool) for w in whole) and _is_failure(failure):
             return gained, named, (whole[0], whole[1]), failure
     size = len(report) if isinstance(report, tuple | list) else None
     raise ValueError(f"sync report is not (gained, named, whole, failure): a "
                      f"{type(report).__name__}" + ("" if size is None else f" of {size}"))
+
+
+def _is_failure(value: object) -> bool:
+    """Whether ``value`` is None or a :data:`~distcache.collective._run.Failure`."""
+    if value is None:
+        return True
+    if not isinstance(value, tuple | list) or len(value) != 5:
+        return False
+    phase, artifact, rank, host, cause = value
+    return (isinstance(phase, str) and (artifact is None or isinstance(artifact, str))
+            and isinstance(rank, int) and isinstance(host, str) and isinstance(cause, str))
+
+
+def _winners(decoded: list[tuple[list[str], dict[str, str], bool]],
+             present: set[str]) -> dict[str, str]:
+    """The label each name ends with in every pool: of the labels whose bytes are
+    ``present``, one recorded since a held cursor (news) wins over one from a part sent
+    whole (a pool never synced over these pools, or whose log was rewritten), so an old
+    label never reverts a new one; within a kind the lowest writer's wins."""
+    fresh: dict[str, str] = {}
+    old: dict[str, str] = {}
+    for _, names, sent_whole in decoded:  # in rank order
+        for name, sha in names.items():
+            if sha in present:
+                (old if sent_whole else fresh).setdefault(name, sha)
+    return {**old, **fresh}
 
 
 def decode_gained(blob: object) -> tuple[list[str], dict[str, str]]:
@@ -156,6 +185,8 @@ def sync(
             if is_writer:
                 try:
                     key = pools_key(pool_ids)
+                    if state is not None and state.key not in (None, key):
+                        state.cursors, state.marks, state.labels = {}, {}, {}
                     start, resumed = held_cursor(pool, key)
                     if state is not None and pool.pool_id in state.cursors:
                         at = state.cursors[pool.pool_id]
@@ -173,9 +204,11 @@ def sync(
                     if since is not None:
                         recorded, reached, reached_mark, held = since
                         labelled = (reached, reached_mark)
-                        whole = (not resumed, not held)
-                        # What the journal part names already, as news or not alike, is
-                        # not sent twice.
+                        # Where the pool keeps names.log, its cursor alone says what is
+                        # news: the journal part's labels are the current ones of the
+                        # objects it lists, recorded whenever. What the journal part
+                        # names already, as news or not alike, is not sent twice.
+                        whole = (True, not held)
                         extra = {n: s for n, s in recorded.items()
                                  if own.get(n) != s or whole[0] != whole[1]}
                         named = encode_labels(extra) if extra else None
@@ -183,28 +216,20 @@ def sync(
                     failure = run.failure("discover", None, exc)
             reports = comm.allgather_object((gained, named, whole, failure),
                                             timeout=run.timeout)
+            # Every rank holds the same reports: one error, the lowest rank's, whether a
+            # report is of another shape, says that it failed, or holds a bad blob.
             decoded = []
             for sender, report in enumerate(reports):
                 try:
-                    *blobs, parts, _ = _report_parts(report)
+                    *blobs, parts, failed = _report_parts(report)
+                    run.raise_first([failed])  # type: ignore[list-item]
                     for blob, sent_whole in zip(blobs, parts, strict=True):
                         if blob is not None:
                             decoded.append((*decode_gained(blob), sent_whole))
-                except ValueError as exc:  # every rank holds the same report: one error
+                except ValueError as exc:
                     run.raise_first([("discover", None, sender, node_ids[sender],
                                       f"{type(exc).__name__}: {exc}")])
-            run.raise_first(f for *_, f in reports)
             objects = sorted({s for shas, _, _ in decoded for s in shas})
-            # A label recorded since a held cursor is news and wins over one from a part
-            # sent whole (a pool never synced over these pools, or whose log was
-            # rewritten): an old label never reverts a new one. Within a kind the lowest
-            # writer's wins, so that every pool ends with the same label for a name.
-            fresh: dict[str, str] = {}
-            old: dict[str, str] = {}
-            for _, names, sent_whole in decoded:
-                for name, sha in names.items():
-                    (old if sent_whole else fresh).setdefault(name, sha)
-            labels = {**old, **fresh}
             have = discover(run, objects, pool_ids)
         with run.phase("plan"):
             plan = make_plan(
@@ -215,6 +240,7 @@ def sync(
                     "sync: %d object(s) listed in a journal or a label are in no pool any more",
                     len(plan.lost),
                 )
+        labels = _winners(decoded, set(objects) - {objects[i] for i in plan.lost})
         name_of = {sha: name for name, sha in sorted(labels.items(), reverse=True)}
         # A serving loop's safe point does not wait on the flush (see Run.durable).
         with run.durable(), run.phase("move"):
@@ -226,7 +252,7 @@ def sync(
             recorded_here: dict[str, str] = {}
             if is_writer:
                 try:
-                    recorded_here = {n: s for n, s in labels.items() if s in present}
+                    recorded_here = labels
                     pool.remember([Artifact(n, s) for n, s in sorted(recorded_here.items())])
                 except Exception as exc:
                     failure = run.failure("publish", None, exc)
@@ -239,6 +265,7 @@ def sync(
             if mark is not None:  # a cursor is kept only with its check on the journal
                 store_cursor(pool, cursor, mark, key)
             if state is not None:
+                state.key = key
                 state.cursors[pool.pool_id] = cursor
                 if mark is not None:
                     state.marks[pool.pool_id] = mark

@@ -233,8 +233,10 @@ def test_news_beats_a_label_sent_whole_whatever_the_ranks(tmp_path: Path) -> Non
     assert [p.names()["cubins/k.cubin"] for p in pools] == [newer] * 3
 
 
-@pytest.mark.parametrize("report", [("one",), ("a", None, (True,), None), ["x"] * 5],
-                         ids=["short", "bad-flags", "long"])
+@pytest.mark.parametrize("report", [
+    ("one",), ("a", None, (True,), None), ["x"] * 5, (None, None, (True, True), "oops"),
+    (None, None, (True, True), ("discover", None, 1)), (None, None, (True, True), 5)],
+    ids=["short", "bad-flags", "long", "failure-text", "failure-short", "failure-number"])
 def test_a_sync_report_of_another_shape_names_its_sender(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, report: tuple[object, ...]) -> None:
     pools = [ArtifactPool(tmp_path / f"rank{r}") for r in range(2)]
@@ -254,3 +256,53 @@ def test_a_sync_report_of_another_shape_names_its_sender(
     assert len({str(x) for x in results}) == 1
     assert results[0].rank == 1  # type: ignore[union-attr]
     assert "sync report" in str(results[0])
+
+
+def test_a_label_the_journal_lists_again_is_no_news(tmp_path: Path) -> None:
+    # Rank 0's object is collected and put again: its journal lists it anew, with its
+    # current label, recorded long ago. Rank 1's relabel since its cursor is the news.
+    pools = [ArtifactPool(tmp_path / f"rank{r}") for r in range(2)]
+    data = b"first build" * 40
+    first = pools[0].put(data)
+    pools[0].remember([Artifact("k", first)])
+    _ok(_sync_all(pools))
+    pools[0].gc(0)
+    pools[0].put(data)
+    newer = pools[1].put(b"newer build" * 40)
+    pools[1].remember([Artifact("k", newer)])
+    _ok(_sync_all(pools))
+    assert [p.names()["k"] for p in pools] == [newer, newer]
+
+
+def test_the_winning_label_is_one_whose_bytes_some_pool_holds(tmp_path: Path) -> None:
+    # Rank 0 labels k, then its bytes are collected before the sync; rank 1's label for
+    # k has its bytes. Every pool ends with rank 1's, rank 2's included.
+    pools = [ArtifactPool(tmp_path / f"rank{r}") for r in range(3)]
+    _ok(_sync_all(pools))
+    gone = pools[0].put(b"rank 0 build" * 40)
+    pools[0].remember([Artifact("k", gone)])
+    pools[0].gc(0)
+    kept = pools[1].put(b"rank 1 build" * 40)
+    pools[1].remember([Artifact("k", kept)])
+    _ok(_sync_all(pools))
+    assert [p.names().get("k") for p in pools] == [kept] * 3
+    assert pools[2].has(kept)
+
+
+def test_a_state_taken_over_other_pools_is_not_resumed(tmp_path: Path) -> None:
+    a, b, c = (ArtifactPool(tmp_path / f"pool{i}") for i in range(3))
+    sha = a.put(b"a build" * 40)
+    a.remember([Artifact("k", sha)])
+    state = SyncState()
+    _ok(_sync_all([a, b], [state, SyncState()]))
+    _ok(_sync_all([a, c], [state, SyncState()]))  # the same caller's state, other pools
+    assert c.names().get("k") == sha and c.has(sha)
+
+
+def test_a_state_cursor_without_its_mark_is_not_resumed(tmp_path: Path) -> None:
+    a, b = (ArtifactPool(tmp_path / f"pool{i}") for i in range(2))
+    sha = a.put(b"x" * 400)
+    _, end = a.journal_since(0)
+    state = SyncState(cursors={a.pool_id: end})  # no mark: nothing says it still holds
+    _ok(_sync_all([a, b], [state, SyncState()]))
+    assert b.has(sha)
