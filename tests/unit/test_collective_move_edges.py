@@ -16,6 +16,7 @@ from distcache.collective._bucket import decode_bucket, encode_bucket
 from distcache.comm import ThreadGroup
 from distcache.comm._base import Communicator
 from distcache.errors import CollectiveTimeout, PrefetchError
+from tests.support.bars import recording_bars
 from tests.unit.test_prefetch import (
     FakeOrigin,
     FakePool,
@@ -199,33 +200,10 @@ class ForestalledPool(FakePool):
         return held
 
 
-class Bar:
-    """A stand-in for tqdm that keeps its total and what it was advanced by."""
-
-    made: list[Bar] = []
-
-    def __init__(self, *_: Any, total: int = 0, **__: Any) -> None:
-        self.total = total
-        self.n = 0
-        Bar.made.append(self)
-
-    def update(self, nbytes: int) -> None:
-        self.n += nbytes
-
-    def close(self) -> None:
-        pass
-
-
 def test_a_download_skipped_for_an_object_published_meanwhile_advances_the_bar(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import tqdm
-
-    from distcache.collective import _progress
-
-    monkeypatch.setattr(_progress, "_terminal", lambda: True)
-    monkeypatch.setattr(tqdm, "tqdm", Bar)
-    Bar.made = []
+    made = recording_bars(monkeypatch)
     arts, blobs = make_blobs(4)
     first = {arts[1].sha256: blobs[arts[1].sha256]}
     pool = ForestalledPool(Store("nfs"), first)
@@ -235,9 +213,9 @@ def test_a_download_skipped_for_an_object_published_meanwhile_advances_the_bar(
                                            origin=origin, timeout=5)))
     assert origin.requests[arts[1].name] == 0  # skipped: the other job published it
     assert set(pool.store.objects) == set(blobs)
-    assert len(Bar.made) == 1
-    assert Bar.made[0].total == sum(len(b) for b in blobs.values())
-    assert Bar.made[0].n == Bar.made[0].total
+    assert len(made) == 1
+    assert made[0].total == sum(len(b) for b in blobs.values())
+    assert made[0].n == made[0].total
 
 
 def test_objects_published_counts_deliveries_to_pools_that_lacked_them_when_looked() -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import struct
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import pytest
 
@@ -16,6 +15,7 @@ from distcache.collective._bucket import decode_bucket, encode_bucket
 from distcache.comm import ThreadGroup
 from distcache.comm._base import Communicator
 from distcache.errors import PoolError, PrefetchError, WireError
+from tests.support.bars import recording_bars
 from tests.unit.test_prefetch import (
     CountingComm,
     FakeOrigin,
@@ -118,32 +118,10 @@ def test_a_failed_flush_of_the_move_names_no_artifact() -> None:
     assert all(a.name not in str(err) for a in arts)
 
 
-class Bar:
-    """A stand-in for tqdm that records whether it was closed."""
-
-    made: list[Bar] = []
-
-    def __init__(self, *_: Any, **__: Any) -> None:
-        self.closed = False
-        Bar.made.append(self)
-
-    def update(self, _: int) -> None:
-        pass
-
-    def close(self) -> None:
-        self.closed = True
-
-
 def test_rank0_progress_bar_is_closed_when_the_prefetch_fails(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import tqdm
-
-    from distcache.collective import _progress
-
-    monkeypatch.setattr(_progress, "_terminal", lambda: True)
-    monkeypatch.setattr(tqdm, "tqdm", Bar)
-    Bar.made = []
+    made = recording_bars(monkeypatch)
     arts, blobs = make_blobs(6)
     origin = FakeOrigin(blobs)
     origin.fail = {arts[-1].name}
@@ -152,14 +130,14 @@ def test_rank0_progress_bar_is_closed_when_the_prefetch_fails(
     results = run_ranks(group, lambda r: prefetch(arts, comm=group.comm(r), pool=pools[r],
                                                   origin=origin, timeout=5))
     assert all(isinstance(e, PrefetchError) for e in results), results
-    assert len(Bar.made) == 1 and Bar.made[0].closed
+    assert len(made) == 1 and made[0].closed
     # A prefetch that succeeds closes it too.
     origin.fail = set()
-    Bar.made = []
+    made.clear()
     fresh = ThreadGroup(2, timeout=5)
     ok(run_ranks(fresh, lambda r: prefetch(arts, comm=fresh.comm(r), pool=pools[r],
                                            origin=origin, timeout=5)))
-    assert all(bar.closed for bar in Bar.made)
+    assert made and all(bar.closed for bar in made)
 
 
 class ShortHoldingPool(FakePool):
