@@ -297,7 +297,7 @@ TABLE: tuple[Variable, ...] = (
              "dedicated NCCL group made for the prefetch and destroyed after it)",
              check=_given_transport),
     Variable("DISTCACHE_INIT_TIMEOUT", "init_timeout", 300.0, _seconds, "300",
-             "seconds launch.init_process_group allows the rendezvous"),
+             "seconds launch.init_process_group allows the rendezvous", check=_given_seconds),
     Variable("DISTCACHE_FLASHINFER", "flashinfer", True, _bool, "1",
              "0 disables the FlashInfer integration"),
     Variable("DISTCACHE_FLASHINFER_FAMILIES", "flashinfer_families", None, _globs,

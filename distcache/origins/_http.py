@@ -23,7 +23,7 @@ from urllib.parse import quote, urljoin
 
 from distcache._log import get_logger
 from distcache.artifact import Artifact
-from distcache.config import settings
+from distcache.config import check_seconds, settings
 from distcache.errors import (
     ArtifactNotFound,
     ConfigError,
@@ -119,9 +119,8 @@ class HttpOrigin(BaseOrigin):
                 variable="base_url",
                 value=redact_url(base_url),
             )
-        if timeout is not None and not timeout > 0:
-            raise ConfigError(f"timeout must be > 0 seconds, got {timeout}",
-                              variable="timeout", value=timeout)
+        if timeout is not None:
+            timeout = check_seconds(timeout, what="timeout", text=False)
         if retries is not None and retries < 0:
             raise ConfigError(f"retries must be >= 0, got {retries}",
                               variable="retries", value=retries)

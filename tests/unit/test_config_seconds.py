@@ -140,9 +140,19 @@ def test_an_explicit_lock_timeout_of_0_is_still_taken(tmp_path: Path) -> None:
         settings({"DISTCACHE_LOCK_TIMEOUT": "0"})
 
 
-def test_only_the_timeout_and_the_transport_check_an_explicit_value() -> None:
+def test_the_rows_that_check_an_explicit_value() -> None:
     checked = {v.field for v in TABLE if v.check is not None}
-    assert checked == {"timeout", "transport"}
+    assert checked == {"timeout", "init_timeout", "transport"}
+
+
+@pytest.mark.parametrize("given", [0, -1.0, math.inf, math.nan])
+def test_an_http_origin_and_the_rendezvous_take_the_one_seconds_check(given: float) -> None:
+    from distcache.origins import HttpOrigin
+
+    with pytest.raises(ConfigError, match=r"^timeout=.* must be a finite number of seconds"):
+        HttpOrigin("http://mirror.example/c", timeout=given)
+    with pytest.raises(ConfigError, match=r"^init_timeout=.* must be a finite number"):
+        settings({}, init_timeout=given)
 
 
 def test_an_explicit_transport_is_checked_by_its_row() -> None:
