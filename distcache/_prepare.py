@@ -123,15 +123,13 @@ def set_up_where_downloading(comm: Communicator, pool: ArtifactPool, origin: Ori
     something is listed or wanted (as on every rank alike) and ``comm``'s node tree is
     not made yet: it is made first, whatever this rank's origin (the job's ranks may
     differ there, and the prefetch says how). ``conf``: the settings the prefetch
-    runs with (``offline`` when None, and the download counts), else the process's."""
+    runs with (its download counts), else the process's."""
     if not (manifests or integrations):
         return None
     tree = leading_tree(comm, timeout)
     if origin is None:
         return None
-    if offline is None:
-        offline = (settings() if conf is None else conf).offline
-    if offline:
+    if settings().offline if offline is None else offline:
         return None
     if tree is not None and not (tree.is_leader and _may_download(tree, conf)):
         return None

@@ -82,20 +82,18 @@ def check_seconds(value: object, *, what: str, text: bool = True) -> float:
     Raises:
         ConfigError: not a number, or not a finite number above 0.
     """
-    shown, variable = (f"{what}={value!r}", what) if what else (repr(value), None)
     number: float | None = None
     if text and isinstance(value, str):
         with contextlib.suppress(ValueError):
             number = float(value.strip())
     elif isinstance(value, int | float) and not isinstance(value, bool):
         number = value  # not numpy's ints or Fraction: the waits downstream take floats
-    if number is None:
-        raise ConfigError(f"{shown} is not a number", variable=variable, value=value)
     # Infinity is refused too: the waits of ``threading`` overflow on it.
-    if not 0 < number < math.inf:
-        raise ConfigError(f"{shown} must be a finite number of seconds > 0",
-                          variable=variable, value=value)
-    return float(number)
+    if number is not None and 0 < number < math.inf:
+        return float(number)
+    shown = f"{what}={value!r}" if what else repr(value)
+    why = "is not a number" if number is None else "must be a finite number of seconds > 0"
+    raise ConfigError(f"{shown} {why}", variable=what or None, value=value)
 
 
 def _seconds(name: str, raw: str) -> float:

@@ -42,18 +42,11 @@ def stored_cursor(pool: Pool, key: str = "-") -> int:
     """The journal offset the last sync over ``pool`` with ``key`` (:func:`pools_key`)
     reached (0: none, a pool that keeps no files, or a cursor whose mark the journal no
     longer matches)."""
-    return held_cursor(pool, key)[0]
-
-
-def held_cursor(pool: Pool, key: str = "-") -> tuple[int, bool]:
-    """:func:`stored_cursor`, and whether a cursor held (a sync over these pools ran,
-    up to that offset, 0 included), else ``(0, False)``."""
     path = _layout_path(pool, "sync_cursor")
     if path is None:
-        return 0, False
+        return 0
     cursor, mark = _read_cursors(path).get(key, (0, None))
-    held = mark is not None and journal_matches(pool, cursor, mark)
-    return (cursor, True) if held else (0, False)
+    return cursor if mark is not None and journal_matches(pool, cursor, mark) else 0
 
 
 def store_cursor(pool: Pool, cursor: int, mark: str | None = None, key: str = "-") -> None:

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from distcache._log import get_logger
 from distcache.artifact import Artifact
 from distcache.collective._cursors import (
-    held_cursor,
     journal_matches,
     journal_past_received,
     journal_path,
@@ -20,6 +19,7 @@ from distcache.collective._cursors import (
     pools_key,
     store_cursor,
     store_labels_cursor,
+    stored_cursor,
 )
 from distcache.collective._plan import elect_writers, make_plan
 from distcache.collective._report import PrefetchReport
@@ -85,6 +85,17 @@ def _report_parts(report: object) -> tuple[object, object, tuple[bool, bool], ob
     size = len(report) if isinstance(report, tuple | list) else None
     raise ValueError(f"sync report is not (gained, named, whole, failure): a "
                      f"{type(report).__name__}" + ("" if size is None else f" of {size}"))
+
+
+def _checked(sender: int, host: str, report: object
+             ) -> tuple[object, object, tuple[bool, bool], Failure | None]:
+    """``sender``'s report as :func:`_report_parts` reads it; one of another shape is
+    a failure of ``sender``'s, reported as any other."""
+    try:
+        return _report_parts(report)  # type: ignore[return-value]
+    except ValueError as exc:
+        return None, None, (True, True), ("discover", None, sender, host,
+                                          f"{type(exc).__name__}: {exc}")
 
 
 def _is_failure(value: object) -> bool:
@@ -187,7 +198,9 @@ def sync(
                     key = pools_key(pool_ids)
                     if state is not None and state.key not in (None, key):
                         state.cursors, state.marks, state.labels = {}, {}, {}
-                    start, resumed = held_cursor(pool, key)
+                    # Whether the journal part is news: only where no names.log says it
+                    # (a pool without files), from a session's cursor.
+                    start, resumed = stored_cursor(pool, key), False
                     if state is not None and pool.pool_id in state.cursors:
                         at = state.cursors[pool.pool_id]
                         if journal_matches(pool, at, state.marks.get(pool.pool_id)):
@@ -209,8 +222,7 @@ def sync(
                         # objects it lists, recorded whenever. What the journal part
                         # names already, as news or not alike, is not sent twice.
                         whole = (True, not held)
-                        extra = {n: s for n, s in recorded.items()
-                                 if own.get(n) != s or whole[0] != whole[1]}
+                        extra = {n: s for n, s in recorded.items() if held or own.get(n) != s}
                         named = encode_labels(extra) if extra else None
                 except Exception as exc:
                     failure = run.failure("discover", None, exc)
@@ -219,10 +231,11 @@ def sync(
             # Every rank holds the same reports: one error, the lowest rank's, whether a
             # report is of another shape, says that it failed, or holds a bad blob.
             decoded = []
-            for sender, report in enumerate(reports):
+            checked = [_checked(sender, node_ids[sender], report)
+                       for sender, report in enumerate(reports)]
+            run.raise_first(failed for *_, failed in checked)  # the shared rule: primary()
+            for sender, (*blobs, parts, _) in enumerate(checked):
                 try:
-                    *blobs, parts, failed = _report_parts(report)
-                    run.raise_first([failed])  # type: ignore[list-item]
                     for blob, sent_whole in zip(blobs, parts, strict=True):
                         if blob is not None:
                             decoded.append((*decode_gained(blob), sent_whole))
@@ -240,7 +253,8 @@ def sync(
                     "sync: %d object(s) listed in a journal or a label are in no pool any more",
                     len(plan.lost),
                 )
-        labels = _winners(decoded, set(objects) - {objects[i] for i in plan.lost})
+        present = set(objects) - {objects[i] for i in plan.lost}
+        labels = _winners(decoded, present)
         name_of = {sha: name for name, sha in sorted(labels.items(), reverse=True)}
         # A serving loop's safe point does not wait on the flush (see Run.durable).
         with run.durable(), run.phase("move"):
@@ -248,18 +262,15 @@ def sync(
                 run.check(run.move(plan, pool_ids, name_of, conf.bucket_bytes))
         with run.phase("publish"):
             failure = None
-            present = set(objects) - {objects[i] for i in plan.lost}
-            recorded_here: dict[str, str] = {}
             if is_writer:
                 try:
-                    recorded_here = labels
-                    pool.remember([Artifact(n, s) for n, s in sorted(recorded_here.items())])
+                    pool.remember([Artifact(n, s) for n, s in sorted(labels.items())])
                 except Exception as exc:
                     failure = run.failure("publish", None, exc)
             if is_writer and failure is None:
                 cursor, mark = journal_past_received(pool, cursor, mark, present)
                 if labelled is not None:
-                    labelled = labels_past_received(pool, *labelled, recorded_here)
+                    labelled = labels_past_received(pool, *labelled, labels)
         report = finish(run, plan, len(objects), failure)
         if is_writer:
             if mark is not None:  # a cursor is kept only with its check on the journal

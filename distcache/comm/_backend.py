@@ -94,7 +94,6 @@ class BackendCommunicator(ABC):
         node_id: str | None = None,
     ) -> None:
         conf = settings(timeout=timeout, chunk_bytes=chunk_bytes, node_id=node_id)
-        check_timeout(conf.timeout)
         if not 0 < conf.chunk_bytes <= MAX_MESSAGE_BYTES:
             raise ValueError(
                 f"chunk_bytes must be between 1 and {MAX_MESSAGE_BYTES} (2 GiB - 1), "

@@ -48,7 +48,7 @@ from distcache._log import get_logger
 
 if TYPE_CHECKING:
     from distcache.jit import Family
-    from distcache.jit._place import FileId
+    from distcache.store._fs import Witness
 
 log = get_logger(__name__)
 
@@ -188,14 +188,16 @@ def write_owner(record: Path, digest: str) -> None:
 
 
 #: Path in the family's trees -> the ``stat`` identity of its file
-#: (:data:`distcache.jit._place.FileId`: size, modification and change times, inode).
-Snapshot = dict[str, "FileId"]
+#: (:data:`distcache.store._fs.Witness`: device, inode, size, modification and change
+#: times).
+Snapshot = dict[str, "Witness"]
 
 
 def snapshot(family: Family) -> Snapshot:
     """The files of ``family``'s directories that a publication would scan, by
     ``stat`` alone (nothing is read)."""
-    from distcache.jit._place import file_id, walk
+    from distcache.jit._place import walk
+    from distcache.store._fs import witness
 
     found: Snapshot = {}
     for root in family.spec.roots:
@@ -204,7 +206,7 @@ def snapshot(family: Family) -> Snapshot:
                 st = os.lstat(path)
             except OSError:
                 continue
-            found[root.prefix + rel] = file_id(st)
+            found[root.prefix + rel] = witness(st)
     return found
 
 
@@ -224,7 +226,7 @@ def armed_snapshot(family: Family) -> Snapshot | None:
         return None
     for path, identity in now.items():
         entry = known.entries.get(path)
-        if path not in known.conflicts and (entry is None or entry.size != identity[0]):
+        if path not in known.conflicts and (entry is None or entry.size != identity[2]):
             return None
     return now
 

@@ -27,6 +27,7 @@ from distcache.artifact import sha256_hex, validate_name
 from distcache.errors import ArtifactNameError, JitCacheError
 from distcache.jit._tree import MODE_MASK, TreeEntry
 from distcache.store import ArtifactPool
+from distcache.store._fs import Witness, witness
 from distcache.store.layout import STALE_TMP_SECONDS
 
 #: Names a tool writes while it works (temporary files, locks, build directories,
@@ -104,30 +105,22 @@ def walk(root: Path) -> Iterator[tuple[str, Path]]:
                 yield rel, Path(entry.path)
 
 
-#: What ``stat`` tells of a file's bytes without reading them: size, modification
-#: and change times (ns) and inode. A rewrite moves the change time even where the
-#: tool keeps the modification time, and a new file renamed into place has another
-#: inode; reading a file (its access time) changes none of them.
-FileId = tuple[int, int, int, int]
-
 #: A file changed this close (ns) to the scan that hashed it may change again within
 #: the same tick of the filesystem's clock (a second on some filesystems) without
 #: its times moving: it is hashed again at the next scan.
 RACY_NS = 2 * 10**9
 
-#: path -> (:data:`FileId`, sha256) of a file hashed before: what a later scan of
-#: the same directory in the same process need not read again.
-Seen = dict[str, tuple[FileId, str]]
-
-
-def file_id(st: os.stat_result) -> FileId:
-    """The :data:`FileId` of a file from its ``stat``."""
-    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+#: path -> (:data:`~distcache.store._fs.Witness`, sha256) of a file hashed before:
+#: what a later scan of the same directory in the same process need not read again.
+#: The witness (device, inode, size, modification and change times) moves with a
+#: rewrite even where the tool keeps the modification time (the change time moves),
+#: and with a new file renamed into place (another inode); a read moves none of it.
+Seen = dict[str, tuple[Witness, str]]
 
 
 def settled(st: os.stat_result) -> bool:
     """Whether the file last changed well before now (:data:`RACY_NS`), so that a
-    later rewrite moves its :data:`FileId`."""
+    later rewrite moves its witness."""
     return max(st.st_mtime_ns, st.st_ctime_ns) < time.time_ns() - RACY_NS
 
 
@@ -136,7 +129,7 @@ def scan_into(pool: ArtifactPool, root: Path, prefix: str = "",
               seen: Seen | None = None) -> list[TreeEntry]:
     """Store every file under ``root`` in ``pool`` and return its entries (paths
     under ``prefix``). A file ``known`` lists with the digest it still has is not
-    stored again, and one ``seen`` records with its current :data:`FileId` is not
+    stored again, and one ``seen`` records with its current witness is not
     read again (``seen`` is updated; a file changed just before is not recorded).
     Files vanishing mid-scan and names that are not safe artifact paths are
     skipped."""
@@ -165,7 +158,7 @@ def _scan_one(pool: ArtifactPool, rel: str, path: Path, prefix: str,
         mode = st.st_mode & MODE_MASK
         before = known.get(name) if known else None
         last = seen.get(name) if seen is not None else None
-        if (last is not None and last[0] == file_id(st)
+        if (last is not None and last[0] == witness(st)
                 and before is not None and before.sha256 == last[1]):
             return TreeEntry(name, last[1], mode, st.st_size)
         data = _read_all(fd, st.st_size)
@@ -178,7 +171,7 @@ def _scan_one(pool: ArtifactPool, rel: str, path: Path, prefix: str,
         pool.put(data, sha)
     if seen is not None:
         if settled(st):
-            seen[name] = (file_id(st), sha)
+            seen[name] = (witness(st), sha)
         else:
             seen.pop(name, None)
     return TreeEntry(name, sha, mode, len(data))

@@ -37,6 +37,7 @@ from typing import IO, NamedTuple, Protocol
 
 from distcache.artifact import validate_name
 from distcache.errors import ArtifactNameError, ConfigError
+from distcache.store._fs import READ_FLAGS
 
 
 class Member(NamedTuple):
@@ -299,7 +300,7 @@ def _open_file(source: Path, path: str, full: str, st: os.stat_result) -> IO[byt
     """``full`` opened to read, if it is still the regular file ``st`` describes: one
     swapped since for a symlink is not followed, a FIFO not blocked on."""
     try:
-        fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(full, READ_FLAGS)
     except OSError as exc:
         if exc.errno != errno.ELOOP:
             raise
