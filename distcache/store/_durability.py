@@ -8,9 +8,13 @@ small kernels. Deferring it is safe because every read of the pool is verified: 
 power loss inside a batch can leave a linked object with torn bytes, which the next
 read quarantines and reports as a miss.
 
-What a batch does not defer is the entry of a new fan-out directory ``objects/<xx>``:
-``objects/`` is fsynced once when the directory is created, before anything is
-published in it (:func:`~distcache.store._fs.make_fanout`), batch or not.
+The entry of a new fan-out directory ``objects/<xx>`` is the batch's too: a batch
+makes the directory without flushing ``objects/``, and its flush covers it (the
+``syncfs``, else an ``fsync`` of ``objects/`` after the directories). Outside a batch
+``objects/`` is flushed once the directory is made, before anything is published in
+it, and after every publication into a directory that was already there: another
+process's batch may have made it and not flushed yet
+(:meth:`~distcache.store._objects.ObjectStore.publish`).
 
 Every :attr:`Durability.writeback_bytes` published inside a batch, a background
 ``syncfs`` starts writing them back, so that the disk works while the batch goes on
@@ -204,7 +208,9 @@ class Durability:
         return True
 
     def flush(self, paths: list[str]) -> None:
-        """Make ``paths`` (published objects) and their directories durable.
+        """Make ``paths`` (published objects), their directories and those
+        directories' entries in ``objects/`` durable (a batch makes fan-out
+        directories without flushing ``objects/``).
 
         Raises:
             PoolError: the flush failed.
@@ -217,7 +223,8 @@ class Durability:
                 with contextlib.suppress(FileNotFoundError):  # collected meanwhile
                     fsync_path(path)
                 directories.add(os.path.dirname(path))
-            for directory in sorted(directories):
+            parents = {os.path.dirname(directory) for directory in directories}
+            for directory in [*sorted(directories), *sorted(parents)]:
                 fsync_dir(directory)
         except OSError as exc:
             if isinstance(exc, FileNotFoundError) and not os.path.lexists(self.root):

@@ -221,12 +221,14 @@ def make_dir(path: Path, *, setgid: bool) -> bool:
     return created
 
 
-def make_fanout(path: Path, *, setgid: bool) -> None:
+def make_fanout(path: Path, *, setgid: bool, flush: bool = True) -> bool:
     """Create the fan-out directory ``path`` unless it exists, as :func:`make_dir`
-    does, and make a new one durable before anything is published into it: its
-    parent (``objects/``) is fsynced once, right after the creation. Without that, a
-    power loss may take the new directory's entry, and with it every object already
-    reported published there. A directory that was already there costs no flush.
+    does; whether this call created it. With ``flush``, a new one is made durable
+    before anything is published into it: its parent (``objects/``) is fsynced right
+    after the creation. Without that, a power loss may take the new directory's
+    entry, and with it every object already reported published there. Inside a batch
+    (``flush=False``) the batch's own flush covers the entry
+    (:meth:`~distcache.store._durability.Durability.flush`).
 
     Raises:
         PoolError: it cannot be created, is not a real directory, or the flush of
@@ -234,13 +236,15 @@ def make_fanout(path: Path, *, setgid: bool) -> None:
             it can be) so that the next publication creates and flushes it again.
     """
     if not make_dir(path, setgid=setgid):
-        return
-    try:
-        fsync_dir(path.parent)
-    except PoolError:
-        with contextlib.suppress(OSError):
-            os.rmdir(path)
-        raise
+        return False
+    if flush:
+        try:
+            fsync_dir(path.parent)
+        except PoolError:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+            raise
+    return True
 
 
 def temp_file(path: str) -> int:

@@ -25,9 +25,8 @@ the rules of DESIGN.md ("Artifacts and the pool") for each object:
   there and, if that was corrupt and moved aside, links again. Where ``link`` is
   refused (some FUSE, SMB) an atomic ``rename`` replaces instead.
 - **Durability per batch.** Inside :meth:`ObjectStore.batch` the ``fsync`` of each
-  object and its directory is deferred to one flush when the batch ends; an object
-  a power loss tore is caught by the verified read (:mod:`distcache.store._durability`).
-  A new ``objects/<xx>`` is flushed into ``objects/`` at once, batch or not (:func:`make_fanout`).
+  object, its directory and ``objects/`` waits for one flush when the batch ends; a
+  torn object is caught by the verified read (:mod:`distcache.store._durability`).
 
 Recency for LRU collection is the object's mtime, refreshed by reads at most once per
 ``stamp_interval`` seconds (atime is useless on ``noatime`` mounts); a reader that may
@@ -267,11 +266,11 @@ class ObjectStore:
         deferred = self._durability.deferred
         try:
             os.fchmod(fd, self.file_mode)
-            size = os.fstat(fd).st_size if deferred else 0
             if not deferred:
                 os.fsync(fd)
-            if not self._clear_fanout(directory, sha):
-                make_fanout(Path(directory), setgid=self.setgid)
+            size = os.fstat(fd).st_size if deferred else 0
+            made = not self._clear_fanout(directory, sha) and make_fanout(
+                Path(directory), setgid=self.setgid, flush=not deferred)
             # First publisher wins; a loser makes sure what won is whole, or repairs it.
             published = link_into_place(
                 tmp, final, lambda: self.read(sha, stamp=False) is not None)
@@ -291,11 +290,12 @@ class ObjectStore:
                 self.fresh[sha] = seen
         if self._durability.published(final, size):
             return True
-        if deferred:
-            # The batch ended while this was being written: flush it now.
+        if deferred:  # the batch ended while this was being written: flush it now
             self._durability.flush([final])
         else:
             fsync_dir(directory)
+            if not made:  # perhaps another process's batch made it, unflushed
+                fsync_dir(self.layout.objects)
         return True
 
     def _clear_fanout(self, directory: str, sha: str) -> bool:

@@ -1,7 +1,9 @@
-"""A new fan-out directory ``objects/<xx>`` is made durable before the first object in
-it is reported published: ``objects/`` is fsynced once after the directory is created,
-before the object's journal entry, in a batch as outside one, and never again for a
-fan-out directory that was already there."""
+"""A fan-out directory ``objects/<xx>``'s entry is durable when an object in it is: outside
+a batch, ``objects/`` is fsynced once the directory is created (before the object's
+journal entry), and after each publication into a directory that was already there
+(another process's batch may have made it and not flushed yet); a batch leaves the
+entries of the directories it made to its own flush (one ``syncfs``, else ``objects/``
+after the files and their directories)."""
 
 from __future__ import annotations
 
@@ -88,30 +90,37 @@ def test_the_first_object_of_a_fanout_flushes_objects_before_it_is_journaled(
         ("journal", sha),
     ]
     events.clear()
-    # The same fan-out directory again: it existed, so objects/ is not flushed again.
+    # The same fan-out directory again: it existed, so objects/ is flushed after the
+    # link, not before it.
     other = pool.put(second)
     assert _fanout(pool, other) == _fanout(pool, sha)
     assert _temps(events, pool) == [
         ("fsync", "tmp"),
         ("fsync", _fanout(pool, other)),
+        ("fsync", _objects(pool)),
         ("journal", other),
     ]
 
 
-def test_a_fanout_left_by_another_pool_instance_is_not_flushed_again(
+def test_a_fanout_another_process_made_in_a_batch_is_flushed_by_a_publication_outside_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     first, second = list(_blobs(1, 2))
-    ArtifactPool(tmp_path / "pool").put(first)
+    other_process = ArtifactPool(tmp_path / "pool")  # a second instance: no shared state
     pool = ArtifactPool(tmp_path / "pool")
     events = _record(pool, monkeypatch)
-    sha = pool.put(second)
-    assert ("fsync", _objects(pool)) not in events
-    assert _temps(events, pool) == [
-        ("fsync", "tmp"), ("fsync", _fanout(pool, sha)), ("journal", sha)]
+    with other_process.batch(wait=False):
+        other_process.put(first)  # makes objects/<xx>, leaves its entry to the flush
+        assert ("fsync", _objects(pool)) not in events
+        # This instance's publication outside a batch is durable when it returns: the
+        # directory's entry too, though it did not make the directory.
+        sha = pool.put(second)
+        assert _temps(events, pool) == [
+            ("fsync", "tmp"), ("fsync", _fanout(pool, sha)), ("fsync", _objects(pool)),
+            ("journal", sha)]
 
 
 @pytest.mark.parametrize("syncfs", [True, False])
-def test_a_batch_flushes_objects_once_per_new_fanout_before_its_journal_entry(
+def test_a_batch_leaves_its_new_fanouts_to_its_flush(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, syncfs: bool) -> None:
     pool = ArtifactPool(tmp_path / "pool")
     blobs = list(_blobs(4, 3))
@@ -124,40 +133,55 @@ def test_a_batch_flushes_objects_once_per_new_fanout_before_its_journal_entry(
         inside = list(events)
     new = {_fanout(pool, s) for s in shas} - {_fanout(pool, old)}
     assert len(new) == 3
-    # Inside the batch: one flush of objects/ for each new fan-out directory, just
-    # before the journal entry of the first object published into it; nothing else.
-    expected: Events = []
-    made = {_fanout(pool, old)}
-    for sha in shas:
-        if _fanout(pool, sha) not in made:
-            made.add(_fanout(pool, sha))
-            expected.append(("fsync", _objects(pool)))
-        expected.append(("journal", sha))
-    assert inside == expected
-    # The batch's own flush is unchanged: one syncfs, or each file then each directory.
+    # Inside the batch: no flush at all, only the journal entries.
+    assert inside == [("journal", sha) for sha in shas]
+    # The batch's flush: one syncfs, or each file, each directory, then objects/.
     after = events[len(inside):]
     if syncfs:
         assert after == []
     else:
         assert after == [("fsync", os.path.realpath(pool.layout.object_path(s))) for s in shas] + [
-            ("fsync", d) for d in sorted({_fanout(pool, s) for s in shas})]
+            ("fsync", d) for d in sorted({_fanout(pool, s) for s in shas})] + [
+            ("fsync", _objects(pool))]
 
 
-def test_objects_is_flushed_at_most_once_per_fanout_directory(
+def test_a_batch_makes_256_fanouts_without_a_flush_of_objects_each(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pool = ArtifactPool(tmp_path / "pool")
+    monkeypatch.setattr(_durability, "sync_filesystem", lambda path: False)
     events = _record(pool, monkeypatch)
     with pool.batch():
         shas = [pool.put(data) for data in _blobs(256, 2)]
+        assert ("fsync", _objects(pool)) not in events
     assert len(shas) == 512
     assert len({s[:2] for s in shas}) == 256
-    assert events.count(("fsync", _objects(pool))) == 256
-    events.clear()
-    pool.put(b"one more, into a fan-out directory that exists")
-    assert ("fsync", _objects(pool)) not in events
+    assert events.count(("fsync", _objects(pool))) == 1  # the batch's flush
+    assert events[-1] == ("fsync", _objects(pool))
 
 
-def test_importing_a_set_flushes_objects_once_per_new_fanout(
+def test_a_publication_the_batch_ended_under_flushes_objects_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A publication that began inside a batch which ended before it was recorded
+    flushes itself, its directory and ``objects/``, which its directory's entry is in
+    (it made the directory without a flush)."""
+    pool = ArtifactPool(tmp_path / "pool")
+    monkeypatch.setattr(_durability, "sync_filesystem", lambda path: False)
+    data = b"published as its batch ends"
+    sha = _sha(data)
+    events = _record(pool, monkeypatch)
+    # As when the last batch ended between the publication's check and its record.
+    monkeypatch.setattr(pool._store._durability, "published", lambda path, size: False)
+    with pool.batch():
+        assert pool.put(data) == sha
+    assert _temps(events, pool) == [
+        ("fsync", os.path.realpath(pool.layout.object_path(sha))),
+        ("fsync", _fanout(pool, sha)),
+        ("fsync", _objects(pool)),
+        ("journal", sha),
+    ]
+
+
+def test_importing_a_set_flushes_objects_once_with_its_batch(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     source = tmp_path / "set"
     blobs = list(_blobs(3, 2))
@@ -165,19 +189,20 @@ def test_importing_a_set_flushes_objects_once_per_new_fanout(
         (source / "k").mkdir(parents=True, exist_ok=True)
         (source / "k" / f"{i}.cubin").write_bytes(data)
     pool = ArtifactPool(tmp_path / "pool")
+    monkeypatch.setattr(_durability, "sync_filesystem", lambda path: False)
     events = _record(pool, monkeypatch)
     report = import_set(pool, source)
     assert report.new_objects == len(blobs)
     journal = [sha for kind, sha in events if kind == "journal"]
     assert sorted(journal) == sorted(_sha(d) for d in blobs)
+    # Three new fan-out directories, one flush of objects/: the batch's, after every
+    # journal entry, every object and every fan-out directory.
     flushed = [i for i, event in enumerate(events) if event == ("fsync", _objects(pool))]
-    assert len(flushed) == 3
-    # Each flush of objects/ comes before the first journal entry in its directory.
-    for sha in {_fanout(pool, s): s for s in reversed(journal)}.values():
-        first = events.index(("journal", sha))
-        assert any(i < first for i in flushed)
-        assert len([i for i in flushed if i < first]) == len(
-            {_fanout(pool, s) for s in journal[: journal.index(sha) + 1]})
+    last_journal = max(i for i, (kind, _) in enumerate(events) if kind == "journal")
+    assert len(flushed) == 1 and flushed[0] > last_journal
+    for sha in journal:
+        assert events.index(("fsync", _fanout(pool, sha))) < flushed[0]
+        assert ("fsync", os.path.realpath(pool.layout.object_path(sha))) in events
 
 
 def test_a_fanout_recreated_after_a_planted_file_is_flushed(
