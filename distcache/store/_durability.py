@@ -207,6 +207,25 @@ class Durability:
             self._writebacks.append(writeback)
         return True
 
+    def settle(self, path: str, size: int, *, deferred: bool, made: bool) -> None:
+        """Make the publication of ``path`` (linked, ``size`` bytes) durable, or leave
+        it to the open batch: ``deferred`` when a batch was open as it began (which
+        may have ended since); ``made`` when it made its fan-out directory and
+        flushed ``objects/`` then (:func:`~distcache.store._fs.make_fanout`).
+
+        Raises:
+            PoolError: a flush failed.
+        """
+        if self.published(path, size):
+            return
+        if deferred:  # the batch ended while it was being written: flush it now
+            self.flush([path])
+            return
+        directory = os.path.dirname(path)
+        fsync_dir(directory)
+        if not made:  # perhaps another process's batch made it, unflushed
+            fsync_dir(os.path.dirname(directory))
+
     def flush(self, paths: list[str]) -> None:
         """Make ``paths`` (published objects), their directories and those
         directories' entries in ``objects/`` durable (a batch makes fan-out

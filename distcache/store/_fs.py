@@ -120,13 +120,16 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
     """Flush a directory's entries, where the filesystem allows it.
 
     Raises:
-        PoolError: the flush failed (an I/O error); a filesystem that refuses
-            fsync on directories is not an error (rename is still atomic there).
+        PoolError: it cannot be opened (a directory that is gone is not an error) or
+            the flush failed; a filesystem that refuses fsync on directories is not
+            an error (rename is still atomic there).
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return
+    except FileNotFoundError:
+        return  # gone (collected, or the pool removed): nothing of it to flush
+    except OSError as exc:  # out of descriptors, an I/O error: not flushed, so say so
+        raise pool_error("cannot open to flush the directory", path, exc) from exc
     try:
         os.fsync(fd)
     except OSError as exc:
@@ -245,6 +248,15 @@ def make_fanout(path: Path, *, setgid: bool, flush: bool = True) -> bool:
                 os.rmdir(path)
             raise
     return True
+
+
+def withdraw(path: str, fd: int) -> None:
+    """Remove ``path`` if it is still the file open as ``fd``: a publication that
+    failed after its link (a flush) leaves no object, as one that failed before it."""
+    with contextlib.suppress(OSError):
+        st, mine = os.lstat(path), os.fstat(fd)
+        if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+            os.unlink(path)
 
 
 def temp_file(path: str) -> int:

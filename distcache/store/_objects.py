@@ -52,7 +52,6 @@ from distcache.store._fs import (
     LINKED,
     READ_FLAGS,
     Witness,
-    fsync_dir,
     link_into_place,
     make_fanout,
     move_aside,
@@ -61,6 +60,7 @@ from distcache.store._fs import (
     temp_file,
     trusted_file,
     unlink_quietly,
+    withdraw,
     witness,
     write_all,
 )
@@ -285,17 +285,14 @@ class ObjectStore:
         if published is None:
             unlink_quietly(tmp)
             return False
+        try:
+            self._durability.settle(final, size, deferred=deferred, made=made)
+        except BaseException:
+            withdraw(final, fd)  # a failed publication publishes nothing
+            raise
         if seen is not None:
             with self._guard:
                 self.fresh[sha] = seen
-        if self._durability.published(final, size):
-            return True
-        if deferred:  # the batch ended while this was being written: flush it now
-            self._durability.flush([final])
-        else:
-            fsync_dir(directory)
-            if not made:  # perhaps another process's batch made it, unflushed
-                fsync_dir(self.layout.objects)
         return True
 
     def _clear_fanout(self, directory: str, sha: str) -> bool:

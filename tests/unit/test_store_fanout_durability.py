@@ -18,6 +18,7 @@ import pytest
 
 from distcache.errors import PoolError
 from distcache.store import _durability
+from distcache.store._fs import fsync_dir
 from distcache.store._import import import_set
 from distcache.store._pool import ArtifactPool
 
@@ -269,6 +270,62 @@ def test_a_failed_flush_of_an_existing_fanout_is_reported_and_not_journaled(
         pool.put(second)
     assert pool._journal.since()[0] == [_sha(first)]
     assert os.path.isdir(fanout)  # not new: kept, with the object already in it
+    # The failed publication published nothing: the object it linked is withdrawn,
+    # so the next publication links it again and journals it.
+    assert not pool.has(_sha(second)) and pool.has(_sha(first))
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert pool.put(second) == _sha(second)
+    assert pool._journal.since()[0] == [_sha(first), _sha(second)]
+
+
+def test_a_failed_flush_of_objects_after_the_link_withdraws_the_object(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside a batch, objects/ is flushed after linking into a directory that was
+    already there; when that flush fails, the object is not left behind unjournaled
+    (every later put would find it and journal nothing, and no sync would announce
+    it)."""
+    pool = ArtifactPool(tmp_path / "pool")
+    first, second = list(_blobs(1, 2))
+    pool.put(first)
+    objects = _objects(pool)
+    real_fsync = os.fsync
+
+    def failing_on_objects(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}") == objects:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing_on_objects)
+    with pytest.raises(PoolError, match="Input/output error"):
+        pool.put(second)
+    assert not pool.has(_sha(second))
+    assert os.listdir(pool.layout.root / "tmp") == []
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert pool.put(second) == _sha(second)
+    assert pool._journal.since()[0] == [_sha(first), _sha(second)]
+
+
+def test_a_directory_that_cannot_be_opened_for_its_flush_fails_the_publication(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of descriptors (or any error but a vanished directory) when opening a
+    directory to flush it is a failed flush, not a flush skipped in silence."""
+    pool = ArtifactPool(tmp_path / "pool")
+    data = b"published while the process is out of descriptors"
+    real_open = os.open
+
+    def no_descriptors_for_directories(path: str, flags: int, *args: int) -> int:
+        if flags & os.O_DIRECTORY and os.path.realpath(path) == _objects(pool):
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_descriptors_for_directories)
+    with pytest.raises(PoolError, match="Too many open files"):
+        pool.put(data)
+    assert pool._journal.since()[0] == []
+    assert not pool.has(_sha(data))
+    monkeypatch.setattr(os, "open", real_open)
+    # A directory that is gone is still no error: there is nothing of it to flush.
+    fsync_dir(tmp_path / "gone")
 
 
 
