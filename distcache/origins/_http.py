@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, BinaryIO
-from urllib.parse import quote, urljoin
+from urllib.parse import quote
 
 from distcache._log import get_logger
 from distcache.artifact import Artifact
@@ -318,6 +318,7 @@ class HttpOrigin(BaseOrigin):
             Fatal,
             Retry,
             as_given,
+            redirect_target,
             unreachable,
             untrusted,
         )
@@ -357,13 +358,12 @@ class HttpOrigin(BaseOrigin):
             if not location:
                 raise Fatal(f"redirect {response.status_code} without a Location",
                              status=response.status_code)
-            try:
-                target = urljoin(current, location)
+            try:  # resolved and checked as it will be sent (_response.redirect_target)
+                target = redirect_target(current, location)
                 scheme, host, _port = host_key(target)
-            except ValueError:
-                # A port out of range or a broken IPv6 literal: urlsplit raises.
-                raise Fatal(f"refused redirect to a malformed URL {location[:200]!r}",
-                             status=response.status_code) from None
+            except ValueError as exc:
+                raise Fatal(f"refused redirect to {redact_url(location)[:200]!r}: {exc}",
+                            status=response.status_code) from None
             if scheme != self._scheme:
                 raise Fatal(
                     f"refused redirect to another scheme ({redact_url(target)}); "

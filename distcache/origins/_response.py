@@ -24,12 +24,15 @@ from collections import deque
 from collections.abc import Iterator
 from email.utils import parsedate_to_datetime
 from typing import BinaryIO
+from urllib.parse import urljoin, urlsplit
 
 import requests
 import urllib3.exceptions
+import urllib3.util
 
 from distcache._record import Record
 from distcache.artifact import Artifact
+from distcache.origins._credentials import host_key
 
 _CHUNK = 256 * 1024
 # `timeout` bounds each socket read, so a server that drips a byte at a time could hold
@@ -117,6 +120,32 @@ class Fatal(Exception):
         self.reason = reason
         self.status = status
         self.advice = advice  # what to do, when the status alone does not say
+
+
+def redirect_target(current: str, location: str) -> str:
+    """``location`` resolved against ``current``, as requests sends it (prepared).
+
+    Raises:
+        ValueError: a URL parsers read differently (``urljoin`` takes the host after
+            the last ``@``, urllib3 ends it at a backslash): one with a backslash,
+            user-info or an unprintable character, or whose prepared form names
+            another host for urlsplit (the credential check) than for urllib3 (the
+            connection); or a URL that cannot be prepared.
+    """
+    target = urljoin(current, location)
+    if "\\" in target or not target.isprintable() or "@" in urlsplit(target).netloc:
+        raise ValueError("a backslash, user-info or an unprintable character")
+    prepared = requests.PreparedRequest()
+    try:
+        prepared.prepare_url(target, None)
+    except requests.RequestException as exc:
+        raise ValueError(f"cannot be prepared ({type(exc).__name__})") from None
+    url = str(prepared.url)
+    seen = host_key(url)
+    parsed = urllib3.util.parse_url(url)
+    if seen != (parsed.scheme, (parsed.host or "").lower().strip("[]"), parsed.port or seen[2]):
+        raise ValueError("a host that parsers read differently")
+    return url
 
 
 def unreachable(exc: BaseException) -> str | None:
