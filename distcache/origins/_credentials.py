@@ -19,6 +19,7 @@ bound to.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterable, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
@@ -31,6 +32,8 @@ HostKey = tuple[str, str, int | None]
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 _TOKENS_VARIABLE = "DISTCACHE_ORIGIN_TOKENS"
+#: A URL's query as quoted in a foreign message: up to a space, a quote or a bracket.
+_QUERY = re.compile(r"\?[^\s'\"()<>]+")
 
 
 def redact_url(url: str) -> str:
@@ -53,6 +56,12 @@ def redact_url(url: str) -> str:
     if port is not None:
         host = f"{host}:{port}"
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def redact_queries(text: str) -> str:
+    """``text`` (a foreign error message) with every URL query in it shown as
+    ``?<redacted>``: signed URLs carry their secret there (``?sig=``, ``?token=``)."""
+    return _QUERY.sub("?<redacted>", text)
 
 
 def host_key(url: str) -> HostKey:

@@ -32,7 +32,7 @@ from distcache.errors import (
     OriginUnreachable,
 )
 from distcache.origins._base import BaseOrigin, rewind, split_url
-from distcache.origins._credentials import clean_token, host_key, redact_url
+from distcache.origins._credentials import clean_token, host_key, redact_queries, redact_url
 
 if TYPE_CHECKING:
     import random
@@ -346,7 +346,8 @@ class HttpOrigin(BaseOrigin):
             except FATAL as exc:
                 failure, cause = Fatal(f"{type(exc).__name__}: {self._scrub(exc)}"), exc
             if failure is not None:
-                if any(secret in str(cause) for secret in self._secrets):
+                if any(secret in str(cause) for secret in self._secrets) or (
+                        redact_queries(str(cause)) != str(cause)):  # a signed URL's query
                     # The foreign error quotes a credential: it must not travel along
                     # as the cause (tracebacks in logs print causes and contexts).
                     raise failure
@@ -377,7 +378,7 @@ class HttpOrigin(BaseOrigin):
 
     def _scrub(self, exc: BaseException) -> str:
         # urllib3 messages name the pool and the URL path; keep the first line short.
-        text = str(exc)
+        text = redact_queries(str(exc))
         for secret in self._secrets:
             text = text.replace(secret, "<redacted>")
         return text.splitlines()[0][:300] if text.strip() else ""

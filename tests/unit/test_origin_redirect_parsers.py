@@ -77,3 +77,35 @@ def test_a_plain_location_resolves_to_its_prepared_form(location: str, expected:
 def test_an_ambiguous_or_broken_location_is_refused(location: str) -> None:
     with pytest.raises(ValueError):
         redirect_target("http://127.0.0.1:8000/a", location)
+
+
+def test_a_signed_query_quoted_by_a_transport_error_is_never_shown(
+        artifact_dir: Path, artifacts: list[Artifact], caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """urllib3 quotes the request's path and query in its errors ("Max retries
+    exceeded with url: /obj?sig=..."): a signed URL's secret must reach neither the
+    log, the error, nor the error's cause."""
+    import requests
+
+    secret = "SIGNATURE-0123456789abcdef"
+    with LoopbackOrigin(artifact_dir) as origin_server:
+        origin = HttpOrigin(origin_server.url, token=TOKEN, retries=0)
+        session, _ = origin._ready()
+
+        def failing_get(url: str, **kwargs: object) -> requests.Response:
+            raise requests.exceptions.ReadTimeout(
+                f"HTTPConnectionPool(host='cdn', port=80): Max retries exceeded with url: "
+                f"/obj?sig={secret}&se=2030 (Caused by ReadTimeoutError('timed out'))")
+
+        monkeypatch.setattr(session, "get", failing_get)
+        caplog.set_level("DEBUG")
+        with pytest.raises(OriginError) as info:
+            origin.fetch(artifacts[0])
+    shown: list[str] = []
+    seen: BaseException | None = info.value
+    while seen is not None:
+        shown += [str(seen), repr(seen)]
+        seen = seen.__cause__ or seen.__context__
+    assert "ReadTimeout" in shown[0]
+    assert secret not in "\n".join(shown)
+    assert secret not in caplog.text
