@@ -119,15 +119,13 @@ def set_up_where_downloading(comm: Communicator, pool: ArtifactPool, origin: Ori
     """:func:`prepare_in_background` on a rank that may download in the start-up
     prefetch (a node leader among the :func:`leader_downloaders` first, or every rank
     where no leader acts for its node), unless there is no origin or downloads are
-    off; the thread, else None. Collective where
-    something is listed or wanted (as on every rank alike) and ``comm``'s node tree is
-    not made yet: it is made first, whatever this rank's origin (the job's ranks may
-    differ there, and the prefetch says how). ``conf``: the settings the prefetch
-    runs with (its download counts), else the process's."""
-    if not (manifests or integrations):
-        return None
+    off, or nothing is listed or wanted; the thread, else None. Collective where
+    ``comm``'s node tree is not made yet: it is made first on every rank, whatever this
+    rank lists, wants or its origin (the job's ranks may differ there: a rank without
+    integrations still takes part in the prefetch, which says how). ``conf``: the
+    settings the prefetch runs with (its download counts), else the process's."""
     tree = leading_tree(comm, timeout)
-    if origin is None:
+    if origin is None or not (manifests or integrations):
         return None
     if settings().offline if offline is None else offline:
         return None

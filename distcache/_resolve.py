@@ -133,8 +133,9 @@ def prefetch_manifests(
     where the caller began the origin's set-up, as :mod:`distcache._prepare` does;
     ``conf``: the settings it runs with, else the process's).
 
-    Returns ``None`` (on every rank alike) when there is nothing to prefetch. Nothing
-    collective runs when neither manifests nor integrations are given. Without an
+    Returns ``None`` (on every rank alike) when there is nothing to prefetch. A rank
+    given neither manifests nor integrations still takes part (the ranks' integrations
+    may differ), unless it is the only one. Without an
     origin, or ``offline`` (default ``DISTCACHE_OFFLINE``), nothing is downloaded:
     what some pool holds reaches the others, and an artifact no pool holds is an error.
 
@@ -153,8 +154,8 @@ def prefetch_manifests(
             "manifests must be a list of files or artifact lists, not a single path",
             variable="manifests", value=str(manifests),
         )
-    if not manifests and not integrations:
-        return None
+    if not manifests and not integrations and comm.size == 1:
+        return None  # with more ranks, another's integrations may want something
     manifests = as_lists(manifests)  # read twice (a member's digest, the leader's parse)
     offline = conf.offline if offline is None and conf is not None else offline
     # Every all-gather below goes through node leaders: the ranks of a node mostly send
@@ -204,7 +205,7 @@ def _prefetch(comm: Communicator, pool: ArtifactPool, origin: Origin | None,
         origin is None, bool(offline), sha256_hex(wanted_text) if wanted else None))
     cannot = [(none, off) for none, off, _ in carried]
     artifacts = listed
-    if integrations:
+    if any(d is not None for _, _, d in carried):  # said by every rank, not local
         everyone = union_across_ranks(comm, wanted, recorded_ns=_recorded_ns(integrations),
                                       timeout=timeout, digests=[d for _, _, d in carried],
                                       text=wanted_text)
