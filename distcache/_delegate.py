@@ -44,9 +44,11 @@ again while the files match (:meth:`ArtifactPool.vouch`): verified once per job.
 
 The outcome is the same on every rank: after the leaders' collective, the leaders
 agree on whether every node's members were still there (a node whose member left
-fails the job), then each hands the report or the error down. Errors name the job's
-ranks (the leaders' collective counts its own), and after any failure every rank
-drops the node tree it kept, so that the next collective makes a fresh one alike
+fails the job), then each hands the report or the error down, its node hearing from
+it until then: what fails on the way (that agreement, what rides along) goes down as
+the collective's error would. Errors name the job's ranks (the leaders' collective
+counts its own), and after any failure every rank drops the node tree it kept (and
+closes its communicators), so that the next collective makes a fresh one alike
 everywhere. A member whose leader renewed their shared pool's id (a pool copied to
 each node keeps its template's id until a collective tells the copies apart) reads
 the new id.
@@ -242,17 +244,12 @@ def _lead(tree: NodeTree, local: Communicator, upper: Communicator, pool: Artifa
     beating.start()
     error: BaseException | None = None
     report: PrefetchReport | None = None
-    try:
+    word: tuple[Any, ...] = ()
+    try:  # the node hears from its leader until the word, and of any failure on the way
         report = lead(watched)
-    except BaseException as exc:
-        error = exc
-    finally:
-        stop.set()
-        beating.join()
-    if error is None:
         # Alike on every rank: a node whose member left fails the whole job.
         gone = [leaders[i] for i, ok in enumerate(
-            upper.allgather_object(not lost, timeout=wait)) if ok is not True]
+            watched.allgather_object(not lost, timeout=wait)) if ok is not True]
         if gone:
             error = CollectiveTimeout(
                 f"the prefetch on rank {tree.rank}/{tree.size} ({tree.node_id}): the "
@@ -260,18 +257,21 @@ def _lead(tree: NodeTree, local: Communicator, upper: Communicator, pool: Artifa
                 "leader that made no progress", op="allgather_object", timeout=wait,
                 rank=tree.rank)
             error.agreed = True
-    if lost:
-        assert error is not None
-        raise error  # this node's members are not all there to hear it
-    if error is None:
-        report = _in_job_ranks(report, leaders)
-        extra = None
-        if aside is not None:
-            extra = aside.among_leaders(upper)
-            aside.received(extra)
-        word: tuple[Any, ...] = ("report", None if report is None else report.as_dict(),
-                                 _witnesses(pool), extra, pool.pool_id)
-    else:
+        else:
+            report = _in_job_ranks(report, leaders)
+            extra = None if aside is None else aside.among_leaders(upper)
+            if aside is not None:
+                aside.received(extra)
+            word = ("report", None if report is None else report.as_dict(),
+                    _witnesses(pool), extra, pool.pool_id)
+    except BaseException as exc:
+        error = exc
+    finally:
+        stop.set()
+        beating.join()
+    if lost:  # this node's members are not all there to hear it
+        raise lost[0] if error is None else error
+    if error is not None:
         error = _in_job_terms(error, tree, leaders)
         word = ("error", describe_error(error), bool(getattr(error, "agreed", False)),
                 pool.pool_id)

@@ -77,12 +77,18 @@ def _kept(comm: Communicator, timeout: float | None) -> NodeTree:
 
 
 def forget_tree(tree: NodeTree) -> None:
-    """Let go of ``tree`` where :func:`node_tree` keeps it: the next call makes a fresh
-    one. Call it alike on every rank (after a failure every rank raises), so that the
-    ranks keep making the same collectives."""
+    """Let go of ``tree`` where :func:`node_tree` keeps it, and of the communicators it
+    made (:meth:`NodeTree.release`): the next call makes a fresh one. Call it alike on
+    every rank (after a failure every rank raises): the ranks stay in step."""
     with contextlib.suppress(TypeError):
         if _trees.get(tree.base) is tree:
             del _trees[tree.base]
+    tree.release()
+
+
+def _unwrapped(comm: Any) -> list[Any]:
+    """``comm`` and each communicator it wraps, outermost first."""
+    return [comm, *_unwrapped(comm.base)] if isinstance(comm, Wrapping) else [comm]
 
 
 def node_layout(comm: Communicator, *, timeout: float | None = None) -> tuple[int, bool]:
@@ -177,6 +183,7 @@ class NodeTree(Wrapping):
         self._flat = len(self._members) in (1, base.size)
         self._local: Communicator | None = None
         self._upper: Communicator | None = None
+        self._owns = any(getattr(base, n, None) for n in ("group_owned", "split_owned"))
         if not self._flat:
             # Communicators of the tree's own: the collective splits the same ranks off
             # (a node's leaders are often its pools' writers) and moves buckets on them
@@ -211,6 +218,19 @@ class NodeTree(Wrapping):
         alike): the tree must be made again."""
         return any(getattr(c, "usable", True) is False
                    for c in (self._local, self._upper) if c is not None)
+
+    def release(self) -> None:
+        """Close the communicators this tree made of its own (not plain ``split``'s:
+        handed out again) and drop them from those the wrapped one closes with itself;
+        later collectives on the tree raise. Local; idempotent."""
+        made = [c for c in (self._local, self._upper) if c is not None and self._owns]
+        ours = {id(c) for m in made for c in _unwrapped(m)}
+        for owner in _unwrapped(self._base):
+            kept = getattr(owner, "_owned_children", [])
+            for child in [c for c in kept if id(c) in ours]:
+                kept.remove(child)
+        for comm in made:
+            getattr(comm, "close", lambda: None)()
 
     # -- identity: the wrapped communicator's (Wrapping), and the nodes ------------------
 
