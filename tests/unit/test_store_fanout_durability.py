@@ -253,53 +253,33 @@ def test_a_failed_flush_of_objects_publishes_nothing_and_is_retried(
         ("fsync", "tmp"), ("fsync", objects), ("fsync", _fanout(pool, sha)), ("journal", sha)]
 
 
-def test_a_failed_flush_of_an_existing_fanout_is_reported_and_not_journaled(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("failing", ["fanout", "objects"])
+def test_a_failed_flush_after_the_link_withdraws_the_object(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str) -> None:
+    """Outside a batch, a publication into a fan-out directory that was already there
+    flushes that directory, then objects/ (the directory may be another process's,
+    unflushed). When either flush fails the error is raised and nothing is left
+    behind: an object left linked but unjournaled would be found by every later put,
+    which journals nothing, so no sync would ever announce it."""
     pool = ArtifactPool(tmp_path / "pool")
     first, second = list(_blobs(1, 2))
     fanout = _fanout(pool, pool.put(first))
+    flushed = fanout if failing == "fanout" else _objects(pool)
     real_fsync = os.fsync
 
-    def failing_on_the_fanout(fd: int) -> None:
-        if os.readlink(f"/proc/self/fd/{fd}") == fanout:
+    def failing_fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}") == flushed:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         real_fsync(fd)
 
-    monkeypatch.setattr(os, "fsync", failing_on_the_fanout)
+    monkeypatch.setattr(os, "fsync", failing_fsync)
     with pytest.raises(PoolError, match="Input/output error"):
         pool.put(second)
     assert pool._journal.since()[0] == [_sha(first)]
     assert os.path.isdir(fanout)  # not new: kept, with the object already in it
-    # The failed publication published nothing: the object it linked is withdrawn,
-    # so the next publication links it again and journals it.
     assert not pool.has(_sha(second)) and pool.has(_sha(first))
-    monkeypatch.setattr(os, "fsync", real_fsync)
-    assert pool.put(second) == _sha(second)
-    assert pool._journal.since()[0] == [_sha(first), _sha(second)]
-
-
-def test_a_failed_flush_of_objects_after_the_link_withdraws_the_object(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Outside a batch, objects/ is flushed after linking into a directory that was
-    already there; when that flush fails, the object is not left behind unjournaled
-    (every later put would find it and journal nothing, and no sync would announce
-    it)."""
-    pool = ArtifactPool(tmp_path / "pool")
-    first, second = list(_blobs(1, 2))
-    pool.put(first)
-    objects = _objects(pool)
-    real_fsync = os.fsync
-
-    def failing_on_objects(fd: int) -> None:
-        if os.readlink(f"/proc/self/fd/{fd}") == objects:
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", failing_on_objects)
-    with pytest.raises(PoolError, match="Input/output error"):
-        pool.put(second)
-    assert not pool.has(_sha(second))
     assert os.listdir(pool.layout.root / "tmp") == []
+    # The next publication links it again and journals it.
     monkeypatch.setattr(os, "fsync", real_fsync)
     assert pool.put(second) == _sha(second)
     assert pool._journal.since()[0] == [_sha(first), _sha(second)]
