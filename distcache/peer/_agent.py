@@ -7,8 +7,8 @@ node's own processes. One route, ``GET /v1/objects/<sha256>[?fill=<name>]``:
 
 - every request is authenticated (:mod:`distcache.peer._auth`); one that is not gets
   403 and nothing else;
-- an object the pool holds is read verified (``ArtifactPool.get``) and sent; one it
-  does not hold gets 404, unless ``fill`` names it;
+- an object the pool holds is read verified (``ArtifactPool.get``) in a transfer slot
+  and sent; one it does not hold gets 404, unless ``fill`` names it;
 - ``fill`` from another node: this agent is asked as an owner, and asks the origin
   itself (once per sha256 however many ask at once: :class:`Singleflight`), if it is
   among the first ``1 + fallbacks`` nodes of the artifact's rendezvous order;
@@ -170,27 +170,42 @@ class Agent:
 
     # --- what a request gets ------------------------------------------------------
 
-    def answer(self, artifact: Artifact, *, fill: bool, local: bool, budget: float) -> _client.Answer:
-        """Raises: ArtifactNotFound, PeerError (refused when not held and not filled)."""
-        data = self.pool.get(artifact.sha256)
+    def answer(self, artifact: Artifact, *, fill: bool, local: bool,
+               budget: float) -> _client.Answer | None:
+        """The answer with a transfer slot taken for it (the caller sends it, then
+        releases ``_slots``), or ``None``: no slot within the wait. A held object is
+        read in its slot (not a copy per waiting request), a fill's shared bytes before.
+        Raises: ArtifactNotFound, PeerError (refused when not held and not filled)."""
+        until = time.monotonic() + budget
+        def slot() -> bool:  # waits as long as the asker does (see BUSY_WAIT_S)
+            return self._slots.acquire(timeout=max(BUSY_WAIT_S, until - time.monotonic()))
+        if (held := self.pool.has(artifact.sha256)) and not slot():
+            return None
+        data = None
+        try:
+            data = self.pool.get(artifact.sha256) if held else None
+        finally:
+            if held and data is None:  # gone, corrupt or unreadable since: no slot kept
+                self._slots.release()
         if data is not None:
             return _client.Answer(data, "pool")
         if not fill:
             raise PeerError("not held", sha256=artifact.sha256, status=404, refused=True)
-        until = time.monotonic() + budget
         if not self._joined.wait(min(JOIN_WAIT_S, budget / 2)) and self._first("unjoined"):
             log.warning("peers: %s was not joined to the job's agents within %.1f s; "
                         "answering %s as an agent of one node", self.endpoint,
                         min(JOIN_WAIT_S, budget / 2), artifact.name)
         budget = max(until - time.monotonic(), 0.001)
         if local:
-            return self._walks.do(artifact.sha256, lambda: self._walk(artifact, until),
-                                  timeout=budget)
-        position = self._position(artifact)
-        if position > self.fallbacks:
-            raise PeerError("not an owner of this artifact", sha256=artifact.sha256,
-                            status=404, refused=True)
-        return self._fill(artifact, "origin" if position == 0 else "fallback", budget)
+            got = self._walks.do(artifact.sha256, lambda: self._walk(artifact, until),
+                                 timeout=budget)
+        else:
+            position = self._position(artifact)
+            if position > self.fallbacks:
+                raise PeerError("not an owner of this artifact", sha256=artifact.sha256,
+                                status=404, refused=True)
+            got = self._fill(artifact, "origin" if position == 0 else "fallback", budget)
+        return got if slot() else None
 
     def _first(self, what: str) -> bool:
         """Whether ``what`` happens for the first time (it is said at WARNING once,
@@ -351,7 +366,6 @@ def _handler(agent: Agent) -> type[http.server.BaseHTTPRequestHandler]:
             query = parse_qs(parts.query)
             if sha == parts.path or len(sha) != 64 or sha.strip("0123456789abcdef"):
                 return self._refuse(404, "no-such-route", "refused_route")
-            began = time.monotonic()
             try:
                 name = validate_name(query["fill"][0]) if "fill" in query else "object"
                 budget = float(signed.get(HEADER_DEADLINE) or DEFAULT_BUDGET_S)
@@ -362,21 +376,16 @@ def _handler(agent: Agent) -> type[http.server.BaseHTTPRequestHandler]:
                                    local=isinstance(self.server, UnixServer), budget=budget)
             except ArtifactNotFound:
                 return self._refuse(404, _client.NOT_AT_ORIGIN, "not_at_origin")
-            except PeerError as exc:
+            except (PeerError, StillRunning) as exc:  # StillRunning: another's fill goes on
                 if getattr(exc, "refused", False):
                     return self._refuse(404, "not-held", "refused_missing")
-                return self._refuse(503, "unavailable", "unavailable")
-            except StillRunning:  # the fill another request started goes on: not a failure
-                return self._refuse(503, "unavailable", "unavailable")
+                return self._refuse(503, "unavailable", "unavailable")  # not a failure
             except (DistcacheError, ValueError, TimeoutError) as exc:
                 log.debug("agent: %s failed: %s", sha, exc)
                 return self._refuse(503, "unavailable", "errors")
-            # The bytes are here: wait for a slot as long as the asker waits (it would
-            # otherwise ask the next node, which may go to the origin for them).
-            if not agent._slots.acquire(
-                    timeout=max(BUSY_WAIT_S, began + budget - time.monotonic())):
+            if got is None:  # no transfer slot within the asker's wait
                 return self._refuse(503, "busy", "busy")
-            try:
+            try:  # the slot answer() took for it
                 self.send_response(200)
                 self.send_header("Content-Type", "application/octet-stream")
                 self.send_header("Content-Length", str(len(got.data)))

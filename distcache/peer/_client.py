@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import io
 import socket
 import threading
 import time
@@ -17,6 +18,7 @@ from urllib.parse import quote
 
 from distcache._record import Record
 from distcache.artifact import Artifact, sha256_hex
+from distcache.config import settings
 from distcache.errors import ArtifactNotFound, PeerError
 from distcache.peer._auth import sign, target_of
 
@@ -27,9 +29,9 @@ HEADER_SOURCE = "X-Distcache-Source"
 HEADER_REASON = "X-Distcache-Reason"
 #: The answer's reason when the origin behind the agent has no such artifact.
 NOT_AT_ORIGIN = "not-at-origin"
-#: Most bytes an answer may carry for an artifact of unknown size (one of known size:
-#: its size); read as they come, never allocated ahead of them.
-MAX_ANSWER_BYTES = 16 << 30
+#: What caps an answer for an artifact of unknown size (one of known size: its size):
+#: bytes read as they come, never allocated ahead of them, and never copied whole.
+MAX_ANSWER_VARIABLE = "DISTCACHE_MAX_ARTIFACT_BYTES"
 #: Bytes read from an answer at a time.
 _READ_BYTES = 1 << 20
 
@@ -83,11 +85,11 @@ def _host_port(endpoint: str) -> tuple[str, int]:
 
 
 def request(endpoint: str, key: bytes, path: str, *, timeout: float, deadline: str = "",
-            most: int = MAX_ANSWER_BYTES) -> tuple[int, dict[str, str], bytes]:
+            most: int | None = None) -> tuple[int, dict[str, str], bytes]:
     """One signed GET (``deadline``, the budget it gives the agent, signed with it):
     the status, the headers and the body, the whole answer within
     ``timeout`` (each read waits only for what is left of it), its body at most
-    ``most`` bytes.
+    ``most`` bytes (``None``: ``DISTCACHE_MAX_ARTIFACT_BYTES``, as the HTTP origin).
 
     Raises:
         PeerError: no connection, or an answer longer than ``most`` (``status`` None:
@@ -95,6 +97,8 @@ def request(endpoint: str, key: bytes, path: str, *, timeout: float, deadline: s
             ``timeout`` (``status`` 0); ``refused`` False.
     """
     until = time.monotonic() + timeout
+    bound = (most, "") if most is not None else (settings().max_artifact_bytes,
+                                                 MAX_ANSWER_VARIABLE)
     conn = _Connection(endpoint, timeout)
     cut: Cut | None = None
     try:
@@ -113,9 +117,10 @@ def request(endpoint: str, key: bytes, path: str, *, timeout: float, deadline: s
             conn.request("GET", path, headers=sign(key, "GET", path, target=target_of(endpoint),
                                                  deadline=deadline))
             _left(sock, until)
-            answer = conn.getresponse()
-            body = _body(endpoint, sock, answer, until, most)
-            return answer.status, {k.lower(): v for k, v in answer.getheaders()}, body
+            # Closed however the body ends: an answer cut short holds the socket.
+            with conn.getresponse() as answer:
+                body = _body(endpoint, sock, answer, until, bound)
+                return answer.status, {k.lower(): v for k, v in answer.getheaders()}, body
         except (OSError, RuntimeError, http.client.HTTPException) as exc:
             # Connected, but no whole answer in time: a busy agent (a long origin fill),
             # status 0, not one to leave out of every walk. (RuntimeError: no thread
@@ -162,25 +167,36 @@ def _left(sock: socket.socket, until: float) -> None:
 
 
 def _body(endpoint: str, sock: socket.socket, answer: http.client.HTTPResponse,
-          until: float, most: int) -> bytes:
+          until: float, bound: tuple[int, str]) -> bytes:
     """The answer's body, read as it comes (a length it announces is not allocated
-    ahead), refused past ``most`` bytes."""
+    ahead) into one buffer handed over whole (``BytesIO.getvalue`` shares it, no
+    second copy), refused past ``bound``: at most so many bytes, and the variable
+    that set it (``""``: the size asked for)."""
+    most = bound[0]
     announced = answer.length
     if announced is not None and announced > most:
-        raise PeerError(f"agent {endpoint} announced {announced} bytes, more than the "
-                        f"{most} asked for", endpoint=endpoint, status=None, refused=False)
-    body = bytearray()
+        raise _over(endpoint, f"announced {announced} bytes, more than", bound)
+    body, got = io.BytesIO(), 0
     while True:
         _left(sock, until)
         chunk = answer.read1(_READ_BYTES)  # what one receive brings, not a whole 1 MiB
         if not chunk:
-            if announced is not None and len(body) < announced:  # the peer went away
-                raise http.client.IncompleteRead(bytes(body), announced - len(body))
-            return bytes(body)
-        body += chunk
-        if len(body) > most:
-            raise PeerError(f"agent {endpoint} sent more than the {most} bytes asked for",
-                            endpoint=endpoint, status=None, refused=False)
+            if announced is not None and got < announced:  # the peer went away
+                raise http.client.IncompleteRead(body.getvalue(), announced - got)
+            return body.getvalue()
+        got += len(chunk)
+        if got > most:
+            raise _over(endpoint, "sent more than", bound)
+        body.write(chunk)
+
+
+def _over(endpoint: str, what: str, bound: tuple[int, str]) -> PeerError:
+    most, variable = bound
+    limit = (f"the {most} bytes asked for" if not variable else
+             f"the cap of {most} bytes for an artifact of unknown size ({variable}={most}; "
+             f"give the artifact's size, or raise {variable} if it really is this large)")
+    return PeerError(f"agent {endpoint} {what} {limit}", endpoint=endpoint, status=None,
+                     refused=False)
 
 
 def fetch(endpoint: str, key: bytes, artifact: Artifact, *, fill: bool, timeout: float,
@@ -197,8 +213,7 @@ def fetch(endpoint: str, key: bytes, artifact: Artifact, *, fill: bool, timeout:
     path = f"/v1/objects/{sha}" + (f"?fill={quote(artifact.name, safe='')}" if fill else "")
     status, headers, body = request(endpoint, key, path, timeout=timeout,
                                     deadline="" if deadline is None else f"{deadline:.3f}",
-                                    most=MAX_ANSWER_BYTES if artifact.size is None
-                                    else artifact.size)
+                                    most=artifact.size)
     if status == 200:
         if sha256_hex(body) != sha:
             raise PeerError(f"agent {endpoint} sent bytes that are not {sha}",
