@@ -4,10 +4,7 @@ capped at DISTCACHE_MAX_ARTIFACT_BYTES and never copied whole."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
-import threading
 import time
 import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +16,7 @@ from distcache.artifact import Artifact, sha256_hex
 from distcache.errors import PeerError, PoolError
 from distcache.peer import Agent, derive_key, fetch
 from distcache.store import ArtifactPool
+from tests.unit.test_peer_agent import _bad_peer
 
 KEY = derive_key(b"s" * 32)
 MIB = 1 << 20
@@ -88,23 +86,6 @@ def test_a_held_object_is_read_only_once_a_transfer_slot_is_taken_for_it(
         agent.stop()
 
 
-def _peer(script: bytes) -> str:
-    """A TCP endpoint that answers one request with ``script`` and closes."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen()
-
-    def serve() -> None:
-        conn, _ = server.accept()
-        with conn, server:
-            conn.recv(65536)
-            with contextlib.suppress(OSError):
-                conn.sendall(script)
-
-    threading.Thread(target=serve, daemon=True).start()
-    return f"tcp://127.0.0.1:{server.getsockname()[1]}"
-
-
 @pytest.mark.parametrize("head", [b"", b"Content-Length: 3145728\r\n"],
                          ids=["unannounced", "announced"])
 def test_an_answer_of_unknown_size_is_capped_at_the_configured_artifact_limit(
@@ -112,7 +93,7 @@ def test_an_answer_of_unknown_size_is_capped_at_the_configured_artifact_limit(
 ) -> None:
     monkeypatch.setenv("DISTCACHE_MAX_ARTIFACT_BYTES", str(MIB))
     body = b"y" * (3 * MIB)
-    endpoint = _peer(b"HTTP/1.1 200 OK\r\nConnection: close\r\n" + head + b"\r\n" + body)
+    endpoint, _ = _bad_peer(b"HTTP/1.1 200 OK\r\nConnection: close\r\n" + head + b"\r\n" + body)
     with pytest.raises(PeerError, match=f"{MIB} bytes.*DISTCACHE_MAX_ARTIFACT_BYTES") as over:
         fetch(endpoint, KEY, Artifact("k.cubin", sha256_hex(body)), fill=True, timeout=10)
     assert over.value.status is None  # type: ignore[attr-defined]
@@ -120,7 +101,7 @@ def test_an_answer_of_unknown_size_is_capped_at_the_configured_artifact_limit(
 
 def test_an_answer_of_unknown_size_is_not_copied_whole() -> None:
     data = os.urandom(16 * MIB)
-    endpoint = _peer(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + data)
+    endpoint, _ = _bad_peer(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + data)
     art = Artifact("k.cubin", sha256_hex(data))
     tracemalloc.start()
     try:
