@@ -287,8 +287,9 @@ class _FakeRequest:
 
 
 class _FakeMPI:
-    """The little of mpi4py the arrival check uses: rank 0 of two, whose peer reported
-    its arrival and then stopped, so that a send to it never completes."""
+    """The little of mpi4py the arrival check uses: rank 0 of two, whose peer answered
+    its ready with ``arrival(ready)`` and then stopped, so that a send to it never
+    completes."""
 
     BYTE = "B"
     Exception = RuntimeError
@@ -298,9 +299,9 @@ class _FakeMPI:
         def Testall(requests: list[_FakeRequest]) -> bool:
             return all(r.Test() for r in requests)
 
-    def __init__(self, inbox: bytes) -> None:
-        self.inbox = inbox
-        self.sends: list[_FakeRequest] = []
+    def __init__(self, arrival: Callable[[bytes], bytes]) -> None:
+        self.arrival = arrival
+        self.sends: list[tuple[bytes, _FakeRequest]] = []
 
     def Get_rank(self) -> int:
         return 0
@@ -309,23 +310,27 @@ class _FakeMPI:
         return 2
 
     def Irecv(self, message: list[Any], source: int, tag: int) -> _FakeRequest:
-        buffer = message[0]
-        buffer[:len(self.inbox)] = self.inbox
+        answer = self.arrival(self.sends[0][0])  # to the ready sent on entering
+        message[0][:len(answer)] = answer
         return _FakeRequest(lambda: True)
 
     def Isend(self, message: list[Any], dest: int, tag: int) -> _FakeRequest:
         request = _FakeRequest(lambda: False)
-        self.sends.append(request)
+        self.sends.append((bytes(message[0]), request))
         return request
 
 
 def test_the_arrival_check_cancels_the_sends_a_stopped_rank_never_took() -> None:
-    from distcache.comm._arrival import NODE_KEY_BYTES, _arrive
+    from distcache.comm._arrival import _LEFT, NODE_KEY_BYTES, _arrive
 
-    base = _FakeMPI(b"a" + bytes(NODE_KEY_BYTES))
+    # Rank 1 answers the ready with a whole arrival (its nonce, a minute left), then
+    # takes nothing more: the word to go is sent and never taken.
+    base = _FakeMPI(lambda ready: b"a" + ready[1:] + _LEFT.pack(60.0) + bytes(NODE_KEY_BYTES))
     got = in_thread(lambda: _arrive(base, base, 0.2))
     assert isinstance(got, CollectiveTimeout)
-    assert base.sends and all(r.cancelled for r in base.sends)
+    assert "before taking its word to go" in str(got)
+    assert [m[:1] for m, _ in base.sends] == [b"r", b"g"]
+    assert all(r.cancelled for _, r in base.sends)
 
 
 @pytest.mark.parametrize("bad", [
