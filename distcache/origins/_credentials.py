@@ -58,10 +58,14 @@ def redact_url(url: str) -> str:
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
-def redact_queries(text: str) -> str:
-    """``text`` (a foreign error message) with every URL query in it shown as
-    ``?<redacted>``: signed URLs carry their secret there (``?sig=``, ``?token=``)."""
-    return _QUERY.sub("?<redacted>", text)
+def redact(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` (a foreign error message) with each of ``secrets`` and every URL query
+    in it shown as ``<redacted>``: signed URLs carry their secret in the query
+    (``?sig=``, ``?token=``)."""
+    text = _QUERY.sub("?<redacted>", text)
+    for secret in secrets:
+        text = text.replace(secret, "<redacted>")
+    return text
 
 
 def host_key(url: str) -> HostKey:

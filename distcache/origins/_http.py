@@ -32,7 +32,7 @@ from distcache.errors import (
     OriginUnreachable,
 )
 from distcache.origins._base import BaseOrigin, rewind, split_url
-from distcache.origins._credentials import clean_token, host_key, redact_queries, redact_url
+from distcache.origins._credentials import clean_token, host_key, redact, redact_url
 
 if TYPE_CHECKING:
     import random
@@ -346,10 +346,9 @@ class HttpOrigin(BaseOrigin):
             except FATAL as exc:
                 failure, cause = Fatal(f"{type(exc).__name__}: {self._scrub(exc)}"), exc
             if failure is not None:
-                if any(secret in str(cause) for secret in self._secrets) or (
-                        redact_queries(str(cause)) != str(cause)):  # a signed URL's query
-                    # The foreign error quotes a credential: it must not travel along
-                    # as the cause (tracebacks in logs print causes and contexts).
+                if redact(str(cause), self._secrets) != str(cause):
+                    # The foreign error quotes a credential or a signed URL's query: it
+                    # must not travel along as the cause (tracebacks print causes).
                     raise failure
                 raise failure from cause
             if response.status_code not in _REDIRECTS:
@@ -378,9 +377,7 @@ class HttpOrigin(BaseOrigin):
 
     def _scrub(self, exc: BaseException) -> str:
         # urllib3 messages name the pool and the URL path; keep the first line short.
-        text = redact_queries(str(exc))
-        for secret in self._secrets:
-            text = text.replace(secret, "<redacted>")
+        text = redact(str(exc), self._secrets)
         return text.splitlines()[0][:300] if text.strip() else ""
 
     def _attempt(self, url: str, artifact: Artifact, out: BinaryIO, written: list[int]) -> int:
