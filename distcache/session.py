@@ -25,7 +25,7 @@ from distcache._options import InitFields, InitOptions, compose, jit_families
 from distcache._prepare import as_lists, set_up_where_downloading
 from distcache._resolve import prefetch_manifests, resolve_origin, resolve_pool
 from distcache._teardown import Closing
-from distcache.comm import Adopted, Communicator, adopt, bulk_transport, local
+from distcache.comm import Adopted, Communicator, adopt, bulk_transport, local, tell_others
 from distcache.config import Settings, settings
 from distcache.errors import CollectiveTimeout, DistcacheError
 from distcache.integrations import Integration
@@ -225,9 +225,7 @@ class SessionSlot:
              **fields: Unpack[InitFields]) -> Session:
         """:func:`init` on this slot: its open session, else a new one.
 
-        Raises:
-            ConfigError, ManifestError, ManifestMismatchError, PrefetchError,
-            IpcError: as :func:`init`.
+        Raises: as :func:`init`.
         """
         with self._lock:
             session = self.current()
@@ -366,7 +364,8 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
             session._thread.start()
         else:
             start_up()
-    except BaseException:
+    except BaseException as exc:
+        tell_others(comm, exc)  # before the close: their waits raise it, not time out
         try:
             session.close()
         except Exception as also:  # the start-up's own error is the one raised
@@ -391,6 +390,7 @@ def _run_recording(body: Any, session: Session) -> None:
         body()
     except BaseException as exc:
         session._error = exc
+        tell_others(session.comm, exc)
         log.debug("background start-up failed: %s", exc)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from distcache.comm._announce import tell_others
 from distcache.comm._base import MAX_MESSAGE_BYTES, Communicator, agree_on_error
 from distcache.comm._bulk import BulkCommunicator, bulk_transport
 from distcache.comm._local import LocalCommunicator, ThreadCommunicator, ThreadGroup
@@ -52,6 +53,7 @@ __all__ = [
     "node_layout",
     "node_tree",
     "reduce_object",
+    "tell_others",
 ]
 
 

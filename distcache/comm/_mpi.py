@@ -20,10 +20,11 @@ from collections.abc import Sequence
 from typing import Any, Self
 
 from distcache._log import get_logger
+from distcache.comm._announce import Announcements, watched
 from distcache.comm._arrival import _arrive, node_key
 from distcache.comm._backend import BackendCommunicator, Budget
 from distcache.comm._base import MAX_MESSAGE_BYTES, poll_until
-from distcache.errors import CommError
+from distcache.errors import CommError, DistcacheError
 
 log = get_logger(__name__)
 
@@ -108,6 +109,10 @@ class MpiCommunicator(BackendCommunicator):
         # Requests abandoned by a timed-out collective; kept alive so that MPI never
         # writes into a buffer Python has already freed.
         self._abandoned: list[tuple[Any, Any]] = []
+        # A failing rank's word (distcache.comm._announce), on the duplicate distcache
+        # owns; the communicators made from it share it.
+        self._words = (Announcements(MPI, self._comm, self._rank, self._size, self.node_id)
+                       if dup and self._size > 1 else None)
 
     @property
     def mpi_comm(self) -> Any:
@@ -123,14 +128,31 @@ class MpiCommunicator(BackendCommunicator):
             raise self._comm_error(op, exc) from exc
 
     def _wait(self, request: Any, op: str, budget: Budget, keep: Any) -> None:
-        """Poll ``request`` until it completes or the budget runs out."""
-        try:
-            done = poll_until(request.Test, budget.until)
-        except self._MPI.Exception as exc:
-            raise self._comm_error(op, exc) from exc
-        if not done:
+        """Poll ``request`` until it completes or the budget runs out, or another
+        rank's failure is heard of."""
+        if not self._polled(request.Test, op, budget, [(request, keep)]):
             self._abandoned.append((request, keep))
             raise self._timed_out(op, budget.seconds)
+
+    def _polled(self, test: Any, op: str, budget: Budget, pending: list[Any]) -> bool:
+        """Whether ``test`` came true within ``budget``; ``pending`` (requests and
+        their buffers) is kept alive where another rank's failure stops the wait."""
+        words = self._words
+        try:
+            return poll_until(test if words is None else watched(test, words.looker()),
+                              budget.until)
+        except self._MPI.Exception as exc:
+            raise self._comm_error(op, exc) from exc
+        except DistcacheError as exc:  # heard of: the collective stays pending for ever
+            self._abandoned.extend(pending)
+            self._broken = f"{op} was left when {exc}"
+            raise
+
+    def announce(self, error: BaseException) -> bool:
+        """Tell the other ranks that this one failed with ``error``, so that their
+        waits raise it instead of waiting on (:mod:`distcache.comm._announce`); True
+        when told. Never raises; False where distcache does not own the communicator."""
+        return self._words is not None and self._words.announce(error)
 
     def _run(self, op: str, budget: Budget, keep: Any, start: Any, *args: Any) -> None:
         self._wait(self._start(op, start, *args), op, budget, keep)
@@ -197,10 +219,10 @@ class MpiCommunicator(BackendCommunicator):
             try:
                 requests = [comm.Irecv([recv, MPI.BYTE], source, tag + round_),
                             comm.Isend([send, MPI.BYTE], (rank - dist) % size, tag + round_)]
-                done = poll_until(functools.partial(MPI.Request.Testall, requests),
-                                  budget.until)
             except MPI.Exception as exc:
                 raise self._comm_error(op, exc) from exc
+            done = self._polled(functools.partial(MPI.Request.Testall, requests), op,
+                                budget, [(r, (send, recv)) for r in requests])
             if not done:
                 self._abandoned.extend((r, (send, recv)) for r in requests)
                 raise self._timed_out(op, budget.seconds)
@@ -272,6 +294,7 @@ class MpiCommunicator(BackendCommunicator):
         ranks' node keys where this one knows them."""
         made = type(self)(child, dup=False, **self._inherited())
         made._owned = True
+        made._words = self._words
         if self._node_keys is not None:
             made._node_keys = [self._node_keys[r] for r in members]
         return made
