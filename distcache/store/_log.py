@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import os
 import stat
-import threading
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
 from distcache._log import get_logger
-from distcache.artifact import collapse_slashes, validate_name
+from distcache.artifact import validate_name
 from distcache.store._fs import APPEND_FLAGS, READ_FLAGS, is_sha, pool_error, write_all
 from distcache.store._locking import flock_fd
 
@@ -70,26 +69,6 @@ class AppendLog:
         finally:
             os.close(fd)
 
-    def read_from(self, offset: int) -> tuple[list[str], int]:
-        """Complete records after byte ``offset``, and the offset after them. An offset
-        past the end (the file was replaced) restarts from the beginning."""
-        try:
-            fd = os.open(self.path, READ_FLAGS)
-        except FileNotFoundError:
-            return [], 0
-        except OSError as exc:
-            raise pool_error("cannot read", self.path, exc) from exc
-        try:
-            size = os.fstat(fd).st_size
-            if offset > size:
-                offset = 0
-            data = os.pread(fd, size - offset, offset)
-        finally:
-            os.close(fd)
-        end = data.rfind(b"\n") + 1
-        lines = data[:end].decode("utf-8", "replace").split("\n")
-        return [line for line in lines if line], offset + end
-
 
 def _name_crc(sha: str, name: str) -> str:
     return f"{zlib.crc32(f'{sha} {name}'.encode()):08x}"
@@ -110,110 +89,6 @@ def _parse_name_record(line: str) -> tuple[str, str] | None:
         return validate_name(name), sha
     except ValueError:
         return None
-
-
-class NamesIndex:
-    """``name -> sha`` labels in an :class:`AppendLog`; the last record for a name wins.
-
-    The labels read so far are cached with the log offset they were read up to, so
-    a refresh reads only what other processes appended since.
-    """
-
-    def __init__(self, path: Path, mode: int) -> None:
-        self._log = AppendLog(path, mode)
-        self._guard = threading.Lock()
-        self._names: dict[str, str] = {}
-        self._offset = 0
-        # The last record line per name, unparsed, and the offset read up to
-        # (refreshed_holds before the first parse).
-        self._raw: dict[str, str] = {}
-        self._raw_offset = 0
-
-    def holds(self, pairs: Iterable[tuple[str, str]]) -> bool:
-        """Whether every ``(name, sha)`` is already the label this process read or
-        wrote last (no I/O)."""
-        with self._guard:
-            try:
-                return all(self._names.get(name) == sha for name, sha in pairs)
-            except TypeError:  # an unhashable (forged) name is held by no one
-                return False
-
-    def refreshed_holds(self, pairs: Iterable[tuple[str, str]]) -> bool:
-        """:meth:`holds`, after reading what was appended since the last read (a
-        process that has not read the log yet learns it here, once).
-
-        A process that has not read the log first compares it as text: when the last
-        record of each name is exactly the record ``pairs`` would write (so its
-        checksum holds), nothing is parsed or validated. A warm start that confirms a
-        whole family's labels costs a split per record, not a parse.
-
-        Raises:
-            PoolError: the log cannot be read.
-        """
-        pairs = list(pairs)
-        with self._guard:
-            unread = self._offset == 0
-        if unread and self._log_holds(pairs):
-            return True
-        self._refresh()
-        return self.holds(pairs)
-
-    def _log_holds(self, pairs: list[tuple[str, str]]) -> bool:
-        """Whether the log's last record for each name is the one ``pairs`` give it
-        (text compared; a damaged later record makes this False, and the caller
-        parses). The last record line per name is kept with the offset it was read
-        up to, so a later call reads only what was appended since."""
-        with self._guard:
-            records, offset = self._log.read_from(self._raw_offset)
-            if offset < self._raw_offset:  # the log was replaced
-                self._raw.clear()
-            for line in records:
-                parts = line.split(" ", 2)
-                if len(parts) == 3:  # keyed as the parse would name it
-                    self._raw[collapse_slashes(parts[2])] = line
-            self._raw_offset = offset
-            try:
-                for name, sha in pairs:
-                    # Exactly the record this pair would append ("<sha> <crc> <name>").
-                    if self._raw.get(name) != _name_record(name, sha):
-                        return False
-            except (TypeError, AttributeError, ValueError):  # a forged pair: held by no one
-                return False
-        return True
-
-    def record(self, wanted: Iterable[tuple[str, str]]) -> None:
-        """Append a record for each already validated ``(name, sha)`` whose label
-        differs from the current one (callers skip what :meth:`holds` already).
-
-        Raises:
-            PoolError: the log cannot be read or written.
-        """
-        current = self._refresh()
-        new = [_name_record(name, sha) for name, sha in dict(wanted).items()
-               if current.get(name) != sha]
-        if new:
-            self._log.append(new)
-            self._refresh()
-
-    def snapshot(self) -> dict[str, str]:
-        """A copy of every label, read up to the end of the log.
-
-        Raises:
-            PoolError: the log cannot be read.
-        """
-        return dict(self._refresh())
-
-    def _refresh(self) -> dict[str, str]:
-        with self._guard:
-            records, offset = self._log.read_from(self._offset)
-            if offset < self._offset:
-                self._names.clear()
-            for line in records:
-                parsed = _parse_name_record(line)
-                if parsed is not None:
-                    self._names[parsed[0]] = parsed[1]
-            self._offset = offset
-            return self._names
 
 
 class Journal:

@@ -29,8 +29,9 @@ from distcache.store import _maintenance
 from distcache.store._fs import fsync_dir, make_dir, pool_error, process_umask
 from distcache.store._identity import PoolIdentity
 from distcache.store._locking import FileLock
-from distcache.store._log import Journal, NamesIndex
+from distcache.store._log import Journal
 from distcache.store._materialize import materialize
+from distcache.store._names import NamesIndex
 from distcache.store._objects import ObjectStore, Witness, check_size
 from distcache.store._offline import refuse_offline
 from distcache.store.layout import STALE_TMP_SECONDS, PoolLayout

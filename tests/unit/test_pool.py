@@ -11,7 +11,7 @@ import stat
 import time
 from collections import Counter
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import pytest
 
@@ -612,19 +612,20 @@ def test_a_new_process_confirms_recorded_labels_without_writing_and_sees_damage(
 def test_confirming_labels_reads_only_what_was_appended_since_and_names_as_the_parse(
     pool: ArtifactPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from distcache.store._log import AppendLog, _name_record
+    from distcache.store import _names
+    from distcache.store._log import _name_record
 
     first, second = sha(b"first"), sha(b"second")
     pool.remember([Artifact("a/b.cubin", first)])
     reads: list[int] = []
-    real_read = AppendLog.read_from
+    real_read = _names.read_checked
 
-    def counted(self: AppendLog, offset: int) -> tuple[list[str], int]:
-        records, end = real_read(self, offset)
-        reads.append(len(records))
-        return records, end
+    def counted(path: Path, offset: int, tail: bytes) -> Any:
+        read = real_read(path, offset, tail)
+        reads.append(len(read[0]))
+        return read
 
-    monkeypatch.setattr(AppendLog, "read_from", counted)
+    monkeypatch.setattr(_names, "read_checked", counted)
     fresh = ArtifactPool(pool.root)
     fresh.remember([Artifact("a/b.cubin", first)])  # the whole log, once
     fresh.remember([Artifact("a/b.cubin", first)])  # nothing appended since: no record
