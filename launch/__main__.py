@@ -153,8 +153,9 @@ def _prefetch(
     its SHA-256 before it would download, so an unmodified engine then loads locally).
 
     The communicator comes from :func:`distcache.comm.adopt` and is distcache's own:
-    under MPI a duplicate of the world, freed before PROGRAM starts, and MPI is
-    finalized here (PROGRAM is a separate process and makes its own ``MPI_Init``); under torchrun or srun a private gloo group on the
+    under MPI a duplicate of the world, freed before PROGRAM starts (MPI itself is
+    finalized by :func:`main`, after every option has run; PROGRAM is a separate process
+    and makes its own ``MPI_Init``); under torchrun or srun a private gloo group on the
     launcher's rendezvous store (srun: a store rank 0 hosts one port above
     ``MASTER_PORT``), discarded before PROGRAM starts. torch.distributed's default
     group is never initialised here, so PROGRAM's ``init_process_group`` finds
@@ -175,7 +176,6 @@ def _prefetch(
         session.close()
     finally:
         adopted.close()
-        _finalize_mpi()
 
 
 def _host_peers(info: LaunchInfo, pool: str | None) -> Hosted | None:
@@ -193,10 +193,11 @@ def _host_peers(info: LaunchInfo, pool: str | None) -> Hosted | None:
 
 
 def _finalize_mpi() -> None:
-    """Finalize MPI if the prefetch initialised it, before PROGRAM starts: PROGRAM's
-    ranks make their own ``MPI_Init`` under this rank's identity, and a wrapper still
-    holding its shared-memory endpoints could take a fragment meant for them (a crash
-    in ``MPI_Finalize`` at the wrapper's exit)."""
+    """Finalize MPI if this process initialised it (the rendezvous under MPI imports
+    mpi4py, whose import is ``MPI_Init``; so may --peers and --prefetch), before PROGRAM
+    starts: PROGRAM's ranks make their own ``MPI_Init`` under this rank's identity, and
+    a wrapper still holding its shared-memory endpoints could take a fragment meant for
+    them (a crash in ``MPI_Finalize`` at the wrapper's exit)."""
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         mpi.Finalize()
@@ -251,8 +252,6 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
             hosted = _host_peers(info, extra.get("DISTCACHE_POOL"))
             if hosted is not None and hosted.tier is not None:
                 extra["DISTCACHE_PEERS"] = hosted.tier.endpoint.removeprefix("unix:")
-            if args.prefetch is None:
-                _finalize_mpi()
         env = child_environment(info, dict(os.environ), extra)
         if args.prefetch is not None:
             _prefetch(info, Path(extra["DISTCACHE_PREFETCH_MANIFEST"]), extra.get("DISTCACHE_POOL"),
@@ -266,6 +265,10 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         if hosted is not None:  # its socket and key file are removed with it
             hosted.close()
         sys.exit(2)
+    finally:
+        # MPI is the set-up's alone, whichever options ran: finalized before PROGRAM
+        # starts (or the wrapper exits), never left up beside PROGRAM's own MPI_Init.
+        _finalize_mpi()
     try:
         status = run(command, env, terminal=info.local_world_size == 1)
     except OSError as exc:
