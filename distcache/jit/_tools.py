@@ -80,6 +80,14 @@ def _home(environ: Mapping[str, str]) -> Path:
     return Path(environ.get("HOME") or os.path.expanduser("~"))
 
 
+def _expanduser(path: str, environ: Mapping[str, str]) -> str:
+    """``os.path.expanduser(path)`` with ``~`` the home directory of :func:`_home`
+    (``HOME`` from ``environ``); ``~user`` from the password database."""
+    if path != "~" and not path.startswith("~/"):
+        return os.path.expanduser(path)
+    return (str(_home(environ)).rstrip("/") + path[1:]) or "/"
+
+
 def inductor_default_dir(environ: Mapping[str, str]) -> Path:
     """torch's default: ``$TMPDIR/torchinductor_<user>`` (the user name sanitised
     as torch does)."""
@@ -139,13 +147,15 @@ def flashinfer_jit(environ: Mapping[str, str]) -> FamilySpec:
 
 
 def vllm(environ: Mapping[str, str]) -> FamilySpec:
-    """vLLM's torch.compile cache, ``$VLLM_CACHE_ROOT/torch_compile_cache`` (the root
-    defaults to ``~/.cache/vllm``). Its per-rank directories
-    (``<hash>/rank_<r>_<dp>/``) usually hold the same files: the pool stores each
-    distinct file once, whatever the number of ranks."""
+    """vLLM's torch.compile cache, ``$VLLM_CACHE_ROOT/torch_compile_cache``, the root
+    found as vLLM finds it: ``VLLM_CACHE_ROOT``, else ``$XDG_CACHE_HOME/vllm``, else
+    ``~/.cache/vllm``, with a leading ``~`` expanded (a blank variable counts as
+    unset). Its per-rank directories (``<hash>/rank_<r>_<dp>/``) usually hold the same
+    files: the pool stores each distinct file once, whatever the number of ranks."""
     root = environ.get("VLLM_CACHE_ROOT")
-    base = Path(os.path.abspath(root)) if root else _home(environ) / ".cache" / "vllm"
-    directory = base / "torch_compile_cache"
+    if not root:
+        root = os.path.join(environ.get("XDG_CACHE_HOME") or "~/.cache", "vllm")
+    directory = Path(os.path.abspath(_expanduser(root, environ))) / "torch_compile_cache"
     key = (f"{base_key('vllm', _version('vllm'))};torch={_version('torch')};"
            f"cpu={cpu_features()};dir={directory}")  # Inductor's kernels, as above
     return FamilySpec("vllm", key, (Root(directory),))
