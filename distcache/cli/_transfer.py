@@ -4,18 +4,18 @@ sets between a pool and a wheel, a tarball or a plain directory (a mirror laid o
 :class:`~distcache.origins.DirOrigin` reads).
 
 What import accepts, how it names and verifies, and why it is all or nothing:
-:mod:`distcache.store._import`. The tarball export: :mod:`distcache.store._export`.
+:mod:`distcache.store._import`. How both exports write (only reading the pool):
+:mod:`distcache.store._export`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from pathlib import Path
 
 from distcache._resolve import resolve_pool
-from distcache.artifact import Artifact, manifest_text, read_manifest
+from distcache.artifact import Artifact, read_manifest
 from distcache.cli._common import (
     EXIT_OK,
     UsageError,
@@ -31,7 +31,7 @@ from distcache.config import settings
 from distcache.errors import PoolError
 from distcache.integrations.flashinfer._warm import ARCH_RULE, arch_filter
 from distcache.store import ArtifactPool, PoolLayout
-from distcache.store._export import check_names, export_tar, missing_from
+from distcache.store._export import check_names, export_directory, export_tar, missing_from
 from distcache.store._import import import_set
 
 IMPORT_HELP = """\
@@ -170,14 +170,7 @@ def run_export(args: argparse.Namespace) -> int:
         raise PoolError(f"cannot export to {target}: it is inside the pool at {pool.root}; "
                         "export to a directory outside it", path=str(target))
     _make_directory(target)
-    manifest = target / "checksums.txt"
-    listed = {a.name: a for a in read_manifest(manifest)} if manifest.is_file() else {}
-    for artifact in artifacts:
-        pool.materialize(artifact, target)
-        listed[artifact.name] = artifact
-    tmp = target / f".checksums.txt.{os.getpid()}"
-    tmp.write_text(manifest_text(sorted(listed.values(), key=lambda a: a.name)), encoding="utf-8")
-    os.replace(tmp, manifest)
+    export_directory(pool, artifacts, target)
     emit(args, {"root": pool.root, "target": target, "artifacts": len(artifacts)},
          [f"exported {len(artifacts)} artifacts and checksums.txt to {target}"])
     return EXIT_OK
