@@ -296,7 +296,9 @@ class ProducerPool:
 
     def _unlink_when_mapped(self) -> None:
         # A producer outside the consumers' group has no exchange barrier after which
-        # to unlink: it unlinks once every consumer's row says it mapped the pool.
+        # to unlink: it unlinks once every consumer's row says it mapped the pool, seen
+        # whenever it looks at its consumers (put, reclaim, holders). Once unlinked, or
+        # for an owner rank, the first test ends it.
         table, ranks = self._table, self.consumers
         if (
             self._linked
@@ -311,6 +313,9 @@ class ProducerPool:
         """Consumer ranks that still map this pool (not left, not dead)."""
         if self._table is None or self.consumers is None:
             return []
+        # Lock-free, as before: close() calls it (through the CUDA backend's _free)
+        # under the lock, and unlink() is idempotent and quiet.
+        self._unlink_when_mapped()
         return [self.consumers[i] for i in self._table.holding(len(self.consumers))]
 
     def cancel(self, ref: FeatureRef) -> None:
@@ -332,10 +337,14 @@ class ProducerPool:
     def reclaim(self) -> int:
         """Free every lease whose readers all acknowledged it, left or died (``put``
         also does this lazily, when it would otherwise find the pool full). Never
-        blocks: it reads the consumers' words and asks the kernel whether they live."""
+        blocks: it reads the consumers' words and asks the kernel whether they live.
+        A producer outside the group also unlinks the pool's name here once every
+        consumer has mapped it, as ``put`` does."""
         with self._lock:
             self._check_open()
-            return self._allocator().reclaim()
+            freed = self._allocator().reclaim()
+            self._unlink_when_mapped()
+            return freed
 
     @property
     def in_flight(self) -> int:
