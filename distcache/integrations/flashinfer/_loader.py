@@ -20,7 +20,9 @@ that could leave the directory (an absolute path, a ``..`` segment) gets ``b""``
 
 A verified download is never thrown away: when the pool cannot take it, the caller
 gets the bytes, the failure is logged once per pool, and FlashInfer's function is not
-asked to download them again.
+asked to download them again. Nor are verified bytes that cannot be written under
+``FLASHINFER_CUBIN_DIR`` (read-only, full, a symlinked directory refused): the caller
+gets them and the failure is logged once per name, not counted as a fallback.
 """
 
 from __future__ import annotations
@@ -216,8 +218,6 @@ class PooledLoader:
         artifact = Artifact(name, sha256)
         try:
             data, in_cubin_dir, pooled = self._resolve(artifact)
-            if data is not None and not in_cubin_dir and self.families.is_materialized(name):
-                self._materialize(artifact, None if pooled else data)
         except (ArtifactNotFound, IntegrityError) as exc:
             if not self.final_not_found:
                 self._note("fallbacks", name, f"{type(exc).__name__}: {exc}")
@@ -237,8 +237,18 @@ class PooledLoader:
             return _ASK_FLASHINFER
         if data is None:
             return self._miss_without_download(artifact)
+        if not in_cubin_dir and self.families.is_materialized(name):
+            self._place(artifact, None if pooled else data)
         self._record(name, sha256)
         return data
+
+    def _place(self, artifact: Artifact, data: bytes | None) -> None:
+        """:meth:`_materialize`; a failure is logged once per name, the bytes served."""
+        try:
+            self._materialize(artifact, data)
+        except Exception as exc:
+            self._note(None, artifact.name, f"not written under FLASHINFER_CUBIN_DIR: "
+                       f"{type(exc).__name__}: {exc}", then="serving the verified bytes")
 
     def _miss_without_download(self, artifact: Artifact) -> bytes | object:
         """Not in the pool and downloads are off: say what is missing and how to get
@@ -374,12 +384,14 @@ class PooledLoader:
         with self._lock:
             setattr(self.stats, counter, getattr(self.stats, counter) + 1)
 
-    def _note(self, counter: str, name: str, reason: str, *, count: bool = True) -> None:
-        if count:
+    def _note(self, counter: str | None, name: str, reason: str, *,
+              then: str = "using FlashInfer's own loader") -> None:
+        """Count ``counter`` (unless None); log ``reason`` once per name."""
+        if counter is not None:
             self._bump(counter)
         with self._lock:
             first = name not in self.stats.failures
             if first:
                 self.stats.failures[name] = reason
         if first:
-            log.warning("flashinfer artifact %s: %s; using FlashInfer's own loader", name, reason)
+            log.warning("flashinfer artifact %s: %s; %s", name, reason, then)
