@@ -17,9 +17,13 @@ nestings are normal and are not errors:
 
 * Slurm under MPI: ``mpirun`` in an allocation starts its daemons with ``srun``, so
   the ranks inherit the daemons' step (one task per node). Under Open MPI's variables a
-  Slurm step is always ignored; under MPICH's or PMIx's (which ``srun --mpi=pmi2`` and
-  ``--mpi=pmix`` set beside the step) a step that differs from them in any field
-  describes that parent and is ignored.
+  Slurm step is always ignored; under MPICH's (which ``srun --mpi=pmi2`` sets beside the
+  step) a step that differs from them in any field describes that parent and is
+  ignored. Beside PMIx's alone, which give a rank and no size (so agreeing on the rank
+  proves nothing: ``prterun``'s ranks match the daemons' step wherever ``PMIX_RANK``
+  equals ``SLURM_PROCID``), a step counts only where ``PMIX_NAMESPACE`` is Slurm's own
+  for it, ``slurm.pmix.<SLURM_JOB_ID>.<SLURM_STEP_ID>`` (``srun --mpi=pmix``); otherwise
+  no variable gives the world size and every rank raises alike.
 * Anything under torchrun: when ``TORCHELASTIC_RUN_ID`` is set, torchrun's agent
   spawned this process, and Slurm or MPI variables that disagree describe the agent;
   they are ignored. One that counts more processes than torchrun's workers more likely
@@ -133,16 +137,30 @@ def _warn_if_inside_a_worker(torchrun: Signal, outer: list[Signal]) -> None:
             log.warning("%s", message)
 
 
-def _slurm_is_this_step(inner: list[Signal], slurm: Signal) -> bool:
+def slurm_pmix_namespace(env: Mapping[str, str]) -> str | None:
+    """The ``PMIX_NAMESPACE`` Slurm's pmix plugin gives the ranks of the step in ``env``
+    (``slurm.pmix.<SLURM_JOB_ID>.<SLURM_STEP_ID>``); ``None`` outside a step."""
+    job, step = env.get("SLURM_JOB_ID"), env.get("SLURM_STEP_ID")
+    return None if job is None or step is None else f"slurm.pmix.{job}.{step}"
+
+
+def _slurm_is_this_step(inner: list[Signal], slurm: Signal, env: Mapping[str, str]) -> bool:
     """Whether an ``srun`` step describes the processes the inner launchers started."""
     mpi = [s for s in inner if s.launcher in MPI_LAUNCHERS]
     if any(s.launcher == "openmpi" for s in mpi):
         # Open MPI's mpirun started the ranks itself: a step around them is the one
         # that started its daemons (or an outer srun), whichever fields happen to match.
         return False
+    if [s.launcher for s in mpi] == ["pmix"]:
+        # PMIx gives a rank and no size, so agreement proves nothing: prterun's ranks
+        # agree with the daemons' step wherever PMIX_RANK equals SLURM_PROCID. Only
+        # Slurm's own namespace for this step (srun --mpi=pmix) makes it the ranks' step,
+        # and that holds or fails on every rank alike.
+        namespace = env.get("PMIX_NAMESPACE")
+        return namespace is not None and namespace == slurm_pmix_namespace(env)
     if mpi:
-        # srun --mpi=pmi2/pmix gives the step and the MPI variables one meaning; a step
-        # that differs anywhere is a launcher's daemon step, on every rank alike.
+        # srun --mpi=pmi2 gives the step and the MPI variables one meaning; a step that
+        # differs anywhere is a launcher's daemon step, on every rank alike.
         return not _disagreements(mpi[0], slurm)
     # Alone, or under RANK without torchrun's agent: a stale RANK disagreeing with a
     # real step must not pass.
@@ -160,7 +178,7 @@ def _merge(env: Mapping[str, str]) -> tuple[str, dict[str, tuple[int, str]]]:
         accepted = [inner[0]] + [s for s in outer if not _disagreements(inner[0], s)]
     else:
         accepted = list(inner)
-        if slurm is not None and _slurm_is_this_step(inner, slurm):
+        if slurm is not None and _slurm_is_this_step(inner, slurm, env):
             accepted.append(slurm)
     if not accepted:
         return "single", {}
@@ -250,6 +268,26 @@ def _master(
     return addr, port, used
 
 
+def _no_world_size(env: Mapping[str, str], values: Mapping[str, tuple[int, str]]) -> LaunchError:
+    var = values["rank"][1] if "rank" in values else "rank"
+    why = ""
+    if var == "PMIX_RANK":
+        why = "; PMIx sets none"
+        if _sources.slurm(env) is not None:
+            why += (f", and the Slurm step here (SLURM_STEP_NUM_TASKS="
+                    f"{env.get('SLURM_STEP_NUM_TASKS')}) is not these ranks' (PMIX_NAMESPACE="
+                    f"{env.get('PMIX_NAMESPACE')!r}, not Slurm's {slurm_pmix_namespace(env)!r}"
+                    "): it started the launcher's daemons")
+        why += (". Launch with srun --mpi=pmix or Open MPI's mpirun, or set "
+                "RANK=$PMIX_RANK and WORLD_SIZE for each rank")
+    return LaunchError(
+        f"{var} is set but no variable gives the world size "
+        "(expected WORLD_SIZE, OMPI_COMM_WORLD_SIZE, PMI_SIZE or SLURM_STEP_NUM_TASKS)" + why,
+        variable=var,
+        value=env.get(var, ""),
+    )
+
+
 def detect(environ: Mapping[str, str] = os.environ, *, hostname: str | None = None) -> LaunchInfo:
     """Describe this process's place in its job from the environment alone.
 
@@ -262,13 +300,7 @@ def detect(environ: Mapping[str, str] = os.environ, *, hostname: str | None = No
     """
     launcher, values = _merge(environ)
     if launcher != "single" and "world_size" not in values:
-        var = values["rank"][1] if "rank" in values else "rank"
-        raise LaunchError(
-            f"{var} is set but no variable gives the world size "
-            "(expected WORLD_SIZE, OMPI_COMM_WORLD_SIZE, PMI_SIZE or SLURM_STEP_NUM_TASKS)",
-            variable=var,
-            value=environ.get(var, ""),
-        )
+        raise _no_world_size(environ, values)
     _check_bounds(
         values,
         [("rank", "world_size"), ("local_rank", "local_world_size"), ("node_rank", "num_nodes"),

@@ -13,7 +13,8 @@ agreement rules between launchers live in :mod:`launch._detect`.
 3. ``mpich`` -- MPICH/Hydra and Intel MPI: ``PMI_RANK`` (old Hydra: ``PMI_ID``),
    ``PMI_SIZE``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``.
 4. ``pmix`` -- ``PMIX_RANK``; PMIx has no standard size variable, so the size comes
-   from another source that is present (``srun --mpi=pmix`` sets Slurm's).
+   from another source that is present (``srun --mpi=pmix`` sets Slurm's, which
+   :mod:`launch._detect` counts only under Slurm's own ``PMIX_NAMESPACE``).
 5. ``slurm`` -- an ``srun`` step: ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``,
    ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_STEP_NUM_NODES``,
    ``SLURM_STEP_TASKS_PER_NODE``. Only step-scoped variables count: an ``sbatch``
