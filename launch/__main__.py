@@ -3,9 +3,10 @@
 Under any launcher (mpirun, srun, torchrun, or none) each rank's program gets the
 ``env://`` variables ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
 ``MASTER_ADDR`` and ``MASTER_PORT``, so an unmodified
-``torch.distributed.init_process_group("gloo")`` works. Under MPI, rank 0 picks a free
-port and the address and port travel over MPI; elsewhere they come from
-:func:`launch._detect`.
+``torch.distributed.init_process_group("gloo")`` works. Under MPI, rank 0 picks a port
+below the ephemeral range whose next port (where PROGRAM's distcache hosts its store)
+is free too, unless ``MASTER_PORT`` is set, and the address and port travel over MPI;
+elsewhere they come from :func:`launch._detect`.
 
 The program runs as a child in its own process group, as a shell runs a job (see
 :mod:`launch._child`): on a terminal it gets the terminal; SIGINT, SIGTERM, SIGHUP,
@@ -20,7 +21,6 @@ import argparse
 import logging
 import os
 import signal
-import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +38,7 @@ from distcache.peer import Hosted, origin_or_default, start
 from launch._child import run
 from launch._detect import LaunchInfo, detect
 from launch._dist import mpi_publish, rendezvous_address
+from launch._rendezvous import free_port_pair
 from launch._workspace import WorkspaceSlot, acquire_slot
 
 log = logging.getLogger("launch")
@@ -96,27 +97,21 @@ def _parser() -> _Parser:
     return parser
 
 
-def _free_port(host: str) -> int:
-    # Closed again before PROGRAM binds it: a small window another process could use,
-    # the price of PROGRAM owning the port (engines bind MASTER_PORT themselves).
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 def _rendezvous(info: LaunchInfo) -> LaunchInfo:
     if info.master_addr is not None and info.master_port is not None:
         return info
     if info.is_mpi and info.world_size > 1:
         def choose(hosts: list[str]) -> tuple[str, int]:
+            # A MASTER_PORT the user set is kept; otherwise one outside the ephemeral
+            # range whose next port (PROGRAM's distcache store) is free too.
             host = info.master_addr or rendezvous_address(hosts)
-            return host, info.master_port or _free_port(host)
+            return host, info.master_port or free_port_pair()
 
         host, port = mpi_publish(info, choose)
         return info.replace(master_addr=host, master_port=port)
     if info.world_size == 1:
         host = info.master_addr or "127.0.0.1"
-        return info.replace(master_addr=host, master_port=info.master_port or _free_port(host))
+        return info.replace(master_addr=host, master_port=info.master_port or free_port_pair())
     raise _UsageError(
         f"{info.launcher} launch of {info.world_size} ranks gives no rendezvous address; "
         "set MASTER_ADDR and MASTER_PORT"

@@ -28,15 +28,17 @@ from __future__ import annotations
 import errno
 import ipaddress
 import os
+import random
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from distcache._log import get_logger
 from distcache.errors import CommError, LaunchError
-from launch._detect import LaunchInfo
+from launch._detect import SLURM_PORT_LOW, LaunchInfo
 
 log = get_logger(__name__)
 
@@ -96,12 +98,13 @@ def find_store(
     host_it = not agent and info.rank == 0
     if host_it:
         derived = "SLURM_JOB_ID" in info.source
+        low, high = ephemeral_range()
         store = host_store(
             info.master_addr, port, info.world_size, wait, spans_hosts=not info.single_node,
             what=f"distcache's rendezvous store (MASTER_PORT {info.master_port} + {PORT_OFFSET})",
             hint=("the port was derived from SLURM_JOB_ID; set MASTER_PORT" if derived else
                   "set MASTER_PORT") + " to a port whose next port is free on rank 0's host "
-                 f"too, below the ephemeral range ({EPHEMERAL_LOW}-60999)",
+                 f"too, below the ephemeral range ({low}-{high})",
         )
     else:
         try:
@@ -120,8 +123,107 @@ def find_store(
                       replaceable=not agent and not host_it)
 
 
-#: The lowest port of Linux's default ephemeral range (``net.ipv4.ip_local_port_range``).
+#: Linux's default ephemeral range (``net.ipv4.ip_local_port_range``), whose ports the
+#: kernel hands to outgoing connections.
 EPHEMERAL_LOW = 32768
+EPHEMERAL_HIGH = 60999
+
+#: Where Linux says which ephemeral range this host uses.
+PORT_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+#: How many random candidates :func:`free_port_pair` tries before it gives up.
+PORT_ATTEMPTS = 64
+
+_random = random.SystemRandom()
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """``(low, high)`` of this host's ephemeral port range; Linux's default where
+    :data:`PORT_RANGE_FILE` cannot be read (another OS) or makes no sense."""
+    try:
+        low, high = (int(field) for field in Path(PORT_RANGE_FILE).read_text().split())
+    except (OSError, ValueError):
+        return EPHEMERAL_LOW, EPHEMERAL_HIGH
+    if not 1 <= low <= high <= 65535:
+        return EPHEMERAL_LOW, EPHEMERAL_HIGH
+    return low, high
+
+
+def _port_spans(low: int, high: int) -> list[tuple[int, int]]:
+    """Where a port ``P`` may lie so that ``P`` and ``P + PORT_OFFSET`` are both outside
+    the ephemeral range ``[low, high]``: below it, from ``SLURM_PORT_LOW`` (or 1024 on a
+    host whose range starts lower), else above it; the whole unprivileged range on a
+    host that leaves no room outside (the bind check then still guards the choice)."""
+    top = low - 1 - PORT_OFFSET
+    if top >= SLURM_PORT_LOW:
+        return [(SLURM_PORT_LOW, top)]
+    spans = [(1024, top)] if top >= 1024 else []
+    if high + 1 <= 65535 - PORT_OFFSET:
+        spans.append((high + 1, 65535 - PORT_OFFSET))
+    return spans or [(1024, 65535 - PORT_OFFSET)]
+
+
+def _nth_port(spans: list[tuple[int, int]], index: int) -> int:
+    for first, last in spans:
+        if index <= last - first:
+            return first + index
+        index -= last - first + 1
+    raise IndexError(index)
+
+
+def _bindable(port: int) -> bool:
+    """Whether a listener could take ``port`` just now on every interface, IPv4 and
+    IPv6 (where the host has it): what torch's store and distcache's store may bind."""
+    socks: list[socket.socket] = []
+    try:
+        for family, wildcard in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+            try:
+                sock = socket.socket(family, socket.SOCK_STREAM)
+            except OSError:
+                continue  # no IPv6 on this host
+            socks.append(sock)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind((wildcard, port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRNOTAVAIL and family == socket.AF_INET6:
+                    continue  # IPv6 disabled
+                return False
+        return True
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def free_port_pair(attempts: int = PORT_ATTEMPTS) -> int:
+    """A port ``P`` for ``MASTER_PORT`` such that ``P`` (the program's own rendezvous)
+    and ``P + PORT_OFFSET`` (the store distcache's rank 0 hosts, :func:`find_store`)
+    are both outside the ephemeral range, where no outgoing connection takes them at
+    random, and both free just now. Both are closed again before the program binds
+    them: a small window another process could use, the price of the program owning
+    its ports.
+
+    Raises:
+        LaunchError: ``attempts`` random candidates were all taken.
+    """
+    low, high = ephemeral_range()
+    spans = _port_spans(low, high)
+    total = sum(last - first + 1 for first, last in spans)
+    tried: list[int] = []
+    for _ in range(attempts):
+        port = _nth_port(spans, _random.randrange(total))
+        if _bindable(port) and _bindable(port + PORT_OFFSET):
+            return port
+        tried.append(port)
+    where = " or ".join(f"{first}-{last}" for first, last in spans)
+    raise LaunchError(
+        f"no port P found for MASTER_PORT with P and P + {PORT_OFFSET} (distcache's store) "
+        f"both free: {attempts} tries in {where} (the ephemeral range is {low}-{high}; "
+        f"last tried: {', '.join(map(str, tried[-3:]))}); set MASTER_PORT to a free port "
+        "whose next port is free on rank 0's host too",
+        variable="MASTER_PORT", value="",
+    )
 
 
 def _listener(addr: str, port: int, spans_hosts: bool, what: str,
