@@ -48,8 +48,10 @@ class GlooCommunicator(TorchCommunicator):
         run: ``(job, attempt)`` when agreeing on a scope (default: what the
             launcher's variables say, :func:`launch.run_id`).
         prefix: the key prefix the group meets under (default: the scope's).
-        until: the ``time.monotonic()`` by which the group must be made (default:
-            ``timeout`` from now).
+        until: the ``time.monotonic()`` by which the ranks must meet and share the
+            scope (default: ``timeout`` from now). It bounds making the group only:
+            the group's own timeout is ``timeout``, and each collective has what is
+            left of its call's.
         timeout, chunk_bytes, node_id: as for every communicator.
 
     Raises:
@@ -91,10 +93,13 @@ class GlooCommunicator(TorchCommunicator):
         else:
             base = scope.prefix
         self._prefix = base if prefix is None else prefix
-        left = max(until - time.monotonic(), 0.001)
+        # The group's timeout is the communicator's, not what is left of ``until``:
+        # torch keeps it for the group's life (gloo's default per operation, NCCL's
+        # watchdog), so a rank that met late would leave every later collective a
+        # sliver of it. Where the ranks met above, every rank has already arrived.
         try:
             group = self._make_group(torch, dist, dist.PrefixStore(self._prefix, store), rank,
-                                     size, timedelta(seconds=left))
+                                     size, timedelta(seconds=wait))
         except RuntimeError as exc:
             text = (f"rank {rank}/{size}: cannot make distcache's {self._kind} group under "
                     f"{self._prefix!r}: {exc}; every rank must call distcache.init (or the "
@@ -140,17 +145,26 @@ class GlooCommunicator(TorchCommunicator):
         return rank
 
     # -- collectives on the group object: torch's registry does not know this group ----
+    # Each carries what is left of its call's timeout: gloo honours it, so a call may
+    # outlast the group's timeout, and one that gives up leaves no operation waiting
+    # out the group's (which would hold up close). NCCL's host wait is polled instead.
+
+    def _timed(self, options: Any) -> Any:
+        options.timeout = self._op_timeout
+        return options
 
     def _start_broadcast(self, tensor: Any, root: int) -> Any:
-        options = self._dist.BroadcastOptions()
+        options = self._timed(self._dist.distributed_c10d.BroadcastOptions())
         options.rootRank = root
         return self._group.broadcast([tensor], options)
 
     def _start_allgather(self, outs: list[Any], tensor: Any) -> Any:
-        return self._group.allgather([outs], [tensor])
+        options = self._timed(self._dist.distributed_c10d.AllgatherOptions())
+        return self._group.allgather([outs], [tensor], options)
 
     def _start_allreduce(self, tensor: Any) -> Any:
-        return self._group.allreduce([tensor])
+        options = self._timed(self._dist.distributed_c10d.AllreduceOptions())
+        return self._group.allreduce([tensor], options)
 
     def _split_child(self, colors: tuple[int, ...], color: int) -> Self:
         if self._store is None:

@@ -2,9 +2,12 @@
 
 Every collective is issued with ``async_op=True`` and waited with a timeout, so a rank
 that never arrives makes its peers raise :class:`~distcache.errors.CollectiveTimeout`
-instead of blocking until the process group's own (long) timeout. A collective that
-timed out is still queued in the backend and cannot be cancelled, so the communicator
-refuses further calls afterwards; build a new one to continue.
+instead of blocking until the process group's own (long) timeout. A backend that takes a
+timeout per operation (distcache's own gloo group) is also given what is left of the
+call's budget, so the operation gives up when the call does, whatever the group's own
+timeout. A collective that timed out may still be queued in the backend and cannot be
+cancelled, so the communicator refuses further calls afterwards; build a new one to
+continue.
 
 On NCCL, tensors live on the current CUDA device (NCCL moves only device memory); on
 every other backend they stay on the CPU. The policy (chunking, the wire form, split's
@@ -15,6 +18,7 @@ moves tensors. torch is imported in the constructor, never at module import.
 from __future__ import annotations
 
 import atexit
+import math
 import time
 import weakref
 from datetime import timedelta
@@ -30,9 +34,16 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-# Substrings by which torch reports a timed-out wait. torch raises plain RuntimeError
-# (or DistBackendError, a RuntimeError) for both timeouts and broken connections.
-_TIMEOUT_MARKERS = ("timed out", "timeout", "Timeout")
+# Substrings by which torch reports a timed-out wait, matched in lower case (gloo says
+# "Timed out waiting 3000ms", torch "Wait timeout"). torch raises plain RuntimeError (or
+# DistBackendError, a RuntimeError) for both timeouts and broken connections.
+_TIMEOUT_MARKERS = ("timed out", "timeout")
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    """Whether torch's ``exc`` reports a timeout (rather than, say, a lost peer)."""
+    text = str(exc).lower()
+    return any(marker in text for marker in _TIMEOUT_MARKERS)
 
 
 # Every live communicator, so that their process groups can be let go at exit.
@@ -100,6 +111,9 @@ class TorchCommunicator(BackendCommunicator):
 
     _kind = "torch"
     _label = "torch"
+    #: The timeout of the collective :meth:`_run` is starting: what is left of its
+    #: call's budget, for the ``_start_*`` of a backend that takes one per operation.
+    _op_timeout: timedelta
 
     def __init__(
         self,
@@ -152,6 +166,8 @@ class TorchCommunicator(BackendCommunicator):
         self._children.clear()
 
     # -- issuing one collective (a subclass may issue on a group torch does not know) --
+    # torch's functions take no per-operation timeout: on a group of the engine's, an
+    # operation keeps that group's timeout (the wait in _run still bounds the call).
 
     def _start_broadcast(self, tensor: Any, root: int) -> Any:
         return self._dist.broadcast(tensor, self._global(root), group=self._group, async_op=True)
@@ -184,6 +200,8 @@ class TorchCommunicator(BackendCommunicator):
         wait = budget.until - time.monotonic()
         if wait <= 0:
             raise self._timed_out(op, budget.seconds)
+        # Whole milliseconds, rounded up: gloo reads a timeout of 0 ms as "none".
+        self._op_timeout = timedelta(milliseconds=math.ceil(wait * 1000))
         try:
             work = start(*args, **kwargs)
             if self._device.type == "cpu":
@@ -191,7 +209,7 @@ class TorchCommunicator(BackendCommunicator):
             else:
                 self._poll(work, wait)
         except RuntimeError as exc:  # DistBackendError, DistError are RuntimeErrors
-            if any(marker in str(exc) for marker in _TIMEOUT_MARKERS):
+            if _is_timeout(exc):
                 raise self._timed_out(op, budget.seconds) from exc
             self._broken = f"{op} failed"
             raise self._comm_error(op, exc, over=self._backend_name) from exc
