@@ -4,9 +4,10 @@ later launch uses.
 A tool's cache directory (Inductor's, Triton's, DeepGEMM's, FlashInfer's JIT
 workspace, vLLM's torch.compile cache) is a *directory family*: its files are stored
 as verified, content-addressed objects plus a *tree manifest* (relative path, sha256,
-mode) under the family's name and a *key* that captures what makes the files valid
-elsewhere (tool and version, Python, platform, and any absolute path the tool bakes
-in). Identical files of many ranks are one object.
+mode, size; FlashInfer's JIT also keeps modification times, for its ninja) under the
+family's name and a *key* that captures what makes the files valid elsewhere (tool
+and version, Python, platform, and any absolute path the tool bakes in). Identical
+files of many ranks are one object.
 
 Enabling families by name::
 

@@ -60,6 +60,8 @@ class FamilySpec:
             installed pool's directory, for what the tool loads later in the process
             (Triton's cache manager) to use the session's pool, whichever way it was
             given.
+        keep_times: the tool decides what to rebuild by modification times (ninja):
+            trees list each file's time, restored when the file is placed.
     """
 
     name: str
@@ -67,6 +69,7 @@ class FamilySpec:
     roots: tuple[Root, ...]
     environ: Mapping[str, str] = field(default_factory=dict)
     pool_variable: str | None = None
+    keep_times: bool = False
 
 
 @dataclass
@@ -201,7 +204,10 @@ class Family:
         (0: nothing new). A file this publisher listed before with other bytes is an
         update: the new tree supersedes its old entry. A path another publisher
         listed with other bytes is published too, which makes it a conflict that no
-        rank is served.
+        rank is served. A family that keeps times publishes a file again for its
+        bytes, not for its time (the pool keeps the time its bytes were first
+        published with), except once where the listed entry has no time (a tree
+        from before times were kept).
 
         Raises:
             JitCacheError: a directory belongs to another user.
@@ -217,12 +223,14 @@ class Family:
             if not root.path.is_dir():
                 continue
             check_owner(root.path, family=self.name)
-            for entry in scan_into(pool, root.path, root.prefix, listed, self._seen):
+            for entry in scan_into(pool, root.path, root.prefix, listed, self._seen,
+                                   times=self.spec.keep_times):
                 before = listed.get(entry.path)
                 if (entry.path not in mine and entry.path in known.conflicts
                         and entry.sha256 in known.conflicts[entry.path]):
                     continue
-                if before is None or before.sha256 != entry.sha256:
+                if (before is None or before.sha256 != entry.sha256
+                        or (before.mtime_ns is None and entry.mtime_ns is not None)):
                     new.append(entry)
         unique = {e.path: e for e in new}
         publish_tree(pool, TreeManifest(self.name, self.key, tuple(unique.values()),

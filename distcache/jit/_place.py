@@ -8,6 +8,14 @@ than replaces if another writer got there first. Every byte comes from a verifie
 pool read. The directory, and every directory on the way to a file, must belong to
 this process's user and be a real directory (not a symbolic link): code in another
 user's directory is not this user's to fill.
+
+Entries that carry a modification time (a family that keeps times: FlashInfer's JIT,
+whose ninja rebuilds an output older than its inputs) get it back when they are
+written, so that a directory filled from the pool is as up to date as the one that
+was published; a time in the future is clamped to the time of placing (a clock, or a
+tree, ahead of this node's never makes a file look newer than what is built here
+later), and a file already in place keeps its own. Hard-linked files (``link``) keep
+the pool object's time: the object is shared.
 """
 
 from __future__ import annotations
@@ -34,6 +42,15 @@ from distcache.store.layout import STALE_TMP_SECONDS
 #: byte code stamped with a local time); never published.
 TRANSIENT = ("*.tmp", "*.lock", "lock", ".*", "tmp.*", "*_CxxBuild", "__pycache__",
              "*.pyc", "locks")
+#: Hidden names published all the same: ninja's build log and dependency log
+#: (FlashInfer's JIT runs ninja in each op's directory; without them ninja rebuilds
+#: every output it has no record of). Only ninja writes them, and only the
+#: ``flashinfer_jit`` family's tool runs ninja in its directory.
+KEPT = (".ninja_log", ".ninja_deps")
+#: Directories at the top of a family's directory that hold another integration's
+#: files, never published nor placed: FlashInfer's downloaded cubins
+#: (``<FlashInfer's cache directory>/cubins``), which its loader integration serves.
+FOREIGN = ("cubins",)
 
 
 @dataclass
@@ -87,7 +104,8 @@ def check_owner(directory: Path, *, family: str) -> None:
 
 def walk(root: Path) -> Iterator[tuple[str, Path]]:
     """``(relative path, path)`` of every regular file under ``root`` (symbolic links
-    are not followed and not listed; transient names are skipped)."""
+    are not followed and not listed; transient names but :data:`KEPT` ones, and the
+    :data:`FOREIGN` directories at the top, are skipped)."""
     stack = [root]
     while stack:
         here = stack.pop()
@@ -97,7 +115,7 @@ def walk(root: Path) -> Iterator[tuple[str, Path]]:
             continue
         for entry in entries:
             rel = Path(entry.path).relative_to(root).as_posix()
-            if transient(entry.name):
+            if (transient(entry.name) and entry.name not in KEPT) or rel in FOREIGN:
                 continue
             if entry.is_dir(follow_symlinks=False):
                 stack.append(Path(entry.path))
@@ -126,24 +144,25 @@ def settled(st: os.stat_result) -> bool:
 
 def scan_into(pool: ArtifactPool, root: Path, prefix: str = "",
               known: dict[str, TreeEntry] | None = None,
-              seen: Seen | None = None) -> list[TreeEntry]:
+              seen: Seen | None = None, *, times: bool = False) -> list[TreeEntry]:
     """Store every file under ``root`` in ``pool`` and return its entries (paths
-    under ``prefix``). A file ``known`` lists with the digest it still has is not
-    stored again, and one ``seen`` records with its current witness is not
-    read again (``seen`` is updated; a file changed just before is not recorded).
-    Files vanishing mid-scan and names that are not safe artifact paths are
-    skipped."""
+    under ``prefix``; with ``times``, each with its modification time). A file
+    ``known`` lists with the digest it still has is not stored again, and one
+    ``seen`` records with its current witness is not read again (``seen`` is
+    updated; a file changed just before is not recorded). Files vanishing mid-scan
+    and names that are not safe artifact paths are skipped."""
     entries: list[TreeEntry] = []
     with pool.batch():  # one flush for the whole directory, not one per file
         for rel, path in walk(root):
-            entry = _scan_one(pool, rel, path, prefix, known, seen)
+            entry = _scan_one(pool, rel, path, prefix, known, seen, times)
             if entry is not None:
                 entries.append(entry)
     return entries
 
 
 def _scan_one(pool: ArtifactPool, rel: str, path: Path, prefix: str,
-              known: dict[str, TreeEntry] | None, seen: Seen | None) -> TreeEntry | None:
+              known: dict[str, TreeEntry] | None, seen: Seen | None,
+              times: bool) -> TreeEntry | None:
     """Store one file and return its entry; ``None`` for an unsafe name or a file
     that vanished or is not regular."""
     try:
@@ -156,11 +175,12 @@ def _scan_one(pool: ArtifactPool, rel: str, path: Path, prefix: str,
         if not stat.S_ISREG(st.st_mode):
             return None
         mode = st.st_mode & MODE_MASK
+        mtime = st.st_mtime_ns if times else None
         before = known.get(name) if known else None
         last = seen.get(name) if seen is not None else None
         if (last is not None and last[0] == witness(st)
                 and before is not None and before.sha256 == last[1]):
-            return TreeEntry(name, last[1], mode, st.st_size)
+            return TreeEntry(name, last[1], mode, st.st_size, mtime)
         data = _read_all(fd, st.st_size)
     except OSError:
         return None
@@ -174,7 +194,7 @@ def _scan_one(pool: ArtifactPool, rel: str, path: Path, prefix: str,
             seen[name] = (witness(st), sha)
         else:
             seen.pop(name, None)
-    return TreeEntry(name, sha, mode, len(data))
+    return TreeEntry(name, sha, mode, len(data), mtime)
 
 
 def _read_all(fd: int, size: int) -> bytes:
@@ -195,7 +215,9 @@ def materialize_entries(pool: ArtifactPool, root: Path, entries: Sequence[TreeEn
     the default).
 
     A file where the tree has a directory keeps its place: the entries under it are
-    counted as ``kept``, the others written.
+    counted as ``kept``, the others written. Entries under a :data:`FOREIGN`
+    directory (listed by trees published before it was left out) are skipped. A
+    written copy gets the entry's time, if it has one, clamped to now.
 
     Raises:
         JitCacheError: ``root`` or a directory on the way belongs to another user or
@@ -208,10 +230,13 @@ def materialize_entries(pool: ArtifactPool, root: Path, entries: Sequence[TreeEn
     placed = Placed()
     checked: set[Path] = {root}
     swept: set[Path] = set()
+    now = time.time_ns()  # one bound for the whole call keeps the files' order
     for entry in entries:
         if not entry.path.startswith(prefix):
             continue
         rel = entry.path[len(prefix):]
+        if rel.split("/", 1)[0] in FOREIGN:
+            continue
         target = root.joinpath(*rel.split("/"))
         try:
             parent = _ensure_dirs(root, target.parent, checked, family)
@@ -235,7 +260,7 @@ def materialize_entries(pool: ArtifactPool, root: Path, entries: Sequence[TreeEn
         if parent not in swept:
             swept.add(parent)
             _sweep_stale(parent)
-        if _place(pool, parent, target, data, entry, link):
+        if _place(pool, parent, target, data, entry, link, now):
             placed.written += 1
             placed.bytes += len(data)
         else:
@@ -303,8 +328,9 @@ def _sweep_stale(directory: Path) -> None:
 
 
 def _place(pool: ArtifactPool, parent: Path, target: Path, data: bytes, entry: TreeEntry,
-           link: bool) -> bool:
-    """Put ``data`` at ``target`` unless something is there; whether this wrote it."""
+           link: bool, now: int) -> bool:
+    """Put ``data`` at ``target`` unless something is there; whether this wrote it.
+    A copy gets ``entry``'s time, if any, but never one later than ``now``."""
     if link:
         with contextlib.suppress(OSError):
             os.link(pool.layout.object_path(entry.sha256), target)
@@ -318,6 +344,11 @@ def _place(pool: ArtifactPool, parent: Path, target: Path, data: bytes, entry: T
         while view:
             view = view[os.write(fd, view):]
         os.fchmod(fd, entry.mode | 0o400)
+        if entry.mtime_ns is not None:
+            # min() keeps the tree's order of times (ninja compares them with <);
+            # a time this filesystem cannot hold leaves the file with its own.
+            with contextlib.suppress(OSError, OverflowError, ValueError):
+                os.utime(fd, ns=(now, min(entry.mtime_ns, now)))
         os.fsync(fd)
         os.close(fd)
         fd = -1

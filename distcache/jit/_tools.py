@@ -138,12 +138,19 @@ def deep_gemm(environ: Mapping[str, str]) -> FamilySpec:
 
 def flashinfer_jit(environ: Mapping[str, str]) -> FamilySpec:
     """FlashInfer's JIT workspace: ``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer``
-    (the base defaults to the home directory)."""
+    (the base defaults to the home directory), without the ``cubins/`` FlashInfer
+    downloads there (``_place.FOREIGN``: the FlashInfer integration serves those).
+
+    FlashInfer runs ninja in each op's ``cached_ops/<op>/`` at every load and relies
+    on it doing nothing when the op is built: the family keeps the files' times, and
+    ninja's ``.ninja_log`` and ``.ninja_deps`` (``_place.KEPT``) are published. Both
+    name outputs and headers by absolute path, which the key's directory and
+    installation path pin."""
     base = Path(environ.get("FLASHINFER_WORKSPACE_BASE") or _home(environ))
     directory = Path(os.path.abspath(base / ".cache" / "flashinfer"))
     key = (f"{base_key('flashinfer', _version('flashinfer-python'))};"
            f"at={_installed_at('flashinfer')};dir={directory}")
-    return FamilySpec("flashinfer_jit", key, (Root(directory),))
+    return FamilySpec("flashinfer_jit", key, (Root(directory),), keep_times=True)
 
 
 def vllm(environ: Mapping[str, str]) -> FamilySpec:

@@ -1,5 +1,6 @@
-"""Tree manifests: a directory family's files (relative path, sha256, mode) under a
-family name and a key, stored in the pool as ordinary verified objects.
+"""Tree manifests: a directory family's files (relative path, sha256, mode, size, and
+for a family that keeps them its modification times) under a family name and a key,
+stored in the pool as ordinary verified objects.
 
 A tree is canonical JSON, published as an object and labelled
 ``jit/<family>/<key id>/tree/<its sha256>``; each file it lists is an object labelled
@@ -17,6 +18,14 @@ of its latest tree that lists the path counts (a file that one publisher rewrite
 an update: its newer bytes supersede the older ones, which are no longer served);
 a path that two publishers give different digests is a conflict and is served from
 none of them. A tree of format 1 (no publisher) is a publisher of its own.
+
+A family that keeps times (``FamilySpec.keep_times``: FlashInfer's JIT, whose ninja
+decides what to rebuild by them) adds ``mtime_ns``, a list parallel to ``files`` (each
+an integer number of nanoseconds, or ``null``), to either format: a reader that
+predates it ignores the key and places the files as before, and a tree without it
+(every tree of the other families, every tree published before) is read as ever, its
+files placed with the time they are written. Where two publishers list one file with
+the same bytes, :func:`union` serves an entry with a time before one without.
 """
 
 from __future__ import annotations
@@ -47,16 +56,23 @@ MODE_MASK = 0o755
 MAX_TREE_BYTES = 64 << 20
 #: What a publisher looks like (:func:`publisher_id`).
 PUBLISHER_RE = re.compile(r"[0-9a-f]{16}")
+#: Largest modification time a tree may carry (ns since the epoch; what a signed 64
+#: bit count holds). A tree with a time outside ``0..MAX_MTIME_NS`` is malformed;
+#: placing clamps a time in the future to the time of placing.
+MAX_MTIME_NS = 2**63 - 1
 
 
 @dataclass(frozen=True, slots=True)
 class TreeEntry:
-    """One file of a tree: its path under the family's directory, digest, mode, size."""
+    """One file of a tree: its path under the family's directory, digest, mode, size,
+    and its modification time in ns (``None``: not kept, the file is placed with the
+    time it is written)."""
 
     path: str
     sha256: str
     mode: int
     size: int
+    mtime_ns: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,12 +88,14 @@ class TreeManifest:
 
     def encode(self) -> bytes:
         """The canonical JSON bytes (sorted paths), so equal trees are one object."""
-        files = [[e.path, e.sha256, e.mode, e.size]
-                 for e in sorted(self.entries, key=lambda e: e.path)]
+        ordered = sorted(self.entries, key=lambda e: e.path)
+        files = [[e.path, e.sha256, e.mode, e.size] for e in ordered]
         doc: dict[str, object] = {"version": 1, "family": self.family, "key": self.key,
                                   "files": files}
         if self.publisher is not None:
             doc.update(version=TREE_VERSION, publisher=self.publisher, seq=self.seq)
+        if any(e.mtime_ns is not None for e in ordered):
+            doc["mtime_ns"] = [e.mtime_ns for e in ordered]
         return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode("utf-8")
 
     @classmethod
@@ -103,17 +121,36 @@ class TreeManifest:
                     raise ValueError(f"bad publisher {publisher!r}")
                 if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
                     raise ValueError(f"bad sequence number {seq!r}")
+            files, times = doc["files"], doc.get("mtime_ns")
+            if times is None:
+                times = [None] * len(files)
+            elif not isinstance(times, list) or len(times) != len(files):
+                raise ValueError("mtime_ns is not a list parallel to files")
             entries = []
-            for path, sha, mode, size in doc["files"]:
+            for (path, sha, mode, size), mtime in zip(files, times, strict=True):
                 if not isinstance(mode, int) or not isinstance(size, int) or size < 0:
                     raise ValueError(f"bad mode or size for {path!r}")
                 entries.append(TreeEntry(validate_name(path), check_sha256(sha),
-                                         mode & MODE_MASK, size))
+                                         mode & MODE_MASK, size, _mtime(path, mtime)))
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError,
                 ArtifactNameError) as exc:  # RecursionError: JSON nested too deep
             raise JitCacheError(f"malformed tree manifest: {exc}", family=None,
                                 path=None) from exc
         return cls(family, key, tuple(entries), publisher, seq)
+
+
+def _mtime(path: object, value: object) -> int | None:
+    """A tree's time for ``path``: ``None`` or an integer in ``0..MAX_MTIME_NS``.
+
+    Raises:
+        ValueError: anything else (a float, a boolean, a negative or huge number).
+    """
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not (
+            0 <= value <= MAX_MTIME_NS):
+        raise ValueError(f"bad modification time {value!r} for {path!r}")
+    return value
 
 
 def tree_bytes(pool: ArtifactPool, sha: str) -> bytes | None:
@@ -217,11 +254,15 @@ def latest(trees: Iterable[TreeManifest]) -> dict[tuple[str, str], TreeEntry]:
 
 def union(trees: Iterable[TreeManifest]) -> Union:
     """Merge trees: each publisher's latest entry per path (:func:`latest`); a path
-    that publishers give two digests is a conflict, left out of ``entries``."""
+    that publishers give two digests is a conflict, left out of ``entries``. Of the
+    publishers that agree, the first (by publisher) that lists a time is served, else
+    the first."""
     seen: dict[str, TreeEntry] = {}
     shas: dict[str, set[str]] = {}
     for (_who, path), entry in sorted(latest(trees).items()):
-        seen.setdefault(path, entry)
+        have = seen.get(path)
+        if have is None or (have.mtime_ns is None and entry.mtime_ns is not None):
+            seen[path] = entry
         shas.setdefault(path, set()).add(entry.sha256)
     conflicts = {p: tuple(sorted(s)) for p, s in shas.items() if len(s) > 1}
     return Union({p: e for p, e in seen.items() if p not in conflicts}, conflicts)
