@@ -19,6 +19,7 @@ from distcache.errors import CommError
 from distcache.testing import LoopbackOrigin, make_artifacts
 from launch import detect, find_store, publish_store
 from tests.launchers.procs import BIN, LAUNCH, PY, Result, base_env, run_group
+from tests.support.helpers import loopback_store
 
 K = 5
 TORCHRUN_2 = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"]
@@ -105,12 +106,8 @@ def test_under_srun_the_program_rehosts_the_wrappers_store_port_at_once(
 @pytest.fixture
 def agent_store() -> Iterator[Any]:
     """A TCPStore server on loopback that outlives every process started against it."""
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60),
-                          wait_for_workers=False)
-    yield store
-    del store
+    with loopback_store() as store:
+        yield store
 
 
 def _worker_env(store: Any, job: str, attempt: int, rank: int) -> dict[str, str]:

@@ -8,8 +8,10 @@ fails the test instead of the run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -138,3 +140,17 @@ class PlainIntegration:
 
     def materialize_dir(self) -> Path | None:
         return None
+
+
+@contextlib.contextmanager
+def loopback_store() -> Iterator[Any]:
+    """A torch TCPStore server on loopback, on a port the OS chose, that outlives every
+    process started against it (as torchrun's agent store does)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60),
+                          wait_for_workers=False)
+    try:
+        yield store
+    finally:
+        del store

@@ -43,6 +43,18 @@ def _old_name(path: Path, suffix: str = "") -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}{suffix}")
 
 
+def _planted(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """An export directory, another user's file, and a link to it planted at the name
+    of the manifest's temporary file as it was guessable before."""
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("another user's file\n")
+    planted = _old_name(mirror / "checksums.txt")
+    planted.symlink_to(victim)
+    return mirror, victim, planted
+
+
 def _listed(directory: Path) -> set[tuple[str, str]]:
     return {(a.name, a.sha256)
             for a in parse_checksums((directory / "checksums.txt").read_text())}
@@ -54,12 +66,7 @@ def _listed(directory: Path) -> set[tuple[str, str]]:
 def test_export_dir_does_not_write_through_a_link_planted_at_a_guessed_name(
     tmp_path: Path, pool: Path, served: list[Artifact]
 ) -> None:
-    mirror = tmp_path / "mirror"
-    mirror.mkdir()
-    victim = tmp_path / "victim.txt"
-    victim.write_text("another user's file\n")
-    planted = _old_name(mirror / "checksums.txt")
-    planted.symlink_to(victim)
+    mirror, victim, planted = _planted(tmp_path)
     assert main(["--pool", str(pool), "pool", "export", str(mirror)]) == 0
     assert victim.read_text() == "another user's file\n"
     manifest = mirror / "checksums.txt"
@@ -74,12 +81,7 @@ def test_export_dir_refuses_a_link_at_its_temporary_name_and_writes_nothing(
 ) -> None:
     # The name is made guessable again: the create itself must refuse the link.
     monkeypatch.setattr(export_module, "_temp_path", _old_name, raising=False)
-    mirror = tmp_path / "mirror"
-    mirror.mkdir()
-    victim = tmp_path / "victim.txt"
-    victim.write_text("another user's file\n")
-    planted = _old_name(mirror / "checksums.txt")
-    planted.symlink_to(victim)
+    mirror, victim, planted = _planted(tmp_path)
     capsys.readouterr()
     assert main(["--pool", str(pool), "pool", "export", str(mirror)]) == 1
     err = capsys.readouterr().err

@@ -32,7 +32,7 @@ torch = pytest.importorskip("torch")
 from distcache.comm._backend import Budget  # noqa: E402
 from distcache.comm._gloo import GlooCommunicator  # noqa: E402
 from distcache.errors import CollectiveTimeout  # noqa: E402
-from tests.support.helpers import run_group  # noqa: E402
+from tests.support.helpers import loopback_store, run_group  # noqa: E402
 from tests.unit.test_comm_torch_budget import _transport  # noqa: E402
 
 pytestmark = pytest.mark.timeout(200)
@@ -119,12 +119,8 @@ _RESULT = re.compile(r"RESULT (\d) (\S+) (\S+)")
 @pytest.fixture
 def store() -> Iterator[Any]:
     """A TCPStore server on loopback for the ranks of one test."""
-    import torch.distributed as dist
-
-    server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60),
-                           wait_for_workers=False)
-    yield server
-    del server
+    with loopback_store() as server:
+        yield server
 
 
 def _ranks(store: Any, scenario: str, *extra: str) -> tuple[str, dict[tuple[int, str], str]]:
