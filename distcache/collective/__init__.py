@@ -10,9 +10,11 @@ no rank can wait on a collective the others skip:
 =========  ==========================================================  ===========
 phase      what happens                                                collective
 =========  ==========================================================  ===========
-agree      digest of the sorted artifact list, pool id and node id;    allgather;
-           ranks claiming one pool id prove they see one directory     two per
-           (a probe file; a copy takes a fresh id: ``_sharing``)       probe round
+agree      digest of the sorted artifact list (sizes included), the    allgather;
+           download counts (the smallest of each is planned with),     two per
+           pool id and node id; ranks claiming one pool id prove they  probe round
+           see one directory (a probe file; a copy takes a fresh id:
+           ``_sharing``)
 discover   each pool's writer reports a have-bitmap over the list      allgather
 plan       pure: the same plan on every rank (``_plan``)               none
 fetch      each missing object is downloaded by exactly one rank,      allgather
