@@ -231,15 +231,15 @@ class Agent:
                 return self._fill(artifact, "origin" if place == 0 else "fallback",
                                   until - time.monotonic())
             endpoint = nodes[index]
-            left = until - time.monotonic()
-            if left <= 0 or self._is_down(endpoint):
+            hop = min(HOP_S, until - time.monotonic())
+            if hop <= 0 or self._is_down(endpoint):
                 continue
             try:
-                got = _client.fetch(endpoint, self.key, artifact, fill=True,
-                                    timeout=min(HOP_S, left), deadline=min(HOP_S, left))
+                got = _client.fetch(endpoint, self.key, artifact, fill=True, timeout=hop,
+                                    deadline=_client.budget_for(hop))
             except PeerError as exc:
                 status = getattr(exc, "status", None)
-                if status is None:  # no answer at all, not a 503
+                if status is None or _client.gone(exc, whole=hop >= HOP_S):  # not busy
                     self._mark_down(endpoint)
                 self.count("peer_skipped")
                 if status == 403 and self._first(f"refused by {endpoint}"):

@@ -34,6 +34,11 @@ NOT_AT_ORIGIN = "not-at-origin"
 MAX_ANSWER_VARIABLE = "DISTCACHE_MAX_ARTIFACT_BYTES"
 #: Bytes read from an answer at a time.
 _READ_BYTES = 1 << 20
+#: Seconds of a hop an asker keeps for the answer to come back: the agent is given the
+#: hop less this (less a quarter of a hop shorter than 4 s) as its budget, so that one
+#: waiting on another asker's fill says so (503) within the hop, and one that says
+#: nothing in a whole hop is taken for a stopped or wedged one.
+ANSWER_MARGIN_S = 1.0
 
 
 class Answer(Record):
@@ -48,6 +53,30 @@ class Answer(Record):
 
     def __init__(self, data: bytes, source: str) -> None:
         self._assign(data, source)
+
+
+class Unanswered(PeerError):
+    """Connected, but the agent's answer broke off: the connection closed or reset
+    after its head came, or it carried what no agent sends. ``status`` 0, as every answer that
+    did not come whole; an owner walk leaves such an agent out for a while."""
+
+
+class Silent(Unanswered):
+    """Connected, but no status line and headers came within the whole time given:
+    a stopped or wedged agent (the kernel still accepts for it), not a busy one."""
+
+
+def gone(exc: BaseException, *, whole: bool) -> bool:
+    """Whether a hop that failed with ``exc`` says its agent is gone or wedged (to be
+    left out of walks a while): its answer broke off, or it said nothing within the
+    hop, a ``whole`` one (a hop cut short by the asker's own budget proves nothing)."""
+    return isinstance(exc, Unanswered) and (whole or not isinstance(exc, Silent))
+
+
+def budget_for(hop: float) -> float:
+    """The budget an agent asked within ``hop`` seconds is given (see
+    :data:`ANSWER_MARGIN_S`)."""
+    return hop - min(ANSWER_MARGIN_S, hop / 4)
 
 
 class _Connection(http.client.HTTPConnection):
@@ -94,7 +123,8 @@ def request(endpoint: str, key: bytes, path: str, *, timeout: float, deadline: s
     Raises:
         PeerError: no connection, or an answer longer than ``most`` (``status`` None:
             the walk leaves the agent out for a while), or no whole answer within
-            ``timeout`` (``status`` 0); ``refused`` False.
+            ``timeout`` (``status`` 0: :class:`Unanswered` when the answer broke off
+            or its head did not come in time); ``refused`` False.
     """
     until = time.monotonic() + timeout
     bound = (most, "") if most is not None else (settings().max_artifact_bytes,
@@ -112,6 +142,7 @@ def request(endpoint: str, key: bytes, path: str, *, timeout: float, deadline: s
         # socket is kept here: an answer that closes the connection (HTTP/1.0, no
         # length) is read after http.client has let go of it.
         sock = conn.sock
+        headed = False  # the status line and headers came
         try:
             cut = Cut(sock, until)
             conn.request("GET", path, headers=sign(key, "GET", path, target=target_of(endpoint),
@@ -119,18 +150,34 @@ def request(endpoint: str, key: bytes, path: str, *, timeout: float, deadline: s
             _left(sock, until)
             # Closed however the body ends: an answer cut short holds the socket.
             with conn.getresponse() as answer:
+                headed = True
                 body = _body(endpoint, sock, answer, until, bound)
                 return answer.status, {k.lower(): v for k, v in answer.getheaders()}, body
-        except (OSError, RuntimeError, http.client.HTTPException) as exc:
-            # Connected, but no whole answer in time: a busy agent (a long origin fill),
-            # status 0, not one to leave out of every walk. (RuntimeError: no thread
-            # for the cut.)
+        except RuntimeError as exc:  # no thread for the cut: nothing said of the agent
             raise PeerError(f"agent {endpoint}: {type(exc).__name__}: {exc}",
                             endpoint=endpoint, status=0, refused=False) from None
+        except (OSError, http.client.HTTPException) as exc:
+            raise _unanswered(endpoint, exc, cut is not None and cut.fired, headed) from None
     finally:
         if cut is not None:
             cut.cancel()
         conn.close()
+
+
+def _unanswered(endpoint: str, exc: BaseException, cut: bool, headed: bool) -> PeerError:
+    """What an answer that did not come whole says of its agent (``cut``: the
+    answer's time ran out and its socket was shut; ``headed``: its head came)."""
+    text = f"agent {endpoint}: {type(exc).__name__}: {exc}"
+    if not (cut or isinstance(exc, TimeoutError)):  # closed, reset, or garbage
+        if not headed and isinstance(exc, ConnectionError | http.client.RemoteDisconnected):
+            # Closed before a word: what an agent at its connection cap does (it
+            # shuts a connection it will not serve), a busy one, not a gone one.
+            return PeerError(text, endpoint=endpoint, status=0, refused=False)
+        return Unanswered(text, endpoint=endpoint, status=0, refused=False)
+    if not headed:  # nothing said within the whole time: stopped or wedged
+        return Silent(text, endpoint=endpoint, status=0, refused=False)
+    # Its head came, its body did not in time: a slow answer, not one to leave out.
+    return PeerError(text, endpoint=endpoint, status=0, refused=False)
 
 
 class Cut:

@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import secrets
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +40,9 @@ log = get_logger(__name__)
 _MAX_SOCKET_PATH = 100
 #: The longest a leader's agent waits for what it starts after (the origin's set-up).
 AFTER_WAIT_S = 10.0
+#: The key file each agent :func:`host_agent` started wrote: its (device, inode), so
+#: that closing removes that file and never one put at its name since.
+_KEY_FILES: weakref.WeakKeyDictionary[Agent, tuple[int, int]] = weakref.WeakKeyDictionary()
 
 
 def job_address(environ: Mapping[str, str] | None = None) -> str:
@@ -82,8 +87,7 @@ class Hosted:
         if self.agent is not None:
             self.agent.stop()
             if self.agent.socket_path is not None:
-                with contextlib.suppress(OSError):
-                    key_path(self.agent.socket_path).unlink()
+                _remove_key(key_path(self.agent.socket_path), _KEY_FILES.pop(self.agent, None))
                 _remove_made_dir(self.agent.socket_path, self.agent.pool)
             self.agent = None
 
@@ -96,22 +100,58 @@ def _remove_made_dir(socket: Path, pool: ArtifactPool) -> None:
             socket.parent.rmdir()
 
 
+def _write_key(keyfile: Path, key: bytes) -> tuple[int, int]:
+    """Write ``key`` to ``keyfile``, this user's alone (0600): at a fresh name, created
+    exclusively and never through a link, flushed, then renamed over ``keyfile``; so
+    nothing planted at either name (a link, a file of wider mode) is written through
+    or kept. The new file's (device, inode).
+
+    Raises:
+        PoolError, OSError: it cannot be written.
+    """
+    from distcache.store._fs import temp_file, unlink_quietly, write_all
+
+    temp = keyfile.with_name(f"{keyfile.name}.{os.getpid()}.{secrets.token_hex(8)}")
+    fd = temp_file(str(temp))
+    try:
+        os.fchmod(fd, 0o600)
+        write_all(fd, key)
+        os.fsync(fd)
+        made = os.fstat(fd)
+        os.replace(temp, keyfile)
+    except BaseException:
+        unlink_quietly(temp)
+        raise
+    finally:
+        os.close(fd)
+    return made.st_dev, made.st_ino
+
+
+def _remove_key(keyfile: Path, made: tuple[int, int] | None) -> None:
+    """Remove ``keyfile`` if it is still the file :func:`_write_key` made (``made``)."""
+    with contextlib.suppress(OSError):
+        st = os.lstat(keyfile)
+        if made is not None and (st.st_dev, st.st_ino) == made:
+            os.unlink(keyfile)
+
+
 def host_agent(pool: ArtifactPool, origin: Callable[[], Origin | None], key: bytes,
                tag: str, environ: Mapping[str, str] | None = None) -> Agent:
-    """Start one node agent on :func:`job_address`, with its socket and key file."""
+    """Start one node agent on :func:`job_address`, with its key file, then its socket
+    (a process that finds the socket finds the key beside it)."""
     from distcache.peer._agent import Agent
 
     path = socket_path(Path(pool.root), tag)
+    made = None
     try:
+        made = _write_key(key_path(path), key)
         agent = Agent(pool, origin, key, host=job_address(environ), socket_path=path,
                       joining=True).start()
     except BaseException:
+        _remove_key(key_path(path), made)
         _remove_made_dir(path, pool)
         raise
-    keyfile = key_path(path)
-    fd = os.open(keyfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as out:
-        out.write(key)
+    _KEY_FILES[agent] = made
     return agent
 
 

@@ -1,0 +1,224 @@
+"""An owner that breaks off or says nothing for a whole hop is left out of later walks
+(docs/peers.md, 'A silent owner is skipped'), and the agent's request key file is
+written where nothing planted at its name is followed or kept (docs/security.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import stat
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from distcache.artifact import Artifact
+from distcache.origins import HttpOrigin
+from distcache.peer import Agent, Tier, fetch, host_agent, lookup, order
+from distcache.peer._hosting import Hosted, socket_path
+from distcache.peer._tier import key_path
+from distcache.store import ArtifactPool
+from distcache.testing import LoopbackOrigin, make_artifacts
+from tests.unit.test_peer_agent import (
+    KEY,
+    _bad_peer,
+    origin,  # noqa: F401  (a fixture)
+)
+from tests.unit.test_peer_memory import _until
+
+#: A short hop, so that a silent owner costs the test about a second.
+HOP_S = 1.0
+
+
+@pytest.fixture
+def made(tmp_path: Path) -> list[Artifact]:
+    # Enough that a node of two owns several, whatever port it was given.
+    return make_artifacts(tmp_path / "repo", 24, min_size=500, max_size=1_000)
+
+
+@pytest.fixture
+def short_hop(monkeypatch: pytest.MonkeyPatch) -> None:
+    from distcache.peer import _agent
+
+    monkeypatch.setattr(_agent, "HOP_S", HOP_S)
+
+
+@contextlib.contextmanager
+def _asker_beside(owner: str, tmp_path: Path, url: str) -> Iterator[Agent]:
+    """This node's agent, in a job of two whose other node is ``owner``."""
+    agent = host_agent(ArtifactPool(tmp_path / "pool"), lambda: HttpOrigin(url), KEY, "asker")
+    agent.join([owner, agent.endpoint], 1)
+    try:
+        yield agent
+    finally:
+        agent.stop()
+
+
+def _owned_by(node: int, ring: list[str], made: list[Artifact]) -> list[Artifact]:
+    return [a for a in made if order(a.sha256, ring)[0] == node]
+
+
+@pytest.mark.parametrize("script", [
+    b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + b"x" * 10,  # cut short
+    b"SSH-2.0-OpenSSH_9.6\r\n",  # not an answer at all
+], ids=["cut-short", "garbage"])
+def test_an_owner_whose_answer_breaks_off_is_left_out_of_later_walks(
+    tmp_path: Path, made: list[Artifact], origin: LoopbackOrigin,  # noqa: F811
+    short_hop: None, script: bytes,
+) -> None:
+    bad, _ = _bad_peer(script)
+    with _asker_beside(bad, tmp_path, origin.url) as agent:
+        owned = _owned_by(0, [bad, agent.endpoint], made)[:3]
+        assert len(owned) == 3
+        got = [lookup(a, Tier(agent.local_endpoint or "", KEY, bound=10)) for a in owned]
+    assert [g and g.source for g in got] == ["fallback"] * 3
+    # Asked by the first walk only; the next node asked the origin for each.
+    assert agent.counts["peer_skipped"] == 1 and agent.counts["fallback"] == 3
+    assert origin.total_requests == 3
+
+
+def test_an_owner_that_closes_before_a_word_is_taken_for_a_busy_one_and_asked_again(
+    tmp_path: Path, made: list[Artifact], origin: LoopbackOrigin,  # noqa: F811
+    short_hop: None,
+) -> None:
+    # What an agent at its connection cap does: it shuts each connection it will not
+    # serve, without a word.
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def turn_away() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = server.accept()
+                conn.close()
+
+    threading.Thread(target=turn_away, daemon=True).start()
+    bad = f"tcp://127.0.0.1:{server.getsockname()[1]}"
+    with _asker_beside(bad, tmp_path, origin.url) as agent:
+        owned = _owned_by(0, [bad, agent.endpoint], made)[:3]
+        got = [lookup(a, Tier(agent.local_endpoint or "", KEY, bound=10)) for a in owned]
+    assert [g and g.source for g in got] == ["fallback"] * 3
+    server.close()
+    assert agent.counts["peer_skipped"] == 3 and agent.counts["fallback"] == 3
+
+
+def test_a_silent_owner_is_left_out_once_it_was_given_a_whole_hop(
+    tmp_path: Path, made: list[Artifact], origin: LoopbackOrigin,  # noqa: F811
+    short_hop: None,
+) -> None:
+    # Reads the request, then says nothing (a stopped or wedged process: the kernel
+    # still accepts connections for it, into the backlog).
+    bad, _ = _bad_peer(b"", hold=4 * HOP_S)
+    with _asker_beside(bad, tmp_path, origin.url) as agent:
+        first, second, third = _owned_by(0, [bad, agent.endpoint], made)[:3]
+        # A hop cut short by the asker's own budget proves nothing of the owner.
+        lookup(first, Tier(agent.local_endpoint or "", KEY, bound=HOP_S / 2))
+        _until(lambda: agent.counts["fallback"] == 1)  # the walk went on past it
+        assert agent.counts["peer_skipped"] == 1
+        tier = Tier(agent.local_endpoint or "", KEY, bound=10)
+        got = [lookup(a, tier) for a in (second, third)]
+    assert [g and g.source for g in got] == ["fallback"] * 2
+    # Asked again by the second walk, which gave it a whole hop; not by the third.
+    assert agent.counts["peer_skipped"] == 2
+
+
+def test_an_owner_still_filling_says_so_within_the_hop_and_is_asked_again(
+    tmp_path: Path, made: list[Artifact], origin: LoopbackOrigin,  # noqa: F811
+    short_hop: None, caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="distcache.peer")
+    with LoopbackOrigin(tmp_path / "repo", latency=3 * HOP_S) as slow:
+        owner = host_agent(ArtifactPool(tmp_path / "owner"), lambda: HttpOrigin(slow.url),
+                           KEY, "owner")
+        try:
+            with _asker_beside(owner.endpoint, tmp_path, origin.url) as agent:
+                ring = [owner.endpoint, agent.endpoint]
+                owner.join(ring, 0)
+                owned = _owned_by(0, ring, made)[:2]
+                # The owner's fills, begun by other nodes: longer than a hop.
+                with ThreadPoolExecutor(len(owned)) as others:
+                    fills = [others.submit(fetch, owner.endpoint, KEY, a, fill=True,
+                                           timeout=10) for a in owned]
+                    _until(lambda: slow.total_requests == len(owned))
+                    tier = Tier(agent.local_endpoint or "", KEY, bound=10)
+                    got = [lookup(a, tier) for a in owned]
+                    assert [f.result().source for f in fills] == ["origin"] * 2
+        finally:
+            owner.stop()
+    assert [g and g.source for g in got] == ["fallback"] * 2
+    # Each walk asked it, and it answered: a busy owner says so (503) before the
+    # asker's hop ends, and is not taken for a silent one.
+    assert owner.counts["unavailable"] == 2 and agent.counts["peer_skipped"] == 2
+    said = [r.getMessage() for r in caplog.records if "skipped for" in r.getMessage()]
+    assert len(said) == 2 and all("answered 503 unavailable" in m for m in said), said
+
+
+# --- the key file ------------------------------------------------------------------
+
+
+def _key_file(pool: ArtifactPool, tag: str) -> Path:
+    return key_path(socket_path(Path(pool.root), tag))
+
+
+@pytest.mark.parametrize("planted", ["link", "group-writable file"])
+def test_nothing_planted_at_the_key_files_name_is_written_through_or_kept(
+    tmp_path: Path, planted: str
+) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    name = _key_file(pool, "node0")
+    elsewhere = tmp_path / "elsewhere.key"  # a co-writer's file, outside the pool
+    elsewhere.write_bytes(b"")
+    os.chmod(elsewhere, 0o664)
+    if planted == "link":
+        os.symlink(elsewhere, name)
+    else:
+        name.write_bytes(b"")
+        os.chmod(name, 0o666)
+    before = name.lstat()
+    agent = host_agent(pool, lambda: None, KEY, "node0")
+    try:
+        st = name.lstat()
+        assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+        assert st.st_ino != before.st_ino  # a new file, not the planted one
+        assert name.read_bytes() == KEY
+        assert elsewhere.read_bytes() == b""  # nothing written through the link
+    finally:
+        Hosted(None, agent).close()
+    assert not name.exists() and not list(Path(pool.root).glob(".peer-*"))
+
+
+def test_closing_removes_only_the_key_file_this_agent_made(tmp_path: Path) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    agent = host_agent(pool, lambda: None, KEY, "node0")
+    assert agent.socket_path is not None
+    name = key_path(agent.socket_path)
+    theirs = name.with_name("theirs")
+    theirs.write_bytes(b"another's")
+    os.replace(theirs, name)  # put at the name since (the pool is shared)
+    Hosted(None, agent).close()
+    assert name.read_bytes() == b"another's"
+    assert not agent.socket_path.exists()
+
+
+def test_the_key_is_in_place_before_the_agent_listens_and_a_failed_start_leaves_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    seen: list[bytes] = []
+
+    def failing(agent: Agent) -> Agent:  # before its listeners: a process finding
+        assert agent.socket_path is not None  # its socket finds the key beside it
+        name = key_path(agent.socket_path)
+        seen.append(name.read_bytes() if name.exists() else b"")
+        raise OSError(98, "Address already in use")
+
+    monkeypatch.setattr(Agent, "start", failing)
+    with pytest.raises(OSError, match="Address already in use"):
+        host_agent(pool, lambda: None, KEY, "node0")
+    assert seen == [KEY]
+    assert not list(Path(pool.root).glob(".peer-*"))
