@@ -281,7 +281,7 @@ class Agent:
             self.count(source)
             return _client.Answer(data, source)
 
-        return self._fills.do(artifact.sha256, download, timeout=max(budget, 0.001))
+        return self._fills.do(artifact.sha256, download, timeout=max(budget, 0.001), bounded=True)
 
     def _publish(self, artifact: Artifact, data: bytes) -> None:
         try:

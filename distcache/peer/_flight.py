@@ -23,7 +23,10 @@ class _Call(Generic[T]):
 class Singleflight(Generic[T]):
     """``do(key, work)``: the first caller for ``key`` runs ``work``; callers that come
     while it runs wait for its result (or its exception) instead of running it again.
-    A later call, after the first finished, runs ``work`` anew."""
+    A later call, after the first finished, runs ``work`` anew. With ``bounded``, the
+    first caller too waits at most ``timeout``: the work runs on a thread of its own and
+    goes on when the caller stops waiting (an agent leading an origin download answers
+    its asker within the asker's budget, as one waiting on it does)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -32,10 +35,11 @@ class Singleflight(Generic[T]):
         self.led = 0
         self.joined = 0
 
-    def do(self, key: str, work: Callable[[], T], *, timeout: float | None = None) -> T:
+    def do(self, key: str, work: Callable[[], T], *, timeout: float | None = None,
+           bounded: bool = False) -> T:
         """Raises:
-            StillRunning: this caller waited on another's call longer than ``timeout``
-                (that call goes on); a :class:`TimeoutError`.
+            StillRunning: this caller waited on the call longer than ``timeout`` (the
+                call goes on); a :class:`TimeoutError`.
             what ``work`` raised, in every caller that shared the call.
         """
         with self._lock:
@@ -47,16 +51,22 @@ class Singleflight(Generic[T]):
             else:
                 self.joined += 1
         if leader:
-            try:
-                call.value = work()
-            except BaseException as exc:
-                call.error = exc
-            finally:
-                with self._lock:
-                    del self._calls[key]
-                call.done.set()
-        elif not call.done.wait(timeout):
-            raise StillRunning(f"waited {timeout} s for another caller's work on {key}")
+            def run() -> None:
+                try:
+                    call.value = work()
+                except BaseException as exc:
+                    call.error = exc
+                finally:
+                    with self._lock:
+                        del self._calls[key]
+                    call.done.set()
+
+            if timeout is None or not bounded:
+                run()
+            else:
+                threading.Thread(target=run, daemon=True, name="distcache-flight").start()
+        if not call.done.wait(timeout):
+            raise StillRunning(f"waited {timeout} s for the work on {key}, which goes on")
         if call.error is not None:
             raise call.error
         return call.value  # type: ignore[return-value]

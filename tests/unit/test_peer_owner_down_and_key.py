@@ -158,6 +158,34 @@ def test_an_owner_still_filling_says_so_within_the_hop_and_is_asked_again(
     assert len(said) == 2 and all("answered 503 unavailable" in m for m in said), said
 
 
+def test_an_owner_leading_a_slow_fill_for_its_first_asker_says_so_and_serves_later(
+    tmp_path: Path, made: list[Artifact], origin: LoopbackOrigin,  # noqa: F811
+    short_hop: None,
+) -> None:
+    with LoopbackOrigin(tmp_path / "repo", latency=3 * HOP_S) as slow:
+        owner = host_agent(ArtifactPool(tmp_path / "owner"), lambda: HttpOrigin(slow.url),
+                           KEY, "owner")
+        try:
+            with _asker_beside(owner.endpoint, tmp_path, origin.url) as agent:
+                ring = [owner.endpoint, agent.endpoint]
+                owner.join(ring, 0)
+                first, held = _owned_by(0, ring, made)[:2]
+                owner.pool.put((tmp_path / "repo" / held.name).read_bytes())
+                owner.pool.remember([held])
+                tier = Tier(agent.local_endpoint or "", KEY, bound=10)
+                # The owner leads this fill itself, longer than a hop: it answers 503
+                # within the hop and the download goes on.
+                assert (got := lookup(first, tier)) is not None and got.source == "fallback"
+                assert owner.counts["unavailable"] == 1
+                assert not agent._is_down(owner.endpoint)
+                _until(lambda: owner.pool.has(first.sha256))
+                again = lookup(held, tier)
+        finally:
+            owner.stop()
+    assert again is not None and again.source == "peer"
+    assert slow.total_requests == 1 and agent.counts["fallback"] == 1
+
+
 # --- the key file ------------------------------------------------------------------
 
 
