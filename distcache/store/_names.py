@@ -3,8 +3,8 @@ and then only what other processes appended since.
 
 The log is appended to by any process and rewritten in place by ``pool rm`` and
 ``pool prune`` (which drop labels under its lock). A cached view must see both: each
-read keeps the last bytes before the offset it reached, and the next read starts
-over from the beginning where they changed (a rewrite moves the records), as well as
+read keeps the last record before the offset it reached, and the next read starts
+over from the beginning where it changed (a rewrite moves the records), as well as
 where the file became shorter than that offset. A lookup that would answer from the
 cache alone first compares the log's size, change time and inode with those of the
 last read (one ``stat``): a log changed since is read before anything is taken as
@@ -22,8 +22,10 @@ from distcache.artifact import collapse_slashes
 from distcache.store._fs import READ_FLAGS, pool_error
 from distcache.store._log import AppendLog, _name_record, _parse_name_record
 
-#: The bytes before a read's end that the next read checks are still there.
-_TAIL = 64
+#: The most bytes before a read's end that the next read checks are still there: the
+#: whole last record (its sha256 and checksum make it the only one of its kind), up to
+#: this many bytes.
+_TAIL = 4096
 
 #: What a ``stat`` of the log says of its content: inode, size, change time.
 Seen = tuple[int, int, int]
@@ -64,8 +66,10 @@ def read_checked(path: Path, offset: int, tail: bytes
     if end <= offset - start:  # nothing complete after the offset
         return [], offset, tail if not again else b"", again, _seen(st)
     lines = data[offset - start:end].decode("utf-8", "replace").split("\n")
-    return [line for line in lines if line], start + end, data[max(0, end - _TAIL):end], \
-        again, _seen(st)
+    # From the newline before the last record on: the record whole, not its last bytes
+    # (names often share long endings: one kernel under two hash prefixes).
+    first = max(data.rfind(b"\n", 0, end - 1), end - _TAIL, 0)
+    return [line for line in lines if line], start + end, data[first:end], again, _seen(st)
 
 
 class NamesIndex:

@@ -70,6 +70,24 @@ def test_a_rewrite_that_leaves_the_log_longer_is_read_again_from_the_start(
     assert {f"pin/new{i}.cubin" for i in range(4)} <= set(names)
 
 
+def test_a_rewrite_is_seen_where_the_names_around_the_old_end_share_a_long_ending(
+        tmp_path: Path) -> None:
+    # One kernel under two hash prefixes: the last bytes of the records are alike.
+    kernel = ("batched_gemm/Bmm_Bfloat16_E2m1E2m1_Fp32_t128x8x512u2_s6_et128x8_m128x8x64_"
+              "cga1x1x1_16dp256b_TN_sm100a.cubin")
+    seed = ArtifactPool(tmp_path / "pool")
+    a = _put(seed, f"aaaaaaaa/{kernel}")
+    _put(seed, f"bbbbbbbb/{kernel}")
+    server = ArtifactPool(seed.root)
+    server.names()
+    operator = ArtifactPool(seed.root)
+    apply(operator, plan_rm(operator, ["aaaaaaaa/*"]))
+    _put(ArtifactPool(seed.root), f"cccccccc/{kernel}")  # the same length as a's record
+    assert sorted(server.names()) == [f"bbbbbbbb/{kernel}", f"cccccccc/{kernel}"]
+    _put(server, a.name)
+    assert a.name in ArtifactPool(seed.root).names()
+
+
 def test_an_unchanged_log_is_not_read_again_and_an_appended_one_only_past_its_end(
         root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from distcache.store import _names
