@@ -62,8 +62,9 @@ def to_announce(error: BaseException, rank: int) -> bool:
 
 def tell_others(comm: Any, error: BaseException) -> bool:
     """Tell the other ranks of ``comm`` that this one failed with ``error``, where
-    :func:`to_announce` says to and the communicator can (an MPI one distcache owns,
-    or a wrapper of one); True when told. Never raises."""
+    :func:`to_announce` says to and the communicator can (an MPI one distcache owns, or
+    a wrapper that forwards ``announce`` to one: a node tree, a counting one); True when
+    told. Never raises."""
     try:
         announce = getattr(comm, "announce", None)
         if announce is None or comm.size < 2 or not to_announce(error, comm.rank):
@@ -105,6 +106,18 @@ class Announcements:
     def heard(self) -> bool:
         """Whether a word has come (every later look raises its failure)."""
         return self._heard is not None
+
+    @property
+    def spent(self) -> str | None:
+        """What retires the communicators that share these words (None: nothing): a
+        failure was heard of or told. A communicator whose waits stopped at a failure
+        has collectives pending for ever, and a rank that told once tells no more."""
+        if self._heard is not None:
+            rank, node, _ = self._heard
+            return f"rank {rank}/{self._size} ({node}) failed"
+        if self._told:
+            return f"rank {self._rank}/{self._size} ({self._node_id}, this rank) failed"
+        return None
 
     def looker(self) -> Callable[[], None]:
         """A function one wait calls at each poll: raises the failure a word named,

@@ -148,6 +148,13 @@ class MpiCommunicator(BackendCommunicator):
             self._broken = f"{op} was left when {exc}"
             raise
 
+    def _budget(self, timeout: float | None) -> Budget:
+        # A failure heard of or told retires every communicator sharing the words.
+        spent = None if self._words is None else self._words.spent
+        if spent is not None and self._broken is None:
+            self._broken = spent
+        return super()._budget(timeout)
+
     def announce(self, error: BaseException) -> bool:
         """Tell the other ranks that this one failed with ``error``, so that their
         waits raise it instead of waiting on (:mod:`distcache.comm._announce`); True

@@ -11,7 +11,7 @@ import pytest
 import distcache
 from distcache.comm import from_mpi
 from distcache.comm._base import Communicator
-from distcache.errors import CollectiveTimeout, PoolError
+from distcache.errors import CollectiveTimeout, CommError, PoolError
 
 #: Far longer than a word takes: a rank still waiting when it runs out raises a
 #: CollectiveTimeout, which the tests refuse.
@@ -31,6 +31,9 @@ def _init_with_one_bad_pool(comm: Communicator, shared_tmp: Path, bad: int) -> B
         distcache.init(comm=own, pool=pool, manifests=[], integrations=(),
                        timeout=TIMEOUT_S)
     except Exception as exc:
+        # Its collectives stopped for ever: the communicator is retired, on every rank.
+        with pytest.raises(CommError, match=f"unusable after .*rank {bad}/{comm.size} .*failed"):
+            own.barrier(timeout=5)
         return exc
     finally:
         own.close()

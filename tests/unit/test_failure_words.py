@@ -265,3 +265,13 @@ def test_a_watched_wait_stops_at_a_word_but_not_after_its_test_came_true() -> No
     pending = watched(lambda: False, ranks[0].looker())
     with pytest.raises(PoolError, match="late"):
         pending()
+
+
+def test_a_communicator_whose_words_are_spent_is_retired_with_the_failure_named() -> None:
+    ranks = _ranks(3)
+    assert ranks[0].spent is None
+    ranks[2].announce(PoolError("mine"))
+    assert ranks[2].spent == "rank 2/3 (node1, this rank) failed"
+    _heard(ranks, 0)
+    assert ranks[0].spent == "rank 2/3 (node1) failed"
+    assert ranks[1].spent is None  # not heard yet
