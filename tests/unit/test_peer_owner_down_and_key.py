@@ -58,6 +58,21 @@ def _asker_beside(owner: str, tmp_path: Path, url: str) -> Iterator[Agent]:
         agent.stop()
 
 
+@contextlib.contextmanager
+def _slow_owner(tmp_path: Path, url: str) -> Iterator[tuple[Agent, Agent, LoopbackOrigin]]:
+    """An owner agent whose origin answers in three hops, this node's agent beside it
+    (its origin at ``url``), the two joined; and the slow origin."""
+    with LoopbackOrigin(tmp_path / "repo", latency=3 * HOP_S) as slow:
+        owner = host_agent(ArtifactPool(tmp_path / "owner"), lambda: HttpOrigin(slow.url),
+                           KEY, "owner")
+        try:
+            with _asker_beside(owner.endpoint, tmp_path, url) as agent:
+                owner.join([owner.endpoint, agent.endpoint], 0)
+                yield owner, agent, slow
+        finally:
+            owner.stop()
+
+
 def _owned_by(node: int, ring: list[str], made: list[Artifact]) -> list[Artifact]:
     return [a for a in made if order(a.sha256, ring)[0] == node]
 
@@ -132,24 +147,16 @@ def test_an_owner_still_filling_says_so_within_the_hop_and_is_asked_again(
     short_hop: None, caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="distcache.peer")
-    with LoopbackOrigin(tmp_path / "repo", latency=3 * HOP_S) as slow:
-        owner = host_agent(ArtifactPool(tmp_path / "owner"), lambda: HttpOrigin(slow.url),
-                           KEY, "owner")
-        try:
-            with _asker_beside(owner.endpoint, tmp_path, origin.url) as agent:
-                ring = [owner.endpoint, agent.endpoint]
-                owner.join(ring, 0)
-                owned = _owned_by(0, ring, made)[:2]
-                # The owner's fills, begun by other nodes: longer than a hop.
-                with ThreadPoolExecutor(len(owned)) as others:
-                    fills = [others.submit(fetch, owner.endpoint, KEY, a, fill=True,
-                                           timeout=10) for a in owned]
-                    _until(lambda: slow.total_requests == len(owned))
-                    tier = Tier(agent.local_endpoint or "", KEY, bound=10)
-                    got = [lookup(a, tier) for a in owned]
-                    assert [f.result().source for f in fills] == ["origin"] * 2
-        finally:
-            owner.stop()
+    with _slow_owner(tmp_path, origin.url) as (owner, agent, slow):
+        owned = _owned_by(0, [owner.endpoint, agent.endpoint], made)[:2]
+        # The owner's fills, begun by other nodes: longer than a hop.
+        with ThreadPoolExecutor(len(owned)) as others:
+            fills = [others.submit(fetch, owner.endpoint, KEY, a, fill=True, timeout=10)
+                     for a in owned]
+            _until(lambda: slow.total_requests == len(owned))
+            tier = Tier(agent.local_endpoint or "", KEY, bound=10)
+            got = [lookup(a, tier) for a in owned]
+            assert [f.result().source for f in fills] == ["origin"] * 2
     assert [g and g.source for g in got] == ["fallback"] * 2
     # Each walk asked it, and it answered: a busy owner says so (503) before the
     # asker's hop ends, and is not taken for a silent one.
@@ -162,26 +169,18 @@ def test_an_owner_leading_a_slow_fill_for_its_first_asker_says_so_and_serves_lat
     tmp_path: Path, made: list[Artifact], origin: LoopbackOrigin,  # noqa: F811
     short_hop: None,
 ) -> None:
-    with LoopbackOrigin(tmp_path / "repo", latency=3 * HOP_S) as slow:
-        owner = host_agent(ArtifactPool(tmp_path / "owner"), lambda: HttpOrigin(slow.url),
-                           KEY, "owner")
-        try:
-            with _asker_beside(owner.endpoint, tmp_path, origin.url) as agent:
-                ring = [owner.endpoint, agent.endpoint]
-                owner.join(ring, 0)
-                first, held = _owned_by(0, ring, made)[:2]
-                owner.pool.put((tmp_path / "repo" / held.name).read_bytes())
-                owner.pool.remember([held])
-                tier = Tier(agent.local_endpoint or "", KEY, bound=10)
-                # The owner leads this fill itself, longer than a hop: it answers 503
-                # within the hop and the download goes on.
-                assert (got := lookup(first, tier)) is not None and got.source == "fallback"
-                assert owner.counts["unavailable"] == 1
-                assert not agent._is_down(owner.endpoint)
-                _until(lambda: owner.pool.has(first.sha256))
-                again = lookup(held, tier)
-        finally:
-            owner.stop()
+    with _slow_owner(tmp_path, origin.url) as (owner, agent, slow):
+        first, held = _owned_by(0, [owner.endpoint, agent.endpoint], made)[:2]
+        owner.pool.put((tmp_path / "repo" / held.name).read_bytes())
+        owner.pool.remember([held])
+        tier = Tier(agent.local_endpoint or "", KEY, bound=10)
+        # The owner leads this fill itself, longer than a hop: it answers 503 within
+        # the hop and the download goes on.
+        assert (got := lookup(first, tier)) is not None and got.source == "fallback"
+        assert owner.counts["unavailable"] == 1
+        assert not agent._is_down(owner.endpoint)
+        _until(lambda: owner.pool.has(first.sha256))
+        again = lookup(held, tier)
     assert again is not None and again.source == "peer"
     assert slow.total_requests == 1 and agent.counts["fallback"] == 1
 
