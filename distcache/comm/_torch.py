@@ -4,8 +4,8 @@ Every collective is issued with ``async_op=True`` and waited with a timeout, so 
 that never arrives makes its peers raise :class:`~distcache.errors.CollectiveTimeout`
 instead of blocking until the process group's own (long) timeout. A backend that takes a
 timeout per operation (distcache's own gloo group) is also given what is left of the
-call's budget, so the operation gives up when the call does, whatever the group's own
-timeout. A collective that timed out may still be queued in the backend and cannot be
+call's budget where that is longer than the communicator's timeout, so a call given
+longer than the group's timeout gets it. A collective that timed out may still be queued in the backend and cannot be
 cancelled, so the communicator refuses further calls afterwards; build a new one to
 continue.
 
@@ -200,8 +200,11 @@ class TorchCommunicator(BackendCommunicator):
         wait = budget.until - time.monotonic()
         if wait <= 0:
             raise self._timed_out(op, budget.seconds)
-        # Whole milliseconds, rounded up: gloo reads a timeout of 0 ms as "none".
-        self._op_timeout = timedelta(milliseconds=math.ceil(wait * 1000))
+        # Never shorter than the communicator's own timeout: an operation the call gives
+        # up on stays queued (a late rank completes it, as on MPI) rather than broken
+        # in the group by the backend; a call given longer gets longer. Whole
+        # milliseconds, rounded up: gloo reads a timeout of 0 ms as "none".
+        self._op_timeout = timedelta(milliseconds=math.ceil(max(wait, self._timeout) * 1000))
         try:
             work = start(*args, **kwargs)
             if self._device.type == "cpu":

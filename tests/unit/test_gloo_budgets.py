@@ -1,9 +1,9 @@
 """distcache's own gloo group gives each collective the time its call was given.
 
 The group is made with the communicator's whole timeout, however late a rank met its
-peers; each operation carries what is left of its call's timeout, so a call may
-outlast the group's timeout and one that gives up leaves nothing behind for close to
-wait on. A timeout gloo reports itself ("Timed out waiting ...ms") is a
+peers; each operation carries what is left of its call's timeout where that is longer than
+the communicator's, so a call may outlast the group's timeout (one that gives up
+sooner leaves its operation queued, for a late rank to complete, as on MPI). A timeout gloo reports itself ("Timed out waiting ...ms") is a
 :class:`CollectiveTimeout`, like one the wait reports.
 
 The two ranks of each multi-process test are separate processes on 127.0.0.1 meeting
@@ -97,20 +97,6 @@ elif scenario == "absent":
     else:
         store.wait(["done"])
     c.close()
-elif scenario == "close":
-    # A call of 1 s on a communicator of 30 s; rank 1 alive, never joining it.
-    c = comm(30.0)
-    if rank == 0:
-        attempt("barrier", lambda: c.barrier(timeout=1.0))
-        began = time.monotonic()
-        c.close()
-        del c
-        gc.collect()
-        print(f"CLOSED {time.monotonic() - began:.3f}", flush=True)
-        store.set("done", "1")
-    else:
-        store.wait(["done"])
-        c.close()
 """
 
 _RESULT = re.compile(r"RESULT (\d) (\S+) (\S+)")
@@ -167,16 +153,6 @@ def test_a_peer_that_never_comes_is_a_collective_timeout(
 ) -> None:
     output, outcomes = _ranks(store, "absent", *([] if per_call is None else [str(per_call)]))
     assert outcomes == {(0, "allgather_object"): "CollectiveTimeout"}, output
-
-
-@pytest.mark.slow
-def test_close_after_a_call_gave_up_does_not_wait_out_the_groups_timeout(store: Any) -> None:
-    output, outcomes = _ranks(store, "close")
-    assert outcomes == {(0, "barrier"): "CollectiveTimeout"}, output
-    closed = re.search(r"CLOSED ([\d.]+)", output)
-    assert closed is not None, output
-    # The deadline: well before the group's own 30 s would have let the barrier go.
-    assert float(closed.group(1)) < 10.0, output
 
 
 # -- in this process ----------------------------------------------------------------------
