@@ -103,11 +103,6 @@ class Announcements:
         self._sent: list[tuple[Any, bytearray]] = []
 
     @property
-    def heard(self) -> bool:
-        """Whether a word has come (every later look raises its failure)."""
-        return self._heard is not None
-
-    @property
     def spent(self) -> str | None:
         """What retires the communicators that share these words (None: nothing): a
         failure was heard of or told. A communicator whose waits stopped at a failure

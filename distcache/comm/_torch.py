@@ -204,8 +204,7 @@ class TorchCommunicator(BackendCommunicator):
         # up on stays queued (a late rank completes it, as on MPI) rather than broken
         # in the group by the backend; a call given longer gets longer. Whole
         # milliseconds, rounded up: gloo reads a timeout of 0 ms as "none".
-        longest = max(wait, getattr(self, "_timeout", wait))  # (a bare test double has none)
-        self._op_timeout = timedelta(milliseconds=math.ceil(longest * 1000))
+        self._op_timeout = timedelta(milliseconds=math.ceil(max(wait, self._timeout) * 1000))
         try:
             work = start(*args, **kwargs)
             if self._device.type == "cpu":

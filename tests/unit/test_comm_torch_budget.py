@@ -36,7 +36,7 @@ def _transport() -> Any:
     comm = TorchCommunicator.__new__(TorchCommunicator)
     comm._device = torch.device("cpu")
     comm._rank, comm._size, comm._node_id, comm._kind = 1, 2, "node0", "torch"
-    comm._broken = None
+    comm._broken, comm._timeout = None, 600.0
     return comm
 
 
