@@ -109,16 +109,12 @@ def _write_key(keyfile: Path, key: bytes) -> tuple[int, int]:
     Raises:
         PoolError, OSError: it cannot be written.
     """
-    from distcache.store._fs import temp_file, unlink_quietly, write_all
+    from distcache.store._fs import replace_from, temp_file, unlink_quietly
 
     temp = keyfile.with_name(f"{keyfile.name}.{os.getpid()}.{secrets.token_hex(8)}")
     fd = temp_file(str(temp))
     try:
-        os.fchmod(fd, 0o600)
-        write_all(fd, key)
-        os.fsync(fd)
-        made = os.fstat(fd)
-        os.replace(temp, keyfile)
+        made = replace_from(fd, temp, keyfile, key, 0o600)
     except BaseException:
         unlink_quietly(temp)
         raise

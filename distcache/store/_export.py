@@ -29,7 +29,7 @@ from pathlib import Path
 
 from distcache.artifact import Artifact, manifest_text, read_manifest
 from distcache.errors import ConfigError, PoolError
-from distcache.store._fs import process_umask, temp_file, unlink_quietly, write_all
+from distcache.store._fs import process_umask, replace_from, temp_file, unlink_quietly
 from distcache.store._import import Progress
 from distcache.store._materialize import materialize
 from distcache.store._pool import ArtifactPool
@@ -148,9 +148,7 @@ def export_directory(pool: ArtifactPool, artifacts: list[Artifact], directory: P
             materialize(pool._store, artifact, directory)
             listed[artifact.name] = artifact
         text = manifest_text(sorted(listed.values(), key=lambda a: a.name))
-        write_all(fd, text.encode("utf-8"))
-        _seal(fd)
-        os.replace(tmp, manifest)
+        replace_from(fd, tmp, manifest, text.encode("utf-8"), _FILE_MODE & ~process_umask())
     except BaseException:
         unlink_quietly(tmp)
         raise

@@ -260,13 +260,22 @@ def withdraw(path: str, fd: int) -> None:
 
 
 def temp_file(path: str) -> int:
-    """A new ``0600`` file at ``path`` (a fresh name the layout made), created
-    exclusively; :class:`PoolError` when it cannot be (a planted link at its name
-    included)."""
+    """A new ``0600`` file at ``path`` (a fresh name), created exclusively; :class:`PoolError`
+    when it cannot be (a planted link at its name included)."""
     try:
         return os.open(path, CREATE_FLAGS, 0o600)
     except OSError as exc:
         raise pool_error("cannot create temporary file", path, exc) from exc
+
+
+def replace_from(fd: int, tmp: str | os.PathLike[str], target: str | os.PathLike[str],
+                 data: bytes, mode: int) -> os.stat_result:
+    """``data`` into ``fd`` (:func:`temp_file` at ``tmp``), ``mode``, fsync, over ``target``."""
+    write_all(fd, data)
+    os.fchmod(fd, mode)
+    os.fsync(fd)
+    os.replace(tmp, target)
+    return os.fstat(fd)
 
 
 def read_small_file(path: Path, what: str) -> str | None:
