@@ -27,7 +27,6 @@ bytes this one already holds. Every outcome is counted in :attr:`Agent.counts`.
 
 from __future__ import annotations
 
-import contextlib
 import http.server
 import math
 import socket
@@ -140,7 +139,12 @@ class Agent:
         host = host.decode() if isinstance(host, bytes) else str(host)
         self._endpoint = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
         if self.socket_path is not None:
-            self._servers.append(private_socket(self.socket_path, handler))
+            try:
+                self._servers.append(private_socket(self.socket_path, handler))
+            except BaseException:  # nothing serves yet: close the listener, not shut down
+                tcp.server_close()
+                self._servers.clear()
+                raise
         for server in self._servers:
             threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
                              daemon=True, name="distcache-peer-agent").start()
@@ -158,11 +162,8 @@ class Agent:
     def stop(self) -> None:
         for server in self._servers:
             server.shutdown()
-            server.server_close()
+            server.server_close()  # a Unix socket's name too, while it is still this one
         self._servers.clear()
-        if self.socket_path is not None:
-            with contextlib.suppress(OSError):
-                self.socket_path.unlink()
 
     def count(self, outcome: str) -> None:
         with self._lock:

@@ -10,6 +10,7 @@ import http.server
 import os
 import secrets
 import socket
+import socketserver
 import threading
 import time
 from pathlib import Path
@@ -34,6 +35,8 @@ def private_socket(path: Path, handler: Any) -> UnixServer:
         server.server_bind()
         os.chmod(fresh, 0o600)
         os.replace(fresh, path)
+        placed = os.lstat(path)
+        server.placed = (path, placed.st_dev, placed.st_ino)
         server.server_activate()  # listening only now: nobody connected before the chmod
     except BaseException:
         server.server_close()
@@ -61,6 +64,12 @@ class TcpServer(http.server.ThreadingHTTPServer):
         self._open = 0
         self._lock = threading.Lock()
         super().__init__(*args, **kwargs)
+
+    def server_bind(self) -> None:
+        # HTTPServer's would look the address's name up (reverse DNS: a stalled
+        # resolver's timeouts at every start), for a name nothing here reads.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
 
     def joined(self, nodes: int) -> None:
         """The job has ``nodes`` agents: hold as many connections as they may open,
@@ -104,10 +113,24 @@ class UnixServer(http.server.ThreadingHTTPServer):
     address_family = socket.AF_UNIX
     request_queue_size = 128
 
+    #: Where :func:`private_socket` put the socket, and its (device, inode) there.
+    placed: tuple[Path, int, int] | None = None
+
     def server_bind(self) -> None:  # HTTPServer's would resolve the path as a host name
         self.socket.bind(self.server_address)
         self.server_address = self.socket.getsockname()
         self.server_name, self.server_port = "localhost", 0
+
+    def server_close(self) -> None:
+        """Close the socket, and remove its name if that is still this socket: never a
+        socket another agent (a later start on the same pool) has put there since."""
+        super().server_close()
+        placed, self.placed = self.placed, None
+        if placed is not None:
+            with contextlib.suppress(OSError):
+                st = os.lstat(placed[0])
+                if (st.st_dev, st.st_ino) == placed[1:]:
+                    os.unlink(placed[0])
 
 
 #: Seconds a connection has to send a request's head (its line and headers), from when
