@@ -19,11 +19,10 @@ from distcache.collective._heartbeat import concurrent
 from distcache.collective._plan import Plan, download_threads, make_plan, max_downloaders
 from distcache.collective._progress import Progress, bytes_for_rank0
 from distcache.collective._report import PrefetchReport
-from distcache.collective._run import Moving, Run, discover
+from distcache.collective._run import Moving, Run, discover, own_settings
 from distcache.collective._sharing import agree_pools
 from distcache.collective._totals import finish
 from distcache.comm import Communicator, node_tree
-from distcache.config import settings
 from distcache.errors import ManifestError, ManifestMismatchError
 from distcache.origins import Origin
 from distcache.store import Pool
@@ -193,8 +192,8 @@ def prefetch(
             rank, or a peer did not arrive in time (the same error on every rank).
         ConfigError: a bad setting.
     """
-    conf = settings(
-        timeout=timeout, bucket_bytes=bucket_bytes, downloads_per_rank=downloads_per_rank,
+    conf = own_settings(
+        comm, timeout=timeout, bucket_bytes=bucket_bytes, downloads_per_rank=downloads_per_rank,
         downloads_per_job=downloads_per_job,
     )
     run = Run("prefetch", comm, pool, conf.timeout)

@@ -51,8 +51,8 @@ from distcache.collective._heartbeat import (
 from distcache.collective._plan import Plan, decode_bitmap, elect_writers, encode_bitmap
 from distcache.collective._progress import Progress
 from distcache.collective._report import PHASES
-from distcache.comm import Communicator
-from distcache.config import settings
+from distcache.comm import Communicator, tell_others
+from distcache.config import Settings, settings
 from distcache.errors import CommError, ConfigError, PrefetchError
 from distcache.origins import Origin
 from distcache.store import Pool
@@ -62,6 +62,17 @@ if TYPE_CHECKING:
     from distcache.collective._stream import Arrivals
 
 log = get_logger(__name__)
+
+
+def own_settings(comm: Communicator, **given: Any) -> Settings:
+    """A collective's :func:`~distcache.config.settings`: a bad one raises here, on this
+    rank alone, and is told to the others first (they would wait for this rank in the
+    collective's first round until their timeout)."""
+    try:
+        return settings(**given)
+    except BaseException as exc:
+        tell_others(comm, exc)
+        raise
 
 _T = TypeVar("_T")
 
@@ -133,7 +144,7 @@ class Run:
     def guarded(self, body: Callable[[], _T]) -> _T:
         try:
             return body()
-        except CommError as exc:
+        except CommError as exc:  # a transport's failure: every rank meets its own
             rank, host = self.comm.rank, self.comm.node_id
             raise PrefetchError(
                 f"{self.operation} failed on rank {rank}/{self.comm.size} ({host}): {exc}; "
@@ -144,6 +155,9 @@ class Run:
                 cause=f"{type(exc).__name__}: {exc}",
                 phase="collective",
             ) from exc
+        except BaseException as exc:  # this rank's own: the others would wait it out
+            tell_others(self.comm, exc)
+            raise
 
     # -- durability ----------------------------------------------------------------
 

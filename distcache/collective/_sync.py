@@ -23,11 +23,10 @@ from distcache.collective._cursors import (
 )
 from distcache.collective._plan import elect_writers, make_plan
 from distcache.collective._report import PrefetchReport
-from distcache.collective._run import Failure, Run, discover
+from distcache.collective._run import Failure, Run, discover, own_settings
 from distcache.collective._sharing import agree_pools
 from distcache.collective._totals import finish
 from distcache.comm import Communicator, node_tree
-from distcache.config import settings
 from distcache.store import Pool
 from distcache.store._log import journal_mark
 
@@ -175,7 +174,7 @@ def sync(
             peer did not arrive in time (the same error on every rank).
         ConfigError: a bad setting.
     """
-    conf = settings(timeout=timeout, bucket_bytes=bucket_bytes)
+    conf = own_settings(comm, timeout=timeout, bucket_bytes=bucket_bytes)
     run = Run("sync", comm, pool, conf.timeout)
 
     def body() -> PrefetchReport:

@@ -52,11 +52,15 @@ SEND_WAIT_S = 2.0
 def to_announce(error: BaseException, rank: int) -> bool:
     """Whether ``error``, raised on ``rank``, is one to tell the others: its own (not
     one it heard of or that every rank raised alike, ``agreed``), and not a timeout
-    or a transport failure, which the others meet for themselves."""
-    if isinstance(error, CollectiveTimeout | CommError | GeneratorExit | SystemExit):
+    or a transport failure, nor raised from one, which the others meet for
+    themselves."""
+    if isinstance(error, GeneratorExit | SystemExit) or getattr(error, "agreed", False):
         return False
-    if getattr(error, "agreed", False):
-        return False
+    cause: BaseException | None = error
+    while cause is not None:  # also a collective's error raised from the transport's
+        if isinstance(cause, CollectiveTimeout | CommError):
+            return False
+        cause = cause.__cause__
     return getattr(error, "rank", None) in (None, rank)
 
 

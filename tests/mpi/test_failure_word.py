@@ -58,3 +58,44 @@ def test_a_ranks_own_set_up_failure_stops_every_rank_at_once_with_its_cause(
         assert error.rank == bad and error.host == f"node{bad // 2}" and error.agreed
     # Every rank left init: the suite's own communicator still works for all of them.
     assert comm.allgather_object(type(error).__name__) == ["PoolError"] * comm.size
+
+
+@pytest.mark.mpi(min_size=3)
+@pytest.mark.parametrize("call", ["prefetch", "sync"])
+def test_a_bad_setting_on_one_rank_stops_a_direct_collective_at_once(
+    comm: Communicator, shared_tmp: Path, monkeypatch: pytest.MonkeyPatch, call: str
+) -> None:
+    """distcache.prefetch and distcache.sync called directly (not through init), with
+    a setting only rank 1 cannot read: every rank raises its ConfigError."""
+    from distcache.errors import ConfigError
+    from distcache.origins import DirOrigin
+    from distcache.store import ArtifactPool
+    from distcache.testing import make_artifacts
+
+    bad = 1
+    origin = shared_tmp / f"origin-{call}-{comm.rank}"
+    artifacts = make_artifacts(origin, 3, seed=7)  # the same on every rank
+    pool = ArtifactPool(shared_tmp / f"pools-{call}" / f"node{comm.rank // 2}")
+    own = from_mpi(node_id=f"node{comm.rank // 2}", timeout=TIMEOUT_S)
+    comm.barrier()
+    if comm.rank == bad:
+        monkeypatch.setenv("DISTCACHE_BUCKET_BYTES", "lots")
+    try:
+        with pytest.raises(ConfigError) as raised:
+            if call == "prefetch":
+                distcache.prefetch(artifacts, comm=own, pool=pool, origin=DirOrigin(origin),
+                                   timeout=TIMEOUT_S)
+            else:
+                distcache.sync(comm=own, pool=pool, timeout=TIMEOUT_S)
+    finally:
+        monkeypatch.delenv("DISTCACHE_BUCKET_BYTES", raising=False)
+        own.close()
+    error = raised.value
+    assert "DISTCACHE_BUCKET_BYTES='lots'" in str(error)
+    if comm.rank == bad:
+        assert not error.agreed
+    else:
+        assert str(error).startswith(f"rank {bad}/{comm.size} (node{bad // 2}) failed, "
+                                     f"so rank {comm.rank} stops: ")
+        assert error.rank == bad and error.agreed
+    assert comm.allgather_object(type(error).__name__) == ["ConfigError"] * comm.size
