@@ -85,11 +85,13 @@ def test_an_owner_whose_answer_breaks_off_is_left_out_of_later_walks(
     tmp_path: Path, made: list[Artifact], origin: LoopbackOrigin,  # noqa: F811
     short_hop: None, script: bytes,
 ) -> None:
-    bad, _ = _bad_peer(script)
+    bad, peer = _bad_peer(script)
     with _asker_beside(bad, tmp_path, origin.url) as agent:
         owned = _owned_by(0, [bad, agent.endpoint], made)[:3]
         assert len(owned) == 3
         got = [lookup(a, Tier(agent.local_endpoint or "", KEY, bound=10)) for a in owned]
+    peer.join(10)  # asked once, it has answered: no thread left to a later test
+    assert not peer.is_alive()
     assert [g and g.source for g in got] == ["fallback"] * 3
     # Asked by the first walk only; the next node asked the origin for each.
     assert agent.counts["peer_skipped"] == 1 and agent.counts["fallback"] == 3
@@ -112,13 +114,17 @@ def test_an_owner_that_closes_before_a_word_is_taken_for_a_busy_one_and_asked_ag
                 conn, _ = server.accept()
                 conn.close()
 
-    threading.Thread(target=turn_away, daemon=True).start()
+    turning = threading.Thread(target=turn_away, daemon=True)
+    turning.start()
     bad = f"tcp://127.0.0.1:{server.getsockname()[1]}"
     with _asker_beside(bad, tmp_path, origin.url) as agent:
         owned = _owned_by(0, [bad, agent.endpoint], made)[:3]
         got = [lookup(a, Tier(agent.local_endpoint or "", KEY, bound=10)) for a in owned]
     assert [g and g.source for g in got] == ["fallback"] * 3
+    server.shutdown(socket.SHUT_RDWR)  # wakes its accept(), which a close() would not
     server.close()
+    turning.join(10)
+    assert not turning.is_alive()
     assert agent.counts["peer_skipped"] == 3 and agent.counts["fallback"] == 3
 
 
@@ -128,7 +134,7 @@ def test_a_silent_owner_is_left_out_once_it_was_given_a_whole_hop(
 ) -> None:
     # Reads the request, then says nothing (a stopped or wedged process: the kernel
     # still accepts connections for it, into the backlog).
-    bad, _ = _bad_peer(b"", hold=4 * HOP_S)
+    bad, peer = _bad_peer(b"", hold=4 * HOP_S)
     with _asker_beside(bad, tmp_path, origin.url) as agent:
         first, second, third = _owned_by(0, [bad, agent.endpoint], made)[:3]
         # A hop cut short by the asker's own budget proves nothing of the owner.
@@ -140,6 +146,8 @@ def test_a_silent_owner_is_left_out_once_it_was_given_a_whole_hop(
     assert [g and g.source for g in got] == ["fallback"] * 2
     # Asked again by the second walk, which gave it a whole hop; not by the third.
     assert agent.counts["peer_skipped"] == 2
+    peer.join(10)  # its hold over: no thread left to a later test
+    assert not peer.is_alive()
 
 
 def test_an_owner_still_filling_says_so_within_the_hop_and_is_asked_again(
