@@ -21,7 +21,6 @@ record). ``DISTCACHE_FLASHINFER=0`` removes FlashInfer from either (:func:`compo
 from __future__ import annotations
 
 import os
-import re
 import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -171,11 +170,12 @@ class InitOptions(Record):
         return ignored
 
     def __repr__(self) -> str:
-        """The fields, but no value of ``environ`` (tokens) nor a URL's password."""
+        """The fields, but no value of ``environ`` (tokens) nor an origin URL's
+        user-info or query (a password, a token as the user name, a signature)."""
         shown = {name: repr(getattr(self, name)) for name in self._FIELDS}
         if self.environ is not None:
             shown["environ"] = f"<{len(self.environ)} variables>"
-        shown["origin"] = _PASSWORD.sub(r"\1***@", shown["origin"])
+        shown["origin"] = repr(_redacted(self.origin))
         return "InitOptions(" + ", ".join(f"{k}={v}" for k, v in shown.items()) + ")"
 
 
@@ -187,8 +187,19 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-#: A URL's ``user:password@`` (the password is not shown).
-_PASSWORD = re.compile(r"(://[^/@:\s'\"]*:)[^/@\s'\"]*@")
+def _redacted(origin: Any) -> Any:
+    """``origin`` with each origin string, in a comma-separated list or a sequence,
+    shown through :func:`~distcache._urls.redact_url`; an Origin
+    object's own repr already hides its secrets."""
+    from distcache._urls import redact_url  # at the first repr
+
+    if isinstance(origin, str):
+        return ",".join(map(redact_url, origin.split(",")))
+    if isinstance(origin, tuple):
+        return tuple(map(_redacted, origin))
+    if isinstance(origin, Sequence):
+        return list(map(_redacted, origin))
+    return origin
 
 log = get_logger(__name__)
 

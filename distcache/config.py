@@ -357,10 +357,12 @@ class Settings(NamedTuple):
     def replace(self, **changes: Any) -> Settings:
         return self._replace(**changes)
 
-    def __repr__(self) -> str:  # the tokens are never shown
-        shown = ", ".join(f"{name}={value!r}" for name, value in zip(self._fields, self, strict=True)
-                          if name not in ("origin_token", "origin_tokens"))
-        return f"Settings({shown})"
+    def __repr__(self) -> str:  # never the tokens, nor an origin URL's user-info or query
+        from distcache._urls import redact_url  # at the first repr
+
+        shown = self._replace(origins=tuple(map(redact_url, self.origins)))
+        return "Settings(" + ", ".join(f"{name}={value!r}" for name, value in zip(
+            self._fields, shown, strict=True) if name not in ("origin_token", "origin_tokens")) + ")"
 
 
 _FIELDS = frozenset(Settings._fields)

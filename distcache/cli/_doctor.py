@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 from distcache import __version__
+from distcache._urls import redact_url
 from distcache.cli._common import (
     EXIT_OK,
     add_json_option,
@@ -169,7 +170,9 @@ def doctor_lines(pool_root: Path) -> list[tuple[str, str]]:
     usage = shutil.disk_usage(probe)
     lines.append(("free space", f"{human_bytes(usage.free)} of {human_bytes(usage.total)} at {probe}"))
     lines.append((SHM_DIR, _shm()))
-    origins = ", ".join(resolved.origins) if resolved.origins else "unset (DISTCACHE_ORIGIN)"
+    # A report gets pasted into tickets: no origin's password or signed query in it.
+    origins = (", ".join(map(redact_url, resolved.origins)) if resolved.origins
+               else "unset (DISTCACHE_ORIGIN)")
     lines.append(("origins", origins))
     lines.append(("cuda ipc", _cuda_ipc()))
     return lines

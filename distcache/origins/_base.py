@@ -13,9 +13,9 @@ from abc import ABC, abstractmethod
 from typing import BinaryIO, Protocol, runtime_checkable
 from urllib.parse import SplitResult, urlsplit
 
+from distcache._urls import redact_url
 from distcache.artifact import Artifact
 from distcache.errors import ConfigError
-from distcache.origins._credentials import redact_url
 
 
 @runtime_checkable

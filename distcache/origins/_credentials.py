@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterable, Mapping
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from distcache._record import Record
 from distcache.config import Settings
@@ -34,28 +34,6 @@ _DEFAULT_PORTS = {"http": 80, "https": 443}
 _TOKENS_VARIABLE = "DISTCACHE_ORIGIN_TOKENS"
 #: A URL's query as quoted in a foreign message: up to a space, a quote or a bracket.
 _QUERY = re.compile(r"\?[^\s'\"()<>]+")
-
-
-def redact_url(url: str) -> str:
-    """``url`` without user-info and query (signed URLs carry secrets there), for a
-    message. A port that is not a number in range is shown as ``...``: a password
-    written without its ``@host`` is read as the port, and a 5-digit PIN is a number
-    out of range like a mistyped port. A URL whose host urlsplit cannot read (a broken
-    IPv6 literal) is cut to its scheme."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return url.split("://", 1)[0] + "://..."
-    host = parts.hostname or ""
-    if ":" in host:  # an IPv6 address, written back in its brackets
-        host = f"[{host}]"
-    try:
-        port: int | str | None = parts.port
-    except ValueError:
-        port = "..."
-    if port is not None:
-        host = f"{host}:{port}"
-    return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
 def redact(text: str, secrets: Iterable[str] = ()) -> str:

@@ -6,11 +6,11 @@ A CDN under load (the cubin repository when a thousand ranks start at once) answ
 honours ``Retry-After``, verifies every byte against the artifact's SHA-256 while
 streaming, and follows redirects itself (requests drops ``Authorization`` on a
 redirect to another host or port, but keeps it from http to https of one host, and
-keeps every other header, a caller's credential headers included, on any redirect):
-only to the same scheme and host (or hosts the caller allowed), with credentials only
-for the origin's own scheme, host and port. A refused connection or an unknown host
-marks the origin down: the remaining artifacts fail at once with that cause instead of
-each being retried.
+keeps every other header, ``X-Api-Key`` or ``Private-Token`` included, on any
+redirect): only to the same scheme and host (or hosts the caller allowed), with the
+token and the caller's headers only for the origin's own scheme, host and port. A
+refused connection or an unknown host marks the origin down: the remaining artifacts
+fail at once with that cause instead of each being retried.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from urllib.parse import quote
 
 from distcache._log import get_logger
+from distcache._urls import redact_url
 from distcache.artifact import Artifact
 from distcache.config import check_seconds, settings
 from distcache.errors import (
@@ -32,7 +33,7 @@ from distcache.errors import (
     OriginUnreachable,
 )
 from distcache.origins._base import BaseOrigin, rewind, split_url
-from distcache.origins._credentials import clean_token, host_key, redact, redact_url
+from distcache.origins._credentials import clean_token, host_key, redact
 
 if TYPE_CHECKING:
     import random
@@ -45,7 +46,6 @@ logger = get_logger(__name__)
 
 _REDIRECTS = {301, 302, 303, 307, 308}
 _MAX_REDIRECTS = 5
-_SECRET_HEADERS = ("authorization", "cookie", "proxy-authorization")
 
 #: Seconds an unreachable origin is not asked again: the whole of a command's run,
 #: while a process that serves for days (the FlashInfer wrapper) finds the origin again
@@ -72,7 +72,7 @@ class HttpOrigin(BaseOrigin):
     ``token`` is a bearer token sent only to ``base_url``'s scheme, host and port (the
     origin reads no variable for it: :func:`open_origin` binds
     ``DISTCACHE_ORIGIN_TOKEN`` to one origin); it never appears in :meth:`describe`,
-    ``repr``, logs or errors.
+    ``repr``, logs or errors. So do ``headers``: any of them may be a credential.
 
     A refused connection or a host name that does not resolve is not retried: the
     origin is marked down for :data:`DOWN_SECONDS` (a command's whole run) and every
@@ -141,18 +141,17 @@ class HttpOrigin(BaseOrigin):
         self._backoff_args = (backoff_base, backoff_max, retry_after_max, backoff_total)
         self._sleep = sleep
         self._rng: random.Random | None = None
-        # Identity encoding makes Content-Length the body length we check.
-        self._headers = {"Accept-Encoding": "identity"}
-        self._headers.update(headers or {})
+        # Identity encoding makes Content-Length the body length we check; every host
+        # gets these, the caller's headers go to the origin's own host only.
+        self._own = {"Accept-Encoding": "identity"}
+        self._given = dict(headers or {})
         self._token = clean_token(token, "token")
         # Values never to show in a message: requests quotes a header value it refuses
-        # (a token read from a file with its newline) in the exception text.
-        raw_secrets = [v for k, v in self._headers.items()
-                       if k.lower() in _SECRET_HEADERS and isinstance(v, str)]
-        if self._token:
-            raw_secrets.append(self._token)
-        # As given, trimmed, and as repr() escapes it (how requests quotes it).
-        forms = {form for v in raw_secrets for form in (v, v.strip(), repr(v)[1:-1]) if form}
+        # (a token read from a file with its newline) in the exception text. As given,
+        # trimmed, and as repr() escapes it (how requests quotes it); under 4 characters
+        # a value is no secret, and hiding it would garble the message ("1" in an address).
+        raw = [v for v in (*self._given.values(), self._token) if isinstance(v, str)]
+        forms = {f for v in raw for f in (v, v.strip(), repr(v)[1:-1]) if len(f) >= 4}
         self._secrets = tuple(sorted(forms, key=len, reverse=True))
         self._pool_size = pool_size
         # The HTTP stack (requests, urllib3) is imported and set up with the first
@@ -169,8 +168,8 @@ class HttpOrigin(BaseOrigin):
         with self._lock:
             if self._session is None or self._backoff is None:
                 self._backoff = Backoff(*self._backoff_args)
-                if not any(k.lower() == "user-agent" for k in self._headers):
-                    self._headers = {"User-Agent": _user_agent(), **self._headers}
+                # A caller's User-Agent comes later in a request's headers and wins.
+                self._own = {"User-Agent": _user_agent(), **self._own}
                 self._session = new_session(self._pool_size)
             return self._session, self._backoff
 
@@ -304,9 +303,10 @@ class HttpOrigin(BaseOrigin):
 
     def _headers_for(self, url: str) -> dict[str, str]:
         if host_key(url) != self._origin_host:
-            # Credentials are for the origin only, never for a host it redirects to.
-            return {k: v for k, v in self._headers.items() if k.lower() not in _SECRET_HEADERS}
-        headers = dict(self._headers)
+            # The token and the caller's headers (any may be a credential) are for the
+            # origin only, never for a host it redirects to.
+            return dict(self._own)
+        headers = {**self._own, **self._given}
         if self._token is not None:
             headers["Authorization"] = f"Bearer {self._token}"
         return headers

@@ -14,11 +14,12 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from urllib.parse import unquote, urlsplit
 
+from distcache._urls import URL_SCHEME, redact_url
 from distcache.config import settings
 from distcache.errors import ConfigError
 from distcache.origins._base import Origin, split_url
 from distcache.origins._chain import OriginChain
-from distcache.origins._credentials import Credentials, redact_url
+from distcache.origins._credentials import Credentials
 from distcache.origins._directory import DirOrigin
 
 
@@ -63,8 +64,9 @@ def _open_one(spec: str, credentials: Credentials) -> Origin:
         # here, naming the spec: urlsplit would raise a bare ValueError later.
         split_url(text, variable="origin")
         return factory(text, credentials)
-    if "://" in text:
-        # Only a spec that spells ``scheme://`` is a URL: "C:\\mirror" or "a:b" are paths.
+    if URL_SCHEME.match(text):
+        # Only a spec that spells ``scheme://`` is a URL: "C:\\mirror" or "a:b" are paths,
+        # and "alice:pw@host/c?next=https://..." is a server missing its scheme.
         scheme = text.split("://", 1)[0]
         known = ", ".join(f"{s}://" for s in sorted(SCHEMES))
         raise ConfigError(
@@ -75,13 +77,15 @@ def _open_one(spec: str, credentials: Credentials) -> Origin:
         # "127.0.0.1:8000" or "mirror.example/cubins" is a server missing its scheme far
         # more often than a mirror directory that does not exist yet.
         what = "a file" if os.path.exists(text) else "no such directory"
-        fix = ("give the path of an existing mirror directory"
-               if text.startswith(("/", ".", "~")) or os.sep in text.split("/", 1)[0]
-               else f"write http://{text} or https://{text} for a server, or give the path "
+        path = text.startswith(("/", ".", "~")) or os.sep in text.split("/", 1)[0]
+        # A server's "alice:pw@" and "?token=" are secrets; a path is shown as written.
+        shown = text if path else redact_url(text)
+        fix = ("give the path of an existing mirror directory" if path
+               else f"write http://{shown} or https://{shown} for a server, or give the path "
                     "of an existing mirror directory")
         raise ConfigError(
-            f"origin {text!r} has no scheme and is not an existing directory ({what}); {fix}",
-            variable="origin", value=text)
+            f"origin {shown!r} has no scheme and is not an existing directory ({what}); {fix}",
+            variable="origin", value=shown)
     return DirOrigin(text)
 
 

@@ -30,8 +30,11 @@ class Tier(NamedTuple):
     """This node's agent as seen from one process."""
 
     endpoint: str  #: ``unix:PATH`` (or ``tcp://...``) of the node's agent
-    key: bytes
+    key: bytes  #: signs every request to the agent; never shown
     bound: float = LOOKUP_BOUND_S
+
+    def __repr__(self) -> str:
+        return f"Tier(endpoint={self.endpoint!r}, bound={self.bound})"
 
 
 class Lookup(NamedTuple):

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from distcache._log import get_logger
+from distcache._urls import redact_url
 from distcache.artifact import sha256_hex
 from distcache.integrations.flashinfer._files import write_replacing
 from distcache.integrations.flashinfer._loader import PooledLoader
@@ -112,7 +113,8 @@ class RoutedDownload:
         if not self.offline:
             return self.original(source, destination, *args, **kwargs)
         self.refused += 1
+        # FlashInfer's repository may be a mirror with a password or a signed query.
         log.error("flashinfer: DISTCACHE_OFFLINE=1: not downloading %s (FlashInfer's "
                   "download_file, for %s); place the file there or unset DISTCACHE_OFFLINE",
-                  source, destination)
+                  redact_url(str(source)), destination)
         return False

@@ -1,0 +1,48 @@
+"""How a URL is shown in a message, a log line or a repr: :func:`redact_url`. In the
+base layer, beside the settings whose repr uses it and below the origins that quote
+URLs in their errors."""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import urlsplit, urlunsplit
+
+#: A URL's ``scheme://`` as RFC 3986 spells the scheme.
+URL_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def redact_url(url: str) -> str:
+    """``url`` without user-info and query (signed URLs carry secrets there), for a
+    message. A port that is not a number in range is shown as ``...``: a password
+    written without its ``@host`` is read as the port, and a 5-digit PIN is a number
+    out of range like a mistyped port. A URL whose host urlsplit cannot read (a broken
+    IPv6 literal) is cut to its scheme. A server written without its scheme
+    (``alice:pw@mirror/c``) loses its user-info too.
+
+    A password holding ``/`` (base64 tokens do) ends the authority early for urlsplit:
+    where the port is no port, or the user-info has a password, an ``@`` further on
+    ends the user-info and everything up to it is shown as ``...@``. An ``@`` in the
+    path of a URL without a password (``https://host/pkg@1.0/f``) is left alone."""
+    if not URL_SCHEME.match(url) and not url.startswith("/") and "@" in re.split("[?#]", url)[0]:
+        # urlsplit would read "alice" as the scheme and keep the password in the path.
+        return redact_url("//" + url).removeprefix("//")
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        head, sep, _ = url.partition("://")
+        return f"{head}://..." if sep else "..."
+    try:
+        port: int | str | None = parts.port
+        unsure = ":" in parts.netloc.rpartition("@")[0]
+    except ValueError:
+        port, unsure = "...", True
+    _info, at, rest = f"{parts.path}?{parts.query}#{parts.fragment}".rpartition("@")
+    if unsure and at:
+        shown = redact_url(f"{parts.scheme}:" * bool(parts.scheme) + "//" + rest)
+        return shown.replace("//", "//...@", 1)
+    host = parts.hostname or ""
+    if ":" in host:  # an IPv6 address, written back in its brackets
+        host = f"[{host}]"
+    if port is not None:
+        host = f"{host}:{port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
