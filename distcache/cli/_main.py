@@ -30,7 +30,7 @@ from distcache.cli._doctor import setup_doctor
 from distcache.cli._fetch import setup_fetch
 from distcache.cli._pool import setup_pool
 from distcache.cli._prefetch import setup as setup_prefetch
-from distcache.errors import DistcacheError
+from distcache.errors import ConfigError, DistcacheError
 
 _EPILOG = """\
 exit codes:
@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     parents=[common], epilog=_EPILOG,
                                     formatter_class=argparse.RawDescriptionHelpFormatter)
         sub.setup(child)
+        child.set_defaults(usage_of=child)  # a usage error after parsing shows this one
     return parser
 
 
@@ -130,9 +131,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         return run(args)
     except UsageError as exc:
-        parser.print_usage(sys.stderr)
-        print(f"distcache: error: {one_line(exc)}", file=sys.stderr)
-        return EXIT_USAGE
+        return _usage(args, parser, exc)
     except Terminated:
         print("distcache: terminated", file=sys.stderr)
         return EXIT_TERMINATED
@@ -147,6 +146,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         os.close(devnull)
         return EXIT_OK
     except (DistcacheError, OSError) as exc:
+        if isinstance(exc, ConfigError) and str(getattr(exc, "variable", "")).startswith("--"):
+            return _usage(args, parser, exc)  # an option's value: bad usage, as argparse's
         if args.verbose:
             traceback.print_exc()
         # A collective command's error that every rank raised is printed by rank 0.
@@ -160,3 +161,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(f"distcache: internal error: {type(exc).__name__}: {one_line(exc)}; "
               "rerun with --verbose for the traceback", file=sys.stderr)
         return EXIT_ERROR
+
+
+def _usage(args: argparse.Namespace, parser: argparse.ArgumentParser, exc: Exception) -> int:
+    """Bad usage found after parsing: the subcommand's usage and one line, exit 2."""
+    getattr(args, "usage_of", parser).print_usage(sys.stderr)
+    print(f"distcache: error: {one_line(exc)}", file=sys.stderr)
+    return EXIT_USAGE

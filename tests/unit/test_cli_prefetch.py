@@ -98,7 +98,7 @@ def test_arch_without_a_family_and_a_bad_arch_are_refused(tmp_path: Path, run: R
     assert done.returncode == 2 and "--arch filters whole families" in done.stderr
     bad = run("--pool", str(tmp_path / "p"), "pool", "import", "--arch", "hopper",
               str(artifact_dir))
-    assert bad.returncode == 1 and "bad GPU architecture 'hopper'" in bad.stderr
+    assert bad.returncode == 2 and "bad GPU architecture 'hopper'" in bad.stderr
 
 
 def test_import_with_arch_keeps_what_those_gpus_load(tmp_path: Path, run: Run) -> None:
