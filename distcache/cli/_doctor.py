@@ -156,7 +156,10 @@ def doctor_lines(pool_root: Path) -> list[tuple[str, str]]:
     lines = [("distcache", f"{__version__} (python {sys.version.split()[0]})"),
              ("launcher", _launcher())]
     exists = PoolLayout(pool_root).is_pool(made_by_distcache=True)
-    lines.append(("pool", f"{pool_root} ({'exists' if exists else 'not created yet'})"))
+    state = ("exists" if exists else "not created yet" if not os.path.lexists(pool_root)
+             else "NOT USABLE: not a directory" if not pool_root.is_dir()
+             else "a directory, not yet a pool")
+    lines.append(("pool", f"{pool_root} ({state})"))
     probe = _existing(pool_root)
     fs = filesystem_of(probe)
     if fs is None:

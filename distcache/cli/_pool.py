@@ -133,7 +133,9 @@ def run_verify(args: argparse.Namespace) -> int:
 
 def run_gc(args: argparse.Namespace) -> int:
     """``pool gc``: collect least recently used objects down to the cap."""
-    cap = parse_bytes(args.max_bytes, variable="--max-bytes") if args.max_bytes else None
+    # An empty value is a bad size, not "no cap" (an unset shell variable, say).
+    cap = (parse_bytes(args.max_bytes, variable="--max-bytes") if args.max_bytes is not None
+           else None)
     pool = existing_pool(args)
     report = pool.gc(cap)
     if report.max_bytes is None:

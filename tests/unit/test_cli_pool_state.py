@@ -1,0 +1,36 @@
+"""What ``doctor`` says of a pool path that cannot be a pool, and ``pool gc`` given an
+empty cap: neither is taken for the ordinary case."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.support.cli import cli_env, run_cli
+
+
+@pytest.mark.parametrize(("make", "said"), [
+    (lambda p: p.write_text("x"), "NOT USABLE: not a directory"),
+    (lambda p: p.symlink_to(p.parent / "missing"), "NOT USABLE: not a directory"),
+    (lambda p: p.mkdir(), "a directory, not yet a pool"),
+    (lambda p: None, "not created yet"),
+], ids=["file", "dangling-link", "empty-dir", "absent"])
+def test_doctor_says_what_is_at_the_pool_path(tmp_path: Path, make: Callable[[Path], object],
+                                              said: str) -> None:
+    path = tmp_path / "pool"
+    make(path)
+    done = run_cli(cli_env(tmp_path), "--pool", str(path), "doctor")
+    assert done.returncode == 0, done.stderr
+    line = next(x for x in done.stdout.splitlines() if x.startswith("pool:"))
+    assert line.endswith(f"{path} ({said})"), line
+
+
+def test_gc_takes_an_empty_cap_for_a_bad_size(tmp_path: Path) -> None:
+    env = cli_env(tmp_path)
+    pool = tmp_path / "pool"
+    (pool / "objects").mkdir(parents=True)
+    done = run_cli(env, "--pool", str(pool), "pool", "gc", "--max-bytes", "")
+    assert done.returncode == 2, done.stdout
+    assert "--max-bytes='' is not a size" in done.stderr
