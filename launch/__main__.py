@@ -13,6 +13,13 @@ The program runs as a child in its own process group, as a shell runs a job (see
 SIGQUIT, SIGUSR1, SIGUSR2, SIGTSTP and SIGCONT are forwarded to it; it stops and
 continues with this process; it is killed if this process dies; and its exit status
 (or the signal that killed it) becomes ours.
+
+Before PROGRAM starts, the wrapper's own exit codes are the ``distcache`` command's:
+2 when the job cannot start as given (a bad option, launcher variables that
+contradict each other, no rendezvous address or port), 1 when an option's work fails
+(``--workspace``, ``--peers``, ``--prefetch``; one line on stderr), 130 interrupted
+(SIGINT) and 143 terminated (SIGTERM), the prefetch's running downloads stopped and
+their temporary files removed; 126 / 127 when PROGRAM cannot be run.
 """
 
 from __future__ import annotations
@@ -22,8 +29,10 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
+from types import FrameType
 from typing import NoReturn
 
 import distcache
@@ -35,6 +44,7 @@ from distcache.config import settings
 from distcache.errors import DistcacheError
 from distcache.integrations.flashinfer import FlashInfer
 from distcache.peer import Hosted, origin_or_default, start
+from distcache.store import PoolLayout
 from launch._child import run
 from launch._detect import LaunchInfo, detect
 from launch._dist import mpi_publish, rendezvous_address
@@ -45,9 +55,31 @@ log = logging.getLogger("launch")
 
 PROG = "python -m launch"
 
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
 
 class _UsageError(Exception):
     pass
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM during the set-up, raised where the set-up is, so that it unwinds (and
+    removes the prefetch's temporary files) like Ctrl-C."""
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise _Terminated
+
+
+def _directory(text: str) -> str:
+    """A directory option's value: an empty one (an unset shell variable) would be the
+    current directory, so it is refused, as the ``distcache`` command refuses it."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty directory name")
+    return text
 
 
 class _Parser(argparse.ArgumentParser):
@@ -65,10 +97,11 @@ def _parser() -> _Parser:
         "MASTER_ADDR, MASTER_PORT, and DISTCACHE_POOL / DISTCACHE_WORKSPACE / "
         "DISTCACHE_PREFETCH_MANIFEST when the matching option is given.",
     )
-    parser.add_argument("--pool", metavar="DIR", help="artifact pool directory (exported as DISTCACHE_POOL)")
+    parser.add_argument("--pool", metavar="DIR", type=_directory, help="artifact pool directory (exported as DISTCACHE_POOL)")
     parser.add_argument(
         "--workspace",
         metavar="DIR",
+        type=_directory,
         help="give each rank a persistent slot DIR/rank-N, locked while PROGRAM runs; a "
         "busy slot moves on to the next free N (exported as DISTCACHE_WORKSPACE)",
     )
@@ -82,6 +115,7 @@ def _parser() -> _Parser:
     parser.add_argument(
         "--materialize",
         metavar="DIR",
+        type=_directory,
         help="after --prefetch, link every prefetched artifact to DIR/<name> so that a "
         "loader reading files by path finds it (default: $FLASHINFER_CUBIN_DIR when set, "
         "so unmodified FlashInfer loads hit locally)",
@@ -155,14 +189,36 @@ def _prefetch(
     ``MASTER_PORT``), discarded before PROGRAM starts. torch.distributed's default
     group is never initialised here, so PROGRAM's ``init_process_group`` finds
     ``MASTER_PORT`` free.
+
+    Ctrl-C (or SIGTERM) stops the running downloads at their next write and removes
+    their temporary files, as ``distcache prefetch`` does: the downloads run on the
+    collective's daemon threads, which would otherwise leave them to the stale sweep.
     """
+    # The distcache command's package, loaded only by a wrapper that prefetches.
+    from distcache.cli._interrupt import Stopper
+
+    # No peer agents for the prefetch alone: it moves what a manifest names, and
+    # --peers hosts the agents the program's lookups use.
+    environ = {**os.environ, "DISTCACHE_PEERS": "0"}
+    conf = settings(environ)
+    tmp = PoolLayout(Path(pool) if pool is not None else conf.pool_dir).tmp
+    try:
+        origin = resolve_origin(None, conf)
+    except DistcacheError:
+        # Left for init to refuse, on every rank of the job at once.
+        origin = None
+    stopper = Stopper(origin) if origin is not None else None
     adopted = adopt(info)
     try:
         comm = adopted.comm
-        # No peer agents for the prefetch alone: it moves what a manifest names, and
-        # --peers hosts the agents the program's lookups use.
-        session = distcache.init(comm=comm, pool=pool, manifests=[manifest], integrations=(),
-                                 environ={**os.environ, "DISTCACHE_PEERS": "0"})
+        try:
+            session = distcache.init(comm=comm, pool=pool, manifests=[manifest],
+                                     integrations=(), environ=environ,
+                                     origin=stopper.origin if stopper is not None else None)
+        except KeyboardInterrupt:
+            if stopper is not None:
+                stopper.interrupt(tmp, ())
+            raise
         if materialize is not None and session.pool is not None:
             # Concurrent calls from every rank are safe: an existing correct file is
             # kept and a new one is placed by an atomic rename.
@@ -218,10 +274,27 @@ def _exit_like(status: int) -> NoReturn:
     sys.exit(status)
 
 
+def _fail(status: int, line: str | None, hosted: Hosted | None) -> NoReturn:
+    if line is not None:
+        print(line, file=sys.stderr)
+    if hosted is not None:  # its socket and key file are removed with it
+        hosted.close()
+    sys.exit(status)
+
+
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     args_in = list(sys.argv[1:] if argv is None else argv)
     slot: WorkspaceSlot | None = None
     hosted: Hosted | None = None
+    on_main = threading.current_thread() is threading.main_thread()
+    # Until PROGRAM starts, SIGTERM unwinds the set-up like Ctrl-C; while it runs,
+    # launch._child forwards both to it.
+    previous = signal.signal(signal.SIGTERM, _terminate) if on_main else None
+    # Until the ranks agree on a rendezvous, an error is the launch's set-up (its
+    # options, the launcher's variables, MASTER_PORT): exit 2, the job cannot start
+    # as given. After it, an option's work failed (a workspace, the peers, the
+    # prefetch): exit 1, as the distcache command exits for an error.
+    failed = EXIT_USAGE
     try:
         args = _parser().parse_args(args_in)
         configure_logging(int(args.verbose), None)  # warnings only until the rank is known
@@ -239,6 +312,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
                 raise _UsageError(f"--prefetch {args.prefetch}: no such file")
             extra["DISTCACHE_PREFETCH_MANIFEST"] = str(manifest.absolute())
         info = _rendezvous(detect())
+        failed = EXIT_ERROR
         configure_logging(int(args.verbose), info.rank)  # progress from rank 0; -v: every rank
         if args.workspace is not None:
             slot = acquire_slot(args.workspace, start=info.rank)
@@ -253,17 +327,21 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
                       _materialize_dir(args.materialize))
         elif args.materialize is not None:
             raise _UsageError("--materialize needs --prefetch MANIFEST")
-    except (_UsageError, DistcacheError) as exc:
-        line = error_line(PROG, exc)  # an error every rank raised: rank 0 prints it
-        if line is not None:
-            print(line, file=sys.stderr)
-        if hosted is not None:  # its socket and key file are removed with it
-            hosted.close()
-        sys.exit(2)
+    except _UsageError as exc:
+        _fail(EXIT_USAGE, error_line(PROG, exc, " ".join(str(exc).split())), hosted)
+    except (DistcacheError, OSError) as exc:
+        # An error every rank raised: rank 0 prints it.
+        _fail(failed, error_line(PROG, exc, " ".join(str(exc).split())), hosted)
+    except _Terminated:
+        _fail(EXIT_TERMINATED, f"{PROG}: terminated", hosted)
+    except KeyboardInterrupt:
+        _fail(EXIT_INTERRUPTED, f"{PROG}: interrupted", hosted)
     finally:
         # MPI is the set-up's alone, whichever options ran: finalized before PROGRAM
         # starts (or the wrapper exits), never left up beside PROGRAM's own MPI_Init.
         _finalize_mpi()
+        if on_main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     try:
         status = run(command, env, terminal=info.local_world_size == 1)
     except OSError as exc:
