@@ -6,9 +6,11 @@ input before they touch a filesystem: see :func:`validate_name`.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
+import stat
 import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
@@ -17,6 +19,7 @@ from distcache._record import Record
 from distcache.errors import ArtifactNameError, ConfigError, IntegrityError, ManifestError
 
 __all__ = [
+    "MAX_MANIFEST_BYTES",
     "MAX_NAME_BYTES",
     "MAX_SEGMENT_BYTES",
     "Artifact",
@@ -34,6 +37,11 @@ __all__ = [
 
 MAX_NAME_BYTES = 1024
 MAX_SEGMENT_BYTES = 255
+#: The most :func:`read_manifest` reads: far above a real manifest (FlashInfer's whole
+#: set is a few MiB), a bound on what a wrong path (``/dev/zero``) makes each rank load.
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+# The characters of an untrusted name or line a message quotes (either may be huge).
+_QUOTED_CHARS = 120
 # \Z, not $: "$" also matches before a trailing newline, which would let "<sha>\n"
 # through into object paths and newline-framed logs.
 _SHA_RE = re.compile(r"[0-9a-f]{64}\Z")
@@ -73,8 +81,16 @@ def check_sha256(sha256: object) -> str:
         ValueError: it is not.
     """
     if not isinstance(sha256, str) or not _SHA_RE.match(sha256):
-        raise ValueError(f"sha256 must be 64 lowercase hex characters, got {sha256!r}")
+        raise ValueError(f"sha256 must be 64 lowercase hex characters, got {_quoted(sha256)}")
     return sha256
+
+
+def _quoted(text: object) -> str:
+    """``repr(text)``, cut to :data:`_QUOTED_CHARS` characters of it for a message."""
+    if isinstance(text, str) and len(text) > _QUOTED_CHARS:
+        return f"{text[:_QUOTED_CHARS]!r}... ({len(text)} characters)"
+    shown = repr(text)
+    return shown if len(shown) <= _QUOTED_CHARS else f"{shown[:_QUOTED_CHARS]}..."
 
 
 def collapse_slashes(name: str) -> str:
@@ -108,7 +124,7 @@ def _validate_slowly(name: object) -> str:
 
     def reject(reason: str) -> ArtifactNameError:
         return ArtifactNameError(
-            f"artifact name {name!r} rejected: {reason}", name=name, reason=reason
+            f"artifact name {_quoted(name)} rejected: {reason}", name=name, reason=reason
         )
 
     if not isinstance(name, str):
@@ -163,7 +179,7 @@ def path_under(root: Path, name: str) -> Path:
     # Validation already forbids escapes; this is the belt to its braces.
     if not path.is_relative_to(root):
         raise ArtifactNameError(
-            f"artifact name {name!r} escapes {root}", name=name, reason="escapes root"
+            f"artifact name {_quoted(name)} escapes {root}", name=name, reason="escapes root"
         )
     return path
 
@@ -267,7 +283,7 @@ def parse_checksums(text: str, prefix: str = "", *, source: str | None = None) -
         parts = line.split(None, 1)
         if len(parts) != 2 or not _SHA_RE.match(parts[0].lower()):
             raise ManifestError(
-                f"{_at(source, lineno)}: expected '<64 hex sha256>  <name>', got {raw[:120]!r}",
+                f"{_at(source, lineno)}: expected '<64 hex sha256>  <name>', got {_quoted(raw)}",
                 line=lineno,
                 text=raw,
                 source=source,
@@ -318,20 +334,37 @@ def read_manifest(path: str | os.PathLike[str], prefix: str = "") -> list[Artifa
     """Parse the ``sha256sum``-format manifest file at ``path``.
 
     Raises:
-        ConfigError: the file cannot be read (names it and the reason).
+        ConfigError: the file cannot be read, or holds more than
+            :data:`MAX_MANIFEST_BYTES` (names it and the reason).
         ManifestError: a malformed line or bytes that are not UTF-8 (the message
             starts with ``PATH:LINE``; ``source`` is the path).
         ArtifactNameError: an unsafe name (the message starts with ``PATH:LINE``).
     """
     where = Path(path)
     try:
-        data = where.read_bytes()
+        data = _read_at_most(where, MAX_MANIFEST_BYTES)
     except OSError as exc:
         raise ConfigError(
             f"cannot read manifest {where}: {exc.strerror or exc}", variable="manifest",
             value=str(where),
         ) from exc
     return parse_checksums(decode_manifest(data, source=str(where)), prefix, source=str(where))
+
+
+def _read_at_most(path: Path, limit: int) -> bytes:
+    """The bytes of ``path``; ``OSError`` (``EFBIG``) past ``limit``. A regular file says
+    so by its size; anything else (``/dev/zero``) is read, unbuffered, to ``limit + 1``."""
+    chunks: list[bytes] = []
+    with open(path, "rb", buffering=0) as file:
+        st = os.fstat(file.fileno())
+        left = limit + 1 if not stat.S_ISREG(st.st_mode) or st.st_size <= limit else 0
+        while left > 0 and (chunk := file.read(min(left, 1 << 20))):
+            chunks.append(chunk)
+            left -= len(chunk)
+    if left <= 0:
+        raise OSError(errno.EFBIG, f"larger than {limit} bytes, the most a manifest may "
+                      "hold (MAX_MANIFEST_BYTES): is it the right file?")
+    return b"".join(chunks)
 
 
 def manifest_text(artifacts: Iterable[Artifact]) -> str:

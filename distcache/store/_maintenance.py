@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator
@@ -24,8 +25,9 @@ from typing import TYPE_CHECKING
 
 from distcache._log import get_logger
 from distcache.errors import PoolError
+from distcache.store._fs import is_sha, pool_error
 from distcache.store._locking import FileLock
-from distcache.store._objects import ObjectStore, scan_objects
+from distcache.store._objects import DIR_FLAGS, ObjectStore, scan_objects
 from distcache.store.layout import STALE_TMP_SECONDS, PoolLayout
 
 if TYPE_CHECKING:
@@ -76,7 +78,10 @@ def gc(layout: PoolLayout, max_bytes: int | None, keep: Collection[str] = ()) ->
 
 
 def verify(store: ObjectStore) -> VerifyReport:
-    """Hash every object of ``store``; quarantine the corrupt ones.
+    """Hash every object of ``store``; quarantine the corrupt ones. An object's name
+    that holds no regular file (a symlink, a directory, a fifo, a device) is corrupt
+    too: readers already treat it as a miss, so left in place it would hide the
+    artifact for good while the report said the pool was whole.
 
     Raises:
         PoolError: the pool cannot be listed or an object cannot be read.
@@ -94,8 +99,66 @@ def verify(store: ObjectStore) -> VerifyReport:
             # Moved aside, or found bad and still there (it could not be moved). An
             # object that is simply gone (collected or pruned meanwhile) is neither.
             corrupt += 1
+    for path, sha, st in _not_regular(store.layout):
+        # Renamed, never followed nor deleted: a symlink goes to quarantine/ itself
+        # (its target is left alone), a directory whole; only while it is still the
+        # entry found here.
+        before = store.quarantined
+        store.quarantine(sha, f"is {_kind(st)}, not a regular file", st)
+        if store.quarantined > before or _same_file(path, st):
+            corrupt += 1
     return VerifyReport(ok=ok, corrupt=corrupt, quarantined=_count(store.layout.quarantine),
                         ok_bytes=ok_bytes)
+
+
+def _not_regular(layout: PoolLayout) -> Iterator[tuple[str, str, os.stat_result]]:
+    """``(path, sha, lstat)`` of each entry in ``objects/<xx>/`` named for a sha that
+    belongs there and that is not a regular file (:func:`scan_objects` lists the
+    regular ones). Each fan-out directory is listed through a descriptor opened
+    without following a link, so a planted ``objects/<xx>`` symlink is not walked.
+
+    Raises:
+        PoolError: the objects directory cannot be listed.
+    """
+    for prefix in _fanouts(layout):
+        try:
+            fd = os.open(layout.objects / prefix, DIR_FLAGS)
+        except OSError:
+            continue
+        found = []
+        try:
+            with os.scandir(fd) as it:
+                for entry in it:
+                    if not (is_sha(entry.name) and layout.fanout_name(entry.name) == prefix):
+                        continue
+                    with contextlib.suppress(OSError):  # gone meanwhile: not ours to judge
+                        st = entry.stat(follow_symlinks=False)
+                        if not stat.S_ISREG(st.st_mode):
+                            found.append((entry.name, st))
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        for name, st in found:
+            yield layout.object_path(name), name, st
+
+
+def _fanouts(layout: PoolLayout) -> list[str]:
+    try:
+        with os.scandir(layout.objects) as it:
+            return sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
+    except OSError as exc:
+        raise pool_error("cannot list", layout.objects, exc) from exc
+
+
+def _kind(st: os.stat_result) -> str:
+    """What a non-regular file is, for the quarantine's log line."""
+    for test, kind in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISFIFO, "a fifo"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(st.st_mode):
+            return kind
+    return "an unknown kind of file"
 
 
 def _same_file(path: str, st: os.stat_result) -> bool:
