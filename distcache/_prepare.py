@@ -21,7 +21,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distcache._log import get_logger
-from distcache.artifact import Artifact, manifest_text, merge_manifests
+from distcache.artifact import (
+    MAX_MANIFEST_BYTES,
+    Artifact,
+    _read_at_most,
+    manifest_text,
+    merge_manifests,
+)
 from distcache.comm import Communicator, NodeTree, node_tree
 from distcache.config import Settings, settings
 from distcache.errors import DistcacheError
@@ -52,7 +58,7 @@ def lacks_any(pool: ArtifactPool, manifests: Sequence[Any],
     for spec in manifests:
         try:
             if isinstance(spec, str | os.PathLike):
-                lines = [line for line in Path(spec).read_bytes().splitlines()
+                lines = [line for line in _manifest_bytes(spec).splitlines()
                          if line.strip() and not line.lstrip().startswith(b"#")]
                 shas = [line.split()[0].decode("ascii").lower() for line in _spread(lines)]
             else:
@@ -182,6 +188,13 @@ def _may_download(tree: NodeTree, conf: Settings | None) -> bool:
         return True
 
 
+def _manifest_bytes(spec: str | os.PathLike[str]) -> bytes:
+    """A manifest file's bytes, as the prefetch will read them: at most
+    :data:`~distcache.artifact.MAX_MANIFEST_BYTES` (past it, OSError; the prefetch says
+    why), never a whole stream such as ``/dev/zero``."""
+    return _read_at_most(Path(spec), MAX_MANIFEST_BYTES)
+
+
 def inputs_key(manifests: Sequence[str | os.PathLike[str] | Sequence[Artifact]],
                origin: Origin | None, offline: bool | None,
                integrations: Sequence[Integration] = ()) -> str | None:
@@ -193,7 +206,7 @@ def inputs_key(manifests: Sequence[str | os.PathLike[str] | Sequence[Artifact]],
     try:
         for spec in manifests:
             if isinstance(spec, str | os.PathLike):
-                h.update(b"file\0" + hashlib.sha256(Path(spec).read_bytes()).digest())
+                h.update(b"file\0" + hashlib.sha256(_manifest_bytes(spec)).digest())
             else:
                 h.update(b"list\0" + repr(list(spec)).encode())
         if integrations:

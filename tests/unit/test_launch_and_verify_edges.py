@@ -332,3 +332,21 @@ def test_fetch_from_dev_zero_is_one_line_naming_the_limit(
     line = stderr.strip()
     assert "\n" not in line and "MemoryError" not in line, line
     assert "/dev/zero" in line and str(artifact_module.MAX_MANIFEST_BYTES) in line, line
+
+
+def test_the_start_ups_own_reads_of_a_manifest_are_bounded_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """init reads a manifest before the prefetch does (is anything lacking; the key of
+    its inputs): a stream such as /dev/zero counts as unreadable there, read no
+    further than the limit, and the prefetch then says why."""
+    from distcache import _prepare
+    from distcache.store import ArtifactPool
+
+    monkeypatch.setattr(_prepare, "MAX_MANIFEST_BYTES", 1000)
+    pool = ArtifactPool(tmp_path / "pool")
+    assert _prepare.lacks_any(pool, ["/dev/zero"], ()) is True
+    assert _prepare.inputs_key(["/dev/zero"], None, False) is None
+    small = tmp_path / "m.txt"
+    small.write_text("")
+    assert _prepare.lacks_any(pool, [str(small)], ()) is False
+    assert _prepare.inputs_key([str(small)], None, False) is not None
