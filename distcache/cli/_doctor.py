@@ -158,7 +158,7 @@ def doctor_lines(pool_root: Path) -> list[tuple[str, str]]:
     exists = PoolLayout(pool_root).is_pool(made_by_distcache=True)
     state = ("exists" if exists else "not created yet" if not os.path.lexists(pool_root)
              else "NOT USABLE: not a directory" if not pool_root.is_dir()
-             else "a directory, not yet a pool")
+             else "not created yet; the directory exists")
     lines.append(("pool", f"{pool_root} ({state})"))
     probe = _existing(pool_root)
     fs = filesystem_of(probe)

@@ -26,6 +26,7 @@ from typing import Any
 
 from distcache._logging import configure_logging, reports_error
 from distcache._resolve import prefetch_manifests, resolve_origin, resolve_pool
+from distcache.artifact import read_manifest
 from distcache.cli._common import check_families, positive_seconds, refuse_foreign
 from distcache.cli._interrupt import Stopper
 from distcache.collective import PrefetchReport
@@ -154,12 +155,21 @@ def _prefetch(args: argparse.Namespace) -> tuple[PrefetchReport | None, int]:
                  time.perf_counter() - started)
         root = Path(args.pool) if args.pool is not None else conf.pool_dir
         refuse_foreign(root)
-        pool = resolve_pool(root, conf)
-        log.info("pool: %s (id %s)", pool.root, pool.pool_id)
+        # The inputs are checked before the pool is opened, which creates it: a
+        # mistyped manifest, origin or record leaves no new pool behind.
+        origin: Origin | None = None
         if args.flashinfer:
             _check_record(comm, args.record, conf.timeout)
             # FlashInfer's own repository is the fallback origin (prefetch resolves it).
             origin = resolve_origin(args.origin, conf, [FlashInfer()])
+        elif not args.jit:
+            # No origin is needed for what the pools hold; prefetch_manifests names
+            # whatever no pool holds (and honours DISTCACHE_OFFLINE).
+            origin = resolve_origin(args.origin, conf)
+            _check_manifests(comm, args.manifest)
+        pool = resolve_pool(root, conf)
+        log.info("pool: %s (id %s)", pool.root, pool.pool_id)
+        if args.flashinfer:
             stopper, origin = _stoppable(origin)
             warmed = flashinfer_prefetch(comm=comm, pool=pool, record=args.record,
                                          origin=origin, families=tuple(args.family),
@@ -167,9 +177,6 @@ def _prefetch(args: argparse.Namespace) -> tuple[PrefetchReport | None, int]:
             return warmed, comm.rank
         if args.jit:
             return _prefetch_jit(comm, pool, args.jit, conf.timeout), comm.rank
-        # No origin is needed for what the pools hold; prefetch_manifests names
-        # whatever no pool holds (and honours DISTCACHE_OFFLINE).
-        origin = resolve_origin(args.origin, conf)
         stopper, origin = _stoppable(origin)
         report = prefetch_manifests(comm, pool, origin, manifests=args.manifest,
                                     timeout=conf.timeout, offline=conf.offline)
@@ -209,6 +216,21 @@ def _stoppable(origin: Origin | None) -> tuple[Stopper | None, Origin | None]:
         return None, None
     stopper = Stopper(origin)
     return stopper, stopper.origin
+
+
+def _check_manifests(comm: Communicator, manifests: list[str]) -> None:
+    """Read ``manifests`` before the pool is opened (and made), where this process is
+    the whole job. With more ranks the prefetch reads them and the ranks agree on the
+    error, so that a manifest only some of them cannot read leaves none waiting; a
+    rank refusing alone here would.
+
+    Raises:
+        ConfigError: a manifest cannot be read.
+        ManifestError, ArtifactNameError: a manifest is malformed.
+    """
+    if comm.size == 1:
+        for manifest in manifests:
+            read_manifest(manifest)
 
 
 def _check_record(comm: Communicator, record: str | None, timeout: float | None) -> None:

@@ -4,13 +4,14 @@ sets between a pool and a wheel, a tarball or a plain directory (a mirror laid o
 :class:`~distcache.origins.DirOrigin` reads).
 
 What import accepts, how it names and verifies, and why it is all or nothing:
-:mod:`distcache.store._import`. How both exports write (only reading the pool):
-:mod:`distcache.store._export`.
+:mod:`distcache.store._import`. How both exports write, all or nothing and as copies
+that leave the pool's objects and labels as they were: :mod:`distcache.store._export`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from distcache.integrations.flashinfer._warm import ARCH_RULE, arch_filter
 from distcache.store import ArtifactPool, PoolLayout
 from distcache.store._export import check_names, export_directory, export_tar, missing_from
 from distcache.store._import import import_set
+from distcache.store._sources import kind_of
 
 IMPORT_HELP = """\
 Import a flashinfer-cubin wheel (.whl), a tarball (.tar, .tar.gz, .tgz; e.g. one
@@ -54,8 +56,9 @@ checksums.txt at the top lists but the source lacks refuses the import.
 All or nothing: an unsafe member (absolute path, '..', symlink, hard link, device),
 an unreadable, truncated or damaged archive, a member larger than
 DISTCACHE_MAX_ARTIFACT_BYTES, conflicting manifests or a single sha256 mismatch
-refuses the whole import (exit 1) and nothing is added to the pool. SRC must be a
-regular file or a directory (it is read twice; a pipe cannot be).
+refuses the whole import (exit 1) and nothing is added to the pool; a failure or an
+interrupt (Ctrl-C) while the objects are being added removes those it added. SRC must
+be a regular file or a directory (it is read twice; a pipe cannot be).
 
 With --arch: """ + ARCH_RULE + "\n"
 
@@ -73,7 +76,9 @@ def setup_import(parser: argparse.ArgumentParser) -> None:
 def setup_export(parser: argparse.ArgumentParser) -> None:
     """Add the ``pool export`` arguments."""
     parser.add_argument("directory", type=Path, metavar="DIR", nargs="?",
-                        help="write every named artifact and checksums.txt under DIR")
+                        help="write every named artifact and checksums.txt under DIR, as "
+                             "copies, all or nothing; DIR must be new, empty or an earlier "
+                             "export (whose other artifacts stay)")
     parser.add_argument("--tar", type=Path, metavar="FILE",
                         help="write one tarball instead (.tar, .tar.gz/.tgz, .tar.bz2/.tbz2, "
                              ".tar.xz/.txz; the suffix picks the compression), atomically; "
@@ -98,6 +103,8 @@ def run_import(args: argparse.Namespace) -> int:
                         path=str(args.source))
     root = pool_root(args)
     refuse_foreign(root)
+    # Before the pool is opened, which creates it: a mistyped SRC leaves no pool.
+    kind_of(args.source)
     pool = resolve_pool(root, settings())
     bar = progress_bar(args)
     try:
@@ -148,6 +155,9 @@ def run_export(args: argparse.Namespace) -> int:
     else:
         artifacts = _selection(pool, args.manifest)
     if args.tar is not None:
+        # Before anything is written: the pool's tmp/ sweep would remove a tarball
+        # there, and one under objects/ would be taken for a corrupt object.
+        _refuse_inside(pool, args.tar, "a file")
         bar = progress_bar(args)
         try:
             report = export_tar(pool, artifacts, args.tar, bar)
@@ -166,33 +176,61 @@ def run_export(args: argparse.Namespace) -> int:
                         f"{pool.root}: {', '.join(a.name for a in absent[:5])}; fetch them "
                         "first (distcache fetch --manifest FILE)", path=str(pool.root))
     target: Path = args.directory
-    if target.resolve().is_relative_to(pool.root.resolve()):
-        raise PoolError(f"cannot export to {target}: it is inside the pool at {pool.root}; "
-                        "export to a directory outside it", path=str(target))
-    _make_directory(target)
-    export_directory(pool, artifacts, target)
+    _refuse_inside(pool, target, "a directory")
+    made = _make_parents(target)
+    try:
+        export_directory(pool, artifacts, target)
+    except BaseException:
+        for directory in reversed(made):  # only the empty parents this export made
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
     emit(args, {"root": pool.root, "target": target, "artifacts": len(artifacts)},
          [f"exported {len(artifacts)} artifacts and checksums.txt to {target}"])
     return EXIT_OK
 
 
-def _make_directory(target: Path) -> None:
-    """Create the export directory ``target`` and its parents (an existing directory
-    is used as it is).
+def _refuse_inside(pool: ArtifactPool, target: Path, what: str) -> None:
+    """Refuse an export target (``what`` it is to be) that is the pool or inside it.
 
     Raises:
-        PoolError: ``target`` or a parent exists and is not a directory, or the
-            directory cannot be created.
+        PoolError: it is.
     """
-    try:
-        target.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError) as exc:
-        blocker = next((p for p in (target, *target.parents)
-                        if (p.exists() or p.is_symlink()) and not p.is_dir()), target)
+    if target.resolve().is_relative_to(pool.root.resolve()):
+        raise PoolError(f"cannot export to {target}: it is inside the pool at {pool.root}; "
+                        f"export to {what} outside it", path=str(target))
+
+
+def _make_parents(target: Path) -> list[Path]:
+    """Create the missing parents of the export directory ``target`` (the export
+    creates ``target`` itself); the directories made, outermost first.
+
+    Raises:
+        PoolError: ``target`` or a parent exists and is not a directory, or a parent
+            cannot be created.
+    """
+    blocker = next((p for p in (target, *target.parents)
+                    if (p.exists() or p.is_symlink()) and not p.is_dir()), None)
+    if blocker is not None:
         raise PoolError(f"cannot export to {target}: {blocker} exists and is not a "
-                        "directory; give a new or existing directory, or --tar FILE to "
-                        "write one tarball", path=str(target), errno=exc.errno) from None
+                        "directory; give a directory that is new, empty or an earlier "
+                        "export, or --tar FILE to write one tarball", path=str(target))
+    made: list[Path] = []
+    try:
+        for parent in reversed(target.parents):
+            if not parent.is_dir():
+                try:
+                    parent.mkdir()
+                except FileExistsError:
+                    if parent.is_dir():
+                        continue  # another process made it: not this export's to remove
+                    raise
+                made.append(parent)
     except OSError as exc:
+        for directory in reversed(made):
+            with contextlib.suppress(OSError):
+                directory.rmdir()
         raise PoolError(f"cannot export to {target}: the directory cannot be created "
                         f"({exc.strerror or exc}); check the permissions of its parent, or "
                         "give another directory", path=str(target), errno=exc.errno) from None
+    return made

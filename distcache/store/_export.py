@@ -1,4 +1,4 @@
-"""Export a pool's artifacts as one tarball for an air-gapped transfer.
+"""Export a pool's artifacts as one tarball or one directory for an air-gapped transfer.
 
 The tarball holds ``checksums.txt`` (first) and every artifact at its name, as plain
 read-only files: the layout ``distcache pool import`` reads back, and the one a
@@ -10,29 +10,50 @@ suffix: ``.tar`` none, ``.tar.gz``/``.tgz`` gzip, ``.tar.bz2``/``.tbz2`` bzip2,
 core); any other suffix is refused before anything is written, as is an artifact
 named ``checksums.txt`` at the top, whose place the set's own manifest takes.
 
-The plain-directory export (:func:`export_directory`) places each artifact the way
-:func:`~distcache.store._materialize.materialize` does and merges the set into the
-directory's ``checksums.txt``, which is replaced the same way. Both only read the
-pool: no label is recorded there. Each temporary file is created exclusively, never
-through a link, under a name with random bits (:func:`_create_temp`), so a file or
-link another process left at a guessed name is neither written through nor removed.
+The plain-directory export (:func:`export_directory`) is all or nothing too: the whole
+tree is built in a fresh directory beside the target, then renamed into place.
+
+Neither export changes what the pool holds: no label is recorded there, and every
+exported file is a copy of the verified bytes, never a link to the pool's object, so
+writing to an exported file cannot corrupt the pool (an object found corrupt is
+quarantined, as any read does, and named in the error). Temporary files and
+directories are created exclusively, never through a link, under names with random
+bits (:func:`_temp_path`): nothing another process left at a guessed name is written
+through or removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import shutil
+import stat
 import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from distcache.artifact import Artifact, manifest_text, read_manifest
-from distcache.errors import ConfigError, PoolError
-from distcache.store._fs import process_umask, replace_from, temp_file, unlink_quietly
+from distcache._log import get_logger
+from distcache.artifact import Artifact, manifest_text, path_under, read_manifest, sha256_hex
+from distcache.errors import ArtifactNameError, ConfigError, ManifestError, PoolError
+from distcache.store._fs import (
+    CREATE_FLAGS,
+    READ_FLAGS,
+    fsync_dir,
+    fsync_path,
+    process_umask,
+    read_fd,
+    sync_filesystem,
+    temp_file,
+    unlink_quietly,
+    write_all,
+)
 from distcache.store._import import Progress
-from distcache.store._materialize import materialize
+from distcache.store._objects import check_size
 from distcache.store._pool import ArtifactPool
+
+logger = get_logger(__name__)
 
 _SHOWN_MISSING = 5
 MANIFEST = "checksums.txt"
@@ -42,6 +63,9 @@ _MODES = {".tar": "w", ".tar.gz": "w:gz", ".tgz": "w:gz", ".tar.bz2": "w:bz2",
 #: The mode a finished tarball or checksums.txt takes (less the umask): that of a file
 #: created plainly, since a transfer set is for others to read.
 _FILE_MODE = 0o666
+#: The mode of an exported artifact's file (less the umask): read-only, as the pool's
+#: objects are, since a mirror serves the bytes its checksums.txt lists.
+_ARTIFACT_MODE = 0o444
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +99,7 @@ def check_names(artifacts: list[Artifact]) -> None:
     if any(a.name == MANIFEST for a in artifacts):
         raise ConfigError(f"cannot export an artifact named {MANIFEST}: the exported set "
                           f"keeps its own {MANIFEST} at the top; leave it out with "
-                          "--manifest M", variable="--manifest", value=MANIFEST)
+                          "--manifest M", value=MANIFEST)  # the pool's content, not usage
 
 
 def _info(name: str, size: int, mtime: float) -> tarfile.TarInfo:
@@ -91,11 +115,26 @@ def missing_from(pool: ArtifactPool, artifacts: list[Artifact]) -> list[Artifact
     return [a for a in artifacts if not pool.has(a.sha256)]
 
 
-def _temp_path(target: Path) -> Path:
-    """A fresh name beside ``target`` for the file that becomes it: process-unique
-    (pid and random bits), so neither a stale file of a killed run whose pid came
-    round again nor another host's export on a shared volume holds it."""
-    return target.with_name(f".{target.name}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
+def _verified(pool: ArtifactPool, artifact: Artifact) -> bytes:
+    """The verified bytes of ``artifact``'s object in ``pool`` (PoolError: it is
+    corrupt, and quarantined where it can be moved; or it left the pool meanwhile)."""
+    before = pool.quarantined
+    data = pool.get(artifact.sha256)
+    if data is not None:
+        return data
+    moved = pool.quarantined > before
+    what = (f"is corrupt (it failed verification{' and was moved to quarantine/' if moved else ''})"
+            if moved or pool.has(artifact.sha256) else "left the pool while the export ran")
+    raise PoolError(f"cannot export {artifact.name}: its object {artifact.sha256} in {pool.root} "
+                    f"{what}; fetch it again (distcache fetch --manifest FILE), then export "
+                    "again", path=str(pool.root))
+
+
+def _temp_path(target: Path, tag: str = "tmp") -> Path:
+    """A fresh name beside ``target`` for what becomes it (or what it is moved aside
+    to): process-unique (pid and random bits), so neither a stale entry of a killed
+    run whose pid came round again nor another host's export on a shared volume holds it."""
+    return target.with_name(f".{target.name}.{os.getpid()}.{os.urandom(6).hex()}.{tag}")
 
 
 def _create_temp(target: Path) -> tuple[Path, int]:
@@ -122,38 +161,190 @@ def _seal(fd: int) -> None:
     os.fsync(fd)
 
 
-def export_directory(pool: ArtifactPool, artifacts: list[Artifact], directory: Path) -> None:
-    """Place ``artifacts`` (each read and verified from ``pool``) at their names under
-    the existing ``directory``, and list them in its ``checksums.txt`` together with
-    the entries already there; that file is written whole to a temporary file, then
-    renamed over the old one.
+def _refused(target: Path, why: str) -> PoolError:
+    return PoolError(f"cannot export to {target}: {why}; an export replaces its directory "
+                     "whole, so it goes only into a new or empty directory or over an earlier "
+                     "export: give another directory, or move that away", path=str(target))
 
-    The pool is only read: unlike :meth:`ArtifactPool.materialize`, no label is
-    recorded, so exporting another set's manifest does not rename the pool's
-    artifacts, and a pool whose ``names.log`` cannot be written exports all the same.
+
+def _stray(top: Path, prefix: str, listed: set[str]) -> str | None:
+    """The first entry under ``top`` (its path from the export's top) that is neither
+    a real directory nor a regular file ``listed`` names; None when there is none."""
+    with os.scandir(top) as entries:
+        for entry in entries:
+            rel = prefix + entry.name
+            if entry.is_dir(follow_symlinks=False):
+                found = _stray(Path(entry.path), rel + "/", listed)
+                if found is not None:
+                    return found
+            elif not (entry.is_file(follow_symlinks=False) and rel in listed):
+                return rel
+    return None
+
+
+def _earlier(target: Path) -> dict[str, Artifact] | None:
+    """The artifacts the earlier export at ``target`` lists, by name; None when it is
+    absent or empty. PoolError when it holds anything but a ``checksums.txt`` and the
+    regular files that lists (in real directories): that would go with the earlier
+    export when the new one takes its place."""
+    manifest = target / MANIFEST
+    try:
+        if not os.listdir(target):
+            return None
+        regular = stat.S_ISREG(os.lstat(manifest).st_mode)
+        listed = {a.name: a for a in read_manifest(manifest)} if regular else {}
+        stray = _stray(target, "", {*listed, MANIFEST}) if regular else MANIFEST
+    except FileNotFoundError as exc:
+        if exc.filename is not None and Path(exc.filename) == target:
+            return None
+        raise _refused(target, f"it holds no {MANIFEST}, so no earlier export") from None
+    except (ConfigError, ManifestError, ArtifactNameError) as exc:
+        raise _refused(target, f"its {MANIFEST} cannot be read as an export's ({exc})") from exc
+    except OSError as exc:
+        raise PoolError(f"cannot export to {target}: it cannot be read ({exc.strerror or exc})",
+                        path=str(target), errno=exc.errno) from exc
+    if stray is not None:
+        raise _refused(target, f"it holds {stray}, which no {MANIFEST} of an export lists")
+    return listed
+
+
+def _carried(target: Path, artifact: Artifact) -> bytes:
+    """The bytes of ``artifact`` in the earlier export at ``target``, checked against
+    the sha256 its ``checksums.txt`` lists, which the new one lists again (PoolError)."""
+    try:
+        fd = os.open(path_under(target, artifact.name), READ_FLAGS)
+        try:
+            data = read_fd(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise _refused(target, f"{artifact.name}, which its {MANIFEST} lists, cannot be "
+                               f"read ({exc.strerror or exc})") from exc
+    if sha256_hex(data) != artifact.sha256:
+        raise _refused(target, f"{artifact.name} no longer matches the sha256 its "
+                               f"{MANIFEST} lists (it changed since it was exported)")
+    return data
+
+
+def _write(top: Path, name: str, data: bytes, mode: int) -> None:
+    """Create ``top/<name>`` (and its directories) holding ``data``, mode ``mode``;
+    ``top`` is the export's new directory (``0700`` until complete): nothing is in the way."""
+    path = path_under(top, name)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, CREATE_FLAGS, 0o600)
+        try:
+            write_all(fd, data)
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise PoolError(f"cannot export {name}: cannot write {path} ({exc.strerror or exc}); "
+                        "nothing was exported", path=str(path), errno=exc.errno) from exc
+
+
+def _flush(top: Path) -> None:
+    """Flush the new tree before its rename: one ``syncfs``, else file by file."""
+    if not sync_filesystem(top):
+        for directory, _dirs, files in os.walk(top):
+            for name in files:
+                fsync_path(os.path.join(directory, name))
+            fsync_dir(directory)
+
+
+def _remove(tree: Path) -> None:
+    """Remove a tree this export made or moved aside (never anyone else's)."""
+    shutil.rmtree(tree, ignore_errors=True)
+    if os.path.lexists(tree):
+        logger.warning("cannot remove %s, left by an export; remove it by hand", tree)
+
+
+def _undo(new: Path, target: Path, aside: Path | None) -> None:
+    """After a failure or an interrupt: put the earlier export back and remove the new
+    tree, or, where that is in place already, remove the earlier one."""
+    if os.path.lexists(new):
+        if aside is not None and os.path.lexists(aside) and not os.path.lexists(target):
+            with contextlib.suppress(OSError):
+                os.rename(aside, target)
+        _remove(new)
+    elif aside is not None:  # renamed in already: the export is whole
+        _remove(aside)
+
+
+def export_directory(pool: ArtifactPool, artifacts: list[Artifact], directory: Path) -> None:
+    """Make ``directory`` hold ``artifacts`` (each read and verified from ``pool``) at
+    their names, listed in its ``checksums.txt``, all or nothing.
+
+    ``directory`` may be absent (its parent must exist), empty, or an earlier export
+    (a ``checksums.txt`` at its top listing every file under it). The new tree is built
+    in a fresh directory beside it (``0700`` until complete): each artifact a copy of
+    its verified object, never a link to it, so writing to an exported file cannot
+    change the pool; then the earlier export's other artifacts, checked against the
+    sha256s it lists; then ``checksums.txt``. Flushed and given the directory's mode,
+    it is renamed into place, an earlier export renamed aside first and removed after.
+    A failure or an interrupt before then leaves ``directory`` as it was and removes
+    the new tree. A symbolic link named as ``directory`` stays; what it points at is
+    replaced.
+
+    No label is recorded (unlike :meth:`ArtifactPool.materialize`): exporting another
+    set's manifest renames nothing, and a read-only ``names.log`` is no obstacle.
 
     Raises:
-        PoolError: an object is missing from the pool or corrupt there, or a file
-            cannot be written (the temporary file is removed and the old
-            ``checksums.txt`` kept; artifacts placed already stay).
-        ArtifactNameError: a name is unsafe (checked before its file is written).
+        PoolError: an object is corrupt or gone; ``directory`` holds what no earlier
+            export wrote (or its file changed), or it or its parent is no directory; or
+            a file cannot be written (nothing is changed in any case).
+        ConfigError: an artifact is named ``checksums.txt``.
+        ArtifactNameError: a name is unsafe.
         IntegrityError: an object's size is not the one its artifact declares.
     """
-    manifest = directory / MANIFEST
-    listed = {a.name: a for a in read_manifest(manifest)} if manifest.is_file() else {}
-    tmp, fd = _create_temp(manifest)
+    check_names(artifacts)
+    target = Path(os.path.abspath(directory))
+    if target.is_symlink() and target.is_dir():
+        target = Path(os.path.realpath(target))
+    if (os.path.lexists(target) and not target.is_dir()) or not target.parent.is_dir():
+        raise PoolError(f"cannot export to {directory}: it or its parent exists and is not "
+                        "a directory", path=str(directory))
+    earlier = _earlier(target)
+    wanted = {a.name: a for a in artifacts}
+    kept = {n: a for n, a in (earlier or {}).items() if n not in wanted and n != MANIFEST}
+    new = _temp_path(target, "new")
     try:
-        for artifact in artifacts:
-            # The store's materialize: the pool's own would also record the label.
-            materialize(pool._store, artifact, directory)
-            listed[artifact.name] = artifact
-        text = manifest_text(sorted(listed.values(), key=lambda a: a.name))
-        replace_from(fd, tmp, manifest, text.encode("utf-8"), _FILE_MODE & ~process_umask())
+        os.mkdir(new, 0o700)
+    except OSError as exc:
+        raise PoolError(f"cannot export to {target}: cannot create {new} to build it in "
+                        f"({exc.strerror or exc}); check that you can write to {target.parent}",
+                        path=str(target), errno=exc.errno) from exc
+    aside: Path | None = None
+    umask = process_umask()
+    try:
+        for name, artifact in sorted(wanted.items()):
+            data = _verified(pool, artifact)
+            check_size(artifact, len(data), "pool")
+            _write(new, name, data, _ARTIFACT_MODE & ~umask)
+        for name, artifact in sorted(kept.items()):
+            _write(new, name, _carried(target, artifact), _ARTIFACT_MODE & ~umask)
+        listed = sorted([*wanted.values(), *kept.values()], key=lambda a: a.name)
+        _write(new, MANIFEST, manifest_text(listed).encode("utf-8"), _FILE_MODE & ~umask)
+        try:
+            _flush(new)
+            mode = (stat.S_IMODE(os.stat(target).st_mode) if os.path.lexists(target)
+                    else (0o777 & ~umask) | (os.stat(new).st_mode & stat.S_ISGID))
+            os.chmod(new, mode)
+            if earlier is not None:
+                aside = _temp_path(target, "old")
+                os.rename(target, aside)
+            os.rename(new, target)  # over an empty directory, or where there is none
+        except OSError as exc:  # a flush failed, or a rename
+            raise PoolError(f"cannot export to {target}: cannot put the new export in place "
+                            f"({exc.strerror or exc}); it was left as it was",
+                            path=str(target), errno=exc.errno) from exc
     except BaseException:
-        unlink_quietly(tmp)
+        _undo(new, target, aside)
         raise
-    finally:
-        os.close(fd)
+    with contextlib.suppress(PoolError):  # in place and flushed; only its entry may lag
+        fsync_dir(target.parent)
+    if aside is not None:
+        _remove(aside)
 
 
 def export_tar(pool: ArtifactPool, artifacts: list[Artifact], target: Path,
@@ -193,11 +384,7 @@ def export_tar(pool: ArtifactPool, artifacts: list[Artifact], target: Path,
                 manifest = manifest_text(artifacts).encode()
                 archive.addfile(_info(MANIFEST, len(manifest), now), io.BytesIO(manifest))
                 for artifact in artifacts:
-                    data = pool.get(artifact.sha256)
-                    if data is None:
-                        raise PoolError(f"cannot export {artifact.name}: its object "
-                                        f"{artifact.sha256} in {pool.root} is corrupt (moved "
-                                        "to quarantine/); fetch it again", path=str(pool.root))
+                    data = _verified(pool, artifact)
                     archive.addfile(_info(artifact.name, len(data), now), io.BytesIO(data))
                     total += len(data)
                     if progress is not None:

@@ -14,7 +14,7 @@ from tests.support.cli import cli_env, run_cli
 @pytest.mark.parametrize(("make", "said"), [
     (lambda p: p.write_text("x"), "NOT USABLE: not a directory"),
     (lambda p: p.symlink_to(p.parent / "missing"), "NOT USABLE: not a directory"),
-    (lambda p: p.mkdir(), "a directory, not yet a pool"),
+    (lambda p: p.mkdir(), "not created yet; the directory exists"),
     (lambda p: None, "not created yet"),
 ], ids=["file", "dangling-link", "empty-dir", "absent"])
 def test_doctor_says_what_is_at_the_pool_path(tmp_path: Path, make: Callable[[Path], object],

@@ -63,33 +63,20 @@ def _listed(directory: Path) -> set[tuple[str, str]]:
 # --- pool export DIR: the checksums.txt temporary file --------------------------------
 
 
-def test_export_dir_does_not_write_through_a_link_planted_at_a_guessed_name(
-    tmp_path: Path, pool: Path, served: list[Artifact]
+def test_export_dir_over_a_planted_link_refuses_and_writes_through_nothing(
+    tmp_path: Path, pool: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    mirror, victim, planted = _planted(tmp_path)
-    assert main(["--pool", str(pool), "pool", "export", str(mirror)]) == 0
-    assert victim.read_text() == "another user's file\n"
-    manifest = mirror / "checksums.txt"
-    assert manifest.is_file() and not manifest.is_symlink()
-    assert _listed(mirror) == {(a.name, a.sha256) for a in served}
-    assert planted.is_symlink()  # not this run's file: left where it was
-
-
-def test_export_dir_refuses_a_link_at_its_temporary_name_and_writes_nothing(
-    tmp_path: Path, pool: Path, monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str]
-) -> None:
-    # The name is made guessable again: the create itself must refuse the link.
-    monkeypatch.setattr(export_module, "_temp_path", _old_name, raising=False)
+    # The export is built beside DIR at a fresh exclusive name and swapped in whole; a
+    # DIR holding what no export wrote (here another user's link) is not replaced.
     mirror, victim, planted = _planted(tmp_path)
     capsys.readouterr()
     assert main(["--pool", str(pool), "pool", "export", str(mirror)]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"distcache: error: cannot export to {mirror / 'checksums.txt'}: ")
-    assert str(planted) in err and "export again" in err
+    assert err.startswith(f"distcache: error: cannot export to {mirror}: ")
     assert victim.read_text() == "another user's file\n"
     assert planted.is_symlink()
     assert list(mirror.iterdir()) == [planted]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".mirror")] == []
 
 
 # --- pool export DIR --manifest M: the source pool is only read -----------------------

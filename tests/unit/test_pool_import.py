@@ -426,7 +426,7 @@ def test_export_tar_refuses_a_suffix_import_cannot_read_back(tmp_path: Path, run
     out = tmp_path / "out"
     out.mkdir()
     done = run("--pool", pool, "pool", "export", "--tar", str(out / name))
-    assert done.returncode == 1, done.stdout
+    assert done.returncode == 2, done.stdout  # the option's value: bad usage
     assert "must end in one of .tar, .tar.gz, .tgz, .tar.bz2" in done.stderr
     assert list(out.iterdir()) == []
 

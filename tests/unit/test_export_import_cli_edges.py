@@ -1,0 +1,268 @@
+"""Exports and imports that must leave things whole: an exported file is no door into
+the pool, a failed or interrupted ``pool export DIR`` leaves DIR as it was, a tarball is
+never written inside the pool, a command refused for its input creates no pool, and an
+interrupted import leaves no object that no name reaches."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from distcache.artifact import Artifact, parse_checksums
+from distcache.errors import PoolError
+from distcache.store import ArtifactPool
+from distcache.store._export import export_directory
+from distcache.store._fs import process_umask
+from distcache.store._import import import_set
+from distcache.store._objects import ObjectStore
+from tests.support.cli import cli_env, run_cli
+
+
+@pytest.fixture(autouse=True)
+def _no_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("DISTCACHE_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    return cli_env(tmp_path)
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _set(root: Path, files: dict[str, bytes]) -> Path:
+    """A directory holding ``files`` and the checksums.txt that lists them."""
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    (root / "checksums.txt").write_text("".join(f"{_sha(d)}  {n}\n" for n, d in files.items()))
+    return root
+
+
+def _pool(env: dict[str, str], root: Path, source: Path) -> Path:
+    done = run_cli(env, "--pool", str(root), "pool", "import", str(source))
+    assert done.returncode == 0, done.stderr
+    return root
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """Every entry under ``root``: a file's bytes, None for a directory."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes()
+            for p in sorted(root.rglob("*"))}
+
+
+def _object(pool: Path, data: bytes) -> Path:
+    sha = _sha(data)
+    return pool / "objects" / sha[:2] / sha
+
+
+def _corrupt(path: Path) -> None:
+    os.chmod(path, 0o644)
+    with open(path, "ab") as out:
+        out.write(b"bit rot\n")
+
+
+def _objects(pool: Path) -> set[str]:
+    return {p.name for p in (pool / "objects").rglob("*") if p.is_file()}
+
+
+def _stop_at(call: int, real: Callable[..., object]) -> Callable[..., object]:
+    """``real``, but the ``call``-th call raises KeyboardInterrupt, as Ctrl-C there would."""
+    calls = [0]
+
+    def stopping(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        if calls[0] == call:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    return stopping
+
+
+FIRST = {"a/x.bin": b"first x\n", "b.bin": b"shared b\n"}
+SECOND = {"a/x.bin": b"second x\n", "b.bin": b"shared b\n"}
+MANY = {f"k/{i:02d}.cubin": f"kernel {i}\n".encode() * 40 for i in range(20)}
+
+
+# --- A: an exported file is a copy -----------------------------------------------------
+
+
+def test_an_exported_file_shares_no_inode_with_the_pool_and_writing_it_leaves_the_pool_whole(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    pool = _pool(env, tmp_path / "pool", _set(tmp_path / "src", FIRST))
+    out = tmp_path / "mirror"
+    done = run_cli(env, "--pool", str(pool), "pool", "export", str(out))
+    assert done.returncode == 0, done.stderr
+    for name, data in FIRST.items():
+        exported, obj = (out / name).stat(), _object(pool, data).stat()
+        assert (exported.st_dev, exported.st_ino) != (obj.st_dev, obj.st_ino)
+        assert exported.st_nlink == 1 and obj.st_nlink == 1
+        assert stat.S_IMODE(exported.st_mode) == 0o444 & ~process_umask()
+    _corrupt(out / "b.bin")
+    assert _object(pool, FIRST["b.bin"]).read_bytes() == FIRST["b.bin"]
+    report = ArtifactPool(pool).verify()
+    assert report.corrupt == 0 and report.ok == 2
+
+
+# --- B: pool export DIR is all or nothing ----------------------------------------------
+
+
+def test_a_failed_export_over_an_earlier_one_leaves_it_as_it_was(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    first = _pool(env, tmp_path / "first", _set(tmp_path / "src1", FIRST))
+    second = _pool(env, tmp_path / "second", _set(tmp_path / "src2", SECOND))
+    out = tmp_path / "out" / "mirror"
+    assert run_cli(env, "--pool", str(first), "pool", "export", str(out)).returncode == 0
+    before = _tree(out)
+    # a/x.bin sorts first and differs; b.bin's object then fails verification.
+    _corrupt(_object(second, SECOND["b.bin"]))
+    done = run_cli(env, "--pool", str(second), "pool", "export", str(out))
+    assert done.returncode == 1, done.stdout
+    assert "b.bin" in done.stderr and "is corrupt" in done.stderr
+    assert "not in the pool" not in done.stderr and "fetch it first" not in done.stderr
+    assert _tree(out) == before
+    assert sorted(p.name for p in out.parent.iterdir()) == ["mirror"]
+    # The mirror still imports: checksums.txt and the files agree.
+    done = run_cli(env, "--pool", str(tmp_path / "fresh"), "pool", "import", str(out))
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("earlier", [False, True])
+def test_an_interrupted_export_leaves_the_directory_as_it_was(
+    tmp_path: Path, env: dict[str, str], monkeypatch: pytest.MonkeyPatch, earlier: bool
+) -> None:
+    pool = _pool(env, tmp_path / "pool", _set(tmp_path / "src", MANY))
+    artifacts = parse_checksums((tmp_path / "src" / "checksums.txt").read_text())
+    out = tmp_path / "out" / "mirror"
+    out.parent.mkdir()
+    if earlier:
+        export_directory(ArtifactPool(pool), artifacts[:3], out)
+    before = _tree(out) if earlier else None
+    monkeypatch.setattr(ObjectStore, "read", _stop_at(5, ObjectStore.read))
+    with pytest.raises(KeyboardInterrupt):
+        export_directory(ArtifactPool(pool), artifacts, out)
+    if earlier:
+        assert _tree(out) == before
+        assert sorted(p.name for p in out.parent.iterdir()) == ["mirror"]
+    else:
+        assert list(out.parent.iterdir()) == []
+
+
+def test_an_export_merges_into_an_earlier_one_and_swaps_it_whole(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    first = _pool(env, tmp_path / "first", _set(tmp_path / "src1", FIRST))
+    second = _pool(env, tmp_path / "second", _set(tmp_path / "src2", {"c.bin": b"c\n"}))
+    out = tmp_path / "mirror"
+    assert run_cli(env, "--pool", str(first), "pool", "export", str(out)).returncode == 0
+    done = run_cli(env, "--pool", str(second), "pool", "export", str(out))
+    assert done.returncode == 0, done.stderr
+    listed = {a.name: a.sha256 for a in parse_checksums((out / "checksums.txt").read_text())}
+    assert listed == {n: _sha(d) for n, d in {**FIRST, "c.bin": b"c\n"}.items()}
+    assert all(_sha((out / n).read_bytes()) == s for n, s in listed.items())
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".mirror")]
+
+
+@pytest.mark.parametrize("stray", ["notes.txt", "a/unlisted.bin"])
+def test_an_export_over_what_no_export_wrote_is_refused_untouched(
+    tmp_path: Path, env: dict[str, str], stray: str
+) -> None:
+    pool = _pool(env, tmp_path / "pool", _set(tmp_path / "src", FIRST))
+    out = tmp_path / "mirror"
+    if stray == "notes.txt":
+        out.mkdir()
+    else:
+        assert run_cli(env, "--pool", str(pool), "pool", "export", str(out)).returncode == 0
+    (out / stray).write_text("someone else's\n")
+    before = _tree(out)
+    done = run_cli(env, "--pool", str(pool), "pool", "export", str(out))
+    assert done.returncode == 1, done.stdout
+    assert "cannot export to" in done.stderr and "Traceback" not in done.stderr
+    assert _tree(out) == before
+
+
+# --- C: no tarball inside the pool -----------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["tmp/out.tar", "objects/out.tar", "out.tar"])
+def test_a_tarball_inside_the_pool_is_refused(
+    tmp_path: Path, env: dict[str, str], where: str
+) -> None:
+    pool = _pool(env, tmp_path / "pool", _set(tmp_path / "src", FIRST))
+    done = run_cli(env, "--pool", str(pool), "pool", "export", "--tar", str(pool / where))
+    assert done.returncode == 1, done.stdout
+    assert "inside the pool" in done.stderr
+    assert not (pool / where).exists()
+    assert not [p for p in (pool / "tmp").iterdir() if "out.tar" in p.name]
+
+
+# --- D: no pool for a refused input ----------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [
+    ["prefetch", "--manifest", "MISSING"],
+    ["prefetch", "--manifest", "LISTED", "--origin", "NOWHERE"],
+    ["pool", "import", "MISSING.tar"],
+])
+def test_a_command_refused_for_its_input_creates_no_pool(
+    tmp_path: Path, env: dict[str, str], command: list[str]
+) -> None:
+    listed = _set(tmp_path / "src", FIRST) / "checksums.txt"
+    places = {"MISSING": str(tmp_path / "missing.txt"), "LISTED": str(listed),
+              "NOWHERE": str(tmp_path / "nonexistent"),
+              "MISSING.tar": str(tmp_path / "missing.tar")}
+    new = tmp_path / "new-pool"
+    done = run_cli(env, "--pool", str(new), *(places.get(a, a) for a in command))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert not new.exists()
+
+
+# --- E: an interrupted or failed import takes back what it added -----------------------
+
+
+def test_an_interrupted_import_removes_only_the_objects_it_added(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = _set(tmp_path / "src", MANY)
+    pool = ArtifactPool(tmp_path / "pool")
+    kept = MANY["k/07.cubin"]
+    pool.put(kept)  # in the pool before: the import must leave it
+    monkeypatch.setattr(ObjectStore, "write", _stop_at(4, ObjectStore.write))
+    with pytest.raises(KeyboardInterrupt):
+        import_set(pool, source)
+    monkeypatch.undo()
+    assert _objects(pool.root) == {_sha(kept)}
+    assert pool.get(_sha(kept)) == kept
+    assert pool.names() == {}
+
+
+def test_a_failed_import_keeps_an_object_another_process_named_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = _set(tmp_path / "src", FIRST)
+    pool = ArtifactPool(tmp_path / "pool")
+    other = Artifact("elsewhere/x.bin", _sha(FIRST["a/x.bin"]))
+    remember = ArtifactPool.remember
+
+    def fails(self: ArtifactPool, artifacts: object) -> None:
+        remember(ArtifactPool(self.root), [other])  # another process's label, first
+        raise PoolError(f"cannot append to {self.layout.names_log}: No space left on device",
+                        path=str(self.layout.names_log))
+
+    monkeypatch.setattr(ArtifactPool, "remember", fails)
+    with pytest.raises(PoolError):
+        import_set(pool, source)
+    monkeypatch.undo()
+    assert _objects(pool.root) == {other.sha256}
+    assert pool.names() == {other.name: other.sha256}
