@@ -23,3 +23,39 @@ def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]
     """``python -m distcache ARGS`` in its own session, killed after 120 s."""
     return subprocess.run([sys.executable, "-m", "distcache", *args], capture_output=True,
                           text=True, env=env, timeout=120, start_new_session=True, check=False)
+
+
+def signal_mid_download(args: list[str], env: dict[str, str], pool: Path,
+                        sig: int) -> tuple[int, float, str]:
+    """Run ``args`` in a session of its own, send ``sig`` once its downloads write into
+    ``pool``'s ``tmp/`` (0.3 s after the first temporary file shows), and return its
+    exit status, the seconds from the signal to its exit, and its stderr. Killed
+    (group and all) if it does not end within a minute of the signal."""
+    import signal
+    import time
+
+    # A shell starts background jobs with SIGINT ignored, and an ignored signal stays
+    # ignored across exec (the test command runs the suite that way): give the command
+    # the disposition a terminal's Ctrl-C meets. A handler of this process becomes the
+    # default in the child.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
+    try:
+        deadline = time.monotonic() + 60
+        while not ((pool / "tmp").is_dir() and any((pool / "tmp").iterdir())):
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "no download started"
+            time.sleep(0.01)
+        time.sleep(0.3)  # well into the downloads
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=60)
+        return proc.returncode, time.monotonic() - sent, stderr
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

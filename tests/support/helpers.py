@@ -85,12 +85,17 @@ def origin_requests(comm: Any, url: str) -> int:
     return count
 
 
+def clear_settings(monkeypatch: Any) -> None:
+    """Remove every ``DISTCACHE_*`` variable of the caller's for the test."""
+    for var in [v for v in os.environ if v.startswith("DISTCACHE_")]:
+        monkeypatch.delenv(var, raising=False)
+
+
 def isolated_init(monkeypatch: Any, tmp_path: Path) -> Iterator[None]:
     """The body of an autouse fixture for tests that call ``distcache.init`` in the
     test process: no ``DISTCACHE_*`` variable of the caller's, a cache home of the
     test's own, and the process's session closed after the test."""
-    for var in [v for v in os.environ if v.startswith("DISTCACHE_")]:
-        monkeypatch.delenv(var, raising=False)
+    clear_settings(monkeypatch)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     yield
     from distcache.session import current

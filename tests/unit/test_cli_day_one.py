@@ -3,20 +3,18 @@ Ctrl-C in ``fetch`` and ``prefetch``, a read-only pool, and typos."""
 
 from __future__ import annotations
 
-import os
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from distcache.store import ArtifactPool
 from distcache.testing import LoopbackOrigin, make_artifacts
-from tests.support.cli import cli_env, run_cli
+from tests.support.cli import cli_env, run_cli, signal_mid_download
 
 
 @pytest.fixture
@@ -39,43 +37,15 @@ def _interrupt(tmp_path: Path, env: dict[str, str], *command: str) -> tuple[int,
     pool = tmp_path / "pool"
     # 200 kB/s for ~5 MB: the whole queue would take about 25 s.
     with LoopbackOrigin(served, bandwidth=200_000) as origin:
-        # A shell starts background jobs with SIGINT ignored, and an ignored signal stays
-        # ignored across exec (the test command runs the suite that way): give the
-        # command the disposition a terminal's Ctrl-C meets. A handler of this process
-        # becomes the default in the child.
-        inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "distcache", "--pool", str(pool), *command,
-                 "--manifest", str(served / "checksums.txt"), "--origin", origin.url],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                start_new_session=True,
-            )
-        finally:
-            signal.signal(signal.SIGINT, inherited)
-        try:
-            deadline = time.monotonic() + 60
-            while not ((pool / "tmp").is_dir() and any((pool / "tmp").iterdir())):
-                assert proc.poll() is None, proc.communicate()[1]
-                assert time.monotonic() < deadline, "no download started"
-                time.sleep(0.01)
-            time.sleep(0.3)  # well into the downloads
-            sent = time.monotonic()
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=60)
-            elapsed = time.monotonic() - sent
-            stderr = proc.stderr.read() if proc.stderr is not None else ""
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            if proc.stderr is not None:
-                proc.stderr.close()
+        status, elapsed, stderr = signal_mid_download(
+            [sys.executable, "-m", "distcache", "--pool", str(pool), *command,
+             "--manifest", str(served / "checksums.txt"), "--origin", origin.url],
+            env, pool, signal.SIGINT)
         # The queue was left, not downloaded (the caller checks how soon it stopped).
         held = sum(1 for _ in (pool / "objects").rglob("*") if _.is_file())
         assert held < 20, (held, origin.total_requests, elapsed, stderr)
     assert list((pool / "tmp").iterdir()) == []
-    return proc.returncode, elapsed, stderr
+    return status, elapsed, stderr
 
 
 def test_ctrl_c_stops_fetch_within_a_second_and_removes_its_temp_files(

@@ -21,13 +21,12 @@ from distcache.store._fs import process_umask
 from distcache.store._import import import_set
 from distcache.store._objects import ObjectStore
 from tests.support.cli import cli_env, run_cli
+from tests.support.helpers import clear_settings
 
 
 @pytest.fixture(autouse=True)
 def _no_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("DISTCACHE_"):
-            monkeypatch.delenv(name)
+    clear_settings(monkeypatch)
 
 
 @pytest.fixture

@@ -17,13 +17,12 @@ from distcache.errors import PoolError
 from distcache.store import ArtifactPool, PoolLayout
 from distcache.store._export import export_tar
 from distcache.testing import make_artifacts
+from tests.support.helpers import clear_settings
 
 
 @pytest.fixture(autouse=True)
 def _no_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("DISTCACHE_"):
-            monkeypatch.delenv(name)
+    clear_settings(monkeypatch)
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,7 @@ from distcache.artifact import (
 from distcache.errors import ArtifactNameError, ConfigError, ManifestError
 from distcache.store import ArtifactPool
 from distcache.testing import LoopbackOrigin, make_artifacts
-from tests.support.cli import cli_env
+from tests.support.cli import cli_env, signal_mid_download
 from tests.support.process import run_group
 
 PY = sys.executable
@@ -105,32 +104,10 @@ def test_a_signal_during_the_launch_prefetch_exits_with_one_line_and_no_temp_fil
     # 200 kB/s for ~5 MB: the whole prefetch would take about 25 s.
     with LoopbackOrigin(served, bandwidth=200_000) as origin:
         env["DISTCACHE_ORIGIN"] = origin.url
-        # A shell starts background jobs with SIGINT ignored, and the ignored
-        # disposition survives exec: give the wrapper the one Ctrl-C meets at a terminal.
-        inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
-        try:
-            proc = subprocess.Popen(
-                [*LAUNCH, "--pool", str(pool), "--prefetch", str(served / "checksums.txt"),
-                 "--", "touch", str(marker)],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                start_new_session=True,
-            )
-        finally:
-            signal.signal(signal.SIGINT, inherited)
-        try:
-            deadline = time.monotonic() + 60
-            while not ((pool / "tmp").is_dir() and any((pool / "tmp").iterdir())):
-                assert proc.poll() is None, proc.communicate()[1]
-                assert time.monotonic() < deadline, "no download started"
-                time.sleep(0.01)
-            time.sleep(0.3)  # well into the downloads
-            proc.send_signal(sig)
-            _, stderr = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                _kill_group(proc)
-            proc.wait()
-    assert proc.returncode == status, stderr
+        returncode, _, stderr = signal_mid_download(
+            [*LAUNCH, "--pool", str(pool), "--prefetch", str(served / "checksums.txt"),
+             "--", "touch", str(marker)], env, pool, sig)
+    assert returncode == status, stderr
     assert "Traceback" not in stderr, stderr
     assert stderr.strip().splitlines()[-1] == f"python -m launch: {word}", stderr
     assert list((pool / "tmp").iterdir()) == []

@@ -21,6 +21,7 @@ from distcache.origins import Credentials, DirOrigin, HttpOrigin, open_origin
 from distcache.store import PoolLayout
 from distcache.testing import make_artifacts
 from tests.support.cli import cli_env, run_cli
+from tests.support.helpers import clear_settings
 
 BAD_PORTS = [
     ("http://mirror.example:99999/cubins", "mirror.example:..."),
@@ -35,9 +36,7 @@ BAD_PORTS = [
 
 @pytest.fixture(autouse=True)
 def _no_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("DISTCACHE_"):
-            monkeypatch.delenv(name)
+    clear_settings(monkeypatch)
 
 
 def _assert_named_without_secrets(exc: ConfigError, shown: str) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import traceback
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from distcache.origins import Credentials, HttpOrigin, open_origin
 from distcache.peer import Tier
 from distcache.testing import LoopbackOrigin
 from tests.support.cli import cli_env, run_cli
+from tests.support.helpers import clear_settings
 
 SECRETS = ("SECRET123", "SIGSECRET", "RET123")
 ORIGIN = "https://alice:SECRET123@mirror.example/cubins?sig=SIGSECRET"
@@ -42,8 +42,7 @@ def _assert_hidden(text: str) -> None:
 
 @pytest.fixture(autouse=True)
 def _no_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in [n for n in os.environ if n.startswith("DISTCACHE_")]:
-        monkeypatch.delenv(name)
+    clear_settings(monkeypatch)
 
 
 # -- the doctor report ---------------------------------------------------------------
