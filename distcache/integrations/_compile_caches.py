@@ -5,16 +5,18 @@ The vLLM plugin and the start-up hook call :func:`start` with the families that
 ``DISTCACHE_JIT_CACHES`` names (``vllm,inductor``: vLLM's torch.compile cache, and
 Inductor's directory with torch's precompiled header), before the engine compiles. The
 first process of a tree that has them fills their directories from ``DISTCACHE_POOL``
-and becomes their *owner*: it records itself (host, pid, and a digest of the
-families' keys and directories) in the file :data:`OWNER_FILE` in the first family's
-directory (a dot file: never published), and at its exit stores what the directories
+and becomes their *owner*: it names itself (host, pid, its start time, and a digest of
+the families' keys and directories) in :data:`OWNER_VARIABLE` in its own environment,
+which the processes it starts inherit (never in a file another process tree on the
+host could overwrite or leave stale), and at its exit stores what the directories
 gained
 (:meth:`distcache.jit.Family.publish`, content-addressed, so the copies that several
 ranks hold of one file are one object). A file the engine rewrites at every start
 (vLLM on CPU writes each rank's ``model`` anew) is published as an update of this
-host's and directory's earlier version, which it supersedes, not as a conflict. A process whose owner file names one of its
-own ancestors (read from ``/proc``), for the same directories and keys, neither fills
-nor publishes them again: its owner outlives it
+host's and directory's earlier version, which it supersedes, not as a conflict. A
+process whose inherited owner is one of its own ancestors (read from ``/proc``, and
+still the process that started then: a reused pid is not), for the same directories
+and keys, neither fills nor publishes them again: its owner outlives it
 (vLLM's main process waits for its engine core and workers), and the owner's
 publication at exit sees every file they built. A process without an owner (a rank
 started by ``mpirun``, ``srun`` or ``torchrun``, a node of its own) is its own owner.
@@ -34,14 +36,12 @@ size) when it was taken is published at exit regardless.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import hashlib
 import os
 import socket
 import threading
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distcache._log import get_logger
@@ -52,8 +52,9 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-#: The owner's record in the first family's directory: ``<host> <pid> <digest>``.
-OWNER_FILE = ".distcache-jit-owner"
+#: The owner's name in its environment, for the processes it starts:
+#: ``<host> <pid> <start time> <digest>``.
+OWNER_VARIABLE = "DISTCACHE_JIT_OWNER"
 #: How many parents :func:`ancestors` follows.
 MAX_DEPTH = 64
 
@@ -111,8 +112,7 @@ def _start(source: str, role: str, names: tuple[str, ...],
     pool = ArtifactPool(pool_dir, max_bytes=max_bytes)
     chosen = families(names, pool=pool)
     digest = _digest(chosen)
-    record = chosen[0].spec.roots[0].path / OWNER_FILE if chosen[0].spec.roots else None
-    owner = read_owner(record, digest) if record is not None else None
+    owner = inherited_owner(digest)
     inherited = owner is not None
     summaries = []
     for family in chosen:
@@ -132,8 +132,7 @@ def _start(source: str, role: str, names: tuple[str, ...],
                             family.name, exc)
         summaries.append(summary)
     if not inherited:
-        if record is not None:
-            write_owner(record, digest)
+        name_owner(digest)
         refused = {s["name"] for s in summaries if "refused" in s}
         armed = {f.name: armed_snapshot(f) for f in chosen if f.name not in refused}
         atexit.register(publish_at_exit, chosen, source, role, os.getpid(), armed)
@@ -142,17 +141,33 @@ def _start(source: str, role: str, names: tuple[str, ...],
     return summaries
 
 
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (which may hold spaces
+    and parentheses): state, ppid, ...; None where there is none to read."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            return stat.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def started(pid: int) -> str | None:
+    """When ``pid`` started (clock ticks after boot, ``/proc``): with the pid, one
+    process, never another that reuses the pid later."""
+    fields = _stat(pid)
+    return fields[19] if fields is not None and len(fields) > 19 else None
+
+
 def ancestors(pid: int | None = None) -> list[int]:
     """The parent, grandparent ... of ``pid`` (default: this process), from ``/proc``;
     empty where there is none to read."""
     found: list[int] = []
     here = os.getpid() if pid is None else pid
     for _ in range(MAX_DEPTH):
+        fields = _stat(here)
         try:
-            with open(f"/proc/{here}/stat", encoding="ascii", errors="replace") as stat:
-                # pid (comm) state ppid ...: comm may hold spaces and parentheses.
-                here = int(stat.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
+            here = int(fields[1]) if fields is not None else 0
+        except (ValueError, IndexError):
             break
         if here <= 0:
             break
@@ -162,29 +177,26 @@ def ancestors(pid: int | None = None) -> list[int]:
     return found
 
 
-def read_owner(record: Path, digest: str) -> int | None:
-    """The pid the owner file names, when it is an ancestor of this process on this
-    host and owns the same families; else ``None``."""
+def inherited_owner(digest: str, environ: Mapping[str, str] | None = None) -> int | None:
+    """The owner pid :data:`OWNER_VARIABLE` names, when it is an ancestor of this
+    process on this host, still the process that named itself (its start time), and
+    owns the same families; else ``None``. A copy of the variable outside the owner's
+    tree (another job's environment, a container started again) names no ancestor."""
+    value = (os.environ if environ is None else environ).get(OWNER_VARIABLE, "")
     try:
-        host, pid, owned = record.read_text(encoding="utf-8").split()
-    except (OSError, ValueError):
+        host, pid, began, owned = value.split()
+    except ValueError:
         return None
     if host != socket.gethostname() or owned != digest or not pid.isdigit():
         return None
-    return int(pid) if int(pid) in ancestors() else None
+    return int(pid) if int(pid) in ancestors() and started(int(pid)) == began else None
 
 
-def write_owner(record: Path, digest: str) -> None:
-    """Name this process as the owner (atomically; a failure only costs the processes
-    it starts a fill and a publication of their own)."""
-    try:
-        record.parent.mkdir(parents=True, exist_ok=True)
-        partial = record.with_name(f"{record.name}.{os.getpid()}")
-        partial.write_text(f"{socket.gethostname()} {os.getpid()} {digest}\n",
-                           encoding="utf-8")
-        os.replace(partial, record)
-    except OSError as exc:
-        log.debug("no JIT owner file at %s: %s", record, exc)
+def name_owner(digest: str) -> None:
+    """Name this process the owner of the families ``digest`` stands for, for every
+    process it starts from now on (they inherit its environment)."""
+    pid = os.getpid()
+    os.environ[OWNER_VARIABLE] = f"{socket.gethostname()} {pid} {started(pid) or '-'} {digest}"
 
 
 #: Path in the family's trees -> the ``stat`` identity of its file
@@ -258,9 +270,4 @@ def publish_at_exit(chosen: list[Family], source: str, role: str, owner: int,
             log.warning("distcache %s hook: %s not published: %s", source, family.name, exc)
         published.append(row)
     _events.emit("engine.jit_publish", source=source, role=role, families=published)
-    record = chosen[0].spec.roots[0].path / OWNER_FILE if chosen and chosen[0].spec.roots else None
-    if record is not None:
-        with contextlib.suppress(OSError, ValueError):
-            if record.read_text(encoding="utf-8").split()[1] == str(owner):
-                record.unlink()
     return published

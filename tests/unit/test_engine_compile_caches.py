@@ -45,7 +45,13 @@ def worker():
 if __name__ == "__main__":
     from distcache.integrations.vllm import register
     register()
-    if sys.argv[1] == "spawn":
+    if sys.argv[1] == "beside":
+        # Another engine of the host starts and ends meanwhile, in a tree of its own.
+        import subprocess
+        env = {k: v for k, v in os.environ.items() if k != "DISTCACHE_JIT_OWNER"}
+        subprocess.run([sys.executable, "-c", "from distcache.integrations.vllm import "
+                        "register; register()"], env=env, check=True)
+    if sys.argv[1] in ("spawn", "beside"):
         proc = multiprocessing.get_context("spawn").Process(target=worker, name="VllmWorker-0")
         proc.start()
         proc.join(120)
@@ -110,24 +116,47 @@ def test_a_child_inherits_its_owner_and_the_owner_publishes_what_it_built(
     published = [e for e in events if e["event"] == "engine.jit_publish"]
     assert [e["pid"] for e in published] == [main["pid"]]
     assert published[0]["families"][0]["files"] == 3  # the child's build, at the owner's exit
-    # The owner's record is a dot file (never published) and is gone after its exit.
-    assert not (tmp_path / "vllm" / "torch_compile_cache" / _compile_caches.OWNER_FILE).exists()
+    # The owner is named in the environment its processes inherit: no file is left.
+    assert not [p for p in (tmp_path / "vllm").rglob(".distcache*")]
 
 
-def test_an_owner_record_counts_only_for_a_descendant(tmp_path: Path) -> None:
-    record = tmp_path / _compile_caches.OWNER_FILE
-    _compile_caches.write_owner(record, "abc")
-    assert record.read_text().split()[1:] == [str(os.getpid()), "abc"]
+def test_an_inherited_owner_counts_only_for_a_descendant_and_its_own_process(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    name = _compile_caches.OWNER_VARIABLE
+    monkeypatch.delenv(name, raising=False)
+    _compile_caches.name_owner("abc")
+    host, pid, began, digest = os.environ[name].split()
+    assert (pid, digest) == (str(os.getpid()), "abc") and began == _compile_caches.started(os.getpid())
     # This process is not its own ancestor; its parent would be.
-    assert _compile_caches.read_owner(record, "abc") is None
-    assert os.getppid() in _compile_caches.ancestors()
-    host = record.read_text().split()[0]
-    record.write_text(f"{host} {os.getppid()} abc\n")
-    assert _compile_caches.read_owner(record, "abc") == os.getppid()
-    assert _compile_caches.read_owner(record, "other families") is None
-    record.write_text(f"another-host {os.getppid()} abc\n")
-    assert _compile_caches.read_owner(record, "abc") is None
+    assert _compile_caches.inherited_owner("abc") is None
+    parent = os.getppid()
+    assert parent in _compile_caches.ancestors()
+    named = f"{host} {parent} {_compile_caches.started(parent)} abc"
+    assert _compile_caches.inherited_owner("abc", {name: named}) == parent
+    assert _compile_caches.inherited_owner("other families", {name: named}) is None
+    assert _compile_caches.inherited_owner("abc", {name: "another-host" + named[len(host):]}) is None
+    # The parent's pid, started at another time: a process that reused it, not the owner.
+    assert _compile_caches.inherited_owner("abc", {name: f"{host} {parent} 1 abc"}) is None
+    # Pid 1 is everyone's ancestor: a copy naming it (a stale container's) is trusted only
+    # where pid 1 is that process.
+    assert _compile_caches.inherited_owner("abc", {name: f"{host} 1 0 abc"}) is None
 
+
+def test_another_engine_on_the_host_leaves_the_first_ones_children_theirs(
+        tmp_path: Path) -> None:
+    # Another engine of the host, owner of the same directories in a tree of its own,
+    # starts and exits while the first runs: the first one's worker still has it as
+    # its owner (the owner was named in a file of the cache directory, which the other
+    # overwrote, then removed at its exit: the worker became an owner of its own).
+    events = run_engine(tmp_path, "beside", BUILT)
+    hooks = [e for e in events if e["event"] == "engine.hook"]
+    (worker,) = [e for e in hooks if e["role"] == "VllmWorker-0"]
+    (main,) = [e for e in hooks if e["pid"] == worker["ppid"]]
+    (other,) = [e for e in hooks if e["ppid"] == main["pid"] and e is not worker]
+    assert worker["jit"][0]["owner"] == main["pid"] and "written" not in worker["jit"][0]
+    assert other["jit"][0]["owner"] == other["pid"]  # its own tree's owner
+    publishers = sorted(e["pid"] for e in events if e["event"] == "engine.jit_publish")
+    assert publishers == sorted([main["pid"], other["pid"]])
 
 def test_disabled_hooks_leave_the_caches_alone(tmp_path: Path) -> None:
     events = run_engine(tmp_path, "plain", BUILT, DISTCACHE_DISABLE="1")

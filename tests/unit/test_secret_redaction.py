@@ -90,12 +90,13 @@ def test_caller_headers_go_to_the_origins_own_host_only(
 def test_a_caller_header_the_http_stack_refuses_is_not_quoted(
     origin_server: LoopbackOrigin, artifacts: list[Artifact]
 ) -> None:
-    # requests refuses a value with a newline and quotes it in its exception.
-    origin = HttpOrigin(origin_server.url, headers={"X-Api-Key": "APIKEYSECRET123\n"},
-                        retries=0)
+    # requests refuses a value with a newline and quotes it in its exception. (Built at
+    # run time: no source line a traceback quotes holds it.)
+    key = "".join(("APIKEY", "SECRET123"))
+    origin = HttpOrigin(origin_server.url, headers={"X-Api-Key": key + "\n"}, retries=0)
     with pytest.raises(OriginError) as info:
         origin.fetch(artifacts[0])
-    assert "APIKEYSECRET123" not in _shown(info.value)
+    assert key not in _shown(info.value)
     assert "<redacted>" in str(info.value)
 
 
