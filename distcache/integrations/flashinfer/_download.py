@@ -56,14 +56,19 @@ def _name_under(repository: Any, source: str) -> str | None:
     return source[len(base):] if source.startswith(base) and len(source) > len(base) else None
 
 
-def _write(destination: Path, data: bytes) -> bool:
+def _write(destination: Path, data: bytes, cubin_dir: Path | None) -> bool:
     """``data`` at ``destination`` through an atomic rename; an identical file is left
-    alone (replacing it would swap the inode under a reader)."""
+    alone (replacing it would swap the inode under a reader). Below ``cubin_dir``, when
+    the destination lies there, no directory is walked through a symlink."""
     with contextlib.suppress(OSError):
         if sha256_hex(destination.read_bytes()) == sha256_hex(data):
             return True
+    destination = Path(os.path.abspath(destination))
+    root = Path(os.path.abspath(cubin_dir)) if cubin_dir is not None else None
+    if root is None or not destination.is_relative_to(root):
+        root = destination.parent  # elsewhere: its directory, as FlashInfer would make it
     try:
-        write_replacing(destination, data)
+        write_replacing(root, destination, data)
     except OSError as exc:
         log.error("flashinfer: cannot write %s: %s", destination, exc)
         return False
@@ -106,7 +111,8 @@ class RoutedDownload:
             data = b""
         finally:
             _serving.active = False
-        return bool(data) and _write(Path(os.fspath(destination)), data)
+        return bool(data) and _write(Path(os.fspath(destination)), data,
+                                     self.loader.cubin_dir())
 
     def _unrouted(self, source: Any, destination: Any, args: tuple[Any, ...],
                   kwargs: dict[str, Any]) -> Any:

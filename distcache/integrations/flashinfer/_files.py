@@ -4,12 +4,15 @@ directory, writing one whole, and an origin that keeps what it delivered."""
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from distcache.artifact import Artifact, path_under, sha256_hex
 from distcache.origins._base import Asked
+from distcache.store._fs import process_umask
+from distcache.store._materialize import _ensure_dirs
 
 if TYPE_CHECKING:
     from distcache.origins import Origin
@@ -53,13 +56,33 @@ def valid_bytes(root: Path, artifact: Artifact) -> bytes | None:
     return data if sha256_hex(data) == artifact.sha256 else None
 
 
-def write_replacing(target: Path, data: bytes) -> None:
-    """Write ``data`` to ``target`` whole (a temporary file beside it renamed over it: a
-    reader sees the old file or the new one, never a part); ``OSError`` as it comes."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+def placed(root: Path, artifact: Artifact) -> bool:
+    """Whether ``root/<name>`` is already the artifact: its bytes, and not a symlink
+    (one planted there points wherever its owner likes, now or later; the pool's
+    materialize replaces it with a file)."""
+    try:
+        if stat.S_ISLNK(os.lstat(path_under(Path(root), artifact.name)).st_mode):
+            return False
+    except OSError:
+        return False
+    return valid_bytes(root, artifact) is not None
+
+
+def write_replacing(root: Path, target: Path, data: bytes) -> None:
+    """Write ``data`` to ``target`` (a path under ``root``) whole: a temporary file
+    beside it renamed over it, so a reader sees the old file or the new one, never a
+    part. ``OSError`` as it comes.
+
+    Like the pool's materialize, each directory below ``root`` is created or checked
+    without following a link (:class:`~distcache.errors.PoolError`, an ``OSError``,
+    for a symlink another user planted there), and the file gets the mode FlashInfer
+    would give it (``0666`` less the umask), so a cubin directory shared by several
+    users stays readable to all of them."""
+    _ensure_dirs(Path(root), target.parent)
     fd, tmp = tempfile.mkstemp(prefix=".distcache-", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as out:
+            os.fchmod(out.fileno(), 0o666 & ~process_umask())
             out.write(data)
         os.replace(tmp, target)
     except BaseException:

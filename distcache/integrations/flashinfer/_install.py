@@ -218,7 +218,7 @@ class LoaderSlot:
             allow_downloads()
         _report(done.loader)
         if done.loader.recorder is not None:
-            done.loader.recorder.close()
+            done.loader.recorder.close(final=True)
         self._installed = None
 
     def uninstall(self) -> None:

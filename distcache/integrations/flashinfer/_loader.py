@@ -39,11 +39,12 @@ from distcache._log import get_logger
 from distcache.artifact import Artifact, check_sha256, path_under, sha256_hex, validate_name
 from distcache.config import Settings, settings
 from distcache.errors import ArtifactNameError, ArtifactNotFound, IntegrityError, PoolError
-from distcache.integrations.flashinfer._files import Keeping, valid_bytes, write_replacing
+from distcache.integrations.flashinfer._files import Keeping, placed, valid_bytes, write_replacing
 from distcache.integrations.flashinfer._record import Recorder
 from distcache.integrations.flashinfer._upstream import (
     checksum_disabled,
     default_origin,
+    is_installed_location,
     no_download,
 )
 
@@ -344,16 +345,15 @@ class PooledLoader:
         """Place ``artifact`` under FlashInfer's cubin directory: linked from the pool,
         or written from ``data`` when the pool does not hold it. A valid file is left
         alone: replacing it, even with identical bytes, would swap the inode under a
-        compiler that is reading it."""
+        compiler that is reading it. An installed cubin directory (``uninstall`` ran
+        while this load was in flight, and put it back) is never written."""
         root = self.cubin_dir()
-        if root is None:
-            return
-        if valid_bytes(root, artifact) is not None:
+        if root is None or is_installed_location(Path(root)) or placed(root, artifact):
             return
         if data is None:
             self.pool.materialize(artifact, Path(root))
             return
-        write_replacing(path_under(Path(root), artifact.name), data)
+        write_replacing(Path(root), path_under(Path(root), artifact.name), data)
 
     def _fallback(self, file_name: Any, sha256: Any, session: Any) -> bytes:
         """FlashInfer's own function; what it raises passes through unchanged."""

@@ -53,6 +53,8 @@ MAX_ENTRIES = 100_000
 #: How long a reader waits for another process's compaction before reading without.
 _LOCK_WAIT_SECONDS = 10.0
 _LINE_RE = re.compile(r"^([0-9a-f]{64})  (\S.*)$")
+#: A line cut short before its name began (a crash, a full disk) and ended later.
+_TORN_RE = re.compile(r"^[0-9a-f]{1,64} {0,2}$")
 # The launcher variables that carry a global rank, most specific first. The rank is
 # only a readable tag in the file name; host and pid already make it unique.
 _RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
@@ -88,12 +90,13 @@ class Recorder:
         self._lock = threading.Lock()
         self._fd: int | None = None
         self._broken = False
+        self._finished = False
 
     def add(self, name: str, sha256: str) -> bool:
         """Record one request; returns ``True`` when a line was written."""
         key = (name, sha256)
         with self._lock:
-            if key in self._seen or self._broken:
+            if key in self._seen or self._broken or self._finished:
                 return False
             line = f"{sha256}  {name}\n".encode()
             try:
@@ -113,7 +116,7 @@ class Recorder:
     def _open(self) -> int:
         self.directory.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
                          0o644)
             try:
                 # Shared: tells a compactor this file is live. It waits only while a
@@ -121,18 +124,34 @@ class Recorder:
                 # unlinked, and the line goes to a new file instead.
                 fcntl.flock(fd, fcntl.LOCK_SH)
                 if os.fstat(fd).st_nlink > 0:
-                    return fd
+                    return _after_torn_line(fd)
             except OSError:
-                return fd  # no flock here (some network filesystems): append anyway
+                # No flock here (some network filesystems): append anyway.
+                return _after_torn_line(fd)
             os.close(fd)
 
-    def close(self) -> None:
-        """Close the file; idempotent. A later :meth:`add` reopens it."""
+    def close(self, *, final: bool = False) -> None:
+        """Close the file; idempotent. A later :meth:`add` reopens it, unless ``final``
+        (the wrapper was uninstalled: a load still in flight must not reopen the file
+        and keep its descriptor and lock for the rest of the process)."""
         with self._lock:
+            self._finished = self._finished or final
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
 
+
+def _after_torn_line(fd: int) -> int:
+    """``fd``, first ended with a newline when its file does not end in one (a write
+    cut short by a crash or a full disk, by a process of the same name): the next line
+    then stands alone instead of being glued onto the torn one."""
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            os.write(fd, b"\n")
+    except OSError:
+        pass  # opened write-only somewhere pread is refused: the reader copes
+    return fd
 
 
 def read_record(
@@ -143,7 +162,8 @@ def read_record(
     host's files on the way (see the module's docstring). A name recorded with two
     digests keeps the newest, with one warning.
 
-    A final line without a newline is a write cut short by a crash and is skipped.
+    A write cut short by a crash or a full disk is skipped, with a warning: a final
+    line without a newline, or one that stops before its name.
 
     Raises:
         ManifestError: a malformed line.
@@ -329,8 +349,13 @@ def _lines(path: Path) -> Iterator[Artifact]:
     lines = text.split("\n")
     if lines and lines[-1]:
         log.warning("%s: ignoring a truncated last line %r", path, lines[-1][:80])
+    torn = [line for line in lines[:-1] if _TORN_RE.match(line)]
+    if torn:
+        # A write cut short, after which this file was appended to: the record is only a
+        # hint, and what it lost is fetched when first used.
+        log.warning("%s: ignoring %d line(s) cut short by an interrupted write", path, len(torn))
     for lineno, line in enumerate(lines[:-1], start=1):
-        if not line.strip():
+        if not line.strip() or _TORN_RE.match(line):
             continue
         match = _LINE_RE.match(line)
         if match is None:
