@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import shutil
 import stat
 import tarfile
 import time
@@ -35,21 +34,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distcache._log import get_logger
-from distcache.artifact import Artifact, manifest_text, path_under, read_manifest, sha256_hex
-from distcache.errors import ArtifactNameError, ConfigError, ManifestError, PoolError
+from distcache.artifact import Artifact, manifest_text
+from distcache.errors import ConfigError, PoolError
 from distcache.store._fs import (
-    CREATE_FLAGS,
-    READ_FLAGS,
     fsync_dir,
-    fsync_path,
     process_umask,
-    read_fd,
-    sync_filesystem,
     temp_file,
     unlink_quietly,
-    write_all,
 )
 from distcache.store._import import Progress
+from distcache.store._mirror import (
+    built_inside,
+    carried,
+    earlier_export,
+    flush_tree,
+    move_into,
+    remove_tree,
+    staging,
+    undo,
+    write_file,
+)
 from distcache.store._objects import check_size
 from distcache.store._pool import ArtifactPool
 
@@ -161,116 +165,6 @@ def _seal(fd: int) -> None:
     os.fsync(fd)
 
 
-def _refused(target: Path, why: str) -> PoolError:
-    return PoolError(f"cannot export to {target}: {why}; an export replaces its directory "
-                     "whole, so it goes only into a new or empty directory or over an earlier "
-                     "export: give another directory, or move that away", path=str(target))
-
-
-def _stray(top: Path, prefix: str, listed: set[str]) -> str | None:
-    """The first entry under ``top`` (its path from the export's top) that is neither
-    a real directory nor a regular file ``listed`` names; None when there is none."""
-    with os.scandir(top) as entries:
-        for entry in entries:
-            rel = prefix + entry.name
-            if entry.is_dir(follow_symlinks=False):
-                found = _stray(Path(entry.path), rel + "/", listed)
-                if found is not None:
-                    return found
-            elif not (entry.is_file(follow_symlinks=False) and rel in listed):
-                return rel
-    return None
-
-
-def _earlier(target: Path) -> dict[str, Artifact] | None:
-    """The artifacts the earlier export at ``target`` lists, by name; None when it is
-    absent or empty. PoolError when it holds anything but a ``checksums.txt`` and the
-    regular files that lists (in real directories): that would go with the earlier
-    export when the new one takes its place."""
-    manifest = target / MANIFEST
-    try:
-        if not os.listdir(target):
-            return None
-        regular = stat.S_ISREG(os.lstat(manifest).st_mode)
-        listed = {a.name: a for a in read_manifest(manifest)} if regular else {}
-        stray = _stray(target, "", {*listed, MANIFEST}) if regular else MANIFEST
-    except FileNotFoundError as exc:
-        if exc.filename is not None and Path(exc.filename) == target:
-            return None
-        raise _refused(target, f"it holds no {MANIFEST}, so no earlier export") from None
-    except (ConfigError, ManifestError, ArtifactNameError) as exc:
-        raise _refused(target, f"its {MANIFEST} cannot be read as an export's ({exc})") from exc
-    except OSError as exc:
-        raise PoolError(f"cannot export to {target}: it cannot be read ({exc.strerror or exc})",
-                        path=str(target), errno=exc.errno) from exc
-    if stray is not None:
-        raise _refused(target, f"it holds {stray}, which no {MANIFEST} of an export lists")
-    return listed
-
-
-def _carried(target: Path, artifact: Artifact) -> bytes:
-    """The bytes of ``artifact`` in the earlier export at ``target``, checked against
-    the sha256 its ``checksums.txt`` lists, which the new one lists again (PoolError)."""
-    try:
-        fd = os.open(path_under(target, artifact.name), READ_FLAGS)
-        try:
-            data = read_fd(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise _refused(target, f"{artifact.name}, which its {MANIFEST} lists, cannot be "
-                               f"read ({exc.strerror or exc})") from exc
-    if sha256_hex(data) != artifact.sha256:
-        raise _refused(target, f"{artifact.name} no longer matches the sha256 its "
-                               f"{MANIFEST} lists (it changed since it was exported)")
-    return data
-
-
-def _write(top: Path, name: str, data: bytes, mode: int) -> None:
-    """Create ``top/<name>`` (and its directories) holding ``data``, mode ``mode``;
-    ``top`` is the export's new directory (``0700`` until complete): nothing is in the way."""
-    path = path_under(top, name)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, CREATE_FLAGS, 0o600)
-        try:
-            write_all(fd, data)
-            os.fchmod(fd, mode)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise PoolError(f"cannot export {name}: cannot write {path} ({exc.strerror or exc}); "
-                        "nothing was exported", path=str(path), errno=exc.errno) from exc
-
-
-def _flush(top: Path) -> None:
-    """Flush the new tree before its rename: one ``syncfs``, else file by file."""
-    if not sync_filesystem(top):
-        for directory, _dirs, files in os.walk(top):
-            for name in files:
-                fsync_path(os.path.join(directory, name))
-            fsync_dir(directory)
-
-
-def _remove(tree: Path) -> None:
-    """Remove a tree this export made or moved aside (never anyone else's)."""
-    shutil.rmtree(tree, ignore_errors=True)
-    if os.path.lexists(tree):
-        logger.warning("cannot remove %s, left by an export; remove it by hand", tree)
-
-
-def _undo(new: Path, target: Path, aside: Path | None) -> None:
-    """After a failure or an interrupt: put the earlier export back and remove the new
-    tree, or, where that is in place already, remove the earlier one."""
-    if os.path.lexists(new):
-        if aside is not None and os.path.lexists(aside) and not os.path.lexists(target):
-            with contextlib.suppress(OSError):
-                os.rename(aside, target)
-        _remove(new)
-    elif aside is not None:  # renamed in already: the export is whole
-        _remove(aside)
-
-
 def export_directory(pool: ArtifactPool, artifacts: list[Artifact], directory: Path) -> None:
     """Make ``directory`` hold ``artifacts`` (each read and verified from ``pool``) at
     their names, listed in its ``checksums.txt``, all or nothing.
@@ -304,10 +198,11 @@ def export_directory(pool: ArtifactPool, artifacts: list[Artifact], directory: P
     if (os.path.lexists(target) and not target.is_dir()) or not target.parent.is_dir():
         raise PoolError(f"cannot export to {directory}: it or its parent exists and is not "
                         "a directory", path=str(directory))
-    earlier = _earlier(target)
+    earlier = earlier_export(target)
     wanted = {a.name: a for a in artifacts}
     kept = {n: a for n, a in (earlier or {}).items() if n not in wanted and n != MANIFEST}
-    new = _temp_path(target, "new")
+    inside = built_inside(target)
+    new = staging(target, inside)
     try:
         os.mkdir(new, 0o700)
     except OSError as exc:
@@ -320,31 +215,39 @@ def export_directory(pool: ArtifactPool, artifacts: list[Artifact], directory: P
         for name, artifact in sorted(wanted.items()):
             data = _verified(pool, artifact)
             check_size(artifact, len(data), "pool")
-            _write(new, name, data, _ARTIFACT_MODE & ~umask)
+            write_file(new, name, data, _ARTIFACT_MODE & ~umask)
         for name, artifact in sorted(kept.items()):
-            _write(new, name, _carried(target, artifact), _ARTIFACT_MODE & ~umask)
+            write_file(new, name, carried(target, artifact), _ARTIFACT_MODE & ~umask)
         listed = sorted([*wanted.values(), *kept.values()], key=lambda a: a.name)
-        _write(new, MANIFEST, manifest_text(listed).encode("utf-8"), _FILE_MODE & ~umask)
+        write_file(new, MANIFEST, manifest_text(listed).encode("utf-8"), _FILE_MODE & ~umask)
         try:
-            _flush(new)
-            mode = (stat.S_IMODE(os.stat(target).st_mode) if os.path.lexists(target)
+            flush_tree(new)
+            if inside:
+                move_into(new, target)
+                return
+            known = os.stat(target) if os.path.lexists(target) else None
+            mode = (stat.S_IMODE(known.st_mode) if known is not None
                     else (0o777 & ~umask) | (os.stat(new).st_mode & stat.S_ISGID))
             os.chmod(new, mode)
+            if known is not None:  # the directory's owner too, where this user may
+                with contextlib.suppress(OSError):
+                    os.chown(new, known.st_uid, known.st_gid)
             if earlier is not None:
                 aside = _temp_path(target, "old")
                 os.rename(target, aside)
             os.rename(new, target)  # over an empty directory, or where there is none
         except OSError as exc:  # a flush failed, or a rename
+            left = "it may be part-way: export again" if inside else "it was left as it was"
             raise PoolError(f"cannot export to {target}: cannot put the new export in place "
-                            f"({exc.strerror or exc}); it was left as it was",
+                            f"({exc.strerror or exc}); {left}",
                             path=str(target), errno=exc.errno) from exc
     except BaseException:
-        _undo(new, target, aside)
+        undo(new, target, aside)
         raise
     with contextlib.suppress(PoolError):  # in place and flushed; only its entry may lag
         fsync_dir(target.parent)
     if aside is not None:
-        _remove(aside)
+        remove_tree(aside)
 
 
 def export_tar(pool: ArtifactPool, artifacts: list[Artifact], target: Path,

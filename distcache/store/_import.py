@@ -25,32 +25,22 @@ missing from the root manifest or a single sha256 mismatch refuses the whole imp
 before anything is written. The second pass publishes the objects, then records the
 labels in one append, only once every planned object is in the pool: a source that
 changed between the passes (a member gone, or different bytes) fails the import with
-no label recorded. A failure or an interrupt during the second pass (a full disk,
-Ctrl-C) removes the objects this import published, so that it leaves no object that
-no name reaches (which ``pool prune`` cannot find and an uncapped ``pool gc`` keeps);
-objects that were in the pool before, or that another process published first, stay
-(:func:`_withdraw`).
+no label recorded. A failure during the second pass (a full disk) leaves some objects
+without labels: invisible to lookups by name, and collected by ``pool gc`` like any
+other.
 """
 
 from __future__ import annotations
 
-import os
 import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from distcache._log import get_logger
-from distcache.artifact import Artifact, decode_manifest, parse_checksums, sha256_hex
+from distcache.artifact import Artifact, decode_manifest, parse_checksums
 from distcache.config import settings
-from distcache.errors import (
-    ArtifactNameError,
-    ConfigError,
-    IntegrityError,
-    ManifestError,
-    PoolError,
-)
+from distcache.errors import ArtifactNameError, ConfigError, IntegrityError, ManifestError
 from distcache.store._pool import ArtifactPool
 from distcache.store._sources import kind_of, members, refuse, total_bytes
 
@@ -58,8 +48,6 @@ from distcache.store._sources import kind_of, members, refuse, total_bytes
 WHEEL_ROOT = "flashinfer_cubin/cubins/"
 MANIFEST = "checksums.txt"
 _SHOWN_MISMATCHES = 5
-
-logger = get_logger(__name__)
 
 
 class Progress(Protocol):
@@ -204,65 +192,13 @@ def plan_import(source: Path, scan: _Scan, kind: str,
     return labels, report
 
 
-def _put(pool: ArtifactPool, data: bytes, sha: str) -> tuple[int, int] | None:
-    """:meth:`ArtifactPool.put` of ``data`` as ``sha``, saying whether this call
-    published the object: its file's (device, inode) then; None where a good object
-    was there already, or another process's publication of it came first.
-
-    Raises:
-        IntegrityError: ``data`` is not ``sha``'s bytes.
-        PoolError: the object cannot be written.
-    """
-    actual = sha256_hex(data)
-    if actual != sha:
-        raise IntegrityError(f"refusing to store bytes as {sha}: their sha256 is {actual}",
-                             sha256=sha, actual=actual, source="put")
-    store = pool._store
-    if store.read(sha, stamp=True) is not None or not store.write(data, sha):
-        return None
-    pool._published(sha, len(data))
-    try:
-        st = os.lstat(store.layout.object_path(sha))
-    except OSError:
-        return None  # gone already: nothing of this import's to take back
-    return st.st_dev, st.st_ino
-
-
-def _withdraw(pool: ArtifactPool, added: dict[str, tuple[int, int]]) -> None:
-    """Remove the objects a failed import published (``added``: sha -> the (device,
-    inode) it linked), so that it leaves none that no name reaches. Each goes only
-    while it is still the file this import linked and no label names its sha (another
-    process may have recorded one meanwhile); where the labels cannot be read, all
-    stay, for ``pool gc`` under a cap to collect in time."""
-    if not added:
-        return
-    try:
-        named = set(pool.names().values())
-    except PoolError as exc:
-        logger.warning("import failed and its %d new objects stay unnamed in %s: %s",
-                       len(added), pool.root, exc)
-        return
-    for sha, (dev, ino) in added.items():
-        if sha in named:
-            continue
-        path = pool.layout.object_path(sha)
-        try:
-            st = os.lstat(path)
-            if (st.st_dev, st.st_ino) == (dev, ino):
-                os.unlink(path)
-        except OSError:
-            continue  # gone already, or not removable: a later gc's to collect
-
-
 def import_set(pool: ArtifactPool, source: Path, progress: Progress | None = None,
                keep: Callable[[str], bool] | None = None,
                max_bytes: int | None = None) -> ImportReport:
     """Import a wheel, tarball or directory into ``pool``, all or nothing (see the
     module docstring). ``keep`` selects among the verified files by name (every file
     is still verified). A member larger than ``max_bytes`` (by default
-    ``DISTCACHE_MAX_ARTIFACT_BYTES``) refuses the import before it is read. On any
-    failure or interrupt once the objects are being published, those this call
-    published are removed again (:func:`_withdraw`) and no label is recorded.
+    ``DISTCACHE_MAX_ARTIFACT_BYTES``) refuses the import before it is read.
 
     Raises:
         ConfigError: the source is missing, of an unknown kind, unreadable, or has an
@@ -281,32 +217,25 @@ def import_set(pool: ArtifactPool, source: Path, progress: Progress | None = Non
     if progress is not None:
         progress.phase("importing", report.bytes)
     publish: Callable[[str], bool] = wanted.__contains__
+    # One flush for the whole set rather than an fsync per object; the labels are
+    # recorded only once the objects are durable.
     published: set[str] = set()
-    added: dict[str, tuple[int, int]] = {}
-    try:
-        # One flush for the whole set rather than an fsync per object; the labels are
-        # recorded only once the objects are durable.
-        with pool.batch():
-            for path, size, _sha, data in members(source, kind, want=publish,
-                                                  max_bytes=max_bytes):
-                artifact = wanted.get(path)
-                if artifact is None or data is None:
-                    continue
-                # Hashed again: a source changed since the first pass is refused here.
-                mine = _put(pool, data, artifact.sha256)
-                if mine is not None:
-                    added[artifact.sha256] = mine
-                    report.new_objects += 1
-                published.add(path)
-                if progress is not None:
-                    progress.advance(size)
-        gone = sorted(set(wanted) - published)
-        if gone:
-            raise ConfigError(f"cannot import {source}: it changed while being imported "
-                              f"({len(gone)} verified file(s) are gone, e.g. {gone[0]}); "
-                              "no names were recorded", variable="SRC", value=str(source))
-        pool.remember(labels)
-    except BaseException:
-        _withdraw(pool, added)
-        raise
+    with pool.batch():
+        for path, size, _sha, data in members(source, kind, want=publish,
+                                              max_bytes=max_bytes):
+            artifact = wanted.get(path)
+            if artifact is None or data is None:
+                continue
+            report.new_objects += not pool.has(artifact.sha256)
+            # put() hashes again: a source changed since the first pass is refused here.
+            pool.put(data, artifact.sha256)
+            published.add(path)
+            if progress is not None:
+                progress.advance(size)
+    gone = sorted(set(wanted) - published)
+    if gone:
+        raise ConfigError(f"cannot import {source}: it changed while being imported "
+                          f"({len(gone)} verified file(s) are gone, e.g. {gone[0]}); no "
+                          "names were recorded", variable="SRC", value=str(source))
+    pool.remember(labels)
     return report

@@ -13,12 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from distcache.artifact import Artifact, parse_checksums
-from distcache.errors import PoolError
+from distcache.artifact import parse_checksums
 from distcache.store import ArtifactPool
 from distcache.store._export import export_directory
 from distcache.store._fs import process_umask
-from distcache.store._import import import_set
 from distcache.store._objects import ObjectStore
 from tests.support.cli import cli_env, run_cli
 from tests.support.helpers import clear_settings
@@ -230,38 +228,32 @@ def test_a_command_refused_for_its_input_creates_no_pool(
 # --- E: an interrupted or failed import takes back what it added -----------------------
 
 
-def test_an_interrupted_import_removes_only_the_objects_it_added(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("why", ["mount point", "parent not writable"])
+def test_an_export_into_a_directory_it_cannot_replace_is_written_inside_it(
+    tmp_path: Path, env: dict[str, str], monkeypatch: pytest.MonkeyPatch, why: str
 ) -> None:
-    source = _set(tmp_path / "src", MANY)
-    pool = ArtifactPool(tmp_path / "pool")
-    kept = MANY["k/07.cubin"]
-    pool.put(kept)  # in the pool before: the import must leave it
-    monkeypatch.setattr(ObjectStore, "write", _stop_at(4, ObjectStore.write))
-    with pytest.raises(KeyboardInterrupt):
-        import_set(pool, source)
-    monkeypatch.undo()
-    assert _objects(pool.root) == {_sha(kept)}
-    assert pool.get(_sha(kept)) == kept
-    assert pool.names() == {}
+    # A mount point (a USB drive's root, an NFS share) cannot be renamed over, and a
+    # directory whose parent this user cannot write cannot be swapped: the export is
+    # built inside it and put in place there, the earlier export carried over.
+    from distcache.store import _mirror
 
-
-def test_a_failed_import_keeps_an_object_another_process_named_meanwhile(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    source = _set(tmp_path / "src", FIRST)
-    pool = ArtifactPool(tmp_path / "pool")
-    other = Artifact("elsewhere/x.bin", _sha(FIRST["a/x.bin"]))
-    remember = ArtifactPool.remember
-
-    def fails(self: ArtifactPool, artifacts: object) -> None:
-        remember(ArtifactPool(self.root), [other])  # another process's label, first
-        raise PoolError(f"cannot append to {self.layout.names_log}: No space left on device",
-                        path=str(self.layout.names_log))
-
-    monkeypatch.setattr(ArtifactPool, "remember", fails)
-    with pytest.raises(PoolError):
-        import_set(pool, source)
-    monkeypatch.undo()
-    assert _objects(pool.root) == {other.sha256}
-    assert pool.names() == {other.name: other.sha256}
+    first = _pool(env, tmp_path / "first", _set(tmp_path / "src1", FIRST))
+    second = _pool(env, tmp_path / "second", _set(tmp_path / "src2", {"c.bin": b"c\n"}))
+    out = tmp_path / "usb"
+    export_directory(ArtifactPool(first),
+                     parse_checksums((tmp_path / "src1" / "checksums.txt").read_text()), out)
+    if why == "mount point":
+        monkeypatch.setattr(_mirror.os.path, "ismount", lambda p: Path(p) == out)
+    else:
+        real = os.access
+        monkeypatch.setattr(_mirror.os, "access",
+                            lambda p, m: False if Path(p) == out.parent else real(p, m))
+    monkeypatch.setattr(_mirror.os, "rename", lambda *a: pytest.fail(f"renamed {a}"))
+    inode = os.stat(out).st_ino
+    export_directory(ArtifactPool(second),
+                     parse_checksums((tmp_path / "src2" / "checksums.txt").read_text()), out)
+    assert os.stat(out).st_ino == inode  # the same directory, written inside
+    listed = {a.name: a.sha256 for a in parse_checksums((out / "checksums.txt").read_text())}
+    assert listed == {n: _sha(d) for n, d in {**FIRST, "c.bin": b"c\n"}.items()}
+    assert all(_sha((out / n).read_bytes()) == s for n, s in listed.items())
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
