@@ -70,8 +70,16 @@ class _Terminated(KeyboardInterrupt):
     removes the prefetch's temporary files) like Ctrl-C."""
 
 
+#: Whether SIGTERM unwinds the set-up now ([True]), or, once the set-up is being
+#: undone (a failure's clean-up, MPI's finalize), is only noted ([False, noted]): an
+#: exception raised there would cut the clean-up short.
+_UNWINDS = [True, False]
+
+
 def _terminate(signum: int, frame: FrameType | None) -> None:
-    raise _Terminated
+    if _UNWINDS[0]:
+        raise _Terminated
+    _UNWINDS[1] = True
 
 
 def _directory(text: str) -> str:
@@ -275,10 +283,15 @@ def _exit_like(status: int) -> NoReturn:
 
 
 def _fail(status: int, line: str | None, hosted: Hosted | None) -> NoReturn:
+    _UNWINDS[0] = False  # a SIGTERM from here on waits for the clean-up
     if line is not None:
         print(line, file=sys.stderr)
     if hosted is not None:  # its socket and key file are removed with it
         hosted.close()
+    _finalize_mpi()
+    if _UNWINDS[1] and status != EXIT_TERMINATED:
+        print(f"{PROG}: terminated", file=sys.stderr)
+        status = EXIT_TERMINATED
     sys.exit(status)
 
 
@@ -339,9 +352,12 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     finally:
         # MPI is the set-up's alone, whichever options ran: finalized before PROGRAM
         # starts (or the wrapper exits), never left up beside PROGRAM's own MPI_Init.
+        _UNWINDS[0] = False
         _finalize_mpi()
         if on_main:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+    if _UNWINDS[1]:  # terminated while MPI was being finalized: PROGRAM never starts
+        _fail(EXIT_TERMINATED, f"{PROG}: terminated", hosted)
     try:
         status = run(command, env, terminal=info.local_world_size == 1)
     except OSError as exc:

@@ -12,6 +12,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -327,3 +328,31 @@ def test_the_start_ups_own_reads_of_a_manifest_are_bounded_too(
     small.write_text("")
     assert _prepare.lacks_any(pool, [str(small)], ()) is False
     assert _prepare.inputs_key([str(small)], None, False) is not None
+
+
+def test_a_sigterm_during_the_launchers_clean_up_lets_it_finish(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A SIGTERM while a failed set-up is undone (the peers' agent closing, MPI's
+    finalize) is noted, not raised there: the clean-up ends, then the wrapper exits
+    143 with one line."""
+    import launch.__main__ as wrapper
+
+    monkeypatch.setattr(wrapper, "_UNWINDS", [True, False])
+    closed: list[bool] = []
+
+    class Agent:
+        def close(self) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives in the middle of the close
+            time.sleep(0.05)
+            closed.append(True)
+
+    previous = signal.signal(signal.SIGTERM, wrapper._terminate)
+    try:
+        with pytest.raises(SystemExit) as done:
+            wrapper._fail(1, "python -m launch: error: no pool", Agent())  # type: ignore[arg-type]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert closed == [True]
+    assert done.value.code == 143
+    assert capsys.readouterr().err.splitlines() == [
+        "python -m launch: error: no pool", "python -m launch: terminated"]
