@@ -194,7 +194,8 @@ def _redacted(origin: Any) -> Any:
     from distcache._urls import redact_url  # at the first repr
 
     if isinstance(origin, str):
-        return ",".join(map(redact_url, origin.split(",")))
+        # Each entry as the origin list reads it (spaces around the commas dropped).
+        return ",".join(redact_url(part.strip()) for part in origin.split(","))
     if isinstance(origin, tuple):
         return tuple(map(_redacted, origin))
     if isinstance(origin, Sequence):

@@ -20,9 +20,12 @@ def redact_url(url: str) -> str:
     (``alice:pw@mirror/c``) loses its user-info too.
 
     A password holding ``/`` (base64 tokens do) ends the authority early for urlsplit:
-    where the port is no port, or the user-info has a password, an ``@`` further on
-    ends the user-info and everything up to it is shown as ``...@``. An ``@`` in the
-    path of a URL without a password (``https://host/pkg@1.0/f``) is left alone."""
+    where the port is no port, an ``@`` further on ends the user-info and everything up
+    to it is shown as ``...@``. Where the user-info has a password and an ``@`` comes
+    further on, the password may run on to it or the path may hold it, which cannot
+    be told apart: only the scheme is shown (never a host that may be a part of the
+    password, or of a query). An ``@`` in the path of a URL without a password
+    (``https://host/pkg@1.0/f``) is left alone."""
     if not URL_SCHEME.match(url) and not url.startswith("/") and "@" in re.split("[?#]", url)[0]:
         # urlsplit would read "alice" as the scheme and keep the password in the path.
         return redact_url("//" + url).removeprefix("//")
@@ -33,13 +36,15 @@ def redact_url(url: str) -> str:
         return f"{head}://..." if sep else "..."
     try:
         port: int | str | None = parts.port
-        unsure = ":" in parts.netloc.rpartition("@")[0]
+        broken = False
     except ValueError:
-        port, unsure = "...", True
+        port, broken = "...", True
     _info, at, rest = f"{parts.path}?{parts.query}#{parts.fragment}".rpartition("@")
-    if unsure and at:
+    if at and broken:
         shown = redact_url(f"{parts.scheme}:" * bool(parts.scheme) + "//" + rest)
         return shown.replace("//", "//...@", 1)
+    if at and ":" in parts.netloc.rpartition("@")[0]:
+        return f"{parts.scheme}://..." if parts.scheme else "..."
     host = parts.hostname or ""
     if ":" in host:  # an IPv6 address, written back in its brackets
         host = f"[{host}]"

@@ -131,7 +131,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         return run(args)
     except UsageError as exc:
-        return _usage(args, parser, exc)
+        return _usage(args, parser, exc, f"distcache: error: {one_line(exc)}")
     except Terminated:
         print("distcache: terminated", file=sys.stderr)
         return EXIT_TERMINATED
@@ -147,7 +147,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return EXIT_OK
     except (DistcacheError, OSError) as exc:
         if isinstance(exc, ConfigError) and str(getattr(exc, "variable", "")).startswith("--"):
-            return _usage(args, parser, exc)  # an option's value: bad usage, as argparse's
+            # An option's value: bad usage, as argparse's; one that every rank of a
+            # collective command raised alike is printed by rank 0 alone.
+            return _usage(args, parser, exc, error_line(
+                "distcache", exc, one_line(exc), rank=getattr(args, "rank", None)))
         if args.verbose:
             traceback.print_exc()
         # A collective command's error that every rank raised is printed by rank 0.
@@ -163,8 +166,11 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return EXIT_ERROR
 
 
-def _usage(args: argparse.Namespace, parser: argparse.ArgumentParser, exc: Exception) -> int:
-    """Bad usage found after parsing: the subcommand's usage and one line, exit 2."""
-    getattr(args, "usage_of", parser).print_usage(sys.stderr)
-    print(f"distcache: error: {one_line(exc)}", file=sys.stderr)
+def _usage(args: argparse.Namespace, parser: argparse.ArgumentParser, exc: Exception,
+           line: str | None) -> int:
+    """Bad usage found after parsing: the subcommand's usage and ``line`` (none where
+    another rank prints it), exit 2."""
+    if line is not None:
+        getattr(args, "usage_of", parser).print_usage(sys.stderr)
+        print(line, file=sys.stderr)
     return EXIT_USAGE

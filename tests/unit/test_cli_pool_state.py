@@ -34,3 +34,25 @@ def test_gc_takes_an_empty_cap_for_a_bad_size(tmp_path: Path) -> None:
     done = run_cli(env, "--pool", str(pool), "pool", "gc", "--max-bytes", "")
     assert done.returncode == 2, done.stdout
     assert "--max-bytes='' is not a size" in done.stderr
+
+
+@pytest.mark.parametrize(("rank", "printed"), [(0, True), (1, False)])
+def test_a_bad_option_value_every_rank_raised_is_printed_by_rank_0(
+        rank: int, printed: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    from distcache.cli import _main
+    from distcache.errors import ConfigError
+
+    parser = _main.build_parser()
+    args = parser.parse_args(["pool", "ls"])
+    error = ConfigError("--arch: bad GPU architecture 'hopper'", variable="--arch",
+                        value="hopper")
+    error.agreed = True  # every rank of the collective command raised it alike
+
+    def run(_: object) -> int:
+        raise error
+
+    args.run, args.rank = run, rank
+    assert _main._run(parser, args) == 2
+    err = capsys.readouterr().err
+    assert ("bad GPU architecture 'hopper'" in err) is printed
+    assert err.startswith("usage: distcache pool") is printed
