@@ -112,10 +112,14 @@ def run(args: argparse.Namespace) -> int:
         print("distcache prefetch: --dry-run lists manifests and FlashInfer artifacts, "
               "not --jit caches (see 'distcache pool ls --family')", file=sys.stderr)
         return 2
-    try:
-        if args.jit:
-            # Before the pool is opened (and made): a misspelt name leaves nothing behind.
+    if args.jit:
+        # Before the pool is opened (and made): a misspelt name leaves nothing behind.
+        try:
             check_families(args.jit, "--jit")
+        except ConfigError as exc:  # a malformed option value: bad usage, as elsewhere
+            print(f"distcache prefetch: {exc}", file=sys.stderr)
+            return 2
+    try:
         if args.dry_run:
             from distcache.cli._dryrun import run_dry_run  # reads FlashInfer's pins
 

@@ -195,7 +195,7 @@ def test_prefetch_with_an_unknown_jit_cache_creates_no_pool(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     root = tmp_path / "pool"
-    assert main(["prefetch", "--pool", str(root), "--jit", "inductor", "--jit", "inductr"]) == 1
+    assert main(["prefetch", "--pool", str(root), "--jit", "inductor", "--jit", "inductr"]) == 2
     err = capsys.readouterr().err
     assert "--jit" in err and "'inductr'" in err and "inductor" in err
     assert not root.exists()
