@@ -44,6 +44,9 @@ from distcache.store._fs import (
 )
 from distcache.store._import import Progress
 from distcache.store._mirror import (
+    beside as _temp_path,
+)
+from distcache.store._mirror import (
     built_inside,
     carried,
     earlier_export,
@@ -132,13 +135,6 @@ def _verified(pool: ArtifactPool, artifact: Artifact) -> bytes:
     raise PoolError(f"cannot export {artifact.name}: its object {artifact.sha256} in {pool.root} "
                     f"{what}; fetch it again (distcache fetch --manifest FILE), then export "
                     "again", path=str(pool.root))
-
-
-def _temp_path(target: Path, tag: str = "tmp") -> Path:
-    """A fresh name beside ``target`` for what becomes it (or what it is moved aside
-    to): process-unique (pid and random bits), so neither a stale entry of a killed
-    run whose pid came round again nor another host's export on a shared volume holds it."""
-    return target.with_name(f".{target.name}.{os.getpid()}.{os.urandom(6).hex()}.{tag}")
 
 
 def _create_temp(target: Path) -> tuple[Path, int]:

@@ -36,11 +36,16 @@ def built_inside(target: Path) -> bool:
                                       or not os.access(target.parent, os.W_OK | os.X_OK))
 
 
+def beside(target: Path, tag: str = "tmp") -> Path:
+    """A fresh name beside ``target`` for what becomes it (or what it is moved aside
+    to): process-unique (pid and random bits), so neither a stale entry of a killed
+    run whose pid came round again nor another host's export on a shared volume holds it."""
+    return target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(6)}.{tag}")
+
+
 def staging(target: Path, inside: bool) -> Path:
     """A fresh name for the new tree: beside ``target``, or inside it."""
-    tag = f"{os.getpid()}.{secrets.token_hex(6)}.new"
-    return target / f".distcache-export.{tag}" if inside else target.with_name(
-        f".{target.name}.{tag}")
+    return beside(target / "distcache-export" if inside else target, "new")
 
 
 def move_into(new: Path, target: Path) -> None:
