@@ -13,7 +13,9 @@ recorded, so a label that another process removed is recorded again.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -26,6 +28,11 @@ from distcache.store._log import AppendLog, _name_record, _parse_name_record
 #: whole last record (its sha256 and checksum make it the only one of its kind), up to
 #: this many bytes.
 _TAIL = 4096
+
+#: Why a pool this process reads cannot take a label: a read-only mount, another
+#: user's pool, a full disk. A lookup that found its bytes goes on without the label.
+UNLABELLED_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC,
+                               errno.EDQUOT})
 
 #: What a ``stat`` of the log says of its content: inode, size, change time.
 Seen = tuple[int, int, int]
@@ -54,12 +61,17 @@ def read_checked(path: Path, offset: int, tail: bytes
         raise pool_error("cannot read", path, exc) from exc
     try:
         st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # a directory, a FIFO: no log to read
+            raise OSError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL,
+                          "not a regular file; remove it to let the pool start a new log")
         start = max(0, offset - len(tail))
         data = os.pread(fd, max(0, st.st_size - start), start) if offset <= st.st_size else b""
         again = offset > st.st_size or data[:offset - start] != tail
         if again:
             offset, start = 0, 0
             data = os.pread(fd, st.st_size, 0)
+    except OSError as exc:
+        raise pool_error("cannot read", path, exc) from exc
     finally:
         os.close(fd)
     end = data.rfind(b"\n", offset - start) + 1

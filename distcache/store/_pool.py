@@ -31,7 +31,7 @@ from distcache.store._identity import PoolIdentity
 from distcache.store._locking import FileLock
 from distcache.store._log import Journal
 from distcache.store._materialize import materialize
-from distcache.store._names import NamesIndex
+from distcache.store._names import UNLABELLED_ERRNOS, NamesIndex
 from distcache.store._objects import ObjectStore, Witness, check_size
 from distcache.store._offline import refuse_offline
 from distcache.store.layout import STALE_TMP_SECONDS, PoolLayout
@@ -91,6 +91,7 @@ class ArtifactPool:
         self._store = ObjectStore(self.layout, host=host, file_mode=file_mode, setgid=setgid)
         self._names_index = NamesIndex(self.layout.names_log, 0o666)
         self._journal = Journal(self.layout.journal_log, 0o666)
+        self._unlabelled = False  # said once: this pool cannot take labels
         #: The pool's identity: its ``pool_id``, and the probes a collective places
         #: to show which ranks see this directory (a copy takes a fresh id).
         self.identity = PoolIdentity(self.layout, host=host, mode=file_mode)
@@ -240,7 +241,7 @@ class ArtifactPool:
             finally:
                 lock.release()
         check_size(artifact, len(data), "pool")
-        self.remember([artifact])
+        self.label([artifact])
         return data
 
     def batch(self, *, wait: bool = True) -> AbstractContextManager[None]:
@@ -320,7 +321,7 @@ class ArtifactPool:
             PoolError: the object is not in the pool, or the target cannot be written.
         """
         target = materialize(self._store, artifact, into_dir)
-        self.remember([artifact])
+        self.label([artifact])
         return target
 
     # -- labels and journal -------------------------------------------------------
@@ -339,6 +340,20 @@ class ArtifactPool:
         if self._names_index.holds(pairs) or self._names_index.refreshed_holds(pairs):
             return
         self._names_index.record([(validate_name(n), check_sha256(s)) for n, s in pairs])
+
+    def label(self, artifacts: Iterable[Artifact]) -> None:
+        """:meth:`remember` where the pool can take it; where it cannot for a reason of
+        :data:`UNLABELLED_ERRNOS` (objects stay readable by sha), say so once
+        (PoolError: it cannot for another reason)."""
+        try:
+            self.remember(artifacts)
+        except PoolError as exc:
+            if exc.errno not in UNLABELLED_ERRNOS:
+                raise
+            if not self._unlabelled:
+                self._unlabelled = True
+                logger.warning("%s; names are not recorded in this pool (its objects are "
+                               "still read and verified by sha)", exc)
 
     def names(self) -> dict[str, str]:
         """Every recorded name and the sha it maps to, the last record winning

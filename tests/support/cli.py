@@ -59,3 +59,24 @@ def signal_mid_download(args: list[str], env: dict[str, str], pool: Path,
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def run_read_only(env: dict[str, str], directory: Path,
+                  argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` with ``directory`` bind-mounted read-only in a private mount
+    namespace (the tests run as root, whom chmod does not stop), killed after 120 s;
+    skips the test where ``unshare --mount`` is not allowed."""
+    import shlex
+    import shutil
+
+    import pytest
+
+    if shutil.which("unshare") is None or subprocess.run(
+        ["unshare", "--mount", "true"], capture_output=True, check=False
+    ).returncode != 0:
+        pytest.skip("needs unshare --mount (root, CAP_SYS_ADMIN) for a read-only bind mount")
+    where = shlex.quote(str(directory))
+    script = (f"mount --bind {where} {where} && mount -o remount,ro,bind {where} "
+              f"&& exec {shlex.join(argv)}")
+    return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                          capture_output=True, text=True, env=env, timeout=120, check=False)

@@ -3,8 +3,6 @@ Ctrl-C in ``fetch`` and ``prefetch``, a read-only pool, and typos."""
 
 from __future__ import annotations
 
-import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +12,7 @@ import pytest
 
 from distcache.store import ArtifactPool
 from distcache.testing import LoopbackOrigin, make_artifacts
-from tests.support.cli import cli_env, run_cli, signal_mid_download
+from tests.support.cli import cli_env, run_cli, run_read_only, signal_mid_download
 
 
 @pytest.fixture
@@ -67,18 +65,8 @@ def test_ctrl_c_in_prefetch_removes_its_temp_files(tmp_path: Path, env: dict[str
 
 
 def _read_only(env: dict[str, str], directory: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """``distcache ARGS`` with ``directory`` bind-mounted read-only in a private mount
-    namespace (the tests run as root, whom chmod does not stop)."""
-    if shutil.which("unshare") is None or subprocess.run(
-        ["unshare", "--mount", "true"], capture_output=True, check=False
-    ).returncode != 0:
-        pytest.skip("needs unshare --mount (root, CAP_SYS_ADMIN) for a read-only bind mount")
-    where = shlex.quote(str(directory))
-    command = shlex.join([sys.executable, "-m", "distcache", *args])
-    script = (f"mount --bind {where} {where} && mount -o remount,ro,bind {where} "
-              f"&& exec {command}")
-    return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
-                          capture_output=True, text=True, env=env, timeout=120, check=False)
+    """``distcache ARGS`` with ``directory`` bind-mounted read-only."""
+    return run_read_only(env, directory, [sys.executable, "-m", "distcache", *args])
 
 
 @pytest.fixture
