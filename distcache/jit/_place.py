@@ -344,14 +344,7 @@ def _place(pool: ArtifactPool, parent: Path, target: Path, data: bytes, entry: T
         while view:
             view = view[os.write(fd, view):]
         os.fchmod(fd, entry.mode | 0o400)
-        if entry.mtime_ns is not None:
-            # min() keeps the tree's order of times (ninja compares them with <);
-            # a time this filesystem cannot hold leaves the file with its own.
-            with contextlib.suppress(OSError, OverflowError, ValueError):
-                os.utime(fd, ns=(now, min(entry.mtime_ns, now)))
         os.fsync(fd)
-        os.close(fd)
-        fd = -1
         try:
             os.link(tmp, target)
         except OSError as exc:
@@ -359,6 +352,13 @@ def _place(pool: ArtifactPool, parent: Path, target: Path, data: bytes, entry: T
                 return False
             raise JitCacheError(f"cannot write {target}: {exc}", family=None,
                                 path=str(target)) from exc
+        if entry.mtime_ns is not None:
+            # Only once linked: until then the temporary file keeps the time it was
+            # written, so another placement's sweep never takes it for a stale one.
+            # min() keeps the tree's order of times (ninja compares them with <);
+            # a time this filesystem cannot hold leaves the file with its own.
+            with contextlib.suppress(OSError, OverflowError, ValueError):
+                os.utime(fd, ns=(now, min(entry.mtime_ns, now)))
         return True
     finally:
         if fd >= 0:

@@ -201,7 +201,8 @@ def read_trees(pool: ArtifactPool, family: str, key: str,
                cache: dict[str, TreeManifest] | None = None) -> list[TreeManifest]:
     """The trees the pool holds for ``family`` under ``key`` (verified reads; a
     missing, corrupt or malformed tree is skipped and logged). ``cache`` keeps the
-    trees read, by digest (a tree never changes), for the next call."""
+    trees read, by digest (a tree never changes), for the next call; it may hold
+    other keys' trees, so a tree from it is checked like one read."""
     prefix = f"{family_prefix(family, key)}tree/"
     labels = pool.names() if names is None else names
     trees: list[TreeManifest] = []
@@ -210,7 +211,10 @@ def read_trees(pool: ArtifactPool, family: str, key: str,
         if not name.startswith(prefix) or name[len(prefix):] != sha:
             continue
         if cache is not None and sha in cache:
-            trees.append(cache[sha])
+            cached = cache[sha]
+            # The label is under this key, but the tree it names may be another's.
+            if cached.family == family and cached.key == key:
+                trees.append(cached)
             continue
         data = tree_bytes(pool, sha)
         if data is None:
