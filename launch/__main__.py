@@ -276,7 +276,8 @@ def _exit_like(status: int) -> NoReturn:
         sig = -status
         sys.stdout.flush()
         sys.stderr.flush()
-        signal.signal(sig, signal.SIG_DFL)
+        if sig != signal.SIGKILL:  # which cannot be caught, nor its handler reset
+            signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
         sys.exit(128 + sig)
     sys.exit(status)

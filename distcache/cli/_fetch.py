@@ -93,24 +93,27 @@ def run_fetch(args: argparse.Namespace) -> int:
     threads: list[threading.Thread] = []
     unwritable: PoolError | None = None
     try:
-        for artifact, data, error in run_threads(lambda a: pool.fetch(a, stopper.origin),
-                                                 artifacts, jobs, threads=threads):
-            if isinstance(error, PoolError) and unwritable is None:
-                # The pool cannot take any artifact: stop, and say so once.
-                unwritable = error
-                stopper.stop()
-            if isinstance(error, Interrupted) and unwritable is not None:
-                continue
-            if error is not None and not isinstance(error, DistcacheError):
-                raise error
-            if isinstance(error, DistcacheError):
-                failures.append((artifact, error))
-            elif data is not None and artifact.sha256 not in present | counted:
-                counted.add(artifact.sha256)
-                downloaded += 1
-                nbytes += len(data)
-            if bar is not None:
-                bar.update(1)
+        # One batch, as prefetch and import: a size cap collects once the set is in,
+        # never the set itself, and the publications are made durable together.
+        with pool.batch():
+            for artifact, data, error in run_threads(lambda a: pool.fetch(a, stopper.origin),
+                                                     artifacts, jobs, threads=threads):
+                if isinstance(error, PoolError) and unwritable is None:
+                    # The pool cannot take any artifact: stop, and say so once.
+                    unwritable = error
+                    stopper.stop()
+                if isinstance(error, Interrupted) and unwritable is not None:
+                    continue
+                if error is not None and not isinstance(error, DistcacheError):
+                    raise error
+                if isinstance(error, DistcacheError):
+                    failures.append((artifact, error))
+                elif data is not None and artifact.sha256 not in present | counted:
+                    counted.add(artifact.sha256)
+                    downloaded += 1
+                    nbytes += len(data)
+                if bar is not None:
+                    bar.update(1)
     except KeyboardInterrupt:
         stopper.interrupt(pool.layout.tmp, threads)
         raise

@@ -119,6 +119,18 @@ def run(args: argparse.Namespace) -> int:
         except ConfigError as exc:  # a malformed option value: bad usage, as elsewhere
             print(f"distcache prefetch: {exc}", file=sys.stderr)
             return 2
+    if args.family and not args.dry_run:
+        # Before the pool is opened (and made), as --jit: a typo leaves nothing behind.
+        from distcache.integrations.flashinfer._warm import family_checksums, parse_arch
+
+        try:
+            for arch in args.arch:
+                parse_arch(arch)
+            for family in args.family:
+                family_checksums(family)
+        except ConfigError as exc:  # a value given is malformed (2), else FlashInfer (1)
+            print(f"distcache prefetch: {' '.join(str(exc).split())}", file=sys.stderr)
+            return 2 if exc.value is not None else 1
     try:
         if args.dry_run:
             from distcache.cli._dryrun import run_dry_run  # reads FlashInfer's pins
