@@ -194,10 +194,10 @@ def export_directory(pool: ArtifactPool, artifacts: list[Artifact], directory: P
     if (os.path.lexists(target) and not target.is_dir()) or not target.parent.is_dir():
         raise PoolError(f"cannot export to {directory}: it or its parent exists and is not "
                         "a directory", path=str(directory))
-    earlier = earlier_export(target)
     wanted = {a.name: a for a in artifacts}
-    kept = {n: a for n, a in (earlier or {}).items() if n not in wanted and n != MANIFEST}
     inside = built_inside(target)
+    earlier = earlier_export(target, wanted if inside else None)
+    kept = {n: a for n, a in (earlier or {}).items() if n not in wanted and n != MANIFEST}
     new = staging(target, inside)
     try:
         os.mkdir(new, 0o700)
@@ -233,7 +233,8 @@ def export_directory(pool: ArtifactPool, artifacts: list[Artifact], directory: P
                 os.rename(target, aside)
             os.rename(new, target)  # over an empty directory, or where there is none
         except OSError as exc:  # a flush failed, or a rename
-            left = "it may be part-way: export again" if inside else "it was left as it was"
+            left = ("it may be part-way: export the same artifacts again to complete it"
+                    if inside else "it was left as it was")
             raise PoolError(f"cannot export to {target}: cannot put the new export in place "
                             f"({exc.strerror or exc}); {left}",
                             path=str(target), errno=exc.errno) from exc

@@ -1,8 +1,7 @@
 """The pool's file primitives: how it opens, creates and places files safely.
 
-Pool roots are shared by users, hosts and crashed processes, so every call here
-keeps a few rules (the object-level rules built on them are in
-:mod:`distcache.store._objects`):
+Pool roots are shared by users, hosts and crashed processes, so every call here keeps
+a few rules (the object-level rules built on them are in :mod:`distcache.store._objects`):
 
 - **Never follow a symlink the pool did not create.** Files are opened with
   ``O_NOFOLLOW`` (reads also with ``O_NONBLOCK``, so a planted FIFO cannot hang an
@@ -21,8 +20,7 @@ keeps a few rules (the object-level rules built on them are in
   directories the root's group and set-gid bit; the pool re-adds the bit where a
   platform does not, so the whole group can keep writing new fan-out directories.
 
-Failures become :class:`~distcache.errors.PoolError` through :func:`pool_error`,
-here and in the layers above.
+Failures become :class:`~distcache.errors.PoolError` through :func:`pool_error`.
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import hashlib
 import os
 import re
 import stat
@@ -93,15 +92,25 @@ def read_fd(fd: int, size: int) -> bytes:
     data = os.read(fd, size + 1)
     if len(data) >= size:
         return data
-    parts = [data]
-    got = len(data)
-    while got <= size:
-        chunk = os.read(fd, size + 1 - got)
-        if not chunk:
-            break
+    parts, got = [data], len(data)
+    while got <= size and (chunk := os.read(fd, size + 1 - got)):
         parts.append(chunk)
         got += len(chunk)
     return b"".join(parts)
+
+
+#: Chunks :func:`hash_fd` reads: a huge file is hashed without holding it in memory.
+CHUNK_BYTES = 1 << 20
+
+
+def hash_fd(fd: int, size: int) -> tuple[str, int]:
+    """The sha256 of the bytes of ``fd`` (up to one more than the ``size`` its ``fstat``
+    said) and their count, read in chunks at their offsets: never all in memory."""
+    digest, got, buf = hashlib.sha256(), 0, memoryview(bytearray(min(CHUNK_BYTES, size + 1)))
+    while got <= size and (count := os.preadv(fd, [buf[: size + 1 - got]], got)):
+        digest.update(buf[:count])
+        got += count
+    return digest.hexdigest(), got
 
 
 def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
@@ -117,13 +126,9 @@ _NO_DIR_FSYNC = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """Flush a directory's entries, where the filesystem allows it.
-
-    Raises:
-        PoolError: it cannot be opened (a directory that is gone is not an error) or
-            the flush failed; a filesystem that refuses fsync on directories is not
-            an error (rename is still atomic there).
-    """
+    """Flush a directory's entries, where the filesystem allows it. :class:`PoolError`
+    when it cannot be opened or the flush failed; a directory that is gone, or a
+    filesystem that refuses fsync on directories (rename is atomic there), is none."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -152,15 +157,10 @@ def _syncfs() -> object | None:
 
 def sync_filesystem(path: str | os.PathLike[str]) -> bool:
     """Flush the whole filesystem holding ``path`` with one ``syncfs(2)``; False where
-    the platform has no ``syncfs`` (the caller then fsyncs file by file).
-
-    One call costs what a few ``fsync`` calls do, whatever the number of files
-    written since the last one: a batch of thousands of small objects pays for its
-    durability once.
-
-    Raises:
-        OSError: ``path`` cannot be opened or the flush failed (an I/O error).
-    """
+    the platform has no ``syncfs`` (the caller then fsyncs file by file). One call
+    costs what a few ``fsync`` calls do, whatever the number of files written since:
+    a batch of thousands of small objects pays for its durability once. OSError when
+    ``path`` cannot be opened or the flush failed (an I/O error)."""
     call = _syncfs()
     if call is None:
         return False
@@ -177,11 +177,7 @@ def sync_filesystem(path: str | os.PathLike[str]) -> bool:
 
 
 def fsync_path(path: str | os.PathLike[str]) -> None:
-    """fsync the regular file at ``path`` (never through a symlink).
-
-    Raises:
-        OSError: it cannot be opened or flushed.
-    """
+    """fsync the regular file at ``path`` (never through a symlink); OSError on failure."""
     fd = os.open(path, READ_FLAGS)
     try:
         os.fsync(fd)
@@ -216,28 +212,20 @@ def make_dir(path: Path, *, setgid: bool) -> bool:
     except OSError as exc:
         raise pool_error("cannot stat", path, exc) from exc
     if not stat.S_ISDIR(st.st_mode):
-        raise PoolError(
-            f"{path} is not a directory (a symlink or file?); the pool will not "
-            "follow it. Remove it or use another pool root.",
-            path=str(path),
-        )
+        raise PoolError(f"{path} is not a directory (a symlink or file?); the pool will "
+                        "not follow it. Remove it or use another pool root.", path=str(path))
     return created
 
 
 def make_fanout(path: Path, *, setgid: bool, flush: bool = True) -> bool:
     """Create the fan-out directory ``path`` unless it exists, as :func:`make_dir`
-    does; whether this call created it. With ``flush``, a new one is made durable
-    before anything is published into it: its parent (``objects/``) is fsynced right
-    after the creation. Without that, a power loss may take the new directory's
-    entry, and with it every object already reported published there. Inside a batch
-    (``flush=False``) the batch's own flush covers the entry
-    (:meth:`~distcache.store._durability.Durability.flush`).
-
-    Raises:
-        PoolError: it cannot be created, is not a real directory, or the flush of
-            its parent failed; then the new directory, still empty, is removed (if
-            it can be) so that the next publication creates and flushes it again.
-    """
+    does; whether this call created it. With ``flush``, its parent (``objects/``) is
+    fsynced right after the creation, before anything is published into it: else a
+    power loss may take the new entry, and every object reported published there.
+    Inside a batch (``flush=False``) the batch's own flush covers it
+    (:meth:`~distcache.store._durability.Durability.flush`). :class:`PoolError` when
+    it cannot be created, is not a real directory, or the flush failed; then the new,
+    empty directory is removed where it can be, so the next publication flushes it."""
     if not make_dir(path, setgid=setgid):
         return False
     if flush:
@@ -281,11 +269,8 @@ def replace_from(fd: int, tmp: str | os.PathLike[str], target: str | os.PathLike
 def read_small_file(path: Path, what: str) -> str | None:
     """The stripped ASCII text of the small, write-once file ``path`` (``what`` it
     holds names it in errors), or None when it is absent. An empty file is a creator
-    on a no-link filesystem mid-write: it is waited out briefly.
-
-    Raises:
-        PoolError: it cannot be read, or stays empty.
-    """
+    on a no-link filesystem mid-write: it is waited out briefly. :class:`PoolError`
+    when it cannot be read, or stays empty."""
     for _ in range(50):
         try:
             fd = os.open(path, READ_FLAGS)
@@ -388,13 +373,28 @@ def link_into_place(tmp: str, final: str, existing_is_good: Callable[[], bool]) 
 
 
 def move_aside(path: str, dest: Path, st: os.stat_result | None) -> bool:
-    """Rename the bad object ``path`` to ``dest``; False when it is gone or, ``st``
-    given, no longer the inode found bad (someone repaired it meanwhile)."""
+    """Rename the bad object ``path`` to ``dest``; False when it is gone or what moved
+    was not what was found bad (``st``'s inode; without ``st``, a symlink). The rename
+    comes first and what it moved is checked after, so a repair that put a good file
+    there meanwhile is never lost: that file is put back (dropped if yet another took
+    its place), as no check before a rename could promise."""
     try:
-        now = os.lstat(path)
-        if st is not None and (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
-            return False
         os.rename(path, dest)
     except FileNotFoundError:
         return False
-    return True
+    now = os.lstat(dest)
+    if (st is None and stat.S_ISLNK(now.st_mode)) or (
+            st is not None and (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev)):
+        return True
+    with contextlib.suppress(OSError):  # else it stays in quarantine/, a copy
+        try:
+            os.link(dest, path)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            if exc.errno not in NO_LINK:
+                raise
+            os.rename(dest, path)  # a directory, or where links are refused
+            return False
+        os.unlink(dest)
+    return False

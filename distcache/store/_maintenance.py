@@ -25,9 +25,15 @@ from typing import TYPE_CHECKING
 
 from distcache._log import get_logger
 from distcache.errors import PoolError
-from distcache.store._fs import is_sha, pool_error
+from distcache.store._fs import hash_fd, is_sha, pool_error
 from distcache.store._locking import FileLock
-from distcache.store._objects import DIR_FLAGS, ObjectStore, scan_objects
+from distcache.store._objects import (
+    DIR_FLAGS,
+    NotAnObject,
+    ObjectStore,
+    open_object,
+    scan_objects,
+)
 from distcache.store.layout import STALE_TMP_SECONDS, PoolLayout
 
 if TYPE_CHECKING:
@@ -78,7 +84,8 @@ def gc(layout: PoolLayout, max_bytes: int | None, keep: Collection[str] = ()) ->
 
 
 def verify(store: ObjectStore) -> VerifyReport:
-    """Hash every object of ``store``; quarantine the corrupt ones. An object's name
+    """Hash every object of ``store`` (in chunks: a huge file is never held in memory
+    whole); quarantine the corrupt ones. An object's name
     that holds no regular file (a symlink, a directory, a fifo, a device) is corrupt
     too: readers already treat it as a miss, so left in place it would hide the
     artifact for good while the report said the pool was whole.
@@ -91,10 +98,10 @@ def verify(store: ObjectStore) -> VerifyReport:
     ok = corrupt = ok_bytes = 0
     for path, sha, st in list(store.scan()):
         before = store.quarantined
-        data = store.read(sha, stamp=False)
-        if data is not None:
+        size = _check(store, sha)
+        if size is not None:
             ok += 1
-            ok_bytes += len(data)
+            ok_bytes += size
         elif store.quarantined > before or _same_file(path, st):
             # Moved aside, or found bad and still there (it could not be moved). An
             # object that is simply gone (collected or pruned meanwhile) is neither.
@@ -109,6 +116,31 @@ def verify(store: ObjectStore) -> VerifyReport:
             corrupt += 1
     return VerifyReport(ok=ok, corrupt=corrupt, quarantined=_count(store.layout.quarantine),
                         ok_bytes=ok_bytes)
+
+
+def _check(store: ObjectStore, sha: str) -> int | None:
+    """The size of the object ``sha`` when its bytes, hashed in chunks, are its name;
+    None when it is absent or they are not (then it is quarantined, as a read does).
+    :class:`PoolError` when it cannot be read."""
+    path = store.layout.object_path(sha)
+    try:
+        opened = open_object(store.layout.fanout(sha), sha, path)
+    except NotAnObject as bad:
+        store.quarantine(sha, bad.reason, bad.st)
+        return None
+    if opened is None:
+        return None
+    fd, st = opened
+    try:
+        digest, size = hash_fd(fd, st.st_size)
+    except OSError as exc:
+        raise pool_error("cannot read object", path, exc) from exc
+    finally:
+        os.close(fd)
+    if (digest, size) != (sha, st.st_size):
+        store.quarantine(sha, f"fails verification ({size} bytes)", st)
+        return None
+    return size
 
 
 def _not_regular(layout: PoolLayout) -> Iterator[tuple[str, str, os.stat_result]]:

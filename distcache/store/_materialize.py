@@ -72,9 +72,10 @@ def place_file(obj: str, into: Path, target: Path, sha: str, data: bytes,
     except FileNotFoundError:
         st = None
     if st is not None and stat.S_ISREG(st.st_mode):
-        ost = os.lstat(obj)
-        if (st.st_ino, st.st_dev) == (ost.st_ino, ost.st_dev):
-            return
+        with contextlib.suppress(OSError):  # the object may be collected meanwhile
+            ost = os.lstat(obj)
+            if (st.st_ino, st.st_dev) == (ost.st_ino, ost.st_dev):
+                return
         if st.st_size == len(data) and _file_matches(target, sha):
             return
     tmp = os.path.join(target.parent, f".{target.name}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
@@ -82,11 +83,12 @@ def place_file(obj: str, into: Path, target: Path, sha: str, data: bytes,
         try:
             # The linked file must be this user's regular file of the bytes verified:
             # the object may have been replaced since (by a symlink, another file),
-            # and then the verified bytes are copied instead.
+            # and then the verified bytes are copied instead; so too when it was
+            # collected (gc, prune) since its read, or its handle went stale (NFS).
             os.link(obj, tmp)
             linked = _holds(tmp, data)
         except OSError as exc:
-            if exc.errno != errno.EXDEV and exc.errno not in NO_LINK:
+            if exc.errno not in _COPY_INSTEAD and exc.errno not in NO_LINK:
                 raise
             linked = False
         if not linked:
@@ -101,6 +103,11 @@ def place_file(obj: str, into: Path, target: Path, sha: str, data: bytes,
         os.replace(tmp, target)
     finally:
         unlink_quietly(tmp)
+
+
+#: What ``link`` from the object answers when the verified bytes are copied instead:
+#: another filesystem, or the object gone since it was read (collected, a stale handle).
+_COPY_INSTEAD = frozenset({errno.EXDEV, errno.ENOENT, errno.ESTALE})
 
 
 def _ensure_dirs(into: Path, parent: Path) -> None:

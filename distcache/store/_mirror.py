@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -20,6 +21,7 @@ from distcache.store._fs import (
     READ_FLAGS,
     fsync_dir,
     fsync_path,
+    hash_fd,
     read_fd,
     sync_filesystem,
     write_all,
@@ -44,14 +46,49 @@ def beside(target: Path, tag: str = "tmp") -> Path:
 
 
 def staging(target: Path, inside: bool) -> Path:
-    """A fresh name for the new tree: beside ``target``, or inside it."""
-    return beside(target / "distcache-export" if inside else target, "new")
+    """A fresh name for the new tree: beside ``target``, or inside it (naming this host,
+    so that a later export can tell a tree left by a killed run: :func:`clear_stale`)."""
+    return beside(target / f"distcache-export.{_HOST}" if inside else target, "new")
+
+
+_HOST = re.sub(r"[^A-Za-z0-9-]", "-", os.uname().nodename) or "host"
+#: A tree :func:`staging` names inside the target (older ones name no host).
+_STAGED = re.compile(r"\.distcache-export\.(?:([A-Za-z0-9-]+)\.)?(\d+)\.[0-9a-f]{12}\.new")
+
+
+def clear_stale(target: Path) -> None:
+    """Remove the trees that exports killed on this host left being built inside
+    ``target`` (their process is gone). PoolError for one of a live process, or of
+    another host: what to remove if no export runs there."""
+    with os.scandir(target) as entries:
+        staged = [(e, _STAGED.fullmatch(e.name)) for e in entries]
+    for entry, found in staged:
+        if found is None or not entry.is_dir(follow_symlinks=False):
+            continue
+        host, pid = found.group(1) or _HOST, int(found.group(2))
+        if host == _HOST and not _alive(pid):
+            remove_tree(Path(entry.path))
+            continue
+        raise PoolError(f"cannot export to {target}: an export by process {pid} on {host} "
+                        f"is being built in {entry.path}; wait for it to end, or remove "
+                        f"{entry.path} if no export runs there", path=str(target))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass  # another user's process
+    return True
 
 
 def move_into(new: Path, target: Path) -> None:
     """Put the tree built inside ``target`` in place, file by file (each renamed over
     the earlier one), its ``checksums.txt`` last; then remove what is left of it. An
-    interruption here can leave ``target`` part-way: export again."""
+    interruption here can leave ``target`` part-way: exporting the same artifacts
+    again completes it (:func:`earlier_export` takes the files already moved)."""
     for directory, _dirs, files in os.walk(new):
         rel = os.path.relpath(directory, new)
         for name in files:
@@ -69,33 +106,63 @@ def refused(target: Path, why: str) -> PoolError:
                      "export: give another directory, or move that away", path=str(target))
 
 
-def first_stray(top: Path, prefix: str, listed: set[str]) -> str | None:
+def first_stray(top: Path, prefix: str, listed: set[str],
+                wanted: dict[str, Artifact]) -> str | None:
     """The first entry under ``top`` (its path from the export's top) that is neither
-    a real directory nor a regular file ``listed`` names; None when there is none."""
+    a real directory nor a regular file ``listed`` names or that holds the bytes of
+    the artifact of its name in ``wanted``; None when there is none."""
     with os.scandir(top) as entries:
         for entry in entries:
             rel = prefix + entry.name
             if entry.is_dir(follow_symlinks=False):
-                found = first_stray(Path(entry.path), rel + "/", listed)
+                found = first_stray(Path(entry.path), rel + "/", listed, wanted)
                 if found is not None:
                     return found
-            elif not (entry.is_file(follow_symlinks=False) and rel in listed):
+            elif not (entry.is_file(follow_symlinks=False) and (
+                    rel in listed or (rel in wanted and _holds(entry.path, wanted[rel])))):
                 return rel
     return None
 
 
-def earlier_export(target: Path) -> dict[str, Artifact] | None:
+def _holds(path: str, artifact: Artifact) -> bool:
+    """Whether the regular file ``path`` holds the bytes of ``artifact`` (hashed in chunks)."""
+    try:
+        fd = os.open(path, READ_FLAGS)
+        try:
+            size = os.fstat(fd).st_size
+            return hash_fd(fd, size) == (artifact.sha256, size)
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+
+
+def earlier_export(target: Path, wanted: dict[str, Artifact] | None = None
+                   ) -> dict[str, Artifact] | None:
     """The artifacts the earlier export at ``target`` lists, by name; None when it is
     absent or empty. PoolError when it holds anything but a ``checksums.txt`` and the
     regular files that lists (in real directories): that would go with the earlier
-    export when the new one takes its place."""
+    export when the new one takes its place. With ``wanted``, the artifacts of an
+    export built inside ``target`` (which an interrupted one leaves part-way), trees
+    that killed ones left are removed first (:func:`clear_stale`), and a file that
+    holds the bytes of the artifact of its name there is none (no ``checksums.txt``
+    at all then reads as an earlier export that lists nothing)."""
     manifest = target / MANIFEST
     try:
+        if wanted is not None:
+            clear_stale(target)
         if not os.listdir(target):
             return None
-        regular = stat.S_ISREG(os.lstat(manifest).st_mode)
-        listed = {a.name: a for a in read_manifest(manifest)} if regular else {}
-        stray = first_stray(target, "", {*listed, MANIFEST}) if regular else MANIFEST
+        if wanted is not None and not os.path.lexists(manifest):
+            listed: dict[str, Artifact] = {}
+            stray = first_stray(target, "", set(), wanted)
+        elif stat.S_ISREG(os.lstat(manifest).st_mode):
+            listed = {a.name: a for a in read_manifest(manifest)}
+            stray = first_stray(target, "", {*listed, MANIFEST}, wanted or {})
+        else:
+            listed, stray = {}, MANIFEST
+    except PoolError:
+        raise
     except FileNotFoundError as exc:
         if exc.filename is not None and Path(exc.filename) == target:
             return None

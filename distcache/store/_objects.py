@@ -11,7 +11,8 @@ the rules of DESIGN.md ("Artifacts and the pool") for each object:
   or writes through it.
 - **Every read is verified.** A wrong, truncated or non-file object is moved to
   ``quarantine/``, counted, logged and reported as a miss; corrupt bytes are never
-  returned. A reader that asks for it (``trusted``) skips the hash of an object this
+  returned; a file past :data:`LARGE_FILE` is hashed in chunks before it is read
+  whole, so a huge one is quarantined without filling memory. A reader that asks for it (``trusted``) skips the hash of an object this
   store verified in this process (published it with ``link``, hashed as it was
   written; or was vouched for by the job's node leader, which did) while its file is
   unchanged: this user's, with the same device, inode, size, mtime and ctime
@@ -52,6 +53,7 @@ from distcache.store._fs import (
     LINKED,
     READ_FLAGS,
     Witness,
+    hash_fd,
     link_into_place,
     make_fanout,
     move_aside,
@@ -79,19 +81,14 @@ def check_size(artifact: Artifact, size: int, source: str) -> None:
     if artifact.size is not None and size != artifact.size:
         raise IntegrityError(
             f"{artifact.name}: expected {artifact.size} bytes, got {size} from {source}",
-            sha256=artifact.sha256, actual=f"{size} bytes", source=source,
-        )
+            sha256=artifact.sha256, actual=f"{size} bytes", source=source)
 
 
 class ObjectStore:
-    """The objects of the pool laid out by ``layout``.
-
-    Args:
-        layout: the pool's paths.
-        host: this host's name, sanitised, for temporary file names.
-        file_mode: permissions of published objects (``0o444`` less the umask).
-        setgid: whether new fan-out directories get the set-gid bit.
-    """
+    """The objects of the pool laid out by ``layout``: ``host`` (this host's name,
+    sanitised) names temporary files, ``file_mode`` is that of published objects
+    (``0o444`` less the umask), ``setgid`` whether new fan-out directories get the
+    set-gid bit."""
 
     #: Reads refresh an object's recency stamp when it is older than this (seconds).
     stamp_interval: float = 60.0
@@ -173,11 +170,8 @@ class ObjectStore:
         """The verified bytes of ``sha``, or None when absent or corrupt (then
         quarantined); ``stamp`` refreshes its recency. With ``trusted``, an object
         verified in this process whose file is unchanged since (:attr:`fresh`) is
-        returned without hashing it again.
-
-        Raises:
-            PoolError: the object exists but cannot be read.
-        """
+        returned without hashing it again. :class:`PoolError` when the object exists
+        but cannot be read."""
         try:
             found = read_object(self.layout.fanout(sha), sha, self.layout.object_path(sha),
                                 self.stamp_interval if stamp else None)
@@ -217,11 +211,8 @@ class ObjectStore:
         trim_quarantine(self.layout, self.quarantine_keep)
 
     def scan(self) -> Iterator[tuple[str, str, os.stat_result]]:
-        """``(path, sha, lstat)`` of each object present (no hashing).
-
-        Raises:
-            PoolError: the objects directory cannot be listed.
-        """
+        """``(path, sha, lstat)`` of each object present (no hashing); :class:`PoolError`
+        when the objects directory cannot be listed."""
         return scan_objects(self.layout)
 
     @contextlib.contextmanager
@@ -241,11 +232,8 @@ class ObjectStore:
 
     def write(self, data: bytes | bytearray | memoryview, sha: str) -> bool:
         """Publish ``data``, already known to hash to ``sha``; whether this call
-        published it (False: a good object was there first).
-
-        Raises:
-            PoolError: it cannot be written.
-        """
+        published it (False: a good object was there first); :class:`PoolError` when
+        it cannot be written."""
         with self.staged(sha[:16]) as (fd, tmp):
             try:
                 write_all(fd, data)
@@ -257,10 +245,7 @@ class ObjectStore:
         """Make the whole, verified temporary file ``tmp`` (open as ``fd``) the object
         ``sha``; whether this call published it. ``tmp`` is gone when it returns
         (linked and removed, renamed, or removed: a good object was there first).
-
-        Raises:
-            PoolError: it cannot be published.
-        """
+        :class:`PoolError` when it cannot be published."""
         final = self.layout.object_path(sha)
         directory = self.layout.fanout(sha)
         deferred = self._durability.deferred
@@ -345,7 +330,8 @@ def open_fanout(path: str) -> int | None:
 
 
 class NotAnObject(Exception):
-    """An object's name holds a symlink or a non-file; ``st`` is its ``fstat``."""
+    """An object's name holds a symlink, a non-file, or a file too large to read
+    before it is hashed whose bytes are not its name; ``st`` is its ``fstat``."""
 
     def __init__(self, reason: str, st: os.stat_result | None) -> None:
         super().__init__(reason)
@@ -353,18 +339,16 @@ class NotAnObject(Exception):
         self.st = st
 
 
-def read_object(fanout: str, name: str, path: str, stamp_after: float | None
-                ) -> tuple[bytes, os.stat_result, os.stat_result | None] | None:
-    """The bytes (not yet verified) and ``fstat`` of ``fanout/name`` (at ``path``, as
-    messages name it), and its ``fstat`` after a recency stamp (``None``: not
-    stamped), or None when absent. The file is opened relative to an ``O_NOFOLLOW``
-    descriptor of ``fanout``; its mtime is refreshed when older than ``stamp_after``
-    seconds.
+#: Objects larger than this are hashed in chunks before they are read whole: a huge
+#: file put at an object's name is quarantined without ever filling memory.
+LARGE_FILE = 64 << 20
 
-    Raises:
-        NotAnObject: it is a symlink or not a regular file.
-        PoolError: it exists but cannot be read (permissions, I/O error).
-    """
+
+def open_object(fanout: str, name: str, path: str) -> tuple[int, os.stat_result] | None:
+    """A descriptor and the ``fstat`` of the regular file ``fanout/name`` (at ``path``,
+    as messages name it), opened relative to an ``O_NOFOLLOW`` descriptor of
+    ``fanout``; None when absent. NotAnObject when it is a symlink or no regular file,
+    PoolError when it cannot be opened (permissions, I/O error)."""
     directory = open_fanout(fanout)
     if directory is None:
         return None
@@ -380,8 +364,28 @@ def read_object(fanout: str, name: str, path: str, stamp_after: float | None
         os.close(directory)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise NotAnObject("is not a regular file", st)
+    except OSError as exc:
+        os.close(fd)
+        raise pool_error("cannot read object", path, exc) from exc
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise NotAnObject("is not a regular file", st)
+    return fd, st
+
+
+def read_object(fanout: str, name: str, path: str, stamp_after: float | None
+                ) -> tuple[bytes, os.stat_result, os.stat_result | None] | None:
+    """The bytes (not yet verified, unless past :data:`LARGE_FILE`) and ``fstat`` of
+    the object ``name`` (:func:`open_object`), and its ``fstat`` after a recency stamp
+    (``None``: not stamped; its mtime is refreshed when older than ``stamp_after``
+    seconds), or None when absent. NotAnObject or PoolError as :func:`open_object`."""
+    opened = open_object(fanout, name, path)
+    if opened is None:
+        return None
+    fd, st = opened
+    try:
+        if st.st_size > LARGE_FILE and hash_fd(fd, st.st_size) != (name, st.st_size):
+            raise NotAnObject(f"fails verification ({st.st_size} bytes, hashed in chunks)", st)
         data = read_fd(fd, st.st_size)
         stamped = None
         if stamp_after is not None and time.time() - st.st_mtime > stamp_after:
