@@ -46,9 +46,10 @@ it exits, untimed).
 (``init-n<ranks>-rank<r>.pstats``).
 
 Times of the prefetch rows are barrier to barrier (the maximum over ranks); peak RSS
-is per rank. Targets: cold 2x2 <= 1.5x the copy floor, warm (both ways) <= 10x the
-stat floor on 1 rank and <= 20x on 2x2. Writes ``bench_family.json`` to --out and
-prints the table.
+is per rank. A cold row that does not download every object of the set once, or a warm
+row that downloads any, fails the run. Targets: cold 2x2 <= 1.5x the copy floor, warm
+(both ways) <= 10x the stat floor on 1 rank and <= 20x on 2x2. Writes
+``bench_family.json`` to --out and prints the table.
 
     python -m scripts.bench_family --out docs/bench [--cubins DIR|WHEEL] [--limit N]
 
@@ -371,6 +372,22 @@ def stat_floor(pool_dir: Path, arts: list[Artifact]) -> float:
     return best
 
 
+def check_downloads(rows: dict[str, Any], objects: int) -> None:
+    """A cold row downloads every object of the set once, a warm row none; else the
+    row timed something other than what it is named for, and the run fails."""
+    wrong = []
+    for label in ("cold_1", "cold_2x2", "warm_1", "warm_2x2", "warm_init_1", "warm_init_2x2"):
+        report = rows[label]["report"]
+        want = objects if label.startswith("cold") else 0
+        if report is None:
+            wrong.append(f"{label}: no prefetch report (expected {want} downloads)")
+        elif report["downloads"] != want:
+            wrong.append(f"{label}: {report['downloads']} downloads, expected {want}")
+    if wrong:
+        raise SystemExit(f"the set has {objects} objects (distinct sha256s); "
+                         + "; ".join(wrong))
+
+
 def driver(args: argparse.Namespace) -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-family-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -412,6 +429,7 @@ def driver(args: argparse.Namespace) -> None:
                                 through_init=label.startswith("warm_init"))
         if label == "warm_1":
             rows["stat_floor_s"] = stat_floor(work / "pools1" / "node0", arts)
+    check_downloads(rows, len({a.sha256 for a in arts}))
     floor = rows["copy_floor"]["total_s"]
     stat = rows["stat_floor_s"]
     ratios = {

@@ -23,8 +23,8 @@ moment the driver launched ``mpirun``), its CPU seconds (loading distcache's mod
 apart from the rest) and its peak RSS. A row gives the slowest rank's time of the
 median floor and the median init launch (every launch's is listed too), the largest
 peak RSS of any init launch against the smallest floor's, the origin's requests in
-the init launches (the same in each, or the benchmark fails), and each rank's bytes
-from the traffic launch.
+the init launches (the same in each and one per cubin, or the benchmark fails), and
+each rank's bytes from the traffic launch.
 The cubins are the ``*.cubin`` files of ``--cubins DIR`` (the first 64), else 64
 files drawn from flashinfer-cubin's size distribution (``scripts/family_sizes.json``).
 
@@ -180,6 +180,11 @@ def launch(n: int, mode: str, run_dir: Path, extra: list[str], env: dict[str, st
     return launched, ranks
 
 
+def expected_requests(manifest: Path) -> int:
+    """What a cold init must ask the origin: once per distinct cubin of the manifest."""
+    return len({line.split()[0] for line in manifest.read_text().splitlines() if line.strip()})
+
+
 def row(n: int, work: Path, manifest: Path, url: str, server: Any, repeat: int
         ) -> dict[str, Any]:
     from tests.support.helpers import mpi_env
@@ -207,6 +212,11 @@ def row(n: int, work: Path, manifest: Path, url: str, server: Any, repeat: int
     if {i[2] for i in inits} != {requests}:
         raise SystemExit(f"{n} ranks: the init launches asked the origin "
                          f"{[i[2] for i in inits]} times")
+    expected = expected_requests(manifest)
+    if requests != expected:
+        raise SystemExit(f"{n} ranks: every init launch asked the origin {requests} times, "
+                         f"not once per cubin ({expected}): a cold init on cold pools "
+                         "fetches each cubin exactly once")
     server.reset()
     _, counted = launch(n, "traffic", work / f"traffic-{n}", ["--manifest", str(manifest)],
                         env)
@@ -306,6 +316,10 @@ def driver(args: argparse.Namespace) -> None:
     source = make_cubins(mirror, args.cubins)
     manifest = work / "cubins.txt"
     total = write_manifest(mirror, manifest)
+    listed = len(manifest.read_text().splitlines())
+    if listed != CUBINS:
+        shutil.rmtree(work, ignore_errors=True)
+        raise SystemExit(f"{source}: {listed} cubins, not {CUBINS}")
     rows = []
     load_before = os.getloadavg()[0]
     try:

@@ -316,7 +316,13 @@ def render(data: dict[str, Any]) -> str:
         lines.append(f"| {label[run['run']]} | {init} | {run['wall_s']:.1f} | "
                      f"{run['hook_pids']} | {filled} | {run['jit_published_files']} |")
     same = "yes" if checks["tp2_same_tokens_with_and_without"] else "no"
-    lines += ["", f"Fresh node / local warm: {checks['fresh_over_local_warm']} (target <= 1.3); "
+    walls = {run["run"]: run["wall_s"] for run in data["runs"]}
+    fresh, local = walls.get("warm-fresh"), walls.get("warm-local")
+    wall = (f"; from the command (the hook's fill at process start included, which \"init "
+            f"engine\" leaves out): {fresh:.1f} / {local:.1f} s = {fresh / local:.2f}"
+            if fresh and local else "")
+    lines += ["", f"Fresh node / local warm, \"init engine\": {checks['fresh_over_local_warm']} "
+              f"(target <= 1.3){wall}; one run of each; "
               f"origin requests: {checks['origin_requests']}; the same greedy tokens with and "
               f"without distcache at TP=2: {same}; engine runs "
               f"{data['engine_runs_s'] / 60:.1f} min in all."]

@@ -5,15 +5,20 @@ measured (per-request latency, per-connection origin bandwidth, broadcast latenc
 alpha and per-byte cost beta) and the artifact set it used. For each strategy of that
 benchmark it predicts the cold-start time of a job and the requests the origin sees:
 
-every      each rank downloads every artifact itself (FlashInfer's own behaviour)
+every      each rank downloads every artifact itself (FlashInfer's loader with a cubin
+           directory per rank, the layout of engines that give each rank its own)
+per_node   one download per node (FlashInfer's default: one cubin directory per node,
+           whose file lock lets one rank download while the node's others wait)
 rank0      rank 0 downloads everything, then broadcasts it to one receiver per node
 distcache  downloads spread over ranks, then a bucketed broadcast to one writer per
            node (node-local pools; the node's other ranks read the same pool)
 
 rank0 and distcache get the same concurrency: C = min(ranks x downloads per rank,
 downloads per job) connections to the origin in all, so their times differ only by
-how the downloads are spread. What distcache buys over ``every`` is stated next to
-time: origin requests, egress bytes, the peak connections the origin sees (its
+how the downloads are spread (the coordination rounds before the downloads, which
+``scripts/bench_scale.py`` measures, are not modelled). What distcache buys over
+``every`` and ``per_node`` is stated next to time: origin requests, egress bytes, the
+peak connections the origin sees (its
 rate-limit exposure, as a multiple of ``--origin-connections``) and the requests of
 the first burst beyond what the origin admits in one request latency
 (``--origin-rps`` x latency): those stall or are refused with 429.
@@ -83,6 +88,8 @@ def predict(nodes: int, p: dict[str, float]) -> dict[str, dict[str, float]]:
 
     every_req = ranks * k
     every = max(fetch_time(k, size, lat, bw, per_rank), origin_floor(every_req, ranks * size))
+    node_req = nodes * k  # the node's first rank at the per-rank count, the others wait
+    per_node = max(fetch_time(k, size, lat, bw, per_rank), origin_floor(node_req, nodes * size))
     rank0 = max(fetch_time(k, size, lat, bw, conc), origin_floor(k, size)) + bcast_time(
         size, nodes, alpha, beta, bucket)
     # As few ranks as carry the job's connections at the per-rank count (the plan).
@@ -93,6 +100,7 @@ def predict(nodes: int, p: dict[str, float]) -> dict[str, dict[str, float]]:
     dist = spread + bcast_time(size, nodes, alpha, beta, bucket)
     return {
         "every": row(every, every_req, ranks * per_rank),
+        "per_node": row(per_node, node_req, nodes * per_rank),
         "rank0": row(rank0, k, conc),
         "distcache": row(dist, k, downloaders * threads),
     }
@@ -262,11 +270,13 @@ def main() -> int:
           f"{params['artifact_bytes'] / 1e6:.1f} MB, {args.gpus_per_node} GPUs/node")
     print("measured: " + ", ".join(f"{key}={measured[key]:.3g}" for key in measured))
     print(f"{'nodes':>6} | {'every s':>8} {'requests':>9} {'conns':>7} {'stalls':>7} | "
+          f"{'per_node s':>10} {'requests':>8} | "
           f"{'rank0 s':>8} | {'distcache s':>11} {'requests':>8} {'conns':>5} {'stalls':>6}")
     for n, row in table.items():
-        e, r, d = row["every"], row["rank0"], row["distcache"]
+        e, r, d, pn = row["every"], row["rank0"], row["distcache"], row["per_node"]
         print(f"{n:>6} | {e['seconds']:>8.2f} {e['origin_requests']:>9.0f} "
               f"{e['peak_connections']:>7.0f} {e['first_burst_stalls']:>7.0f} | "
+              f"{pn['seconds']:>10.2f} {pn['origin_requests']:>8.0f} | "
               f"{r['seconds']:>8.3f} | {d['seconds']:>11.3f} {d['origin_requests']:>8.0f} "
               f"{d['peak_connections']:>5.0f} {d['first_burst_stalls']:>6.0f}")
 
@@ -283,7 +293,8 @@ def main() -> int:
         print("matplotlib not installed: no plot")
         return 0
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=90)
-    for strategy, style in (("every", "o-"), ("rank0", "s-"), ("distcache", "^-")):
+    for strategy, style in (("every", "o-"), ("per_node", "d-"), ("rank0", "s-"),
+                            ("distcache", "^-")):
         left.plot(nodes_axis, [table[n][strategy]["seconds"] for n in nodes_axis], style,
                   label=strategy, markersize=3)
         right.plot(nodes_axis, [table[n][strategy]["origin_requests"] for n in nodes_axis],
