@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
                 family_checksums(family)
         except ConfigError as exc:  # a value given is malformed (2), else FlashInfer (1)
             print(f"distcache prefetch: {' '.join(str(exc).split())}", file=sys.stderr)
-            return 2 if exc.value is not None else 1
+            return 2 if getattr(exc, "value", None) is not None else 1
     try:
         if args.dry_run:
             from distcache.cli._dryrun import run_dry_run  # reads FlashInfer's pins
