@@ -6,7 +6,8 @@ one the job uses, never a wildcard) for the other nodes, and a Unix socket for t
 node's own processes. One route, ``GET /v1/objects/<sha256>[?fill=<name>]``:
 
 - every request is authenticated (:mod:`distcache.peer._auth`); one that is not gets
-  403 and nothing else;
+  403 and nothing else; every answer closes its connection, and one that is not the
+  object's bytes is signed (:mod:`distcache.peer._answers`);
 - an object the pool holds is read verified (``ArtifactPool.get``) in a transfer slot
   and sent; one it does not hold gets 404, unless ``fill`` names it;
 - ``fill`` from another node: this agent is asked as an owner, and asks the origin
@@ -28,33 +29,24 @@ bytes this one already holds. Every outcome is counted in :attr:`Agent.counts`.
 from __future__ import annotations
 
 import http.server
-import math
 import socket
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qs, urlsplit
+from typing import TYPE_CHECKING
 
 from distcache._log import get_logger
-from distcache.artifact import Artifact, validate_name
+from distcache.artifact import Artifact
 from distcache.errors import ArtifactNotFound, DistcacheError, PeerError
 from distcache.origins._base import Asked
 from distcache.peer import _client
-from distcache.peer._auth import (
-    HEADER_AUTH,
-    HEADER_DEADLINE,
-    HEADER_NONCE,
-    HEADER_TIME,
-    MAX_SKEW_S,
-    Nonces,
-    verify,
-)
-from distcache.peer._flight import Singleflight, StillRunning
+from distcache.peer._answers import handler as _handler
+from distcache.peer._auth import MAX_SKEW_S, Nonces
+from distcache.peer._flight import Singleflight
 from distcache.peer._ring import order
-from distcache.peer._servers import BoundedHead, TcpServer, UnixServer, private_socket
+from distcache.peer._servers import TcpServer, close_connections, private_socket
 
 if TYPE_CHECKING:
     from distcache.origins import Origin
@@ -120,6 +112,8 @@ class Agent:
         self._fills: Singleflight[_client.Answer] = Singleflight()
         self._servers: list[http.server.ThreadingHTTPServer] = []
         self._endpoint = ""
+        #: Set by :meth:`stop`: a request read as it stops gets no answer.
+        self.stopped = False
 
     @property
     def endpoint(self) -> str:
@@ -131,7 +125,7 @@ class Agent:
         return f"unix:{self.socket_path}" if self.socket_path is not None else None
 
     def start(self) -> Agent:
-        handler = _handler(self)
+        handler = _handler(self, hop_s=HOP_S, budget_s=DEFAULT_BUDGET_S)
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         tcp = type("_Tcp", (TcpServer,), {"address_family": family})((self.host, 0), handler)
         self._servers.append(tcp)
@@ -160,9 +154,13 @@ class Agent:
         self._joined.set()
 
     def stop(self) -> None:
+        """Stop listening and shut the connections being served: no request on them is
+        taken up from then on (one already being answered ends on its own)."""
+        self.stopped = True
         for server in self._servers:
             server.shutdown()
             server.server_close()  # a Unix socket's name too, while it is still this one
+            close_connections(server)
         self._servers.clear()
 
     def count(self, outcome: str) -> None:
@@ -248,6 +246,10 @@ class Agent:
                                 "clock is more than %d s off this one's, or it runs with "
                                 "another run secret; what it owns goes to the next node "
                                 "in each artifact's order", endpoint, MAX_SKEW_S)
+                elif isinstance(exc, _client.Unsigned) and self._first(f"unsigned {endpoint}"):
+                    log.warning("peers: %s; what listens at %s is not an agent of this job "
+                                "(another process on its port, or another run secret): it "
+                                "is skipped for %.0f s at a time", exc, endpoint, DOWN_S)
                 else:
                     log.debug("agent %s skipped for %s: %s", endpoint, artifact.name, exc)
                 continue
@@ -299,102 +301,3 @@ class Agent:
     def _mark_down(self, endpoint: str) -> None:
         with self._lock:
             self._down[endpoint] = time.monotonic() + DOWN_S
-
-
-def _handler(agent: Agent) -> type[http.server.BaseHTTPRequestHandler]:
-    class Handler(BoundedHead):
-        protocol_version = "HTTP/1.1"
-        server_version = "distcache-peer/1"
-        # A connection that sends nothing for this long is closed: an idle client must
-        # not hold a server thread for ever.
-        timeout = HOP_S
-        sys_version = ""
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-        def address_string(self) -> str:
-            return str(self.client_address[0]) if self.client_address else "local"
-
-        def head_cut(self, bound: float) -> None:
-            agent.count("cut_head")
-            first = agent._first("cut_head")
-            (log.warning if first else log.debug)(
-                "agent %s: closed a connection from %s that did not send a whole request "
-                "within %.0f s%s", agent.endpoint, self.address_string(), bound,
-                " (later ones are logged at DEBUG)" if first else "")
-
-        def _refuse(self, status: int, reason: str, outcome: str) -> None:
-            agent.count(outcome)
-            self.send_response(status)
-            self.send_header(_client.HEADER_REASON, reason)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def _signed(self) -> tuple[dict[str, str], str | None]:
-            """The request's authentication headers, each read once (the values the
-            signature is checked against are the ones used after it), and why they
-            do not authenticate it (``None``: they do)."""
-            signed: dict[str, str] = {}
-            for name in (HEADER_TIME, HEADER_NONCE, HEADER_AUTH, HEADER_DEADLINE):
-                values = self.headers.get_all(name) or []
-                if len(values) > 1:
-                    return signed, f"{len(values)} {name} headers"
-                if values:
-                    signed[name] = values[0]
-            target = "unix" if isinstance(self.server, UnixServer) else agent.endpoint
-            return signed, verify(agent.key, "GET", self.path, signed, target=target)
-
-        def do_GET(self) -> None:
-            signed, why = self._signed()
-            if why is not None:
-                # The first at WARNING: a peer whose clock is off or whose run secret
-                # differs is refused on every request and its node goes to the origin.
-                first = agent._first("refused_auth")
-                (log.warning if first else log.debug)(
-                    "agent %s: refused a request from %s: %s%s", agent.endpoint,
-                    self.address_string(), why,
-                    " (later refusals are logged at DEBUG)" if first else "")
-                return self._refuse(403, "unauthenticated", "refused_auth")
-            if not agent._nonces.first(signed[HEADER_NONCE]):
-                first = agent._first("refused_replay")
-                (log.warning if first else log.debug)(
-                    "agent %s: refused a replayed request from %s", agent.endpoint,
-                    self.address_string())
-                return self._refuse(403, "unauthenticated", "refused_replay")
-            parts = urlsplit(self.path)
-            sha = parts.path.removeprefix("/v1/objects/")
-            query = parse_qs(parts.query)
-            if sha == parts.path or len(sha) != 64 or sha.strip("0123456789abcdef"):
-                return self._refuse(404, "no-such-route", "refused_route")
-            try:
-                name = validate_name(query["fill"][0]) if "fill" in query else "object"
-                budget = float(signed.get(HEADER_DEADLINE) or DEFAULT_BUDGET_S)
-                if not math.isfinite(budget):
-                    raise ValueError(f"a deadline of {budget} s")
-                budget = min(max(budget, 0.001), 300.0)
-                got = agent.answer(Artifact(name, sha), fill="fill" in query,
-                                   local=isinstance(self.server, UnixServer), budget=budget)
-            except ArtifactNotFound:
-                return self._refuse(404, _client.NOT_AT_ORIGIN, "not_at_origin")
-            except (PeerError, StillRunning) as exc:  # StillRunning: another's fill goes on
-                if getattr(exc, "refused", False):
-                    return self._refuse(404, "not-held", "refused_missing")
-                return self._refuse(503, "unavailable", "unavailable")  # not a failure
-            except (DistcacheError, ValueError, TimeoutError) as exc:
-                log.debug("agent: %s failed: %s", sha, exc)
-                return self._refuse(503, "unavailable", "errors")
-            if got is None:  # no transfer slot within the asker's wait
-                return self._refuse(503, "busy", "busy")
-            try:  # the slot answer() took for it
-                self.send_response(200)
-                self.send_header("Content-Type", "application/octet-stream")
-                self.send_header("Content-Length", str(len(got.data)))
-                self.send_header(_client.HEADER_SOURCE, got.source)
-                self.end_headers()
-                self.wfile.write(got.data)
-                agent.count("served")
-            finally:
-                agent._slots.release()
-
-    return Handler

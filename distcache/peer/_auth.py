@@ -12,6 +12,13 @@ and a nonce it has seen within that time (:class:`Nonces`): a request cannot be
 replayed to it, nor sent to another node's agent, which computes another MAC. The
 key never travels: a worker of the node reads it from a file only its user can read,
 beside the agent's Unix socket.
+
+An answer other than the object's bytes (which the asker checks against the sha256
+it asked for) is signed by the agent too (:func:`sign_answer`): an HMAC under the same
+key of the request's nonce and signature, the status and the reason, in
+:data:`HEADER_ANSWER`. The asker takes such an answer as final (the origin has no such
+artifact) only when :func:`answer_signed`: a process that answers at an agent's
+endpoint without the key (one that took a stopped agent's port) is only skipped.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ HEADER_NONCE = "X-Distcache-Nonce"
 HEADER_AUTH = "X-Distcache-Auth"
 #: Seconds the asker gives the answer (its budget); signed with the request.
 HEADER_DEADLINE = "X-Distcache-Deadline"
+#: The agent's signature of an answer that is not the object's bytes.
+HEADER_ANSWER = "X-Distcache-Answer-Auth"
 _LABEL = b"distcache peer agent v1"
 
 
@@ -89,6 +98,28 @@ def verify(key: bytes, method: str, path: str, headers: Mapping[str, str], *, ta
     if not hmac.compare_digest(mac.encode("utf-8", "surrogateescape"), expected):
         return "a wrong signature"
     return None
+
+
+def _answer_mac(key: bytes, request: Mapping[str, str], status: int, reason: str) -> str:
+    text = "\n".join((f"{VERSION}-answer", request.get(HEADER_NONCE) or "",
+                      request.get(HEADER_AUTH) or "", str(status), reason)).encode()
+    return hmac.new(key, text, hashlib.sha256).hexdigest()
+
+
+def sign_answer(key: bytes, request: Mapping[str, str], status: int, reason: str) -> str:
+    """The :data:`HEADER_ANSWER` value of the answer ``status`` with ``reason`` to the
+    authenticated request whose headers are ``request`` (its nonce and signature)."""
+    return _answer_mac(key, request, status, reason)
+
+
+def answer_signed(key: bytes, request: Mapping[str, str], status: int, reason: str,
+                  mac: str | None) -> bool:
+    """Whether ``mac`` (the answer's :data:`HEADER_ANSWER`) is the agent's signature of
+    the answer ``status`` with ``reason`` to the request sent with headers ``request``."""
+    if not mac or not request.get(HEADER_NONCE) or not request.get(HEADER_AUTH):
+        return False
+    expected = _answer_mac(key, request, status, reason).encode()
+    return hmac.compare_digest(mac.encode("utf-8", "surrogateescape"), expected)
 
 
 class Nonces:

@@ -3,7 +3,10 @@
 An endpoint is ``tcp://HOST:PORT`` (another node's agent) or ``unix:PATH`` (this
 node's). Every request is signed (:mod:`distcache.peer._auth`); every answer's bytes
 are checked against the sha256 asked for before they are returned, so a peer can make
-a lookup fail but never hand over other bytes.
+a lookup fail but never hand over other bytes; and an answer taken as final (the origin
+behind the agent has no such artifact) must carry the agent's signature of it, under the
+same key, for this very request: one without is a hop that did not answer
+(:class:`Unsigned`), never the end of a lookup.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from distcache._record import Record
 from distcache.artifact import Artifact, sha256_hex
 from distcache.config import settings
 from distcache.errors import ArtifactNotFound, PeerError
-from distcache.peer._auth import sign, target_of
+from distcache.peer._auth import HEADER_ANSWER, answer_signed, sign, target_of
 
 #: Seconds to open a connection to an agent: a live agent accepts at once, so an
 #: owner that does not is skipped for the next in rendezvous order.
@@ -59,6 +62,12 @@ class Unanswered(PeerError):
     """Connected, but the agent's answer broke off: the connection closed or reset
     after its head came, or it carried what no agent sends. ``status`` 0, as every answer that
     did not come whole; an owner walk leaves such an agent out for a while."""
+
+
+class Unsigned(Unanswered):
+    """An answer that would be final came without the agent's signature of it: not
+    from an agent of this job (another process on its port, another run secret). The
+    walk leaves it out for a while and asks the next node, as for a broken answer."""
 
 
 class Silent(Unanswered):
@@ -114,8 +123,10 @@ def _host_port(endpoint: str) -> tuple[str, int]:
 
 
 def request(endpoint: str, key: bytes, path: str, *, timeout: float, deadline: str = "",
-            most: int | None = None) -> tuple[int, dict[str, str], bytes]:
-    """One signed GET (``deadline``, the budget it gives the agent, signed with it):
+            most: int | None = None,
+            signed: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    """One signed GET (``deadline``, the budget it gives the agent, signed with it;
+    ``signed``: the headers :func:`~distcache.peer._auth.sign` made for it, else made here):
     the status, the headers and the body, the whole answer within
     ``timeout`` (each read waits only for what is left of it), its body at most
     ``most`` bytes (``None``: ``DISTCACHE_MAX_ARTIFACT_BYTES``, as the HTTP origin).
@@ -145,8 +156,9 @@ def request(endpoint: str, key: bytes, path: str, *, timeout: float, deadline: s
         headed = False  # the status line and headers came
         try:
             cut = Cut(sock, until)
-            conn.request("GET", path, headers=sign(key, "GET", path, target=target_of(endpoint),
-                                                 deadline=deadline))
+            if signed is None:
+                signed = sign(key, "GET", path, target=target_of(endpoint), deadline=deadline)
+            conn.request("GET", path, headers=signed)
             _left(sock, until)
             # Closed however the body ends: an answer cut short holds the socket.
             with conn.getresponse() as answer:
@@ -252,15 +264,18 @@ def fetch(endpoint: str, key: bytes, artifact: Artifact, *, fill: bool, timeout:
     an agent that does not hold them may get them (its owner walk, or the origin).
 
     Raises:
-        ArtifactNotFound: the origin behind the agent has no such artifact.
+        ArtifactNotFound: the origin behind the agent has no such artifact (an answer
+            the agent signed for this request).
+        Unsigned: that answer without the agent's signature.
         PeerError: refused (``refused``: unauthenticated, not held, bad bytes), or no
             answer within ``timeout``.
     """
     sha = artifact.sha256
     path = f"/v1/objects/{sha}" + (f"?fill={quote(artifact.name, safe='')}" if fill else "")
-    status, headers, body = request(endpoint, key, path, timeout=timeout,
-                                    deadline="" if deadline is None else f"{deadline:.3f}",
-                                    most=artifact.size)
+    budget = "" if deadline is None else f"{deadline:.3f}"
+    signed = sign(key, "GET", path, target=target_of(endpoint), deadline=budget)
+    status, headers, body = request(endpoint, key, path, timeout=timeout, deadline=budget,
+                                    most=artifact.size, signed=signed)
     if status == 200:
         if sha256_hex(body) != sha:
             raise PeerError(f"agent {endpoint} sent bytes that are not {sha}",
@@ -268,6 +283,10 @@ def fetch(endpoint: str, key: bytes, artifact: Artifact, *, fill: bool, timeout:
         return Answer(body, headers.get(HEADER_SOURCE.lower(), "pool"))
     reason = headers.get(HEADER_REASON.lower(), "")
     if status == 404 and reason == NOT_AT_ORIGIN:
+        if not answer_signed(key, signed, status, reason, headers.get(HEADER_ANSWER.lower())):
+            raise Unsigned(f"agent {endpoint} answered {status} {reason} without this job's "
+                           "signature of it: not taken as final", endpoint=endpoint,
+                           status=status, sha256=sha, refused=False)
         raise ArtifactNotFound(f"{artifact.name}: the origin behind agent {endpoint} has no "
                                "such artifact", name=artifact.name, status=404)
     raise PeerError(f"agent {endpoint} answered {status} {reason}".rstrip(), endpoint=endpoint,

@@ -30,7 +30,7 @@ def private_socket(path: Path, handler: Any) -> UnixServer:
     the pool's directories and objects meanwhile.)"""
     # No longer than ``path``'s name, where it can: a Unix socket's path is short.
     fresh = path.with_name(f".{secrets.token_hex(8)}"[:max(len(path.name), 9)])
-    server = UnixServer(str(fresh), handler, bind_and_activate=False)  # type: ignore[arg-type]
+    server = UnixServer(str(fresh), handler, bind_and_activate=False)
     try:
         server.server_bind()
         os.chmod(fresh, 0o600)
@@ -46,6 +46,44 @@ def private_socket(path: Path, handler: Any) -> UnixServer:
     return server
 
 
+class _Live(http.server.ThreadingHTTPServer):
+    """A server that knows the connections it serves, so that :func:`close_connections`
+    can shut them when the agent stops (a stopped agent serves no request more)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._live: set[socket.socket] = set()
+        self._live_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._live_lock:  # on the serving thread: known before its thread starts
+            self._live.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._live_lock:  # never shut by close_connections once closed here
+            self._live.discard(request)
+            super().shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A connection shut by its client or by close_connections: not a traceback
+        # on stderr.
+        log.debug("peers: a connection from %s ended in an error", client_address,
+                  exc_info=True)
+
+
+def close_connections(server: Any) -> None:
+    """Shut every connection ``server`` still serves (after its ``shutdown``: no new
+    one comes); their threads end at their next read or write."""
+    if not isinstance(server, _Live):
+        return
+    with server._live_lock:
+        for request in server._live:
+            with contextlib.suppress(OSError):
+                request.shutdown(socket.SHUT_RDWR)
+        server._live.clear()
+
+
 #: Most connections an agent's TCP listener handles at once, at least; a job's agents
 #: raise it to :data:`PER_NODE` per node (every node may ask one owner for a popular
 #: artifact at once). One more is closed at once: a host of the job's network that
@@ -54,7 +92,7 @@ MAX_CONNECTIONS = 256
 PER_NODE = 4
 
 
-class TcpServer(http.server.ThreadingHTTPServer):
+class TcpServer(_Live):
     daemon_threads = True
     request_queue_size = 128
 
@@ -108,7 +146,7 @@ class TcpServer(http.server.ThreadingHTTPServer):
             self._open -= 1
 
 
-class UnixServer(http.server.ThreadingHTTPServer):
+class UnixServer(_Live):
     daemon_threads = True
     address_family = socket.AF_UNIX
     request_queue_size = 128
