@@ -47,7 +47,7 @@ agree on whether every node's members were still there (a node whose member left
 fails the job), then each hands the report or the error down, its node hearing from
 it until then: what fails on the way (that agreement, what rides along) goes down as
 the collective's error would. Errors name the job's ranks (the leaders' collective
-counts its own), and after any failure every rank drops the node tree it kept (and
+counts its own: :mod:`distcache.collective._leaders`), and after any failure every rank drops the node tree it kept (and
 closes its communicators), so that the next collective makes a fresh one alike
 everywhere. A member whose leader renewed their shared pool's id (a pool copied to
 each node keeps its template's id until a collective tells the copies apart) reads
@@ -65,17 +65,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from distcache._log import get_logger
 from distcache.collective._heartbeat import concurrent
+from distcache.collective._leaders import in_job_terms
 from distcache.comm import Communicator, NodeTree
 from distcache.comm._base import Forwarding, describe_error, described_error, lend_broadcast
 from distcache.comm._tree import forget_tree
 from distcache.config import settings
-from distcache.errors import (
-    CollectiveTimeout,
-    DistcacheError,
-    ManifestMismatchError,
-    PoolError,
-    WireError,
-)
+from distcache.errors import CollectiveTimeout, PoolError, WireError
 
 if TYPE_CHECKING:
     from distcache.collective import PrefetchReport
@@ -272,7 +267,7 @@ def _lead(tree: NodeTree, local: Communicator, upper: Communicator, pool: Artifa
     if lost:  # this node's members are not all there to hear it
         raise lost[0] if error is None else error
     if error is not None:
-        error = _in_job_terms(error, tree, leaders)
+        error = in_job_terms(error, tree, leaders)
         word = ("error", describe_error(error), bool(getattr(error, "agreed", False)),
                 pool.pool_id)
     local.allgather_object(word, timeout=wait)
@@ -338,33 +333,6 @@ def _reload_id(pool: ArtifactPool, leaders_id: Any) -> None:
             pool.identity.reload()
         except (OSError, PoolError) as exc:
             log.warning("cannot read the renewed id of this rank's pool: %s", exc)
-
-
-def _in_job_terms(error: BaseException, tree: NodeTree, leaders: list[int]
-                  ) -> BaseException:
-    """``error`` with the ranks it names (the leaders' own) as ranks of the job."""
-    given = getattr(error, "groups", None)
-    if isinstance(error, ManifestMismatchError) and isinstance(given, dict):
-        groups = {digest: sorted(r for i in ranks for r in tree.node_of(leaders[i]))
-                  for digest, ranks in given.items()}
-        counts = getattr(error, "counts", None)
-        counts = counts if isinstance(counts, dict) else {}
-        parts = "; ".join(
-            f"ranks {ranks} have {digest[:12]}"
-            + (f" ({counts[digest]} artifacts)" if digest in counts else "")
-            for digest, ranks in groups.items())
-        mapped = ManifestMismatchError(
-            f"ranks called prefetch with different artifact lists: {parts}; every rank "
-            "must pass the same list", groups=groups, counts=counts)
-        mapped.agreed = error.agreed
-        return mapped
-    rank = getattr(error, "rank", None)
-    if isinstance(error, DistcacheError) and type(rank) is int and 0 <= rank < len(leaders):
-        setattr(error, "rank", leaders[rank])  # noqa: B010 (declared, set at run time)
-        text = error.message.replace(f"rank {rank}/{len(leaders)}",
-                                     f"rank {leaders[rank]}/{tree.size}", 1)
-        error.args = (text, *error.args[1:])
-    return error
 
 
 def _in_job_ranks(report: PrefetchReport | None, leaders: list[int]

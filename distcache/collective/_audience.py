@@ -16,7 +16,9 @@ a communicator of exactly its ranks, split off the writers' communicator:
   means no writer waits in a split while an audience it is not part of is streaming.
 * Writers then stream their audiences in plan order. Audiences whose ranks do not
   overlap stream at the same time; where they overlap, the common order rules out a
-  cycle of waits.
+  cycle of waits. A writer whose audience waits for a member still busy in an earlier
+  audience (one this writer is not part of) waits for its turn (:class:`Turns`) as long
+  as the job's heartbeats say the members it waits for are there, not a fixed timeout.
 * A split's colors name its *partition* canonically (each side is colored by its
   lowest rank), so the same split of the writers yields the same colors in every call,
   whichever side is the audience. The MPI and torch communicators keep one child per
@@ -29,10 +31,12 @@ a communicator of exactly its ranks, split off the writers' communicator:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from distcache.comm import Communicator
+from distcache.errors import CollectiveTimeout
 
 #: Most audiences smaller than "every writer" that one collective splits off.
 MAX_AUDIENCES = 8
@@ -126,3 +130,78 @@ def split_audiences(
         child = wcomm.split(audience.ranks[0] if member else rest[0])
         comms.append(child if member else None)
     return comms
+
+
+class Turns:
+    """When one rank may enter each of its audiences, told by the job's heartbeats.
+
+    Each beat carries :meth:`ready` from every rank, combined with a bitwise and, and
+    hands the result to :meth:`heard`: bit ``k`` is set once every member of audience
+    ``k`` has reached it (finished the audiences before it). A rank enters an audience
+    at once unless a fellow member is part of an earlier audience that this rank is
+    not (then that member may be busy for a long time, streaming); such a rank waits
+    in :meth:`enter` until the beat says every member is there. The lowest audience
+    not yet over always has every member there, so the waits end while the move makes
+    progress; a member that stalls, or is gone, fails the heartbeats themselves, which
+    then :meth:`abandon` the waits. ``waits=False`` (no heartbeats beside the move)
+    never waits.
+    """
+
+    #: Longest slice of a wait for a turn between two looks (and progress notes).
+    SLICE = 0.1
+
+    def __init__(self, rank: int, audiences: Sequence[Audience], *, waits: bool = True) -> None:
+        self._rank = rank
+        self._member = [rank in a.ranks for a in audiences]
+        self._waits = [waits and any(
+            member != rank and member in earlier.ranks and rank not in earlier.ranks
+            for earlier in audiences[:k] for member in audience.ranks)
+            for k, audience in enumerate(audiences)]
+        self._reached = 0  # the audience this rank is at (their count once over)
+        self._heard = 0
+        self._abandoned = False
+        self._cond = threading.Condition()
+
+    def ready(self) -> int:
+        """This rank's part of a beat: the audiences that need not wait for it."""
+        with self._cond:
+            return sum(1 << k for k, member in enumerate(self._member)
+                       if not member or k <= self._reached)
+
+    def heard(self, ready: int) -> None:
+        """A beat's combined :meth:`ready`."""
+        with self._cond:
+            self._heard |= ready
+            self._cond.notify_all()
+
+    def abandon(self) -> None:
+        """The heartbeats failed: a wait for a turn ends (and raises)."""
+        with self._cond:
+            self._abandoned = True
+            self._cond.notify_all()
+
+    def leave(self) -> None:
+        """This rank's move is over: no audience waits for it."""
+        with self._cond:
+            self._reached = len(self._member)
+
+    def enter(self, index: int, timeout: float | None,
+              on_wait: Callable[[], None] | None = None) -> None:
+        """Collective in effect: this rank reached audience ``index``; return once its
+        members are all there, calling ``on_wait`` after each slice of the wait.
+
+        Raises:
+            CollectiveTimeout: the heartbeats gave up while this rank waited.
+        """
+        pause = self.SLICE if timeout is None else min(self.SLICE, timeout / 8)
+        with self._cond:
+            self._reached = index
+            while self._waits[index] and not self._heard >> index & 1:
+                if self._abandoned:
+                    raise CollectiveTimeout(
+                        f"rank {self._rank}: the collective gave up while this rank waited "
+                        f"for the members of audience {index} to finish earlier ones",
+                        op="move", rank=self._rank, timeout=timeout)
+                self._cond.wait(pause)
+                if on_wait is not None:
+                    on_wait()

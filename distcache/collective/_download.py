@@ -20,18 +20,21 @@ from distcache.store import Pool
 class Downloaded:
     """What one rank's downloads did."""
 
-    __slots__ = ("downloads", "failure", "origin_bytes")
+    __slots__ = ("downloads", "failure", "origin_bytes", "placed")
 
     def __init__(self, downloads: int = 0, origin_bytes: int = 0,
-                 failure: tuple[str, BaseException] | None = None) -> None:
+                 failure: tuple[str, BaseException] | None = None, placed: int = 0) -> None:
         self.downloads = downloads
         self.origin_bytes = origin_bytes
         #: The first ``(artifact name, error)``, if any download failed.
         self.failure = failure
+        #: Downloads skipped because the pool got the object meanwhile (another job
+        #: published it after the plan looked): in the pool all the same.
+        self.placed = placed
 
     def __repr__(self) -> str:
         return (f"Downloaded(downloads={self.downloads}, origin_bytes={self.origin_bytes}, "
-                f"failure={self.failure!r})")
+                f"failure={self.failure!r}, placed={self.placed})")
 
 
 def _only_this_artifact(exc: BaseException) -> bool:
@@ -174,7 +177,7 @@ class Downloads:
         """What the downloads did (final once :meth:`wait` returned ``True``)."""
         with self._lock:
             got = self._result
-            return Downloaded(got.downloads, got.origin_bytes, got.failure)
+            return Downloaded(got.downloads, got.origin_bytes, got.failure, got.placed)
 
     def abandon(self) -> Downloaded:
         """Start nothing more, freeze the figures (late finishers no longer count),
@@ -183,7 +186,7 @@ class Downloads:
         with self._lock:
             self._finished.set()
             got = self._result
-            return Downloaded(got.downloads, got.origin_bytes, got.failure)
+            return Downloaded(got.downloads, got.origin_bytes, got.failure, got.placed)
 
     def _one(self, artifact: Artifact) -> None:
         if self._stop.is_set():
@@ -192,6 +195,9 @@ class Downloads:
             if self._pool.has(artifact.sha256):
                 # Published since discovery (a concurrent job, a resumed run): nothing
                 # to download, but what the progress bar counted on is here.
+                with self._lock:
+                    if not self._finished.is_set():
+                        self._result.placed += 1
                 if self._on_done is not None:
                     self._on_done(artifact.size or 0)
                 return
@@ -262,10 +268,10 @@ def download_objects(
                     return Downloaded(got.downloads, got.origin_bytes, got.failure or (
                         name, OriginError(stall_message(name, downloads.origin, timeout, idle,
                                                         "this process"),
-                                          name=name, timeout=timeout)))
+                                          name=name, timeout=timeout)), got.placed)
             return downloads.result()
     except PoolError as exc:
         # The batch's flush failed: what was published may not survive a power loss.
         got = downloads.result()
         return Downloaded(got.downloads, got.origin_bytes,
-                          got.failure or (artifacts[0].name, exc))
+                          got.failure or (artifacts[0].name, exc), got.placed)

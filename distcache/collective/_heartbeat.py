@@ -9,7 +9,10 @@ over, the rank's failure. The phase ends when every rank's work is over. It fail
 every rank alike when a rank made no progress for ``timeout`` seconds, or when a rank
 misses a heartbeat by ``timeout`` (the all-gather raises
 :class:`~distcache.errors.CollectiveTimeout`). A rank that takes no part in the work
-waits as long as the others make progress, and no longer.
+waits as long as the others make progress, and no longer. The beats of a move also
+tell each writer when its next audience's members are all there
+(:class:`~distcache.collective._audience.Turns`): a writer waiting for its turn
+waits as long as the others make progress, too.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from distcache._log import get_logger
+from distcache.collective._audience import Turns
 from distcache.comm import Communicator, reduce_object
 
 log = get_logger(__name__)
@@ -54,6 +58,7 @@ def heartbeats(
     step: Step,
     raise_first: Callable[[Iterable[Failure | None]], None],
     stalled: Callable[[int, float, Any, str], Failure],
+    turns: Turns | None = None,
 ) -> None:
     """Collective: beat until every rank's work is over (the rule: the module docstring).
 
@@ -61,15 +66,30 @@ def heartbeats(
     builds the failure of rank ``r`` idle for ``s`` seconds, from its detail and host.
     Each beat is one reduction (:func:`~distcache.comm.reduce_object`): whether all
     are over, the lowest stalled rank and the primary failure, so what a rank receives
-    does not grow with the job.
+    does not grow with the job. ``turns``: the move's, told each beat's combined
+    readiness, and abandoned when the beats fail.
     """
+    try:
+        _beat(comm, timeout, step, raise_first, stalled, turns)
+    except BaseException:
+        if turns is not None:
+            turns.abandon()
+        raise
+
+
+def _beat(comm: Communicator, timeout: float, step: Step,
+          raise_first: Callable[[Iterable[Failure | None]], None],
+          stalled: Callable[[int, float, Any, str], Failure], turns: Turns | None) -> None:
     beat = min(HEARTBEAT, timeout / 4)
     while True:
         done, idle, detail, failure = step(beat)
         late = None if done or idle < timeout else (comm.rank, idle, detail, comm.node_id)
         state = reduce_object(comm, {"over": done, "late": late,
-                                     "failure": failure if done else None},
+                                     "failure": failure if done else None,
+                                     "ready": -1 if turns is None else turns.ready()},
                               _combine, timeout=timeout)
+        if turns is not None:
+            turns.heard(state["ready"])
         if state["over"]:
             raise_first([state["failure"]])
             return
@@ -90,9 +110,13 @@ def _combine(states: list[dict[str, Any]]) -> dict[str, Any]:
     """One beat's states combined (partial combinations give the same result)."""
     late = [s["late"] for s in states if s["late"] is not None]
     failures = [s["failure"] for s in states if s["failure"] is not None]
+    ready = -1
+    for s in states:
+        ready &= s.get("ready", -1)
     return {"over": all(s["over"] for s in states),
             "late": min(late, key=lambda entry: entry[0]) if late else None,
-            "failure": primary(failures) if failures else None}
+            "failure": primary(failures) if failures else None,
+            "ready": ready}
 
 
 class Activity:
@@ -142,8 +166,8 @@ class Worker:
             return
         self._thread.join(seconds)
         if self._thread.is_alive():
-            log.warning("%s is still running %g s after the collective gave up; left "
-                        "to end on its own", self._thread.name, seconds)
+            log.warning("%s is still running after the collective gave up; left to end "
+                        "on its own (its waits are bounded by the timeout)", self._thread.name)
 
 
 def concurrent(comm: Communicator) -> bool:

@@ -28,6 +28,9 @@ follows the same rule: the writers move buckets on a thread while every rank, ta
 part or not, beats the heart (:mod:`distcache.collective._heartbeat`). A prefetch
 starts that thread before its downloads (:meth:`Run.start_move`), so objects travel
 as they land, and its move phase is what is left of the move when the fetch ends.
+Those heartbeats also give each writer its turn in an audience whose members are busy
+in earlier ones (:class:`~distcache.collective._audience.Turns`): it waits for them as
+long as the job makes progress, not one ``timeout``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from distcache._log import get_logger
 from distcache.artifact import Artifact
+from distcache.collective._audience import Turns
 from distcache.collective._bucket import StreamStats
 from distcache.collective._heartbeat import (
     Activity,
@@ -80,8 +84,9 @@ _T = TypeVar("_T")
 MOVE_COLORS = (0x4D56, 0x4D57)
 
 
-#: A move started beside the fetch (:meth:`Run.start_move`): its thread and activity.
-Moving = tuple[Worker, Activity]
+#: A move started beside the fetch (:meth:`Run.start_move`): its thread, activity and
+#: turns.
+Moving = tuple[Worker, Activity, Turns]
 
 
 class Run:
@@ -95,7 +100,11 @@ class Run:
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.stream = StreamStats()
         self.downloads = 0
+        #: Downloads skipped because the object reached the pool meanwhile.
+        self.placed = 0
         self.origin_bytes = 0
+        #: The turns of the move running beside the fetch, told by its heartbeats.
+        self._turns: Turns | None = None
         #: Rank 0's bar on a terminal (see ``_progress``); a no-op elsewhere.
         self.progress = Progress(0, enabled=False)
 
@@ -211,6 +220,7 @@ class Run:
             if done and job is not None:
                 got = job.result()
                 self.downloads += got.downloads
+                self.placed += got.placed
                 self.origin_bytes += got.origin_bytes
                 if got.failure is not None:
                     failure = self.failure("fetch", *got.failure)
@@ -226,11 +236,12 @@ class Run:
                 name or "(queued)", label, self.timeout, idle, where))
 
         try:
-            heartbeats(self.comm, self.timeout, step, self.raise_first, stalled)
+            heartbeats(self.comm, self.timeout, step, self.raise_first, stalled, self._turns)
         finally:
             if job is not None:
                 got = job.abandon()
                 self.downloads += got.downloads
+                self.placed += got.placed
                 self.origin_bytes += got.origin_bytes
             if pending is not None:
                 pending.settle()
@@ -254,7 +265,7 @@ class Run:
             # outside it waits for its end within one timeout.
             # What the move raises (a malformed bucket, a peer's timeout) is this rank's
             # failure, agreed on like the concurrent move's.
-            work, _ = self._move_work(plan, pool_ids, bucket_bytes, None)
+            work, _, _ = self._move_work(plan, pool_ids, bucket_bytes, None, beside=False)
             try:
                 failed = work() if work is not None else None
             except Exception as exc:
@@ -269,13 +280,16 @@ class Run:
         caller may run the fetch meanwhile; ``arrivals``: ``move_objects``'s, the
         fetch's :class:`Pending`); :meth:`finish_move` waits for it. Only where
         :func:`concurrent` holds."""
-        work, activity = self._move_work(plan, pool_ids, bucket_bytes, arrivals)
-        return Worker("move", work), activity
+        work, activity, turns = self._move_work(plan, pool_ids, bucket_bytes, arrivals)
+        self._turns = turns
+        return Worker("move", work), activity, turns
 
     def finish_move(self, moving: Moving, plan: Plan, name_of: Mapping[str, str]) -> None:
         """Collective: beat the heart until every rank's move started by
-        :meth:`start_move` is over; raise the agreed error if one failed or stalled."""
-        worker, activity = moving
+        :meth:`start_move` is over; raise the agreed error if one failed or stalled
+        (at once: a move that made no progress for ``timeout`` is not waited for
+        again; its thread ends on its own, its waits bounded by the timeout)."""
+        worker, activity, turns = moving
         failure: list[Failure | None] = []  # this rank's, once its move is over
 
         def step(beat: float) -> tuple[bool, float, Any, Failure | None]:
@@ -294,16 +308,21 @@ class Run:
                     f"{where} (timeout {self.timeout:g} s): a peer or its pool is stuck")
 
         try:
-            heartbeats(self.comm, self.timeout, step, self.raise_first, stalled)
+            heartbeats(self.comm, self.timeout, step, self.raise_first, stalled, turns)
+        except BaseException:
+            worker.join(0.0)
+            raise
         finally:
-            worker.join(self.timeout)
+            self._turns = None
+        worker.join(self.timeout)
 
     def _move_work(
         self, plan: Plan, pool_ids: list[str], bucket_bytes: int,
-        arrivals: Arrivals | None,
-    ) -> tuple[Callable[[], tuple[int, BaseException] | None] | None, Activity]:
+        arrivals: Arrivals | None, *, beside: bool = True,
+    ) -> tuple[Callable[[], tuple[int, BaseException] | None] | None, Activity, Turns]:
         """Collective (the split): this rank's part of the move (``None``: not a
-        writer) and the activity it touches."""
+        writer), the activity it touches and its turns (``beside``: heartbeats run
+        beside the move and tell them)."""
         # Loaded by the runs that move objects (a warm start has nothing to send).
         from distcache.collective._stream import move_objects
 
@@ -315,6 +334,7 @@ class Run:
         # when each node has one pool; that child is busy with the heartbeats.
         wcomm = self.comm.split(MOVE_COLORS[0] if is_writer else MOVE_COLORS[1])
         activity = Activity()
+        turns = Turns(self.comm.rank, plan.audiences, waits=beside)
 
         def published(nbytes: int) -> None:
             activity.touch()
@@ -327,9 +347,10 @@ class Run:
                 return move_objects(wcomm, self.comm.rank, plan, self.pool, pool_ids=pool_ids,
                                     bucket_bytes=bucket_bytes, stats=self.stream,
                                     timeout=self.timeout, on_done=published,
-                                    on_bucket=activity.touch, arrivals=arrivals)
+                                    on_bucket=activity.touch, arrivals=arrivals,
+                                    turns=turns)
 
-        return (work if is_writer else None), activity
+        return (work if is_writer else None), activity, turns
 
     def _moved(self, plan: Plan, name_of: Mapping[str, str],
                failed: tuple[int, BaseException]) -> Failure:

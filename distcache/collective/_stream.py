@@ -6,7 +6,7 @@ pools lack them, in few, bounded broadcasts (:func:`move_objects`, over the audi
 Within an audience the sources take turns, one bucket each, and a receiver publishes
 (hashes and writes) each bucket on a thread while the next one arrives, so every rank
 is busy at once; a source builds its next bucket on a thread while the current one
-travels. Memory: the sender holds two buckets (one sent, the next built) plus the
+travels (:mod:`distcache.collective._pipeline`). Memory: the sender holds two buckets (one sent, the next built) plus the
 artifact that did not fit; a receiver holds at most three buckets (arriving, queued,
 being published).
 :class:`~distcache.collective._bucket.StreamStats` records the peak of what the protocol held.
@@ -14,12 +14,10 @@ being published).
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
-from distcache.collective._audience import split_audiences
+from distcache.collective._audience import Turns, split_audiences
 from distcache.collective._bucket import (
     PAUSE,
     StreamStats,
@@ -27,6 +25,8 @@ from distcache.collective._bucket import (
     bucket_messages,
     decode_bucket,
 )
+from distcache.collective._pipeline import Publisher as _Publisher
+from distcache.collective._pipeline import ReadAhead as _ReadAhead
 from distcache.collective._plan import Plan
 from distcache.comm import Communicator
 from distcache.comm._base import lend_broadcast
@@ -55,121 +55,6 @@ KEEPALIVE_MAX = 1.0
 NO_OBJECT = -1
 
 
-class _Publisher:
-    """Publishes received buckets on a thread of its own, one bucket behind the
-    protocol, so that hashing and writing one bucket overlap the transfer of the next
-    (hashing and file writes release the GIL). At most one bucket waits in the queue:
-    memory stays a few buckets."""
-
-    def __init__(self, pool: Pool, objects: Sequence[str], stats: StreamStats,
-                 failed: list[tuple[int, BaseException]],
-                 on_done: Callable[[int], None] | None) -> None:
-        self._pool = pool
-        self._on_done = on_done
-        self._objects = objects
-        self._stats = stats
-        self._failed = failed
-        self._queue: queue.Queue[tuple[list[tuple[int, memoryview]], int] | None] = (
-            queue.Queue(1))
-        # Bytes of received buckets not yet published (their views keep them alive).
-        self._held = 0
-        self._guard = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="distcache-publish",
-                                        daemon=True)
-        self._thread.start()
-
-    def arrived(self, nbytes: int) -> None:
-        """A bucket of ``nbytes`` was received: held until :meth:`submit` lets it go."""
-        with self._guard:
-            self._held += nbytes
-            self._stats.hold(self._held)
-
-    def submit(self, entries: list[tuple[int, memoryview]], nbytes: int) -> None:
-        """Publish ``entries``, views into the bucket of ``nbytes`` that arrived."""
-        if entries:
-            self._queue.put((entries, nbytes))
-        else:
-            self._release(nbytes)
-
-    def _release(self, nbytes: int) -> None:
-        with self._guard:
-            self._held -= nbytes
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            entries, nbytes = item
-            for index, view in entries:
-                if self._failed:
-                    break
-                try:
-                    self._pool.put(view, self._objects[index])
-                    self._stats.published += 1
-                    if self._on_done is not None:
-                        self._on_done(len(view))
-                except Exception as exc:
-                    self._failed.append((index, exc))
-            del entries, item
-            self._release(nbytes)
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-
-
-class _ReadAhead:
-    """A source's bucket messages, each built on a thread of its own while the one
-    before is broadcast and the peers' buckets arrive, so that reading from the pool
-    and filling the next message overlap the transfer instead of holding the peers
-    idle. At most one message waits, built, beside the one being sent."""
-
-    def __init__(self, messages: Iterator[bytearray]) -> None:
-        self._messages = messages
-        self._queue: queue.Queue[tuple[bytearray | None, BaseException | None]] = queue.Queue(1)
-        self._stop = threading.Event()
-        # Released when the protocol takes a message: one is built ahead, no more.
-        self._taken = threading.Semaphore(1)
-        self._thread = threading.Thread(target=self._run, name="distcache-read-ahead",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            while self._turn():  # the message before was taken: build the next
-                message = next(self._messages, None)
-                if message is None or not self._offer((message, None)):
-                    return
-                del message
-        except BaseException as exc:  # handed to the protocol's thread, raised there
-            self._offer((None, exc))
-
-    def _turn(self) -> bool:
-        while not self._stop.is_set():
-            if self._taken.acquire(timeout=0.1):
-                return True
-        return False
-
-    def _offer(self, item: tuple[bytearray | None, BaseException | None]) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def __next__(self) -> bytearray:
-        message, exc = self._queue.get()
-        self._taken.release()
-        if exc is not None:
-            raise exc
-        assert message is not None
-        return message
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def move_objects(
     wcomm: Communicator,
     rank: int,
@@ -183,6 +68,7 @@ def move_objects(
     on_done: Callable[[int], None] | None = None,
     on_bucket: Callable[[], None] | None = None,
     arrivals: Arrivals | None = None,
+    turns: Turns | None = None,
 ) -> tuple[int, BaseException] | None:
     """Collective over ``wcomm``, the writers' communicator: carry out
     ``plan.audiences`` among the pools' writers. ``rank`` is this writer's rank in
@@ -216,7 +102,7 @@ def move_objects(
     """
     writers = plan.writer_ranks
     mine = pool_ids[rank]
-    # The first (object index, error) this rank met, shared with the reader.
+    # The (object index, error) this rank's reader met (the publisher keeps its own).
     failed: list[tuple[int, BaseException]] = []
 
     keepalive = KEEPALIVE_MAX if timeout is None else min(KEEPALIVE_MAX, timeout / 4)
@@ -260,15 +146,18 @@ def move_objects(
                 yield PAUSE, None
                 wait = min(keepalive, 2 * wait)
 
-    comms = split_audiences(wcomm, rank, writers, plan.audiences)
+    turns = turns if turns is not None else Turns(rank, plan.audiences, waits=False)
     try:
+        comms = split_audiences(wcomm, rank, writers, plan.audiences)
         # What the receivers publish is flushed once: with the batch of the prefetch or
         # sync around this move (in the background), else when the move ends.
         with pool.batch():
             _move(rank, plan, pool, comms, read, mine, bucket_bytes, stats, timeout, failed,
-                  on_done, on_bucket)
+                  on_done, on_bucket, turns)
     except PoolError as exc:  # the batch's flush
         failed.append((NO_OBJECT, exc))
+    finally:
+        turns.leave()  # over, or failed: no later audience waits for this rank
     return failed[0] if failed else None
 
 
@@ -277,14 +166,18 @@ def _move(rank: int, plan: Plan, pool: Pool, comms: list[Communicator | None],
           bucket_bytes: int, stats: StreamStats, timeout: float | None,
           failed: list[tuple[int, BaseException]],
           on_done: Callable[[int], None] | None,
-          on_bucket: Callable[[], None] | None) -> None:
-    publisher = _Publisher(pool, plan.objects, stats, failed, on_done)
+          on_bucket: Callable[[], None] | None, turns: Turns) -> None:
+    publisher = _Publisher(pool, plan.objects, stats, on_done)
     # Objects a stream ended without: failures once what did arrive is published.
     missing: list[tuple[int, BaseException]] = []
     try:
-        for audience, acomm in zip(plan.audiences, comms, strict=True):
+        for index, (audience, acomm) in enumerate(zip(plan.audiences, comms, strict=True)):
             if acomm is None:
                 continue
+            # Wait, while the job makes progress, for the members still busy in earlier
+            # audiences (each slice of the wait counts as this rank's progress: the
+            # members it waits for answer for their own).
+            turns.enter(index, timeout, on_bucket)
             # Learn the audience communicator's rank order rather than assume it.
             world_of = acomm.allgather_object(rank, timeout=timeout)
             root_of = {world: sub for sub, world in enumerate(world_of)}
@@ -304,6 +197,7 @@ def _move(rank: int, plan: Plan, pool: Pool, comms: list[Communicator | None],
                     ahead.close()
     finally:
         publisher.close()
+        failed.extend(publisher.failed)
         failed.extend(missing)
 
 

@@ -54,8 +54,9 @@ def finish(run: Run, plan: Plan, artifacts: int, failure: Failure | None) -> Pre
         "broadcast_bytes": run.stream.bytes_sent,
         "received_bytes": run.stream.received_bytes,
         "discarded_bytes": run.stream.discarded_bytes,
-        # Every download is published into this rank's pool.
-        "published": run.downloads + run.stream.published,
+        # Every download is published into this rank's pool, and so is every object a
+        # download was skipped for because it got there meanwhile.
+        "published": run.downloads + run.placed + run.stream.published,
         "peak": run.stream.peak_bytes,
         "seconds": dict(run.seconds),
         "downloaders": [comm.rank] if run.downloads else [],
