@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         except ConfigError as exc:  # a malformed option value: bad usage, as elsewhere
             print(f"distcache prefetch: {exc}", file=sys.stderr)
             return 2
-    if args.family and not args.dry_run:
+    if args.family:
         # Before the pool is opened (and made), as --jit: a typo leaves nothing behind.
         from distcache.integrations.flashinfer._warm import family_checksums, parse_arch
 

@@ -23,10 +23,9 @@ from distcache.collective._run import Moving, Run, discover, own_settings
 from distcache.collective._sharing import agree_pools
 from distcache.collective._totals import finish
 from distcache.comm import Communicator, node_tree
-from distcache.errors import ManifestError, ManifestMismatchError, PoolError
+from distcache.errors import ManifestError, ManifestMismatchError
 from distcache.origins import Origin
 from distcache.store import Pool
-from distcache.store._names import UNLABELLED_ERRNOS
 
 log = get_logger(__name__)
 
@@ -250,14 +249,8 @@ def prefetch(
         with run.phase("publish"):
             failure = None
             if plan.writers[pool_ids[comm.rank]] == comm.rank:
-                try:
-                    pool.remember(listing)
-                except PoolError as exc:  # a pool read, not written (its objects all held)
-                    if exc.errno not in UNLABELLED_ERRNOS:
-                        failure = run.failure("publish", None, exc)
-                    else:
-                        log.warning("%s; the names are not recorded in this pool (its objects "
-                                    "are still read and verified by sha)", exc)
+                try:  # a pool read, not written (its objects all held), warns once
+                    pool.label(listing)
                 except Exception as exc:
                     failure = run.failure("publish", None, exc)
         return finish(run, plan, len(listing), failure)

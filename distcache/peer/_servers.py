@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import logging
 import os
 import secrets
 import socket
 import socketserver
+import sys
 import threading
 import time
 from pathlib import Path
@@ -66,10 +68,12 @@ class _Live(http.server.ThreadingHTTPServer):
             super().shutdown_request(request)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        # A connection shut by its client or by close_connections: not a traceback
-        # on stderr.
-        log.debug("peers: a connection from %s ended in an error", client_address,
-                  exc_info=True)
+        # A connection shut by its client or by close_connections (an OSError): not a
+        # traceback on stderr; anything else is a fault of the handler, said as one.
+        fault = not isinstance(sys.exc_info()[1], OSError)
+        log.log(logging.WARNING if fault else logging.DEBUG,
+                "peers: a connection from %s ended in an error", client_address,
+                exc_info=True)
 
 
 def close_connections(server: Any) -> None:

@@ -27,13 +27,8 @@ from distcache._log import get_logger
 from distcache.errors import PoolError
 from distcache.store._fs import hash_fd, is_sha, pool_error
 from distcache.store._locking import FileLock
-from distcache.store._objects import (
-    DIR_FLAGS,
-    NotAnObject,
-    ObjectStore,
-    open_object,
-    scan_objects,
-)
+from distcache.store._objects import ObjectStore, scan_objects
+from distcache.store._reading import DIR_FLAGS, NotAnObject, open_object
 from distcache.store.layout import STALE_TMP_SECONDS, PoolLayout
 
 if TYPE_CHECKING:
@@ -318,6 +313,13 @@ class Cap:
                 self._due = True
                 return
         self.collect(keep=(sha,))
+
+    def held(self, sha: str, size: int) -> None:
+        """``sha`` (``size`` bytes), found in the pool, is part of what an open batch
+        brings: its end collects around it, as around what the batch published."""
+        with self._guard:
+            if self._open:
+                self._fresh[sha] = size
 
     def collect(self, max_bytes: int | None = None, keep: Collection[str] = ()) -> GcReport:
         """:func:`gc` down to ``max_bytes`` (default: the cap), keeping ``keep``."""

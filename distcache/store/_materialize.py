@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import os
 import stat
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from distcache.store._fs import (
     write_all,
 )
 from distcache.store._objects import ObjectStore, check_size
+from distcache.store._reading import file_holds
 
 
 def materialize(store: ObjectStore, artifact: Artifact, into_dir: str | os.PathLike[str]) -> Path:
@@ -76,7 +76,7 @@ def place_file(obj: str, into: Path, target: Path, sha: str, data: bytes,
             ost = os.lstat(obj)
             if (st.st_ino, st.st_dev) == (ost.st_ino, ost.st_dev):
                 return
-        if st.st_size == len(data) and _file_matches(target, sha):
+        if st.st_size == len(data) and file_holds(target, sha):
             return
     tmp = os.path.join(target.parent, f".{target.name}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
     try:
@@ -133,11 +133,6 @@ def _holds(path: str, data: bytes) -> bool:
     is no placed copy."""
     return _read_if(path, lambda st: stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
                     and st.st_size == len(data)) == data
-
-
-def _file_matches(path: Path, sha: str) -> bool:
-    data = _read_if(path, lambda st: True)
-    return data is not None and hashlib.sha256(data).hexdigest() == sha
 
 
 def _read_if(path: str | Path, admit: Callable[[os.stat_result], bool]) -> bytes | None:

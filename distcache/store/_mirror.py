@@ -21,12 +21,12 @@ from distcache.store._fs import (
     READ_FLAGS,
     fsync_dir,
     fsync_path,
-    hash_fd,
     read_fd,
     sync_filesystem,
     write_all,
 )
 from distcache.store._import import MANIFEST
+from distcache.store._reading import file_holds
 
 logger = get_logger(__name__)
 
@@ -59,17 +59,19 @@ _STAGED = re.compile(r"\.distcache-export\.(?:([A-Za-z0-9-]+)\.)?(\d+)\.[0-9a-f]
 def clear_stale(target: Path) -> None:
     """Remove the trees that exports killed on this host left being built inside
     ``target`` (their process is gone). PoolError for one of a live process, or of
-    another host: what to remove if no export runs there."""
+    another host, or one whose name says no host (which host's pid it names is not
+    known): what to remove if no export runs there."""
     with os.scandir(target) as entries:
         staged = [(e, _STAGED.fullmatch(e.name)) for e in entries]
     for entry, found in staged:
         if found is None or not entry.is_dir(follow_symlinks=False):
             continue
-        host, pid = found.group(1) or _HOST, int(found.group(2))
+        host, pid = found.group(1), int(found.group(2))
         if host == _HOST and not _alive(pid):
             remove_tree(Path(entry.path))
             continue
-        raise PoolError(f"cannot export to {target}: an export by process {pid} on {host} "
+        raise PoolError(f"cannot export to {target}: an export by process {pid} on "
+                        f"{host or 'an unnamed host'} "
                         f"is being built in {entry.path}; wait for it to end, or remove "
                         f"{entry.path} if no export runs there", path=str(target))
 
@@ -119,22 +121,9 @@ def first_stray(top: Path, prefix: str, listed: set[str],
                 if found is not None:
                     return found
             elif not (entry.is_file(follow_symlinks=False) and (
-                    rel in listed or (rel in wanted and _holds(entry.path, wanted[rel])))):
+                    rel in listed or (rel in wanted and file_holds(entry.path, wanted[rel].sha256)))):
                 return rel
     return None
-
-
-def _holds(path: str, artifact: Artifact) -> bool:
-    """Whether the regular file ``path`` holds the bytes of ``artifact`` (hashed in chunks)."""
-    try:
-        fd = os.open(path, READ_FLAGS)
-        try:
-            size = os.fstat(fd).st_size
-            return hash_fd(fd, size) == (artifact.sha256, size)
-        finally:
-            os.close(fd)
-    except OSError:
-        return False
 
 
 def earlier_export(target: Path, wanted: dict[str, Artifact] | None = None

@@ -12,7 +12,8 @@ the rules of DESIGN.md ("Artifacts and the pool") for each object:
 - **Every read is verified.** A wrong, truncated or non-file object is moved to
   ``quarantine/``, counted, logged and reported as a miss; corrupt bytes are never
   returned; a file past :data:`LARGE_FILE` is hashed in chunks before it is read
-  whole, so a huge one is quarantined without filling memory. A reader that asks for it (``trusted``) skips the hash of an object this
+  whole (unless trusted, below), so a huge one is quarantined without filling memory.
+  A reader that asks for it (``trusted``) skips the hash of an object this
   store verified in this process (published it with ``link``, hashed as it was
   written; or was vouched for by the job's node leader, which did) while its file is
   unchanged: this user's, with the same device, inode, size, mtime and ctime
@@ -41,7 +42,6 @@ import errno
 import os
 import stat
 import threading
-import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -51,14 +51,11 @@ from distcache.errors import IntegrityError
 from distcache.store._durability import Durability
 from distcache.store._fs import (
     LINKED,
-    READ_FLAGS,
     Witness,
-    hash_fd,
     link_into_place,
     make_fanout,
     move_aside,
     pool_error,
-    read_fd,
     temp_file,
     trusted_file,
     unlink_quietly,
@@ -66,14 +63,10 @@ from distcache.store._fs import (
     witness,
     write_all,
 )
+from distcache.store._reading import DIR_FLAGS, NotAnObject, read_object
 from distcache.store.layout import PoolLayout, scan_objects, trim_quarantine
 
 logger = get_logger(__name__)
-
-# Readers open the fan-out directory rather than walk through it by path: O_NOFOLLOW
-# on that component keeps a planted objects/<xx> symlink from being followed.
-DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
 
 def check_size(artifact: Artifact, size: int, source: str) -> None:
     """Raise :class:`IntegrityError` unless ``size`` bytes from ``source`` is the
@@ -174,7 +167,8 @@ class ObjectStore:
         but cannot be read."""
         try:
             found = read_object(self.layout.fanout(sha), sha, self.layout.object_path(sha),
-                                self.stamp_interval if stamp else None)
+                                self.stamp_interval if stamp else None,
+                                self.fresh.get(sha) if trusted else None)
         except NotAnObject as bad:
             self.quarantine(sha, bad.reason, bad.st)
             return None
@@ -312,89 +306,3 @@ def _regular_files(fanout: str, names: set[str]) -> set[str]:
                     and e.is_file(follow_symlinks=False)}
     finally:
         os.close(fd)
-
-
-def open_fanout(path: str) -> int | None:
-    """A descriptor of the fan-out directory ``path``, or None when it is absent or
-    not a real directory (a miss for readers; a publisher moves it aside, or fails
-    in :func:`make_fanout`). :class:`PoolError` when it cannot be opened."""
-    try:
-        return os.open(path, DIR_FLAGS)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
-            raise pool_error("cannot open", path, exc) from exc
-    logger.warning("%s is not a directory (a planted symlink?); not following it", path)
-    return None
-
-
-class NotAnObject(Exception):
-    """An object's name holds a symlink, a non-file, or a file too large to read
-    before it is hashed whose bytes are not its name; ``st`` is its ``fstat``."""
-
-    def __init__(self, reason: str, st: os.stat_result | None) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.st = st
-
-
-#: Objects larger than this are hashed in chunks before they are read whole: a huge
-#: file put at an object's name is quarantined without ever filling memory.
-LARGE_FILE = 64 << 20
-
-
-def open_object(fanout: str, name: str, path: str) -> tuple[int, os.stat_result] | None:
-    """A descriptor and the ``fstat`` of the regular file ``fanout/name`` (at ``path``,
-    as messages name it), opened relative to an ``O_NOFOLLOW`` descriptor of
-    ``fanout``; None when absent. NotAnObject when it is a symlink or no regular file,
-    PoolError when it cannot be opened (permissions, I/O error)."""
-    directory = open_fanout(fanout)
-    if directory is None:
-        return None
-    try:
-        fd = os.open(name, READ_FLAGS, dir_fd=directory)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise NotAnObject("is a symlink", None) from None
-        raise pool_error("cannot open object", path, exc) from exc
-    finally:
-        os.close(directory)
-    try:
-        st = os.fstat(fd)
-    except OSError as exc:
-        os.close(fd)
-        raise pool_error("cannot read object", path, exc) from exc
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise NotAnObject("is not a regular file", st)
-    return fd, st
-
-
-def read_object(fanout: str, name: str, path: str, stamp_after: float | None
-                ) -> tuple[bytes, os.stat_result, os.stat_result | None] | None:
-    """The bytes (not yet verified, unless past :data:`LARGE_FILE`) and ``fstat`` of
-    the object ``name`` (:func:`open_object`), and its ``fstat`` after a recency stamp
-    (``None``: not stamped; its mtime is refreshed when older than ``stamp_after``
-    seconds), or None when absent. NotAnObject or PoolError as :func:`open_object`."""
-    opened = open_object(fanout, name, path)
-    if opened is None:
-        return None
-    fd, st = opened
-    try:
-        if st.st_size > LARGE_FILE and hash_fd(fd, st.st_size) != (name, st.st_size):
-            raise NotAnObject(f"fails verification ({st.st_size} bytes, hashed in chunks)", st)
-        data = read_fd(fd, st.st_size)
-        stamped = None
-        if stamp_after is not None and time.time() - st.st_mtime > stamp_after:
-            # Another user's object may refuse: recency falls back to publish time.
-            with contextlib.suppress(OSError):
-                os.utime(fd)
-                stamped = os.fstat(fd)
-    except OSError as exc:
-        raise pool_error("cannot read object", path, exc) from exc
-    finally:
-        os.close(fd)
-    return data, st, stamped

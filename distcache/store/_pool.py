@@ -241,6 +241,7 @@ class ArtifactPool:
             finally:
                 lock.release()
         check_size(artifact, len(data), "pool")
+        self._cap.held(sha, len(data))  # a batch's set is kept whole, found or fetched
         self.label([artifact])
         return data
 

@@ -39,12 +39,15 @@ def test_the_wrapper_dies_of_the_signal_that_killed_its_program(
     assert "Traceback" not in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize("held_before", [0, 1])
 def test_fetch_under_a_size_cap_keeps_the_whole_set_with_a_warning(
-    tmp_path: Path, env: dict[str, str]
+    tmp_path: Path, env: dict[str, str], held_before: int
 ) -> None:
     served = tmp_path / "origin"
     artifacts = make_artifacts(served, 3, min_size=1_000, max_size=1_200, seed=3)
     pool = tmp_path / "pool"
+    for artifact in artifacts[:held_before]:  # found in the pool: part of the set too
+        ArtifactPool(pool).put((served / artifact.name).read_bytes())
     env = {**env, "DISTCACHE_POOL_MAX_BYTES": "1500"}
     done = run_cli(env, "--pool", str(pool), "fetch", "--manifest",
                    str(served / "checksums.txt"), "--origin", str(served))
@@ -57,6 +60,8 @@ def test_fetch_under_a_size_cap_keeps_the_whole_set_with_a_warning(
 @pytest.mark.parametrize(("options", "said"), [
     (["--family", "TRTLLM_GEN_FMHA", "--arch", "foo"], "bad GPU architecture 'foo'"),
     (["--family", "NO_SUCH_FAMILY"], "unknown FlashInfer artifact family 'NO_SUCH_FAMILY'"),
+    (["--family", "TRTLLM_GEN_FMHA", "--arch", "foo", "--dry-run"],
+     "bad GPU architecture 'foo'"),
 ])
 def test_a_malformed_arch_or_unknown_family_is_refused_before_a_pool_is_made(
     tmp_path: Path, env: dict[str, str], options: list[str], said: str

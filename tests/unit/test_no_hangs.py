@@ -454,6 +454,8 @@ class _NoPool:
     def remember(self, artifacts: Any) -> None:
         return None
 
+    label = remember
+
     def names(self) -> dict[str, str]:
         return {}
 

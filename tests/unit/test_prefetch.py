@@ -122,6 +122,8 @@ class FakePool:
             for a in artifacts:
                 self.store.labels[a.name] = a.sha256
 
+    label = remember
+
     def names(self) -> dict[str, str]:
         return dict(self.store.labels)
 

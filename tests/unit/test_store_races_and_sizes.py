@@ -19,7 +19,7 @@ import pytest
 
 from distcache.artifact import Artifact, parse_checksums
 from distcache.errors import PoolError
-from distcache.store import ArtifactPool, _fs, _materialize, _mirror, _objects
+from distcache.store import ArtifactPool, _fs, _materialize, _mirror, _reading
 from distcache.store._export import export_directory
 
 
@@ -40,7 +40,7 @@ CHUNK = 64 << 10
 
 @pytest.fixture
 def small_limits(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_objects, "LARGE_FILE", SMALL_LARGE, raising=False)
+    monkeypatch.setattr(_reading, "LARGE_FILE", SMALL_LARGE)
     monkeypatch.setattr(_fs, "CHUNK_BYTES", CHUNK, raising=False)
 
 
@@ -123,6 +123,22 @@ def test_a_large_good_object_is_still_returned(tmp_path: Path) -> None:
     assert ArtifactPool(tmp_path / "pool").get(sha) == good
     assert pool.get(sha, trust_own=True) == good
     assert pool.quarantined == 0
+
+
+@pytest.mark.usefixtures("small_limits")
+def test_a_large_object_this_process_verified_is_not_hashed_in_chunks_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    good = _bytes(3 * SMALL_LARGE)
+    sha = pool.put(good)  # verified as it was written: trusted while its file is unchanged
+    chunked: list[int] = []
+    real = _reading.hash_fd
+    monkeypatch.setattr(_reading, "hash_fd", lambda fd, size: chunked.append(size) or real(
+        fd, size))
+    assert pool.get(sha, trust_own=True) == good
+    assert chunked == []  # a trusted read of a large object: not hashed twice
+    assert ArtifactPool(tmp_path / "pool").get(sha) == good  # another reader checks it first
+    assert chunked == [len(good)]
 
 
 @pytest.mark.usefixtures("small_limits")
@@ -332,15 +348,12 @@ def _dead_pid() -> int:
     return child.pid
 
 
-@pytest.mark.parametrize("named", ["this host", "no host"])
 def test_a_killed_export_inside_its_directory_leaves_nothing_that_blocks_the_next(
-        tmp_path: Path, export_pool: ArtifactPool, monkeypatch: pytest.MonkeyPatch,
-        named: str) -> None:
+        tmp_path: Path, export_pool: ArtifactPool, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "usb"
     export_directory(export_pool, [ART_A], out)
     _inside(monkeypatch, out)
-    host = f"{_mirror._HOST}." if named == "this host" else ""
-    left = out / f".distcache-export.{host}{_dead_pid()}.{'ab' * 6}.new"
+    left = out / f".distcache-export.{_mirror._HOST}.{_dead_pid()}.{'ab' * 6}.new"
     (left / "x").mkdir(parents=True)
     (left / "x" / "b.cubin").write_bytes(B[:10])
     export_directory(export_pool, [ART_A, ART_B], out)
@@ -349,16 +362,17 @@ def test_a_killed_export_inside_its_directory_leaves_nothing_that_blocks_the_nex
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
 
 
-@pytest.mark.parametrize("whose", ["live process", "other host"])
+@pytest.mark.parametrize("whose", ["live process", "other host", "no host named"])
 def test_an_export_being_built_inside_is_left_alone_and_named(
         tmp_path: Path, export_pool: ArtifactPool, monkeypatch: pytest.MonkeyPatch,
         whose: str) -> None:
     out = tmp_path / "usb"
     export_directory(export_pool, [ART_A], out)
     _inside(monkeypatch, out)
-    host = "elsewhere" if whose == "other host" else _mirror._HOST
-    pid = _dead_pid() if whose == "other host" else os.getpid()
-    building = out / f".distcache-export.{host}.{pid}.{'cd' * 6}.new"
+    host = {"other host": "elsewhere.", "live process": f"{_mirror._HOST}.",
+            "no host named": ""}[whose]
+    pid = os.getpid() if whose == "live process" else _dead_pid()
+    building = out / f".distcache-export.{host}{pid}.{'cd' * 6}.new"
     building.mkdir()
     with pytest.raises(PoolError) as refused:
         export_directory(export_pool, [ART_A, ART_B], out)
