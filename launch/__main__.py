@@ -25,6 +25,7 @@ their temporary files removed; 126 / 127 when PROGRAM cannot be run.
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import signal
@@ -43,6 +44,7 @@ from distcache.comm import adopt
 from distcache.config import settings
 from distcache.errors import DistcacheError
 from distcache.integrations.flashinfer import FlashInfer
+from distcache.integrations.flashinfer._upstream import is_installed_location, writable_cubin_dir
 from distcache.peer import Hosted, origin_or_default, start
 from distcache.store import PoolLayout
 from launch._child import run
@@ -125,8 +127,8 @@ def _parser() -> _Parser:
         metavar="DIR",
         type=_directory,
         help="after --prefetch, link every prefetched artifact to DIR/<name> so that a "
-        "loader reading files by path finds it (default: $FLASHINFER_CUBIN_DIR when set, "
-        "so unmodified FlashInfer loads hit locally)",
+        "loader reading files by path finds it (default: $FLASHINFER_CUBIN_DIR when set, so "
+        "FlashInfer loads hit locally; an installed or unwritable one: FlashInfer's cache)",
     )
     parser.add_argument(
         "--peers",
@@ -183,7 +185,8 @@ def child_environment(
 
 
 def _prefetch(
-    info: LaunchInfo, manifest: Path, pool: str | None, materialize: Path | None
+    info: LaunchInfo, manifest: Path, pool: str | None, materialize: Path | None,
+    *, strict: bool = True,
 ) -> None:
     """Run the start-up hook (prefetch only) before PROGRAM, on every rank, and link
     what it fetched into ``materialize`` (FlashInfer reads ``<dir>/<name>`` and checks
@@ -201,6 +204,8 @@ def _prefetch(
     Ctrl-C (or SIGTERM) stops the running downloads at their next write and removes
     their temporary files, as ``distcache prefetch`` does: the downloads run on the
     collective's daemon threads, which would otherwise leave them to the stale sweep.
+    A ``materialize`` directory that refuses a file fails the job when it was asked
+    for (``strict``); else it is left with one warning, and PROGRAM still runs.
     """
     # The distcache command's package, loaded only by a wrapper that prefetches.
     from distcache.cli._interrupt import Stopper
@@ -231,7 +236,14 @@ def _prefetch(
             # Concurrent calls from every rank are safe: an existing correct file is
             # kept and a new one is placed by an atomic rename.
             for artifact in read_manifest(manifest):
-                session.pool.materialize(artifact, materialize)
+                try:
+                    session.pool.materialize(artifact, materialize)
+                except OSError as exc:  # PoolError included
+                    if strict:
+                        raise
+                    log.warning("%s: the prefetched files are not linked into %s: %s",
+                                PROG, materialize, " ".join(str(exc).split()))
+                    break
         session.close()
     finally:
         adopted.close()
@@ -263,17 +275,29 @@ def _finalize_mpi() -> None:
 
 
 def _materialize_dir(option: str | None) -> Path | None:
-    """``--materialize``, else where FlashInfer reads cubins (``FLASHINFER_CUBIN_DIR``)
-    when that is known without importing FlashInfer."""
+    """``--materialize``, else ``FLASHINFER_CUBIN_DIR`` (known without importing
+    FlashInfer) where the integration's install would write it (:func:`writable_cubin_dir`:
+    never an installed package's directory; else FlashInfer's cache directory); ``None``,
+    with one warning, when neither can be written."""
     if option is not None:
         return Path(option)
-    return FlashInfer().materialize_dir()
+    current = FlashInfer().materialize_dir()
+    target = writable_cubin_dir(current) if current is not None else None
+    if current is not None and target != current:
+        log.warning("%s: FLASHINFER_CUBIN_DIR=%s is %s; the prefetched files are %s", PROG,
+                    current, "installed" if is_installed_location(current) else "not writable",
+                    f"linked into {target}" if target is not None else "not linked")
+    return target
 
 
 def _exit_like(status: int) -> NoReturn:
     if status < 0:
         # Die of the same signal, so that our parent (mpirun, srun) sees what happened.
+        # A signal's default action skips the interpreter's exit: its exit work (the
+        # start-up hook's publication of the JIT caches this process owns, among
+        # others) runs first, once (the handlers are cleared as they run).
         sig = -status
+        atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
         if sig != signal.SIGKILL:  # which cannot be caught, nor its handler reset
@@ -338,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         env = child_environment(info, dict(os.environ), extra)
         if args.prefetch is not None:
             _prefetch(info, Path(extra["DISTCACHE_PREFETCH_MANIFEST"]), extra.get("DISTCACHE_POOL"),
-                      _materialize_dir(args.materialize))
+                      _materialize_dir(args.materialize), strict=args.materialize is not None)
         elif args.materialize is not None:
             raise _UsageError("--materialize needs --prefetch MANIFEST")
     except _UsageError as exc:

@@ -9,7 +9,10 @@ with ``DISTCACHE_AUTOINSTALL=1``).
 :func:`arm` is non-collective, idempotent and never raises. It imports nothing heavy:
 when FlashInfer's loader is already imported the wrapper is installed at once;
 otherwise a post-import hook installs it the moment FlashInfer's loader module has
-been executed, so a process that never uses FlashInfer pays nothing. The pool is
+been executed, so a process that never uses FlashInfer pays nothing. The hook is put
+in place whether or not FlashInfer can be found yet: at interpreter start
+``sys.path`` is still being built (a later ``.pth`` file, ``sitecustomize``, the
+program itself may add FlashInfer's directory). The pool is
 ``DISTCACHE_POOL``; the origin is ``DISTCACHE_ORIGIN``, else FlashInfer's own
 repository at each miss; ``DISTCACHE_OFFLINE=1`` contacts none.
 ``DISTCACHE_DISABLE=1`` or ``DISTCACHE_FLASHINFER=0`` turn the wrapper off.
@@ -24,16 +27,19 @@ so that an operator can see that every worker an engine started has it.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
+import _thread
 import importlib.util
+import os
 import sys
-import threading
-from collections.abc import Sequence
-from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from distcache._log import get_logger
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from importlib.abc import Loader
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType
 
 log = get_logger(__name__)
 
@@ -42,8 +48,19 @@ log = get_logger(__name__)
 LOADER_MODULE = "flashinfer.jit.cubin_loader"
 
 # What armed the import hook; the hook sits on sys.meta_path, which is per process.
-_lock = threading.Lock()
+_lock = _thread.allocate_lock()  # threading's Lock, without importing threading
 _sources: list[str] = []
+
+
+#: The variable naming the JIT compile caches (``distcache.config``'s ``jit_caches``).
+JIT_VARIABLE = "DISTCACHE_JIT_CACHES"
+#: The variable naming the events file (``distcache._events.VARIABLE``).
+EVENTS_VARIABLE = "DISTCACHE_LOG_JSON"
+
+
+def _events_wanted() -> bool:
+    """Whether ``DISTCACHE_LOG_JSON`` names a file (unset or blank: no events)."""
+    return bool(os.environ.get(EVENTS_VARIABLE, "").strip())
 
 
 def arm(source: str) -> bool:
@@ -56,23 +73,38 @@ def arm(source: str) -> bool:
         source: what armed it, for logs (``"vllm"``, ``"startup"``).
 
     Returns:
-        ``True`` when the wrapper is installed or will be; ``False`` when the hooks
-        are disabled, FlashInfer is not installed, or arming failed (logged); the JIT
-        caches do not change it. Never raises.
+        ``True`` when the wrapper is installed or will be at FlashInfer's import;
+        ``False`` when the hooks are disabled, arming failed (logged), or a hook that
+        runs after start-up (the vLLM plugin) finds FlashInfer not importable (the
+        import hook still waits for it); the JIT caches do not change it. Never
+        raises.
     """
     state = _arm(source)
-    try:
-        from distcache.integrations._compile_caches import start
+    jit: list[dict[str, Any]] = []
+    if os.environ.get(JIT_VARIABLE, "").strip():  # the JIT caches' module only then
+        try:
+            from distcache.integrations._compile_caches import start
 
-        jit = start(source, process_role())
-    except Exception as exc:  # never into the engine
-        jit = [{"error": f"{type(exc).__name__}: {exc}"}]
+            # The role names the process in the exit's event: only read when there is one.
+            jit = start(source, process_role() if _events_wanted() else "")
+        except Exception as exc:  # never into the engine
+            jit = [{"error": f"{type(exc).__name__}: {exc}"}]
     report(source, state, jit_families=[f["name"] for f in jit if "name" in f], jit=jit)
     return state in (INSTALLED, ARMED)
 
 
 #: What a hook did with FlashInfer's loader in a process (the event's ``flashinfer``).
 INSTALLED, ARMED, ABSENT, DISABLED, FAILED = "installed", "armed", "absent", "disabled", "failed"
+#: The source of the interpreter's start-up hook, which runs while ``sys.path`` is
+#: still being built: it never reports FlashInfer ``absent``.
+STARTUP = "startup"
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _arm(source: str) -> str:
@@ -86,13 +118,16 @@ def _arm(source: str) -> str:
             return DISABLED
         if LOADER_MODULE in sys.modules:
             return INSTALLED if install_now(source) else FAILED
-        if importlib.util.find_spec("flashinfer") is None:
-            log.debug("distcache %s hook: FlashInfer is not installed", source)
-            return ABSENT
+        # Always armed: the hook matches one module name, and FlashInfer may become
+        # importable after this runs (a later .pth file, sitecustomize, the program's
+        # own sys.path changes), so its absence now proves nothing.
         with _lock:
             _sources.append(source)
             if not any(isinstance(f, _LoaderHook) for f in sys.meta_path):
                 sys.meta_path.insert(0, _LoaderHook())
+        if source != STARTUP and not _importable("flashinfer"):
+            log.debug("distcache %s hook: FlashInfer is not importable now", source)
+            return ABSENT
         return ARMED
     except Exception as exc:
         log.warning("distcache %s hook: not armed: %s: %s", source, type(exc).__name__, exc)
@@ -134,17 +169,19 @@ def report(source: str, flashinfer: str, **extra: Any) -> bool:
     """Append this process's ``engine.hook`` event to ``DISTCACHE_LOG_JSON``, once per
     process and ``source``: pid (added by the event writer), ``role``, ``ppid``,
     ``program``, ``flashinfer`` (``installed``, ``armed`` until FlashInfer's loader is
-    imported, ``absent``, ``disabled`` or ``failed``), ``wrapper`` (a wrapper is
+    imported, ``absent`` where a hook after start-up found it not importable then,
+    ``disabled`` or ``failed``), ``wrapper`` (a wrapper is
     installed now), ``jit_families`` (the compile-cache families materialised here)
-    and ``extra``. Returns whether a line was written; never raises."""
+    and ``extra``. The role and program are read only when ``DISTCACHE_LOG_JSON``
+    names a file. Returns whether a line was written; never raises."""
     try:
-        import os
-
         key = (os.getpid(), source)
         with _lock:
             if key in _reported:
                 return False
             _reported.add(key)
+        if not _events_wanted():  # the role and program are read only for an event
+            return False
         from distcache import _events
 
         fields: dict[str, Any] = {
@@ -194,13 +231,15 @@ def install_now(source: str) -> bool:
         return False
 
 
-class _LoaderHook(importlib.abc.MetaPathFinder):
+class _LoaderHook:
     """Finds FlashInfer's loader module with the other finders and installs the
-    wrapper right after the module has run; then removes itself."""
+    wrapper right after the module has run; then removes itself. A plain class, as
+    the import system needs no more (``importlib.abc`` would cost every process its
+    import at start-up)."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
+    ) -> ModuleSpec | None:
         if fullname != LOADER_MODULE:
             return None
         for finder in list(sys.meta_path):
@@ -212,11 +251,11 @@ class _LoaderHook(importlib.abc.MetaPathFinder):
         else:
             return None
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _InstallAfter(spec.loader)
+            spec.loader = cast("Loader", _InstallAfter(spec.loader))  # duck-typed
         return spec
 
 
-class _InstallAfter(importlib.abc.Loader):
+class _InstallAfter:
     """Delegates to FlashInfer's own loader, then installs the wrapper."""
 
     def __init__(self, inner: Any) -> None:
@@ -225,7 +264,7 @@ class _InstallAfter(importlib.abc.Loader):
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
         create = getattr(self.inner, "create_module", None)
         return create(spec) if create is not None else None
 
@@ -233,6 +272,6 @@ class _InstallAfter(importlib.abc.Loader):
         self.inner.exec_module(module)
         with _lock:
             sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _LoaderHook)]
-            sources = ",".join(dict.fromkeys(_sources)) or "startup"
+            sources = ",".join(dict.fromkeys(_sources)) or STARTUP
             _sources.clear()
         install_now(sources)

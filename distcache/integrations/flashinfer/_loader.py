@@ -28,7 +28,6 @@ gets them and the failure is logged once per name, not counted as a fallback.
 from __future__ import annotations
 
 import fnmatch
-import os
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -41,6 +40,8 @@ from distcache.config import Settings, settings
 from distcache.errors import ArtifactNameError, ArtifactNotFound, IntegrityError, PoolError
 from distcache.integrations.flashinfer._files import Keeping, placed, valid_bytes, write_replacing
 from distcache.integrations.flashinfer._record import Recorder
+from distcache.integrations.flashinfer._seeds import escape as _escape
+from distcache.integrations.flashinfer._seeds import seed_bytes
 from distcache.integrations.flashinfer._upstream import (
     checksum_disabled,
     default_origin,
@@ -95,22 +96,6 @@ class Families(NamedTuple):
 
 def _matches(name: str, globs: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, g) for g in globs)
-
-
-def _escape(file_name: Any) -> str | None:
-    """Why joining ``file_name`` onto a directory could leave it (an absolute path, a
-    ``..`` segment), or ``None`` when it cannot (other odd names are FlashInfer's)."""
-    try:
-        name = os.fspath(file_name)
-    except TypeError:
-        return None
-    if not isinstance(name, str):
-        return None
-    if name.startswith("/"):
-        return "absolute path"
-    if ".." in name.split("/"):
-        return "'..' segment"
-    return None
 
 
 class LoaderStats:
@@ -356,9 +341,13 @@ class PooledLoader:
         write_replacing(Path(root), path_under(Path(root), artifact.name), data)
 
     def _fallback(self, file_name: Any, sha256: Any, session: Any) -> bytes:
-        """FlashInfer's own function; what it raises passes through unchanged."""
+        """The installed files FlashInfer was pointed away from (``seed_dirs``, read as
+        FlashInfer would read them: :func:`seed_bytes`), then FlashInfer's own
+        function; what it raises passes through unchanged."""
+        data = seed_bytes(self.seed_dirs(), file_name, sha256, skip=self.cubin_dir())
         try:
-            data = self.original(file_name, sha256, session)
+            if data is None:
+                data = self.original(file_name, sha256, session)
         except Exception as exc:
             with self._lock:
                 self.stats.failures.setdefault(str(file_name),
