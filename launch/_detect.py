@@ -355,20 +355,33 @@ def detect(environ: Mapping[str, str] = os.environ, *, hostname: str | None = No
     )
 
 
-def check_mpi_place(info: LaunchInfo, rank: int, size: int) -> None:
+#: Prefixes of the MPI launchers' variables a process may inherit from another job.
+_MPI_PREFIXES = ("OMPI_COMM_WORLD_", "PMI_", "PMIX_", "MPI_LOCAL")
+
+
+def check_mpi_place(info: LaunchInfo, rank: int, size: int,
+                    environ: Mapping[str, str] | None = None) -> None:
     """Raise unless MPI's ``rank`` and ``size`` are where the launcher's variables
     place this process.
 
     Raises:
         LaunchError: they differ (mpi4py linked to another MPI than the one that
-            started the job runs every rank alone, as rank 0 of 1).
+            started the job runs every rank alone, as rank 0 of 1; so does a process
+            no launcher started that inherited another job's MPI variables).
     """
     if (rank, size) == (info.rank, info.world_size):
         return
+    why = "mpi4py is probably linked to a different MPI than the mpirun that started this job"
+    if size == 1 < info.world_size:
+        env = os.environ if environ is None else environ
+        stale = sorted({v for v in (*info.source, *env) if v.startswith(_MPI_PREFIXES)
+                        and v in env}) or list(info.source)
+        why = (f"either {why}, or no launcher started this process and the "
+               f"OMPI_*/PMI_*/PMIX_* variables are left from another job (a shell or "
+               f"parent process inside an MPI job); if so, unset {' '.join(stale)}")
     raise LaunchError(
         f"the environment says rank {info.rank} of {info.world_size} ({info.launcher}) "
-        f"but MPI says rank {rank} of {size}; mpi4py is probably linked to a different "
-        "MPI than the mpirun that started this job",
+        f"but MPI says rank {rank} of {size}; {why}",
         variable=info.source[0] if info.source else "",
         value=str(info.rank),
     )

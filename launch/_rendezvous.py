@@ -2,8 +2,10 @@
 
 distcache's private gloo groups rendezvous here, never on the engine's process group:
 
-* the engine already initialised torch.distributed -- its default store, under a
-  prefix of distcache's own (reading the store is not a collective on the group);
+* the engine already initialised torch.distributed over the launcher's ranks -- its
+  default store, under a prefix of distcache's own (reading the store is not a
+  collective on the group); an engine's world of its own (one per replica) is not the
+  job's, and the launcher's store below serves instead;
 * torchrun -- the agent's store at ``MASTER_ADDR:MASTER_PORT``
   (``TORCHELASTIC_USE_AGENT_STORE=True``): every rank is a client, so the engine's own
   ``env://`` rendezvous later finds the port as it expects;
@@ -65,6 +67,11 @@ def find_store(
 ) -> Rendezvous:
     """The job's rendezvous store, reached without a collective on any group.
 
+    The engine's default store serves where torch.distributed is initialised and its
+    rank and world size are the launcher's (or no launcher started several ranks); an
+    engine's world of its own (a group per replica) is not the job's, and the
+    launcher's store and ranks serve instead.
+
     Raises:
         LaunchError: the launcher gives no address to meet at (no ``MASTER_ADDR`` /
             ``MASTER_PORT`` and no initialised torch.distributed), or ``MASTER_PORT`` is
@@ -75,15 +82,25 @@ def find_store(
 
     env = os.environ if environ is None else environ
     wait = timedelta(seconds=timeout)
+    engine = ""
     if dist.is_available() and dist.is_initialized():
         from torch.distributed import distributed_c10d
 
-        return Rendezvous(distributed_c10d._get_default_store(), dist.get_rank(),
-                          dist.get_world_size(), "the engine's default store")
+        place = (dist.get_rank(), dist.get_world_size())
+        if info.world_size == 1 or place == (info.rank, info.world_size):
+            return Rendezvous(distributed_c10d._get_default_store(), *place,
+                              "the engine's default store")
+        # The engine made a world of its own (one per replica, ...): its store is not
+        # shared by the launcher's ranks, and its ranks are not theirs.
+        engine = (f"the engine's torch.distributed group says rank {place[0]} of "
+                  f"{place[1]}, {info.launcher} says rank {info.rank} of {info.world_size}")
+        log.info("rendezvous: %s; distcache meets on %s's ranks and store, not the engine's",
+                 engine, info.launcher)
     if info.master_addr is None or info.master_port is None:
         raise LaunchError(
             f"{info.launcher} started {info.world_size} ranks but gives no rendezvous "
-            "address; set MASTER_ADDR and MASTER_PORT (or launch under torchrun or mpirun)",
+            "address" + (f" ({engine}, so its store is of no use)" if engine else "")
+            + "; set MASTER_ADDR and MASTER_PORT (or launch under torchrun or mpirun)",
             variable="MASTER_ADDR", value=info.master_addr,
         )
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"

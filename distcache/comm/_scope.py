@@ -20,19 +20,21 @@ handshake between processes instead, under ``distcache/<hash of the job id>/``:
    (``hello/<rank>``, overwriting any earlier process's), then waits for rank 0's
    answer under ``ack/<rank>/<token>``, a key only this process can have asked for;
 2. rank 0 draws the adoption's nonce, and for each rank answers the token its hello
-   holds with the nonce (and rank 0's attempt, which every rank then reports), then
-   waits for that rank to count itself in under ``<nonce>/in/<rank>``. A hello an
-   earlier process left is answered too and never counted in: rank 0 reads the hello
-   again until the live process's token is there;
+   holds with the nonce, rank 0's attempt (which every rank then reports) and its world
+   size (a rank holding another fails the meeting for all), then waits for that rank
+   to count itself in under ``<nonce>/in/<rank>`` with that token. Rank 0 reads every
+   hello again on each pass: a hello an earlier process left is answered and never
+   counted in, and a rank whose process died and was started again is answered anew
+   and counted once, by the live process's token;
 3. once every rank is in, rank 0 marks the meeting complete; a rank whose deadline
    passes first marks it abandoned (one ``compare_set``, so all read the same outcome):
    gloo is only dialled once every rank is known to be there;
 4. the group meets under ``<job>/<nonce>``; rank 0's secret travels over the group once
    it is made, never through the store (whoever can read the store need not learn it).
 
-A rank that comes after rank 0 gave up waits for an answer until its own deadline and
-raises :class:`~distcache.errors.CollectiveTimeout`; it never dials an address an
-earlier process left.
+A rank that comes after rank 0 gave up (or completed) waits for an answer until its
+own deadline and raises :class:`~distcache.errors.CollectiveTimeout`; it never dials
+an address an earlier process left.
 
 Values read from the store are parsed strictly (a nonce or token is 32 hex digits),
 never unpickled. The secret is never logged: it is left out of ``repr``.
@@ -48,15 +50,16 @@ import time
 from typing import Any, NamedTuple
 
 from distcache.comm._base import Communicator
-from distcache.errors import CollectiveTimeout, CommError, DistcacheError
+from distcache.errors import CollectiveTimeout, CommError, DistcacheError, LaunchError
 
 #: Every key distcache writes to a store it shares starts with this.
 ROOT = "distcache"
 NONCE_BYTES = 16
 SECRET_BYTES = 32
 _NONCE = re.compile(rb"[0-9a-f]{%d}" % (2 * NONCE_BYTES))
-_ANSWER = re.compile(rb"([0-9a-f]{%d}):([0-9]{1,9})" % (2 * NONCE_BYTES))
+_ANSWER = re.compile(rb"([0-9a-f]{%d}):([0-9]{1,9}):([0-9]{1,9})" % (2 * NONCE_BYTES))
 _ABANDONED = re.compile(rb"abandoned:([0-9]{1,9})")
+_SIZES = re.compile(rb"sizes:([0-9]{1,9}):([0-9]{1,9}):([0-9]{1,9})")
 #: The longest pause of rank 0 between two looks at the ranks' keys.
 _STEP_MAX_S = 0.5
 
@@ -162,6 +165,7 @@ def meet(store: Any, rank: int, size: int, job: str, attempt: int,
     Raises:
         CollectiveTimeout: not every rank came by ``until``, or a rank gave up on this
             adoption before every rank came.
+        LaunchError: a rank holds another world size than rank 0.
         CommError: the store failed, or holds something other than distcache's values.
     """
     root = job_root(job)
@@ -187,16 +191,23 @@ def meet(store: Any, rank: int, size: int, job: str, attempt: int,
             raise CommError(f"the store key {where!r} holds something other than rank 0's "
                             "answer; something other than distcache wrote it",
                             op="rendezvous", rank=rank, backend="gloo")
-        nonce, agreed = answer.group(1).decode(), int(answer.group(2))
+        nonce, agreed, theirs = (answer.group(1).decode(), int(answer.group(2)),
+                                 int(answer.group(3)))
         _forget(store, where)
-        where = f"{root}/{nonce}/in/{rank}"
+        meeting = f"{root}/{nonce}"
+        where = f"{meeting}/state"
+        if theirs != size:  # fail the meeting for every rank that waits on it
+            outcome = f"sizes:{rank}:{size}:{theirs}"
+            _decided(store, meeting, rank, size, bytes(store.compare_set(where, "", outcome)))
+            _decided(store, meeting, rank, size, outcome.encode())
+        where = f"{meeting}/in/{rank}"
         store.set(where, token)
-        store.add(f"{root}/{nonce}/arrived", 1)
-        where = f"{root}/{nonce}/state"
+        store.add(f"{meeting}/arrived", 1)
+        where = f"{meeting}/state"
         try:
-            _all_came(store, f"{root}/{nonce}", rank, size, until)
+            _all_came(store, meeting, rank, size, until)
         finally:
-            _forget(store, f"{root}/{nonce}/in/{rank}")
+            _forget(store, f"{meeting}/in/{rank}")
         return nonce, agreed
     except DistcacheError:
         raise  # already ours (a CollectiveTimeout is an OSError too)
@@ -209,7 +220,7 @@ def meet(store: Any, rank: int, size: int, job: str, attempt: int,
         if _timed_out(exc):
             what = (f"the rendezvous store did not answer rank 0 at {where!r} in time"
                     if rank == 0 else f"rank 0 did not open distcache's adoption (no answer "
-                    f"under {where!r}) in time")
+                    f"under {where!r}) in time, or completed it before this process came")
             raise CollectiveTimeout(
                 f"rank {rank}/{size}: {what} ({exc}); every rank must call distcache.init "
                 "(or the same collective) within the timeout",
@@ -219,50 +230,77 @@ def meet(store: Any, rank: int, size: int, job: str, attempt: int,
                         f"{exc}", op="rendezvous", rank=rank, backend="gloo") from exc
 
 
+def _get_many(store: Any, keys: list[str]) -> list[bytes]:
+    """The values of ``keys``, which all exist, in one round trip where the store can."""
+    many = getattr(store, "multi_get", None)
+    got = many(keys) if many is not None and keys else [store.get(k) for k in keys]
+    return [bytes(value) for value in got]
+
+
 def _answer_all(store: Any, root: str, size: int, nonce: str, attempt: int,
                 until: float) -> int | None:
-    """Rank 0's side of every rank's handshake: answer the token of each hello, and
-    read the hellos of the ranks not counted in yet again (an earlier process's may
-    still be there) until every rank has counted itself in; None then, else the lowest
-    rank missing when ``until`` passes. One counter says when every rank is in, so a
-    pass costs a round trip when all have come and a few per rank still missing. Keys
-    are looked at (``check``), never waited on: a store client logs each wait that
-    times out.
+    """Rank 0's side of every rank's handshake: answer the token each hello holds, read
+    every hello again on each pass (its process may have died and another taken the
+    rank), until every rank counted itself in with the token its hello holds now; None
+    then, else the lowest rank missing when ``until`` passes. The ``arrived`` counter
+    (a dead process may have raised it) only says when to look at the count-in keys.
+    Keys are looked at (``check``), never waited on: a store client logs each wait that
+    times out. Rank ``size``'s hello is answered too: a process holding a larger world
+    wrote it, and then fails the meeting.
 
     Raises:
         CollectiveTimeout: another rank gave up on the meeting meanwhile.
+        LaunchError: a rank told the meeting it holds another world size.
     """
-    meeting = f"{root}/{nonce}"
-    answered: dict[int, str] = {}
-    pending = list(range(1, size))
+    meeting, answer = f"{root}/{nonce}", f"{nonce}:{attempt}:{size}"
+    answered: dict[int, str] = {}  # rank -> the token its hello holds
     pause = 0.001
-    while pending:
-        counted = set()
-        for peer in pending:
-            if time.monotonic() >= until:
-                return pending[0]
-            if peer in answered and store.check([f"{meeting}/in/{peer}"]):
-                counted.add(peer)
-                continue
-            hello = f"{root}/hello/{peer}"
-            if store.check([hello]):
-                token = parse_nonce(bytes(store.get(hello)), hello)
+    try:
+        while True:
+            came = [p for p in range(1, size + 1)
+                    if p in answered or store.check([f"{root}/hello/{p}"])]
+            for peer, raw in zip(came, _get_many(store, [f"{root}/hello/{p}" for p in came]),
+                                 strict=True):
+                if peer == size and not _NONCE.fullmatch(raw):
+                    continue  # not this world's rank: a foreign value is no concern of ours
+                token = parse_nonce(raw, f"{root}/hello/{peer}")
                 before = answered.get(peer)
                 if before != token:
                     if before is not None:  # an earlier process's: nobody reads it now
                         _forget(store, f"{root}/ack/{peer}/{before}")
-                    store.set(f"{root}/ack/{peer}/{token}", f"{nonce}:{attempt}")
+                    store.set(f"{root}/ack/{peer}/{token}", answer)
                     answered[peer] = token
-        if int(store.add(f"{meeting}/arrived", 0)) >= size - 1:
-            return None
-        if store.check([f"{meeting}/state"]):  # a rank gave up: say so at once
-            _decided(store, meeting, 0, size, bytes(store.get(f"{meeting}/state")))
-        pending = [p for p in pending if p not in counted]
-        left = until - time.monotonic()
-        if left <= 0:
-            return pending[0] if pending else None
-        time.sleep(min(pause, left))
-        pause = min(pause * 2, _STEP_MAX_S)
+            if (int(store.add(f"{meeting}/arrived", 0)) >= size - 1
+                    and _missing(store, meeting, size, answered, quick=True) is None):
+                return None
+            if store.check([f"{meeting}/state"]):  # a rank gave up: say so at once
+                _decided(store, meeting, 0, size, bytes(store.get(f"{meeting}/state")))
+            left = until - time.monotonic()
+            if left <= 0:
+                return _missing(store, meeting, size, answered)
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, _STEP_MAX_S)
+    finally:
+        beyond = answered.get(size)
+        if beyond is not None:
+            _forget(store, f"{root}/ack/{size}/{beyond}")
+
+
+def _missing(store: Any, meeting: str, size: int, answered: dict[int, str], *,
+             quick: bool = False) -> int | None:
+    """The lowest rank not counted in under ``meeting`` with the token its hello holds
+    (``answered``); None when every rank is. ``quick``: 1 where any key is missing."""
+    keys = [f"{meeting}/in/{p}" for p in range(1, size)]
+    if store.check(keys):
+        for peer, raw in zip(range(1, size), _get_many(store, keys), strict=True):
+            if raw != answered.get(peer, "").encode():
+                return peer
+        return None
+    if quick:
+        return 1
+    for peer, key in zip(range(1, size), keys, strict=True):
+        if not store.check([key]) or bytes(store.get(key)) != answered.get(peer, "").encode():
+            return peer
     return None
 
 
@@ -278,9 +316,17 @@ def _forget(store: Any, key: str) -> None:
 def _decided(store: Any, meeting: str, rank: int, size: int, outcome: bytes, *,
              missing: int | None = None) -> None:
     """Return if ``outcome`` (the meeting's state) is complete; raise otherwise: it is
-    ``abandoned:<rank>``, naming the rank that gave up first."""
+    ``abandoned:<rank>``, naming the rank that gave up first, or ``sizes:<rank>:<its
+    size>:<rank 0's>``, a rank that holds another world size than rank 0."""
     if outcome == b"complete":
         return
+    sizes = _SIZES.fullmatch(outcome)
+    if sizes is not None:
+        other, theirs, zeros = (int(g) for g in sizes.groups())
+        raise LaunchError(
+            f"rank {rank}/{size}: rank {other} says WORLD_SIZE={theirs}, rank 0 says "
+            f"{zeros}; start every rank of the job with the same world size (WORLD_SIZE or "
+            "the launcher's)", variable="WORLD_SIZE", value=str(theirs), rank=rank)
     gave_up = _ABANDONED.fullmatch(outcome)
     if gave_up is None:
         raise CommError(f"the store key {meeting}/state holds {outcome[:80]!r}, not "

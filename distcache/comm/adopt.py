@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
 from distcache._log import get_logger
-from distcache.comm._base import Communicator
+from distcache.comm._base import Communicator, hostname
 from distcache.comm._local import LocalCommunicator
 from distcache.comm._mpi import MpiCommunicator
 from distcache.comm._scope import RunScope, StoreLost, drawn, fresh, scope_of
@@ -120,9 +120,11 @@ def adopt(
 
     Args:
         info: the launch (default: :func:`launch.detect` of ``environ``).
-        environ: the environment to detect from (default ``os.environ``).
-        options: ``timeout``, ``chunk_bytes``, ``node_id`` for the backend chosen; a
-            local communicator uses only ``node_id``. ``timeout`` also bounds making
+        environ: the environment to detect from and to read ``DISTCACHE_*`` settings
+            from (default ``os.environ``).
+        options: ``timeout``, ``chunk_bytes``, ``node_id`` for the backend chosen
+            (each overrides its ``DISTCACHE_*`` variable); a local communicator uses
+            only ``node_id``. ``timeout`` also bounds making
             the communicator: a rank that does not come raises, it does not hang.
 
     Raises:
@@ -143,7 +145,12 @@ def adopt(
         info = detect(env)
     choice = choose(info)
     job, attempt, _ = run_id(env)
-    wait = settings(timeout=options.get("timeout")).timeout
+    # The settings of ``env``, not of this process's environment, resolved once: each
+    # communicator made here takes them explicitly.
+    conf = settings(env, **options)
+    wait = conf.timeout
+    options = {"timeout": conf.timeout, "chunk_bytes": conf.chunk_bytes,
+               "node_id": conf.node_id if conf.node_id is not None else hostname()}
     # One deadline for the whole adoption: reaching the store, agreeing on the scope,
     # making the group and sharing the secret all fit in the timeout together.
     until = time.monotonic() + wait
@@ -153,7 +160,7 @@ def adopt(
         # collective of its own.
         mpi = MpiCommunicator(announce=drawn(), **options)
         try:
-            _check_mpi_world(info, mpi)
+            _check_mpi_world(info, mpi, env)
             scope = scope_of(mpi.announced, job, attempt, mpi.rank)
         except DistcacheError:
             mpi.close()
@@ -164,19 +171,17 @@ def adopt(
         log.debug("run scope: job %r, attempt %d, nonce %s", gloo.scope.job,
                   gloo.scope.attempt, gloo.scope.nonce)
         return Adopted(gloo, choice, gloo.scope, source)
-    node_id = options.get("node_id")
-    if node_id is None:
-        node_id = settings().node_id
-    return Adopted(LocalCommunicator(node_id), choice, fresh(job, attempt))
+    return Adopted(LocalCommunicator(options["node_id"]), choice, fresh(job, attempt))
 
 
-def _check_mpi_world(info: LaunchInfo, mpi: MpiCommunicator) -> None:
+def _check_mpi_world(info: LaunchInfo, mpi: MpiCommunicator,
+                     env: Mapping[str, str]) -> None:
     """Raise unless MPI places this process where the launcher's variables do
     (:func:`launch._detect.check_mpi_place`; LaunchError)."""
     if info.is_mpi:
         from launch._detect import check_mpi_place
 
-        check_mpi_place(info, mpi.rank, mpi.size)
+        check_mpi_place(info, mpi.rank, mpi.size, env)
 
 
 def _gloo(info: LaunchInfo, env: Mapping[str, str], run: tuple[str, int], wait: float,
