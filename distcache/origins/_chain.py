@@ -39,10 +39,14 @@ class OriginChain(BaseOrigin):
     """Try origins in order; the first that delivers verified bytes wins.
 
     An ``OriginError`` or ``IntegrityError`` from one origin is logged and the next
-    is tried. When every origin fails, the error lists each failure and ``failures``
-    holds ``(origin, message)`` pairs; it is an :class:`ArtifactNotFound` when every
-    origin answered that it has no such artifact, an :class:`OriginUnreachable` when
-    every origin is unreachable, an ``OriginError`` otherwise.
+    is tried. When every origin fails, the error lists each failure; it is an
+    :class:`IntegrityError` when every origin either has no such artifact or served
+    wrong bytes, and at least one served wrong bytes (the artifact is bad, not the
+    origins: a batch goes on with the other artifacts), an :class:`ArtifactNotFound`
+    when every origin answered that it has no such artifact, an
+    :class:`OriginUnreachable` when every origin is unreachable, an ``OriginError``
+    otherwise. The ``OriginError`` kinds hold ``(origin, message)`` pairs in
+    ``failures``.
 
     An origin that raised ``OriginUnreachable`` (a refused connection, an unknown
     host) answers at once while it is down (see :class:`HttpOrigin`): the chain moves
@@ -80,6 +84,8 @@ class OriginChain(BaseOrigin):
         written ends the chain (the caller discards ``out``).
 
         Raises:
+            IntegrityError: every origin lacked it or served wrong bytes, one at least
+                wrong bytes (the message lists each origin's outcome).
             ArtifactNotFound: every origin answered that it has no such artifact.
             OriginError: no origin delivered it (the message lists each failure).
         """
@@ -87,6 +93,7 @@ class OriginChain(BaseOrigin):
         counted = _CountingWriter(out)
         failures: list[tuple[str, str]] = []
         missing = 0
+        corrupt: list[IntegrityError] = []
         down: list[str] = []
         for index, origin in enumerate(self.origins):
             counted.written = 0
@@ -95,6 +102,8 @@ class OriginChain(BaseOrigin):
             except (OriginError, IntegrityError) as exc:
                 failures.append((origin.describe(), exc.message))
                 missing += isinstance(exc, ArtifactNotFound)
+                if isinstance(exc, IntegrityError):
+                    corrupt.append(exc)
                 if isinstance(exc, OriginUnreachable):
                     down.append(f"{origin.describe()} ({getattr(exc, 'cause', None)})")
                     if index not in self._warned:
@@ -118,9 +127,13 @@ class OriginChain(BaseOrigin):
                 "the servers are up",
                 url=self.describe(), name=artifact.name, failures=failures,
                 cause="; ".join(down))
+        tried = (f"no origin could deliver {artifact.name} (sha256 {artifact.sha256}), "
+                 f"tried {len(failures)} of {len(self.origins)}: {listed}")
+        if corrupt and missing + len(corrupt) == len(self.origins):
+            # Only this artifact is condemned: each origin lacks it or holds bad bytes.
+            raise IntegrityError(
+                f"{tried}; repair or remove the corrupt copies, or check the artifact's pin",
+                sha256=artifact.sha256, actual=getattr(corrupt[0], "actual", None),
+                source=self.describe(), name=artifact.name)
         error = ArtifactNotFound if missing == len(self.origins) else OriginError
-        raise error(
-            f"no origin could deliver {artifact.name} (sha256 {artifact.sha256}), "
-            f"tried {len(failures)} of {len(self.origins)}: {listed}",
-            url=self.describe(), name=artifact.name, failures=failures,
-        )
+        raise error(tried, url=self.describe(), name=artifact.name, failures=failures)

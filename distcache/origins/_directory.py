@@ -5,8 +5,9 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 from distcache.artifact import Artifact, path_under
 from distcache.config import settings
@@ -14,6 +15,7 @@ from distcache.errors import ArtifactNotFound, IntegrityError, OriginError
 from distcache.origins._base import BaseOrigin
 
 _CHUNK = 1 << 20
+_T = TypeVar("_T")
 
 
 class DirOrigin(BaseOrigin):
@@ -31,7 +33,8 @@ class DirOrigin(BaseOrigin):
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
+        # Absolute now: a later chdir of the process does not move the mirror.
+        self.path = Path(path).absolute()
         self._resolved: Path | None = None
 
     def describe(self) -> str:
@@ -40,9 +43,11 @@ class DirOrigin(BaseOrigin):
     def __repr__(self) -> str:
         return f"DirOrigin({str(self.path)!r})"
 
-    def _root(self) -> Path:
-        # Resolved once: a family of thousands of files pays for it once, not per file.
-        if self._resolved is None:
+    def _root(self, again: bool = False) -> Path:
+        # Resolved once: a family of thousands of files pays for it once, not per file;
+        # ``again`` when a file seems outside it: the mirror's path may be a symlink
+        # retargeted since (a release flip of current -> v2), which the file followed.
+        if self._resolved is None or again:
             self._resolved = self.path.resolve()
         return self._resolved
 
@@ -84,7 +89,8 @@ class DirOrigin(BaseOrigin):
             except OSError:
                 real = candidate.resolve(strict=True)
             root = self._root()
-            if not real.is_relative_to(root):
+            if not real.is_relative_to(root) and not real.is_relative_to(
+                    root := self._root(again=True)):
                 raise OriginError(
                     f"refused {candidate}: it is a symlink to {real}, outside mirror {root}; "
                     "mirrors must hold their files (or links within themselves)",
@@ -94,6 +100,18 @@ class DirOrigin(BaseOrigin):
             os.close(fd)
             raise
         return fd
+
+    def _read(self, artifact: Artifact, candidate: Path, read: Callable[[int], _T],
+              arg: int) -> _T:
+        """``read(arg)``, an access to the mirror's file; its OSError as an OriginError."""
+        try:
+            return read(arg)
+        except IsADirectoryError as exc:
+            raise OriginError(f"{candidate} in mirror {self.path} is a directory, not a file",
+                              url=str(candidate), status=None, name=artifact.name) from exc
+        except OSError as exc:
+            raise OriginError(f"cannot read {candidate} in mirror {self.path}: {exc}",
+                              url=str(candidate), status=None, name=artifact.name) from exc
 
     def _over_cap(self, artifact: Artifact, candidate: Path, cap: int) -> OriginError:
         return OriginError(
@@ -108,33 +126,29 @@ class DirOrigin(BaseOrigin):
         digest = hashlib.sha256()
         count = 0
         limit = artifact.size
-        try:
-            with open(fd, "rb") as src:
-                mode = os.fstat(fd).st_mode
-                if not stat.S_ISREG(mode):  # replaced since the stat in _open
-                    raise self._not_regular(artifact, candidate, mode)
-                # An artifact of unknown size is capped like an HTTP body; a file
-                # already over the cap is refused before a byte is read.
-                bound = settings().max_artifact_bytes if limit is None else limit
-                if limit is None and os.fstat(fd).st_size > bound:
-                    raise self._over_cap(artifact, candidate, bound)
-                # Read at most one byte past the bound: a huge (or sparse) file in the
-                # mirror is refused without reading it all, and nothing past the
-                # declared size (or the cap) reaches ``out``.
-                while chunk := src.read(min(_CHUNK, bound + 1 - count)):
-                    count += len(chunk)
-                    digest.update(chunk)
-                    if count > bound:
-                        if limit is None:  # the file grew while it was read
-                            raise self._over_cap(artifact, candidate, bound)
-                        break
-                    out.write(chunk)
-        except IsADirectoryError as exc:
-            raise OriginError(f"{candidate} in mirror {self.path} is a directory, not a file",
-                              url=str(candidate), status=None, name=artifact.name) from exc
-        except OSError as exc:
-            raise OriginError(f"cannot read {candidate} in mirror {self.path}: {exc}",
-                              url=str(candidate), status=None, name=artifact.name) from exc
+        with open(fd, "rb") as src:
+            # Only the mirror's side is the mirror's failure: an error writing ``out``
+            # (the pool's disk full) passes through as it is, not as the origin's.
+            info = self._read(artifact, candidate, os.fstat, fd)
+            if not stat.S_ISREG(info.st_mode):  # replaced since the stat in _open
+                raise self._not_regular(artifact, candidate, info.st_mode)
+            # An artifact of unknown size is capped like an HTTP body; a file
+            # already over the cap is refused before a byte is read.
+            bound = settings().max_artifact_bytes if limit is None else limit
+            if limit is None and info.st_size > bound:
+                raise self._over_cap(artifact, candidate, bound)
+            # Read at most one byte past the bound: a huge (or sparse) file in the
+            # mirror is refused without reading it all, and nothing past the
+            # declared size (or the cap) reaches ``out``.
+            while chunk := self._read(artifact, candidate, src.read,
+                                      min(_CHUNK, bound + 1 - count)):
+                count += len(chunk)
+                digest.update(chunk)
+                if count > bound:
+                    if limit is None:  # the file grew while it was read
+                        raise self._over_cap(artifact, candidate, bound)
+                    break
+                out.write(chunk)
         actual = digest.hexdigest()
         if actual != artifact.sha256 or (limit is not None and count != limit):
             size_note = ""

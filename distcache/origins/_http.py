@@ -381,10 +381,13 @@ class HttpOrigin(BaseOrigin):
         return text.splitlines()[0][:300] if text.strip() else ""
 
     def _attempt(self, url: str, artifact: Artifact, out: BinaryIO, written: list[int]) -> int:
-        from distcache.origins._response import read_response
-        response = self._get(url)
-        other = redact_url(response.url) if host_key(response.url) != self._origin_host else None
-        return read_response(response, artifact, out, written, self.timeout, self.max_bytes, other)
+        from distcache.origins._response import read_response, watchdog
+        with watchdog(self.timeout, written) as watched:  # the attempt's own deadline
+            response = self._get(url)
+            elsewhere = host_key(response.url) != self._origin_host
+            other = redact_url(response.url) if elsewhere else None
+            return read_response(response, artifact, out, written, self.timeout,
+                                 self.max_bytes, other, watched)
 
 
 class _Unreachable(Exception):

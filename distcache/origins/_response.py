@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import math
 import random
 import re
 import socket
 import ssl
 import time
-from collections import deque
 from collections.abc import Iterator
 from email.utils import parsedate_to_datetime
 from typing import BinaryIO
@@ -33,16 +33,16 @@ import urllib3.util
 from distcache._record import Record
 from distcache.artifact import Artifact
 from distcache.origins._credentials import host_key
+from distcache.origins._watchdog import (
+    MIN_RATE_BPS,
+    MIN_WINDOW,
+    Stalled,
+    Watchdog,
+    WatchedAdapter,
+    Window,
+)
 
 _CHUNK = 256 * 1024
-# `timeout` bounds each socket read, so a server that drips a byte at a time could hold
-# an attempt forever. A body must keep this rate over every window of `timeout`
-# seconds (at least _MIN_WINDOW); below it the attempt is abandoned and retried like a
-# cut body. A window, not the whole body: a healthy body of unknown size (an artifact
-# from checksums.txt has no size) at 1 MiB/s must not be judged against a budget
-# computed for an unknown length.
-_MIN_RATE_BPS = 64 * 1024
-_MIN_WINDOW = 2.0
 # ASCII digits only: str.isdigit() also accepts "²" and other digits int() refuses.
 _CONTENT_LENGTH = re.compile(r"[0-9]{1,20}\Z")
 # Statuses worth another try: the server is overloaded or a proxy timed out.
@@ -84,13 +84,17 @@ def new_session(pool_size: int) -> requests.Session:
     """A session keeping up to ``pool_size`` connections per host, never retrying
     on its own (the origin's attempts and backoff are its caller's) nor reading a
     redirect's body (the origin follows redirects itself)."""
-    from requests.adapters import HTTPAdapter
-
     session = _Session()
-    adapter = HTTPAdapter(pool_connections=4, pool_maxsize=pool_size, max_retries=0)
+    adapter = WatchedAdapter(pool_connections=4, pool_maxsize=pool_size, max_retries=0)
     session.mount("http://", adapter)
     session.mount("https://", adapter)
     return session
+
+
+def watchdog(timeout: float, written: list[int]) -> Watchdog:
+    """A deadline for one attempt (see :mod:`distcache.origins._watchdog`): when it is
+    missed, the attempt's failure is a :class:`Retry` saying what the watchdog saw."""
+    return Watchdog(timeout, written, Retry, (Retry, Fatal, *TRANSIENT))
 
 
 def as_given(request: requests.PreparedRequest) -> requests.PreparedRequest:
@@ -216,13 +220,16 @@ class Backoff(Record):
 
 
 def retry_after(value: str | None) -> float | None:
-    """Seconds a ``Retry-After`` header asks for; None when absent or unreadable."""
+    """Seconds a ``Retry-After`` header asks for; None when absent, unreadable, negative
+    or not finite (the jittered backoff applies then, not the same wait on every rank)."""
     if value is None:
         return None
     try:
-        return max(0.0, float(value.strip()))
+        seconds = float(value.strip())
     except ValueError:
         pass
+    else:
+        return seconds if math.isfinite(seconds) and seconds >= 0 else None
     # An HTTP-date (RFC 9110 10.2.3).
     try:
         when = parsedate_to_datetime(value)
@@ -233,13 +240,14 @@ def retry_after(value: str | None) -> float | None:
 
 def read_response(response: requests.Response, artifact: Artifact, out: BinaryIO,
                   written: list[int], timeout: float, max_bytes: int,
-                  elsewhere: str | None = None) -> int:
+                  elsewhere: str | None = None, watchdog: Watchdog | None = None) -> int:
     """Stream a (non-redirect) response's body into ``out``, verifying it against
     ``artifact``; return the byte count. ``written[0]`` counts what reached ``out``,
     also when this raises. ``timeout`` is the origin's per-read timeout and the length
     of the window the minimum rate is judged over; ``max_bytes`` caps a body of unknown
     size (nothing past it reaches ``out``). ``elsewhere`` is the (redacted) URL of the
     host a redirect led to when that is not the origin's: a refusal names it.
+    ``watchdog`` (the attempt's) is told when the body starts and how long it may be.
 
     Raises:
         Retry: an overloaded server, a cut, stalled or overlong body, wrong bytes.
@@ -257,25 +265,25 @@ def read_response(response: requests.Response, artifact: Artifact, out: BinaryIO
                         else None)
         if status != 200:
             raise Fatal(f"HTTP {status}", status=status)
+        # Taken as sent and judged by its digest: Apache labels a .tar.gz x-gzip
+        # although its bytes are the artifact's. A failure names the coding.
         coding = (response.headers.get("Content-Encoding") or "identity").strip().lower()
-        if coding != "identity":
-            # The digest is of the bytes as sent: a coded body never matches it.
-            raise Fatal(f"the body came with Content-Encoding: {coding[:40]} although only "
-                        "identity was asked for", status=status,
-                        advice="serve the artifacts uncompressed")
+        coded = "" if coding == "identity" else f" (sent with Content-Encoding: {coding[:40]})"
         length_header = (response.headers.get("Content-Length") or "").strip()
         expected_len = int(length_header) if _CONTENT_LENGTH.match(length_header) else None
         limit = artifact.size
         if limit is not None and expected_len is not None and expected_len != limit:
             # Refuse before reading: a body announced larger than the artifact is
             # not worth a byte of bandwidth or disk.
-            raise Retry("announced size mismatch",
+            raise Retry(f"announced size mismatch{coded}",
                         integrity=(f"{limit} bytes", f"Content-Length {expected_len}"))
         cap = max_bytes if limit is None else limit
         if limit is None and expected_len is not None and expected_len > cap:
             raise _over_cap(cap, f"announced Content-Length {expected_len}")
+        if watchdog is not None:
+            watchdog.reading(expected_len if expected_len is not None else cap)
         digest = hashlib.sha256()
-        window = _Window(max(timeout, _MIN_WINDOW), time.monotonic())
+        window = Window(max(timeout, MIN_WINDOW), time.monotonic())
         try:
             for chunk in _body(response, window, written):
                 if written[0] + len(chunk) > cap:
@@ -290,20 +298,20 @@ def read_response(response: requests.Response, artifact: Artifact, out: BinaryIO
                 digest.update(chunk)
                 out.write(chunk)
                 written[0] += len(chunk)
-        except _Stalled as stalled:
+        except Stalled as stalled:
             raise Retry(f"body stalled: {stalled.nbytes} bytes in the last "
                         f"{stalled.seconds:.1f} s, {written[0]} in all (slower than "
-                        f"{_MIN_RATE_BPS // 1024} KiB/s)") from None
+                        f"{MIN_RATE_BPS // 1024} KiB/s){coded}") from None
         except TRANSIENT as exc:
             raise Retry(f"body cut short after {written[0]} bytes "
-                        f"({type(exc).__name__})") from exc
+                        f"({type(exc).__name__}){coded}") from exc
     if expected_len is not None and written[0] != expected_len:
         raise Retry(f"body cut short: {written[0]} of {expected_len} bytes")
     if limit is not None and written[0] != limit:
-        raise Retry("size mismatch", integrity=(f"{limit} bytes", f"{written[0]} bytes"))
+        raise Retry(f"size mismatch{coded}", integrity=(f"{limit} bytes", f"{written[0]} bytes"))
     actual = digest.hexdigest()
     if actual != artifact.sha256:
-        raise Retry("sha256 mismatch", integrity=(artifact.sha256, actual))
+        raise Retry(f"sha256 mismatch{coded}", integrity=(artifact.sha256, actual))
     return written[0]
 
 
@@ -314,43 +322,7 @@ def _over_cap(cap: int, found: str) -> Fatal:
                         "DISTCACHE_MAX_ARTIFACT_BYTES if it really is this large")
 
 
-class _Stalled(Exception):
-    """The body arrived slower than the minimum rate over a whole window."""
-
-    def __init__(self, nbytes: int, seconds: float) -> None:
-        super().__init__(nbytes, seconds)
-        self.nbytes = nbytes
-        self.seconds = seconds
-
-
-class _Window:
-    """Bytes received over the last ``seconds`` (at least): a few samples, at most one
-    per eighth of the window, so a fast body costs nothing to watch."""
-
-    def __init__(self, seconds: float, now: float) -> None:
-        self.seconds = seconds
-        self.start = now
-        self._samples: deque[tuple[float, int]] = deque([(now, 0)])
-
-    def check(self, now: float, total: int) -> None:
-        """Raise :class:`_Stalled` when, a window after the start, the bytes since the
-        oldest sample still inside the window (plus one before it) are below the
-        minimum rate.
-
-        Raises:
-            _Stalled: slower than ``_MIN_RATE_BPS`` over the window.
-        """
-        if now - self._samples[-1][0] >= self.seconds / 8:
-            self._samples.append((now, total))
-        while len(self._samples) > 1 and self._samples[1][0] <= now - self.seconds:
-            self._samples.popleft()
-        since, base = self._samples[0]
-        span = now - since
-        if now - self.start >= self.seconds and total - base < _MIN_RATE_BPS * span:
-            raise _Stalled(total - base, span)
-
-
-def _body(response: requests.Response, window: _Window, written: list[int]) -> Iterator[bytes]:
+def _body(response: requests.Response, window: Window, written: list[int]) -> Iterator[bytes]:
     """The body in pieces as they arrive, judged by ``window`` after each one
     (``written[0]`` counts what was accepted). ``read1`` returns whatever one socket
     read brings, so a server dripping bytes is noticed after its first piece past a

@@ -135,12 +135,12 @@ def test_a_redirect_is_followed_without_reading_its_body(
 
 
 @pytest.mark.timeout(30)
-def test_a_content_coded_body_is_refused_before_it_is_read(
+def test_a_content_coded_body_that_never_ends_fails_naming_its_encoding(
     raw: Callable[[Responder], ThreadedRawServer],
 ) -> None:
     # Empty deflate blocks arrive steadily (no read ever times out) and would decode to
-    # no bytes at all, for ever: a coded body is refused from its head (only identity
-    # is asked for, and the digest is of the bytes as sent).
+    # no bytes at all, for ever: the bytes as sent are read (their digest decides), far
+    # too slowly, and the failure says how they were coded.
     def respond(index: int, request: bytes, conn: socket.socket) -> None:
         conn.sendall(head("200 OK", [("Content-Encoding", "deflate"),
                                      ("Transfer-Encoding", "chunked")]))
