@@ -274,16 +274,15 @@ def _finalize_mpi() -> None:
         mpi.Finalize()
 
 
-def _materialize_dir(option: str | None) -> Path | None:
-    """``--materialize``, else ``FLASHINFER_CUBIN_DIR`` (known without importing
-    FlashInfer) where the integration's install would write it (:func:`writable_cubin_dir`:
-    never an installed package's directory; else FlashInfer's cache directory); ``None``,
-    with one warning, when neither can be written."""
+def _materialize_dir(option: str | None, rank: int) -> Path | None:
+    """``--materialize``, else ``FLASHINFER_CUBIN_DIR`` where the integration would write
+    it (:func:`writable_cubin_dir`: never an installed package's directory, else
+    FlashInfer's cache); ``None`` when neither can be written (rank 0 warns)."""
     if option is not None:
         return Path(option)
     current = FlashInfer().materialize_dir()
     target = writable_cubin_dir(current) if current is not None else None
-    if current is not None and target != current:
+    if current is not None and target != current and rank == 0:
         log.warning("%s: FLASHINFER_CUBIN_DIR=%s is %s; the prefetched files are %s", PROG,
                     current, "installed" if is_installed_location(current) else "not writable",
                     f"linked into {target}" if target is not None else "not linked")
@@ -362,7 +361,8 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         env = child_environment(info, dict(os.environ), extra)
         if args.prefetch is not None:
             _prefetch(info, Path(extra["DISTCACHE_PREFETCH_MANIFEST"]), extra.get("DISTCACHE_POOL"),
-                      _materialize_dir(args.materialize), strict=args.materialize is not None)
+                      _materialize_dir(args.materialize, info.rank),
+                      strict=args.materialize is not None)
         elif args.materialize is not None:
             raise _UsageError("--materialize needs --prefetch MANIFEST")
     except _UsageError as exc:

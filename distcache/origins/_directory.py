@@ -126,7 +126,12 @@ class DirOrigin(BaseOrigin):
         digest = hashlib.sha256()
         count = 0
         limit = artifact.size
-        with open(fd, "rb") as src:
+        try:  # a file that is a directory by now fails here, the mirror's failure too
+            opened = self._read(artifact, candidate, lambda f: open(f, "rb"), fd)  # noqa: SIM115
+        except OriginError:
+            os.close(fd)
+            raise
+        with opened as src:
             # Only the mirror's side is the mirror's failure: an error writing ``out``
             # (the pool's disk full) passes through as it is, not as the origin's.
             info = self._read(artifact, candidate, os.fstat, fd)

@@ -11,6 +11,9 @@ rate over each window of the body, judged from outside). When it is missed, the
 attempt's socket is shut down, which ends any read, and the attempt becomes a
 :class:`~distcache.origins._response.Retry` saying what the watchdog saw.
 
+One thread per process watches every attempt in flight (:class:`_Watcher`, started
+with the first and idle while none is): an attempt costs a registration, not a thread.
+
 The socket is found through the connection pool: :class:`WatchedAdapter` makes pools
 that tell the attempt of the calling thread which connection it took, and forget it
 when the connection goes back to the pool (another attempt's then).
@@ -19,6 +22,7 @@ when the connection goes back to the pool (another attempt's then).
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -102,7 +106,6 @@ class Watchdog:
         self._replaces = replaces
         self._written = written
         self._lock = threading.Lock()
-        self._done = threading.Event()
         self._conn: BaseHTTPConnection | None = None
         self._budget = DEADLINE_FACTOR * max(timeout, MIN_WINDOW)
         self._since = time.monotonic()
@@ -112,21 +115,20 @@ class Watchdog:
         # pieces (which notices a slow body first, and says it better).
         self._window_seconds = 2 * max(timeout, MIN_WINDOW)
         self._window: Window | None = None
-        self._thread = threading.Thread(target=self._watch, name="distcache-http-watchdog",
-                                        daemon=True)
+        #: How often the watcher looks at this attempt.
+        self.tick = self._window_seconds / 8
         #: What the watchdog saw when it shut the attempt down; None until then.
         self.fired: str | None = None
 
     def __enter__(self) -> Watchdog:
         _local.watchdog = self
-        self._thread.start()
+        _WATCHER.add(self)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         _local.watchdog = None
-        self._done.set()
-        self._thread.join()
+        _WATCHER.remove(self)
         with self._lock:
             fired, self._conn = self.fired, None
         if fired is not None and (exc is None or isinstance(exc, self._replaces)):
@@ -156,21 +158,18 @@ class Watchdog:
             self._deadline = now + self._budget + size / MIN_RATE_BPS
             self._window = Window(self._window_seconds, now)
 
-    # -- the watching thread ----------------------------------------------------------
+    # -- called by the watching thread -------------------------------------------------
 
-    def _watch(self) -> None:
-        tick = self._window_seconds / 8
-        while True:
-            with self._lock:
-                wait = tick if self.fired is not None else (
-                    max(0.0, min(tick, self._deadline - time.monotonic())))
-            if self._done.wait(wait):
-                return
-            with self._lock:
-                # Once fired, a connection the attempt still takes is shut down too.
-                self.fired = self.fired or self._missed(time.monotonic())
-                if self.fired is not None:
-                    _shutdown(self._conn)
+    def look(self, now: float) -> float:
+        """Judge the attempt at ``now`` (shut its socket down once it missed its
+        deadline or rate); the time of the next look it needs."""
+        with self._lock:
+            # Once fired, a connection the attempt still takes is shut down too.
+            self.fired = self.fired or self._missed(now)
+            if self.fired is not None:
+                _shutdown(self._conn)
+                return now + self.tick
+            return min(now + self.tick, max(now, self._deadline))
 
     def _missed(self, now: float) -> str | None:
         """What was missed at ``now``, or None (called with the lock held)."""
@@ -200,6 +199,61 @@ class Watchdog:
                     f"{MIN_RATE_BPS // 1024} KiB/s), the server may be sending "
                     "chunk framing or trailers without data")
         return None
+
+
+class _Watcher:
+    """The process's one watching thread: it looks at each attempt in flight when that
+    attempt asks (:meth:`Watchdog.look`), and waits without a timeout while none is.
+    Started with the first attempt, again in a child made by ``fork`` (which has no
+    threads but the forking one)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """No thread yet (a new process's state)."""
+        self._cond = threading.Condition(threading.Lock())
+        self._due: dict[Watchdog, float] = {}
+        self._wake: float | None = None  # when the thread wakes next (None: idle)
+        self._pid = -1
+
+    def add(self, dog: Watchdog) -> None:
+        with self._cond:
+            if self._pid != os.getpid():
+                self._pid = os.getpid()
+                self._due = {}
+                threading.Thread(target=self._run, name="distcache-http-watchdog",
+                                 daemon=True).start()
+            due = self._due[dog] = time.monotonic() + dog.tick
+            if self._wake is None or due < self._wake:  # else it wakes in time anyway
+                self._cond.notify()
+
+    def remove(self, dog: Watchdog) -> None:
+        with self._cond:
+            self._due.pop(dog, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._due:
+                    self._wake = None
+                    self._cond.wait()
+                self._wake = min(self._due.values())
+                wait = self._wake - time.monotonic()
+                if wait > 0:
+                    self._cond.wait(wait)
+                now = time.monotonic()
+                due = [dog for dog, when in self._due.items() if when <= now]
+            for dog in due:  # outside the watcher's lock: a look takes the attempt's
+                later = dog.look(now)
+                with self._cond:
+                    if dog in self._due:
+                        self._due[dog] = later
+
+
+_WATCHER = _Watcher()
+# A child made by fork has no watching thread, and its lock may have been held.
+os.register_at_fork(after_in_child=_WATCHER.reset)
 
 
 def _shutdown(conn: BaseHTTPConnection | None) -> None:

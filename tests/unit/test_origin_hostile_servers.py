@@ -146,7 +146,11 @@ def fetch_in_thread(origin: Any, artifact: Artifact) -> BaseException | bytes:
 
 
 def no_watchdog_left() -> bool:
-    return not any(t.name == "distcache-http-watchdog" for t in threading.enumerate())
+    """At most the process's one watching thread, and no attempt it still watches."""
+    from distcache.origins import _watchdog
+
+    watchers = [t for t in threading.enumerate() if t.name == "distcache-http-watchdog"]
+    return len(watchers) <= 1 and not _watchdog._WATCHER._due
 
 
 # -- 1. every attempt has a deadline --------------------------------------------------
@@ -165,6 +169,21 @@ def test_headers_sent_a_byte_at_a_time_end_the_attempt_as_a_timeout() -> None:
     assert isinstance(outcome, OriginError) and not isinstance(outcome, ArtifactNotFound)
     message = str(outcome)
     assert server.url in message and "timed out" in message and "headers" in message
+    assert no_watchdog_left()
+
+
+def test_attempts_share_one_watching_thread(tmp_path: Path) -> None:
+    from distcache.testing import LoopbackOrigin, make_artifacts
+
+    artifacts = make_artifacts(tmp_path / "mirror", 6, min_size=100, max_size=200, seed=4)
+    with LoopbackOrigin(tmp_path / "mirror") as server, HttpOrigin(server.url) as origin:
+        seen: set[threading.Thread] = set()  # the threads themselves (an ident is reused)
+        for _ in range(5):
+            for artifact in artifacts:
+                origin.fetch(artifact)
+                seen |= {t for t in threading.enumerate()
+                         if t.name == "distcache-http-watchdog"}
+    assert len(seen) == 1  # 30 attempts, one thread: none started per attempt
     assert no_watchdog_left()
 
 
@@ -334,3 +353,26 @@ def test_ranks_told_to_retry_after_a_negative_or_nan_wait_back_off_with_jitter(
         http(server.url, retries=4, sleep=sleeps.append).fetch(SIZED)
     assert len(sleeps) == 4 and len(server.paths) == 5
     assert all(s > 0 for s in sleeps) and len(set(sleeps)) == 4
+
+
+def test_a_mirror_file_that_became_a_directory_is_the_mirrors_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import stat
+
+    from distcache.origins import _directory
+
+    (tmp_path / "m" / "a").mkdir(parents=True)
+    real_stat = os.stat
+
+    class Regular:  # what the stat saw before the file was swapped for a directory
+        st_mode = stat.S_IFREG | 0o644
+
+    def swapped(path: Any, *args: Any, **kwargs: Any) -> Any:
+        return Regular() if str(path).endswith("/a") else real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(_directory.os, "stat", swapped)
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OriginError, match="is a directory, not a file"):  # a chain goes on
+        DirOrigin(tmp_path / "m").fetch_into(Artifact("a", "0" * 64, 10), io.BytesIO())
+    assert len(os.listdir("/proc/self/fd")) == fds
