@@ -1,10 +1,14 @@
-"""What the HTTP origin tests share: starting raw servers for a test and closing them,
-and closing every origin a test opened (pooled connections left to the garbage
+"""What the HTTP origin tests share: a raw server answering each connection with a
+function, starting servers for a test and closing them, and closing every origin a
+test opened (pooled connections left to the garbage
 collector are ResourceWarnings, which the suite treats as errors)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import socket
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
@@ -41,3 +45,60 @@ def close_all(opened: list[Any]) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ResourceWarning)
         gc.collect()
+
+
+#: (index of the connection, the request's bytes up to its blank line, the connection).
+Responder = Callable[[int, bytes, socket.socket], None]
+
+
+class ThreadedRawServer:
+    """Serves each connection in its own thread with ``respond``; ``stop`` releases
+    handlers that wait on it."""
+
+    def __init__(self, respond: Responder) -> None:
+        self.respond = respond
+        self.requests: list[bytes] = []
+        self.stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._sock = socket.create_server(("127.0.0.1", 0), backlog=16)
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._accept = threading.Thread(target=self._serve, daemon=True)
+        self._accept.start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            thread = threading.Thread(target=self._handle, args=(conn,), daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(5)
+            try:
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    request += chunk
+                with self._lock:
+                    self.requests.append(request)
+                    index = len(self.requests) - 1
+                self.respond(index, request, conn)
+            except OSError:
+                pass  # the client hung up
+
+    def close(self) -> None:
+        self.stop.set()
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        self._accept.join(5)
+        for thread in self._threads:
+            thread.join(5)
+        assert not any(t.is_alive() for t in [self._accept, *self._threads])

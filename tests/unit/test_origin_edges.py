@@ -6,7 +6,6 @@ so a response can stall, trickle or lie while the next connection is served.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import socket
 import threading
@@ -20,69 +19,13 @@ import pytest
 from distcache.artifact import Artifact, sha256_hex
 from distcache.errors import ConfigError, OriginError
 from distcache.origins import Credentials, DirOrigin, HttpOrigin, open_origin
-from tests.support.origins import close_all, started
+from tests.support.origins import Responder, ThreadedRawServer, close_all, started
 
 BODY = bytes(range(256)) * 40  # 10240 bytes
 SHA = sha256_hex(BODY)
 ARTIFACT = Artifact("fmha/k.cubin", SHA, len(BODY))
 
 #: (index of the connection, its request, the connection) -> nothing; sends itself.
-Responder = Callable[[int, bytes, socket.socket], None]
-
-
-class ThreadedRawServer:
-    """Serves each connection in its own thread with ``respond``; ``stop`` releases
-    handlers that wait on it."""
-
-    def __init__(self, respond: Responder) -> None:
-        self.respond = respond
-        self.requests: list[bytes] = []
-        self.stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
-        self._sock = socket.create_server(("127.0.0.1", 0), backlog=16)
-        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        self._accept = threading.Thread(target=self._serve, daemon=True)
-        self._accept.start()
-
-    def _serve(self) -> None:
-        while not self.stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            thread = threading.Thread(target=self._handle, args=(conn,), daemon=True)
-            self._threads.append(thread)
-            thread.start()
-
-    def _handle(self, conn: socket.socket) -> None:
-        with conn:
-            conn.settimeout(5)
-            try:
-                request = b""
-                while b"\r\n\r\n" not in request:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return
-                    request += chunk
-                with self._lock:
-                    self.requests.append(request)
-                    index = len(self.requests) - 1
-                self.respond(index, request, conn)
-            except OSError:
-                pass  # the client hung up
-
-    def close(self) -> None:
-        self.stop.set()
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
-        self._accept.join(5)
-        for thread in self._threads:
-            thread.join(5)
-        assert not any(t.is_alive() for t in [self._accept, *self._threads])
-
-
 @pytest.fixture
 def raw() -> Iterator[Callable[[Responder], ThreadedRawServer]]:
     yield from started(ThreadedRawServer)

@@ -8,7 +8,6 @@ fetch still running then is a hang.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import gzip
 import io
@@ -27,7 +26,7 @@ from distcache.errors import ArtifactNotFound, IntegrityError, OriginError
 from distcache.origins import DirOrigin, HttpOrigin, OriginChain
 from distcache.origins._response import retry_after
 from distcache.store._pool import ArtifactPool
-from tests.support.origins import close_all
+from tests.support.origins import ThreadedRawServer, close_all
 
 BODY = bytes(range(256)) * 60  # 15360 bytes
 SHA = sha256_hex(BODY)
@@ -41,56 +40,18 @@ HANG = 60.0
 Responder = Callable[[int, str, socket.socket, threading.Event], None]
 
 
-class Server:
-    """Answers each connection in a thread of its own with ``respond``."""
+class Server(ThreadedRawServer):
+    """A raw server whose responders are given the request's path and the stop event."""
 
     def __init__(self, respond: Responder) -> None:
-        self.respond = respond
         self.paths: list[str] = []
-        self.stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
-        self._sock = socket.create_server(("127.0.0.1", 0), backlog=16)
-        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        self._accept = threading.Thread(target=self._serve, daemon=True)
-        self._accept.start()
 
-    def _serve(self) -> None:
-        while not self.stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            thread = threading.Thread(target=self._handle, args=(conn,), daemon=True)
-            self._threads.append(thread)
-            thread.start()
+        def raw(index: int, request: bytes, conn: socket.socket) -> None:
+            path = request.split(b" ", 2)[1].decode()
+            self.paths.append(path)
+            respond(index, path, conn, self.stop)
 
-    def _handle(self, conn: socket.socket) -> None:
-        with conn:
-            conn.settimeout(10)
-            try:
-                request = b""
-                while b"\r\n\r\n" not in request:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return
-                    request += chunk
-                path = request.split(b" ", 2)[1].decode()
-                with self._lock:
-                    self.paths.append(path)
-                    index = len(self.paths) - 1
-                self.respond(index, path, conn, self.stop)
-            except OSError:
-                pass  # the client hung up
-
-    def close(self) -> None:
-        self.stop.set()
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
-        for thread in [self._accept, *self._threads]:
-            thread.join(10)
-        assert not any(t.is_alive() for t in [self._accept, *self._threads])
+        super().__init__(raw)
 
 
 _servers: list[Server] = []
