@@ -76,12 +76,12 @@ def handler(agent: Agent, *, hop_s: float, budget_s: float
             return str(self.client_address[0]) if self.client_address else "local"
 
         def head_cut(self, bound: float) -> None:
-            agent.count("cut_head")
             first = agent._first("cut_head")
             (log.warning if first else log.debug)(
                 "agent %s: closed a connection from %s that did not send a whole request "
                 "within %.0f s%s", agent.endpoint, self.address_string(), bound,
                 " (later ones are logged at DEBUG)" if first else "")
+            agent.count("cut_head")  # after its line: whoever sees the count sees the line
 
         def _refuse(self, status: int, reason: str, outcome: str,
                     signed: dict[str, str] | None = None) -> None:
