@@ -13,9 +13,9 @@ serving needs no collective.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
-import secrets
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -26,6 +26,7 @@ from distcache._log import get_logger
 from distcache.comm import node_layout, node_tree
 from distcache.errors import WireError
 from distcache.peer._auth import derive_key
+from distcache.peer._reach import endpoints
 from distcache.peer._tier import Tier, attach, key_path
 
 if TYPE_CHECKING:
@@ -62,58 +63,6 @@ def job_address(environ: Mapping[str, str] | None = None) -> str:
     return "127.0.0.1"
 
 
-def _on_loopback(endpoint: str) -> bool:
-    import ipaddress
-
-    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
-def _on_this_host(unix: str) -> bool:
-    """Whether the agent whose Unix socket is ``unix`` runs on this host: a Unix socket
-    takes connections only on its own host (nodes simulated on one host share it)."""
-    import socket
-
-    if not unix.startswith("unix:"):
-        return False
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(unix[len("unix:"):])
-        except OSError:
-            return False
-    return True
-
-
-def reachable(entries: list[tuple[str, str, str]], me: str, *,
-              tell: bool) -> list[tuple[str, str, str]]:
-    """``entries`` (node, TCP endpoint, Unix endpoint) less those of other nodes whose
-    agents listen on a loopback address of another host (this node would dial its own
-    loopback): such a node goes without an agent in this node's walks. Each node on a
-    loopback address that another host cannot reach is named at WARNING when ``tell``."""
-    if len({node for node, _, _ in entries}) < 2 or not any(
-            _on_loopback(tcp) for _, tcp, _ in entries):
-        return entries
-    here = {node for node, _, unix in entries if node == me or _on_this_host(unix)}
-    kept = [e for e in entries if e[0] in here or not _on_loopback(e[1])]
-    unreachable = [(node, tcp) for node, tcp, _ in entries if _on_loopback(tcp) and (
-        node not in here or any(other not in here for other, _, _ in entries))]
-    if unreachable and tell:
-        shown = ", ".join(f"node {node} at {tcp}" for node, tcp in unreachable[:8])
-        more = f" and {len(unreachable) - 8} more" if len(unreachable) > 8 else ""
-        log.warning("peers: %s%s: a loopback address, which the job's other hosts cannot "
-                    "reach; such a node's agent is left out of other hosts' walks (more "
-                    "origin requests). An agent listens on the local end of the route to "
-                    "MASTER_ADDR, else on the address its host name resolves to: set "
-                    "MASTER_ADDR to an address of the job's network, or make the host name "
-                    "resolve to the node's network address (not 127.0.x.x in /etc/hosts)",
-                    shown, more)
-    return kept
-
-
 def socket_path(pool_root: Path, tag: str) -> Path:
     """Where a node's agent listens for the node's processes: in the pool directory
     when the path fits a Unix socket, else in a private temporary directory."""
@@ -131,8 +80,16 @@ class Hosted:
     the tier its lookups use and every node agent's endpoint. :meth:`close` stops both."""
 
     def __init__(self, tier: Tier | None, agent: Agent | None = None,
-                 nodes: list[str] | None = None) -> None:
-        self.tier, self.agent, self.nodes = tier, agent, [] if nodes is None else nodes
+                 nodes: list[str] | Callable[[], list[str]] | None = None) -> None:
+        self.tier, self.agent = tier, agent
+        self._nodes = [] if nodes is None else nodes
+
+    @property
+    def nodes(self) -> list[str]:
+        """Every node agent's TCP endpoint this node reaches, in rank order."""
+        if callable(self._nodes):
+            self._nodes = self._nodes()
+        return self._nodes
 
     def close(self) -> None:
         attach(None)
@@ -163,7 +120,7 @@ def _write_key(keyfile: Path, key: bytes) -> tuple[int, int]:
     """
     from distcache.store._fs import replace_from, temp_file, unlink_quietly
 
-    temp = keyfile.with_name(f"{keyfile.name}.{os.getpid()}.{secrets.token_hex(8)}")
+    temp = keyfile.with_name(f"{keyfile.name}.{os.getpid()}.{os.urandom(8).hex()}")
     fd = temp_file(str(temp))
     try:
         made = replace_from(fd, temp, keyfile, key, 0o600)
@@ -295,17 +252,21 @@ class Starting:
                 raise
         agent = self._started()
         leaders = [(str(node), str(tcp), str(unix)) for node, tcp, unix in everyone if tcp]
-        leaders = reachable(leaders, comm.node_id, tell=comm.rank == 0)
-        endpoints = [tcp for _, tcp, _ in leaders]
-        if agent is not None:
-            agent.join(endpoints, endpoints.index(agent.endpoint))
+        # Probing other nodes' sockets is for a ring an agent joins (and rank 0's
+        # warning); another rank works its list out if it is ever asked for it.
+        nodes = functools.partial(endpoints, leaders, comm.node_id, comm.rank == 0)
+        if agent is not None or comm.rank == 0:
+            ring = nodes()
+            if agent is not None:
+                agent.join(ring, ring.index(agent.endpoint))
+            if comm.rank == 0:
+                log.info("peers: %d node agent(s): %s", len(ring), ", ".join(ring))
+            nodes = functools.partial(list, ring)
         local = next((unix or tcp for node, tcp, unix in leaders if node == comm.node_id), None)
         tier = Tier(local, self.key) if local is not None else None
         attach(tier)
-        if comm.rank == 0:
-            log.info("peers: %d node agent(s): %s", len(endpoints), ", ".join(endpoints))
         self._agent = None  # the Hosted's now
-        return Hosted(tier, agent, endpoints)
+        return Hosted(tier, agent, nodes)
 
     def abandon(self) -> None:
         """Stop what :meth:`finish` will not be called for (a start-up that failed
