@@ -317,6 +317,8 @@ class Cap:
     def held(self, sha: str, size: int) -> None:
         """``sha`` (``size`` bytes), found in the pool, is part of what an open batch
         brings: its end collects around it, as around what the batch published."""
+        if self.max_bytes is None:
+            return
         with self._guard:
             if self._open:
                 self._fresh[sha] = size

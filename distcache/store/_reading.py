@@ -14,7 +14,7 @@ import time
 from distcache._log import get_logger
 from distcache.store._fs import READ_FLAGS, Witness, hash_fd, pool_error, read_fd, trusted_file
 
-logger = get_logger("distcache.store._objects")  # its messages, as before
+logger = get_logger(__name__)
 
 # Readers open the fan-out directory rather than walk through it by path: O_NOFOLLOW
 # on that component keeps a planted objects/<xx> symlink from being followed.

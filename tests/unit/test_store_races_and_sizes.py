@@ -379,3 +379,18 @@ def test_an_export_being_built_inside_is_left_alone_and_named(
     assert f"remove {building} if no export runs there" in str(refused.value)
     assert building.is_dir()
     assert _listed(out) == {"x/a.cubin": _sha(A)}
+
+
+def test_an_uncapped_pool_keeps_no_record_of_a_batchs_hits(tmp_path: Path) -> None:
+    # The record of what an open batch found is for the cap's collection at its end;
+    # with no cap there is none, and a batch of many lookups holds nothing per hit.
+    data = [_bytes(100 + i) for i in range(5)]
+    uncapped, capped = ArtifactPool(tmp_path / "a"), ArtifactPool(tmp_path / "b", max_bytes=10**6)
+    for pool in (uncapped, capped):
+        for blob in data:
+            pool.put(blob)
+    artifacts = [Artifact(f"k{i}.cubin", _sha(blob)) for i, blob in enumerate(data)]
+    for pool, kept in ((uncapped, 0), (capped, 5)):
+        with pool.batch():
+            assert [pool.fetch(a, None) for a in artifacts] == data
+            assert len(pool._cap._fresh) == kept
