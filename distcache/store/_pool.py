@@ -199,10 +199,10 @@ class ArtifactPool:
                 f"refusing to store bytes as {sha256}: their sha256 is {actual}",
                 sha256=sha256, actual=actual, source="put",
             )
-        if self._store.read(actual, stamp=True) is not None:
-            return actual
-        if self._store.write(data, actual):
+        if self._store.read(actual, stamp=True) is None and self._store.write(data, actual):
             self._published(actual, len(data))
+        else:  # there already (or first): in a batch's set, as what it publishes
+            self._cap.held(actual, len(data))
         return actual
 
     def _published(self, sha: str, size: int) -> None:

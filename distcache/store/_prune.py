@@ -94,12 +94,14 @@ def plan_rm(pool: ArtifactPool, patterns: list[str]) -> Removal:
 
 def plan_prune(pool: ArtifactPool, older_than: float, now: float | None = None) -> Removal:
     """The objects not used for ``older_than`` seconds (their recency stamp, which
-    reads refresh), and every label that points at a removed or absent object.
+    reads refresh), and every label that points at a removed or absent object. A read
+    refreshes a stamp only once it is ``pool.stamp_interval`` seconds old, so a stamp
+    counts as a use that long before it says.
 
     Raises:
         PoolError: the pool cannot be read.
     """
-    cutoff = (time.time() if now is None else now) - older_than
+    cutoff = (time.time() if now is None else now) - older_than - pool.stamp_interval
     present = _sizes(pool)
     objects = {s: size for s, (size, stamp) in present.items() if stamp < cutoff}
     labels = {n: s for n, s in pool.names().items() if s in objects or s not in present}
