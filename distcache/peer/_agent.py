@@ -196,7 +196,7 @@ class Agent:
                         min(JOIN_WAIT_S, budget / 2), artifact.name)
         budget = max(until - time.monotonic(), 0.001)
         if local:
-            got = self._walks.do(artifact.sha256, lambda: self._walk(artifact, until),
+            got = self._walks.do(_flight_key(artifact), lambda: self._walk(artifact, until),
                                  timeout=budget)
         else:
             position = self._position(artifact)
@@ -284,7 +284,8 @@ class Agent:
             self.count(source)
             return _client.Answer(data, source)
 
-        return self._fills.do(artifact.sha256, download, timeout=max(budget, 0.001), bounded=True)
+        return self._fills.do(_flight_key(artifact), download, timeout=max(budget, 0.001),
+                              bounded=True)
 
     def _publish(self, artifact: Artifact, data: bytes) -> None:
         try:
@@ -301,3 +302,10 @@ class Agent:
     def _mark_down(self, endpoint: str) -> None:
         with self._lock:
             self._down[endpoint] = time.monotonic() + DOWN_S
+
+
+def _flight_key(artifact: Artifact) -> str:
+    """What concurrent requests share one walk or one origin download by: the name as
+    well as the bytes, since the origin is asked by name (the same bytes under a name
+    it lacks must not answer 'not at origin' for a name it has)."""
+    return f"{artifact.name}@{artifact.sha256}"
