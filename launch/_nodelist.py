@@ -18,6 +18,12 @@ from distcache.errors import LaunchError
 MAX_HOSTS = 1_000_000
 
 
+def _digits(text: str) -> bool:
+    """Whether ``text`` is ASCII digits (``str.isdigit`` also takes "²", which ``int``
+    refuses, and other scripts' digits, which no launcher writes)."""
+    return text.isascii() and text.isdigit()
+
+
 def _bad(text: str, why: str, what: str = "node list") -> LaunchError:
     return LaunchError(f"malformed Slurm {what} {text!r}: {why}", variable=what, value=text)
 
@@ -49,7 +55,7 @@ def _expand_range(body: str, text: str) -> list[str]:
     for item in body.split(","):
         item = item.strip()
         low, dash, high = item.partition("-")
-        if not low.isdigit() or (dash and not high.isdigit()):
+        if not _digits(low) or (dash and not _digits(high)):
             raise _bad(text, f"range item {item!r} is not N or N-M")
         lo = int(low)
         hi = int(high) if dash else lo
@@ -131,7 +137,7 @@ def expand_counts(text: str) -> list[int]:
             repeat = repeat[:-1]
         else:
             repeat = "1"
-        if not count.isdigit() or not repeat.isdigit() or int(repeat) < 1:
+        if not _digits(count) or not _digits(repeat) or int(repeat) < 1:
             raise _bad(text, f"item {item!r} is not N or N(xK)", "task counts")
         if len(counts) + int(repeat) > MAX_HOSTS:
             raise _bad(text, f"names more than {MAX_HOSTS} nodes", "task counts")

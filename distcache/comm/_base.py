@@ -317,7 +317,7 @@ def _longest_pause() -> float:
     rank has a core, polling often costs nothing a working rank needs and a wait ends
     closer to when its peers arrive."""
     local = next((os.environ[v] for v in _LOCAL_PROCESSES if os.environ.get(v)), "")
-    if not (local.isdigit() and int(local) > 0):
+    if not (local.isascii() and local.isdigit() and int(local) > 0):
         return _POLL_LONG_S
     return min(_POLL_LONG_S, _POLL_OWN_CORE_S * max(1.0, int(local) / usable_cpus()))
 

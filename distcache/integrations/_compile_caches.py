@@ -187,7 +187,7 @@ def inherited_owner(digest: str, environ: Mapping[str, str] | None = None) -> in
         host, pid, began, owned = value.split()
     except ValueError:
         return None
-    if host != socket.gethostname() or owned != digest or not pid.isdigit():
+    if host != socket.gethostname() or owned != digest or not (pid.isascii() and pid.isdigit()):
         return None
     return int(pid) if int(pid) in ancestors() and started(int(pid)) == began else None
 

@@ -191,7 +191,7 @@ class PoolLayout(Record):
         """When (ns since the epoch) the quarantine entry ``name`` was made, or None
         for a name :meth:`quarantine_path` does not make."""
         parts = name.split(".")
-        if len(parts) == 4 and is_sha(parts[0]) and parts[1].isdigit():
+        if len(parts) == 4 and is_sha(parts[0]) and parts[1].isascii() and parts[1].isdigit():
             return int(parts[1])
         return None
 
