@@ -25,7 +25,6 @@ their temporary files removed; 126 / 127 when PROGRAM cannot be run.
 from __future__ import annotations
 
 import argparse
-import atexit
 import logging
 import os
 import signal
@@ -47,7 +46,7 @@ from distcache.integrations.flashinfer import FlashInfer
 from distcache.integrations.flashinfer._upstream import is_installed_location, writable_cubin_dir
 from distcache.peer import Hosted, origin_or_default, start
 from distcache.store import PoolLayout
-from launch._child import run
+from launch._child import exit_like, run
 from launch._detect import LaunchInfo, detect
 from launch._dist import mpi_publish, rendezvous_address
 from launch._rendezvous import free_port_pair
@@ -289,23 +288,6 @@ def _materialize_dir(option: str | None, rank: int) -> Path | None:
     return target
 
 
-def _exit_like(status: int) -> NoReturn:
-    if status < 0:
-        # Die of the same signal, so that our parent (mpirun, srun) sees what happened.
-        # A signal's default action skips the interpreter's exit: its exit work (the
-        # start-up hook's publication of the JIT caches this process owns, among
-        # others) runs first, once (the handlers are cleared as they run).
-        sig = -status
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if sig != signal.SIGKILL:  # which cannot be caught, nor its handler reset
-            signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)
-        sys.exit(128 + sig)
-    sys.exit(status)
-
-
 def _fail(status: int, line: str | None, hosted: Hosted | None) -> NoReturn:
     _UNWINDS[0] = False  # a SIGTERM from here on waits for the clean-up
     if line is not None:
@@ -393,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
             slot.release()
         if hosted is not None:
             hosted.close()
-    _exit_like(status)
+    exit_like(status)
 
 
 if __name__ == "__main__":

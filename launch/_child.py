@@ -22,13 +22,16 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import resource
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from types import FrameType
+from typing import NoReturn
 
 from distcache._log import get_logger
 
@@ -237,3 +240,25 @@ def run(command: Sequence[str], env: dict[str, str], *, terminal: bool = True) -
     of one launcher may, so that they do not take the terminal from each other).
     """
     return _Job(command, env, terminal).run()
+
+
+def exit_like(status: int) -> NoReturn:
+    """Exit as PROGRAM did: with its status, or dying of the signal that killed it."""
+    if status < 0:
+        # Die of the same signal, so that our parent (mpirun, srun) sees what happened.
+        # A signal's default action skips the interpreter's exit: its exit work (the
+        # start-up hook's publication of the JIT caches this process owns, among
+        # others) runs first, once (the handlers are cleared as they run).
+        sig = -status
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if sig != signal.SIGKILL:  # which cannot be caught, nor its handler reset
+            signal.signal(sig, signal.SIG_DFL)
+        # The program's core (SIGSEGV, SIGABRT) is what shows its crash: never one of
+        # this wrapper's in its place, at the same name.
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        os.kill(os.getpid(), sig)
+        sys.exit(128 + sig)
+    sys.exit(status)

@@ -128,12 +128,35 @@ def test_startup_arms_even_where_flashinfer_cannot_be_found_yet(
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_exit_like_a_signal_runs_the_exit_handlers_first(tmp_path: Path, sig: int) -> None:
     marker = tmp_path / "ran"
-    code = ("import atexit, launch.__main__ as m\n"
+    code = ("import atexit, launch._child as m\n"
             f"atexit.register(lambda: open({str(marker)!r}, 'a').write('ran\\n'))\n"
-            f"m._exit_like(-{int(sig)})\n")
+            f"m.exit_like(-{int(sig)})\n")
     done = run_group([PY, "-c", code], timeout=120, env=clean_env(tmp_path), cwd=REPO)
     assert done.returncode == -sig, done.stderr
     assert marker.read_text() == "ran\n"  # once
+
+
+def test_a_program_that_dumps_core_keeps_its_core_file(tmp_path: Path) -> None:
+    # The wrapper dies of the program's SIGSEGV too, but without a core of its own,
+    # which would be written over the program's at the same name.
+    pattern = Path("/proc/sys/kernel/core_pattern").read_text().strip()
+    if pattern.startswith("|"):
+        pytest.skip(f"core dumps go to a program here ({pattern}), not to files")
+    import resource
+
+    def allow_cores() -> None:
+        resource.setrlimit(resource.RLIMIT_CORE, (1 << 30, 1 << 30))
+
+    work = tmp_path / "cwd"
+    work.mkdir()
+    env = {**clean_env(tmp_path), "PYTHONPATH": str(REPO)}
+    wrapper = subprocess.Popen([PY, "-m", "launch", "--", "sh", "-c", "kill -SEGV $$"],
+                               cwd=work, env=env, preexec_fn=allow_cores,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _, status = os.waitpid(wrapper.pid, 0)
+    wrapper.returncode = 0  # reaped here
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV
+    assert not os.WCOREDUMP(status)
 
 
 PROGRAMS = {
