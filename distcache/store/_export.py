@@ -8,7 +8,8 @@ either the old file or the whole new one. The compression follows the target's
 suffix: ``.tar`` none, ``.tar.gz``/``.tgz`` gzip, ``.tar.bz2``/``.tbz2`` bzip2,
 ``.tar.xz``/``.txz`` xz (cubins compress about 4:1, but gzip runs near 50 MB/s on one
 core); any other suffix is refused before anything is written, as is an artifact
-named ``checksums.txt`` at the top, whose place the set's own manifest takes.
+named ``checksums.txt`` at the top, whose place the set's own manifest takes, and one
+named ``<dir>/checksums.txt`` that import would refuse (:func:`check_manifests`).
 
 The plain-directory export (:func:`export_directory`) is all or nothing too: the whole
 tree is built in a fresh directory beside the target, then renamed into place.
@@ -27,15 +28,17 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import posixpath
 import stat
 import tarfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from distcache._log import get_logger
-from distcache.artifact import Artifact, manifest_text
-from distcache.errors import ConfigError, PoolError
+from distcache.artifact import Artifact, decode_manifest, manifest_text, parse_checksums
+from distcache.errors import ArtifactNameError, ConfigError, ManifestError, PoolError
 from distcache.store._fs import (
     fsync_dir,
     process_umask,
@@ -107,6 +110,39 @@ def check_names(artifacts: list[Artifact]) -> None:
         raise ConfigError(f"cannot export an artifact named {MANIFEST}: the exported set "
                           f"keeps its own {MANIFEST} at the top; leave it out with "
                           "--manifest M", value=MANIFEST)  # the pool's content, not usage
+
+
+def check_manifests(artifacts: list[Artifact], read: Callable[[Artifact], bytes]) -> None:
+    """Refuse a selection that import would not read back because of an artifact named
+    ``<dir>/checksums.txt`` (``read`` gives its bytes). Import reads every such file as
+    the checksums of its directory (a FlashInfer pin has one, pinned by its sha256, and
+    is exported with it), so it must parse as one, and each name it lists must have the
+    sha256 the set's own ``checksums.txt`` and every other such file give it.
+
+    Raises:
+        ConfigError: such an artifact is not a checksums file, or contradicts the set
+            or another one.
+    """
+    listed = {a.name: (a.sha256, f"the set's own {MANIFEST}") for a in artifacts}
+    for artifact in sorted(artifacts, key=lambda a: a.name):
+        if posixpath.basename(artifact.name) != MANIFEST:
+            continue
+        try:
+            text = decode_manifest(read(artifact), source=artifact.name)
+            entries = parse_checksums(text, prefix=posixpath.dirname(artifact.name),
+                                      source=artifact.name)
+        except (ManifestError, ArtifactNameError) as exc:
+            raise ConfigError(f"cannot export {artifact.name}: pool import reads every file "
+                              f"named {MANIFEST} as the checksums of its directory, and this "
+                              f"one is not ({exc}); leave it out with --manifest M",
+                              value=artifact.name) from exc  # the pool's content, not usage
+        for entry in entries:
+            sha, where = listed.setdefault(entry.name, (entry.sha256, artifact.name))
+            if sha != entry.sha256:
+                raise ConfigError(f"cannot export {artifact.name}: it lists {entry.name} as "
+                                  f"{entry.sha256}, but {where} gives {sha}, so pool import "
+                                  "would refuse the set; leave one of them out with "
+                                  "--manifest M", value=artifact.name)
 
 
 def _info(name: str, size: int, mtime: float) -> tarfile.TarInfo:
@@ -183,7 +219,8 @@ def export_directory(pool: ArtifactPool, artifacts: list[Artifact], directory: P
         PoolError: an object is corrupt or gone; ``directory`` holds what no earlier
             export wrote (or its file changed), or it or its parent is no directory; or
             a file cannot be written (nothing is changed in any case).
-        ConfigError: an artifact is named ``checksums.txt``.
+        ConfigError: an artifact is named ``checksums.txt``, or one named
+            ``<dir>/checksums.txt`` would be refused by import (:func:`check_manifests`).
         ArtifactNameError: a name is unsafe.
         IntegrityError: an object's size is not the one its artifact declares.
     """
@@ -198,6 +235,8 @@ def export_directory(pool: ArtifactPool, artifacts: list[Artifact], directory: P
     inside = built_inside(target)
     earlier = earlier_export(target, wanted if inside else None)
     kept = {n: a for n, a in (earlier or {}).items() if n not in wanted and n != MANIFEST}
+    check_manifests([*wanted.values(), *kept.values()],
+                    lambda a: _verified(pool, a) if a.name in wanted else carried(target, a))
     new = staging(target, inside)
     try:
         os.mkdir(new, 0o700)
@@ -256,8 +295,9 @@ def export_tar(pool: ArtifactPool, artifacts: list[Artifact], target: Path,
         PoolError: an artifact is missing from the pool or corrupt there, the
             target's directory does not exist, or the temporary file beside the
             target cannot be created (nothing is written in any case).
-        ConfigError: the target's suffix is not one import reads back, or an
-            artifact is named ``checksums.txt`` (nothing is written).
+        ConfigError: the target's suffix is not one import reads back, an artifact
+            is named ``checksums.txt``, or one named ``<dir>/checksums.txt`` would be
+            refused by import (nothing is written in any case).
         OSError: the target cannot be written (the temporary file is removed).
     """
     mode = _mode(target)
@@ -268,6 +308,7 @@ def export_tar(pool: ArtifactPool, artifacts: list[Artifact], target: Path,
         raise PoolError(f"cannot export: {len(absent)} artifact(s) are not in pool "
                         f"{pool.root}: {names}; fetch them first (distcache fetch "
                         "--manifest FILE)", path=str(pool.root))
+    check_manifests(artifacts, lambda a: _verified(pool, a))
     target = target.absolute()
     if not target.parent.is_dir():
         raise PoolError(f"cannot export to {target}: {target.parent} is not a directory",

@@ -4,8 +4,12 @@
 Names. A wheel keeps FlashInfer's artifacts under ``flashinfer_cubin/cubins/``, laid
 out exactly as FlashInfer's loader asks for them (``get_artifact(<pin>/<path>)``,
 e.g. ``158f.../fmha/trtllm-gen/fmhaSm100aKernel_....cubin``). When a source has that
-directory, it is the root and everything outside it (the package's code, its
-``.dist-info``) is ignored; otherwise the root is the source's top. Each artifact is
+directory at its top, or every member lies in one top folder that has it (a wheel
+unpacked into a folder, then packed), it is the root and everything outside it (the
+package's code, its ``.dist-info``) is ignored; otherwise the root is the source's top.
+A ``checksums.txt`` at the top, or at the top of that one folder, marks an exported
+set, never a wheel: its root is the top whatever its names hold, and a name
+such as ``vendor/flashinfer_cubin/cubins/k.cubin`` is kept whole. Each artifact is
 labelled with its path under the root, so the integration's lookups hit.
 
 Verification. Every ``checksums.txt`` under the root lists files relative to its own
@@ -33,7 +37,7 @@ other.
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -94,29 +98,45 @@ def _is_manifest(path: str) -> bool:
     return posixpath.basename(path) == MANIFEST
 
 
+def _wheel_root(paths: Collection[str]) -> str:
+    """The root of the set whose member paths are ``paths``: a wheel's artifact
+    directory, where it is at the top or in the one folder every member is in (and no
+    ``checksums.txt`` is beside it), else the top (``""``)."""
+    tops = {path.split("/", 1)[0] if "/" in path else None for path in paths}
+    folders = [""]
+    if len(tops) == 1 and None not in tops:
+        folders.append(f"{tops.pop()}/")
+    for folder in folders:
+        root = folder + WHEEL_ROOT
+        if folder + MANIFEST not in paths and any(p.startswith(root) for p in paths):
+            return root
+    return ""
+
+
 def _scan(source: Path, kind: str, progress: Progress | None, max_bytes: int) -> _Scan:
-    # The first member under a wheel's artifact directory makes it the root; what was
-    # collected before it (the package's own files) is then outside the root.
-    scan = _Scan()
+    # Every member is hashed, and every checksums.txt kept, before the root is known:
+    # whether a set is a wheel depends on members anywhere in it.
+    found: dict[str, tuple[str, int]] = {}
+    texts: dict[str, bytes] = {}
     if progress is not None:
         progress.phase("verifying", total_bytes(source, kind))
     for path, size, sha, data in members(source, kind, want=_is_manifest, digest=True,
                                          max_bytes=max_bytes):
-        if not scan.root and WHEEL_ROOT in path:
-            scan.root = path[: path.index(WHEEL_ROOT) + len(WHEEL_ROOT)]
-            scan.ignored += len(scan.files)
-            scan.files.clear()
-            scan.manifests.clear()
-        rel = _root_of(path, scan.root)
         assert sha is not None  # every member is hashed
-        if rel is None:
-            scan.ignored += 1
-        else:
-            scan.files[rel] = (sha, size)
-            if data is not None:
-                scan.manifests[rel] = data
+        found[path] = (sha, size)
+        if data is not None:
+            texts[path] = data
         if progress is not None:
             progress.advance(size)
+    scan = _Scan(root=_wheel_root(found))
+    for path, entry in found.items():
+        rel = _root_of(path, scan.root)
+        if rel is None:
+            scan.ignored += 1
+            continue
+        scan.files[rel] = entry
+        if path in texts:
+            scan.manifests[rel] = texts[path]
     return scan
 
 

@@ -10,10 +10,10 @@ the member: an absolute path or a ``..`` segment (or any name
 :func:`~distcache.artifact.validate_name` rejects), a symbolic or hard link, a
 device, FIFO or socket, the same path twice, a member larger than an artifact may be
 (``DISTCACHE_MAX_ARTIFACT_BYTES``), an encrypted zip member, and an archive that
-cannot be read (a corrupt or truncated zip, a bad CRC, a broken compressed stream, a
-tarball cut short or with a damaged header). A tarball is read to its end, so the
-gzip, bzip2 or xz checksums are verified, and it must end with the end-of-archive
-marker.
+cannot be read (a corrupt or truncated zip, one of a version or method zipfile
+lacks, a bad CRC, a broken compressed stream, a tarball cut short or with a damaged
+header). A tarball is read to its end, so the gzip, bzip2 or xz checksums are
+verified, and it must end with the end-of-archive marker.
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def total_bytes(source: Path, kind: str) -> int | None:
         if kind == "dir":
             return sum(os.lstat(os.path.join(d, f)).st_size
                        for d, _dirs, files in os.walk(source) for f in files)
-    except (OSError, zipfile.BadZipFile):
+    except (OSError, zipfile.BadZipFile, NotImplementedError, ValueError):
         pass  # the first pass reports what is wrong with the source
     return None
 
@@ -190,7 +190,10 @@ def _zip_members(reader: _Reader) -> Iterator[Member]:
     source = reader.source
     try:
         archive = zipfile.ZipFile(source)
-    except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
+    except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, OSError,
+            ValueError) as exc:
+        # NotImplementedError: a zip version or feature zipfile lacks; OSError and
+        # ValueError: a directory or offset that points outside the file.
         raise refuse(source, f"not a readable wheel or zip archive ({exc})") from exc
     with archive:
         for info in archive.infolist():
@@ -209,7 +212,8 @@ def _zip_members(reader: _Reader) -> Iterator[Member]:
             try:
                 member = reader.member(path, info.file_size, partial(archive.open, info))
             except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError,
-                    RuntimeError) as exc:
+                    RuntimeError, OSError) as exc:
+                # OSError: an offset that points outside the file (a negative seek).
                 raise refuse(source, f"member {path!r} is corrupt ({exc})") from exc
             yield member
 
@@ -254,9 +258,9 @@ def _tar_members(reader: _Reader) -> Iterator[Member]:
             # checksum is checked.
             while stream.read(_CHUNK):
                 pass
-    except (tarfile.TarError, EOFError, zlib.error) as exc:
+    except (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError) as exc:
         raise refuse(source, f"not a readable tarball ({exc})") from exc
-    except OSError as exc:  # gzip.BadGzipFile, lzma and bz2 errors
+    except OSError as exc:  # gzip.BadGzipFile, bz2 errors, an xz file's bad header
         raise refuse(source, f"not a readable tarball ({exc})") from exc
 
 
