@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from distcache._log import get_logger
-from distcache.artifact import validate_name
+from distcache.artifact import MAX_NAME_BYTES, validate_name
 from distcache.store._fs import APPEND_FLAGS, READ_FLAGS, is_sha, pool_error, write_all
 from distcache.store._locking import flock_fd
 
@@ -32,6 +32,8 @@ logger = get_logger(__name__)
 #: How much of the journal is read at a time, and the length of one record.
 _CHUNK = 1 << 16
 _RECORD = 64
+#: The longest names record: a sha, its crc32 in hex and the longest name, spaced.
+_NAME_RECORD_MAX = 64 + 1 + 8 + 1 + MAX_NAME_BYTES
 
 
 class AppendLog:
@@ -243,24 +245,30 @@ def _valid_start(fd: int, size: int, starts: list[tuple[int, str]],
 
 def _labels_from(fd: int, size: int, start: int, crc: int) -> tuple[dict[str, str], int, str]:
     """The labels of the complete records from ``start`` (``crc`` the crc32 of the
-    bytes before it), the offset after them and its mark."""
+    bytes before it), the offset after them and its mark. A line longer than any
+    record (a zero-filled tail a power loss left, a planted file) is skipped as it is
+    read, never held whole."""
     labels: dict[str, str] = {}
     pos = end = start
-    tail = b""
+    running = crc  # of every byte before ``pos``; ``crc``: of those before ``end``
+    line: bytes | None = b""  # the record so far; None: too long to be one
     while pos < size:
         data = os.pread(fd, min(_CHUNK, size - pos), pos)
         if not data:
             break
-        pos += len(data)
-        cut = data.rfind(b"\n") + 1
-        if not cut:
-            tail += data
-            continue
-        lines, tail = tail + data[:cut], data[cut:]
-        crc = zlib.crc32(lines, crc)
-        end += len(lines)
-        for line in lines.decode("utf-8", "replace").split("\n"):
-            parsed = _parse_name_record(line) if line else None
+        pieces = data.split(b"\n")
+        for piece in pieces[:-1]:
+            record = None if line is None else line + piece
+            parsed = _parse_name_record(record.decode("utf-8", "replace")) if record else None
             if parsed is not None:
                 labels[parsed[0]] = parsed[1]
+            line = b""
+        if len(pieces) > 1:
+            cut = data.rfind(b"\n") + 1
+            end, crc = pos + cut, zlib.crc32(data[:cut], running)
+        running = zlib.crc32(data, running)
+        line = None if line is None else line + pieces[-1]
+        if line is not None and len(line) > _NAME_RECORD_MAX:
+            line = None
+        pos += len(data)
     return labels, end, f"{crc:08x}"
