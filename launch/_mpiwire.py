@@ -63,11 +63,23 @@ def allgather_str(comm: Any, text: str) -> list[str]:
     return texts
 
 
+def _fitted(message: tuple[str, str, int]) -> bytes:
+    """``message`` encoded, its text cut until it fits: rank 0 must reach the
+    broadcast whatever it says (a long failure naming every host of a large job), or
+    every other rank would wait in it for ever."""
+    status, text, port = message
+    while True:
+        data = json.dumps([status, text, port], separators=(",", ":")).encode()
+        if len(data) <= MAX_MESSAGE_BYTES or not text:
+            return _encode([status, text, port])
+        text = text[: len(text) * 3 // 4 - 16].rstrip() + " [cut]" if len(text) > 64 else ""
+
+
 def bcast_message(comm: Any, message: tuple[str, str, int] | None) -> tuple[str, str, int]:
     """Rank 0's ``(status, text, port)`` on every rank (``message`` is read on rank 0)."""
     from mpi4py import MPI
 
-    data = _encode(list(message)) if comm.Get_rank() == 0 and message is not None else b""
+    data = _fitted(message) if comm.Get_rank() == 0 and message is not None else b""
     length = array("q", [len(data)])
     comm.Bcast([length, MPI.INT64_T], root=0)
     buffer = bytearray(data) if comm.Get_rank() == 0 else bytearray(_length(length[0], 0))

@@ -29,6 +29,18 @@ def test_host_names_and_the_address_reach_every_rank_in_rank_order() -> None:
     assert _mpiwire.bcast_message(comm, message) == ("ok", "10.0.0.1", 29500)
 
 
+
+def test_a_long_failure_from_rank_0_reaches_every_rank_cut_to_fit() -> None:
+    # Rank 0 reaches the broadcast whatever its failure says; a message too long to
+    # send would leave the other ranks waiting in it.
+    comm = _world()
+    text = "no address for the job: " + ", ".join(f"host-{i}" for i in range(2000))
+    message = ("error", text, 0) if comm.Get_rank() == 0 else None
+    status, said, port = _mpiwire.bcast_message(comm, message)
+    assert (status, port) == ("error", 0)
+    assert said.startswith("no address for the job: host-0, host-1") and said.endswith("[cut]")
+    assert len(said.encode()) <= _mpiwire.MAX_MESSAGE_BYTES
+
 class _Marker:
     def __init__(self, path: str) -> None:
         self.path = path
