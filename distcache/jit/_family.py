@@ -14,9 +14,18 @@ from typing import TYPE_CHECKING
 
 from distcache._log import get_logger
 from distcache.errors import JitCacheError, PoolError
-from distcache.jit._place import Placed, Seen, check_owner, materialize_entries, scan_into
+from distcache.jit._place import (
+    Fresh,
+    Placed,
+    Seen,
+    check_owner,
+    materialize_entries,
+    scan_into,
+    settle,
+)
 from distcache.jit._tree import (
     ConflictLog,
+    TreeEntry,
     TreeManifest,
     Union,
     held_labels,
@@ -199,15 +208,28 @@ class Family:
         return total
 
     def publish(self, pool: ArtifactPool | None = None) -> int:
-        """Store what this rank's directories hold that the pool's trees of this key
-        do not list with the same bytes, as one new tree; how many files it lists
+        """Store what this rank built: the files its directories hold that no tree of
+        this key lists with the same bytes, as one new tree; how many files it lists
         (0: nothing new). A file this publisher listed before with other bytes is an
         update: the new tree supersedes its old entry. A path another publisher
         listed with other bytes is published too, which makes it a conflict that no
-        rank is served. A family that keeps times publishes a file again for its
-        bytes, not for its time (the pool keeps the time its bytes were first
-        published with), except once where the listed entry has no time (a tree
-        from before times were kept).
+        rank is served. Bytes that some tree of this key lists at that path (any
+        publisher, any version) are what this rank received from the pool, not a
+        build of its own: published again they would turn another publisher's later
+        update of the file into a conflict. A family that keeps times publishes a
+        file again for its bytes, not for its time (the pool keeps the time its bytes
+        were first published with), except once where this publisher's entry, or
+        one of a tree without a publisher, has no time (a tree from before times
+        were kept).
+
+        A file is stored whole or not at all: one whose ``stat`` moves while it is
+        read is left out, and one that changed within
+        :data:`~distcache.jit._place.RACY_NS` of the scan is stored only once it has
+        been left alone for :data:`~distcache.jit._place.SETTLE_NS`: the call waits
+        (once, at most that long) and reads it again, and one that changed meanwhile
+        (a tool still writing it) is left for the next publication. Waiting, rather than leaving every recent file for
+        later, lets the publication at exit, which has no later one, store what a
+        build finished a moment before.
 
         Raises:
             JitCacheError: a directory belongs to another user.
@@ -218,21 +240,18 @@ class Family:
         known = union(trees)
         mine = {path: e for (who, path), e in latest(trees).items() if who == self.publisher}
         listed = {**known.entries, **mine}
-        new = []
+        received = _Listed(trees, mine, known.entries)
+        scanned: list[TreeEntry] = []
+        fresh: list[Fresh] = []
         for root in self.spec.roots:
             if not root.path.is_dir():
                 continue
             check_owner(root.path, family=self.name)
-            for entry in scan_into(pool, root.path, root.prefix, listed, self._seen,
-                                   times=self.spec.keep_times):
-                before = listed.get(entry.path)
-                if (entry.path not in mine and entry.path in known.conflicts
-                        and entry.sha256 in known.conflicts[entry.path]):
-                    continue
-                if (before is None or before.sha256 != entry.sha256
-                        or (before.mtime_ns is None and entry.mtime_ns is not None)):
-                    new.append(entry)
-        unique = {e.path: e for e in new}
+            scanned += scan_into(pool, root.path, root.prefix, listed, self._seen,
+                                 times=self.spec.keep_times, fresh=fresh)
+        waiting = [f for f in fresh if received.new(f.entry)]
+        scanned += settle(pool, waiting, listed, times=self.spec.keep_times)
+        unique = {e.path: e for e in scanned if received.new(e)}
         publish_tree(pool, TreeManifest(self.name, self.key, tuple(unique.values()),
                                         self.publisher, next_seq(trees, self.publisher)))
         self.report.published = len(unique)
@@ -254,6 +273,43 @@ class Family:
             raise JitCacheError(f"{self.name}: no pool is bound; pass one or call bind()",
                                 family=self.name, path=None)
         return chosen
+
+
+class _Listed:
+    """What this key's trees say of a file a publication scanned: whether it is this
+    publisher's own new work."""
+
+    def __init__(self, trees: list[TreeManifest], mine: dict[str, TreeEntry],
+                 served: dict[str, TreeEntry]) -> None:
+        self.mine = mine
+        #: path -> the entry served, for its time.
+        self.served = served
+        #: path -> every digest any tree gives it (superseded versions too).
+        self.digests: dict[str, set[str]] = {}
+        #: paths some tree with a publisher lists (one that may update it later).
+        self.claimed: set[str] = set()
+        for tree in trees:
+            for entry in tree.entries:
+                self.digests.setdefault(entry.path, set()).add(entry.sha256)
+                if tree.publisher is not None:
+                    self.claimed.add(entry.path)
+
+    def new(self, entry: TreeEntry) -> bool:
+        """Whether ``entry`` is this publisher's to publish: at a path it listed,
+        bytes other than its latest entry's (an update), or the time that entry
+        lacks; at another path, bytes no tree lists there, or the time missing from
+        the served entry where only trees without a publisher (which no one updates)
+        list the path."""
+        own = self.mine.get(entry.path)
+        if own is not None:
+            return own.sha256 != entry.sha256 or (
+                own.mtime_ns is None and entry.mtime_ns is not None)
+        if entry.sha256 not in self.digests.get(entry.path, ()):
+            return True
+        served = self.served.get(entry.path)
+        return (entry.path not in self.claimed and served is not None
+                and served.sha256 == entry.sha256 and served.mtime_ns is None
+                and entry.mtime_ns is not None)
 
 
 #: Builds a family's spec from the environment (each tool's rules, in ``_tools``).

@@ -1,6 +1,14 @@
 """Directories in and out of the pool: scan a cache directory into tree entries,
 publish its files, and materialise a tree into a directory.
 
+A file is published as a whole or not at all: one whose ``stat`` moves while it is
+read is left out, and a publication stores a file that changed just before only once
+it has been left alone for :data:`SETTLE_NS` (:func:`settle`): tools such as ninja,
+nvcc and linkers write their outputs in place, and a copy taken mid-write would be
+placed, truncated, on every node that lacks the file. Only ``stat`` tells: a writer
+that stops for longer than that in the middle of a file is not told from one that
+has finished.
+
 Materialising only adds files. A file already at a path is never replaced (a running
 compile may be reading it, or is about to replace it itself); a missing one is written
 to a temporary name in its own directory, then linked into place, which fails rather
@@ -22,35 +30,21 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fnmatch
 import os
 import secrets
 import stat
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from distcache.artifact import sha256_hex, validate_name
 from distcache.errors import ArtifactNameError, JitCacheError
 from distcache.jit._tree import MODE_MASK, TreeEntry
+from distcache.jit._walk import FOREIGN, check_owner, walk
 from distcache.store import ArtifactPool
 from distcache.store._fs import Witness, witness
 from distcache.store.layout import STALE_TMP_SECONDS
-
-#: Names a tool writes while it works (temporary files, locks, build directories,
-#: byte code stamped with a local time); never published.
-TRANSIENT = ("*.tmp", "*.lock", "lock", ".*", "tmp.*", "*_CxxBuild", "__pycache__",
-             "*.pyc", "locks")
-#: Hidden names published all the same: ninja's build log and dependency log
-#: (FlashInfer's JIT runs ninja in each op's directory; without them ninja rebuilds
-#: every output it has no record of). Only ninja writes them, and only the
-#: ``flashinfer_jit`` family's tool runs ninja in its directory.
-KEPT = (".ninja_log", ".ninja_deps")
-#: Directories at the top of a family's directory that hold another integration's
-#: files, never published nor placed: FlashInfer's downloaded cubins
-#: (``<FlashInfer's cache directory>/cubins``), which its loader integration serves.
-FOREIGN = ("cubins",)
 
 
 @dataclass
@@ -69,64 +63,13 @@ class Placed:
     bytes: int = 0
 
 
-def transient(relpath: str, patterns: Sequence[str] = TRANSIENT) -> bool:
-    """Whether any segment of ``relpath`` is a name tools write only while working."""
-    return any(fnmatch.fnmatchcase(seg, pat) for seg in relpath.split("/") for pat in patterns)
-
-
-def check_owner(directory: Path, *, family: str) -> None:
-    """Refuse ``directory`` unless it is a directory owned by this process's user,
-    and not a symbolic link (whoever made the link chose where the files would go).
-
-    Raises:
-        JitCacheError: it is owned by another user, is a link, or is not a directory.
-    """
-    try:
-        st = os.lstat(directory)
-    except OSError as exc:
-        raise JitCacheError(f"{family}: cannot read {directory}: {exc}", family=family,
-                            path=str(directory)) from exc
-    if stat.S_ISLNK(st.st_mode):
-        raise JitCacheError(
-            f"{family}: refusing to fill {directory}: it is a symbolic link (to "
-            f"{os.readlink(directory)!r}); point the tool at the directory itself",
-            family=family, path=str(directory))
-    if not stat.S_ISDIR(st.st_mode):
-        raise JitCacheError(f"{family}: {directory} is not a directory", family=family,
-                            path=str(directory))
-    if st.st_uid != os.geteuid():
-        raise JitCacheError(
-            f"{family}: refusing to fill {directory}: it belongs to uid {st.st_uid}, not "
-            f"to this user (uid {os.geteuid()}); a JIT cache holds code the engine runs, "
-            "so point the tool at a directory of your own", family=family,
-            path=str(directory))
-
-
-def walk(root: Path) -> Iterator[tuple[str, Path]]:
-    """``(relative path, path)`` of every regular file under ``root`` (symbolic links
-    are not followed and not listed; transient names but :data:`KEPT` ones, and the
-    :data:`FOREIGN` directories at the top, are skipped)."""
-    stack = [root]
-    while stack:
-        here = stack.pop()
-        try:
-            entries = sorted(os.scandir(here), key=lambda e: e.name)
-        except OSError:
-            continue
-        for entry in entries:
-            rel = Path(entry.path).relative_to(root).as_posix()
-            if (transient(entry.name) and entry.name not in KEPT) or rel in FOREIGN:
-                continue
-            if entry.is_dir(follow_symlinks=False):
-                stack.append(Path(entry.path))
-            elif entry.is_file(follow_symlinks=False):
-                yield rel, Path(entry.path)
-
-
 #: A file changed this close (ns) to the scan that hashed it may change again within
 #: the same tick of the filesystem's clock (a second on some filesystems) without
 #: its times moving: it is hashed again at the next scan.
 RACY_NS = 2 * 10**9
+#: How long (ns) a file changed just before a publication must be left alone before
+#: it is stored: a tool writing a file moves its times far more often than this.
+SETTLE_NS = 250 * 10**6
 
 #: path -> (:data:`~distcache.store._fs.Witness`, sha256) of a file hashed before:
 #: what a later scan of the same directory in the same process need not read again.
@@ -142,19 +85,69 @@ def settled(st: os.stat_result) -> bool:
     return max(st.st_mtime_ns, st.st_ctime_ns) < time.time_ns() - RACY_NS
 
 
+@dataclass(frozen=True)
+class Fresh:
+    """A file that changed within :data:`RACY_NS` of its scan: read but not stored,
+    since the tool may still be writing it (ninja, nvcc and linkers write their
+    outputs in place). :func:`settle` reads it again once it has been left alone."""
+
+    #: What the scan read (its bytes may be partial).
+    entry: TreeEntry
+    rel: str
+    path: Path
+    prefix: str
+    witness: Witness
+    #: Its last change (ns): modification or change time, the later.
+    changed_ns: int
+
+
 def scan_into(pool: ArtifactPool, root: Path, prefix: str = "",
               known: dict[str, TreeEntry] | None = None,
-              seen: Seen | None = None, *, times: bool = False) -> list[TreeEntry]:
+              seen: Seen | None = None, *, times: bool = False,
+              fresh: list[Fresh] | None = None) -> list[TreeEntry]:
     """Store every file under ``root`` in ``pool`` and return its entries (paths
     under ``prefix``; with ``times``, each with its modification time). A file
     ``known`` lists with the digest it still has is not stored again, and one
     ``seen`` records with its current witness is not read again (``seen`` is
-    updated; a file changed just before is not recorded). Files vanishing mid-scan
-    and names that are not safe artifact paths are skipped."""
+    updated; a file changed just before is not recorded). With ``fresh``, a file
+    changed just before (:func:`settled`) is neither stored nor returned but added
+    to ``fresh``, for :func:`settle`. A file whose ``stat`` moves while it is read
+    (a tool writing it), files vanishing mid-scan and names that are not safe
+    artifact paths are skipped."""
     entries: list[TreeEntry] = []
     with pool.batch():  # one flush for the whole directory, not one per file
         for rel, path in walk(root):
-            entry = _scan_one(pool, rel, path, prefix, known, seen, times)
+            entry = _scan_one(pool, rel, path, prefix, known, seen, times, fresh)
+            if entry is not None:
+                entries.append(entry)
+    return entries
+
+
+def settle(pool: ArtifactPool, fresh: Sequence[Fresh],
+           known: dict[str, TreeEntry] | None = None, *,
+           times: bool = False) -> list[TreeEntry]:
+    """Wait until the files of ``fresh`` last changed :data:`SETTLE_NS` ago (at most
+    that long: a time ahead of this node's clock waits no longer), then read each
+    again and store it, as :func:`scan_into` does; the entries of the files that no
+    tool touched meanwhile (same ``stat`` as at the scan, unmoved while read). A
+    file still changing is left out, for the next publication.
+
+    Waiting is what lets a publication right after a build (at a sync, or at exit,
+    where no later one comes) store what the build just finished, while a file that
+    a tool is still writing moves within the window and is left out."""
+    if not fresh:
+        return []
+    now = time.time_ns()
+    until = min(max(f.changed_ns for f in fresh) + SETTLE_NS, now + SETTLE_NS)
+    if until > now:
+        time.sleep((until - now) / 1e9)
+    entries: list[TreeEntry] = []
+    with pool.batch():
+        for f in fresh:
+            # Not recorded in ``seen``: read again at the next scan, as any file
+            # changed close to its scan.
+            entry = _scan_one(pool, f.rel, f.path, f.prefix, known, None, times, None,
+                              expect=f.witness)
             if entry is not None:
                 entries.append(entry)
     return entries
@@ -162,9 +155,11 @@ def scan_into(pool: ArtifactPool, root: Path, prefix: str = "",
 
 def _scan_one(pool: ArtifactPool, rel: str, path: Path, prefix: str,
               known: dict[str, TreeEntry] | None, seen: Seen | None,
-              times: bool) -> TreeEntry | None:
-    """Store one file and return its entry; ``None`` for an unsafe name or a file
-    that vanished or is not regular."""
+              times: bool, fresh: list[Fresh] | None,
+              expect: Witness | None = None) -> TreeEntry | None:
+    """Store one file and return its entry; ``None`` for an unsafe name, a file that
+    vanished or is not regular, one whose ``stat`` moved while it was read or is not
+    ``expect``, and one changed just before when ``fresh`` collects those."""
     try:
         name = validate_name(f"{prefix}{rel}")
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -172,7 +167,7 @@ def _scan_one(pool: ArtifactPool, rel: str, path: Path, prefix: str,
         return None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
+        if not stat.S_ISREG(st.st_mode) or (expect is not None and witness(st) != expect):
             return None
         mode = st.st_mode & MODE_MASK
         mtime = st.st_mtime_ns if times else None
@@ -182,19 +177,33 @@ def _scan_one(pool: ArtifactPool, rel: str, path: Path, prefix: str,
                 and before is not None and before.sha256 == last[1]):
             return TreeEntry(name, last[1], mode, st.st_size, mtime)
         data = _read_all(fd, st.st_size)
+        # A writer that moved the file while it was read: what was read may be
+        # neither the old bytes nor the new ones.
+        if len(data) != st.st_size or witness(os.fstat(fd)) != witness(st):
+            if seen is not None:
+                seen.pop(name, None)
+            return None
     except OSError:
         return None
     finally:
         os.close(fd)
     sha = sha256_hex(data)
+    entry = TreeEntry(name, sha, mode, len(data), mtime)
+    quiet = settled(st)
+    if fresh is not None and not quiet:
+        fresh.append(Fresh(entry, rel, path, prefix, witness(st),
+                           max(st.st_mtime_ns, st.st_ctime_ns)))
+        if seen is not None:
+            seen.pop(name, None)
+        return None
     if before is None or before.sha256 != sha or not pool.has(sha):
         pool.put(data, sha)
     if seen is not None:
-        if settled(st):
+        if quiet:
             seen[name] = (witness(st), sha)
         else:
             seen.pop(name, None)
-    return TreeEntry(name, sha, mode, len(data), mtime)
+    return entry
 
 
 def _read_all(fd: int, size: int) -> bytes:

@@ -17,6 +17,7 @@ distributions, so nothing here imports the tool.
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import hashlib
 import os
@@ -88,15 +89,69 @@ def _expanduser(path: str, environ: Mapping[str, str]) -> str:
     return (str(_home(environ)).rstrip("/") + path[1:]) or "/"
 
 
-def inductor_default_dir(environ: Mapping[str, str]) -> Path:
-    """torch's default: ``$TMPDIR/torchinductor_<user>`` (the user name sanitised
-    as torch does)."""
+#: The variables ``getpass.getuser`` reads, in its order.
+USER_VARIABLES = ("LOGNAME", "USER", "LNAME", "USERNAME")
+#: The variables ``tempfile.gettempdir`` reads, in its order, and the directories it
+#: tries after them (then the working directory).
+TEMP_VARIABLES = ("TMPDIR", "TEMP", "TMP")
+TEMP_DIRECTORIES = ("/tmp", "/var/tmp", "/usr/tmp")
+
+
+def _user(environ: Mapping[str, str]) -> str:
+    """``getpass.getuser()`` in a process whose environment is ``environ`` (torch's
+    fallback where there is none: ``uid_<uid>``)."""
     try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = f"uid_{os.getuid()}"
-    tmp = environ.get("TMPDIR") or tempfile.gettempdir()
-    return Path(tmp) / ("torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+        if environ is os.environ:
+            return getpass.getuser()
+        for name in USER_VARIABLES:
+            if environ.get(name):
+                return environ[name]
+        import pwd
+
+        return pwd.getpwuid(os.getuid()).pw_name
+    except (KeyError, ImportError, OSError):
+        return f"uid_{os.getuid()}"
+
+
+def _writable(directory: str) -> bool:
+    """Whether a file can be created in ``directory``, tried as ``tempfile`` tries it."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".distcache-probe-", dir=directory)
+    except OSError:
+        return False
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(name)
+    return True
+
+
+def temp_dir(environ: Mapping[str, str]) -> str:
+    """``tempfile.gettempdir()`` in a process whose environment is ``environ``: the
+    first of ``TMPDIR``, ``TEMP``, ``TMP``, ``/tmp``, ``/var/tmp``, ``/usr/tmp`` and
+    the working directory in which a file can be created (a missing or unwritable
+    directory is skipped). For this process's own environment, ``tempfile``'s answer
+    itself (which it keeps for the process, as torch gets it)."""
+    if environ is os.environ:
+        return tempfile.gettempdir()
+    candidates = [environ[v] for v in TEMP_VARIABLES if environ.get(v)]
+    candidates += TEMP_DIRECTORIES
+    with contextlib.suppress(OSError):
+        candidates.append(os.getcwd())
+    for candidate in candidates:
+        directory = os.path.abspath(candidate)
+        if _writable(directory):
+            return directory
+    raise ConfigError("no usable temporary directory for the Inductor cache (tried "
+                      f"{', '.join(candidates)})", variable="TMPDIR",
+                      value=environ.get("TMPDIR"))
+
+
+def inductor_default_dir(environ: Mapping[str, str]) -> Path:
+    """torch's default (``default_cache_dir``): ``torchinductor_<user>`` (the user
+    name sanitised as torch does) in the temporary directory ``tempfile`` picks,
+    which skips a ``TMPDIR`` that is missing or unwritable."""
+    user = re.sub(r'[\\/:*?"<>|]', "_", _user(environ))
+    return Path(temp_dir(environ)) / ("torchinductor_" + user)
 
 
 def inductor(environ: Mapping[str, str]) -> FamilySpec:
@@ -105,7 +160,9 @@ def inductor(environ: Mapping[str, str]) -> FamilySpec:
     it exists on this node yet: the roots decide where a tree's files go)."""
     default = inductor_default_dir(environ)
     given = environ.get("TORCHINDUCTOR_CACHE_DIR")
-    directory = Path(os.path.abspath(given)) if given else default
+    # Set at all, even blank, it is the directory, as torch reads it (a blank one is
+    # the working directory).
+    directory = Path(os.path.abspath(given)) if given is not None else default
     roots = [Root(directory)]
     if directory != default:  # filled only with the headers some rank's tree lists
         roots.append(Root(default / "precompiled_headers", "precompiled_headers@default/"))
@@ -139,11 +196,11 @@ def deep_gemm(environ: Mapping[str, str]) -> FamilySpec:
 def flashinfer_jit(environ: Mapping[str, str]) -> FamilySpec:
     """FlashInfer's JIT workspace: ``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer``
     (the base defaults to the home directory), without the ``cubins/`` FlashInfer
-    downloads there (``_place.FOREIGN``: the FlashInfer integration serves those).
+    downloads there (``_walk.FOREIGN``: the FlashInfer integration serves those).
 
     FlashInfer runs ninja in each op's ``cached_ops/<op>/`` at every load and relies
     on it doing nothing when the op is built: the family keeps the files' times, and
-    ninja's ``.ninja_log`` and ``.ninja_deps`` (``_place.KEPT``) are published. Both
+    ninja's ``.ninja_log`` and ``.ninja_deps`` (``_walk.KEPT``) are published. Both
     name outputs and headers by absolute path, which the key's directory and
     installation path pin."""
     base = Path(environ.get("FLASHINFER_WORKSPACE_BASE") or _home(environ))

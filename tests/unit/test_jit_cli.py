@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import tarfile
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,9 @@ def seeded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     for var in ("DISTCACHE_POOL", "DISTCACHE_ORIGIN", "DISTCACHE_JIT_CACHES"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("TMPDIR", str(tmp_path))
+    # tempfile keeps the directory it chose first for the process (as torch gets it):
+    # this test's process chooses again.
+    monkeypatch.setattr(tempfile, "tempdir", None)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     built = tmp_path / "inductor"
     for rel, data in FILES.items():

@@ -143,6 +143,8 @@ def test_precompiled_headers_go_to_torchs_default_folder_on_a_node_without_one(
 ) -> None:
     pool = ArtifactPool(tmp_path / "pool")
     tmp_a, tmp_b = tmp_path / "tmp-a", tmp_path / "tmp-b"
+    tmp_a.mkdir()
+    tmp_b.mkdir()  # a TMPDIR that is missing is skipped, by torch as by distcache
     env_a = {"TMPDIR": str(tmp_a), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
     env_b = {**env_a, "TMPDIR": str(tmp_b)}
     default_a = inductor_default_dir(env_a)
