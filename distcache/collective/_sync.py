@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from distcache._log import get_logger
 from distcache.artifact import Artifact
 from distcache.collective._cursors import (
+    held_cursor,
     journal_matches,
     journal_past_received,
     journal_path,
@@ -19,13 +20,13 @@ from distcache.collective._cursors import (
     pools_key,
     store_cursor,
     store_labels_cursor,
-    stored_cursor,
 )
 from distcache.collective._plan import elect_writers, make_plan
 from distcache.collective._report import PrefetchReport
 from distcache.collective._run import Failure, Run, discover, own_settings
 from distcache.collective._sharing import agree_pools
 from distcache.collective._totals import finish
+from distcache.collective._trust import Trust, draw, next_token, pack, trusted, unpack
 from distcache.comm import Communicator, node_tree
 from distcache.store import Pool
 from distcache.store._log import journal_mark
@@ -44,12 +45,41 @@ class SyncState:
     the bytes it was taken after is not resumed from. ``labels`` holds each pool's
     ``names.log`` offset with its mark (:func:`~distcache.store._log.names_since`).
     ``key`` names the set of pools they were taken over (:func:`pools_key`): a sync over
-    another set starts from the cursors its pools keep for that set instead."""
+    another set starts from the cursors its pools keep for that set instead. ``token``
+    is the one that sync drew (:mod:`distcache.collective._trust`): its cursors are
+    resumed from only where the pool still holds it."""
 
     cursors: dict[str, int] = field(default_factory=dict)
     marks: dict[str, str] = field(default_factory=dict)
     labels: dict[str, tuple[int, str]] = field(default_factory=dict)
     key: str | None = None
+    token: str | None = None
+
+
+#: What a rank sends in a sync's exchange: ``(gained, named, whole, failure)``; a
+#: writer's ``gained`` opens with its :data:`~distcache.collective._trust.Trust`.
+Report = tuple[bytes | None, bytes | None, tuple[bool, bool], Failure | None]
+
+
+@dataclass
+class _Part:
+    """What a writer sends of its pool's logs (nothing, from another rank), and where
+    it read them up to."""
+
+    gained: bytes | None = None
+    named: bytes | None = None
+    whole: tuple[bool, bool] = (True, True)  # whether each part was sent whole
+    failure: Failure | None = None
+    trust: Trust | None = None
+    cursor: int = 0
+    mark: str | None = None
+    labelled: tuple[int, str] | None = None  # the names.log cursor reached
+
+    @property
+    def report(self) -> Report:
+        gained = None if self.gained is None or self.trust is None else (
+            pack(self.trust) + self.gained)
+        return gained, self.named, self.whole, self.failure
 
 
 def encode_gained(shas: list[str], names: dict[str, str]) -> bytes:
@@ -71,7 +101,7 @@ def encode_labels(labels: dict[str, str]) -> bytes:
 
 
 def _report_parts(report: object) -> tuple[object, object, tuple[bool, bool], object]:
-    """A writer's ``(gained, named, whole, failure)`` as sent, its shape checked.
+    """A rank's :data:`Report` as sent, its shape checked.
 
     Raises:
         ValueError: it is not of that shape (a peer of another version, or damage).
@@ -106,6 +136,26 @@ def _is_failure(value: object) -> bool:
     phase, artifact, rank, host, cause = value
     return (isinstance(phase, str) and (artifact is None or isinstance(artifact, str))
             and isinstance(rank, int) and isinstance(host, str) and isinstance(cause, str))
+
+
+def _keep_part(pool: Pool, part: _Part, key: str, token: str | None,
+               state: SyncState | None) -> None:
+    """Keep where a successful sync left this writer's pool, with the sync's ``token``,
+    in the pool and in ``state``. A cursor not kept (logged) costs the next sync more
+    bytes, never an object: the sync has already succeeded on every rank."""
+    if part.mark is not None:  # a cursor is kept only with its check on the journal
+        store_cursor(pool, part.cursor, part.mark, key, token)
+    if part.labelled is not None:
+        store_labels_cursor(pool, *part.labelled, key)
+    if state is not None:
+        state.key, state.token = key, token
+        state.cursors[pool.pool_id] = part.cursor
+        if part.mark is not None:
+            state.marks[pool.pool_id] = part.mark
+        else:
+            state.marks.pop(pool.pool_id, None)
+        if part.labelled is not None:
+            state.labels[pool.pool_id] = part.labelled
 
 
 def _winners(decoded: list[tuple[list[str], dict[str, str], bool]],
@@ -149,6 +199,85 @@ def decode_gained(blob: object) -> tuple[list[str], dict[str, str]]:
     return shas, names
 
 
+def _read_part(run: Run, pool: Pool, key: str, state: SyncState | None, *,
+               whole: bool = False) -> _Part:
+    """What this writer sends: its pool's journal and labels since the cursors it
+    keeps for ``key`` (or ``state``'s, where further and taken with the token the pool
+    holds); with ``whole``, all of them, as a first sync over the set sends. A failure
+    is the part's, for the exchange."""
+    part = _Part()
+    try:
+        start, held, from_state, session = 0, None, False, None
+        if not whole:
+            if state is not None and state.key not in (None, key):
+                state.cursors, state.marks, state.labels, state.token = {}, {}, {}, None
+            start, held = held_cursor(pool, key)
+            if journal_path(pool) is None:  # a pool without files: the session's word
+                held = None if state is None else state.token
+            if state is not None and state.token == held:
+                session = state.labels.get(pool.pool_id)
+                # Whether the journal part is news: only where no names.log says it
+                # (a pool without files), from a session's cursor.
+                if pool.pool_id in state.cursors:
+                    at = state.cursors[pool.pool_id]
+                    if journal_matches(pool, at, state.marks.get(pool.pool_id)):
+                        start, from_state = max(start, at), True
+        shas, part.cursor = pool.journal_since(start)
+        journal = journal_path(pool)
+        part.mark = None if journal is None else journal_mark(journal, part.cursor)
+        new = set(shas)
+        own = {n: s for n, s in pool.names().items() if s in new}
+        part.gained = encode_gained(shas, own)
+        part.whole = (not from_state, True)
+        since = labels_since(pool, key, session, whole=whole)
+        resumed = start > 0
+        if since is not None:
+            recorded, reached, reached_mark, labels_held = since
+            part.labelled = (reached, reached_mark)
+            resumed = resumed or labels_held
+            # Where the pool keeps names.log, its cursor alone says what is news: the
+            # journal part's labels are the current ones of the objects it lists,
+            # recorded whenever. What the journal part names already, as news or not
+            # alike, is not sent twice.
+            part.whole = (True, not labels_held)
+            extra = {n: s for n, s in recorded.items() if labels_held or own.get(n) != s}
+            part.named = encode_labels(extra) if extra else None
+        part.trust = (held, resumed and not whole, draw() if run.comm.rank == 0 else None)
+    except Exception as exc:
+        part.failure = run.failure("discover", None, exc)
+    return part
+
+
+def _exchange(run: Run, node_ids: list[str], report: Report
+              ) -> tuple[list[tuple[list[str], dict[str, str], bool]], list[Trust | None]]:
+    """Collective: every rank's report, decoded, in rank order, with each rank's trust.
+
+    Every rank holds the same reports: one error, the lowest rank's, whether a report
+    is of another shape, says that it failed, or holds a bad blob.
+
+    Raises:
+        PrefetchError: a rank failed or sent a malformed report (on every rank alike).
+    """
+    reports = run.comm.allgather_object(report, timeout=run.timeout)
+    checked = [_checked(sender, node_ids[sender], sent) for sender, sent in enumerate(reports)]
+    run.raise_first(failed for *_, failed in checked)  # the shared rule: primary()
+    decoded = []
+    trusts: list[Trust | None] = []
+    for sender, (gained, named, parts, _) in enumerate(checked):
+        trust = None
+        try:
+            if isinstance(gained, bytes):
+                trust, gained = unpack(gained)
+            for blob, sent_whole in zip((gained, named), parts, strict=True):
+                if blob is not None:
+                    decoded.append((*decode_gained(blob), sent_whole))
+        except ValueError as exc:
+            run.raise_first([("discover", None, sender, node_ids[sender],
+                              f"{type(exc).__name__}: {exc}")])
+        trusts.append(trust)
+    return decoded, trusts
+
+
 def sync(
     *,
     comm: Communicator,
@@ -186,61 +315,16 @@ def sync(
             pool_ids = agree_pools(run, [i[0] for i in infos], node_ids)
             is_writer = elect_writers(pool_ids)[pool_ids[comm.rank]] == comm.rank
         with run.phase("discover"):
-            gained: bytes | None = None
-            named: bytes | None = None
-            whole = (True, True)  # whether each part was sent whole (no cursor held)
-            failure: Failure | None = None
-            cursor, mark, key = 0, None, "-"
-            labelled: tuple[int, str] | None = None  # the names.log cursor reached
-            if is_writer:
-                try:
-                    key = pools_key(pool_ids)
-                    if state is not None and state.key not in (None, key):
-                        state.cursors, state.marks, state.labels = {}, {}, {}
-                    # Whether the journal part is news: only where no names.log says it
-                    # (a pool without files), from a session's cursor.
-                    start, resumed = stored_cursor(pool, key), False
-                    if state is not None and pool.pool_id in state.cursors:
-                        at = state.cursors[pool.pool_id]
-                        if journal_matches(pool, at, state.marks.get(pool.pool_id)):
-                            start, resumed = max(start, at), True
-                    shas, cursor = pool.journal_since(start)
-                    journal = journal_path(pool)
-                    mark = None if journal is None else journal_mark(journal, cursor)
-                    new = set(shas)
-                    own = {n: s for n, s in pool.names().items() if s in new}
-                    gained = encode_gained(shas, own)
-                    whole = (not resumed, True)
-                    since = labels_since(
-                        pool, key, None if state is None else state.labels.get(pool.pool_id))
-                    if since is not None:
-                        recorded, reached, reached_mark, held = since
-                        labelled = (reached, reached_mark)
-                        # Where the pool keeps names.log, its cursor alone says what is
-                        # news: the journal part's labels are the current ones of the
-                        # objects it lists, recorded whenever. What the journal part
-                        # names already, as news or not alike, is not sent twice.
-                        whole = (True, not held)
-                        extra = {n: s for n, s in recorded.items() if held or own.get(n) != s}
-                        named = encode_labels(extra) if extra else None
-                except Exception as exc:
-                    failure = run.failure("discover", None, exc)
-            reports = comm.allgather_object((gained, named, whole, failure),
-                                            timeout=run.timeout)
-            # Every rank holds the same reports: one error, the lowest rank's, whether a
-            # report is of another shape, says that it failed, or holds a bad blob.
-            decoded = []
-            checked = [_checked(sender, node_ids[sender], report)
-                       for sender, report in enumerate(reports)]
-            run.raise_first(failed for *_, failed in checked)  # the shared rule: primary()
-            for sender, (*blobs, parts, _) in enumerate(checked):
-                try:
-                    for blob, sent_whole in zip(blobs, parts, strict=True):
-                        if blob is not None:
-                            decoded.append((*decode_gained(blob), sent_whole))
-                except ValueError as exc:
-                    run.raise_first([("discover", None, sender, node_ids[sender],
-                                      f"{type(exc).__name__}: {exc}")])
+            key = pools_key(pool_ids)
+            part = _read_part(run, pool, key, state) if is_writer else _Part()
+            decoded, trusts = _exchange(run, node_ids, part.report)
+            if not trusted(trusts):
+                # Some pool of the set missed the sync the cursors were kept by (a copy,
+                # a restored backup): what was sent since them is not all it lacks.
+                resumed = is_writer and part.trust is not None and part.trust[1]
+                again = _read_part(run, pool, key, None, whole=True) if resumed else _Part()
+                decoded += _exchange(run, node_ids, again.report)[0]
+            token = next_token(trusts)
             objects = sorted({s for shas, _, _ in decoded for s in shas})
             have = discover(run, objects, pool_ids)
         with run.phase("plan"):
@@ -267,24 +351,13 @@ def sync(
                 except Exception as exc:
                     failure = run.failure("publish", None, exc)
             if is_writer and failure is None:
-                cursor, mark = journal_past_received(pool, cursor, mark, present)
-                if labelled is not None:
-                    labelled = labels_past_received(pool, *labelled, labels)
+                part.cursor, part.mark = journal_past_received(
+                    pool, part.cursor, part.mark, present)
+                if part.labelled is not None:
+                    part.labelled = labels_past_received(pool, *part.labelled, labels)
         report = finish(run, plan, len(objects), failure)
         if is_writer:
-            if mark is not None:  # a cursor is kept only with its check on the journal
-                store_cursor(pool, cursor, mark, key)
-            if state is not None:
-                state.key = key
-                state.cursors[pool.pool_id] = cursor
-                if mark is not None:
-                    state.marks[pool.pool_id] = mark
-                else:
-                    state.marks.pop(pool.pool_id, None)
-            if labelled is not None:
-                store_labels_cursor(pool, *labelled, key)
-                if state is not None:
-                    state.labels[pool.pool_id] = labelled
+            _keep_part(pool, part, key, token, state)
         return report
 
     return run.guarded(body)

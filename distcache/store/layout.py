@@ -17,11 +17,13 @@ A pool root holds::
     journal.log                 append-only list of shas published into this pool
     sync.cursor                 where the last collective sync over a set of pools left
                                 journal.log ("<pools key> <byte offset> <crc32 of the
-                                bytes before it>" lines), so the next one over the same
-                                pools sends only what follows
+                                bytes before it> <token>" lines, the token that sync's,
+                                alike in every pool it reached), so the next one over
+                                the same pools sends only what follows
     sync.names.cursor           the same for names.log ("<pools key> <byte offset>
                                 <crc32 of every byte before it>" lines), so the labels
                                 recorded since reach the other pools too
+    locks/sync*.cursor.lock     held while a cursor file is rewritten
 
 :class:`PoolLayout` is the one place that names these paths; the rest of
 :mod:`distcache.store` asks it rather than joining paths itself, so a change of layout
