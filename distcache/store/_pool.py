@@ -136,11 +136,7 @@ class ArtifactPool:
 
     def has(self, sha256: str) -> bool:
         """Whether an object for ``sha256`` is present (no hashing; a later ``get``
-        may still find it corrupt).
-
-        Raises:
-            ValueError: ``sha256`` is not 64 lowercase hex characters.
-        """
+        may still find it corrupt). ValueError: ``sha256`` is not 64 lowercase hex."""
         return self._store.has(check_sha256(sha256))
 
     def holding(self, shas: Iterable[str]) -> list[bool]:
@@ -248,13 +244,15 @@ class ArtifactPool:
     def batch(self, *, wait: bool = True) -> AbstractContextManager[None]:
         """A context in which publications are made durable together when it ends
         (one filesystem flush, not an ``fsync`` per object and directory; with
-        ``wait=False`` on a thread of its own, logging a failure). Safe because every
+        ``wait=False`` on a thread of its own, logging a failure); batches open at once
+        on several threads of this pool object share one flush, when the last ends
+        (that one waits or not as it asked, for all of them). Safe because every
         read is verified: a torn object after a power loss is quarantined and fetched.
         A capped pool collects once the last open batch ends, never what the batches
         published (:class:`~distcache.store._maintenance.Cap`).
 
         Raises:
-            PoolError: (on exit, waiting) the flush failed.
+            PoolError: (on exit, waiting, as the last open batch) the flush failed.
         """
         return self._cap.batch(self._store.batch(wait=wait))
 
