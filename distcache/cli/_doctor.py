@@ -29,12 +29,14 @@ from distcache.cli._common import (
     add_json_option,
     emit,
     human_bytes,
+    one_line,
     pool_root,
 )
 from distcache.config import settings
+from distcache.errors import PoolError
 from distcache.ipc import probe_cuda_ipc
 from distcache.ipc._shm import SHM_DIR
-from distcache.store import PoolLayout
+from distcache.store import FORMAT_VERSION, PoolLayout
 from launch import detect
 
 # Filesystems where flock may be node-local or advisory only (DESIGN.md, pool).
@@ -48,8 +50,12 @@ def setup_doctor(parser: argparse.ArgumentParser) -> None:
 
 
 def _existing(path: Path) -> Path:
+    """The nearest of ``path`` and its parents that this user can see exists."""
     path = Path(os.path.abspath(path))
-    while not path.exists() and path != path.parent:
+    while path != path.parent:
+        with contextlib.suppress(OSError):  # a parent it cannot enter: look further up
+            if path.exists():
+                break
         path = path.parent
     return path
 
@@ -146,6 +152,50 @@ def _shm() -> str:
     return f"{human_bytes(usage.total)} total, {human_bytes(usage.free)} free"
 
 
+def pool_state(root: Path) -> str:
+    """What is at ``root`` as a pool: one that exists and every command can use, one
+    they refuse (``NOT USABLE: why``), one only readable here, or none yet. Looks only:
+    a pool of an older format is not migrated, nor is a missing pool made."""
+    layout = PoolLayout(root)
+    try:
+        if not layout.is_pool(made_by_distcache=True):
+            if not os.path.lexists(root) and _absent(root):
+                return "not created yet"
+            return ("NOT USABLE: not a directory" if not root.is_dir()
+                    else "not created yet; the directory exists")
+        found = layout.read_format()
+    except PoolError as exc:
+        return f"NOT USABLE: {one_line(exc)}"
+    except OSError as exc:  # a directory on the way this user cannot enter
+        return f"NOT USABLE: cannot look into it: {exc.strerror or exc}"
+    if found is not None and found > FORMAT_VERSION:
+        return (f"NOT USABLE: on-disk format {found}, newer than format {FORMAT_VERSION}, "
+                "the newest this version of distcache supports; upgrade distcache")
+    if not os.access(layout.objects, os.R_OK | os.X_OK):
+        return f"NOT USABLE: this user cannot list {layout.objects}"
+    # What fetch, prefetch and import write (access() also says EROFS: a read-only mount).
+    written = [layout.root, *layout.directories, layout.names_log, layout.journal_log]
+    unwritable = [p for p in written if os.path.lexists(p) and not os.access(p, os.W_OK)]
+    if unwritable:
+        return (f"exists, read-only for this user: cannot write {unwritable[0]}; fetch, "
+                "prefetch and import will fail here")
+    return "exists"
+
+
+def _absent(path: Path) -> bool:
+    """Whether ``path`` is not there (and not merely hidden by a parent this user
+    cannot enter: :func:`os.path.lexists` says False for both).
+
+    Raises:
+        OSError: the path cannot be looked up.
+    """
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    return False
+
+
 def doctor_lines(pool_root: Path) -> list[tuple[str, str]]:
     """Every fact ``doctor`` reports, as ``(label, text)``, in order.
 
@@ -155,11 +205,7 @@ def doctor_lines(pool_root: Path) -> list[tuple[str, str]]:
     resolved = settings()
     lines = [("distcache", f"{__version__} (python {sys.version.split()[0]})"),
              ("launcher", _launcher())]
-    exists = PoolLayout(pool_root).is_pool(made_by_distcache=True)
-    state = ("exists" if exists else "not created yet" if not os.path.lexists(pool_root)
-             else "NOT USABLE: not a directory" if not pool_root.is_dir()
-             else "not created yet; the directory exists")
-    lines.append(("pool", f"{pool_root} ({state})"))
+    lines.append(("pool", f"{pool_root} ({pool_state(pool_root)})"))
     probe = _existing(pool_root)
     fs = filesystem_of(probe)
     if fs is None:

@@ -50,9 +50,17 @@ def setup_fetch(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run_fetch)
 
 
+def say(line: str) -> None:
+    """Print ``line`` on stderr; nothing where stderr is closed (``2>&-``: Python's
+    ``sys.stderr`` is then None, and ``print`` would write the line to stdout, into
+    the ``--json`` document)."""
+    if sys.stderr is not None:
+        print(line, file=sys.stderr)
+
+
 def _progress(total: int) -> Any:
     """A progress bar on a terminal, else ``None`` (logs and pipes stay clean)."""
-    if not sys.stderr.isatty():
+    if sys.stderr is None or not sys.stderr.isatty():
         return None
     from tqdm import tqdm  # third-party and only worth its import time on a terminal
 
@@ -138,12 +146,10 @@ def run_fetch(args: argparse.Namespace) -> int:
     # An unreachable origin is one cause, however many artifacts it failed: one line.
     down = [e for _, e in failures if isinstance(e, OriginUnreachable)]
     if down:
-        print(f"distcache: {one_line(down[0])} ({len(down)} artifacts not fetched)",
-              file=sys.stderr)
+        say(f"distcache: {one_line(down[0])} ({len(down)} artifacts not fetched)")
     shown = [(a, e) for a, e in failures if not isinstance(e, OriginUnreachable)]
     for artifact, error in shown[:_SHOWN_FAILURES]:
-        print(f"distcache: {artifact.name}: {one_line(error)}", file=sys.stderr)
+        say(f"distcache: {artifact.name}: {one_line(error)}")
     if len(shown) > _SHOWN_FAILURES:
-        print(f"distcache: ... and {len(shown) - _SHOWN_FAILURES} more failures",
-              file=sys.stderr)
+        say(f"distcache: ... and {len(shown) - _SHOWN_FAILURES} more failures")
     return EXIT_ERROR if failures else EXIT_OK

@@ -27,7 +27,7 @@ from distcache.cli._common import (
     one_line,
 )
 from distcache.cli._doctor import setup_doctor
-from distcache.cli._fetch import setup_fetch
+from distcache.cli._fetch import say, setup_fetch
 from distcache.cli._pool import setup_pool
 from distcache.cli._prefetch import setup as setup_prefetch
 from distcache.errors import ConfigError, DistcacheError
@@ -133,10 +133,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except UsageError as exc:
         return _usage(args, parser, exc, f"distcache: error: {one_line(exc)}")
     except Terminated:
-        print("distcache: terminated", file=sys.stderr)
+        say("distcache: terminated")
         return EXIT_TERMINATED
     except KeyboardInterrupt:
-        print("distcache: interrupted", file=sys.stderr)
+        say("distcache: interrupted")
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader went away (`distcache pool ls | head`): not an error. Point stdout
@@ -151,19 +151,24 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             # collective command raised alike is printed by rank 0 alone.
             return _usage(args, parser, exc, error_line(
                 "distcache", exc, one_line(exc), rank=getattr(args, "rank", None)))
-        if args.verbose:
-            traceback.print_exc()
+        _traceback(args)
         # A collective command's error that every rank raised is printed by rank 0.
         line = error_line("distcache", exc, one_line(exc), rank=getattr(args, "rank", None))
         if line is not None:
-            print(line, file=sys.stderr)
+            say(line)
         return EXIT_ERROR
     except Exception as exc:
-        if args.verbose:
-            traceback.print_exc()
-        print(f"distcache: internal error: {type(exc).__name__}: {one_line(exc)}; "
-              "rerun with --verbose for the traceback", file=sys.stderr)
+        _traceback(args)
+        say(f"distcache: internal error: {type(exc).__name__}: {one_line(exc)}; "
+            "rerun with --verbose for the traceback")
         return EXIT_ERROR
+
+
+def _traceback(args: argparse.Namespace) -> None:
+    """The traceback of the error being handled, with ``--verbose``, on stderr (where
+    stderr is closed, nowhere: ``traceback`` would print it on stdout)."""
+    if args.verbose and sys.stderr is not None:
+        traceback.print_exc(file=sys.stderr)
 
 
 def _usage(args: argparse.Namespace, parser: argparse.ArgumentParser, exc: Exception,
@@ -171,6 +176,6 @@ def _usage(args: argparse.Namespace, parser: argparse.ArgumentParser, exc: Excep
     """Bad usage found after parsing: the subcommand's usage and ``line`` (none where
     another rank prints it), exit 2."""
     if line is not None:
-        getattr(args, "usage_of", parser).print_usage(sys.stderr)
-        print(line, file=sys.stderr)
+        getattr(args, "usage_of", parser).print_usage(sys.stderr)  # None: argparse skips it
+        say(line)
     return EXIT_USAGE

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 from collections.abc import Iterator
 
 from distcache.cli._common import (
@@ -24,6 +23,7 @@ from distcache.cli._common import (
     existing_pool,
     human_bytes,
 )
+from distcache.cli._fetch import say
 from distcache.cli._hygiene import PRUNE_HELP, RM_HELP, setup_prune, setup_rm
 from distcache.cli._transfer import IMPORT_HELP, setup_export, setup_import
 from distcache.config import parse_bytes
@@ -76,7 +76,10 @@ def run_ls(args: argparse.Namespace) -> int:
     pool = existing_pool(args)
     if args.family is not None:
         return _ls_families(args, pool)
-    present = [(name, sha) for name, sha in sorted(pool.names().items()) if pool.has(sha)]
+    # One listing of objects/, which fails where it cannot be listed (pool stats and
+    # verify say so too), rather than a look per name that takes the error for absence.
+    held = set(pool.objects())
+    present = [(name, sha) for name, sha in sorted(pool.names().items()) if sha in held]
     data = {"root": pool.root,
             "artifacts": [{"name": name, "sha256": sha} for name, sha in present]}
     emit(args, data, (f"{sha}  {name}" for name, sha in present))
@@ -124,9 +127,8 @@ def run_verify(args: argparse.Namespace) -> int:
         f"({human_bytes(report.ok_bytes)}), {report.corrupt} corrupt, "
         f"{report.quarantined} in quarantine"])
     if report.corrupt:
-        print(f"distcache: {report.corrupt} corrupt object(s) moved to "
-              f"{pool.root / 'quarantine'}; they will be fetched again when needed",
-              file=sys.stderr)
+        say(f"distcache: {report.corrupt} corrupt object(s) moved to "
+            f"{pool.root / 'quarantine'}; they will be fetched again when needed")
         return EXIT_CORRUPT
     return EXIT_OK
 

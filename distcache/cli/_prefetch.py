@@ -19,15 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
+import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
 
 from distcache._logging import configure_logging, reports_error
-from distcache._resolve import prefetch_manifests, resolve_origin, resolve_pool
-from distcache.artifact import read_manifest
+from distcache._resolve import ManifestSpec, prefetch_manifests, resolve_origin, resolve_pool
+from distcache.artifact import merge_manifests, read_manifest
 from distcache.cli._common import check_families, positive_seconds, refuse_foreign
+from distcache.cli._fetch import say
 from distcache.cli._interrupt import Stopper
 from distcache.collective import PrefetchReport
 from distcache.comm import Communicator, adopt
@@ -98,26 +100,25 @@ def setup(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Handle ``distcache prefetch``; returns the exit status (0 ok, 1 failed, 2 usage)."""
     if not args.flashinfer and (args.record or args.family):
-        print("distcache prefetch: --record and --family need --flashinfer", file=sys.stderr)
+        say("distcache prefetch: --record and --family need --flashinfer")
         return 2
     if args.flashinfer and not (args.record or args.family):
-        print("distcache prefetch: --flashinfer needs --record DIR and/or --family NAME",
-              file=sys.stderr)
+        say("distcache prefetch: --flashinfer needs --record DIR and/or --family NAME")
         return 2
     if args.arch and not args.family:
-        print("distcache prefetch: --arch filters whole families: it needs --flashinfer "
-              "--family NAME", file=sys.stderr)
+        say("distcache prefetch: --arch filters whole families: it needs --flashinfer "
+            "--family NAME")
         return 2
     if args.jit and args.dry_run:
-        print("distcache prefetch: --dry-run lists manifests and FlashInfer artifacts, "
-              "not --jit caches (see 'distcache pool ls --family')", file=sys.stderr)
+        say("distcache prefetch: --dry-run lists manifests and FlashInfer artifacts, "
+            "not --jit caches (see 'distcache pool ls --family')")
         return 2
     if args.jit:
         # Before the pool is opened (and made): a misspelt name leaves nothing behind.
         try:
             check_families(args.jit, "--jit")
         except ConfigError as exc:  # a malformed option value: bad usage, as elsewhere
-            print(f"distcache prefetch: {exc}", file=sys.stderr)
+            say(f"distcache prefetch: {exc}")
             return 2
     if args.family:
         # Before the pool is opened (and made), as --jit: a typo leaves nothing behind.
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             for family in args.family:
                 family_checksums(family)
         except ConfigError as exc:  # a value given is malformed (2), else FlashInfer (1)
-            print(f"distcache prefetch: {' '.join(str(exc).split())}", file=sys.stderr)
+            say(f"distcache prefetch: {' '.join(str(exc).split())}")
             return 2 if getattr(exc, "value", None) is not None else 1
     try:
         if args.dry_run:
@@ -139,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         report, rank = _prefetch(args)
     except DistcacheError as exc:
         if reports_error(exc, getattr(args, "rank", None)):  # rank 0 prints an agreed one
-            print(f"distcache prefetch: {' '.join(str(exc).split())}", file=sys.stderr)
+            say(f"distcache prefetch: {' '.join(str(exc).split())}")
         return 1
     if rank == 0:
         _print_report(args, report)
@@ -174,6 +175,7 @@ def _prefetch(args: argparse.Namespace) -> tuple[PrefetchReport | None, int]:
         # The inputs are checked before the pool is opened, which creates it: a
         # mistyped manifest, origin or record leaves no new pool behind.
         origin: Origin | None = None
+        manifests: list[ManifestSpec] = []
         if args.flashinfer:
             _check_record(comm, args.record, conf.timeout)
             # FlashInfer's own repository is the fallback origin (prefetch resolves it).
@@ -182,7 +184,7 @@ def _prefetch(args: argparse.Namespace) -> tuple[PrefetchReport | None, int]:
             # No origin is needed for what the pools hold; prefetch_manifests names
             # whatever no pool holds (and honours DISTCACHE_OFFLINE).
             origin = resolve_origin(args.origin, conf)
-            _check_manifests(comm, args.manifest)
+            manifests = _read_manifests(comm, args.manifest)
         pool = resolve_pool(root, conf)
         log.info("pool: %s (id %s)", pool.root, pool.pool_id)
         if args.flashinfer:
@@ -194,7 +196,7 @@ def _prefetch(args: argparse.Namespace) -> tuple[PrefetchReport | None, int]:
         if args.jit:
             return _prefetch_jit(comm, pool, args.jit, conf.timeout), comm.rank
         stopper, origin = _stoppable(origin)
-        report = prefetch_manifests(comm, pool, origin, manifests=args.manifest,
+        report = prefetch_manifests(comm, pool, origin, manifests=manifests,
                                     timeout=conf.timeout, offline=conf.offline)
         return report, comm.rank
     except DistcacheError:
@@ -234,19 +236,32 @@ def _stoppable(origin: Origin | None) -> tuple[Stopper | None, Origin | None]:
     return stopper, stopper.origin
 
 
-def _check_manifests(comm: Communicator, manifests: list[str]) -> None:
+def _read_manifests(comm: Communicator, manifests: list[str]) -> list[ManifestSpec]:
     """Read ``manifests`` before the pool is opened (and made), where this process is
-    the whole job. With more ranks the prefetch reads them and the ranks agree on the
-    error, so that a manifest only some of them cannot read leaves none waiting; a
-    rank refusing alone here would.
+    the whole job, and return what the prefetch is to take: the artifacts read from
+    each, or the name of one that is a regular file (read again there, it names the
+    file in what it says). A pipe (``<(...)``) is read once: a second read finds it
+    drained. With more ranks the prefetch reads the manifests and the ranks agree on
+    the error, so that a manifest only some of them cannot read leaves none waiting;
+    a rank refusing alone here would.
 
     Raises:
         ConfigError: a manifest cannot be read.
-        ManifestError, ArtifactNameError: a manifest is malformed.
+        ManifestError, ArtifactNameError: a manifest is malformed, or two of them list
+            one name with two digests.
     """
-    if comm.size == 1:
-        for manifest in manifests:
-            read_manifest(manifest)
+    if comm.size != 1:
+        return list(manifests)
+    read = [(manifest, read_manifest(manifest)) for manifest in manifests]
+    merge_manifests(read)  # one name with two digests: said naming both files
+    return [manifest if _regular_file(manifest) else artifacts for manifest, artifacts in read]
+
+
+def _regular_file(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _check_record(comm: Communicator, record: str | None, timeout: float | None) -> None:
