@@ -13,6 +13,7 @@ print the same line a second time.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from collections.abc import Callable
 from typing import TextIO
@@ -21,6 +22,31 @@ from typing import TextIO
 LOGGERS = ("distcache", "launch")
 #: Third-party loggers kept quiet unless ``-vv``: urllib3 logs every connection.
 _NOISY = ("urllib3",)
+#: A URL in a message (``scheme://`` to the next blank or quote).
+_URL = re.compile(r"""[A-Za-z][A-Za-z0-9+.-]*://[^\s'"<>]+""")
+#: The query (and fragment) of a path quoted without its host: ``GET /f?sig=...``.
+_QUERY = re.compile(r"""(?<=[^\s'"<>])[?#][^\s'"<>]*""")
+
+
+def _redact_urls(text: str) -> str:
+    """``text`` with each URL shown by :func:`~distcache._urls.redact_url` (no user-info,
+    no query) and the query cut from every other path."""
+    from distcache._urls import redact_url  # with the first connection line
+
+    return _QUERY.sub("", _URL.sub(lambda url: redact_url(url.group()), text))
+
+
+class _RedactFilter(logging.Filter):
+    """Rewrites the records of the :data:`_NOISY` loggers without the user-info and
+    queries of the URLs they quote: urllib3 logs each request's full path, and a signed
+    URL carries its secret in the query. Their tracebacks are dropped, for the same
+    reason; other records pass as they are."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name.partition(".")[0] in _NOISY:
+            record.msg, record.args = _redact_urls(record.getMessage()), None
+            record.exc_info = record.exc_text = record.stack_info = None
+        return True
 
 
 class _RankFilter(logging.Filter):
@@ -118,19 +144,24 @@ def configure_logging(
     handler = logging.StreamHandler(stream) if stream is not None else _StderrHandler()
     handler.setFormatter(_Formatter(verbose))
     handler.addFilter(_RankFilter(verbose, rank))
+    handler.addFilter(_RedactFilter())
     handler.set_name("distcache")
     level = logging.DEBUG if verbose > 0 else logging.INFO
     loggers = [logging.getLogger(name) for name in LOGGERS]
     noisy = [logging.getLogger(name) for name in _NOISY]
     saved = [(lg, lg.level, lg.propagate, list(lg.handlers)) for lg in loggers + noisy]
-    for lg in loggers:
+    for lg in loggers + noisy:
         for old in [h for h in lg.handlers if h.get_name() == "distcache"]:
             lg.removeHandler(old)
+    for lg in loggers:
         lg.addHandler(handler)
         lg.setLevel(level)
         lg.propagate = False
     for lg in noisy:
         lg.setLevel(logging.DEBUG if verbose > 1 else logging.ERROR)
+        if verbose > 1:  # printed by the same handler, redacted; not a second time by root
+            lg.addHandler(handler)
+            lg.propagate = False
     saved_rank, saved_verbose = _rank[0], _verbose[0]
     _rank[0], _verbose[0] = rank, verbose
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from distcache._home import Unresolved, default_pool_dir, defer_fields
 from distcache.errors import ConfigError
 
 __all__ = ["ENV_VARS", "TABLE", "Settings", "Variable", "check_seconds", "default_pool_dir",
@@ -196,14 +197,6 @@ def env_bytes(name: str, default: int | None, environ: Mapping[str, str] | None 
     return default if value is None else parse_bytes(value, variable=name)
 
 
-def default_pool_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """``$XDG_CACHE_HOME/distcache``, else ``~/.cache/distcache``."""
-    env = os.environ if environ is None else environ
-    xdg = env.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg else Path(env.get("HOME", str(Path.home()))) / ".cache"
-    return base / "distcache"
-
-
 # --- the table ----------------------------------------------------------------------
 # A blank variable (``VAR=``) counts as unset for a setting whose type has no empty
 # value (numbers, booleans, sizes, paths, names); a list setting reads it as the empty
@@ -228,15 +221,19 @@ class Variable(NamedTuple):
     check: Callable[[Variable, Any], Any] | None = None
 
     def read(self, environ: Mapping[str, str]) -> Any:
-        """The parsed value, or the default when the variable is unset.
+        """The parsed value, or the default when the variable is unset; a default that
+        cannot be worked out is kept as an :class:`Unresolved`, raised when read.
 
         Raises:
             ConfigError: the value does not parse.
         """
         raw = environ.get(self.name)
-        if raw is None or (self.blank_is_unset and raw.strip() == ""):
+        if raw is not None and not (self.blank_is_unset and raw.strip() == ""):
+            return self.parse(self.name, raw)
+        try:
             return self.default(environ) if callable(self.default) else self.default
-        return self.parse(self.name, raw)
+        except ConfigError as exc:
+            return Unresolved.of(exc)
 
     def take(self, given: Any) -> Any:
         """An explicit keyword's value (not ``None``), as :attr:`check` lets it through."""
@@ -326,7 +323,7 @@ class Settings(NamedTuple):
     of as many fields). Build with :func:`settings`; one row of :data:`TABLE` each."""
 
     disable: bool  #: Disable every hook.
-    pool_dir: Path  #: Pool directory.
+    pool_dir: Path  #: Pool directory; ConfigError when read where it has no default.
     pool_max_bytes: int | None  #: Pool size cap in bytes, or ``None`` for unlimited.
     origins: tuple[str, ...]  #: Origins tried in order (URLs or directories); empty when unset.
     origin_token: str | None  #: Bearer token for the first HTTP(S) origin (never in ``repr``).
@@ -365,6 +362,9 @@ class Settings(NamedTuple):
             self._fields, shown, strict=True) if name not in ("origin_token", "origin_tokens")) + ")"
 
 
+# A field whose default is worked out (the pool directory) raises, when read, the error
+# its default met; a caller that never reads it (a command given --pool) runs.
+defer_fields(Settings, [v.field for v in TABLE if callable(v.default)])
 _FIELDS = frozenset(Settings._fields)
 
 
@@ -388,7 +388,8 @@ def settings(environ: Mapping[str, str] | None = None, **explicit: Any) -> Setti
     if isinstance(resolved["origins"], str):
         resolved["origins"] = (resolved["origins"],)
     resolved["origins"] = tuple(resolved["origins"])
-    resolved["pool_dir"] = Path(resolved["pool_dir"])
+    if not isinstance(resolved["pool_dir"], Unresolved):
+        resolved["pool_dir"] = Path(resolved["pool_dir"])
     chunk = resolved["chunk_bytes"]
     if not 0 < chunk < _TWO_GIB:
         raise ConfigError(f"DISTCACHE_CHUNK_BYTES={chunk} must be between 1 and 2 GiB - 1",
