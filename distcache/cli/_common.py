@@ -125,11 +125,19 @@ def refuse_foreign(root: Path) -> None:
             "or set DISTCACHE_POOL", path=str(root))
 
 
-def existing_pool(args: argparse.Namespace) -> ArtifactPool:
-    """The pool ``--pool`` (or the settings) names, which must already exist.
+#: The ``pool`` actions that only read the pool: they open it read-only.
+READING_ACTIONS = ("ls", "stats")
+
+
+def existing_pool(args: argparse.Namespace, *, read_only: bool = False) -> ArtifactPool:
+    """The pool ``--pool`` (or the settings) names, which must already exist; with
+    ``read_only``, ``--dry-run`` or for one of :data:`READING_ACTIONS`, opened to read
+    it only, changing nothing there (:class:`~distcache.store.ArtifactPool`'s
+    ``read_only``: no stale file swept, no directory made, no recency stamp).
 
     Raises:
-        PoolError: there is no pool there, or the directory is not a pool.
+        PoolError: there is no pool there, or the directory is not a pool (or, read
+            only, its format is not the current one).
         ConfigError: a ``DISTCACHE_*`` variable has a bad value.
     """
     from distcache._resolve import resolve_pool
@@ -137,7 +145,11 @@ def existing_pool(args: argparse.Namespace) -> ArtifactPool:
     conf = settings()
     root = Path(args.pool) if args.pool is not None else conf.pool_dir
     refuse_foreign(root)
-    return resolve_pool(root, conf, must_exist=True)
+    read_only = (read_only or getattr(args, "dry_run", False)
+                 or getattr(args, "pool_command", None) in READING_ACTIONS)
+    if not read_only or not PoolLayout(root).is_pool():
+        return resolve_pool(root, conf, must_exist=True)  # refuses a missing pool
+    return ArtifactPool(root, max_bytes=conf.pool_max_bytes, read_only=True)
 
 
 def check_families(names: Iterable[str], option: str = "--family") -> None:
@@ -241,7 +253,7 @@ class _Bar:
 
 def progress_bar(args: argparse.Namespace) -> _Bar | None:
     """A byte progress bar on a terminal; ``None`` in logs, pipes and with ``--json``."""
-    if getattr(args, "json", False) or not sys.stderr.isatty():
+    if getattr(args, "json", False) or sys.stderr is None or not sys.stderr.isatty():
         return None
     return _Bar()
 

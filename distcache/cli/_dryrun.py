@@ -7,7 +7,8 @@ A family whose ``checksums.txt`` is not in the pool yet cannot be expanded offli
 the manifest itself is listed as missing, and the family is reported as not expanded.
 Run it once per pool (one process per node, or under the launcher, where each rank
 reports the pool it uses). A pool that does not exist is reported as lacking
-everything and is not created.
+everything and is not created; one that does is opened read-only, and nothing there
+changes.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def _families(pool: ArtifactPool | None, families: list[str],
 def run_dry_run(args: argparse.Namespace) -> int:
     """Print what the pool lacks: names as text, or one JSON document."""
     root = pool_root(args)
-    pool = ArtifactPool(root) if PoolLayout(root).is_pool(made_by_distcache=True) else None
+    made = PoolLayout(root).is_pool(made_by_distcache=True)
+    pool = ArtifactPool(root, read_only=True) if made else None
     if args.flashinfer and args.record and not Path(args.record).is_dir():
         # A typo would otherwise list nothing and succeed.
         raise ConfigError(f"--record {args.record}: no such directory on this machine; "

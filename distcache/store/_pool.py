@@ -15,7 +15,6 @@ every path and checks the format, ``_objects`` reads, publishes and quarantines,
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -26,14 +25,14 @@ from distcache.artifact import Artifact, check_sha256, sha256_hex, validate_name
 from distcache.config import settings
 from distcache.errors import ConfigError, IntegrityError, PoolError
 from distcache.store import _maintenance
-from distcache.store._fs import fsync_dir, make_dir, pool_error, process_umask
-from distcache.store._identity import PoolIdentity
+from distcache.store._fs import pool_error
 from distcache.store._locking import FileLock
 from distcache.store._log import Journal
 from distcache.store._materialize import materialize
 from distcache.store._names import UNLABELLED_ERRNOS, NamesIndex
-from distcache.store._objects import ObjectStore, Witness, check_size
+from distcache.store._objects import Witness, check_size
 from distcache.store._offline import refuse_offline
+from distcache.store._opening import open_root, refusal
 from distcache.store.layout import STALE_TMP_SECONDS, PoolLayout
 
 if TYPE_CHECKING:
@@ -52,15 +51,17 @@ class ArtifactPool:
             Default: ``DISTCACHE_POOL_MAX_BYTES``, else unlimited.
         lock_timeout: seconds to wait for another process downloading the same
             object before downloading it too. Default: ``DISTCACHE_LOCK_TIMEOUT``.
+        read_only: open an existing pool of the current format to read it only:
+            nothing is made, migrated, swept or stamped; every write raises PoolError.
 
     Raises:
-        PoolError: the root or its layout cannot be created or is not a directory,
-            or the pool's on-disk format is newer than this code supports or malformed.
+        PoolError: the root or layout cannot be made or is not a directory, the format is
+            malformed or newer than supported (``read_only``: not current, or no pool).
         ConfigError: a negative ``max_bytes``/``lock_timeout`` or a bad variable.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, max_bytes: int | None = None,
-                 lock_timeout: float | None = None) -> None:
+                 lock_timeout: float | None = None, read_only: bool = False) -> None:
         if max_bytes is not None and max_bytes < 0:
             raise ConfigError(f"max_bytes must be >= 0, got {max_bytes}", variable="max_bytes",
                               value=max_bytes)
@@ -73,34 +74,29 @@ class ArtifactPool:
         #: Every on-disk path of this pool.
         self.layout = PoolLayout(Path(root))
         self.root = self.layout.root
-        file_mode = 0o444 & ~process_umask()
-        host = "".join(c if c.isalnum() or c in "-." else "_" for c in os.uname().nodename)
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            setgid = bool(os.stat(self.root).st_mode & stat.S_ISGID)
-        except OSError as exc:
-            raise pool_error("cannot create pool root", self.root, exc) from exc
-        #: The on-disk format version (always :data:`~distcache.store.layout.FORMAT_VERSION`
-        #: once open: an older pool is migrated, a newer one refused).
-        self.format_version = self.layout.open_format(host=host, mode=file_mode, setgid=setgid)
-        # A directory made here is flushed into the root once, so that objects/ (and
-        # every object later journaled under it) survives a power loss.
-        made = [make_dir(directory, setgid=setgid) for directory in self.layout.directories]
-        if any(made):
-            fsync_dir(self.root)
-        self._store = ObjectStore(self.layout, host=host, file_mode=file_mode, setgid=setgid)
+        #: Whether this pool object only reads (``read_only``).
+        self.read_only = read_only
+        opened = open_root(self.layout, read_only=read_only)
+        #: The on-disk format version: :data:`~distcache.store.layout.FORMAT_VERSION` once open.
+        self.format_version = opened.format_version
+        self._store = opened.store(self.layout)
         self._names_index = NamesIndex(self.layout.names_log, 0o666)
         self._journal = Journal(self.layout.journal_log, 0o666)
         self._unlabelled = False  # said once: this pool cannot take labels
         #: The pool's identity: its ``pool_id``, and the probes a collective places
         #: to show which ranks see this directory (a copy takes a fresh id).
-        self.identity = PoolIdentity(self.layout, host=host, mode=file_mode)
+        self.identity = opened.identity(self.layout)
         self._cap = _maintenance.Cap(self.layout, self.max_bytes, lambda: sum(
             st.st_size for _p, _s, st in self._store.scan()))
-        self.sweep()
+        if not read_only:
+            self.sweep()
 
     def __repr__(self) -> str:
         return f"ArtifactPool({str(self.root)!r}, pool_id={self.pool_id!r})"
+
+    def _writable(self, what: str) -> None:
+        if self.read_only:
+            raise refusal(self.root, what)
 
     @property
     def pool_id(self) -> str:
@@ -187,8 +183,9 @@ class ArtifactPool:
         Raises:
             IntegrityError: ``sha256`` was given and ``data`` does not match it.
             ValueError: ``sha256`` is malformed.
-            PoolError: the object cannot be written.
+            PoolError: the object cannot be written (or the pool is open read-only).
         """
+        self._writable("store an object")
         actual = sha256_hex(data)
         if sha256 is not None and check_sha256(sha256) != actual:
             raise IntegrityError(
@@ -220,6 +217,7 @@ class ArtifactPool:
             OriginError: the origin cannot deliver (passed through).
             PoolError: the pool cannot be written.
         """
+        self._writable(f"fetch {artifact.name}")
         sha = artifact.sha256
         data = self._store.read(sha, stamp=True)
         if data is None:
@@ -319,6 +317,7 @@ class ArtifactPool:
             IntegrityError: the object's size is not the one the artifact declares.
             PoolError: the object is not in the pool, or the target cannot be written.
         """
+        self._writable(f"materialize {artifact.name}")
         target = materialize(self._store, artifact, into_dir)
         self.label([artifact])
         return target
@@ -333,6 +332,7 @@ class ArtifactPool:
             ValueError: a sha256 is malformed.
             PoolError: the index cannot be written.
         """
+        self._writable("record labels")
         pairs = [(a.name, a.sha256) for a in artifacts]
         # Labels this process holds, or finds in the log on its first read, cost no
         # validation (held names were validated when recorded or read).
@@ -378,12 +378,14 @@ class ArtifactPool:
         Raises:
             PoolError: the objects directory cannot be listed.
         """
+        self._writable("collect objects")
         self._cap.max_bytes = self.max_bytes
         return self._cap.collect(max_bytes)
 
     def verify(self) -> VerifyReport:
         """Hash every object; quarantine the corrupt ones (PoolError: the pool cannot
         be listed or an object read)."""
+        self._writable("verify (and quarantine) objects")
         return _maintenance.verify(self._store)
 
     def stats(self) -> PoolStats:
@@ -393,5 +395,6 @@ class ArtifactPool:
                               max_bytes=self.max_bytes)
 
     def sweep(self, max_age: float = STALE_TMP_SECONDS) -> int:
-        """Remove stale temporary and lock files, as on every open; how many."""
+        """Remove stale temporary and lock files, as on every writable open; how many."""
+        self._writable("sweep stale files")
         return _maintenance.sweep(self.layout, max_age)

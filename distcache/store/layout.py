@@ -206,8 +206,9 @@ class PoolLayout(Record):
             PoolError: the file cannot be read or does not hold a positive integer.
         """
         text = read_small_file(self.format_file, "pool format version")
-        if text is None:
-            return None
+        return None if text is None else self._parse_format(text)
+
+    def _parse_format(self, text: str) -> int:
         if not (text.isascii() and text.isdigit()) or len(text) > 9 or int(text) < 1:
             raise PoolError(
                 f"{self.format_file} holds {text[:40]!r}, not a pool format version (a "
@@ -234,15 +235,41 @@ class PoolLayout(Record):
         if found is None:
             found = self._record_first_format(host=host, mode=mode, setgid=setgid)
         if found > FORMAT_VERSION:
-            raise PoolError(
-                f"the pool at {self.root} has on-disk format {found}, newer than format "
-                f"{FORMAT_VERSION}, the newest this version of distcache supports; "
-                "upgrade distcache, or point DISTCACHE_POOL at another directory",
-                path=str(self.format_file),
-            )
+            raise self._newer(found)
         if found < FORMAT_VERSION:
             self._migrate(found, host=host, mode=mode)
         return FORMAT_VERSION
+
+    def read_only_format(self, text: str | None) -> int:
+        """The format version of the existing pool whose ``format`` file holds ``text``,
+        for an open that writes nothing: no version is recorded, none migrated. ``None``
+        (no file, or one still being created) is format 1, as for a pool made before
+        versions were recorded.
+
+        Raises:
+            PoolError: ``text`` is not a version, or the version is not
+                :data:`FORMAT_VERSION` (a newer one needs a newer distcache; an older
+                one is migrated by the first command that writes to the pool).
+        """
+        found = 1 if text is None else self._parse_format(text)
+        if found > FORMAT_VERSION:
+            raise self._newer(found)
+        if found < FORMAT_VERSION:
+            raise PoolError(
+                f"the pool at {self.root} has on-disk format {found}, older than format "
+                f"{FORMAT_VERSION}, and is not migrated by a command that only reads; "
+                "run one that writes to it first (distcache pool verify, say)",
+                path=str(self.format_file),
+            )
+        return found
+
+    def _newer(self, found: int) -> PoolError:
+        return PoolError(
+            f"the pool at {self.root} has on-disk format {found}, newer than format "
+            f"{FORMAT_VERSION}, the newest this version of distcache supports; "
+            "upgrade distcache, or point DISTCACHE_POOL at another directory",
+            path=str(self.format_file),
+        )
 
     def _record_first_format(self, *, host: str, mode: int, setgid: bool) -> int:
         legacy = os.path.lexists(self.objects) or os.path.lexists(self.pool_id_file)
