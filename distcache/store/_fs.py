@@ -12,8 +12,8 @@ a few rules (the object-level rules built on them are in :mod:`distcache.store._
   and nobody else reads a half-written file.
 - **Small files written once** (``pool_id``, ``format``) are written whole elsewhere
   and linked into place: concurrent creators race on ``link(2)``, exactly one wins,
-  and everyone reads the winner's file. Where ``link`` is refused (some FUSE, SMB)
-  an exclusive create stands in, and readers wait out its brief empty state.
+  and everyone reads the winner's file. Where ``link`` is refused (some FUSE, SMB) an
+  exclusive create stands in: readers wait out its empty state, or remove one abandoned.
 - **Shared pools.** Everything is created with the process umask applied (objects
   ``0o444``, logs and locks ``0o666``, directories ``0o777``, less the umask), so a
   team pool works with ``umask 002``. Under a set-gid root Linux gives new
@@ -30,13 +30,13 @@ import errno
 import functools
 import hashlib
 import os
-import re
 import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from distcache.errors import PoolError
+from distcache.store._locking import FileLock
 
 #: How the pool opens files to read them: never through a symlink, never blocking.
 READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -54,25 +54,20 @@ def is_hex(text: str, length: int) -> bool:
     return len(text) == length and _HEX.issuperset(text)
 
 
-_SHA_SHAPE = re.compile(r"[0-9a-f]{64}")
-
-
 def is_sha(text: str) -> bool:
     """Whether ``text`` has the shape of a sha256 hex digest."""
-    return _SHA_SHAPE.fullmatch(text) is not None
+    return is_hex(text, 64)
 
 
 def pool_error(what: str, path: str | os.PathLike[str], exc: OSError) -> PoolError:
     """``exc`` as a :class:`PoolError` saying what failed and where."""
-    return PoolError(
-        f"{what} {os.fspath(path)}: {exc.strerror or exc}", path=os.fspath(path), errno=exc.errno
-    )
+    return PoolError(f"{what} {os.fspath(path)}: {exc.strerror or exc}", path=os.fspath(path),
+                     errno=exc.errno)
 
 
 def process_umask() -> int:
     """The process umask, read without changing it where the platform allows."""
-    # Reading the umask with os.umask() briefly changes it for every thread;
-    # /proc says it without side effects (Linux >= 4.7).
+    # os.umask() changes it for every thread while it reads; /proc does not (Linux >= 4.7).
     try:
         with open("/proc/self/status", encoding="ascii") as status:
             for line in status:
@@ -87,8 +82,7 @@ def process_umask() -> int:
 
 def read_fd(fd: int, size: int) -> bytes:
     """Read a file whose ``fstat`` said ``size`` bytes."""
-    # Ask for one byte more than fstat promised: a file that grew shows up as too
-    # long (and fails verification) without a second read call.
+    # One byte more than fstat said: a file that grew reads as too long (failing checks).
     data = os.read(fd, size + 1)
     if len(data) >= size:
         return data
@@ -126,9 +120,8 @@ _NO_DIR_FSYNC = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """Flush a directory's entries, where the filesystem allows it. :class:`PoolError`
-    when it cannot be opened or the flush failed; a directory that is gone, or a
-    filesystem that refuses fsync on directories (rename is atomic there), is none."""
+    """Flush a directory's entries; :class:`PoolError` when it cannot be opened or flushed,
+    but not when it is gone or its filesystem refuses to fsync directories (rename is atomic)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -156,11 +149,10 @@ def _syncfs() -> object | None:
 
 
 def sync_filesystem(path: str | os.PathLike[str]) -> bool:
-    """Flush the whole filesystem holding ``path`` with one ``syncfs(2)``; False where
-    the platform has no ``syncfs`` (the caller then fsyncs file by file). One call
-    costs what a few ``fsync`` calls do, whatever the number of files written since:
-    a batch of thousands of small objects pays for its durability once. OSError when
-    ``path`` cannot be opened or the flush failed (an I/O error)."""
+    """Flush the whole filesystem holding ``path`` with one ``syncfs(2)``; False where the
+    platform has none (the caller then fsyncs file by file). One call costs what a few
+    ``fsync`` do, whatever was written since: a batch of thousands of small objects pays
+    for its durability once. OSError when ``path`` cannot be opened or the flush failed."""
     call = _syncfs()
     if call is None:
         return False
@@ -192,9 +184,8 @@ def unlink_quietly(path: str | os.PathLike[str]) -> None:
 
 
 def make_dir(path: Path, *, setgid: bool) -> bool:
-    """Create ``path`` unless it exists (re-adding set-gid when ``setgid``) and check
-    that it is a real directory; whether this call created it. :class:`PoolError`
-    when it is not a real directory."""
+    """Create ``path`` unless it exists (re-adding set-gid when ``setgid``); whether this
+    call created it. :class:`PoolError` when it cannot be, or is not a real directory."""
     created = False
     try:
         os.mkdir(path, 0o777)
@@ -218,14 +209,13 @@ def make_dir(path: Path, *, setgid: bool) -> bool:
 
 
 def make_fanout(path: Path, *, setgid: bool, flush: bool = True) -> bool:
-    """Create the fan-out directory ``path`` unless it exists, as :func:`make_dir`
-    does; whether this call created it. With ``flush``, its parent (``objects/``) is
-    fsynced right after the creation, before anything is published into it: else a
-    power loss may take the new entry, and every object reported published there.
-    Inside a batch (``flush=False``) the batch's own flush covers it
-    (:meth:`~distcache.store._durability.Durability.flush`). :class:`PoolError` when
-    it cannot be created, is not a real directory, or the flush failed; then the new,
-    empty directory is removed where it can be, so the next publication flushes it."""
+    """Create the fan-out directory ``path`` unless it exists, as :func:`make_dir` does;
+    whether this call created it. With ``flush``, its parent (``objects/``) is fsynced
+    before anything is published into it: else a power loss may take the new entry, and
+    every object reported published there. In a batch (``flush=False``) the batch's flush
+    covers it (:meth:`~distcache.store._durability.Durability.flush`). :class:`PoolError`
+    when it cannot be created, is not a real directory, or the flush failed; then the
+    new, empty directory is removed where it can be, so the next publication flushes it."""
     if not make_dir(path, setgid=setgid):
         return False
     if flush:
@@ -266,39 +256,53 @@ def replace_from(fd: int, tmp: str | os.PathLike[str], target: str | os.PathLike
     return os.fstat(fd)
 
 
+#: Seconds an empty write-once file is waited out, and after which one untouched is abandoned.
+EMPTY_WAIT_SECONDS, ABANDONED_EMPTY_SECONDS = 5.0, 60.0
+
+
 def read_small_file(path: Path, what: str) -> str | None:
-    """The stripped ASCII text of the small, write-once file ``path`` (``what`` it
-    holds names it in errors), or None when it is absent. An empty file is a creator
-    on a no-link filesystem mid-write: it is waited out briefly. :class:`PoolError`
-    when it cannot be read, or stays empty."""
-    for _ in range(50):
+    """The stripped ASCII text of the small, write-once file ``path`` (``what`` it holds
+    names it in errors), or None when absent. An empty file is a creator between its create
+    and its write: it is waited out, or once abandoned (no live creator is that slow)
+    removed, and None returned for the caller to create it again by :func:`create_once`'s
+    rule. :class:`PoolError` when it cannot be read or removed, or stays empty."""
+    deadline, delay = time.monotonic() + EMPTY_WAIT_SECONDS, 0.005
+    while True:
         try:
             fd = os.open(path, READ_FLAGS)
+            try:
+                text, st = os.read(fd, 256).decode("ascii", "replace").strip(), os.fstat(fd)
+            finally:
+                os.close(fd)
+            if text:
+                return text
+            if stat.S_ISREG(st.st_mode) and time.time() - st.st_mtime >= ABANDONED_EMPTY_SECONDS:
+                locks = path.parent / "locks"
+                make_dir(locks, setgid=bool(os.stat(path.parent).st_mode & stat.S_ISGID))
+                lock = FileLock(locks / f"{path.name}.empty.lock", timeout=10.0)
+                try:  # one process removes it, the others find its successor and keep that
+                    if lock.acquire() and witness(os.lstat(path))[:4] == witness(st)[:4]:
+                        os.unlink(path)  # unflushed: one back after a crash is abandoned again
+                finally:
+                    lock.release()
         except FileNotFoundError:
             return None
+        except PoolError:
+            raise
         except OSError as exc:
             raise pool_error(f"cannot read {what}", path, exc) from exc
-        try:
-            text = os.read(fd, 256).decode("ascii", "replace").strip()
-        except OSError as exc:
-            raise pool_error(f"cannot read {what}", path, exc) from exc
-        finally:
-            os.close(fd)
-        if text:
-            return text
-        time.sleep(0.01)
-    raise PoolError(f"{path} stays empty; remove it to let the pool recreate it",
-                    path=str(path))
+        if time.monotonic() >= deadline:
+            raise PoolError(f"{path} stays empty; it is recreated once untouched for "
+                            f"{ABANDONED_EMPTY_SECONDS:g}s, or remove it", path=str(path))
+        time.sleep(delay := min(delay * 2, 0.5))  # backing off: 10 ms, 20 ms, ... 0.5 s
 
 
 def create_once(path: Path, data: bytes, *, tmp: str, mode: int, what: str) -> bool:
     """Create ``path`` holding ``data`` unless it exists; whether this call created
     it. The file appears whole (written at the fresh temporary name ``tmp``, then
-    linked) and exactly one of any number of concurrent creators wins.
-
-    Raises:
-        PoolError: it cannot be created (``what`` it holds names it).
-    """
+    linked; where links are refused, created exclusively, then written) and exactly one
+    of any number of concurrent creators wins. :class:`PoolError` when it cannot be
+    created (``what`` it holds names it)."""
     fd = temp_file(tmp)
     try:
         write_all(fd, data)
@@ -313,15 +317,12 @@ def create_once(path: Path, data: bytes, *, tmp: str, mode: int, what: str) -> b
         except OSError as exc:
             if exc.errno not in NO_LINK:
                 raise
-            try:
-                fd2 = os.open(path, CREATE_FLAGS, mode)
+            try:  # the finally below closes it
+                fd = os.open(path, CREATE_FLAGS, mode)
             except FileExistsError:
                 return False
-            try:
-                write_all(fd2, data)
-                os.fsync(fd2)
-            finally:
-                os.close(fd2)
+            write_all(fd, data)
+            os.fsync(fd)
         fsync_dir(path.parent)
         return True
     except OSError as exc:
@@ -354,9 +355,8 @@ LINKED, REPLACED = "linked", "replaced"
 def link_into_place(tmp: str, final: str, existing_is_good: Callable[[], bool]) -> str | None:
     """Link the whole, fsynced ``tmp`` to ``final``: :data:`LINKED` or :data:`REPLACED`
     when this call published it, else ``None``. An existing ``final`` wins unless
-    ``existing_is_good()`` (which verifies it and moves a bad one aside) says
-    otherwise; then the link is tried once more, and a corrupt file there again is
-    a ``FileExistsError`` (nothing was published)."""
+    ``existing_is_good()`` (which verifies it and moves a bad one aside) says otherwise;
+    then the link is tried once more: a corrupt file there again is a ``FileExistsError``."""
     for _attempt in range(2):
         try:
             os.link(tmp, final)

@@ -148,37 +148,40 @@ class PoolIdentity:
 
     def renew(self) -> str:
         """Give the pool a fresh id, because it was found to be a copy of another pool
-        with the same id; return the id now recorded. When the file no longer holds
-        the id this object knew (a concurrent renewal won), that id is adopted instead.
+        with the same id; return the id now recorded (read back after the replacement).
+        When the file no longer holds the id this object knew (a concurrent renewal
+        won), that id is adopted instead. The id is replaced only under a lock really
+        held: without one, two renewals could each replace it, and one process keep an
+        id the file no longer holds.
 
         Raises:
-            PoolError: the id cannot be read or replaced (a read-only pool), or
-                another process held the renewal lock past the wait.
+            PoolError: the id cannot be read or replaced (a read-only pool), another
+                process held the renewal lock past the wait, or no lock can be taken
+                there (file locks unsupported, a read-only pool).
         """
         lock = FileLock(self._layout.id_lock_path(), timeout=_RENEW_LOCK_TIMEOUT,
                         remove_on_release=True)
-        locked = lock.acquire()
+        lock.acquire()
         try:
             current = self._read()
             if current != self.pool_id:
                 self.pool_id = current
                 return current
-            if not locked:
-                # Replacing the id beside a renewal in progress could leave this
-                # process with an id the file no longer holds.
-                raise PoolError(
-                    f"cannot renew the id of the pool at {self._layout.root}: another "
-                    f"process has held {lock.path} for {_RENEW_LOCK_TIMEOUT:g}s",
-                    path=lock.path)
-            fresh = new_pool_id()
-            self._replace(fresh)
+            if not lock.held:
+                why = ("no lock can be taken there (locks unsupported, or the pool "
+                       "read-only)" if lock.degraded else
+                       f"another process has held it for {_RENEW_LOCK_TIMEOUT:g}s")
+                raise PoolError(f"cannot renew the id of the pool at {self._layout.root} "
+                                f"without the lock {lock.path}: {why}", path=lock.path)
+            self._replace(new_pool_id())
+            recorded = self._read()
         finally:
             lock.release()
         logger.warning("the pool at %s is a copy of pool %s (same id, another directory): "
-                       "it is pool %s from now on", self._layout.root, current, fresh)
-        emit("pool.renewed", root=str(self._layout.root), old=current, new=fresh)
-        self.pool_id = fresh
-        return fresh
+                       "it is pool %s from now on", self._layout.root, current, recorded)
+        emit("pool.renewed", root=str(self._layout.root), old=current, new=recorded)
+        self.pool_id = recorded
+        return recorded
 
     def reload(self) -> str:
         """Read the id again (another process may have renewed it); return it.
