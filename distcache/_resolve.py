@@ -22,9 +22,10 @@ import os
 import zlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 from distcache._delegate import Aside, led_by_node_leaders
+from distcache._held import NoOrigin, held_anywhere, missing_error
 from distcache._log import get_logger
 from distcache._prepare import (
     as_lists,
@@ -44,7 +45,7 @@ from distcache.artifact import (
 )
 from distcache.comm import Communicator, agree_on_error, node_tree
 from distcache.config import Settings, settings
-from distcache.errors import ConfigError, DistcacheError, OriginError, PoolError
+from distcache.errors import ConfigError, PoolError
 from distcache.origins import Credentials, Origin, open_origin
 from distcache.store import ArtifactPool, PoolLayout
 
@@ -56,9 +57,6 @@ log = get_logger(__name__)
 
 #: A ``sha256sum``-format file, or a list of artifacts.
 ManifestSpec = str | os.PathLike[str] | Sequence[Artifact]
-
-#: Names a missing-artifact error lists before "and N more".
-_SHOWN_NAMES = 5
 
 
 def resolve_pool(
@@ -198,16 +196,17 @@ def _prefetch(comm: Communicator, pool: ArtifactPool, origin: Origin | None,
     except Exception as exc:  # any failure, a defect of an integration's too: said to all
         error = exc
     # A rank that cannot read its manifest or record must not leave the others waiting.
-    # The same all-gather carries whether the rank may download and the digest of what
-    # its integrations want: one round where there were three.
+    # The same all-gather carries whether the rank may download, the digest of what
+    # its integrations want and that of what it lists: one round where there were four.
     wanted_text = manifest_text(wanted).encode()
     carried = agree_on_error(comm, error, timeout=timeout, carry=(
-        origin is None, bool(offline), sha256_hex(wanted_text) if wanted else None))
-    cannot = [(none, off) for none, off, _ in carried]
+        origin is None, bool(offline), sha256_hex(wanted_text) if wanted else None,
+        _list_key(listed)))
+    cannot = [(none, off) for none, off, _, _ in carried]
     artifacts = listed
-    if any(d is not None for _, _, d in carried):  # said by every rank, not local
+    if any(d is not None for _, _, d, _ in carried):  # said by every rank, not local
         everyone = union_across_ranks(comm, wanted, recorded_ns=_recorded_ns(integrations),
-                                      timeout=timeout, digests=[d for _, _, d in carried],
+                                      timeout=timeout, digests=[d for _, _, d, _ in carried],
                                       text=wanted_text)
         if everyone:
             try:
@@ -216,6 +215,14 @@ def _prefetch(comm: Communicator, pool: ArtifactPool, origin: Origin | None,
             except Exception as exc:
                 error = exc
             agree_on_error(comm, error, timeout=timeout)
+    if len({key for *_, key in carried}) > 1 and len(set(comm.allgather_object(
+            _list_key(artifacts), timeout=timeout))) > 1:
+        # The ranks' lists differ (alike on every rank): neither "nothing to do" on some
+        # ranks nor a look at the pools by position; the collective's agreement says
+        # how they differ, on every rank.
+        return collective_prefetch(artifacts, comm=comm, pool=pool,
+                                   origin=origin or NoOrigin(bool(offline)),
+                                   timeout=timeout, **collective_counts(conf, downloads_per_rank))
     if not artifacts:
         return None
     # Whether to look before fetching is decided alike on every rank: a rank without an
@@ -242,97 +249,11 @@ def collective_prefetch(artifacts: Sequence[Artifact], **given: Any) -> Prefetch
     return prefetch(artifacts, **given)
 
 
-class NoOrigin:
-    """The origin of a prefetch whose every artifact some pool holds: the collective
-    moves what pools lack from the pools that hold it and never asks this. An object
-    removed from its pool between the check and the collective's own discovery
-    makes it fail here, not a request."""
-
-    def __init__(self, offline: bool) -> None:
-        self._why = "DISTCACHE_OFFLINE=1 forbids downloads" if offline else "no origin is set"
-
-    def describe(self) -> str:
-        return "no origin"
-
-    def fetch(self, artifact: Artifact) -> bytes:
-        raise OriginError(
-            f"{artifact.name} left every pool during the prefetch and {self._why}; "
-            "run the prefetch again", name=artifact.name)
-
-    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
-        return len(self.fetch(artifact))
-
-
-def held_anywhere(comm: Communicator, pool: ArtifactPool, artifacts: Sequence[Artifact], *,
-                  timeout: float | None = None) -> tuple[list[bool], list[str]]:
-    """Collective: per artifact, whether some rank's pool holds it, and one
-    ``"pool ID at ROOT on HOST (ranks ...)"`` per pool (the same on every rank). Each
-    pool is read once per node, by the lowest rank there that uses it (a pool id is
-    only a claim until the collective proves that ranks see one directory).
-
-    Raises:
-        PoolError: a pool could not be read (on every rank alike).
-        CollectiveTimeout: not every rank arrived in time.
-    """
-    seen = [tuple(s) for s in comm.allgather_object(
-        (pool.pool_id, str(pool.root), comm.node_id), timeout=timeout)]
-    ranks: dict[tuple[str, ...], list[int]] = {}
-    for rank, key in enumerate(seen):
-        ranks.setdefault(key, []).append(rank)
-    bitmap: bytes | None = None
-    failure: str | None = None
-    if ranks[seen[comm.rank]][0] == comm.rank:
-        try:
-            flags = bytearray((len(artifacts) + 7) // 8)
-            held = pool.holding([a.sha256 for a in artifacts])
-            for i in (i for i, found in enumerate(held) if found):
-                flags[i >> 3] |= 1 << (i & 7)
-            bitmap = bytes(flags)
-        except (DistcacheError, OSError) as exc:
-            failure = f"rank {comm.rank} ({comm.node_id}): {type(exc).__name__}: {exc}"
-    gathered = comm.allgather_object((bitmap, failure), timeout=timeout)
-    failed = next((f for _, f in gathered if f is not None), None)
-    if failed is not None:
-        raise PoolError(f"cannot tell what the pools hold: {failed}", path=None)
-    maps = [b for b, _ in gathered if b is not None]
-    held = [any(m[i >> 3] & (1 << (i & 7)) for m in maps) for i in range(len(artifacts))]
-    where = [f"pool {pid} at {root} on {host} (rank{'s' if len(r) > 1 else ''} "
-             f"{', '.join(map(str, r))})" for (pid, root, host), r in ranks.items()]
-    if len(where) > _SHOWN_NAMES:
-        where = [*where[:_SHOWN_NAMES], f"{len(where) - _SHOWN_NAMES} more pools"]
-    return held, where
-
-
-def missing_error(
-    missing: Sequence[Artifact],
-    *,
-    offline: bool,
-    where: Sequence[str],
-    manifests: Sequence[str | os.PathLike[str]] = (),
-) -> ConfigError:
-    """The one error for artifacts that are in no pool when nothing may be downloaded:
-    how many, the first names, the pools that lack them, and the command that fetches
-    them. Built from data every rank holds alike, so every rank raises the same text."""
-    names = ", ".join(a.name for a in missing[:_SHOWN_NAMES])
-    more = f" and {len(missing) - _SHOWN_NAMES} more" if len(missing) > _SHOWN_NAMES else ""
-    manifest = " ".join(f"--manifest {os.fspath(m)}" for m in manifests[:1]) or (
-        "--manifest need.txt (the names and digests, in sha256sum format)")
-    fetch = f"distcache fetch {manifest} --origin URL"
-    if offline:
-        why = "DISTCACHE_OFFLINE=1 forbids downloads"
-        todo = (f"on a machine that reaches an origin run '{fetch}' and 'distcache pool "
-                "export', then 'distcache pool import' here; or unset DISTCACHE_OFFLINE")
-        variable, value = "DISTCACHE_OFFLINE", "1"
-    else:
-        why = "no origin is set"
-        todo = (f"run '{fetch}', or set DISTCACHE_ORIGIN=URL (origin=... in "
-                "distcache.init, --origin URL on the command line)")
-        variable, value = "DISTCACHE_ORIGIN", None
-    return ConfigError(
-        f"{len(missing)} artifact(s) are in no pool and {why}: {names}{more}; "
-        f"lacking from {'; '.join(where) or 'the pool'}; {todo}",
-        variable=variable, value=value,
-    )
+def _list_key(artifacts: Sequence[Artifact]) -> str:
+    """The names and digests of a merged list (:func:`merge_manifests` orders it), as
+    one digest: equal keys, equal lists by position (sizes aside, which the collective
+    compares itself)."""
+    return sha256_hex(manifest_text(artifacts).encode())
 
 
 def _read(spec: ManifestSpec, index: int) -> tuple[str, list[Artifact]]:

@@ -14,7 +14,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from distcache._resolve import NoOrigin, missing_error, resolve_origin, resolve_pool
+from distcache._held import NoOrigin, missing_error
+from distcache._resolve import resolve_origin, resolve_pool
 from distcache.artifact import Artifact, read_manifest
 from distcache.cli._common import (
     EXIT_ERROR,

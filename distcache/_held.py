@@ -1,0 +1,113 @@
+"""What the job's pools hold where nothing may be downloaded (no origin, or
+``DISTCACHE_OFFLINE=1``): :func:`held_anywhere` asks each pool once, and
+:func:`missing_error` is the one error, alike on every rank, for an artifact that no
+pool holds; :class:`NoOrigin` stands in for the origin of a prefetch that only moves
+what some pool holds.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import BinaryIO
+
+from distcache.artifact import Artifact
+from distcache.comm import Communicator
+from distcache.errors import ConfigError, DistcacheError, OriginError, PoolError
+from distcache.store import ArtifactPool
+
+#: Names a missing-artifact error lists before "and N more".
+_SHOWN_NAMES = 5
+
+
+class NoOrigin:
+    """The origin of a prefetch whose every artifact some pool holds: the collective
+    moves what pools lack from the pools that hold it and never asks this. An object
+    removed from its pool between the check and the collective's own discovery
+    makes it fail here, not a request."""
+
+    def __init__(self, offline: bool) -> None:
+        self._why = "DISTCACHE_OFFLINE=1 forbids downloads" if offline else "no origin is set"
+
+    def describe(self) -> str:
+        return "no origin"
+
+    def fetch(self, artifact: Artifact) -> bytes:
+        raise OriginError(
+            f"{artifact.name} left every pool during the prefetch and {self._why}; "
+            "run the prefetch again", name=artifact.name)
+
+    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
+        return len(self.fetch(artifact))
+
+
+def held_anywhere(comm: Communicator, pool: ArtifactPool, artifacts: Sequence[Artifact], *,
+                  timeout: float | None = None) -> tuple[list[bool], list[str]]:
+    """Collective: per artifact, whether some rank's pool holds it, and one
+    ``"pool ID at ROOT on HOST (ranks ...)"`` per pool (the same on every rank). Each
+    pool is read once per node, by the lowest rank there that uses it (a pool id is
+    only a claim until the collective proves that ranks see one directory).
+
+    Raises:
+        PoolError: a pool could not be read (on every rank alike).
+        CollectiveTimeout: not every rank arrived in time.
+    """
+    seen = [tuple(s) for s in comm.allgather_object(
+        (pool.pool_id, str(pool.root), comm.node_id), timeout=timeout)]
+    ranks: dict[tuple[str, ...], list[int]] = {}
+    for rank, key in enumerate(seen):
+        ranks.setdefault(key, []).append(rank)
+    bitmap: bytes | None = None
+    failure: str | None = None
+    if ranks[seen[comm.rank]][0] == comm.rank:
+        try:
+            flags = bytearray((len(artifacts) + 7) // 8)
+            held = pool.holding([a.sha256 for a in artifacts])
+            for i in (i for i, found in enumerate(held) if found):
+                flags[i >> 3] |= 1 << (i & 7)
+            bitmap = bytes(flags)
+        except (DistcacheError, OSError) as exc:
+            failure = f"rank {comm.rank} ({comm.node_id}): {type(exc).__name__}: {exc}"
+    gathered = comm.allgather_object((bitmap, failure), timeout=timeout)
+    failed = next((f for _, f in gathered if f is not None), None)
+    if failed is not None:
+        raise PoolError(f"cannot tell what the pools hold: {failed}", path=None)
+    maps = [b for b, _ in gathered if b is not None]
+    held = [any(m[i >> 3] & (1 << (i & 7)) for m in maps) for i in range(len(artifacts))]
+    where = [f"pool {pid} at {root} on {host} (rank{'s' if len(r) > 1 else ''} "
+             f"{', '.join(map(str, r))})" for (pid, root, host), r in ranks.items()]
+    if len(where) > _SHOWN_NAMES:
+        where = [*where[:_SHOWN_NAMES], f"{len(where) - _SHOWN_NAMES} more pools"]
+    return held, where
+
+
+def missing_error(
+    missing: Sequence[Artifact],
+    *,
+    offline: bool,
+    where: Sequence[str],
+    manifests: Sequence[str | os.PathLike[str]] = (),
+) -> ConfigError:
+    """The one error for artifacts that are in no pool when nothing may be downloaded:
+    how many, the first names, the pools that lack them, and the command that fetches
+    them. Built from data every rank holds alike, so every rank raises the same text."""
+    names = ", ".join(a.name for a in missing[:_SHOWN_NAMES])
+    more = f" and {len(missing) - _SHOWN_NAMES} more" if len(missing) > _SHOWN_NAMES else ""
+    manifest = " ".join(f"--manifest {os.fspath(m)}" for m in manifests[:1]) or (
+        "--manifest need.txt (the names and digests, in sha256sum format)")
+    fetch = f"distcache fetch {manifest} --origin URL"
+    if offline:
+        why = "DISTCACHE_OFFLINE=1 forbids downloads"
+        todo = (f"on a machine that reaches an origin run '{fetch}' and 'distcache pool "
+                "export', then 'distcache pool import' here; or unset DISTCACHE_OFFLINE")
+        variable, value = "DISTCACHE_OFFLINE", "1"
+    else:
+        why = "no origin is set"
+        todo = (f"run '{fetch}', or set DISTCACHE_ORIGIN=URL (origin=... in "
+                "distcache.init, --origin URL on the command line)")
+        variable, value = "DISTCACHE_ORIGIN", None
+    return ConfigError(
+        f"{len(missing)} artifact(s) are in no pool and {why}: {names}{more}; "
+        f"lacking from {'; '.join(where) or 'the pool'}; {todo}",
+        variable=variable, value=value,
+    )
