@@ -21,8 +21,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from distcache._env import env_str
 from distcache._log import get_logger
-from distcache.config import env_str
 
 log = get_logger(__name__)
 

@@ -21,8 +21,7 @@ from distcache._home import Unresolved, default_pool_dir, defer_fields
 from distcache.errors import ConfigError
 
 __all__ = ["ENV_VARS", "TABLE", "Settings", "Variable", "check_seconds", "default_pool_dir",
-           "env_bool", "env_bytes", "env_float", "env_int", "env_str", "parse_bytes",
-           "settings"]
+           "parse_bytes", "settings"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -147,56 +146,6 @@ def _globs(name: str, raw: str) -> tuple[str, ...]:
     return globs
 
 
-def _given(name: str, environ: Mapping[str, str] | None) -> str | None:
-    """The variable's value, or ``None`` when it is unset or blank."""
-    value = (os.environ if environ is None else environ).get(name)
-    return None if value is None or value.strip() == "" else value
-
-
-def env_str(name: str, default: str | None, environ: Mapping[str, str] | None = None) -> str | None:
-    """The variable's value (``""`` included), or ``default`` when unset."""
-    value = (os.environ if environ is None else environ).get(name)
-    return default if value is None else value
-
-
-def env_bool(name: str, default: bool, environ: Mapping[str, str] | None = None) -> bool:
-    """Parse a boolean variable (1/0, true/false, yes/no, on/off); blank is unset.
-
-    Raises:
-        ConfigError: any other value.
-    """
-    value = _given(name, environ)
-    return default if value is None else _bool(name, value)
-
-
-def env_int(name: str, default: int | None, environ: Mapping[str, str] | None = None, *,
-            minimum: int = 0) -> int | None:
-    """Parse an integer variable that must be >= ``minimum``; blank is unset.
-
-    Raises:
-        ConfigError: not an integer, or below ``minimum``.
-    """
-    value = _given(name, environ)
-    return default if value is None else _int(minimum)(name, value)
-
-
-def env_float(name: str, default: float | None,
-              environ: Mapping[str, str] | None = None) -> float | None:
-    """Parse a number of seconds (:func:`check_seconds`); blank is unset."""
-    value = _given(name, environ)
-    return default if value is None else _seconds(name, value)
-
-
-def env_bytes(name: str, default: int | None, environ: Mapping[str, str] | None = None) -> int | None:
-    """Parse a size variable (``64M``, ``1G`` ...); blank is unset.
-
-    Raises:
-        ConfigError: not a size.
-    """
-    value = _given(name, environ)
-    return default if value is None else parse_bytes(value, variable=name)
-
-
 # --- the table ----------------------------------------------------------------------
 # A blank variable (``VAR=``) counts as unset for a setting whose type has no empty
 # value (numbers, booleans, sizes, paths, names); a list setting reads it as the empty
@@ -244,6 +193,18 @@ def _given_seconds(variable: Variable, given: Any) -> float:
     return check_seconds(given, what=variable.field, text=False)
 
 
+def _given_int(variable: Variable, given: Any) -> int:
+    """An integer keyword, held to the minimum its variable's parse holds text to."""
+    if type(given) is not int:
+        raise ConfigError(f"{variable.field}={given!r} is not an integer",
+                          variable=variable.field, value=given)
+    try:
+        return int(variable.parse(variable.name, str(given)))
+    except ConfigError as exc:
+        raise ConfigError(f"{variable.field}={given!r} is out of range ({exc})",
+                          variable=variable.field, value=given) from None
+
+
 def _given_transport(variable: Variable, given: Any) -> str:
     return _transport(variable.name, str(given))
 
@@ -273,7 +234,7 @@ TABLE: tuple[Variable, ...] = (
     Variable("DISTCACHE_HTTP_TIMEOUT", "http_timeout", 30.0, _seconds, "30",
              "seconds per HTTP connect/read"),
     Variable("DISTCACHE_HTTP_RETRIES", "http_retries", 4, _int(0), "4",
-             "retries per artifact on connection errors, 429 and 5xx"),
+             "retries per artifact on connection errors, 429 and 5xx", check=_given_int),
     Variable("DISTCACHE_LOCK_TIMEOUT", "lock_timeout", 120.0, _seconds, "120",
              "seconds a rank waits for another downloader's lock"),
     Variable("DISTCACHE_BUCKET_BYTES", "bucket_bytes", 64 << 20, _bytes, "64M",
@@ -281,10 +242,12 @@ TABLE: tuple[Variable, ...] = (
     Variable("DISTCACHE_CHUNK_BYTES", "chunk_bytes", 1 << 30, _bytes, "1G",
              "largest single message (must stay under 2 GiB)"),
     Variable("DISTCACHE_DOWNLOADS_PER_RANK", "downloads_per_rank", 4, _int(1), "4",
-             "concurrent origin downloads per rank (a node leader: up to its node's)"),
+             "concurrent origin downloads per rank (a node leader: up to its node's)",
+             check=_given_int),
     Variable("DISTCACHE_DOWNLOADS_PER_JOB", "downloads_per_job", 32, _int(1), "32",
              "concurrent origin downloads over the whole job, carried by as few ranks "
-             "as the per-rank count allows; set it to what a rate-limiting origin allows"),
+             "as the per-rank count allows; set it to what a rate-limiting origin allows",
+             check=_given_int),
     Variable("DISTCACHE_NODE_ID", "node_id", None, _text, "hostname",
              "node identity used to group ranks"),
     Variable("DISTCACHE_TRANSPORT", "transport", "default", _transport, "default",

@@ -8,18 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from distcache.config import (
-    ENV_VARS,
-    TABLE,
-    Settings,
-    env_bool,
-    env_bytes,
-    env_float,
-    env_int,
-    env_str,
-    parse_bytes,
-    settings,
-)
+from distcache._env import env_bool, env_bytes, env_float, env_int, env_str
+from distcache.config import ENV_VARS, TABLE, Settings, parse_bytes, settings
 from distcache.errors import ConfigError
 from tests.support.helpers import run_group
 
@@ -74,6 +64,39 @@ def test_bad_value_raises_config_error_naming_the_variable(variable: str, value:
 def test_unknown_keyword_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="unknown setting"):
         settings({}, colour="blue")
+
+
+@pytest.mark.parametrize(("field", "given"), [
+    ("downloads_per_rank", 0), ("downloads_per_rank", -2), ("downloads_per_job", 0),
+    ("http_retries", -1), ("http_retries", 2.5), ("downloads_per_rank", True),
+    ("downloads_per_job", "8"),
+])
+def test_a_count_given_as_a_keyword_is_held_to_its_variable_s_rule(field: str,
+                                                                   given: object) -> None:
+    """``DISTCACHE_DOWNLOADS_PER_RANK=0`` is refused; so is ``downloads_per_rank=0``,
+    which the plan would otherwise divide by."""
+    with pytest.raises(ConfigError, match=field):
+        settings({}, **{field: given})
+    assert getattr(settings({}, **{field: 3}), field) == 3
+
+
+def test_a_prefetch_told_no_download_threads_raises_a_config_error(tmp_path: Path) -> None:
+    from distcache.collective import prefetch
+    from distcache.comm import ThreadGroup
+    from distcache.origins import DirOrigin
+    from distcache.store import ArtifactPool
+    from distcache.testing import make_artifacts
+    from tests.support.threads import run_ranks
+
+    artifacts = make_artifacts(tmp_path / "origin", 2, min_size=100, max_size=200, seed=5)
+    pools = [ArtifactPool(tmp_path / f"pool-{r}") for r in range(2)]
+    group = ThreadGroup(2, timeout=10.0)
+    results = run_ranks(group, lambda comm: prefetch(
+        artifacts, comm=comm, pool=pools[comm.rank], origin=DirOrigin(tmp_path / "origin"),
+        timeout=10.0, downloads_per_rank=0))
+    for result in results:
+        assert isinstance(result, ConfigError), result
+        assert "downloads_per_rank=0" in str(result)
 
 
 def test_sizes_accept_units_and_reject_nonsense() -> None:
