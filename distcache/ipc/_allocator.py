@@ -1,6 +1,6 @@
 """Leases in a producer pool: a best-fit free list of aligned ranges plus a table of
-generation-tagged slots whose ready/lease/audience/ack words live in the shared segment
-(layout: :mod:`distcache.ipc._layout`).
+generation-tagged slots whose ready/lease/audience/ack/extent words live in the shared
+segment (layout: :mod:`distcache.ipc._layout`).
 
 Each lease names its audience, the consumers that must acknowledge it (every consumer
 by default, or only the declared readers). Each consumer writes its own ack word when
@@ -24,7 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from distcache.errors import IpcError
-from distcache.ipc._layout import ALIGNMENT, ControlWords, Layout, align_up, audience_words
+from distcache.ipc._layout import (
+    ALIGNMENT,
+    ControlWords,
+    Layout,
+    align_up,
+    audience_words,
+    extent_words,
+)
 from distcache.ipc._wire import MAX_GENERATION
 
 
@@ -120,8 +127,8 @@ class SlotAllocator:
         consumer), or None when no range or slot is free even after reclaiming
         (``pool_id``: the pool's, for the messages).
 
-        The slot's lease and audience words are written before this returns, so a
-        consumer that receives the ref finds them in place.
+        The slot's audience, extent and lease words are written before this returns
+        (the lease word last), so a consumer that receives the ref finds them in place.
 
         Raises:
             IpcError: no consumer count is bound yet, the audience names an index
@@ -150,6 +157,8 @@ class SlotAllocator:
             layout, words = self.layout, self.words
             for w, value in enumerate(audience_words(list(readers), layout.mask_words)):
                 words.set(layout.mask(lease.slot) + w, value)
+            for w, value in enumerate(extent_words(lease.offset, lease.nbytes)):
+                words.set(layout.extent(lease.slot) + w, value)
             words.set(layout.lease(lease.slot), lease.generation)
         return lease
 

@@ -11,11 +11,20 @@ from dataclasses import dataclass
 
 from distcache.errors import IpcError
 from distcache.ipc._layout import ALIGNMENT, Layout
-from distcache.ipc._wire import BACKENDS, MAX_BYTES, bad, check_int, check_pool_id, decode
+from distcache.ipc._wire import (
+    BACKENDS,
+    MAX_BYTES,
+    MAX_RANK,
+    bad,
+    check_int,
+    check_pool_id,
+    decode,
+)
 
 _DESC_MAGIC = b"DCP"
 #: Version 2: the segment carries audience words per slot and a consumer table.
-DESCRIPTOR_VERSION = 2
+#: Version 3: and the extent (offset, bytes) of each slot's lease.
+DESCRIPTOR_VERSION = 3
 _DESC_HEAD = struct.Struct("<3sBBB")  # magic, version, backend code, pool_id length
 # owner, epoch, capacity, data_start, slots, ack_words, device, n_consumers, handle len,
 # node id len
@@ -71,7 +80,7 @@ class PoolDescriptor:
         if not isinstance(self.consumers, tuple) or len(self.consumers) > self.ack_words:
             raise bad(f"{self.consumers!r} consumers exceed {self.ack_words} ack words", pid)
         for rank in self.consumers:
-            check_int("consumer rank", rank, 0xFFFFFFFF, pid)
+            check_int("consumer rank", rank, MAX_RANK, pid)
         if len(set(self.consumers)) != len(self.consumers):
             raise bad(f"consumer ranks {list(self.consumers)} repeat a rank", pid)
         if not isinstance(self.handle, bytes) or not 0 < len(self.handle) <= 0xFFFF:

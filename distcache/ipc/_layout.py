@@ -3,6 +3,7 @@
 Segment layout (both backends)::
 
     [slot 0: ready, lease, audience[M], ack[A]] [slot 1: ...] ...
+    [slot 0's extent: offset lo, offset hi, nbytes lo, nbytes hi] [slot 1's ...] ...
     [consumer 0: state, pid, pid namespace] [consumer 1: ...] ... [pad to 256] [data ...]
 
 Each word is a little-endian uint32 in host memory (the CUDA backend keeps its control
@@ -12,9 +13,12 @@ per slot (one per consumer), ``M = ceil(A / 32)`` words hold the slot's audience
 ``i`` set means consumer ``i`` is a declared reader of the lease and must acknowledge
 it. ``lease`` is the generation the producer handed out (written before the ref
 leaves), ``ready`` the generation whose bytes have landed (written after the copy:
-by the host on shared memory, by the producer's stream on CUDA). Every word has one
-writer: the producer writes ready, lease and audience; consumer ``i`` writes only its
-ack words and its own row of the consumer table.
+by the host on shared memory, by the producer's stream on CUDA). A slot's extent is
+the byte offset (in the segment) and the byte count of its current lease, each as two
+words, low first, written before the lease word: a consumer serves a ref only when
+its offset and bytes are the extent of the slot it names. Every word has one
+writer: the producer writes ready, lease, audience and extent; consumer ``i`` writes
+only its ack words and its own row of the consumer table.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ ALIGNMENT = 256
 WORD_BYTES = 4
 #: Words per consumer in the consumer table: state, pid, pid namespace inode.
 CONSUMER_WORDS = 3
+#: Words per slot in the extent table: offset and nbytes, each as two uint32 words.
+EXTENT_WORDS = 4
 
 #: Consumer states (the table's first word per consumer).
 ABSENT, MAPPED, LEFT = 0, 1, 2
@@ -68,13 +74,18 @@ class Layout:
     def ack(self, slot: int, consumer: int) -> int:
         return slot * self.stride + self.ack_base + consumer
 
+    def extent(self, slot: int) -> int:
+        """Index of the first extent word of ``slot`` (offset low, offset high, nbytes
+        low, nbytes high)."""
+        return self.slots * self.stride + EXTENT_WORDS * slot
+
     def consumer(self, index: int) -> int:
         """Index of consumer ``index``'s state word (pid and namespace follow)."""
-        return self.slots * self.stride + CONSUMER_WORDS * index
+        return self.slots * (self.stride + EXTENT_WORDS) + CONSUMER_WORDS * index
 
     @property
     def words(self) -> int:
-        return self.slots * self.stride + CONSUMER_WORDS * self.ack_words
+        return self.slots * (self.stride + EXTENT_WORDS) + CONSUMER_WORDS * self.ack_words
 
     @property
     def header_bytes(self) -> int:
@@ -84,6 +95,11 @@ class Layout:
 
 def header_bytes(slots: int, ack_words: int) -> int:
     return Layout(slots, ack_words).header_bytes
+
+
+def extent_words(offset: int, nbytes: int) -> list[int]:
+    """A lease's offset and byte count as its slot's :data:`EXTENT_WORDS` extent words."""
+    return [offset & 0xFFFFFFFF, offset >> 32, nbytes & 0xFFFFFFFF, nbytes >> 32]
 
 
 def audience_words(indices: list[int], mask_words: int) -> list[int]:

@@ -2,8 +2,9 @@
 
 The registry keeps one :class:`Entry` per mapped pool; everything the per-feature path
 reads (bounds, this consumer's ack word and audience bit, typed views of the segment)
-is computed here once at map time. What differs between backends is how readiness and
-acknowledgement are ordered: :class:`Mapping` says it in four hooks.
+is computed here once at map time, and :meth:`Entry.check` checks a ref against it.
+What differs between backends is how readiness and acknowledgement are ordered:
+:class:`Mapping` says it in four hooks.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from distcache._log import get_logger
+from distcache.errors import IpcError
 from distcache.ipc._consumers import ConsumerTable
 from distcache.ipc._descriptor import PoolDescriptor
 from distcache.ipc._devmap import CudaMapping
-from distcache.ipc._layout import Layout, WordArray
+from distcache.ipc._layout import ALIGNMENT, EXTENT_WORDS, Layout, WordArray
+from distcache.ipc._ref import FeatureRef
 from distcache.ipc._shm import ShmMapping
 from distcache.ipc._wire import itemsize
 
@@ -73,6 +76,7 @@ class Entry:
         "descriptor",
         "end",
         "epoch",
+        "extent_base",
         "host",
         "index",
         "mapping",
@@ -94,6 +98,7 @@ class Entry:
         self.ack_off = layout.ack_base + index
         self.mask_off = 2 + index // 32
         self.bit = 1 << (index % 32)
+        self.extent_base = layout.extent(0)
         self.data_start = descriptor.data_start
         # Typed views span whole elements of every dtype; a feature must end inside
         # that span (a forged, unaligned capacity only shrinks what resolves).
@@ -106,6 +111,68 @@ class Entry:
         self._whole: Any = None
         #: dtype name -> (the segment viewed as that dtype, its storage offset, itemsize)
         self._typed: dict[str, tuple[Any, int, int]] = {}
+
+    def check(self, ref: FeatureRef, rank: int) -> int:
+        """The index of the slot row of ``ref`` (of this pool's epoch), after the bounds,
+        lease, extent, audience and ack checks for consumer ``rank`` (all on host
+        words: nothing here waits on a device).
+
+        Raises:
+            IpcError: the ref is outside the pool, its slot holds another lease or a
+                lease of other bytes, or ``rank`` is not a declared reader, has
+                acknowledged it already, or (host memory) it was never published.
+        """
+        # The serving hot path. A FeatureRef is immutable and was validated when it was
+        # built or decoded (dtype known, nbytes == numel * itemsize, strides inside
+        # nbytes), so what is left to check is the ref against this pool.
+        slot, offset, nbytes, generation = ref.slot, ref.offset, ref.nbytes, ref.generation
+        if (
+            slot >= self.slots
+            or offset < self.data_start
+            or offset % ALIGNMENT
+            or offset + nbytes > self.end
+        ):
+            raise IpcError(
+                f"ref (slot {slot}, bytes [{offset}, {offset + nbytes})) is outside pool "
+                f"{ref.pool_id} (slots {self.slots}, data [{self.data_start}, {self.end}))",
+                pool_id=ref.pool_id,
+            )
+        row = slot * self.stride
+        words = self.words
+        # The lease word is written after the slot's audience and extent, before the
+        # ref leaves the producer, and cleared only when the lease is released, which
+        # cannot happen before this rank (a declared, live reader) acknowledged it.
+        problem = None
+        lease = words[row + 1]
+        if lease != generation:
+            problem = (
+                "is not leased: it was released, cancelled or never issued (the slot "
+                f"holds generation {lease})"
+            )
+        elif self.extent(slot) != (offset, nbytes):
+            start, size = self.extent(slot)
+            problem = (
+                f"was leased bytes [{start}, {start + size}), not the ref's "
+                f"[{offset}, {offset + nbytes})"
+            )
+        elif not words[row + self.mask_off] & self.bit:
+            problem = f"was not declared for rank {rank} (put(..., consumers=[...]))"
+        elif words[row + self.ack_off] == generation:
+            problem = "was already acknowledged by this rank"
+        elif self.host and words[row] != generation:
+            problem = "was never published"
+        if problem is not None:
+            raise IpcError(
+                f"feature in slot {slot} generation {generation} of pool {ref.pool_id} {problem}",
+                pool_id=ref.pool_id,
+            )
+        return row
+
+    def extent(self, slot: int) -> tuple[int, int]:
+        """The offset and byte count of the lease that ``slot`` holds, as its producer
+        recorded them."""
+        words, at = self.words, self.extent_base + EXTENT_WORDS * slot
+        return words[at] | words[at + 1] << 32, words[at + 2] | words[at + 3] << 32
 
     def typed(self, dtype: str) -> tuple[Any, int, int]:
         """The data region as a ``dtype`` tensor (made once per dtype per mapping), the

@@ -25,7 +25,7 @@ from distcache.ipc._consumers import ConsumerTable
 from distcache.ipc._descriptor import PoolDescriptor
 from distcache.ipc._layout import ControlWords, Layout, align_up
 from distcache.ipc._ref import FeatureRef
-from distcache.ipc._wire import check_pool_id, itemsize
+from distcache.ipc._wire import check_pool_id, consumer_ranks, itemsize
 
 log = get_logger(__name__)
 
@@ -68,7 +68,7 @@ class ProducerPool:
         self.capacity = align_up(capacity_bytes)
         self.slots = slots
         self.device = device
-        self._explicit = tuple(int(r) for r in consumers) if consumers is not None else None
+        self._explicit = None if consumers is None else consumer_ranks(consumers, self.pool_id)
         self.ack_words = len(self._explicit) if self._explicit is not None else DEFAULT_ACK_WORDS
         self.layout = Layout(slots, self.ack_words)
         self.data_start = self.layout.header_bytes
@@ -138,10 +138,12 @@ class ProducerPool:
         with explicit consumers.
 
         Raises:
-            IpcError: the owner is among the consumers, or there are more consumers than
-                ack words per slot.
+            IpcError: a consumer is not a rank, the owner is among the consumers, or
+                there are more consumers than ack words per slot.
         """
-        ranks = self._explicit if self._explicit is not None else tuple(int(r) for r in consumers)
+        ranks = self._explicit
+        if ranks is None:
+            ranks = consumer_ranks(consumers, self.pool_id)
         if self._bound and (owner, ranks) != (self.owner, self.consumers):
             raise IpcError(
                 f"pool {self.pool_id} is already bound to owner {self.owner} and consumers "

@@ -28,7 +28,6 @@ from distcache.comm._base import Communicator, agree_on_error
 from distcache.errors import IpcError, StaleHandleError
 from distcache.ipc._cuda import CudaPool
 from distcache.ipc._descriptor import PoolDescriptor, gathered_descriptors
-from distcache.ipc._layout import ALIGNMENT
 from distcache.ipc._mapping import Entry, close_all, open_mapping
 from distcache.ipc._probe import agree_backend
 from distcache.ipc._producer import ProducerPool
@@ -62,6 +61,8 @@ class PoolRegistry:
         self._retired: dict[str, set[int]] = {}
         self._lock = threading.Lock()
         self._closed = False
+        #: Serving calls under way; after a close, the last of them to return unmaps.
+        self._busy = 0
         self._finalizer = weakref.finalize(self, close_all, self._entries)
 
     # -- set-up ---------------------------------------------------------------------
@@ -196,33 +197,37 @@ class PoolRegistry:
             StaleHandleError / IpcError: as for :meth:`resolve`; ``out`` has another
                 shape or dtype.
         """
-        entry, row = self._checked(ref)
-        src = self._view(entry, ref)
-        mapping = entry.mapping
-        if out is not None and (tuple(out.shape) != ref.shape or out.dtype != src.dtype):
-            raise IpcError(
-                f"fetch(out=...) needs shape {ref.shape} and dtype {ref.dtype}, got "
-                f"{tuple(out.shape)} {out.dtype}",
-                pool_id=ref.pool_id,
-            )
-        if mapping.host_ready:
-            if out is None:
-                out = src.clone(memory_format=_contiguous())
-            else:
-                out.copy_(src)  # synchronous from pageable host memory, to any device
-            entry.words[row + entry.ack_off] = ref.generation
-            return out
-        import torch
+        self._enter()
+        try:
+            entry, row = self._checked(ref)
+            src = self._view(entry, ref)
+            mapping = entry.mapping
+            if out is not None and (tuple(out.shape) != ref.shape or out.dtype != src.dtype):
+                raise IpcError(
+                    f"fetch(out=...) needs shape {ref.shape} and dtype {ref.dtype}, got "
+                    f"{tuple(out.shape)} {out.dtype}",
+                    pool_id=ref.pool_id,
+                )
+            if mapping.host_ready:
+                if out is None:
+                    out = src.clone(memory_format=_contiguous())
+                else:
+                    out.copy_(src)  # synchronous from pageable host memory, to any device
+                entry.words[row + entry.ack_off] = ref.generation
+                return out
+            import torch
 
-        if stream is None:
-            stream = torch.cuda.current_stream(mapping.device)
-        with torch.cuda.stream(stream):
-            mapping.order_ready(row, ref.generation, stream)
-            if out is None:
-                out = torch.empty(ref.shape, dtype=src.dtype, device=mapping.device)
-            out.copy_(src, non_blocking=True)
-            mapping.write_ack(row + entry.ack_off, ref.generation, stream)
-        return out
+            if stream is None:
+                stream = torch.cuda.current_stream(mapping.device)
+            with torch.cuda.stream(stream):
+                mapping.order_ready(row, ref.generation, stream)
+                if out is None:
+                    out = torch.empty(ref.shape, dtype=src.dtype, device=mapping.device)
+                out.copy_(src, non_blocking=True)
+                mapping.write_ack(row + entry.ack_off, ref.generation, stream)
+            return out
+        finally:
+            self._leave()
 
     @contextmanager
     def view(self, ref: FeatureRef) -> Iterator[Any]:
@@ -256,11 +261,14 @@ class PoolRegistry:
                 another lease, a feature this rank is not a declared reader of or has
                 already acknowledged; or the registry is closed.
         """
-        entry, row = self._checked(ref)
-        if not entry.host:
-            entry.mapping.order_ready(row, ref.generation, None)
-        typed, base, size = entry.typed(ref.dtype)
-        return typed.as_strided(ref.shape, ref.strides, base + ref.offset // size)
+        self._enter()
+        try:
+            entry, row = self._checked(ref)
+            if not entry.host:
+                entry.mapping.order_ready(row, ref.generation, None)
+            return self._view(entry, ref)
+        finally:
+            self._leave()
 
     def ack(self, ref: FeatureRef) -> None:
         """Tell the producer this rank is done with ``ref`` (writes this rank's ack
@@ -269,11 +277,15 @@ class PoolRegistry:
         Raises:
             StaleHandleError / IpcError: as for :meth:`resolve`.
         """
-        entry, row = self._checked(ref)
-        if entry.host:
-            entry.words[row + entry.ack_off] = ref.generation
-        else:
-            entry.mapping.write_ack(row + entry.ack_off, ref.generation, None)
+        self._enter()
+        try:
+            entry, row = self._checked(ref)
+            if entry.host:
+                entry.words[row + entry.ack_off] = ref.generation
+            else:
+                entry.mapping.write_ack(row + entry.ack_off, ref.generation, None)
+        finally:
+            self._leave()
 
     @staticmethod
     def _view(entry: Entry, ref: FeatureRef) -> Any:
@@ -283,12 +295,15 @@ class PoolRegistry:
         return typed.as_strided(ref.shape, ref.strides, base + ref.offset // size)
 
     def close(self) -> None:
-        """Unmap every peer pool exactly once (idempotent)."""
+        """Unmap every peer pool exactly once (idempotent). A serving call under way on
+        another thread ends first (it reads and acknowledges as if the close came
+        after it), and the last such call to return unmaps; later calls are refused."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._finalizer()
+            if not self._busy:
+                self._finalizer()
 
     def __enter__(self) -> PoolRegistry:
         return self
@@ -301,56 +316,27 @@ class PoolRegistry:
         if self._closed:
             raise IpcError("the pool registry is closed")
 
+    def _enter(self) -> None:
+        """Count a serving call in, unless the registry is closed: the mappings it
+        uses stay until it is counted out (:meth:`_leave`)."""
+        with self._lock:
+            if self._closed:
+                raise IpcError("the pool registry is closed")
+            self._busy += 1
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._busy -= 1
+            if self._closed and not self._busy:
+                self._finalizer()
+
     def _checked(self, ref: FeatureRef) -> tuple[Entry, int]:
         """The mapped pool of ``ref`` and the index of its slot row, after the epoch,
-        bounds and lease checks (all on host words: nothing here waits on a device)."""
-        # The serving hot path. A FeatureRef is immutable and was validated when it was
-        # built or decoded (dtype known, nbytes == numel * itemsize, strides inside
-        # nbytes), so what is left to check is the ref against this pool.
-        entry = self._entries.get(ref.pool_id)  # emptied by close()
+        bounds, lease and extent checks (:meth:`Entry.check`)."""
+        entry = self._entries.get(ref.pool_id)
         if entry is None or entry.epoch != ref.epoch:
             entry = self._entry(ref)
-        slot, offset, generation = ref.slot, ref.offset, ref.generation
-        if (
-            slot >= entry.slots
-            or offset < entry.data_start
-            or offset % ALIGNMENT
-            or offset + ref.nbytes > entry.end
-        ):
-            raise self._out_of_bounds(ref, entry)
-        row = slot * entry.stride
-        words = entry.words
-        # The lease word is written before the ref leaves the producer and cleared
-        # only when the lease is released, which cannot happen before this rank (a
-        # declared, live reader) acknowledged it.
-        problem = None
-        lease = words[row + 1]
-        if lease != generation:
-            problem = (
-                "is not leased: it was released, cancelled or never issued (the slot "
-                f"holds generation {lease})"
-            )
-        elif not words[row + entry.mask_off] & entry.bit:
-            problem = f"was not declared for rank {self.rank} (put(..., consumers=[...]))"
-        elif words[row + entry.ack_off] == generation:
-            problem = "was already acknowledged by this rank"
-        elif entry.host and words[row] != generation:
-            problem = "was never published"
-        if problem is not None:
-            raise IpcError(
-                f"feature in slot {slot} generation {generation} of pool {ref.pool_id} {problem}",
-                pool_id=ref.pool_id,
-            )
-        return entry, row
-
-    @staticmethod
-    def _out_of_bounds(ref: FeatureRef, entry: Entry) -> IpcError:
-        return IpcError(
-            f"ref (slot {ref.slot}, bytes [{ref.offset}, {ref.offset + ref.nbytes})) is "
-            f"outside pool {ref.pool_id} (slots {entry.slots}, data [{entry.data_start}, "
-            f"{entry.end}))",
-            pool_id=ref.pool_id,
-        )
+        return entry, entry.check(ref, self.rank)
 
     def _entry(self, ref: FeatureRef) -> Entry:
         self._check_open()

@@ -4,6 +4,7 @@ turns any failure on hostile bytes into an :class:`~distcache.errors.IpcError`."
 
 from __future__ import annotations
 
+import operator
 import re
 import struct
 from collections.abc import Callable
@@ -39,6 +40,8 @@ MAX_NDIM = 16
 #: surprises and rejects absurd forged values early.
 MAX_BYTES = 1 << 48
 MAX_GENERATION = 0x7FFFFFFF
+#: The largest consumer rank a descriptor carries (one uint32 on the wire).
+MAX_RANK = 0xFFFFFFFF
 # \Z, not $: "$" also matches before a trailing newline ("pool\n" would pass).
 _POOL_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
 
@@ -68,6 +71,31 @@ def decode(
 def check_int(name: str, value: Any, upper: int, pool_id: str | None) -> None:
     if type(value) is not int or not 0 <= value <= upper:
         raise bad(f"{name}={value!r} must be an integer in [0, {upper}]", pool_id)
+
+
+def consumer_ranks(ranks: Any, pool_id: str | None) -> tuple[int, ...]:
+    """``ranks`` as a tuple of consumer ranks: each an integer (not a bool, not a
+    float) in ``[0, MAX_RANK]``.
+
+    Raises:
+        IpcError: ``ranks`` is not a sequence, or one of them is not a rank (named).
+    """
+    if isinstance(ranks, str | bytes) or not hasattr(ranks, "__iter__"):
+        raise IpcError(
+            f"consumers must be a sequence of ranks, got {ranks!r}", pool_id=pool_id
+        )
+    checked = []
+    for value in ranks:
+        try:
+            rank = -1 if isinstance(value, bool) else operator.index(value)
+        except TypeError:
+            rank = -1
+        if not 0 <= rank <= MAX_RANK:
+            raise IpcError(
+                f"consumer rank {value!r} is not an integer in [0, {MAX_RANK}]", pool_id=pool_id
+            )
+        checked.append(rank)
+    return tuple(checked)
 
 
 def check_pool_id(pool_id: Any) -> None:
