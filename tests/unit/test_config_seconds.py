@@ -142,7 +142,8 @@ def test_an_explicit_lock_timeout_of_0_is_still_taken(tmp_path: Path) -> None:
 
 def test_the_rows_that_check_an_explicit_value() -> None:
     checked = {v.field for v in TABLE if v.check is not None}
-    assert checked == {"timeout", "init_timeout", "transport"}
+    assert checked == {"timeout", "init_timeout", "transport", "http_retries",
+                       "downloads_per_rank", "downloads_per_job"}
 
 
 @pytest.mark.parametrize("given", [0, -1.0, math.inf, math.nan])
