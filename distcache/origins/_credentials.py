@@ -47,7 +47,8 @@ def redact(text: str, secrets: Iterable[str] = ()) -> str:
 
 
 def host_key(url: str) -> HostKey:
-    """``url``'s (scheme, host, port), the unit a credential is bound to.
+    """``url``'s (scheme, host, port), the unit a credential is bound to; the host as
+    :func:`host_name` writes it.
 
     Raises:
         ValueError: the port is not a number or is out of range, or a broken IPv6
@@ -55,7 +56,22 @@ def host_key(url: str) -> HostKey:
     """
     parts = urlsplit(url)
     port = parts.port or _DEFAULT_PORTS.get(parts.scheme)
-    return (parts.scheme, (parts.hostname or "").lower(), port)
+    return (parts.scheme, host_name(parts.hostname or ""), port)
+
+
+def host_name(name: str) -> str:
+    """``name`` in lower case, an internationalised one in its ASCII (IDNA) form as
+    requests sends it: ``bücher.example`` and ``xn--bcher-kva.example`` are one host.
+    A name IDNA cannot encode is kept as written (requests refuses to send to it)."""
+    name = name.lower()
+    if name.isascii():
+        return name
+    import idna  # requests' own dependency, loaded only for such a name
+
+    try:
+        return idna.encode(name, uts46=True).decode("ascii").lower()
+    except UnicodeError:
+        return name
 
 
 def clean_token(token: str | None, variable: str) -> str | None:
@@ -167,5 +183,5 @@ def parse_tokens(text: str | None) -> dict[HostKey, str]:
                 "(e.g. mirror.example=TOKEN,cdn.example:8443=OTHER)",
                 variable=_TOKENS_VARIABLE, value=f"entry {position}")
         for scheme, default in _DEFAULT_PORTS.items():
-            tokens[(scheme, name, port or default)] = token
+            tokens[(scheme, host_name(name), port or default)] = token
     return tokens

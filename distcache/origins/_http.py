@@ -33,7 +33,7 @@ from distcache.errors import (
     OriginUnreachable,
 )
 from distcache.origins._base import BaseOrigin, rewind, split_url
-from distcache.origins._credentials import clean_token, host_key, redact
+from distcache.origins._credentials import clean_token, host_key, host_name, redact
 
 if TYPE_CHECKING:
     import random
@@ -121,12 +121,10 @@ class HttpOrigin(BaseOrigin):
             )
         if timeout is not None:
             timeout = check_seconds(timeout, what="timeout", text=False)
-        if retries is not None and retries < 0:
-            raise ConfigError(f"retries must be >= 0, got {retries}",
-                              variable="retries", value=retries)
-        if max_bytes is not None and max_bytes < 1:
-            raise ConfigError(f"max_bytes must be >= 1, got {max_bytes}",
-                              variable="max_bytes", value=max_bytes)
+        for name, value, least in (("retries", retries, 0), ("max_bytes", max_bytes, 1)):
+            if value is not None and (type(value) is not int or value < least):
+                raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}",
+                                  variable=name, value=value)
         resolved = settings(http_timeout=timeout, http_retries=retries,
                             max_artifact_bytes=max_bytes)
         self.base_url = base_url.rstrip("/")
@@ -137,7 +135,7 @@ class HttpOrigin(BaseOrigin):
         self._origin_host = host_key(base_url)
         # (cause, reason, since when) while unreachable; replaced whole, never mutated.
         self._down: tuple[str, str, float] | None = None
-        self._allowed_hosts = {h.lower() for h in allow_redirect_hosts}
+        self._allowed_hosts = {host_name(h) for h in allow_redirect_hosts}
         self._backoff_args = (backoff_base, backoff_max, retry_after_max, backoff_total)
         self._sleep = sleep
         self._rng: random.Random | None = None

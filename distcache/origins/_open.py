@@ -32,7 +32,15 @@ def _file_url(spec: str, credentials: Credentials) -> Origin:
             f"origin {redact_url(spec)!r} is not a local file URL; write file:///absolute/path "
             "(three slashes) or give the directory path itself",
             variable="origin", value=redact_url(spec))
-    return DirOrigin(unquote(parts.path))
+    path = unquote(parts.path)
+    if not os.path.isdir(path):
+        # A mistyped mirror path would answer every artifact "not found", for good.
+        what = "a file" if os.path.exists(path) else "no such directory"
+        raise ConfigError(
+            f"origin {redact_url(spec)!r} is not an existing directory ({what}); give the "
+            "file:// URL or the path of an existing mirror directory",
+            variable="origin", value=redact_url(spec))
+    return DirOrigin(path)
 
 
 def _http_url(spec: str, credentials: Credentials) -> Origin:
@@ -95,9 +103,10 @@ def open_origin(
     credentials: Credentials | None = None,
 ) -> Origin:
     """An origin from a spec: a URL whose scheme is in :data:`SCHEMES` (``http(s)://``
-    -> :class:`HttpOrigin`, ``file://`` -> :class:`DirOrigin`), an existing
-    directory -> :class:`DirOrigin`, an Origin as is; a comma-separated string or a
-    sequence -> :class:`OriginChain` (a single entry is returned unwrapped).
+    -> :class:`HttpOrigin`, ``file://`` naming an existing directory ->
+    :class:`DirOrigin`), an existing directory -> :class:`DirOrigin`, an Origin as is;
+    a comma-separated string or a sequence -> :class:`OriginChain` (a single entry is
+    returned unwrapped).
 
     Each HTTP(S) origin gets the bearer token ``credentials`` binds to its scheme, host
     and port, and none when there is none; by default the settings' credentials
@@ -108,7 +117,8 @@ def open_origin(
         ConfigError: an empty spec, a ``scheme://`` not in :data:`SCHEMES` (the
             message names the spec and the known schemes), a URL whose port is not a
             number from 1 to 65535 or whose host is malformed, a spec without a scheme
-            that is not an existing directory, or malformed credentials.
+            or a ``file://`` URL that is not an existing directory, or malformed
+            credentials.
     """
     if credentials is None:
         credentials = Credentials.from_settings(settings())

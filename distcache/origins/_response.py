@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 from email.utils import parsedate_to_datetime
 from typing import BinaryIO
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import requests
 import urllib3.exceptions
@@ -127,17 +127,24 @@ class Fatal(Exception):
 
 
 def redirect_target(current: str, location: str) -> str:
-    """``location`` resolved against ``current``, as requests sends it (prepared).
+    """``location`` resolved against ``current`` without its user-info, as requests
+    sends it (prepared). ``current``'s user-info (an origin URL's ``alice:pw@``) is
+    put back only on a target of its own scheme, host and port: it is a credential
+    for that host alone.
 
     Raises:
         ValueError: a URL parsers read differently (``urljoin`` takes the host after
-            the last ``@``, urllib3 ends it at a backslash): one with a backslash,
-            user-info or an unprintable character, or whose prepared form names
-            another host for urlsplit (the credential check) than for urllib3 (the
-            connection); or a URL that cannot be prepared.
+            the last ``@``, urllib3 ends it at a backslash): one with a backslash or
+            an unprintable character, a ``location`` with user-info of its own, or
+            one whose prepared form names another host for urlsplit (the credential
+            check) than for urllib3 (the connection); or a URL that cannot be
+            prepared.
     """
-    target = urljoin(current, location)
-    if "\\" in target or not target.isprintable() or "@" in urlsplit(target).netloc:
+    base = urlsplit(current)
+    info, at, netloc = base.netloc.rpartition("@")
+    target = urljoin(urlunsplit(base._replace(netloc=netloc)), location)
+    if ("\\" in target or not target.isprintable() or "@" in urlsplit(location).netloc
+            or "@" in urlsplit(target).netloc):
         raise ValueError("a backslash, user-info or an unprintable character")
     prepared = requests.PreparedRequest()
     try:
@@ -149,6 +156,9 @@ def redirect_target(current: str, location: str) -> str:
     parsed = urllib3.util.parse_url(url)
     if seen != (parsed.scheme, (parsed.host or "").lower().strip("[]"), parsed.port or seen[2]):
         raise ValueError("a host that parsers read differently")
+    if at and seen == host_key(current):
+        scheme, sep, rest = url.partition("://")
+        return f"{scheme}{sep}{info}@{rest}"
     return url
 
 
@@ -255,6 +265,12 @@ def read_response(response: requests.Response, artifact: Artifact, out: BinaryIO
     """
     with response:
         status = response.status_code
+        if not 200 <= status <= 599:
+            what = ("a 1xx response in place of a final one" if 100 <= status < 200
+                    else "a status HTTP does not define")
+            raise Fatal(f"HTTP {status}, {what}" + f" (from {elsewhere})" * bool(elsewhere),
+                        status=status, advice="check that the origin URL names an HTTP "
+                        "server, or set DISTCACHE_ORIGIN to a mirror")
         if status in _RETRY_STATUS or (status >= 500 and status not in _FINAL_STATUS):
             raise Retry(f"HTTP {status}", status=status,
                         delay=retry_after(response.headers.get("Retry-After")))
@@ -269,7 +285,11 @@ def read_response(response: requests.Response, artifact: Artifact, out: BinaryIO
         # although its bytes are the artifact's. A failure names the coding.
         coding = (response.headers.get("Content-Encoding") or "identity").strip().lower()
         coded = "" if coding == "identity" else f" (sent with Content-Encoding: {coding[:40]})"
-        length_header = (response.headers.get("Content-Length") or "").strip()
+        # Transfer-Encoding overrides Content-Length (RFC 9112 6.3): a chunked body
+        # ends at its last chunk, as urllib3 reads it, whatever length is announced.
+        codings = (response.headers.get("Transfer-Encoding") or "").lower().split(",")
+        chunked = "chunked" in (c.strip() for c in codings)
+        length_header = "" if chunked else (response.headers.get("Content-Length") or "").strip()
         expected_len = int(length_header) if _CONTENT_LENGTH.match(length_header) else None
         limit = artifact.size
         if limit is not None and expected_len is not None and expected_len != limit:

@@ -16,12 +16,14 @@ with the first and idle while none is): an attempt costs a registration, not a t
 
 The socket is found through the connection pool: :class:`WatchedAdapter` makes pools
 that tell the attempt of the calling thread which connection it took, and forget it
-when the connection goes back to the pool (another attempt's then).
+when the connection goes back to the pool (another attempt's then). Their connections
+read past interim responses (``103 Early Hints``) to the final one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import socket
 import threading
@@ -285,6 +287,36 @@ class _Watched(urllib3.HTTPConnectionPool):
         super()._put_conn(conn)
 
 
+#: Interim responses a response may open with; one more ends the attempt.
+MAX_INTERIM = 20
+
+
+class _FinalResponse(http.client.HTTPResponse):
+    """A response read past its interim (1xx) responses, 101 Switching Protocols
+    excepted, to the final one. http.client passes over only ``100 Continue``: it
+    would take a ``103 Early Hints`` for the answer and leave the final one unread."""
+
+    _interim = 0
+
+    def _read_status(self) -> tuple[str, int, str]:
+        version, status, reason = super()._read_status()  # type: ignore[misc]
+        if 100 <= status < 200 and status != 101:
+            self._interim += 1
+            if self._interim > MAX_INTERIM:
+                raise http.client.HTTPException(
+                    f"more than {MAX_INTERIM} interim (1xx) responses")
+            # begin() reads on past a 100 Continue, its headers skipped: past this too.
+            return version, http.client.CONTINUE, reason
+        return version, status, reason
+
+
+def _final(cls: type) -> type:
+    """Connection class ``cls`` reading each response with :class:`_FinalResponse`."""
+    if not issubclass(cls, http.client.HTTPConnection):
+        return cls  # urllib3's stand-in where ssl is missing: it never connects
+    return type(f"Final{cls.__name__}", (cls,), {"response_class": _FinalResponse})
+
+
 _WATCHED: dict[type, type] = {}
 _WATCHED_LOCK = threading.Lock()
 
@@ -295,7 +327,8 @@ def _watched(cls: type[urllib3.HTTPConnectionPool]) -> type[urllib3.HTTPConnecti
     with _WATCHED_LOCK:
         made = _WATCHED.get(cls)
         if made is None:
-            made = _WATCHED[cls] = type(f"Watched{cls.__name__}", (_Watched, cls), {})
+            made = _WATCHED[cls] = type(f"Watched{cls.__name__}", (_Watched, cls),
+                                        {"ConnectionCls": _final(cls.ConnectionCls)})
         return made
 
 
