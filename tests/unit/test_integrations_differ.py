@@ -11,49 +11,13 @@ from distcache._prepare import set_up_where_downloading
 from distcache._resolve import prefetch_manifests
 from distcache.artifact import Artifact, manifest_text
 from distcache.collective import PrefetchReport
-from distcache.comm import Communicator, CountingCommunicator, ThreadGroup
+from distcache.comm import Communicator, ThreadGroup
 from distcache.origins import DirOrigin
 from distcache.store import ArtifactPool
 from distcache.testing import make_artifacts
-from tests.support.threads import run_ranks
+from tests.support.threads import AsProcesses, Wanting, run_ranks
 
 TIMEOUT = 20.0
-
-
-class Wanting:
-    """An integration that wants ``wanted`` (its usage record, as FlashInfer's)."""
-
-    name = "wanting"
-
-    def __init__(self, wanted: list[Artifact]) -> None:
-        self.wanted = wanted
-
-    def available(self) -> bool:
-        return True
-
-    def default_origin(self) -> str | None:
-        return None
-
-    def manifest(self) -> list[Artifact]:
-        return list(self.wanted)
-
-    def install(self, pool: object, origin: object) -> None:
-        pass
-
-    def uninstall(self) -> None:
-        pass
-
-    def materialize_dir(self) -> Path | None:
-        return None
-
-
-class _Process(CountingCommunicator):
-    """Thread-ranks that present themselves as ranks of separate processes: their node
-    tree is made by a collective, and node leaders may act for their nodes."""
-
-    @property
-    def backend(self) -> str:
-        return "gloo"
 
 
 def _two(tmp_path: Path) -> tuple[Artifact, Artifact, DirOrigin]:
@@ -118,7 +82,7 @@ def test_nodes_whose_integrations_differ_make_the_tree_and_prefetch_alike(
     group = ThreadGroup(4, [f"n{r // 2}" for r in range(4)], timeout=TIMEOUT)
 
     def body(base: Communicator) -> Any:
-        comm = _Process(base)
+        comm = AsProcesses(base)
         pool = pools[comm.rank // 2]
         integrations = [Wanting([wanted])] if comm.rank < 2 else []
         thread = set_up_where_downloading(comm, pool, origin, [], integrations, False,

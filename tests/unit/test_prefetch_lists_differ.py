@@ -14,50 +14,15 @@ import pytest
 from distcache._resolve import prefetch_manifests
 from distcache.artifact import Artifact, manifest_text
 from distcache.collective import PrefetchReport
-from distcache.comm import Communicator, CountingCommunicator, ThreadGroup
+from distcache.comm import Communicator, ThreadGroup
 from distcache.errors import ManifestMismatchError
 from distcache.origins import DirOrigin
 from distcache.store import ArtifactPool
 from distcache.testing import make_artifacts
-from tests.support.threads import run_ranks
+from tests.support.threads import AsProcesses, Wanting, run_ranks
 
 # Long enough that a rank left waiting would show as a timeout, not a mismatch.
 TIMEOUT = 15.0
-
-
-class _Wanting:
-    """An integration that wants ``wanted`` (a usage record, as FlashInfer's)."""
-
-    name = "wanting"
-
-    def __init__(self, wanted: list[Artifact]) -> None:
-        self.wanted = wanted
-
-    def available(self) -> bool:
-        return True
-
-    def default_origin(self) -> str | None:
-        return None
-
-    def manifest(self) -> list[Artifact]:
-        return list(self.wanted)
-
-    def install(self, pool: object, origin: object) -> None:
-        pass
-
-    def uninstall(self) -> None:
-        pass
-
-    def materialize_dir(self) -> Path | None:
-        return None
-
-
-class _Process(CountingCommunicator):
-    """Thread-ranks presented as separate processes: node leaders may act for a node."""
-
-    @property
-    def backend(self) -> str:
-        return "gloo"
 
 
 def _setup(tmp_path: Path, count: int = 3) -> tuple[list[Artifact], DirOrigin]:
@@ -128,7 +93,7 @@ def test_a_node_member_listing_nothing_fails_the_job_at_once(tmp_path: Path) -> 
     group = ThreadGroup(4, [f"n{r // 2}" for r in range(4)], timeout=TIMEOUT)
 
     def body(base: Communicator) -> Any:
-        comm = _Process(base)
+        comm = AsProcesses(base)
         return prefetch_manifests(comm, pools[comm.rank // 2], origin, timeout=TIMEOUT,
                                   manifests=[empty if comm.rank == 3 else full],
                                   offline=False)
@@ -150,7 +115,7 @@ def test_lists_equal_once_merged_still_prefetch(tmp_path: Path) -> None:
         return prefetch_manifests(
             comm, pools[comm.rank], origin, timeout=TIMEOUT,
             manifests=[forward if first else backward],
-            integrations=[] if first else [_Wanting([artifacts[0]])], offline=False)
+            integrations=[] if first else [Wanting([artifacts[0]])], offline=False)
 
     for result in run_ranks(group, body):
         assert isinstance(result, PrefetchReport), result
