@@ -47,6 +47,10 @@ FIELDS = ("rank", "world_size", "local_rank", "local_world_size", "node_rank", "
 _COUNTS = frozenset({"world_size", "local_world_size", "num_nodes"})
 
 _INTEGER = re.compile(r"[+-]?[0-9]+", re.ASCII)
+#: The largest integer a launcher variable may hold (a signed 64-bit one).
+MAX_INT = (1 << 63) - 1
+#: The largest restart count: what the run scope's answer carries (9 digits).
+MAX_ATTEMPT = 999_999_999
 
 
 class Signal(NamedTuple):
@@ -60,27 +64,30 @@ class Signal(NamedTuple):
         return None if item is None else item[0]
 
 
-def read_int(env: Mapping[str, str], name: str, *, minimum: int = 0) -> int | None:
-    """``env[name]`` as an integer ``>= minimum``; ``None`` when unset.
+def read_int(env: Mapping[str, str], name: str, *, minimum: int = 0,
+             maximum: int = MAX_INT) -> int | None:
+    """``env[name]`` as an integer from ``minimum`` to ``maximum``; ``None`` when unset.
 
     Raises:
-        LaunchError: the value is not an integer in ASCII digits or is below ``minimum``.
+        LaunchError: the value is not an integer in ASCII digits or is out of range.
     """
     raw = env.get(name)
     if raw is None:
         return None
     # ASCII digits only: int() would also take "1_0" and other scripts' digits.
-    if _INTEGER.fullmatch(raw.strip()) is None:
+    text = raw.strip()
+    if _INTEGER.fullmatch(text) is None:
         raise LaunchError(
             f"{name}={raw!r} is not an integer; the launcher environment is malformed",
             variable=name,
             value=raw,
         )
-    value = int(raw.strip())
-    if value < minimum:
+    # Past 18 digits no launcher's figure is meant (and past 4300 int() refuses).
+    value = int(text) if len(text.lstrip("+-0")) <= 18 else None
+    if value is None or not minimum <= value <= maximum:
         raise LaunchError(
-            f"{name}={raw!r} must be >= {minimum}", variable=name, value=raw
-        )
+            f"{name}={raw[:40]!r}{'...' * (len(raw) > 40)} must be from {minimum} to "
+            f"{maximum}", variable=name, value=raw[:40])
     return value
 
 
@@ -247,7 +254,8 @@ def run_id(env: Mapping[str, str]) -> tuple[str, int, tuple[str, ...]]:
             # Every srun step is a run of its own, with its own ranks.
             job = f"{job}.{env.get('SLURM_STEP_ID', '0')}"
             used += ["SLURM_STEP_ID"] if "SLURM_STEP_ID" in env else []
-        attempt = 0 if attempt_var is None else read_int(env, attempt_var)
+        attempt = (0 if attempt_var is None
+                   else read_int(env, attempt_var, maximum=MAX_ATTEMPT))
         if attempt_var is not None and attempt is not None:
             used.append(attempt_var)
         return f"{launcher}:{job}", attempt or 0, tuple(used)

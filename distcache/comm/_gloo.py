@@ -48,10 +48,9 @@ class GlooCommunicator(TorchCommunicator):
         run: ``(job, attempt)`` when agreeing on a scope (default: what the
             launcher's variables say, :func:`launch.run_id`).
         prefix: the key prefix the group meets under (default: the scope's).
-        until: the ``time.monotonic()`` by which the ranks must meet and share the
-            scope (default: ``timeout`` from now). It bounds making the group only:
-            the group's own timeout is ``timeout``, and each collective has what is
-            left of its call's.
+        until: the ``time.monotonic()`` by which the ranks must meet, make the group
+            and share the scope (default: ``timeout`` from now). It bounds making the
+            communicator only: each collective has what is left of its call's.
         timeout, chunk_bytes, node_id: as for every communicator.
 
     Raises:
@@ -62,6 +61,8 @@ class GlooCommunicator(TorchCommunicator):
 
     _kind = "gloo"
     _label = "gloo (distcache's own)"
+    #: Whether the group keeps its timeout for its life (else it bounds connecting only).
+    _group_keeps_timeout = False
 
     def __init__(
         self,
@@ -93,13 +94,20 @@ class GlooCommunicator(TorchCommunicator):
         else:
             base = scope.prefix
         self._prefix = base if prefix is None else prefix
-        # The group's timeout is the communicator's, not what is left of ``until``:
-        # torch keeps it for the group's life (gloo's default per operation, NCCL's
-        # watchdog), so a rank that met late would leave every later collective a
-        # sliver of it. Where the ranks met above, every rank has already arrived.
+        # Making the group fits in what is left of ``until``: a rank that met and then
+        # went away must not hold the others one more whole timeout. On gloo the
+        # group's timeout bounds only that (each collective sets its own, _timed);
+        # NCCL keeps the communicator's (its watchdog's, for the group's life, which
+        # a rank that met late would leave a sliver of).
+        left = until - time.monotonic()
+        if left <= 0:
+            raise CollectiveTimeout(
+                f"rank {rank}/{size}: no time left to make distcache's {self._kind} group "
+                f"within the {wait:g} s timeout", op="init", rank=rank, timeout=wait)
         try:
-            group = self._make_group(torch, dist, dist.PrefixStore(self._prefix, store), rank,
-                                     size, timedelta(seconds=wait))
+            group = self._make_group(
+                torch, dist, dist.PrefixStore(self._prefix, store), rank, size,
+                timedelta(seconds=wait if self._group_keeps_timeout else left))
         except RuntimeError as exc:
             text = (f"rank {rank}/{size}: cannot make distcache's {self._kind} group under "
                     f"{self._prefix!r}: {exc}; every rank must call distcache.init (or the "
@@ -190,6 +198,7 @@ class NcclCommunicator(GlooCommunicator):
 
     _kind = "nccl"
     _label = "NCCL (distcache's own)"
+    _group_keeps_timeout = True
 
     @staticmethod
     def _make_group(torch: Any, dist: Any, store: Any, rank: int, size: int,

@@ -72,3 +72,27 @@ def test_an_owner_variable_with_other_digits_names_no_owner() -> None:
 
     value = f"{socket.gethostname()} {SUPERSCRIPT_TWO} 0 d1"
     assert inherited_owner("d1", {OWNER_VARIABLE: value}) is None
+
+
+@pytest.mark.parametrize("variable", ["RANK", "MASTER_PORT", "WORLD_SIZE"])
+def test_a_launcher_integer_of_thousands_of_digits_is_a_launch_error(variable: str) -> None:
+    """Past 4,300 digits int() raises its own ValueError; no launcher writes such a
+    figure, and the error names the variable."""
+    from launch._sources import read_int
+
+    with pytest.raises(LaunchError, match=variable):
+        read_int({variable: "9" * 5000}, variable)
+    with pytest.raises(LaunchError, match="must be from"):
+        read_int({variable: "1" + "0" * 19}, variable)
+    assert read_int({variable: " 12 "}, variable) == 12
+
+
+def test_a_restart_count_the_run_scope_cannot_carry_is_refused_by_name() -> None:
+    """The run scope's answer carries the attempt in at most 9 digits: a larger count
+    would be refused by every other rank as something other than distcache's."""
+    from launch import run_id
+
+    env = {"TORCHELASTIC_RUN_ID": "job1", "TORCHELASTIC_RESTART_COUNT": "1234567890"}
+    with pytest.raises(LaunchError, match="TORCHELASTIC_RESTART_COUNT"):
+        run_id(env)
+    assert run_id({**env, "TORCHELASTIC_RESTART_COUNT": "999999999"})[1] == 999_999_999

@@ -1,7 +1,9 @@
 """distcache's own gloo group gives each collective the time its call was given.
 
-The group is made with the communicator's whole timeout, however late a rank met its
-peers; each operation carries what is left of its call's timeout where that is longer than
+The gloo group is made within what is left of the meeting's deadline (its timeout bounds
+connecting only: a rank that met and went away holds the others no longer than the
+timeout), yet a rank that met late leaves later collectives their whole timeout: each
+operation carries what is left of its call's timeout where that is longer than
 the communicator's, so a call may outlast the group's timeout (one that gives up
 sooner leaves its operation queued, for a late rank to complete, as on MPI). A timeout gloo reports itself ("Timed out waiting ...ms") is a
 :class:`CollectiveTimeout`, like one the wait reports.
@@ -158,29 +160,60 @@ def test_a_peer_that_never_comes_is_a_collective_timeout(
 # -- in this process ----------------------------------------------------------------------
 
 
-def test_the_group_is_made_with_the_communicators_timeout_not_what_the_meeting_left(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # The group's timeout outlives the meeting (gloo's default per operation, NCCL's
-    # watchdog, made by the same code): it is the communicator's.
-    import torch.distributed as dist
-
+def _recording(monkeypatch: pytest.MonkeyPatch, cls: type, fail: bool) -> list[timedelta]:
     made: list[timedelta] = []
-    real = GlooCommunicator._make_group
+    real = cls._make_group
 
     def recording(torch: Any, dist: Any, store: Any, rank: int, size: int,
                   timeout: timedelta) -> Any:
         made.append(timeout)
+        if fail:
+            raise RuntimeError("not made here")
         return real(torch, dist, store, rank, size, timeout)
 
-    monkeypatch.setattr(GlooCommunicator, "_make_group", staticmethod(recording))
+    monkeypatch.setattr(cls, "_make_group", staticmethod(recording))
+    return made
+
+
+def test_the_gloo_group_is_made_within_what_the_deadline_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each collective sets its own timeout on gloo: the group's bounds connecting only,
+    # so a rank that met and then went away does not cost the others another timeout.
+    import torch.distributed as dist
+
+    made = _recording(monkeypatch, GlooCommunicator, fail=False)
     comm = GlooCommunicator(dist.HashStore(), 0, 1, run=("solo", 0),
                             until=time.monotonic() + 5.0, timeout=30.0)
     try:
         assert comm.allgather_object("x") == ["x"]
     finally:
         comm.close()
+    assert len(made) == 1 and timedelta(0) < made[0] <= timedelta(seconds=5), made
+
+
+def test_an_nccl_group_keeps_the_communicators_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # NCCL's watchdog keeps the group's timeout for its life.
+    import torch.distributed as dist
+
+    from distcache.comm._gloo import NcclCommunicator
+    from distcache.errors import CommError
+
+    made = _recording(monkeypatch, NcclCommunicator, fail=True)
+    with pytest.raises(CommError, match="not made here"):
+        NcclCommunicator(dist.HashStore(), 0, 1, run=("solo", 0),
+                         until=time.monotonic() + 5.0, timeout=30.0)
     assert made == [timedelta(seconds=30)]
+
+
+def test_no_time_left_to_make_the_group_is_a_collective_timeout() -> None:
+    import torch.distributed as dist
+
+    with pytest.raises(CollectiveTimeout, match="no time left"):
+        GlooCommunicator(dist.HashStore(), 0, 1, run=("solo", 0),
+                         until=time.monotonic() - 1.0, timeout=30.0)
 
 
 class _FailedWork:
