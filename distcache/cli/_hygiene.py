@@ -3,7 +3,8 @@ what a pool no longer needs, the way ``hf cache rm``/``prune`` and ``conda clean
 
 Both show what they would remove, then ask on a terminal; ``--yes`` skips the
 question (and is required without a terminal), ``--dry-run`` only shows. What a
-removal does to labels and objects: :mod:`distcache.store._prune`.
+removal does to labels and objects: :mod:`distcache.store._prune`. An object that
+cannot be deleted (a read-only pool) makes the command fail (exit 1), naming why.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from distcache.cli._common import (
     existing_pool,
     human_bytes,
 )
-from distcache.errors import ConfigError
+from distcache.errors import ConfigError, PoolError
 from distcache.store import ArtifactPool
 from distcache.store._prune import Removal, apply, plan_prune, plan_rm
 
@@ -106,9 +107,20 @@ def _carry_out(args: argparse.Namespace, pool: ArtifactPool, removal: Removal,
         print("nothing removed", file=sys.stderr)
         return EXIT_ERROR
     labels, objects, freed = apply(pool, removal)
-    data.update(labels_removed=labels, objects_removed=objects, bytes_freed=freed)
+    failed = removal.failed
+    data.update(labels_removed=labels, objects_removed=objects, bytes_freed=freed,
+                objects_failed=len(failed))
     emit(args, data, [f"removed {labels} labels and {objects} objects "
                       f"({human_bytes(freed)}) from {pool.root}"])
+    if failed:
+        # Asked to delete and could not: a read-only or foreign-owned pool.
+        causes = sorted(set(failed.values()))
+        cause = "; ".join(causes[:3]) + (f"; and {len(causes) - 3} more" if len(causes) > 3
+                                         else "")
+        raise PoolError(
+            f"pool {args.pool_command}: could not delete {len(failed)} of "
+            f"{objects + len(failed)} objects from {pool.root} ({cause}); they are still "
+            "there (see the warnings above)", path=str(pool.root))
     return EXIT_OK
 
 

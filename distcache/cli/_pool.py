@@ -126,9 +126,16 @@ def run_verify(args: argparse.Namespace) -> int:
         f"verified {report.ok + report.corrupt} objects in {pool.root}: {report.ok} ok "
         f"({human_bytes(report.ok_bytes)}), {report.corrupt} corrupt, "
         f"{report.quarantined} in quarantine"])
-    if report.corrupt:
-        say(f"distcache: {report.corrupt} corrupt object(s) moved to "
+    if report.moved:
+        say(f"distcache: {report.moved} corrupt object(s) moved to "
             f"{pool.root / 'quarantine'}; they will be fetched again when needed")
+    if report.corrupt > report.moved:
+        cause = ("the pool is not writable" if not os.access(pool.layout.objects, os.W_OK)
+                 else "see the errors above")
+        say(f"distcache: {report.corrupt - report.moved} corrupt object(s) could not be "
+            f"moved to {pool.root / 'quarantine'} ({cause}) and are still in place; "
+            "readers treat them as misses")
+    if report.corrupt:
         return EXIT_CORRUPT
     return EXIT_OK
 

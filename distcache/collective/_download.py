@@ -194,7 +194,11 @@ class Downloads:
         try:
             if self._pool.has(artifact.sha256):
                 # Published since discovery (a concurrent job, a resumed run): nothing
-                # to download, but what the progress bar counted on is here.
+                # to download, but what the progress bar counted on is here, and it is
+                # this run's as if downloaded (a capped pool's collection keeps it).
+                hold = getattr(self._pool, "hold", None)
+                if hold is not None:
+                    hold([artifact.sha256])
                 with self._lock:
                     if not self._finished.is_set():
                         self._result.placed += 1

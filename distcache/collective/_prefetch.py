@@ -233,6 +233,11 @@ def prefetch(
                 enabled=True)
         name_of = {sha: a.name for sha, a in artifact_of.items()}
         with run.durable():
+            # The set is this run's whatever brought it: what discovery found in this
+            # pool, and (after the move) what other ranks downloaded or moved in; a
+            # capped pool's collection when the batch ends keeps all of it.
+            mine_held = have[pool_ids[comm.rank]]
+            _hold(pool, [s for s, held in zip(objects, mine_held, strict=True) if held])
             moving: Moving | None = None
             with run.phase("fetch"):
                 mine = plan.downloads.get(comm.rank, ())
@@ -246,6 +251,7 @@ def prefetch(
                     run.finish_move(moving, plan, name_of)
                 elif plan.sends:
                     run.check(run.move(plan, pool_ids, name_of, conf.bucket_bytes))
+            _hold(pool, [s for s, held in zip(objects, mine_held, strict=True) if not held])
         with run.phase("publish"):
             failure = None
             if plan.writers[pool_ids[comm.rank]] == comm.rank:
@@ -259,6 +265,14 @@ def prefetch(
         return run.guarded(body)
     finally:
         run.progress.close()  # rank 0's bar, on failure as on success
+
+
+def _hold(pool: Pool, shas: list[str]) -> None:
+    """``pool.hold(shas)`` where the pool keeps a size cap (an
+    :class:`~distcache.store.ArtifactPool`; a stand-in without ``hold`` has none)."""
+    hold = getattr(pool, "hold", None)
+    if hold is not None and shas:
+        hold(shas)
 
 
 def _fetch(run: Run, plan: Plan, pool_ids: list[str], todo: list[Artifact], origin: Origin,

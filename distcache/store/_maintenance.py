@@ -16,10 +16,8 @@ import contextlib
 import errno
 import os
 import stat
-import threading
 import time
-from collections.abc import Callable, Collection, Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -80,7 +78,8 @@ def gc(layout: PoolLayout, max_bytes: int | None, keep: Collection[str] = ()) ->
 
 def verify(store: ObjectStore) -> VerifyReport:
     """Hash every object of ``store`` (in chunks: a huge file is never held in memory
-    whole); quarantine the corrupt ones. An object's name
+    whole); quarantine the corrupt ones, counting apart those moved and those that
+    could not be moved (a read-only pool) and are still in place. An object's name
     that holds no regular file (a symlink, a directory, a fifo, a device) is corrupt
     too: readers already treat it as a miss, so left in place it would hide the
     artifact for good while the report said the pool was whole.
@@ -90,16 +89,19 @@ def verify(store: ObjectStore) -> VerifyReport:
     """
     from distcache.store._report import VerifyReport  # the report, with the call
 
-    ok = corrupt = ok_bytes = 0
+    ok = corrupt = moved = ok_bytes = 0
     for path, sha, st in list(store.scan()):
         before = store.quarantined
         size = _check(store, sha)
         if size is not None:
             ok += 1
             ok_bytes += size
-        elif store.quarantined > before or _same_file(path, st):
-            # Moved aside, or found bad and still there (it could not be moved). An
-            # object that is simply gone (collected or pruned meanwhile) is neither.
+        elif store.quarantined > before:
+            corrupt += 1
+            moved += 1
+        elif _same_file(path, st):
+            # Found bad and still there: it could not be moved. An object that is
+            # simply gone (collected or pruned meanwhile) is neither.
             corrupt += 1
     for path, sha, st in _not_regular(store.layout):
         # Renamed, never followed nor deleted: a symlink goes to quarantine/ itself
@@ -107,10 +109,13 @@ def verify(store: ObjectStore) -> VerifyReport:
         # entry found here.
         before = store.quarantined
         store.quarantine(sha, f"is {_kind(st)}, not a regular file", st)
-        if store.quarantined > before or _same_file(path, st):
+        if store.quarantined > before:
+            corrupt += 1
+            moved += 1
+        elif _same_file(path, st):
             corrupt += 1
     return VerifyReport(ok=ok, corrupt=corrupt, quarantined=_count(store.layout.quarantine),
-                        ok_bytes=ok_bytes)
+                        ok_bytes=ok_bytes, moved=moved)
 
 
 def _check(store: ObjectStore, sha: str) -> int | None:
@@ -265,91 +270,3 @@ def _older_than(directory: Path, cutoff: float) -> list[str]:
         return []
     return found
 
-
-class Cap:
-    """A pool's size cap (``max_bytes``; ``None``: none). Past it, the least recently
-    used objects are collected: after a publication outside any batch, and once when
-    the last open batch (:meth:`batch`, any thread) ends, not after each of its
-    objects (each collection scans the whole pool). What was just published is never
-    collected by that collection: an object larger than the cap stays until a later
-    one, and an import or a prefetch of more than the cap keeps its whole set, over
-    the cap, and says so. ``total`` counts the pool's bytes on the first
-    publication (a scan), then follows them."""
-
-    def __init__(self, layout: PoolLayout, max_bytes: int | None,
-                 total: Callable[[], int]) -> None:
-        self.layout = layout
-        self.max_bytes = max_bytes
-        self._total = total
-        self._guard = threading.Lock()
-        self._approx: int | None = None
-        self._open = 0
-        self._fresh: dict[str, int] = {}
-        self._due = False
-
-    def set_total(self, size: int) -> None:
-        """The pool holds ``size`` bytes (a scan or a collection found so)."""
-        with self._guard:
-            self._approx = size
-
-    def published(self, sha: str, size: int) -> None:
-        """``size`` bytes were published as ``sha``: collect if the pool is past its
-        cap (when the last batch ends, if one is open)."""
-        if self.max_bytes is None:
-            return
-        with self._guard:
-            if self._approx is not None:
-                self._approx += size
-            current = self._approx
-            if self._open:
-                self._fresh[sha] = size
-        if current is None:
-            current = self._total()
-            self.set_total(current)
-        if current <= self.max_bytes:
-            return
-        with self._guard:
-            if self._open:
-                self._due = True
-                return
-        self.collect(keep=(sha,))
-
-    def held(self, sha: str, size: int) -> None:
-        """``sha`` (``size`` bytes), found in the pool, is part of what an open batch
-        brings: its end collects around it, as around what the batch published."""
-        if self.max_bytes is None:
-            return
-        with self._guard:
-            if self._open:
-                self._fresh[sha] = size
-
-    def collect(self, max_bytes: int | None = None, keep: Collection[str] = ()) -> GcReport:
-        """:func:`gc` down to ``max_bytes`` (default: the cap), keeping ``keep``."""
-        report = gc(self.layout, self.max_bytes if max_bytes is None else max_bytes, keep)
-        self.set_total(report.kept_bytes)
-        return report
-
-    @contextlib.contextmanager
-    def batch(self, inner: AbstractContextManager[None]) -> Iterator[None]:
-        """``inner`` (the store's durability batch), with collection held until the
-        last open batch ends."""
-        with self._guard:
-            self._open += 1
-        try:
-            with inner:
-                yield
-        finally:
-            with self._guard:
-                self._open -= 1
-                last = self._open == 0
-                fresh, due = (self._fresh, self._due) if last else ({}, False)
-                if last:
-                    self._fresh, self._due = {}, False
-            if due:
-                report = self.collect(keep=fresh)
-                if self.max_bytes is not None and report.kept_bytes > self.max_bytes:
-                    logger.warning(
-                        "pool %s holds %d bytes, more than its cap of %d: the %d objects "
-                        "(%d bytes) just published are kept whole; later collections "
-                        "remove them as they age", self.layout.root, report.kept_bytes,
-                        self.max_bytes, len(fresh), sum(fresh.values()))

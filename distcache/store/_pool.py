@@ -8,8 +8,9 @@ and a crash leaves either no object or a whole one.
 :class:`ArtifactPool` is the one public entry point: artifacts (names, origins,
 materialized files), the size cap, the pool's identity. Behind it ``layout`` names
 every path and checks the format, ``_objects`` reads, publishes and quarantines,
-``_log`` keeps the labels and the journal, ``_maintenance`` scans the whole pool
-(``gc``, ``verify``, ``stats``, ``sweep``; their reports load on first use).
+``_log`` keeps the labels and the journal, ``_intake`` streams an origin's bytes in,
+``_cap`` holds the size cap, ``_maintenance`` scans the whole pool (``gc``,
+``verify``, ``stats``, ``sweep``; their reports load on first use).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from distcache.artifact import Artifact, check_sha256, sha256_hex, validate_name
 from distcache.config import settings
 from distcache.errors import ConfigError, IntegrityError, PoolError
 from distcache.store import _maintenance
-from distcache.store._fs import pool_error
+from distcache.store._cap import Cap
+from distcache.store._intake import download_bytes, download_streamed
 from distcache.store._locking import FileLock
 from distcache.store._log import Journal
 from distcache.store._materialize import materialize
@@ -86,7 +88,7 @@ class ArtifactPool:
         #: The pool's identity: its ``pool_id``, and the probes a collective places
         #: to show which ranks see this directory (a copy takes a fresh id).
         self.identity = opened.identity(self.layout)
-        self._cap = _maintenance.Cap(self.layout, self.max_bytes, lambda: sum(
+        self._cap = Cap(self.layout, self.max_bytes, lambda: sum(
             st.st_size for _p, _s, st in self._store.scan()))
         if not read_only:
             self.sweep()
@@ -231,13 +233,30 @@ class ArtifactPool:
                 else:
                     data = self._store.read(sha, stamp=True)
                 if data is None:
-                    data = self._download(artifact, origin)
+                    refuse_offline(artifact, self.root, origin)
+                    data = download_bytes(self._store, artifact, origin, self._published)
             finally:
                 lock.release()
         check_size(artifact, len(data), "pool")
         self._cap.held(sha, len(data))  # a batch's set is kept whole, found or fetched
         self.label([artifact])
         return data
+
+    def hold(self, shas: Iterable[str]) -> None:
+        """Count the objects ``shas`` present in this pool as part of what the open
+        batches bring (a prefetch's or a sync's set, found here or moved in by another
+        process): the collection of a capped pool when the last batch ends keeps them,
+        as it keeps what the batches published. Without a cap or an open batch this
+        does nothing (ValueError: a bad sha)."""
+        self._cap.max_bytes = self.max_bytes  # an attribute callers may set
+        if not self._cap.holding:
+            return
+        for sha in shas:
+            try:
+                size = os.lstat(self.layout.object_path(check_sha256(sha))).st_size
+            except OSError:
+                continue  # absent: nothing to keep
+            self._cap.held(sha, size)
 
     def batch(self, *, wait: bool = True) -> AbstractContextManager[None]:
         """A context in which publications are made durable together when it ends
@@ -247,7 +266,7 @@ class ArtifactPool:
         (that one waits or not as it asked, for all of them). Safe because every
         read is verified: a torn object after a power loss is quarantined and fetched.
         A capped pool collects once the last open batch ends, never what the batches
-        published (:class:`~distcache.store._maintenance.Cap`).
+        published (:class:`~distcache.store._cap.Cap`).
 
         Raises:
             PoolError: (on exit, waiting, as the last open batch) the flush failed.
@@ -268,42 +287,7 @@ class ArtifactPool:
         if not hasattr(origin, "fetch_into"):  # a duck-typed origin with only ``fetch``
             data = origin.fetch(artifact)
             return len(data) if self.put(data, artifact.sha256) else 0
-        with self._store.staged(artifact.sha256[:16]) as (fd, tmp):
-            size = self._stream_in(fd, tmp, artifact, origin)
-            check_size(artifact, size, origin.describe())
-            if self._store.publish(fd, tmp, artifact.sha256):
-                self._published(artifact.sha256, size)
-            return size
-
-    @staticmethod  # the origin's bytes into ``fd``; their size
-    def _stream_in(fd: int, tmp: str, artifact: Artifact, origin: Origin) -> int:
-        try:
-            with open(fd, "w+b", closefd=False) as out:
-                origin.fetch_into(artifact, out)
-                out.flush()
-            return os.fstat(fd).st_size
-        except PoolError:
-            raise
-        except OSError as exc:
-            # A full disk or quota shows up as a bare OSError from the origin's write.
-            raise pool_error("cannot write", tmp, exc) from exc
-
-    def _download(self, artifact: Artifact, origin: Origin) -> bytes:
-        refuse_offline(artifact, self.root, origin)
-        source = origin.describe()
-        with self._store.staged(artifact.sha256[:16]) as (fd, tmp):
-            data = os.pread(fd, self._stream_in(fd, tmp, artifact, origin), 0)
-            actual = sha256_hex(data)
-            if actual != artifact.sha256:
-                raise IntegrityError(
-                    f"sha256 mismatch for {artifact.name} from {source}: expected "
-                    f"{artifact.sha256}, got {actual}; check the origin",
-                    sha256=artifact.sha256, actual=actual, source=source,
-                )
-            check_size(artifact, len(data), source)
-            if self._store.publish(fd, tmp, artifact.sha256):
-                self._published(artifact.sha256, len(data))
-            return data
+        return download_streamed(self._store, artifact, origin, self._published)
 
     def materialize(self, artifact: Artifact, into_dir: str | os.PathLike[str]) -> Path:
         """Place the artifact at ``into_dir/<name>`` and return that path.

@@ -37,11 +37,13 @@ _LOCK_WAIT = 30.0
 class Removal:
     """What a removal drops: ``labels`` (name -> sha) and ``objects`` (sha -> size).
     ``cutoff`` (a prune's): an object whose recency stamp is no older than this when
-    the removal is carried out was used since the plan, and it and its labels stay."""
+    the removal is carried out was used since the plan, and it and its labels stay.
+    ``failed``: filled by :func:`apply`, each object it could not delete (sha -> why)."""
 
     labels: dict[str, str] = field(default_factory=dict)
     objects: dict[str, int] = field(default_factory=dict)
     cutoff: float | None = None
+    failed: dict[str, str] = field(default_factory=dict)
 
     @property
     def bytes(self) -> int:
@@ -76,14 +78,17 @@ def _sizes(pool: ArtifactPool) -> dict[str, tuple[int, float]]:
 def plan_rm(pool: ArtifactPool, patterns: list[str]) -> Removal:
     """The labels whose name matches any of ``patterns`` (``fnmatch``, ``*`` also
     matches ``/``; a plain name matches itself), and the objects only they point at.
+    A pattern that is a recorded name is taken as that name first, so a name that
+    holds a lone ``[`` is not refused as a bad glob.
 
     Raises:
         ConfigError: a bad pattern.
         PoolError: the pool cannot be read.
     """
-    for pattern in patterns:
-        check_glob(pattern)
     names = pool.names()
+    for pattern in patterns:
+        if pattern not in names:  # a recorded name is itself, whatever it holds
+            check_glob(pattern)
     dropped = {n: s for n, s in names.items()
                if any(n == p or fnmatch.fnmatchcase(n, p) for p in patterns)}
     kept = {s for n, s in names.items() if n not in dropped}
@@ -161,10 +166,14 @@ def _rewrite_labels(pool: ArtifactPool, dropped: dict[str, str]) -> tuple[int, d
 
 def apply(pool: ArtifactPool, removal: Removal) -> tuple[int, int, int]:
     """Carry out ``removal``; returns ``(labels dropped, objects deleted, bytes freed)``.
+    Each object that could not be deleted (a read-only pool, a directory this user
+    cannot write) is logged and recorded in ``removal.failed``.
 
     Raises:
         PoolError: the label log cannot be rewritten.
     """
+    failed = removal.failed
+    failed.clear()
     used = _used_since(pool, removal)
     if used:
         removal = Removal(labels={n: s for n, s in removal.labels.items() if s not in used},
@@ -185,6 +194,7 @@ def apply(pool: ArtifactPool, removal: Removal) -> tuple[int, int, int]:
             continue
         except OSError as exc:
             logger.warning("cannot remove object %s from %s: %s", sha, pool.root, exc)
+            failed[sha] = exc.strerror or str(exc)
             continue
         deleted += 1
         freed += size

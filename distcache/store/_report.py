@@ -29,12 +29,15 @@ class VerifyReport:
 
     #: Objects whose bytes match their name.
     ok: int
-    #: Objects found corrupt by this scan (each moved to ``quarantine/``).
+    #: Objects found corrupt by this scan (moved to ``quarantine/`` where they could be).
     corrupt: int
     #: Files in ``quarantine/`` after the scan, from this scan and earlier ones.
     quarantined: int
     #: Bytes in the objects found good.
     ok_bytes: int
+    #: Of ``corrupt``, the objects this scan moved to ``quarantine/``; the others could
+    #: not be moved (a read-only pool) and are still in place, read as misses.
+    moved: int = 0
 
 
 @dataclass(frozen=True, slots=True)
