@@ -16,6 +16,7 @@ overlaps the ``"prefetch"`` phase.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -77,7 +78,10 @@ class InstallsBeside:
 
     def start(self) -> None:
         if self.early:
-            self._thread = threading.Thread(target=self._run, daemon=True,
+            # In the caller's context: an install that calls init finds the session
+            # being started (distcache.session).
+            self._thread = threading.Thread(target=contextvars.copy_context().run,
+                                            args=(self._run,), daemon=True,
                                             name="distcache-install")
             self._thread.start()
 

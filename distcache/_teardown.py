@@ -7,7 +7,9 @@ closes the session it is starting). :class:`Closing` lets the first caller tear 
 another caller waits until the teardown is over, except where the teardown waits for
 that caller: the closer itself, and the start-up's thread, which the closer joins.
 Once the start-up's own thread tore the session down, the start-up goes no further
-(:meth:`Closing.unless_torn_down`) and leaves nothing set up behind it.
+(:meth:`Closing.unless_torn_down`) and leaves nothing set up behind it. A closer
+interrupted while it waits for the start-up (Ctrl-C) gives the teardown up before it
+begins (:meth:`Closing.reopen`): the session stays open and may be closed again.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from distcache._log import get_logger
 from distcache.errors import DistcacheError
 
 if TYPE_CHECKING:
+    from distcache._background import Background
     from distcache.integrations import Integration
 
 log = get_logger(__name__)
@@ -53,29 +56,61 @@ class Closing:
         caller only. A later one returns at once when the teardown is over, or runs on
         its thread, or is the ``start_up`` thread (which the teardown joins); else it
         waits until it is over, at most ``timeout`` seconds, and then returns (with a
-        warning) rather than wait for ever."""
+        warning) rather than wait for ever. Where the first caller gave the teardown up
+        before it began (:meth:`reopen`), a waiting caller claims it in its place."""
         me = threading.current_thread()
+        while True:
+            with self._lock:
+                if not self.closed:
+                    self.closed, self._closer = True, me
+                    return True
+                closer, over = self._closer, self._over
+            if me is closer or me is start_up:
+                return False
+            bound = WAIT_S if timeout is None else timeout
+            if not over.wait(bound):
+                log.warning("close: the teardown on thread %r is still running after %g "
+                            "s; returning without it", closer and closer.name, bound)
+                return False
+            with self._lock:
+                if self.closed:
+                    return False
+
+    def reopen(self) -> None:
+        """Give the teardown up before it began (the closer was interrupted while it
+        waited for the start-up): the session is open again, and ``close`` may be
+        called again; a caller waiting in :meth:`claim` claims the teardown itself."""
         with self._lock:
-            if not self.closed:
-                self.closed, self._closer = True, me
-                return True
-            closer = self._closer
-        if me is closer or me is start_up:
-            return False
-        bound = WAIT_S if timeout is None else timeout
-        if not self._over.wait(bound):
-            log.warning("close: the teardown on thread %r is still running after %g s; "
-                        "returning without it", closer and closer.name, bound)
-        return False
+            self.closed, self._closer = False, None
+            over, self._over = self._over, threading.Event()
+        over.set()
+
+    def join(self, start_up: Background | None) -> None:
+        """Wait for the background ``start_up`` before the teardown, unless the caller
+        is its thread or another process (where it does not run). A caller interrupted
+        while it waits gives the teardown up (:meth:`reopen`) and raises. A failure of
+        the start-up that no ``Session.wait`` raised is logged."""
+        if start_up is None or start_up.here or start_up.elsewhere:
+            return
+        try:  # every collective of the start-up is bounded by the timeout
+            start_up.wait(None)
+        except BaseException:
+            self.reopen()  # nothing was torn down yet
+            raise
+        if start_up.error is not None and not start_up.waited:
+            log.warning("the background start-up failed and no wait() raised it: %s",
+                        start_up.error)
 
     @contextlib.contextmanager
     def tearing_down(self) -> Iterator[None]:
         """The block of the caller :meth:`claim` chose; when it ends, however it ends,
-        the callers waiting in :meth:`claim` return."""
+        the callers waiting in :meth:`claim` return (or claim the teardown, where the
+        block gave it up)."""
+        over = self._over
         try:
             yield
         finally:
-            self._over.set()
+            over.set()
 
     def tear_down(self, integrations: Sequence[Integration],
                   abandon: Callable[[], object] | None, parts: Sequence[Closable | None],

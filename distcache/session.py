@@ -13,11 +13,13 @@ process keeps one session (:class:`SessionSlot`): a second ``init`` returns it.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import threading
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Unpack
 
+from distcache._background import Background
 from distcache._beside import InstallsBeside, install_rest
 from distcache._beside import phase as _phase
 from distcache._log import get_logger
@@ -27,7 +29,7 @@ from distcache._resolve import prefetch_manifests, resolve_origin, resolve_pool
 from distcache._teardown import Closing
 from distcache.comm import Adopted, Communicator, adopt, bulk_transport, local, tell_others
 from distcache.config import Settings, settings
-from distcache.errors import CollectiveTimeout, DistcacheError
+from distcache.errors import DistcacheError
 from distcache.integrations import Integration
 from distcache.peer import Hosted, Starting, start_for_session
 
@@ -84,10 +86,8 @@ class Session:
         self._closing, self._sync_state = Closing(), None  # close() runs once
         # The communicator adopt() made for this session; close() discards it.
         self._adopted = _adopted
-        # The background start-up (init(background=True)), what it raised.
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._waited = False  # wait() raised self._error
+        # The background start-up (init(background=True)): its thread, what it raised.
+        self._background: Background | None = None
         # The slot this session is kept in (SessionSlot); close() leaves it.
         self._slot = _slot
         # The node agents of the peer tier this rank hosts or uses (distcache.peer);
@@ -101,10 +101,16 @@ class Session:
                 f"{[i.name for i in self.integrations]})")
 
     @property
+    def _thread(self) -> threading.Thread | None:
+        """The background start-up's thread (``None`` for a foreground ``init``)."""
+        return None if self._background is None else self._background.thread
+
+    @property
     def ready(self) -> bool:
         """Whether the start-up is over (at once unless ``init(background=True)``);
-        ``wait`` then returns without blocking."""
-        return self._thread is None or not self._thread.is_alive()
+        ``wait`` then returns without blocking. A ``DistcacheError`` in a process
+        forked while the background start-up ran."""
+        return self._background is None or self._background.wait(0)
 
     def wait(self, timeout: float | None = None) -> PrefetchReport | None:
         """Join the background start-up (the prefetch and the integrations' install)
@@ -116,18 +122,11 @@ class Session:
                 (it goes on; call ``wait`` again).
             PrefetchError, ManifestMismatchError, ConfigError, ...: what the start-up
                 raised; the collective errors are raised on every rank alike.
+            DistcacheError: this process was forked from the one whose background
+                start-up this is, while it ran.
         """
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
-            if thread.is_alive():
-                raise CollectiveTimeout(
-                    f"rank {self.comm.rank}/{self.comm.size}: the background start-up is "
-                    f"still running after {timeout:g} s", op="wait", timeout=timeout,
-                    rank=self.comm.rank)
-        if self._error is not None:
-            self._waited = True
-            raise self._error
+        if self._background is not None:
+            self._background.join(timeout, self.comm)
         return self.report
 
     def sync(self, *, timeout: float | None = None) -> PrefetchReport | None:
@@ -143,43 +142,25 @@ class Session:
         if self.disabled or self.pool is None:
             return None
         self.wait()  # the communicator is the background start-up's until it is done
-        self._publish_jit()
-        from distcache.collective import SyncState, sync  # loaded by the first sync
+        from distcache._sync import publish_and_sync  # loaded by the first sync
+        from distcache.collective import SyncState
 
         if self._sync_state is None:
             self._sync_state = SyncState()
-        report = sync(comm=self.comm, pool=self.pool, timeout=timeout, state=self._sync_state)
-        _log_rank0(self.comm, "sync: %s", report.summary())
-        return report
-
-    def _publish_jit(self) -> None:
-        """Store what this rank's JIT cache directories gained (not collective; a
-        failure is logged, so that no rank leaves the others waiting in the sync)."""
-        from distcache.jit import Family
-
-        for integration in self.integrations:
-            if isinstance(integration, Family):
-                try:
-                    count = integration.publish(self.pool)
-                except (DistcacheError, OSError) as exc:
-                    log.warning("%s: not published: %s", integration.name, exc)
-                    continue
-                log.debug("%s: published %d new file(s)", integration.name, count)
+        return publish_and_sync(self.comm, self.pool, self.integrations, self._sync_state,
+                                timeout)
 
     def close(self) -> None:
         """Uninstall the integrations, unmap IPC pools, and tear down what init
         started. Idempotent and thread-safe (:class:`~distcache._teardown.Closing`); not
         collective. Every step runs even where one fails; the call that tore down raises
-        the error of the last failing step (the others chained to it)."""
-        start_up = self._thread
-        if not self._closing.claim(start_up, self.settings and self.settings.timeout):
+        the error of the last failing step (the others chained to it). A call
+        interrupted while it waits for the background start-up (Ctrl-C) leaves the
+        session open, to be closed again."""
+        if not self._closing.claim(self._thread, self.settings and self.settings.timeout):
             return
         with self._closing.tearing_down():
-            if start_up is not None and start_up is not threading.current_thread():
-                start_up.join()  # every collective of the start-up is bounded by the timeout
-                if self._error is not None and not self._waited:
-                    log.warning("the background start-up failed and no wait() raised it: "
-                                "%s", self._error)
+            self._closing.join(self._background)
             starting, slot, self._starting = self._starting, self._slot, None
             self._closing.tear_down(self.integrations, starting.abandon if starting else None,
                                     (self._peers, self.registry, self._adopted),
@@ -208,7 +189,11 @@ class SessionSlot:
     both call ``init``, and only one of them may adopt a communicator and install
     the integrations), so the process has one slot: the module's ``_PROCESS``, which
     :func:`init` and :func:`current` use. Tests construct their own. A session knows
-    its slot and leaves it on ``close``.
+    its slot and leaves it on ``close``. An ``init`` called from inside a start-up
+    (an integration's install, on any of the start-up's threads) returns the session
+    being started at once (:data:`STARTING`). A session whose background start-up
+    failed is closed by the next ``init``, which starts afresh, as after a foreground
+    start-up that failed.
     """
 
     def __init__(self) -> None:
@@ -227,14 +212,21 @@ class SessionSlot:
 
         Raises: as :func:`init`.
         """
+        starting = STARTING.get()
+        if starting is not None and starting._slot is self:
+            if starting.closed:
+                raise DistcacheError("init was called from inside the start-up of a "
+                                     "distcache session that is closed")
+            return _again(starting, options, fields)
         with self._lock:
             session = self.current()
+            if session is not None and session._background and session._background.failed:
+                _close_failed(session)  # as after a foreground start-up that failed
+                session = None
             if session is None:
-                session = _start(InitOptions.of(options, fields), self)
-                self._session = session
-            elif session.options is not None and (options is not None or fields):
-                session.options.warn_ignored(options, fields)
-            return session
+                self._session = session = _start(InitOptions.of(options, fields), self)
+                return session
+            return _again(session, options, fields)
 
     def leave(self, session: Session) -> None:
         """Empty the slot if ``session`` is in it."""
@@ -245,6 +237,26 @@ class SessionSlot:
 
 # The process's slot: module state by necessity (see SessionSlot).
 _PROCESS = SessionSlot()
+
+#: The session whose start-up runs in this context: set while ``init`` starts one on
+#: the caller's thread; the start-up's threads run in copies of that context.
+STARTING: contextvars.ContextVar[Session | None] = contextvars.ContextVar(
+    "distcache_starting", default=None)
+
+
+def _again(session: Session, options: InitOptions | None, fields: InitFields) -> Session:
+    """``session``, for an ``init`` that finds it; the options it ignores are named."""
+    if session.options is not None and (options is not None or fields):
+        session.options.warn_ignored(options, fields)
+    return session
+
+
+def _close_failed(session: Session) -> None:
+    """Close ``session``, whose start-up failed (its own error is the one raised)."""
+    try:
+        session.close()
+    except Exception as also:
+        log.warning("closing the failed start-up: %s", also)
 
 
 def current() -> Session | None:
@@ -304,6 +316,7 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
                phases["comm"])
     session = Session(comm=comm, pool=None, phases=phases, settings=conf, options=options,
                       _adopted=adopted, _slot=slot)
+    starting = STARTING.set(session)
     try:
         with _phase(phases, "pool"):
             session.pool = the_pool = resolve_pool(options.pool, conf)
@@ -359,18 +372,16 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
                          note)
 
         if options.background:
-            session._thread = threading.Thread(target=_run_recording, args=(start_up, session),
-                                               daemon=True, name="distcache-start-up")
-            session._thread.start()
+            session._background = Background(start_up, comm)
+            session._background.start()
         else:
             start_up()
     except BaseException as exc:
         tell_others(comm, exc)  # before the close: their waits raise it, not time out
-        try:
-            session.close()
-        except Exception as also:  # the start-up's own error is the one raised
-            log.warning("closing the failed start-up: %s", also)
+        _close_failed(session)
         raise
+    finally:
+        STARTING.reset(starting)
     return session
 
 
@@ -382,16 +393,6 @@ def _share_peers(session: Session) -> None:
         session._peers = starting.finish()
         if session._closing.torn_down and session._peers is not None:
             session._peers.close()  # closed meanwhile on this thread: keep nothing
-
-
-def _run_recording(body: Any, session: Session) -> None:
-    """Run the background start-up; keep what it raised for ``Session.wait``."""
-    try:
-        body()
-    except BaseException as exc:
-        session._error = exc
-        tell_others(session.comm, exc)
-        log.debug("background start-up failed: %s", exc)
 
 
 def _log_rank0(comm: Communicator, msg: str, *args: Any) -> None:

@@ -1,0 +1,108 @@
+"""A session's start-up run on a thread of its own (``init(background=True)``).
+
+:class:`Background` tells that the start-up is over by an event its body sets as it
+ends, never by whether its thread is alive (a join that a Ctrl-C interrupted may leave
+a running thread looking ended), keeps what the body raised for ``Session.wait``, and
+knows the process that started it: a process forked while it ran has no such thread,
+so there ``wait`` and ``ready`` raise instead of taking it for over.
+
+The start-up's thread runs in a copy of the context of the ``init`` that started it,
+so that an ``init`` called from inside the start-up (an integration's install) finds
+the session being started (``distcache.session``'s ``STARTING``).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from distcache._log import get_logger
+from distcache.comm import tell_others
+from distcache.errors import CollectiveTimeout, DistcacheError
+
+if TYPE_CHECKING:
+    from distcache.comm import Communicator
+
+log = get_logger(__name__)
+
+class Background:
+    """The start-up ``body`` on a thread :meth:`start` starts (in a copy of the
+    caller's context); what it raised, told to the other ranks of ``comm``."""
+
+    def __init__(self, body: Callable[[], None], comm: Communicator) -> None:
+        self.thread = threading.Thread(target=contextvars.copy_context().run,
+                                       args=(self._run, body), daemon=True,
+                                       name="distcache-start-up")
+        self.error: BaseException | None = None
+        self.waited = False  # wait() raised self.error
+        self._comm = comm
+        self._over = threading.Event()
+        self._pid = os.getpid()
+
+    def start(self) -> None:
+        try:
+            self.thread.start()
+        except BaseException:
+            self._over.set()  # it never ran: nothing waits for it
+            raise
+
+    def _run(self, body: Callable[[], None]) -> None:
+        try:
+            body()
+        except BaseException as exc:
+            self.error = exc
+            tell_others(self._comm, exc)
+            log.debug("background start-up failed: %s", exc)
+        finally:
+            self._over.set()
+
+    @property
+    def elsewhere(self) -> bool:
+        """Whether this is another process than the one that started the start-up (a
+        child forked while it ran)."""
+        return os.getpid() != self._pid
+
+    @property
+    def here(self) -> bool:
+        """Whether the caller is the start-up's own thread."""
+        return threading.current_thread() is self.thread
+
+    @property
+    def failed(self) -> bool:
+        """Whether the start-up is over and raised (in the process that started it)."""
+        return not self.elsewhere and self._over.is_set() and self.error is not None
+
+    def wait(self, timeout: float | None) -> bool:
+        """Whether the start-up is over, after waiting at most ``timeout`` seconds
+        (``None``: until it is).
+
+        Raises:
+            DistcacheError: the caller is another process (a forked child), where the
+                start-up's thread does not run.
+        """
+        if self.elsewhere:
+            raise DistcacheError(
+                f"the background start-up of this distcache session belongs to the parent "
+                f"process {self._pid}, not to this process {os.getpid()} (forked while it "
+                "ran): its thread does not run here, and its report is not this process's")
+        return self._over.wait(timeout)
+
+    def join(self, timeout: float | None, comm: Communicator) -> None:
+        """Wait at most ``timeout`` seconds (``None``: no limit) for the start-up of
+        this rank of ``comm``, then raise what it raised (``Session.wait``).
+
+        Raises:
+            CollectiveTimeout: the start-up is still running after ``timeout`` seconds.
+            DistcacheError: the caller is another process (:meth:`wait`).
+            BaseException: what the start-up raised.
+        """
+        if not self.wait(timeout):
+            raise CollectiveTimeout(
+                f"rank {comm.rank}/{comm.size}: the background start-up is still running "
+                f"after {timeout:g} s", op="wait", timeout=timeout, rank=comm.rank)
+        if self.error is not None:
+            self.waited = True
+            raise self.error
