@@ -1,14 +1,13 @@
 """``distcache.init``: the collective start-up hook an engine calls on every rank.
 
 Composition only, in the order of DESIGN.md's data flow: a communicator of distcache's
-own (:func:`distcache.comm.adopt`: a duplicate of the MPI world or a private gloo
-group, never the engine's groups), the pool and the origin, the IPC pool handle
-exchange, the start-up prefetch of the manifests and of what the integrations want
+own (:func:`distcache.comm.adopt`: a duplicate of the MPI world or a private gloo group,
+never the engine's), the pool and the origin, the IPC pool handle exchange, the
+start-up prefetch of the manifests and of what the integrations want
 (:mod:`distcache._resolve`), each integration's install. With ``background=True`` the
-prefetch and the installs run on a thread over that private communicator while the
-engine goes on (loading weights, say); ``Session.wait`` joins them. ``init`` is told
-one :class:`~distcache._options.InitOptions` (its keywords stand for the fields). The
-process keeps one session (:class:`SessionSlot`): a second ``init`` returns it.
+prefetch and the installs run on a thread while the engine goes on; ``Session.wait``
+joins them. ``init`` is told one :class:`~distcache._options.InitOptions` (its keywords
+stand for the fields). A process keeps one session (:class:`SessionSlot`).
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ from distcache.comm import Adopted, Communicator, adopt, bulk_transport, local, 
 from distcache.config import Settings, settings
 from distcache.errors import DistcacheError
 from distcache.integrations import Integration
+from distcache.origins import Stopper
 from distcache.peer import Hosted, Starting, start_for_session
 
 if TYPE_CHECKING:
@@ -84,12 +84,10 @@ class Session:
         self.phases = {} if phases is None else phases
         self.integrations = [] if integrations is None else integrations
         self._closing, self._sync_state = Closing(), None  # close() runs once
-        # The communicator adopt() made for this session; close() discards it.
-        self._adopted = _adopted
-        # The background start-up (init(background=True)): its thread, what it raised.
+        # The communicator adopt() made, which close() discards, and the slot it leaves;
+        # the background start-up (init(background=True)): its thread, what it raised.
+        self._adopted, self._slot = _adopted, _slot
         self._background: Background | None = None
-        # The slot this session is kept in (SessionSlot); close() leaves it.
-        self._slot = _slot
         # The node agents of the peer tier this rank hosts or uses (distcache.peer);
         # their start, until their endpoints are shared.
         self._peers, self._starting = None, None
@@ -208,10 +206,7 @@ class SessionSlot:
 
     def init(self, options: InitOptions | None = None, /,
              **fields: Unpack[InitFields]) -> Session:
-        """:func:`init` on this slot: its open session, else a new one.
-
-        Raises: as :func:`init`.
-        """
+        """:func:`init` on this slot: its open session, else a new one (raises as it)."""
         starting = STARTING.get()
         if starting is not None and starting._slot is self:
             if starting.closed:
@@ -316,13 +311,15 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
                phases["comm"])
     session = Session(comm=comm, pool=None, phases=phases, settings=conf, options=options,
                       _adopted=adopted, _slot=slot)
-    starting = STARTING.set(session)
+    starting, stopper = STARTING.set(session), None
     try:
         with _phase(phases, "pool"):
             session.pool = the_pool = resolve_pool(options.pool, conf)
         _log_rank0(comm, "pool: %s (id %s)", the_pool.root, the_pool.pool_id)
         chosen = [*chosen, *jit_families(options.jit_caches, conf, the_pool, options.environ)]
-        the_origin = resolve_origin(options.origin, conf, chosen)
+        origin = resolve_origin(options.origin, conf, chosen)
+        stopper = None if origin is None else Stopper(origin)
+        the_origin = None if stopper is None else stopper.origin
         secret = adopted.scope.secret if adopted else None
         manifests = as_lists(options.manifests)  # read by the set-up, then the prefetch
         with _phase(phases, "peers"):
@@ -378,6 +375,8 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
             start_up()
     except BaseException as exc:
         tell_others(comm, exc)  # before the close: their waits raise it, not time out
+        if stopper is not None:  # its downloads end at their next write (Ctrl-C)
+            stopper.stop()
         _close_failed(session)
         raise
     finally:

@@ -207,7 +207,7 @@ def _prefetch(
     for (``strict``); else it is left with one warning, and PROGRAM still runs.
     """
     # The distcache command's package, loaded only by a wrapper that prefetches.
-    from distcache.cli._interrupt import Stopper
+    from distcache.origins import Stopper
 
     # No peer agents for the prefetch alone: it moves what a manifest names, and
     # --peers hosts the agents the program's lookups use.

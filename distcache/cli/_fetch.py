@@ -29,9 +29,10 @@ from distcache.cli._common import (
     pool_root,
     refuse_foreign,
 )
-from distcache.cli._interrupt import Interrupted, Stopper, run_threads
+from distcache.cli._interrupt import run_threads
 from distcache.config import settings
 from distcache.errors import DistcacheError, OriginUnreachable, PoolError
+from distcache.origins import Interrupted, Stopper
 
 #: Failures printed to stderr one per line; the rest are counted.
 _SHOWN_FAILURES = 10

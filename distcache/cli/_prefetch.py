@@ -30,7 +30,6 @@ from distcache._resolve import ManifestSpec, prefetch_manifests, resolve_origin,
 from distcache.artifact import merge_manifests, read_manifest
 from distcache.cli._common import check_families, positive_seconds, refuse_foreign
 from distcache.cli._fetch import say
-from distcache.cli._interrupt import Stopper
 from distcache.collective import PrefetchReport
 from distcache.comm import Communicator, adopt
 from distcache.config import settings
@@ -38,7 +37,7 @@ from distcache.errors import ConfigError, DistcacheError
 from distcache.integrations.flashinfer import FlashInfer
 from distcache.integrations.flashinfer import prefetch as flashinfer_prefetch
 from distcache.integrations.flashinfer._warm import ARCH_RULE
-from distcache.origins import Origin
+from distcache.origins import Origin, Stopper
 from distcache.store import ArtifactPool
 
 log = logging.getLogger(__name__)

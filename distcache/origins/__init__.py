@@ -39,6 +39,7 @@ from distcache.origins._chain import OriginChain
 from distcache.origins._credentials import Credentials
 from distcache.origins._directory import DirOrigin
 from distcache.origins._open import open_origin
+from distcache.origins._stopper import Interrupted, Stopper
 
 if TYPE_CHECKING:
     from distcache.origins._http import HttpOrigin
@@ -48,8 +49,10 @@ __all__ = [
     "Credentials",
     "DirOrigin",
     "HttpOrigin",
+    "Interrupted",
     "Origin",
     "OriginChain",
+    "Stopper",
     "open_origin",
 ]
 

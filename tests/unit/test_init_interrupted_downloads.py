@@ -1,0 +1,71 @@
+"""A foreground ``init`` interrupted (Ctrl-C) while its downloads run stops them: each
+fails at its next write, so nothing reaches the pool after ``init`` raised, as the
+command line's prefetch does."""
+
+from __future__ import annotations
+
+import _thread
+import threading
+from pathlib import Path
+from typing import BinaryIO
+
+from distcache.artifact import Artifact, sha256_hex
+from distcache.comm import local
+from distcache.origins import BaseOrigin, Interrupted
+from distcache.session import SessionSlot
+
+DATA = b"k" * 4096
+
+
+class _Held(BaseOrigin):
+    """Writes half of each artifact, then waits for :attr:`go` before the rest, and
+    records how each write of the rest ended."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.go = threading.Event()
+        self.finished = threading.Event()
+        self.outcomes: list[str] = []
+
+    def describe(self) -> str:
+        return "held"
+
+    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
+        out.write(DATA[:2048])
+        self.started.set()
+        self.go.wait(30)
+        try:
+            out.write(DATA[2048:])
+            self.outcomes.append("written")
+        except Interrupted:
+            self.outcomes.append("interrupted")
+            raise
+        finally:
+            self.finished.set()
+        return len(DATA)
+
+
+def test_an_interrupted_init_stops_its_downloads(tmp_path: Path) -> None:
+    origin = _Held()
+    artifact = Artifact("k/one.cubin", sha256_hex(DATA), len(DATA))
+    pool_dir = tmp_path / "pool"
+
+    def interrupt() -> None:
+        if origin.started.wait(30):
+            _thread.interrupt_main()
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    slot = SessionSlot()
+    raised = None
+    try:
+        slot.init(comm=local(), pool=str(pool_dir), origin=origin, manifests=[[artifact]],
+                  integrations=[], timeout=60)
+    except KeyboardInterrupt as exc:
+        raised = exc
+    finally:
+        origin.go.set()
+    assert raised is not None, "init was not interrupted"
+    assert origin.finished.wait(30)
+    assert origin.outcomes == ["interrupted"]
+    assert not any((pool_dir / "objects").rglob(artifact.sha256)), "published after init raised"
+    assert slot.current() is None
