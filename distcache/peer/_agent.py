@@ -238,10 +238,15 @@ class Agent:
                                     deadline=_client.budget_for(hop))
             except PeerError as exc:
                 status = getattr(exc, "status", None)
-                if status is None or _client.gone(exc, whole=hop >= HOP_S):  # not busy
-                    self._mark_down(endpoint)
+                wrong = isinstance(exc, _client.Wrong)  # no agent of ours answers so
+                if status is None or wrong or _client.gone(exc, whole=hop >= HOP_S):
+                    self._mark_down(endpoint)  # not a busy one
                 self.count("peer_skipped")
-                if status == 403 and self._first(f"refused by {endpoint}"):
+                if wrong and self._first(f"wrong {endpoint}"):
+                    log.warning("peers: %s; what listens at %s is not an agent of this "
+                                "job, or a broken one: it is skipped for %.0f s at a time",
+                                exc, endpoint, DOWN_S)
+                elif status == 403 and self._first(f"refused by {endpoint}"):
                     log.warning("peers: agent %s refused this node's request (403): its "
                                 "clock is more than %d s off this one's, or it runs with "
                                 "another run secret; what it owns goes to the next node "

@@ -75,6 +75,12 @@ class Silent(Unanswered):
     a stopped or wedged agent (the kernel still accepts for it), not a busy one."""
 
 
+class Wrong(PeerError):
+    """An answer no agent of ours sends: bytes that are not the artifact's, or more
+    of them than it may have (``status`` 200, or None for too many). An owner walk
+    leaves such a peer out for a while and names it."""
+
+
 def gone(exc: BaseException, *, whole: bool) -> bool:
     """Whether a hop that failed with ``exc`` says its agent is gone or wedged (to be
     left out of walks a while): its answer broke off, or it said nothing within the
@@ -132,10 +138,11 @@ def request(endpoint: str, key: bytes, path: str, *, timeout: float, deadline: s
     ``most`` bytes (``None``: ``DISTCACHE_MAX_ARTIFACT_BYTES``, as the HTTP origin).
 
     Raises:
-        PeerError: no connection, or an answer longer than ``most`` (``status`` None:
-            the walk leaves the agent out for a while), or no whole answer within
-            ``timeout`` (``status`` 0: :class:`Unanswered` when the answer broke off
-            or its head did not come in time); ``refused`` False.
+        PeerError: no connection, or an answer longer than ``most`` (:class:`Wrong`)
+            (``status`` None: the walk leaves the agent out for a while), or no whole
+            answer within ``timeout`` (``status`` 0: :class:`Unanswered` when the answer
+            broke off or its head did not come whole in time, even when the socket's
+            shutting at the end ended it); ``refused`` False.
     """
     until = time.monotonic() + timeout
     bound = (most, "") if most is not None else (settings().max_artifact_bytes,
@@ -162,7 +169,10 @@ def request(endpoint: str, key: bytes, path: str, *, timeout: float, deadline: s
             _left(sock, until)
             # Closed however the body ends: an answer cut short holds the socket.
             with conn.getresponse() as answer:
-                headed = True
+                # A head cut off by the shut socket reads as ended: it did not come.
+                headed = not cut.fired
+                if not headed:
+                    raise TimeoutError("no whole status line and headers in time")
                 body = _body(endpoint, sock, answer, until, bound)
                 return answer.status, {k.lower(): v for k, v in answer.getheaders()}, body
         except RuntimeError as exc:  # no thread for the cut: nothing said of the agent
@@ -254,8 +264,8 @@ def _over(endpoint: str, what: str, bound: tuple[int, str]) -> PeerError:
     limit = (f"the {most} bytes asked for" if not variable else
              f"the cap of {most} bytes for an artifact of unknown size ({variable}={most}; "
              f"give the artifact's size, or raise {variable} if it really is this large)")
-    return PeerError(f"agent {endpoint} {what} {limit}", endpoint=endpoint, status=None,
-                     refused=False)
+    return Wrong(f"agent {endpoint} {what} {limit}", endpoint=endpoint, status=None,
+                 refused=False)
 
 
 def fetch(endpoint: str, key: bytes, artifact: Artifact, *, fill: bool, timeout: float,
@@ -267,8 +277,9 @@ def fetch(endpoint: str, key: bytes, artifact: Artifact, *, fill: bool, timeout:
         ArtifactNotFound: the origin behind the agent has no such artifact (an answer
             the agent signed for this request).
         Unsigned: that answer without the agent's signature.
-        PeerError: refused (``refused``: unauthenticated, not held, bad bytes), or no
-            answer within ``timeout``.
+        Wrong: bytes that are not the artifact's (``refused``), or too many of them.
+        PeerError: refused (``refused``: unauthenticated, not held), or no answer
+            within ``timeout``.
     """
     sha = artifact.sha256
     path = f"/v1/objects/{sha}" + (f"?fill={quote(artifact.name, safe='')}" if fill else "")
@@ -278,8 +289,8 @@ def fetch(endpoint: str, key: bytes, artifact: Artifact, *, fill: bool, timeout:
                                     most=artifact.size, signed=signed)
     if status == 200:
         if sha256_hex(body) != sha:
-            raise PeerError(f"agent {endpoint} sent bytes that are not {sha}",
-                            endpoint=endpoint, status=status, sha256=sha, refused=True)
+            raise Wrong(f"agent {endpoint} sent bytes that are not {sha}",
+                        endpoint=endpoint, status=status, sha256=sha, refused=True)
         return Answer(body, headers.get(HEADER_SOURCE.lower(), "pool"))
     reason = headers.get(HEADER_REASON.lower(), "")
     if status == 404 and reason == NOT_AT_ORIGIN:
