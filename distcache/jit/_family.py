@@ -18,7 +18,6 @@ from distcache.jit._place import (
     Fresh,
     Placed,
     Seen,
-    check_owner,
     materialize_entries,
     scan_into,
     settle,
@@ -36,6 +35,7 @@ from distcache.jit._tree import (
     read_trees,
     union,
 )
+from distcache.jit._walk import check_way
 
 if TYPE_CHECKING:
     from distcache.artifact import Artifact
@@ -232,7 +232,9 @@ class Family:
         build finished a moment before.
 
         Raises:
-            JitCacheError: a directory belongs to another user.
+            JitCacheError: a directory, or one on the way to it, belongs to another
+                user, or a link on the way is another user's
+                (:func:`~distcache.jit._walk.check_way`).
             PoolError: the pool cannot be written.
         """
         pool = self._pool(pool)
@@ -244,9 +246,8 @@ class Family:
         scanned: list[TreeEntry] = []
         fresh: list[Fresh] = []
         for root in self.spec.roots:
-            if not root.path.is_dir():
+            if not root.path.is_dir() or not check_way(root.path, family=self.name):
                 continue
-            check_owner(root.path, family=self.name)
             scanned += scan_into(pool, root.path, root.prefix, listed, self._seen,
                                  times=self.spec.keep_times, fresh=fresh)
         waiting = [f for f in fresh if received.new(f.entry)]

@@ -15,7 +15,11 @@ to a temporary name in its own directory, then linked into place, which fails ra
 than replaces if another writer got there first. Every byte comes from a verified
 pool read. The directory, and every directory on the way to a file, must belong to
 this process's user and be a real directory (not a symbolic link): code in another
-user's directory is not this user's to fill.
+user's directory is not this user's to fill. The directories above it, and any
+symbolic link on the way to it, must belong to this user or to root, and none may be
+one that every user can change (:func:`~distcache.jit._walk.check_way`). A file that
+cannot be written (a name this filesystem refuses) is counted as missing and logged;
+the others are placed.
 
 Entries that carry a modification time (a family that keeps times: FlashInfer's JIT,
 whose ninja rebuilds an output older than its inputs) get it back when they are
@@ -38,13 +42,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from distcache._log import get_logger
 from distcache.artifact import sha256_hex, validate_name
 from distcache.errors import ArtifactNameError, JitCacheError
 from distcache.jit._tree import MODE_MASK, TreeEntry
-from distcache.jit._walk import FOREIGN, check_owner, walk
+from distcache.jit._walk import FOREIGN, InTheWay, check_way, ensure_dirs, walk
 from distcache.store import ArtifactPool
 from distcache.store._fs import Witness, witness
 from distcache.store.layout import STALE_TMP_SECONDS
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -57,7 +64,7 @@ class Placed:
     present: int = 0
     #: Files already there of another size, or not regular files (kept as they are).
     kept: int = 0
-    #: Files whose object no pool holds.
+    #: Files whose object no pool holds, or that could not be written (logged).
     missing: int = 0
     #: Bytes written.
     bytes: int = 0
@@ -226,16 +233,18 @@ def materialize_entries(pool: ArtifactPool, root: Path, entries: Sequence[TreeEn
     A file where the tree has a directory keeps its place: the entries under it are
     counted as ``kept``, the others written. Entries under a :data:`FOREIGN`
     directory (listed by trees published before it was left out) are skipped. A
-    written copy gets the entry's time, if it has one, clamped to now.
+    written copy gets the entry's time, if it has one, clamped to now. A file that
+    cannot be written is counted as ``missing`` and logged, and the others placed,
+    unless the filesystem as a whole refuses (:data:`WHOLE_FS`).
 
     Raises:
         JitCacheError: ``root`` or a directory on the way belongs to another user or
-            is a symbolic link.
+            is a symbolic link (:func:`~distcache.jit._walk.check_way`).
         PoolError: an object cannot be read.
-        OSError: a directory or file cannot be created or written (read-only, full).
+        OSError: a directory cannot be created, or the filesystem is read-only or
+            full.
     """
-    root.mkdir(parents=True, exist_ok=True)
-    check_owner(root, family=family)
+    check_way(root, family=family, create=True)
     placed = Placed()
     checked: set[Path] = {root}
     swept: set[Path] = set()
@@ -248,67 +257,51 @@ def materialize_entries(pool: ArtifactPool, root: Path, entries: Sequence[TreeEn
             continue
         target = root.joinpath(*rel.split("/"))
         try:
-            parent = _ensure_dirs(root, target.parent, checked, family)
-        except _InTheWay:  # a file where the tree has a directory: left as it is
+            parent = ensure_dirs(root, target.parent, checked, family)
+        except InTheWay:  # a file where the tree has a directory: left as it is
             placed.kept += 1
             continue
         try:
-            st = os.lstat(target)
-        except FileNotFoundError:
-            st = None
-        if st is not None:
-            # Not hashed: whatever is there stays, so this only sorts the counts.
-            same = stat.S_ISREG(st.st_mode) and st.st_size == entry.size
-            placed.present += same
-            placed.kept += not same
-            continue
-        data = pool.get(entry.sha256)
-        if data is None:
+            _place_one(pool, parent, target, entry, link, now, placed, swept)
+        except OSError as exc:
+            if exc.errno in WHOLE_FS:
+                raise
             placed.missing += 1
-            continue
-        if parent not in swept:
-            swept.add(parent)
-            _sweep_stale(parent)
-        if _place(pool, parent, target, data, entry, link, now):
-            placed.written += 1
-            placed.bytes += len(data)
-        else:
-            placed.present += 1
+            log.warning("%s: cannot place %s from the pool (%s); the tool builds it",
+                        family, target, exc)
     return placed
 
 
-class _InTheWay(Exception):
-    """Something other than a directory or a link (a stale file) where a tree has a
-    directory: the entries under it are left out, the others placed."""
+#: Errors of a filesystem as a whole (full, over quota, read-only): they stop a
+#: materialisation rather than fail every file in turn.
+WHOLE_FS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
 
-def _ensure_dirs(root: Path, directory: Path, checked: set[Path], family: str) -> Path:
-    """Create the directories from ``root`` to ``directory``; refuse a symbolic link
-    or another user's directory on the way (:class:`JitCacheError`), and raise
-    :class:`_InTheWay` for a file in the way."""
-    missing: list[Path] = []
-    here = directory
-    while here not in checked:
-        missing.append(here)
-        here = here.parent
-    for path in reversed(missing):
-        try:
-            os.mkdir(path, 0o755)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise JitCacheError(f"{family}: cannot create {path}: {exc}", family=family,
-                                path=str(path)) from exc
-        st = os.lstat(path)
-        if stat.S_ISLNK(st.st_mode):
-            raise JitCacheError(f"{family}: {path} is a symbolic link; refusing to write "
-                                "through it", family=family, path=str(path))
-        if not stat.S_ISDIR(st.st_mode):
-            raise _InTheWay(path)
-        if st.st_uid != os.geteuid():
-            check_owner(path, family=family)
-        checked.add(path)
-    return directory
+def _place_one(pool: ArtifactPool, parent: Path, target: Path, entry: TreeEntry,
+               link: bool, now: int, placed: Placed, swept: set[Path]) -> None:
+    """Place one entry at ``target`` unless something is there, and count it."""
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        st = None
+    if st is not None:
+        # Not hashed: whatever is there stays, so this only sorts the counts.
+        same = stat.S_ISREG(st.st_mode) and st.st_size == entry.size
+        placed.present += same
+        placed.kept += not same
+        return
+    data = pool.get(entry.sha256)
+    if data is None:
+        placed.missing += 1
+        return
+    if parent not in swept:
+        swept.add(parent)
+        _sweep_stale(parent)
+    if _place(pool, parent, target, data, entry, link, now):
+        placed.written += 1
+        placed.bytes += len(data)
+    else:
+        placed.present += 1
 
 
 #: Seconds after which a temporary file of a placement is taken for one whose writer
@@ -346,7 +339,10 @@ def _place(pool: ArtifactPool, parent: Path, target: Path, data: bytes, entry: T
             return True
         if os.path.lexists(target):
             return False
-    tmp = parent / f".{target.name[:64]}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
+    # At most 64 bytes of the name (not characters: a name of 255 bytes would not
+    # leave room for the rest).
+    hint = target.name.encode("utf-8", "ignore")[:64].decode("utf-8", "ignore")
+    tmp = parent / f".{hint}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         view = memoryview(data)

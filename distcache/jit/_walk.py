@@ -1,10 +1,11 @@
 """What a family's directory holds: the files a scan lists (not the names a tool
 writes only while it works, nor another integration's directory), and the owner
-check every directory passes before it is filled or published.
+check every directory, and the way to it, passes before it is filled or published.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import stat
@@ -59,6 +60,133 @@ def check_owner(directory: Path, *, family: str) -> None:
             f"to this user (uid {os.geteuid()}); a JIT cache holds code the engine runs, "
             "so point the tool at a directory of your own", family=family,
             path=str(directory))
+
+
+#: How many symbolic links the way to a directory may pass through (as for one path
+#: the kernel resolves).
+MAX_LINKS = 40
+
+
+def check_way(directory: Path, *, family: str, create: bool = False) -> bool:
+    """Check ``directory`` (:func:`check_owner`) and every directory on the way to it,
+    creating the missing ones when ``create`` (one at a time, each checked once
+    made); whether ``directory`` exists.
+
+    A directory on the way (``/`` included) must belong to this user or to root, and
+    one that every user may write to must have the sticky bit (``/tmp``): whoever
+    owns a directory, or may rename what it holds, chooses where the files under it
+    go. A symbolic link on the way is followed only where this user or root made it
+    (a home directory on another disk), and the way to its target is checked the
+    same.
+
+    Raises:
+        JitCacheError: ``directory`` or a directory or link on the way fails the
+            check, or the way passes more than :data:`MAX_LINKS` links.
+        OSError: a missing directory cannot be created.
+    """
+    me = os.geteuid()
+    todo = list(reversed(Path(os.path.abspath(directory)).parts[1:]))
+    here = "/"
+    _check_on_way(here, _lstat(here, family), me, family)
+    links = 0
+    while todo:
+        name = todo.pop()
+        if name in ("", "."):
+            continue
+        if name == "..":  # from a link's target; ``here`` has no links in it
+            here = os.path.dirname(here)
+            continue
+        path = os.path.join(here, name)
+        st = _lstat(path, family)
+        if st is None:
+            if not create:
+                return False
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path)
+            st = _lstat(path, family)
+        if not todo:  # ``directory`` itself
+            check_owner(Path(path), family=family)
+            return True
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            links += 1
+            if st.st_uid not in (me, 0):
+                raise JitCacheError(
+                    f"{family}: refusing to fill {directory}: {path} on the way is a "
+                    f"symbolic link made by uid {st.st_uid}, not by this user (uid {me}) "
+                    "nor by root", family=family, path=path)
+            if links > MAX_LINKS:
+                raise JitCacheError(f"{family}: the way to {directory} passes more than "
+                                    f"{MAX_LINKS} symbolic links", family=family, path=path)
+            target = os.readlink(path)
+            if os.path.isabs(target):
+                here = "/"
+            todo.extend(reversed(target.split("/")))
+            continue
+        _check_on_way(path, st, me, family)
+        here = path
+    check_owner(Path(here), family=family)  # ``directory`` is ``/``
+    return True
+
+
+def _lstat(path: str, family: str) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise JitCacheError(f"{family}: cannot read {path}: {exc}", family=family,
+                            path=path) from exc
+
+
+def _check_on_way(path: str, st: os.stat_result | None, me: int, family: str) -> None:
+    """Refuse a directory on the way that is missing, not a directory, another
+    user's, or one every user may change."""
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        raise JitCacheError(f"{family}: {path} is on the way to the cache directory but "
+                            "is not a directory", family=family, path=path)
+    if st.st_uid not in (me, 0):
+        raise JitCacheError(
+            f"{family}: refusing to fill under {path}: it belongs to uid {st.st_uid}, not "
+            f"to this user (uid {me}) nor to root", family=family, path=path)
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise JitCacheError(
+            f"{family}: refusing to fill under {path}: every user may write to it and it "
+            "has no sticky bit, so anyone may replace what it holds", family=family,
+            path=path)
+
+
+class InTheWay(Exception):
+    """Something other than a directory or a link (a stale file) where a tree has a
+    directory: the entries under it are left out, the others placed."""
+
+
+def ensure_dirs(root: Path, directory: Path, checked: set[Path], family: str) -> Path:
+    """Create the directories from ``root`` to ``directory``; refuse a symbolic link
+    or another user's directory on the way (:class:`JitCacheError`), and raise
+    :class:`InTheWay` for a file in the way."""
+    missing: list[Path] = []
+    here = directory
+    while here not in checked:
+        missing.append(here)
+        here = here.parent
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, 0o755)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise JitCacheError(f"{family}: cannot create {path}: {exc}", family=family,
+                                path=str(path)) from exc
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            raise JitCacheError(f"{family}: {path} is a symbolic link; refusing to write "
+                                "through it", family=family, path=str(path))
+        if not stat.S_ISDIR(st.st_mode):
+            raise InTheWay(path)
+        if st.st_uid != os.geteuid():
+            check_owner(path, family=family)
+        checked.add(path)
+    return directory
 
 
 def walk(root: Path) -> Iterator[tuple[str, Path]]:
