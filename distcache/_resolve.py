@@ -249,11 +249,11 @@ def collective_prefetch(artifacts: Sequence[Artifact], **given: Any) -> Prefetch
     return prefetch(artifacts, **given)
 
 
-def _list_key(artifacts: Sequence[Artifact]) -> str:
+def _list_key(artifacts: Sequence[Artifact]) -> bytes:
     """The names and digests of a merged list (:func:`merge_manifests` orders it), as
-    one digest: equal keys, equal lists by position (sizes aside, which the collective
-    compares itself)."""
-    return sha256_hex(manifest_text(artifacts).encode())
+    8 bytes of one digest (a few bytes a rank, whatever the list): equal keys, equal
+    lists by position (sizes aside, which the collective compares itself)."""
+    return bytes.fromhex(sha256_hex(manifest_text(artifacts).encode())[:16])
 
 
 def _read(spec: ManifestSpec, index: int) -> tuple[str, list[Artifact]]:
