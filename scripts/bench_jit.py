@@ -19,7 +19,10 @@ also reports Inductor's ``fxgraph_cache_hit``/``miss`` counters, so a warm figur
 that was not a hit shows up as one. The three scenarios run ``--repeat`` times
 (default 3), each time in fresh directories; each cell is the median of the runs, and
 the hit and miss counts of every run are listed. Target: fresh node <= 1.5x warm local
-(medians of node B's ranks). JSON goes to ``--out`` (default ``docs/bench/jit.json``).
+(medians of node B's ranks, init + first call). Each run launches the scenarios in the
+same order, so a first call that drops from warm local to fresh node on node A too (its
+directories are the same in both) cannot be credited to the fill. JSON goes to ``--out``
+(default ``docs/bench/jit.json``).
 
 Run it from the repository root, as a module (``python -m scripts.bench_jit``): it
 starts its ranks with the test harness's process runner (:mod:`tests.support.process`).
@@ -211,8 +214,15 @@ def main() -> None:
             hits = "/".join(f"{sum(r['hit'][i] for r in mine)}:{sum(r['miss'][i] for r in mine)}"
                             for i in range(args.repeat))
             print(f"| {name} | {node} | {calls} | {inits} | {both:.2f} | {filled} | {hits} |")
-    print(f"\nfresh node / warm local (node B, medians): first call {ratio:.2f}x, "
-          f"init + first call {total:.2f}x (target <= 1.5x)")
+    control = (statistics.median(r["first_call_s"] for r in table["fresh node"]
+                                 if r["node"] == "a")
+               / statistics.median(r["first_call_s"] for r in table["warm local"]
+                                   if r["node"] == "a"))
+    # Node A's directories are the same in both scenarios: its first-call ratio is the
+    # control (the scenarios run in a fixed order), so node B's is not a speed-up.
+    print(f"\nfresh node / warm local (node B, medians): init + first call {total:.2f}x "
+          f"(target <= 1.5x); first call {ratio:.2f}x, node A (the control, unchanged "
+          f"directories) {control:.2f}x")
     print(f"wrote {args.out}")
 
 

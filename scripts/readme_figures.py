@@ -57,6 +57,11 @@ def _targets(targets: list[dict[str, Any]]) -> list[str]:
               for t in targets)]
 
 
+#: ``scripts/bench_prefetch.py``'s warm rows: they download nothing, so they carry no
+#: ratio to a download floor.
+WARM_ROWS = ("warm", "engine-warm", "engine-init-warm")
+
+
 def prefetch() -> str:
     d = _load("bench_prefetch.json")
     cfg = d["config"]
@@ -87,8 +92,9 @@ def prefetch() -> str:
             continue
         cell = [("-" if r is None else str(r["origin_requests"])) for r in rows]
         wall = [("-" if r is None else _s(r["wall_s"])) for r in rows]
-        ratio = [("-" if r is None or "vs_floor" not in r else f"{r['vs_floor']:.2f}")
-                 for r in rows]
+        # A warm row downloads nothing: no ratio to the download floor.
+        ratio = [("-" if r is None or "vs_floor" not in r or strategy in WARM_ROWS
+                  else f"{r['vs_floor']:.2f}") for r in rows]
         lines.append(f"| {label} | {' / '.join(cell)} | {' / '.join(wall)} | "
                      f"{' / '.join(ratio)} |")
     baselines = d.get("baselines", [d["baseline"]])
@@ -240,20 +246,26 @@ def engine_startup() -> str:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         eng = r["engine_s"]
+        # A warm start downloads nothing: no download floor, no ratio to one.
+        cold = r["strategy"] not in WARM_ROWS and "vs_latency_floor" in r
         lines.append(f"| {labels[r['strategy']]} | {r['ranks']} | {r['origin_requests']} | "
-                     f"{_s(r['wall_s'])} | {_s(r['latency_floor_s'])} | "
-                     f"{r['vs_latency_floor']:.2f}x | {eng['import']:.3f} | "
+                     f"{_s(r['wall_s'])} | {_s(r['latency_floor_s']) if cold else '-'} | "
+                     f"{format(r['vs_latency_floor'], '.2f') + 'x' if cold else '-'} | "
+                     f"{eng['import']:.3f} | "
                      f"{eng['init']:.3f} | {eng['load']:.3f} | "
                      f"{r['peak_rss_bytes'] / 1e6:.0f} MB |")
     lines += ["", "The phases are each the slowest rank's; peak RSS includes torch and "
-              "FlashInfer, which the engine imports before the clock."]
+              "FlashInfer, which the engine imports before the clock. A warm start downloads "
+              "nothing, so its row has no latency floor and no ratio to one; it is held to "
+              "its own target (below)."]
     bare = [b for b in d.get("baselines", []) if b["concurrent_downloads"] == 16]
-    if bare and latency:
+    floors = [r["latency_floor_s"] for r in rows if "latency_floor_s" in r]
+    if bare and latency and floors:
         # What downloading alone takes on this machine in this run, at the same concurrency.
         b = bare[0]
         lines += ["", f"In the same run one process that only downloads the K artifacts, "
                   f"16 at a time (its start-up outside the clock; nothing to move or load), takes "
-                  f"{_s(b['wall_s'])} s: {b['wall_s'] / rows[0]['latency_floor_s']:.2f}x "
+                  f"{_s(b['wall_s'])} s: {b['wall_s'] / floors[0]:.2f}x "
                   "the latency floor."]
     lines += ["", *_targets(d["targets"])]
     return "\n".join(lines) + "\n"
@@ -300,29 +312,52 @@ def startup() -> str:
         return "\n".join(lines) + "\n"
     model = _load("startup_scale.json")
     fits, picks = model["fits"], [n for n in (1024, 4096) if str(n) in model["predictions"]]
-    control, rss = fits["control_bytes_max"], fits["rss_beyond_bucket_mb"]
-    cpu = fits.get("distcache_cpu_s")
+    costs = [cost for cost in STARTUP_COSTS if cost[0] in fits]
     measured = model["measured"]["nodes"]
-    lines += ["", f"Extrapolated (`scripts/scale_model.py --startup`): each per-rank cost "
-              f"measured at {min(measured):.0f} to {max(measured):.0f} nodes, fitted as "
-              f"a + b x nodes: control bytes per rank {control['a']:,.0f} + "
-              f"{control['b_per_node']:,.0f} x nodes; peak RSS beyond the floor's and the "
-              f"largest bucket's {rss['a']:.1f} + {rss['b_per_node']:.3f} MB x nodes"
-              f"{' (a falling fit taken as flat)' if rss.get('slope_clamped_to_zero') else ''}"
-              + (f"; distcache's CPU per rank (import and init, this machine) "
-                 f"{cpu['a']:.3f} + {cpu['b_per_node']:.4f} s x nodes"
-                 + (" (a falling fit taken as flat)" if cpu.get("slope_clamped_to_zero")
-                    else "") if cpu else "")
-              + ".", "",
-              "| nodes (ranks) | control bytes per rank (max) | peak RSS beyond floor and bucket |"
-              + (" distcache CPU per rank |" if cpu else ""),
-              "|---:|---:|---:|" + ("---:|" if cpu else "")]
+
+    fitted = [f"{label} {fits[key]['a']:,{a_spec}} + {fits[key]['b_per_node']:,{b_spec}}"
+              f"{unit} x nodes (slope {fits[key]['b_low_95']:,{b_spec}} to "
+              f"{fits[key]['b_high_95']:,{b_spec}})"
+              for key, label, _, unit, a_spec, b_spec, _ in costs
+              if fits[key]["slope_resolved"]]
+    unresolved = [f"{label}: slope {fits[key]['b_per_node']:,{b_spec}}{unit} per node, "
+                  f"95 % interval {fits[key]['b_low_95']:,{b_spec}} to "
+                  f"{fits[key]['b_high_95']:,{b_spec}}, which holds zero: the measured points "
+                  "do not resolve whether it grows with the job, so no value is extrapolated "
+                  "for it, only its upper bound"
+                  for key, label, _, unit, _, b_spec, _ in costs
+                  if not fits[key]["slope_resolved"]]
+    lines += ["", f"Extrapolated by a model, not measured (`scripts/scale_model.py --startup`): "
+              f"each per-rank cost measured at {min(measured):.0f} to {max(measured):.0f} "
+              f"nodes ({len(measured)} points), fitted as a + b x nodes by least squares, "
+              "with the slope's 95 % interval and, in brackets in the table, the fit's 95 % "
+              "upper bound: " + "; ".join(fitted + unresolved) + ".", "",
+              "| nodes (ranks) | " + " | ".join(
+                  f"{short}: {'fit' if fits[key]['slope_resolved'] else 'not resolved'} "
+                  "(95 % upper bound)" for key, _, short, *_ in costs) + " |",
+              "|---:|" + "---:|" * len(costs)]
     for n in picks:
         p = model["predictions"][str(n)]
-        lines.append(f"| {n:,} ({p['ranks']:,}) | {p['control_bytes_max']:,.0f} | "
-                     f"{p['rss_beyond_bucket_mb']:.1f} MB |"
-                     + (f" {p['distcache_cpu_s']:.2f} s |" if cpu else ""))
+        cells = []
+        for key, _, _, unit, _, _, spec in costs:
+            upper = p.get(f"{key}_upper_95")
+            bound = "-" if upper is None else f"{upper:,{spec}}{unit}"
+            cells.append(f"{p[key]:,{spec}}{unit} ({bound})" if fits[key]["slope_resolved"]
+                         else f"- ({bound})")
+        lines.append(f"| {n:,} ({p['ranks']:,}) | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+#: The start-up model's per-rank costs: key, label, column, unit, and the formats of
+#: the intercept, the slope and an extrapolated value.
+STARTUP_COSTS = (
+    ("control_bytes_max", "control bytes per rank (max)", "control bytes per rank (max)", "",
+     ".0f", ".0f", ".0f"),
+    ("distcache_cpu_s", "distcache's CPU per rank (import and init, this machine)",
+     "distcache CPU per rank", " s", ".3f", ".5f", ".2f"),
+    ("rss_beyond_bucket_mb", "peak RSS beyond the floor's and the largest bucket's",
+     "peak RSS beyond floor and bucket", " MB", ".1f", ".3f", ".0f"),
+)
 
 
 def downloads() -> str:
@@ -447,7 +482,7 @@ def jit() -> str:
         lines.append(f"| {label} | {', '.join(n.upper() for n in nodes)} | "
                      f"{per_node(name, 'first_call_s')} | {per_node(name, 'init_s')} | "
                      f"{per_node(name, 'init_plus_first_call_s')} | {hits(name)} |")
-    last = nodes[-1]
+    last, control = nodes[-1], nodes[0]
     filled = [sum(r["filled_files"] for r in run["fresh node"] if r["node"] == last)
               for run in runs]
     kbytes = [sum(r["filled_bytes"] for r in run["fresh node"] if r["node"] == last) / 1e3
@@ -456,10 +491,33 @@ def jit() -> str:
                        for n in nodes)
     cold = ", ".join(f"{median('cold', n, 'first_call_s') / median('warm local', n, 'first_call_s'):.1f}x"
                      for n in nodes)
-    lines += ["", f"Fresh node / warm local, node {last.upper()}: first call "
-              f"{d['fresh_over_warm_local_node_b']:.2f}x, init + first call "
+
+    def first(name: str, node: str) -> float:
+        return median(name, node, "first_call_s")
+
+    def per_run(run: dict[str, list[dict[str, Any]]]) -> float:
+        """One run's fresh node / warm local, init + first call, the node's ranks' median."""
+        def both(name: str) -> float:
+            return statistics.median(r["init_s"] + r["first_call_s"] for r in run[name]
+                                     if r["node"] == last)
+        return both("fresh node") / both("warm local")
+
+    calls = [r["first_call_s"] for run in runs for name in ("warm local", "fresh node")
+             for r in run[name]]
+    lines += ["", f"Fresh node / warm local, node {last.upper()}: init + first call "
               f"{d['fresh_over_warm_local_node_b_with_init']:.2f}x (target: at most "
-              f"{d['target_fresh_over_warm_local']:g}x). On the fresh node `init` takes "
+              f"{d['target_fresh_over_warm_local']:g}x), per run "
+              f"{' / '.join(f'{per_run(run):.2f}x' for run in runs)}. No first-call speed-up "
+              f"is claimed: node {control.upper()}, whose cache directory and pool are the "
+              f"same in both scenarios (the control), drops about as much, its first call "
+              f"{first('warm local', control):.1f} -> {first('fresh node', control):.1f} s "
+              f"({first('fresh node', control) / first('warm local', control):.2f}x) against "
+              f"node {last.upper()}'s {first('warm local', last):.1f} -> "
+              f"{first('fresh node', last):.1f} s "
+              f"({first('fresh node', last) / first('warm local', last):.2f}x). Each run "
+              "launches the scenarios in the same order (cold, warm local, fresh node), and "
+              f"a rank's first call in those two scenarios ranged {min(calls):.2f}-"
+              f"{max(calls):.2f} s over the runs. On the fresh node `init` takes "
               f"{longer} s longer than warm local (nodes {', '.join(n.upper() for n in nodes)}); "
               f"node {last.upper()}'s ranks filled {' / '.join(map(str, filled))} files "
               f"({' / '.join(f'{k:.0f}' for k in kbytes)} kB) from the pool at `init`, per run. "

@@ -39,7 +39,10 @@ The start-up path (``--startup``, with ``docs/bench/scale.json`` from
 ``scripts/bench_scale.py``): each rank's control bytes, peak RSS beyond the floor's and the
 largest bucket's, and
 the CPU seconds of ``import distcache`` and ``init`` (after MPI_Init), measured at 2 to 32 nodes, fitted as ``a + b x nodes`` and
-extrapolated to 4,096 nodes (``startup_scale.json``).
+extrapolated to 4,096 nodes (``startup_scale.json``), each with the 95 % interval of its
+slope and the 95 % upper bound of the fit at each N. A cost whose slope interval holds
+zero is not resolved at the measured scale: the model gives no value for it, only the
+upper bound.
 
     python scripts/scale_model.py --bench bench-results/bench_prefetch.json --out bench-results
     python scripts/scale_model.py --bench docs/bench/bench_prefetch.json --lazy docs/bench/lazy.json --out docs/bench
@@ -51,6 +54,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -152,6 +156,38 @@ def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
+#: Student's t, two-sided 95 %, by degrees of freedom (1 to 30).
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+        2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+        2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def _t95(df: int) -> float:
+    if df <= len(_T95):
+        return _T95[df - 1]
+    z = 1.959964  # beyond 30: the normal quantile with its first two corrections
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def _interval(xs: list[float], ys: list[float], a: float, b: float
+              ) -> tuple[float, float, Callable[[float], float]] | None:
+    """The slope's 95 % interval and the fit's 95 % upper bound as a function of x, or
+    None with fewer than three points (no residual to estimate the noise from)."""
+    n = len(xs)
+    mx = sum(xs) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if n < 3 or sxx == 0:
+        return None
+    s2 = sum((y - a - b * x) ** 2 for x, y in zip(xs, ys, strict=True)) / (n - 2)
+    t = _t95(n - 2)
+    half = t * math.sqrt(s2 / sxx)
+
+    def upper(x: float) -> float:
+        return a + b * x + t * math.sqrt(s2 * (1 / n + (x - mx) ** 2 / sxx))
+
+    return b - half, b + half, upper
+
+
 #: The per-rank costs of start-up that ``scripts/bench_scale.py`` measures at each N
 #: (``rows[].per_rank``, and the CPU per rank), and their units.
 STARTUP_COSTS = {
@@ -178,32 +214,47 @@ def startup_table(scale: Path) -> dict[str, object]:
             float(per["peak_rss_over_floor_mb"]) - float(r["largest_bucket_mb"]))
         series["distcache_cpu_s"].append(float(per["distcache_cpu_s"]))
     fits = {key: _fit(nodes, ys) for key, ys in series.items()}
-    # A cost cannot fall as the job grows: a negative slope is the noise of the
-    # measurement, so that cost is taken as flat (its mean), and the JSON says so.
-    clamped = [key for key, (_, b) in fits.items() if b < 0]
-    for key in clamped:
-        fits[key] = (sum(series[key]) / len(series[key]), 0.0)
+    intervals = {key: _interval(nodes, series[key], *fits[key]) for key in fits}
+    # A slope whose 95 % interval holds zero is the measurement's noise, not a trend the
+    # points resolve: no value is extrapolated from it, only its upper bound.
+    resolved = {key: iv is not None and (iv[0] > 0 or iv[1] < 0)
+                for key, iv in intervals.items()}
     axis = [2**i for i in range(13)]
     per_node = int(measured["ranks_per_node"])
-    predictions = {
-        str(n): {"ranks": n * per_node,
-                 **{key: a + b * n for key, (a, b) in fits.items()}}
-        for n in axis
-    }
-    print(f"start-up per rank from {scale} ({len(rows)} measured rows, "
-          f"{per_node} ranks per node), fitted a + b x nodes:")
-    for key, (a, b) in fits.items():
-        print(f"  {key:<24} a = {a:,.4g}  b = {b:,.4g} {STARTUP_COSTS[key]} per node")
-    print(f"{'nodes':>6} {'ranks':>7} | {'control B/rank':>14} {'RSS beyond MB':>17} "
-          f"{'distcache CPU s':>16}")
+    predictions: dict[str, dict[str, float | None]] = {}
     for n in axis:
-        row = predictions[str(n)]
-        print(f"{n:>6} {row['ranks']:>7} | {row['control_bytes_max']:>14,.0f} "
-              f"{row['rss_beyond_bucket_mb']:>17.1f} {row['distcache_cpu_s']:>16.3f}")
+        row: dict[str, float | None] = {"ranks": n * per_node}
+        for key, (a, b) in fits.items():
+            iv = intervals[key]
+            row[key] = a + b * n if resolved[key] else None
+            row[f"{key}_upper_95"] = None if iv is None else iv[2](n)
+        predictions[str(n)] = row
+    print(f"start-up per rank from {scale} ({len(rows)} measured rows, "
+          f"{per_node} ranks per node), fitted a + b x nodes (slope's 95 % interval):")
+    for key, (a, b) in fits.items():
+        iv = intervals[key]
+        span = "-" if iv is None else f"{iv[0]:,.4g} to {iv[1]:,.4g}"
+        print(f"  {key:<24} a = {a:,.4g}  b = {b:,.4g} ({span}) {STARTUP_COSTS[key]} per node"
+              + ("" if resolved[key] else ": slope not resolved"))
+
+    def cell(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    print(f"{'nodes':>6} {'ranks':>7} | {'control B/rank (upper)':>24} "
+          f"{'RSS beyond MB (upper)':>22} {'distcache CPU s (upper)':>24}")
+    for n in axis:
+        p = predictions[str(n)]
+        print(f"{n:>6} {p['ranks']:>7,.0f} | "
+              + " ".join(f"{cell(p[key], spec):>11} ({cell(p[f'{key}_upper_95'], spec)})"
+                         for key, spec in (("control_bytes_max", ",.0f"),
+                                           ("rss_beyond_bucket_mb", ".1f"),
+                                           ("distcache_cpu_s", ".3f"))))
     return {"measured_from": str(scale), "ranks_per_node": per_node,
             "measured": {"nodes": nodes, **series},
             "fits": {key: {"a": a, "b_per_node": b, "unit": STARTUP_COSTS[key],
-                           "slope_clamped_to_zero": key in clamped}
+                           "b_low_95": None if intervals[key] is None else intervals[key][0],
+                           "b_high_95": None if intervals[key] is None else intervals[key][1],
+                           "slope_resolved": resolved[key]}
                      for key, (a, b) in fits.items()},
             "nodes": axis, "predictions": predictions}
 

@@ -141,20 +141,29 @@ def test_start_up_at_scale_extrapolates_when_the_model_is_committed(tmp_path: Pa
     for r in rows:
         assert f"| {r['ranks']:,} ({r['nodes']:,}) | {r['origin_requests']:,} |" in alone
         assert f"{r['control_bytes_per_rank']['max']:,} |" in alone
-    # The model's output as ``scripts/scale_model.py --startup`` writes it.
+    # The model's output as ``scripts/scale_model.py --startup`` writes it: a resolved
+    # slope gets a value and its 95 % upper bound, an unresolved one the bound alone.
     fits: dict[str, dict[str, float]] = {
-        "control_bytes_max": {"a": 4649.3, "b_per_node": 1695.0},
-        "rss_beyond_bucket_mb": {"a": 16.6, "b_per_node": 0.0167}}
+        "control_bytes_max": {"a": 4649.3, "b_per_node": 1695.0, "b_low_95": 1600.0,
+                              "b_high_95": 1790.0},
+        "rss_beyond_bucket_mb": {"a": 16.6, "b_per_node": -0.04, "b_low_95": -0.47,
+                                 "b_high_95": 0.39}}
+    resolved = {"control_bytes_max": True, "rss_beyond_bucket_mb": False}
     predictions = {str(n): {"ranks": 8 * n,
-                            **{k: f["a"] + f["b_per_node"] * n for k, f in fits.items()}}
+                            **{k: f["a"] + f["b_per_node"] * n if resolved[k] else None
+                               for k, f in fits.items()},
+                            **{f"{k}_upper_95": f["a"] + f["b_high_95"] * n
+                               for k, f in fits.items()}}
                    for n in (512, 1024, 4096)}
     units = {"control_bytes_max": "bytes", "rss_beyond_bucket_mb": "MB"}
     (tmp_path / "startup_scale.json").write_text(json.dumps({
         "ranks_per_node": 8, "measured": {"nodes": [float(r["nodes"]) for r in rows]},
-        "fits": {k: {**f, "unit": units[k]} for k, f in fits.items()},
+        "fits": {k: {**f, "unit": units[k], "slope_resolved": resolved[k]}
+                 for k, f in fits.items()},
         "nodes": [512, 1024, 4096], "predictions": predictions}))
     text = module.render("startup")
     assert text.startswith(alone.split("\n\n_The extrapolation")[0])
-    assert "| 1,024 (8,192) | 1,740,329 | 33.7 MB |" in text
-    assert "| 4,096 (32,768) | 6,947,369 | 85.0 MB |" in text
+    assert "| 1,024 (8,192) | 1,740,329 (1,837,609) | - (416 MB) |" in text
+    assert "| 4,096 (32,768) | 6,947,369 (7,336,489) | - (1,614 MB) |" in text
+    assert "not resolved (95 % upper bound)" in text and "which holds zero" in text
     assert "512 (" not in text and "not in the committed figures yet" not in text
