@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from distcache._log import get_logger
+from distcache._prepare import check_manifests
 from distcache._record import Record
 from distcache.config import Settings
 from distcache.errors import ConfigError
@@ -132,8 +133,9 @@ class InitOptions(Record):
         """``options`` (default: all defaults) with ``fields`` in place of its own.
 
         Raises:
-            ConfigError: ``options`` is not an ``InitOptions``, or ``fields`` names
-                something that is not a field (the message names the fields).
+            ConfigError: ``options`` is not an ``InitOptions``, ``fields`` names
+                something that is not a field (the message names the fields), or a
+                field has the wrong shape (:func:`check_fields`).
         """
         base = cls() if options is None else options
         if not isinstance(base, cls):
@@ -153,6 +155,7 @@ class InitOptions(Record):
         if not isinstance(chosen.background, bool):
             raise ConfigError(f"init's background={chosen.background!r} must be True or False",
                               variable="background", value=repr(chosen.background))
+        check_fields(chosen)
         return chosen
 
     def warn_ignored(self, options: InitOptions | None, fields: Mapping[str, Any]) -> list[str]:
@@ -177,6 +180,85 @@ class InitOptions(Record):
             shown["environ"] = f"<{len(self.environ)} variables>"
         shown["origin"] = repr(_redacted(self.origin))
         return "InitOptions(" + ", ".join(f"{k}={v}" for k, v in shown.items()) + ")"
+
+
+def check_fields(options: InitOptions) -> None:
+    """Refuse a field of ``options`` whose shape the start-up cannot use, before
+    anything is set up: a pool that is not an ``ArtifactPool`` or a directory (a blank
+    one would be the current directory), manifests that are not a list of manifests,
+    a comm that is not a distcache ``Communicator``, integrations or IPC pools that
+    are not a list, an environ that is not a mapping of strings.
+
+    Raises:
+        ConfigError: naming the field (or the variable of ``environ``) and the shape
+            expected.
+    """
+    _check_pool(options.pool)
+    check_manifests(options.manifests)
+    _check_comm(options.comm)
+    _check_list("integrations", options.integrations, "[FlashInfer(record=DIR)]")
+    _check_list("ipc_pools", options.ipc_pools, "[pool]")
+    _check_environ(options.environ)
+
+
+def _check_pool(pool: object) -> None:
+    from distcache.store import ArtifactPool  # loaded by the start-up anyway
+
+    if pool is None or isinstance(pool, ArtifactPool):
+        return
+    path = os.fspath(pool) if isinstance(pool, str | os.PathLike) else None
+    if not isinstance(path, str):
+        raise ConfigError(f"init's pool={_shown(pool)} must be an ArtifactPool or a "
+                          "directory (a str or os.PathLike path)", variable="pool",
+                          value=_shown(pool))
+    if not path.strip():
+        # As the command's --pool: an empty name would be the current directory.
+        raise ConfigError(f"init's pool={pool!r} is an empty directory name; pass a "
+                          "directory, or leave pool out for DISTCACHE_POOL",
+                          variable="pool", value=path)
+
+
+def _check_comm(comm: object) -> None:
+    from distcache.comm import Communicator
+
+    if comm is None or isinstance(comm, Communicator):
+        return
+    raise ConfigError(
+        f"init's comm={_shown(comm)} must be a distcache Communicator; an mpi4py "
+        "communicator is taken through distcache.comm.from_mpi(...) "
+        "(comm=distcache.comm.from_mpi(MPI.COMM_WORLD)), and without comm distcache "
+        "adopts its own", variable="comm", value=_shown(comm))
+
+
+def _check_list(keyword: str, value: object, example: str) -> None:
+    """Refuse ``value`` for ``keyword`` unless it is ``None`` or a list (any iterable
+    but a string): a single object or a string is not one."""
+    if value is None or (isinstance(value, Iterable) and not isinstance(value, str | bytes)):
+        return
+    what = f"the string {value!r}" if isinstance(value, str | bytes) else _shown(value)
+    raise ConfigError(f"{keyword} must be a list ({keyword}={example}), not {what}",
+                      variable=keyword, value=_shown(value))
+
+
+def _check_environ(environ: object) -> None:
+    if environ is None:
+        return
+    if not isinstance(environ, Mapping):
+        raise ConfigError(f"environ must be a mapping of variable names to strings (such "
+                          f"as os.environ or a dict), not {_shown(environ)}",
+                          variable="environ", value=_shown(environ))
+    for name, value in environ.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise ConfigError(
+                f"environ[{name!r}]={_shown(value)}: environ must be a mapping of strings "
+                "to strings, each value as the environment holds it (such as '1')",
+                variable=str(name), value=_shown(value))
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, cut to 120 characters for a message."""
+    text = repr(value)
+    return text if len(text) <= 120 else f"{text[:120]}..."
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -16,21 +16,16 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from distcache._bounded import _read_at_most
 from distcache._log import get_logger
-from distcache.artifact import (
-    MAX_MANIFEST_BYTES,
-    Artifact,
-    _read_at_most,
-    manifest_text,
-    merge_manifests,
-)
+from distcache.artifact import MAX_MANIFEST_BYTES, Artifact, manifest_text, merge_manifests
 from distcache.comm import Communicator, NodeTree, node_tree
 from distcache.config import Settings, settings
-from distcache.errors import DistcacheError
+from distcache.errors import ConfigError, DistcacheError
 
 if TYPE_CHECKING:
     from distcache.integrations import Integration
@@ -98,16 +93,79 @@ def prepare_in_background(origin: Origin | None, pool: ArtifactPool,
     return thread
 
 
-def as_lists(manifests: Any) -> Any:
-    """``manifests`` with each artifact list in it made a list, so that every step of
-    the start-up may read it (a single path is returned as it is: the prefetch refuses
-    it, naming the mistake)."""
-    if isinstance(manifests, str | os.PathLike):
-        return manifests
-    if isinstance(manifests, list) and all(isinstance(spec, str | os.PathLike | list)
-                                           for spec in manifests):
-        return manifests  # made lists already (the session's, handed on to the prefetch)
-    return [spec if isinstance(spec, str | os.PathLike) else list(spec) for spec in manifests]
+#: The shape of ``manifests``, for the messages that refuse another.
+_SHAPE = ("a list of manifests, each the path of a sha256sum-format file or a list of "
+          "Artifact (manifests=['checksums.txt'] or manifests=[read_manifest(M)])")
+
+
+def check_manifests(manifests: Any) -> None:
+    """Refuse ``manifests`` unless it has :data:`_SHAPE`; an entry of it, or the list
+    itself, that is an iterator is not read here (:func:`as_lists` checks what it
+    yields).
+
+    Raises:
+        ConfigError: naming ``manifests`` (and the entry) and the shape expected.
+    """
+    _check_outer(manifests)
+    if isinstance(manifests, Sequence):
+        for index, spec in enumerate(manifests):
+            _check_spec(spec, index)
+            if isinstance(spec, Sequence) and not isinstance(spec, str):
+                _check_artifacts(spec, index)
+
+
+def as_lists(manifests: Any) -> list[Any]:
+    """``manifests`` as a list with each artifact list in it made a list, so that every
+    step of the start-up may read it, checked as :func:`check_manifests` checks it.
+
+    Raises:
+        ConfigError: ``manifests`` does not have :data:`_SHAPE`.
+    """
+    _check_outer(manifests)
+    made: list[Any] = []
+    for index, spec in enumerate(manifests):
+        _check_spec(spec, index)
+        if not isinstance(spec, str | os.PathLike):
+            spec = spec if isinstance(spec, list) else list(spec)
+            _check_artifacts(spec, index)
+        made.append(spec)
+    return made
+
+
+def _check_outer(manifests: Any) -> None:
+    if isinstance(manifests, str | bytes | os.PathLike):
+        raise ConfigError(
+            "manifests must be a list of files or artifact lists, not a single path "
+            f"({_SHAPE})", variable="manifests", value=repr(manifests))
+    if not isinstance(manifests, Iterable):
+        raise ConfigError(f"manifests must be {_SHAPE}, not {manifests!r}",
+                          variable="manifests", value=repr(manifests))
+
+
+def _check_spec(spec: Any, index: int) -> None:
+    """Refuse ``manifests[index]`` unless it is a ``str`` path or a list (not yet read)."""
+    if isinstance(spec, str | os.PathLike):
+        if isinstance(os.fspath(spec), str):
+            return
+    elif isinstance(spec, Iterable) and not isinstance(spec, bytes):
+        return
+    if isinstance(spec, Artifact):
+        why = "an Artifact: a list of artifacts is one entry of manifests"
+    elif isinstance(spec, bytes | os.PathLike):
+        why = "a bytes path: a manifest's path is a str or os.PathLike of str"
+    else:
+        why = f"{spec!r}"[:120]
+    raise ConfigError(f"manifests[{index}] is {why}; manifests must be {_SHAPE}",
+                      variable="manifests", value=repr(spec)[:120])
+
+
+def _check_artifacts(spec: Sequence[Any], index: int) -> None:
+    for position, artifact in enumerate(spec):
+        if not isinstance(artifact, Artifact):
+            raise ConfigError(
+                f"manifests[{index}][{position}] is {artifact!r}"[:160] + ", not an "
+                f"Artifact; manifests must be {_SHAPE}", variable="manifests",
+                value=repr(artifact)[:120])
 
 
 def leading_tree(comm: Communicator, timeout: float | None) -> NodeTree | None:

@@ -6,15 +6,15 @@ input before they touch a filesystem: see :func:`validate_name`.
 
 from __future__ import annotations
 
-import errno
+import codecs
 import hashlib
 import os
 import re
-import stat
 import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
 
+from distcache._bounded import _read_at_most
 from distcache._record import Record
 from distcache.errors import ArtifactNameError, ConfigError, IntegrityError, ManifestError
 
@@ -254,9 +254,10 @@ def _at(source: str | None, lineno: int) -> str:
 def parse_checksums(text: str, prefix: str = "", *, source: str | None = None) -> list[Artifact]:
     """Parse ``sha256sum`` output (``<sha>  <name>`` or ``<sha> *<name>`` per line).
 
-    Blank lines and ``#`` comments are skipped. ``prefix`` is joined in front of every
-    name. The same name listed twice with the same digest is kept once. ``source``
-    (the file the text came from) leads every error message, as ``FILE:LINE``.
+    A leading byte order mark, blank lines and ``#`` comments are skipped. ``prefix``
+    is joined in front of every name. The same name listed twice with the same digest
+    is kept once. ``source`` (the file the text came from) leads every error message,
+    as ``FILE:LINE``.
 
     Raises:
         ManifestError: a malformed line, or one name with two digests (with the line
@@ -266,7 +267,7 @@ def parse_checksums(text: str, prefix: str = "", *, source: str | None = None) -
     out: dict[str, Artifact] = {}
     # Lines are "\n"-framed (as sha256sum writes them); str.splitlines() would also
     # split on U+2028, U+0085 and friends and report the wrong line number.
-    for lineno, raw in enumerate(text.split("\n"), start=1):
+    for lineno, raw in enumerate(text.removeprefix("\ufeff").split("\n"), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
@@ -320,11 +321,12 @@ def decode_manifest(data: bytes, *, source: str | None = None) -> str:
         ManifestError: the bytes are not UTF-8 (with the line number).
     """
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # a leading byte order mark is no part of the text
     except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
+        start = exc.start + (len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0)
+        line = data[:start].count(b"\n") + 1
         raise ManifestError(
-            f"{_at(source, line)}: the manifest is not UTF-8 (byte {exc.start})",
+            f"{_at(source, line)}: the manifest is not UTF-8 (byte {start})",
             line=line, text=data.split(b"\n")[line - 1][:120].decode("utf-8", "replace"),
             source=source,
         ) from None
@@ -351,22 +353,6 @@ def read_manifest(path: str | os.PathLike[str], prefix: str = "") -> list[Artifa
     return parse_checksums(decode_manifest(data, source=str(where)), prefix, source=str(where))
 
 
-def _read_at_most(path: Path, limit: int) -> bytes:
-    """The bytes of ``path``; ``OSError`` (``EFBIG``) past ``limit``. A regular file says
-    so by its size; anything else (``/dev/zero``) is read, unbuffered, to ``limit + 1``."""
-    chunks: list[bytes] = []
-    with open(path, "rb", buffering=0) as file:
-        st = os.fstat(file.fileno())
-        left = limit + 1 if not stat.S_ISREG(st.st_mode) or st.st_size <= limit else 0
-        while left > 0 and (chunk := file.read(min(left, 1 << 20))):
-            chunks.append(chunk)
-            left -= len(chunk)
-    if left <= 0:
-        raise OSError(errno.EFBIG, f"larger than {limit} bytes, the most a manifest may "
-                      "hold (MAX_MANIFEST_BYTES): is it the right file?")
-    return b"".join(chunks)
-
-
 def manifest_text(artifacts: Iterable[Artifact]) -> str:
     """The ``sha256sum``-format text of ``artifacts`` (inverse of parse_checksums)."""
     return "".join(f"{a.sha256}  {a.name}\n" for a in artifacts)
@@ -381,11 +367,16 @@ def merge_manifests(parts: Iterable[tuple[str, Iterable[Artifact]]]) -> list[Art
     parts gets the same list.
 
     Raises:
-        ManifestError: one name with two digests.
+        ManifestError: one name with two digests, or a part that is not a list of
+            :class:`Artifact` (naming its source).
     """
     merged: dict[str, tuple[Artifact, str]] = {}
     for source, artifacts in parts:
-        for artifact in artifacts:
+        for artifact in artifacts if isinstance(artifacts, Iterable) else [artifacts]:
+            if not isinstance(artifact, Artifact):
+                raise ManifestError(f"{source} lists {_quoted(artifact)}, which is not an "
+                                    "Artifact: a manifest is a list of Artifact", line=0,
+                                    text=_quoted(artifact), source=source)
             previous = merged.get(artifact.name)
             if previous is None:
                 merged[artifact.name] = (artifact, source)

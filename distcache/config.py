@@ -177,6 +177,9 @@ class Variable(NamedTuple):
             ConfigError: the value does not parse.
         """
         raw = environ.get(self.name)
+        if raw is not None and not isinstance(raw, str):
+            raise ConfigError(f"{self.name}={raw!r} is not a string; environ must be a "
+                              "mapping of strings", variable=self.name, value=raw)
         if raw is not None and not (self.blank_is_unset and raw.strip() == ""):
             return self.parse(self.name, raw)
         try:
@@ -206,7 +209,12 @@ def _given_int(variable: Variable, given: Any) -> int:
 
 
 def _given_transport(variable: Variable, given: Any) -> str:
-    return _transport(variable.name, str(given))
+    """A ``transport=`` keyword, checked as its variable is and named as the keyword."""
+    value = given.strip().lower() if isinstance(given, str) else None
+    if value in TRANSPORTS:
+        return value
+    raise ConfigError(f"{variable.field}={given!r}: expected one of {', '.join(TRANSPORTS)} "
+                      f"(the values of {variable.name})", variable=variable.field, value=given)
 
 
 #: Every variable distcache reads: one row each, in the README's order.
@@ -340,6 +348,9 @@ def settings(environ: Mapping[str, str] | None = None, **explicit: Any) -> Setti
         ConfigError: a variable or keyword has a bad value, or an unknown keyword.
     """
     env = os.environ if environ is None else environ
+    if not isinstance(env, Mapping):
+        raise ConfigError(f"environ must be a mapping of strings, not {env!r}"[:200],
+                          variable="environ", value=repr(env)[:120])
     unknown = set(explicit) - _FIELDS
     if unknown:
         raise ConfigError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(_FIELDS)}",

@@ -158,7 +158,7 @@ def test_an_http_origin_and_the_rendezvous_take_the_one_seconds_check(given: flo
 
 def test_an_explicit_transport_is_checked_by_its_row() -> None:
     assert settings({}, transport=" NCCL ").transport == "nccl"
-    with pytest.raises(ConfigError, match=r"DISTCACHE_TRANSPORT='pigeon': expected one of"):
+    with pytest.raises(ConfigError, match=r"^transport='pigeon': expected one of"):
         settings({}, transport="pigeon")
     with pytest.raises(ConfigError, match=r"DISTCACHE_TRANSPORT='pigeon': expected one of"):
         settings({"DISTCACHE_TRANSPORT": "pigeon"})
