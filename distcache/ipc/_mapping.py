@@ -22,6 +22,8 @@ from distcache.ipc._ref import FeatureRef
 from distcache.ipc._shm import ShmMapping
 from distcache.ipc._wire import itemsize
 
+_LOW = 0xFFFFFFFF
+
 log = get_logger(__name__)
 
 
@@ -149,7 +151,9 @@ class Entry:
                 "is not leased: it was released, cancelled or never issued (the slot "
                 f"holds generation {lease})"
             )
-        elif self.extent(slot) != (offset, nbytes):
+        elif (words[at := self.extent_base + EXTENT_WORDS * slot] != offset & _LOW
+              or words[at + 2] != nbytes & _LOW or words[at + 1] != offset >> 32
+              or words[at + 3] != nbytes >> 32):
             start, size = self.extent(slot)
             problem = (
                 f"was leased bytes [{start}, {start + size}), not the ref's "

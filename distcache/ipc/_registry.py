@@ -61,8 +61,6 @@ class PoolRegistry:
         self._retired: dict[str, set[int]] = {}
         self._lock = threading.Lock()
         self._closed = False
-        #: Serving calls under way; after a close, the last of them to return unmaps.
-        self._busy = 0
         self._finalizer = weakref.finalize(self, close_all, self._entries)
 
     # -- set-up ---------------------------------------------------------------------
@@ -197,7 +195,6 @@ class PoolRegistry:
             StaleHandleError / IpcError: as for :meth:`resolve`; ``out`` has another
                 shape or dtype.
         """
-        self._enter()
         try:
             entry, row = self._checked(ref)
             src = self._view(entry, ref)
@@ -226,8 +223,9 @@ class PoolRegistry:
                 out.copy_(src, non_blocking=True)
                 mapping.write_ack(row + entry.ack_off, ref.generation, stream)
             return out
-        finally:
-            self._leave()
+        except ValueError:  # a mapping's words released by a close on another thread
+            self._refuse_if_closed()
+            raise
 
     @contextmanager
     def view(self, ref: FeatureRef) -> Iterator[Any]:
@@ -261,14 +259,14 @@ class PoolRegistry:
                 another lease, a feature this rank is not a declared reader of or has
                 already acknowledged; or the registry is closed.
         """
-        self._enter()
         try:
             entry, row = self._checked(ref)
             if not entry.host:
                 entry.mapping.order_ready(row, ref.generation, None)
             return self._view(entry, ref)
-        finally:
-            self._leave()
+        except ValueError:  # as in fetch
+            self._refuse_if_closed()
+            raise
 
     def ack(self, ref: FeatureRef) -> None:
         """Tell the producer this rank is done with ``ref`` (writes this rank's ack
@@ -277,15 +275,15 @@ class PoolRegistry:
         Raises:
             StaleHandleError / IpcError: as for :meth:`resolve`.
         """
-        self._enter()
         try:
             entry, row = self._checked(ref)
             if entry.host:
                 entry.words[row + entry.ack_off] = ref.generation
             else:
                 entry.mapping.write_ack(row + entry.ack_off, ref.generation, None)
-        finally:
-            self._leave()
+        except ValueError:  # as in fetch
+            self._refuse_if_closed()
+            raise
 
     @staticmethod
     def _view(entry: Entry, ref: FeatureRef) -> Any:
@@ -295,15 +293,14 @@ class PoolRegistry:
         return typed.as_strided(ref.shape, ref.strides, base + ref.offset // size)
 
     def close(self) -> None:
-        """Unmap every peer pool exactly once (idempotent). A serving call under way on
-        another thread ends first (it reads and acknowledges as if the close came
-        after it), and the last such call to return unmaps; later calls are refused."""
+        """Unmap every peer pool exactly once (idempotent). A serving call racing it on
+        another thread raises :class:`IpcError` (closed), never another error; views
+        handed out keep the memory mapped until they are gone."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            if not self._busy:
-                self._finalizer()
+            self._finalizer()
 
     def __enter__(self) -> PoolRegistry:
         return self
@@ -316,19 +313,12 @@ class PoolRegistry:
         if self._closed:
             raise IpcError("the pool registry is closed")
 
-    def _enter(self) -> None:
-        """Count a serving call in, unless the registry is closed: the mappings it
-        uses stay until it is counted out (:meth:`_leave`)."""
-        with self._lock:
-            if self._closed:
-                raise IpcError("the pool registry is closed")
-            self._busy += 1
-
-    def _leave(self) -> None:
-        with self._lock:
-            self._busy -= 1
-            if self._closed and not self._busy:
-                self._finalizer()
+    def _refuse_if_closed(self) -> None:
+        """Raise the registry's closed error where a close on another thread released
+        the mapping a serving call was reading (a ``ValueError`` from its released
+        words; views already handed out keep the memory mapped)."""
+        if self._closed:
+            raise IpcError("the pool registry is closed") from None
 
     def _checked(self, ref: FeatureRef) -> tuple[Entry, int]:
         """The mapped pool of ``ref`` and the index of its slot row, after the epoch,
