@@ -10,8 +10,9 @@ a host shared-memory pool, measured side by side in one run:
 * (a) open per feature: attach the segment by name, map it, view the feature, drop
   the view and unmap it again; what engines did without a handle cache, through the
   standard library (``multiprocessing.shared_memory.SharedMemory(name=...)``);
-* (a') the same with the leanest attach there is (``os.open`` + ``mmap``, the
-  library's own ``ShmMapping``), a lower bound for any open-per-feature design;
+* (a') the same with the leanest attach there is (``os.open``, an ``fstat`` size
+  check, ``mmap``, ``close``: none of the library's own checks), a lower bound for
+  any open-per-feature design;
 * (b) handle cache: a per-process dict ``pool_id -> mapping``, filled lazily on first
   use, then a view per feature; no collective, no checks;
 * (c) registry: :class:`PoolRegistry` mapped every pool once at exchange; per feature
@@ -197,6 +198,7 @@ def measure(
         "open_per_feature_lean": Counter(),
     }
     names = {pool_id: d.handle.decode() for pool_id, d in handles.items()}
+    paths = {pool_id: "/dev/shm/" + name.lstrip("/") for pool_id, name in names.items()}
     clock = time.perf_counter_ns
 
     def floor(ref: FeatureRef) -> None:
@@ -229,11 +231,17 @@ def measure(
 
     def open_per_feature_lean(ref: FeatureRef) -> None:
         t0 = clock()
-        mapping = ShmMapping(handles[ref.pool_id])
-        view = mapping.view(ref.offset, ref.nbytes)
+        fd = os.open(paths[ref.pool_id], os.O_RDWR)
+        try:
+            if os.fstat(fd).st_size < ref.offset + ref.nbytes:
+                raise ValueError(f"{paths[ref.pool_id]} is smaller than the feature")
+            mm = mmap.mmap(fd, 0)
+        finally:
+            os.close(fd)
+        view = torch.frombuffer(mm, dtype=torch.uint8)[ref.offset : ref.offset + ref.nbytes]
         view = view.view(getattr(torch, ref.dtype)).as_strided(ref.shape, ref.strides)
         del view
-        mapping.close()
+        mm.close()
         t1 = clock()
         open_counts["open_per_feature_lean"][ref.pool_id] += 1
         samples["open_per_feature_lean"].append(t1 - t0)
