@@ -180,7 +180,9 @@ def family() -> str:
     through_init = [key for key, *_ in FAMILY_ROWS if key.startswith("warm_init") and key in rows]
     lines = [f"{d['artifacts']:,} artifacts, {d['bytes'] / 1e9:.2f} GB ({d['source']}), "
              f"directory origin. Floors measured in the same run: one copy "
-             f"(`cp` + `sha256sum`) {floor['total_s']:.2f} s; one `os.stat` per object "
+             f"(`cp`, then SHA-256 of the copy as distcache hashes, OpenSSL's, on "
+             f"{floor.get('hash_threads', 1)} threads) {floor['total_s']:.2f} s; one "
+             f"`os.stat` per object "
              f"{rows['stat_floor_s'] * 1e3:.1f} ms."]
     if through_init:
         lines[0] += (" A warm start runs on each rank from before `import distcache` until "
