@@ -21,7 +21,7 @@ from distcache._home import Unresolved, default_pool_dir, defer_fields
 from distcache.errors import ConfigError
 
 __all__ = ["ENV_VARS", "TABLE", "Settings", "Variable", "check_seconds", "default_pool_dir",
-           "parse_bytes", "settings"]
+           "parse_bytes", "setting", "settings"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -337,6 +337,18 @@ class Settings(NamedTuple):
 # its default met; a caller that never reads it (a command given --pool) runs.
 defer_fields(Settings, [v.field for v in TABLE if callable(v.default)])
 _FIELDS = frozenset(Settings._fields)
+_ROWS = {v.field: v for v in TABLE}
+
+
+def setting(field: str, environ: Mapping[str, str] | None = None) -> Any:
+    """One plain setting (a flag, a number) as :func:`settings` gives it, read alone:
+    for a check made once per artifact, where reading the whole table would cost
+    more than the work it guards.
+
+    Raises:
+        ConfigError: the variable has a bad value.
+    """
+    return _ROWS[field].read(os.environ if environ is None else environ)
 
 
 def settings(environ: Mapping[str, str] | None = None, **explicit: Any) -> Settings:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 from distcache.artifact import Artifact, path_under
-from distcache.config import settings
+from distcache.config import setting
 from distcache.errors import ArtifactNotFound, IntegrityError, OriginError
 from distcache.origins._base import BaseOrigin
 
@@ -139,7 +139,7 @@ class DirOrigin(BaseOrigin):
                 raise self._not_regular(artifact, candidate, info.st_mode)
             # An artifact of unknown size is capped like an HTTP body; a file
             # already over the cap is refused before a byte is read.
-            bound = settings().max_artifact_bytes if limit is None else limit
+            bound = setting("max_artifact_bytes") if limit is None else limit
             if limit is None and info.st_size > bound:
                 raise self._over_cap(artifact, candidate, bound)
             # Read at most one byte past the bound: a huge (or sparse) file in the

@@ -21,7 +21,7 @@ from urllib.parse import quote
 
 from distcache._record import Record
 from distcache.artifact import Artifact, sha256_hex
-from distcache.config import settings
+from distcache.config import setting
 from distcache.errors import ArtifactNotFound, PeerError
 from distcache.peer._auth import HEADER_ANSWER, answer_signed, sign, target_of
 
@@ -145,7 +145,7 @@ def request(endpoint: str, key: bytes, path: str, *, timeout: float, deadline: s
             shutting at the end ended it); ``refused`` False.
     """
     until = time.monotonic() + timeout
-    bound = (most, "") if most is not None else (settings().max_artifact_bytes,
+    bound = (most, "") if most is not None else (setting("max_artifact_bytes"),
                                                  MAX_ANSWER_VARIABLE)
     conn = _Connection(endpoint, timeout)
     cut: Cut | None = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from distcache.config import settings
+from distcache.config import setting
 from distcache.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ def refuse_offline(artifact: Artifact, root: Path, origin: Origin) -> None:
         ConfigError: ``DISTCACHE_OFFLINE=1``: names the artifact, the pool, the
             origin that was not asked, and the commands that bring the artifact in.
     """
-    if not settings().offline:
+    if not setting("offline"):
         return
     describe = getattr(origin, "describe", None)
     source = describe() if callable(describe) else repr(origin)

@@ -174,3 +174,16 @@ def test_nothing_is_read_at_import() -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "DISTCACHE_TIMEOUT"
     assert isinstance(proc, subprocess.CompletedProcess)
+
+
+def test_one_setting_read_alone_is_what_the_whole_table_gives() -> None:
+    """``setting(field)`` reads one row (a check made per artifact), as settings() does."""
+    from distcache.config import setting
+
+    for env in ({}, {"DISTCACHE_OFFLINE": "1", "DISTCACHE_MAX_ARTIFACT_BYTES": "2k"},
+                {"DISTCACHE_OFFLINE": " ", "DISTCACHE_MAX_ARTIFACT_BYTES": ""}):
+        whole = settings(env)
+        assert setting("offline", env) is whole.offline
+        assert setting("max_artifact_bytes", env) == whole.max_artifact_bytes
+    with pytest.raises(ConfigError, match="DISTCACHE_OFFLINE"):
+        setting("offline", {"DISTCACHE_OFFLINE": "maybe"})
