@@ -18,28 +18,21 @@ import pytest
 from distcache.artifact import Artifact, sha256_hex
 from distcache.errors import PeerError
 from distcache.peer import Tier, _client, fetch, lookup
-from distcache.testing import LoopbackOrigin, make_artifacts
+from distcache.testing import LoopbackOrigin
 from tests.unit.test_peer_agent import (
     KEY,
     origin,  # noqa: F401  (a fixture)
 )
-from tests.unit.test_peer_owner_down_and_key import HOP_S, _asker_beside, _owned_by
+from tests.unit.test_peer_owner_down_and_key import (  # noqa: F401  (fixtures)
+    HOP_S,
+    _asker_beside,
+    _owned_by,
+    made,
+    short_hop,
+)
 
 #: Seconds between two bytes of a trickled head: each read comes in time.
 TRICKLE_S = 0.05
-
-
-@pytest.fixture
-def made(tmp_path: Path) -> list[Artifact]:
-    # Enough that a node of two owns several, whatever port it was given.
-    return make_artifacts(tmp_path / "repo", 24, min_size=500, max_size=1_000)
-
-
-@pytest.fixture
-def short_hop(monkeypatch: pytest.MonkeyPatch) -> None:
-    from distcache.peer import _agent
-
-    monkeypatch.setattr(_agent, "HOP_S", HOP_S)
 
 
 class _Fake:
@@ -117,7 +110,7 @@ def test_a_head_that_came_before_a_slow_body_is_a_slow_answer_not_a_gone_agent()
 
 def test_an_owner_that_trickles_its_head_is_left_out_of_later_walks(
     tmp_path: Path, made: list[Artifact], origin: LoopbackOrigin,  # noqa: F811
-    short_hop: None,
+    short_hop: None,  # noqa: F811
 ) -> None:
     with _fake(*_TRICKLED) as fake, _asker_beside(fake.endpoint, tmp_path,
                                                   origin.url) as agent:
@@ -143,8 +136,9 @@ def test_an_owner_that_trickles_its_head_is_left_out_of_later_walks(
 ], ids=["wrong-bytes", "announced-too-many", "sent-too-many"])
 def test_an_owner_that_answers_other_bytes_is_left_out_of_later_walks_and_named(
     tmp_path: Path, made: list[Artifact], origin: LoopbackOrigin,  # noqa: F811
-    short_hop: None, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
-    script: bytes, said: str,
+    short_hop: None,  # noqa: F811
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, script: bytes,
+    said: str,
 ) -> None:
     # A lookup names no size: the cap for an artifact of unknown size bounds the answer.
     monkeypatch.setenv("DISTCACHE_MAX_ARTIFACT_BYTES", "4096")

@@ -29,7 +29,8 @@ import pytest
 from distcache.artifact import Artifact
 from distcache.errors import CollectiveTimeout, ConfigError, DistcacheError
 from distcache.session import Session, SessionSlot
-from tests.support.helpers import PlainIntegration, isolated_init, on_threads
+from tests.support.helpers import isolated_init, on_threads
+from tests.unit.test_session_close import Noted
 
 WAIT_S = 30.0  # what any wait of a test allows before it fails
 
@@ -37,19 +38,6 @@ WAIT_S = 30.0  # what any wait of a test allows before it fails
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     yield from isolated_init(monkeypatch, tmp_path)
-
-
-class Noted(PlainIntegration):
-    """An integration that notes its install and uninstall."""
-
-    def __init__(self, name: str, notes: list[str]) -> None:
-        self.name, self.notes = name, notes
-
-    def install(self, pool: Any, origin: Any) -> None:
-        self.notes.append(f"install {self.name}")
-
-    def uninstall(self) -> None:
-        self.notes.append(f"uninstall {self.name}")
 
 
 class Held(Noted):
