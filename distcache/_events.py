@@ -21,7 +21,6 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from distcache._env import env_str
 from distcache._log import get_logger
 
 log = get_logger(__name__)
@@ -39,7 +38,7 @@ _warned: set[str] = set()
 
 def destination(environ: Mapping[str, str] | None = None) -> str | None:
     """The file events go to, or ``None`` when ``DISTCACHE_LOG_JSON`` is unset or blank."""
-    value = env_str(VARIABLE, None, environ)
+    value = (os.environ if environ is None else environ).get(VARIABLE)
     return None if value is None or value.strip() == "" else value
 
 

@@ -20,7 +20,6 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from distcache._bounded import _read_at_most
 from distcache._log import get_logger
 from distcache.artifact import MAX_MANIFEST_BYTES, Artifact, manifest_text, merge_manifests
 from distcache.comm import Communicator, NodeTree, node_tree
@@ -250,6 +249,8 @@ def _manifest_bytes(spec: str | os.PathLike[str]) -> bytes:
     """A manifest file's bytes, as the prefetch will read them: at most
     :data:`~distcache.artifact.MAX_MANIFEST_BYTES` (past it, OSError; the prefetch says
     why), never a whole stream such as ``/dev/zero``."""
+    from distcache._bounded import _read_at_most  # a manifest given as a file
+
     return _read_at_most(Path(spec), MAX_MANIFEST_BYTES)
 
 

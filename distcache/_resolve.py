@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distcache._delegate import Aside, led_by_node_leaders
-from distcache._held import NoOrigin, held_anywhere, missing_error
 from distcache._log import get_logger
 from distcache._prepare import (
     as_lists,
@@ -215,6 +214,8 @@ def _prefetch(comm: Communicator, pool: ArtifactPool, origin: Origin | None,
             except Exception as exc:
                 error = exc
             agree_on_error(comm, error, timeout=timeout)
+    from distcache._held import NoOrigin, held_anywhere, missing_error  # offline's, not hot
+
     if len({key for *_, key in carried}) > 1 and len(set(comm.allgather_object(
             _list_key(artifacts), timeout=timeout))) > 1:
         # The ranks' lists differ (alike on every rank): neither "nothing to do" on some

@@ -14,7 +14,6 @@ import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
 
-from distcache._bounded import _read_at_most
 from distcache._record import Record
 from distcache.errors import ArtifactNameError, ConfigError, IntegrityError, ManifestError
 
@@ -344,6 +343,8 @@ def read_manifest(path: str | os.PathLike[str], prefix: str = "") -> list[Artifa
     """
     where = Path(path)
     try:
+        from distcache._bounded import _read_at_most  # a manifest read from a file
+
         data = _read_at_most(where, MAX_MANIFEST_BYTES)
     except OSError as exc:
         raise ConfigError(

@@ -18,7 +18,6 @@ import threading
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Unpack
 
-from distcache._background import Background
 from distcache._beside import InstallsBeside, install_rest
 from distcache._beside import phase as _phase
 from distcache._log import get_logger
@@ -34,6 +33,7 @@ from distcache.origins import Stopper
 from distcache.peer import Hosted, Starting, start_for_session
 
 if TYPE_CHECKING:
+    from distcache._background import Background
     from distcache.collective import PrefetchReport, SyncState
     from distcache.ipc import PoolRegistry
     from distcache.store import ArtifactPool
@@ -369,6 +369,7 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
                          note)
 
         if options.background:
+            from distcache._background import Background  # where one runs in background
             session._background = Background(start_up, comm)
             session._background.start()
         else:

@@ -27,7 +27,6 @@ from distcache.config import settings
 from distcache.errors import ConfigError, IntegrityError, PoolError
 from distcache.store import _maintenance
 from distcache.store._cap import Cap
-from distcache.store._intake import download_bytes, download_streamed
 from distcache.store._locking import FileLock
 from distcache.store._log import Journal
 from distcache.store._materialize import materialize
@@ -234,6 +233,8 @@ class ArtifactPool:
                     data = self._store.read(sha, stamp=True)
                 if data is None:
                     refuse_offline(artifact, self.root, origin)
+                    from distcache.store._intake import download_bytes  # a miss only
+
                     data = download_bytes(self._store, artifact, origin, self._published)
             finally:
                 lock.release()
@@ -287,6 +288,8 @@ class ArtifactPool:
         if not hasattr(origin, "fetch_into"):  # a duck-typed origin with only ``fetch``
             data = origin.fetch(artifact)
             return len(data) if self.put(data, artifact.sha256) else 0
+        from distcache.store._intake import download_streamed  # a download only
+
         return download_streamed(self._store, artifact, origin, self._published)
 
     def materialize(self, artifact: Artifact, into_dir: str | os.PathLike[str]) -> Path:
