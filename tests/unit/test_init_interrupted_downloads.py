@@ -5,6 +5,7 @@ command line's prefetch does."""
 from __future__ import annotations
 
 import _thread
+import signal
 import threading
 from pathlib import Path
 from typing import BinaryIO
@@ -46,6 +47,16 @@ class _Held(BaseOrigin):
 
 
 def test_an_interrupted_init_stops_its_downloads(tmp_path: Path) -> None:
+    # Ctrl-C as Python handles it by default: a test earlier in the process may have
+    # left SIGINT ignored, and then interrupt_main() does nothing.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupted_init(tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupted_init(tmp_path: Path) -> None:
     origin = _Held()
     artifact = Artifact("k/one.cubin", sha256_hex(DATA), len(DATA))
     pool_dir = tmp_path / "pool"
