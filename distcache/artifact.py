@@ -63,10 +63,11 @@ _SEPARATOR_LOOKALIKES = frozenset("\u2215\u2044\u29f8\u2216\u29f5\u29f9\u2571\u2
 _FAST_SEGMENT = r"(?!\.+(?:/|\Z))[A-Za-z0-9_.+=,@%~-]{1,255}"
 _FAST_NAME = re.compile(rf"{_FAST_SEGMENT}(?:/+{_FAST_SEGMENT})*")
 _SLASHES = re.compile(r"/{2,}")
-# A manifest line (stripped) whose digest and name need no further checks: the name
-# matches _FAST_NAME, so split()/strip() in parse_checksums would find the same two
-# fields. Any other line takes the general path.
-_FAST_LINE = re.compile(rf"([0-9a-fA-F]{{64}}) +\*?({_FAST_SEGMENT}(?:/+{_FAST_SEGMENT})*)")
+# A manifest line (its "\r" ending dropped) whose digest and name need no further
+# checks: the name matches _FAST_NAME, which no separator character starts, so
+# _fields in parse_checksums would find the same two. Any other line takes that path.
+_FAST_LINE = re.compile(
+    rf"\s*([0-9a-fA-F]{{64}})[ \t][ *]?({_FAST_SEGMENT}(?:/+{_FAST_SEGMENT})*)")
 
 
 def sha256_hex(data: bytes | bytearray | memoryview) -> str:
@@ -250,12 +251,28 @@ def _at(source: str | None, lineno: int) -> str:
     return f"{source}:{lineno}" if source else f"line {lineno}"
 
 
-def parse_checksums(text: str, prefix: str = "", *, source: str | None = None) -> list[Artifact]:
-    """Parse ``sha256sum`` output (``<sha>  <name>`` or ``<sha> *<name>`` per line).
+def _fields(line: str) -> tuple[str, str] | None:
+    """The digest (lower case) and the name of a manifest line as ``sha256sum`` writes
+    it: the digest, a space (or a tab), then a space or ``*`` (its text or binary mode;
+    a single space also reads), and the name exactly as written up to the end of the
+    line, spaces included: a name that begins or ends with one is then refused by the
+    name rules, never read as another file's. Leading whitespace is skipped; None
+    when the line has no such fields."""
+    body = line.lstrip()
+    digest, rest = body[:64].lower(), body[65:]
+    if not _SHA_RE.match(digest) or body[64:65] not in (" ", "\t"):
+        return None
+    name = rest[1:] if rest[:1] in (" ", "*") else rest
+    return (digest, name) if name else None
 
-    A leading byte order mark, blank lines and ``#`` comments are skipped. ``prefix``
-    is joined in front of every name. The same name listed twice with the same digest
-    is kept once. ``source`` (the file the text came from) leads every error message,
+
+def parse_checksums(text: str, prefix: str = "", *, source: str | None = None) -> list[Artifact]:
+    """Parse ``sha256sum`` output (``<sha>  <name>`` or ``<sha> *<name>`` per line, the
+    name as written: see :func:`_fields`).
+
+    A leading byte order mark, blank lines, ``#`` comments and "\\r" line ends are
+    skipped. ``prefix`` is joined in front of every name. The same name listed twice
+    with the same digest is kept once. ``source`` (the file the text came from) leads every error message,
     as ``FILE:LINE``.
 
     Raises:
@@ -267,8 +284,8 @@ def parse_checksums(text: str, prefix: str = "", *, source: str | None = None) -
     # Lines are "\n"-framed (as sha256sum writes them); str.splitlines() would also
     # split on U+2028, U+0085 and friends and report the wrong line number.
     for lineno, raw in enumerate(text.removeprefix("\ufeff").split("\n"), start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
+        line = raw.removesuffix("\r")
+        if not line.strip() or line.lstrip().startswith("#"):
             continue
         fast = _FAST_LINE.fullmatch(line)
         if fast is not None and not prefix and len(fast[2]) <= MAX_NAME_BYTES:
@@ -280,17 +297,12 @@ def parse_checksums(text: str, prefix: str = "", *, source: str | None = None) -
             if previous.sha256 == digest:
                 continue
             # Two digests: the general path below words the error.
-        parts = line.split(None, 1)
-        if len(parts) != 2 or not _SHA_RE.match(parts[0].lower()):
+        fields = _fields(line)
+        if fields is None:
             raise ManifestError(
                 f"{_at(source, lineno)}: expected '<64 hex sha256>  <name>', got {_quoted(raw)}",
-                line=lineno,
-                text=raw,
-                source=source,
-            )
-        digest, name = parts[0].lower(), parts[1].strip()
-        if name.startswith("*"):
-            name = name[1:]
+                line=lineno, text=raw, source=source)
+        digest, name = fields
         full = f"{prefix.rstrip('/')}/{name}" if prefix else name
         try:
             artifact = Artifact(full, digest)
@@ -303,11 +315,7 @@ def parse_checksums(text: str, prefix: str = "", *, source: str | None = None) -
         if previous is not None and previous.sha256 != digest:
             raise ManifestError(
                 f"{_at(source, lineno)}: {artifact.name} is listed with two digests "
-                f"({previous.sha256} and {digest})",
-                line=lineno,
-                text=raw,
-                source=source,
-            )
+                f"({previous.sha256} and {digest})", line=lineno, text=raw, source=source)
         out[artifact.name] = artifact
     return list(out.values())
 
