@@ -196,9 +196,7 @@ class Downloads:
                 # Published since discovery (a concurrent job, a resumed run): nothing
                 # to download, but what the progress bar counted on is here, and it is
                 # this run's as if downloaded (a capped pool's collection keeps it).
-                hold = getattr(self._pool, "hold", None)
-                if hold is not None:
-                    hold([artifact.sha256])
+                self._pool.hold([artifact.sha256])
                 with self._lock:
                     if not self._finished.is_set():
                         self._result.placed += 1

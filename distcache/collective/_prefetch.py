@@ -237,7 +237,7 @@ def prefetch(
             # pool, and (after the move) what other ranks downloaded or moved in; a
             # capped pool's collection when the batch ends keeps all of it.
             mine_held = have[pool_ids[comm.rank]]
-            _hold(pool, [s for s, held in zip(objects, mine_held, strict=True) if held])
+            pool.hold([s for s, held in zip(objects, mine_held, strict=True) if held])
             moving: Moving | None = None
             with run.phase("fetch"):
                 mine = plan.downloads.get(comm.rank, ())
@@ -251,7 +251,7 @@ def prefetch(
                     run.finish_move(moving, plan, name_of)
                 elif plan.sends:
                     run.check(run.move(plan, pool_ids, name_of, conf.bucket_bytes))
-            _hold(pool, [s for s, held in zip(objects, mine_held, strict=True) if not held])
+            pool.hold([s for s, held in zip(objects, mine_held, strict=True) if not held])
         with run.phase("publish"):
             failure = None
             if plan.writers[pool_ids[comm.rank]] == comm.rank:
@@ -267,12 +267,6 @@ def prefetch(
         run.progress.close()  # rank 0's bar, on failure as on success
 
 
-def _hold(pool: Pool, shas: list[str]) -> None:
-    """``pool.hold(shas)`` where the pool keeps a size cap (an
-    :class:`~distcache.store.ArtifactPool`; a stand-in without ``hold`` has none)."""
-    hold = getattr(pool, "hold", None)
-    if hold is not None and shas:
-        hold(shas)
 
 
 def _fetch(run: Run, plan: Plan, pool_ids: list[str], todo: list[Artifact], origin: Origin,

@@ -341,16 +341,13 @@ def sync(
         name_of = {sha: name for name, sha in sorted(labels.items(), reverse=True)}
         # A serving loop's safe point does not wait on the flush (see Run.durable).
         # What the sync brings is its set, found in this pool or moved in: a capped
-        # pool's collection when the batch ends keeps it (a stand-in has no ``hold``).
-        hold = getattr(pool, "hold", None)
+        # pool's collection when the batch ends keeps it.
         found = have[pool_ids[comm.rank]]
         with run.durable(), run.phase("move"):
-            if hold is not None:
-                hold([s for s, held in zip(objects, found, strict=True) if held])
+            pool.hold([s for s, held in zip(objects, found, strict=True) if held])
             if plan.sends:
                 run.check(run.move(plan, pool_ids, name_of, conf.bucket_bytes))
-            if hold is not None:
-                hold([s for s, held in zip(objects, found, strict=True) if not held])
+            pool.hold([s for s, held in zip(objects, found, strict=True) if not held])
         with run.phase("publish"):
             failure = None
             if is_writer:

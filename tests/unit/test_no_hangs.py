@@ -451,6 +451,9 @@ class _NoPool:
     def batch(self, *, wait: bool = True) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
+    def hold(self, shas: Iterable[str]) -> None:
+        return None
+
     def remember(self, artifacts: Any) -> None:
         return None
 

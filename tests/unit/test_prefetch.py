@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from distcache.artifact import Artifact, sha256_hex, verify_bytes
+from distcache.artifact import Artifact, check_sha256, sha256_hex, verify_bytes
 from distcache.collective import PHASES, PrefetchReport, SyncState, _stream, prefetch, sync
 from distcache.collective._bucket import decode_bucket
 from distcache.collective._download import download_objects
@@ -116,6 +116,10 @@ class FakePool:
 
     def batch(self, *, wait: bool = True) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
+
+    def hold(self, shas: Iterable[str]) -> None:
+        for sha in shas:  # no size cap to keep them under; a bad sha is refused alike
+            check_sha256(sha)
 
     def remember(self, artifacts: Iterable[Artifact]) -> None:
         with self.store.lock:
