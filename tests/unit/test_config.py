@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from distcache._env import env_bool, env_bytes, env_float, env_int, env_str
 from distcache.config import ENV_VARS, TABLE, Settings, parse_bytes, settings
 from distcache.errors import ConfigError
 from tests.support.helpers import run_group
@@ -35,8 +34,6 @@ def test_zero_and_empty_are_real_values_not_defaults() -> None:
         is False
     )
     assert settings({}, disable=False).disable is False
-    assert env_str("DISTCACHE_X", "default", {"DISTCACHE_X": ""}) == ""
-    assert env_int("DISTCACHE_X", 9, {"DISTCACHE_X": "0"}) == 0
     assert settings({"DISTCACHE_ORIGIN": ""}).origins == ()
 
 
@@ -104,17 +101,17 @@ def test_sizes_accept_units_and_reject_nonsense() -> None:
     assert parse_bytes("64M") == 64 << 20
     assert parse_bytes("1GiB") == 1 << 30
     assert parse_bytes("2kb") == 2048
-    assert env_bytes("S", None, {"S": "1g"}) == 1 << 30
+    assert settings({"DISTCACHE_BUCKET_BYTES": "1g"}).bucket_bytes == 1 << 30
     with pytest.raises(ConfigError, match="SIZE_VAR='-3'"):
         parse_bytes("-3", variable="SIZE_VAR")
 
 
 def test_booleans_and_numbers_parse_their_spellings() -> None:
-    assert env_bool("B", False, {"B": "yes"}) is True
-    assert env_bool("B", True, {"B": "off"}) is False
-    assert env_bool("B", True, {}) is True
-    assert env_float("F", None, {"F": "2.5"}) == 2.5
-    assert env_int("I", None, {}) is None
+    assert settings({"DISTCACHE_OFFLINE": "yes"}).offline is True
+    assert settings({"DISTCACHE_FLASHINFER": "off"}).flashinfer is False
+    assert settings({}).flashinfer is True
+    assert settings({"DISTCACHE_HTTP_TIMEOUT": "2.5"}).http_timeout == 2.5
+    assert settings({}).pool_max_bytes is None
 
 
 def test_settings_are_frozen_and_replace_returns_a_copy() -> None:
