@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from tests.support.process import kill_group, mpirun, run_group
@@ -103,6 +105,23 @@ def isolated_init(monkeypatch: Any, tmp_path: Path) -> Iterator[None]:
     session = current()
     if session is not None:
         session.close()
+
+
+def watch_close(inside: threading.Event) -> Callable[[FrameType, str, Any], None]:
+    """A profile function (for ``sys.setprofile``) for a thread that sets ``inside``
+    once the thread, inside ``Session.close``, reaches a lock (where it may block)."""
+    from distcache.session import Session
+
+    depth = 0
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        nonlocal depth
+        if frame.f_code is Session.close.__code__ and event in ("call", "return"):
+            depth += 1 if event == "call" else -1
+        elif depth and event == "c_call" and getattr(arg, "__name__", "") == "acquire":
+            inside.set()
+
+    return profile
 
 
 def on_threads(size: int, body: Any, join: float = 60) -> list[Any]:

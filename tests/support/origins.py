@@ -13,6 +13,8 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
+import pytest
+
 
 class Closing(Protocol):
     def close(self) -> None: ...
@@ -35,6 +37,17 @@ def started(make: Callable[[Any], S]) -> Iterator[Callable[[Any], S]]:
         server.close()
 
 
+def servers_fixture(make: Callable[[Any], Closing]) -> object:
+    """A fixture for a test module to bind to a name (``raw = servers_fixture(Server)``):
+    its value is :func:`started`'s, a function starting ``make(respond)`` servers."""
+
+    @pytest.fixture
+    def servers() -> Iterator[Callable[[Any], Closing]]:
+        yield from started(make)
+
+    return servers
+
+
 def close_all(opened: list[Any]) -> None:
     """Close every origin in ``opened`` (emptying it), then collect what a refused
     response left to the garbage collector (urllib3 closes the socket of a response it
@@ -45,6 +58,18 @@ def close_all(opened: list[Any]) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ResourceWarning)
         gc.collect()
+
+
+def closing_fixture(opened: list[Any]) -> object:
+    """An autouse fixture for a test module to bind to a name: after each test,
+    :func:`close_all` of ``opened`` (the list the module's tests add their origins to)."""
+
+    @pytest.fixture(autouse=True)
+    def close_opened() -> Iterator[None]:
+        yield
+        close_all(opened)
+
+    return close_opened
 
 
 #: (index of the connection, the request's bytes up to its blank line, the connection).

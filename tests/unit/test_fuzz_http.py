@@ -26,7 +26,7 @@ from distcache.artifact import Artifact, sha256_hex
 from distcache.errors import IntegrityError, OriginError
 from distcache.origins import HttpOrigin
 from distcache.testing import LoopbackOrigin
-from tests.support.origins import close_all, started
+from tests.support.origins import closing_fixture, servers_fixture
 
 FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=120,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -86,18 +86,9 @@ class RawServer:
         assert not self._thread.is_alive(), "raw server thread did not stop"
 
 
-@pytest.fixture
-def raw() -> Iterator[Callable[[Responder], RawServer]]:
-    yield from started(RawServer)
-
-
+raw = servers_fixture(RawServer)
 _opened: list[HttpOrigin] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_origins() -> Iterator[None]:
-    yield
-    close_all(_opened)
+_close_origins = closing_fixture(_opened)
 
 
 def origin(url: str, **kwargs: Any) -> HttpOrigin:

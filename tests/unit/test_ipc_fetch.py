@@ -8,31 +8,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 from distcache.errors import IpcError
 from distcache.ipc import PoolDescriptor, PoolRegistry, ShmPool
+from tests.support.ipc_pools import pool_fixtures
 from tests.support.process import kill_group
 
-
-@pytest.fixture
-def pool() -> Iterator[ShmPool]:
-    with ShmPool(1 << 16, slots=8) as made:
-        made.bind(owner=0, consumers=[1, 2])
-        yield made
-
-
-@pytest.fixture
-def readers(pool: ShmPool) -> Iterator[dict[int, PoolRegistry]]:
-    made = {rank: PoolRegistry(rank) for rank in (1, 2)}
-    for registry in made.values():
-        registry.add(pool.descriptor())
-    yield made
-    for registry in made.values():
-        registry.close()
+pool, readers = pool_fixtures()
 
 
 def test_fetch_copies_then_acks_so_the_result_outlives_the_lease(

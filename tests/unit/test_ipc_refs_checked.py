@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,23 +16,9 @@ from distcache.errors import IpcError
 from distcache.ipc import CudaPool, FeatureRef, PoolRegistry, ShmPool
 from distcache.ipc._allocator import SlotAllocator
 from distcache.ipc._layout import Layout, WordArray
+from tests.support.ipc_pools import pool_fixtures
 
-
-@pytest.fixture
-def pool() -> Iterator[ShmPool]:
-    with ShmPool(1 << 16, slots=8) as made:
-        made.bind(owner=0, consumers=[1, 2])
-        yield made
-
-
-@pytest.fixture
-def readers(pool: ShmPool) -> Iterator[dict[int, PoolRegistry]]:
-    made = {rank: PoolRegistry(rank) for rank in (1, 2)}
-    for registry in made.values():
-        registry.add(pool.descriptor())
-    yield made
-    for registry in made.values():
-        registry.close()
+pool, readers = pool_fixtures()
 
 
 def _segment_mapped(pool: ShmPool) -> bool:

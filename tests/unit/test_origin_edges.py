@@ -10,7 +10,7 @@ import io
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,25 +19,15 @@ import pytest
 from distcache.artifact import Artifact, sha256_hex
 from distcache.errors import ConfigError, OriginError
 from distcache.origins import Credentials, DirOrigin, HttpOrigin, open_origin
-from tests.support.origins import Responder, ThreadedRawServer, close_all, started
+from tests.support.origins import Responder, ThreadedRawServer, closing_fixture, servers_fixture
 
 BODY = bytes(range(256)) * 40  # 10240 bytes
 SHA = sha256_hex(BODY)
 ARTIFACT = Artifact("fmha/k.cubin", SHA, len(BODY))
 
-#: (index of the connection, its request, the connection) -> nothing; sends itself.
-@pytest.fixture
-def raw() -> Iterator[Callable[[Responder], ThreadedRawServer]]:
-    yield from started(ThreadedRawServer)
-
-
+raw = servers_fixture(ThreadedRawServer)
 _opened: list[HttpOrigin] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_origins() -> Iterator[None]:
-    yield
-    close_all(_opened)
+_close_origins = closing_fixture(_opened)
 
 
 def http_origin(url: str, **kwargs: Any) -> HttpOrigin:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import base64
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from distcache.errors import ConfigError, OriginError
 from distcache.origins import Credentials, HttpOrigin, open_origin
 from distcache.origins._credentials import host_key, parse_tokens
 from distcache.origins._response import redirect_target
-from tests.support.origins import Responder, ThreadedRawServer, close_all, started
+from tests.support.origins import Responder, ThreadedRawServer, closing_fixture, servers_fixture
 
 BODY = bytes(range(256)) * 40  # 10240 bytes
 SHA = sha256_hex(BODY)
@@ -36,18 +36,9 @@ IDN = "bücher.example"
 IDN_ASCII = "xn--bcher-kva.example"
 
 
-@pytest.fixture
-def raw() -> Iterator[Callable[[Responder], ThreadedRawServer]]:
-    yield from started(ThreadedRawServer)
-
-
+raw = servers_fixture(ThreadedRawServer)
 _opened: list[HttpOrigin] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_origins() -> Iterator[None]:
-    yield
-    close_all(_opened)
+_close_origins = closing_fixture(_opened)
 
 
 @pytest.fixture

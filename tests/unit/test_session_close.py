@@ -22,7 +22,7 @@ import pytest
 
 from distcache.errors import ConfigError, DistcacheError
 from distcache.session import Session, SessionSlot
-from tests.support.helpers import PlainIntegration, isolated_init
+from tests.support.helpers import PlainIntegration, isolated_init, watch_close
 
 WAIT_S = 30.0  # what any wait of a test allows before it fails
 
@@ -128,21 +128,6 @@ def test_an_install_that_closes_its_session_and_returns_ends_the_start_up(
     assert slot.left == 1 and notes.count("uninstall first") == 1
 
 
-def _watch_close(inside: threading.Event) -> Callable[[FrameType, str, Any], None]:
-    """A profile function for a thread that sets ``inside`` once the thread, inside
-    ``Session.close``, reaches a lock (where it may block)."""
-    depth = 0
-
-    def profile(frame: FrameType, event: str, arg: Any) -> None:
-        nonlocal depth
-        if frame.f_code is Session.close.__code__ and event in ("call", "return"):
-            depth += 1 if event == "call" else -1
-        elif depth and event == "c_call" and getattr(arg, "__name__", "") == "acquire":
-            inside.set()
-
-    return profile
-
-
 def _on_thread(body: Callable[[], None], name: str,
                profile: Callable[[FrameType, str, Any], None] | None = None
                ) -> tuple[threading.Thread, list[BaseException]]:
@@ -203,7 +188,7 @@ def test_two_threads_closing_at_once_tear_down_once_and_both_return_after_it(
                                      "first-closer")
     assert blocking.tearing.wait(WAIT_S), "the first close never reached the teardown"
     second, second_raised = _on_thread(_closing(session, "second", notes, settled),
-                                       "second-closer", _watch_close(settled))
+                                       "second-closer", watch_close(settled))
     for thread in (first, second):
         thread.join(WAIT_S)
     assert not first.is_alive() and not second.is_alive(), "a close hung"
@@ -233,7 +218,7 @@ def test_only_the_close_that_tore_down_raises_what_the_teardown_raised(
                                      "first-closer")
     assert failing.tearing.wait(WAIT_S), "the first close never reached the teardown"
     second, second_raised = _on_thread(_closing(session, "second", notes, settled),
-                                       "second-closer", _watch_close(settled))
+                                       "second-closer", watch_close(settled))
     for thread in (first, second):
         thread.join(WAIT_S)
     assert not first.is_alive() and not second.is_alive(), "a close hung"
@@ -271,7 +256,7 @@ def test_the_start_up_thread_closing_while_another_close_joins_it_does_not_deadl
                         timeout=WAIT_S)
     late.session = session
     late.given.set()
-    closer, raised = _on_thread(session.close, "closer", _watch_close(joining))
+    closer, raised = _on_thread(session.close, "closer", watch_close(joining))
     closer.join(WAIT_S)
     assert not closer.is_alive(), "close deadlocked with the start-up"
     assert raised == []

@@ -29,7 +29,7 @@ import pytest
 from distcache.artifact import Artifact
 from distcache.errors import CollectiveTimeout, ConfigError, DistcacheError
 from distcache.session import Session, SessionSlot
-from tests.support.helpers import isolated_init, on_threads
+from tests.support.helpers import isolated_init, on_threads, watch_close
 from tests.unit.test_session_close import Noted
 
 WAIT_S = 30.0  # what any wait of a test allows before it fails
@@ -55,6 +55,20 @@ class Held(Noted):
         super().install(pool, origin)
 
 
+def _held_start_up(tmp_path: Path, *later: str
+                   ) -> tuple[list[str], Held, SessionSlot, Session]:
+    """A background start-up in a slot of its own whose first install is held, a
+    ``Noted`` integration named for each of ``later`` after it: the notes they keep,
+    the held integration, the slot and the session."""
+    notes: list[str] = []
+    held = Held("held", notes)
+    slot = SessionSlot()
+    session = slot.init(pool=tmp_path / "pool",
+                        integrations=[held, *(Noted(name, notes) for name in later)],
+                        background=True, timeout=WAIT_S)
+    return notes, held, slot, session
+
+
 def _close_quietly(*sessions: Session | None) -> None:
     for session in sessions:
         if session is not None:
@@ -65,27 +79,12 @@ def _close_quietly(*sessions: Session | None) -> None:
 # -- a close interrupted while it waits for the background start-up -----------------
 
 
-def _watch_close(inside: threading.Event) -> Callable[[FrameType, str, Any], None]:
-    """A profile function that sets ``inside`` once the thread, inside
-    ``Session.close``, reaches a lock (where it blocks)."""
-    depth = 0
-
-    def profile(frame: FrameType, event: str, arg: Any) -> None:
-        nonlocal depth
-        if frame.f_code is Session.close.__code__ and event in ("call", "return"):
-            depth += 1 if event == "call" else -1
-        elif depth and event == "c_call" and getattr(arg, "__name__", "") == "acquire":
-            inside.set()
-
-    return profile
-
-
 def _interrupting(before: Callable[[], None]) -> Callable[[FrameType, str, Any], None]:
     """A profile function that, once the thread inside ``Session.close`` reaches a lock
     (where it waits for the start-up), calls ``before`` and raises ``KeyboardInterrupt``
     there, as a Ctrl-C during that wait does."""
     inside = threading.Event()
-    watch = _watch_close(inside)
+    watch = watch_close(inside)
 
     def profile(frame: FrameType, event: str, arg: Any) -> None:
         watch(frame, event, arg)
@@ -113,11 +112,7 @@ def _interrupted_close(session: Session, before: Callable[[], None] = lambda: No
 def test_a_close_interrupted_while_the_start_up_runs_leaves_the_session_closable(
     tmp_path: Path,
 ) -> None:
-    notes: list[str] = []
-    held = Held("held", notes)
-    slot = SessionSlot()
-    session = slot.init(pool=tmp_path / "pool", integrations=[held, Noted("later", notes)],
-                        background=True, timeout=WAIT_S)
+    notes, held, slot, session = _held_start_up(tmp_path, "later")
     try:
         assert held.installing.wait(WAIT_S)
         raised = _interrupted_close(session)
@@ -141,16 +136,12 @@ def test_a_close_interrupted_while_the_start_up_runs_leaves_the_session_closable
 def test_a_close_waiting_behind_an_interrupted_one_tears_the_session_down(
     tmp_path: Path,
 ) -> None:
-    notes: list[str] = []
-    held = Held("held", notes)
-    slot = SessionSlot()
-    session = slot.init(pool=tmp_path / "pool", integrations=[held], background=True,
-                        timeout=WAIT_S)
+    notes, held, slot, session = _held_start_up(tmp_path)
     waiting = threading.Event()  # the second close is inside close(), at a lock
     second: list[BaseException] = []
 
     def close_too() -> None:
-        sys.setprofile(_watch_close(waiting))
+        sys.setprofile(watch_close(waiting))
         try:
             session.close()
         except BaseException as exc:
@@ -295,11 +286,7 @@ def _in_child(session: Session) -> dict[str, str]:
 def test_in_a_forked_child_the_parents_start_up_is_not_taken_for_its_own(
     tmp_path: Path,
 ) -> None:
-    notes: list[str] = []
-    held = Held("held", notes)
-    slot = SessionSlot()
-    session = slot.init(pool=tmp_path / "pool", integrations=[held], background=True,
-                        timeout=WAIT_S)
+    notes, held, _slot, session = _held_start_up(tmp_path)
     try:
         assert held.installing.wait(WAIT_S)
         read, write = os.pipe()
