@@ -16,12 +16,13 @@ stands in for that function:
   ``FLASHINFER_CUBIN_CHECKSUM_DISABLED`` is set go to FlashInfer's function unchanged.
 - With ``DISTCACHE_OFFLINE=1`` nothing reaches FlashInfer's function: a call the
   pool cannot serve returns ``False``, FlashInfer's "download failed", after one
-  error line.
+  error line (the loader's, for a pinned file it misses; the error FlashInfer's
+  loader then raises is logged at debug level only).
 """
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -30,8 +31,7 @@ from typing import Any
 
 from distcache._log import get_logger
 from distcache._urls import redact_url
-from distcache.artifact import sha256_hex
-from distcache.integrations.flashinfer._files import write_replacing
+from distcache.integrations.flashinfer._files import own_bytes, write_replacing
 from distcache.integrations.flashinfer._loader import PooledLoader
 from distcache.integrations.flashinfer._upstream import (
     REPOSITORY_VARIABLE,
@@ -57,16 +57,19 @@ def _name_under(repository: Any, source: str) -> str | None:
 
 
 def _write(destination: Path, data: bytes, cubin_dir: Path | None) -> bool:
-    """``data`` at ``destination`` through an atomic rename; an identical file is left
-    alone (replacing it would swap the inode under a reader). Below ``cubin_dir``, when
-    the destination lies there, no directory is walked through a symlink."""
-    with contextlib.suppress(OSError):
-        if sha256_hex(destination.read_bytes()) == sha256_hex(data):
-            return True
+    """``data`` at ``destination`` through an atomic rename. Below ``cubin_dir``, when
+    the destination lies there, no directory is walked through a symlink.
+
+    An identical file is left alone (replacing it would swap the inode under a reader)
+    only when :func:`own_bytes` trusts it: this user's regular file, reached without a
+    symlink. Another user's is replaced, whatever it holds: its owner could rewrite
+    it after this check, and FlashInfer reads it by path."""
     destination = Path(os.path.abspath(destination))
     root = Path(os.path.abspath(cubin_dir)) if cubin_dir is not None else None
     if root is None or not destination.is_relative_to(root):
         root = destination.parent  # elsewhere: its directory, as FlashInfer would make it
+    if own_bytes(root, destination) == data:
+        return True
     try:
         write_replacing(root, destination, data)
     except OSError as exc:
@@ -107,7 +110,11 @@ class RoutedDownload:
         try:
             data = self.loader(name, sha256)
         except Exception as exc:  # FlashInfer's own error, from the loader's fallback
-            log.error("flashinfer: %s (sha256 %s) could not be served: %s", name, sha256, exc)
+            # An offline miss was already logged as an error by the loader, with how
+            # to fetch the file: FlashInfer's "not found locally" adds nothing to it.
+            level = logging.DEBUG if self.loader.logged_miss() else logging.ERROR
+            log.log(level, "flashinfer: %s (sha256 %s) could not be served: %s",
+                    name, sha256, exc)
             data = b""
         finally:
             _serving.active = False

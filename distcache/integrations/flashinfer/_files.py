@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, BinaryIO
 from distcache.artifact import Artifact, path_under, sha256_hex
 from distcache.origins._base import Asked
 from distcache.store._fs import process_umask
-from distcache.store._materialize import _ensure_dirs
+from distcache.store._materialize import _ensure_dirs, _open_dirs, _read_if
 
 if TYPE_CHECKING:
     from distcache.origins import Origin
@@ -47,25 +47,45 @@ class Keeping(Asked):
         return size
 
 
-def valid_bytes(root: Path, artifact: Artifact) -> bytes | None:
-    """The bytes of ``root/<name>`` when that file exists and matches the sha256."""
+def own_bytes(root: Path, target: Path) -> bytes | None:
+    """The bytes of ``target`` (a path under ``root``) when it is this user's regular
+    file, reached from ``root`` through this user's directories without following a
+    symlink at any of them or at the file (opened as the pool's materialize opens its
+    targets); ``None`` otherwise.
+
+    Only such a file may be left in place: another user's, or one reached through a
+    link, can be rewritten by its owner after it was checked, and FlashInfer opens it
+    by path. ``None`` makes the caller replace it."""
     try:
-        data = path_under(Path(root), artifact.name).read_bytes()
-    except OSError:
+        dir_fd = _open_dirs(Path(root), target.parent, create=False)
+    except (OSError, ValueError):
         return None
-    return data if sha256_hex(data) == artifact.sha256 else None
+    try:
+        return _read_if(dir_fd, target.name, _own_file)
+    finally:
+        os.close(dir_fd)
+
+
+def _own_file(st: os.stat_result) -> bool:
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def valid_bytes(root: Path, artifact: Artifact, *, own: bool = False) -> bytes | None:
+    """The bytes of ``root/<name>`` when that file exists and matches the sha256; with
+    ``own``, only when it is also a file :func:`own_bytes` trusts (then it is already
+    the artifact, to be left in place)."""
+    try:
+        path = path_under(Path(root), artifact.name)
+        data = own_bytes(Path(root), path) if own else path.read_bytes()
+    except (OSError, ValueError):  # ValueError: an unsafe name
+        return None
+    return data if data is not None and sha256_hex(data) == artifact.sha256 else None
 
 
 def placed(root: Path, artifact: Artifact) -> bool:
-    """Whether ``root/<name>`` is already the artifact: its bytes, and not a symlink
-    (one planted there points wherever its owner likes, now or later; the pool's
-    materialize replaces it with a file)."""
-    try:
-        if stat.S_ISLNK(os.lstat(path_under(Path(root), artifact.name)).st_mode):
-            return False
-    except OSError:
-        return False
-    return valid_bytes(root, artifact) is not None
+    """Whether ``root/<name>`` is already the artifact (``valid_bytes(own=True)``);
+    when it is not, the pool's materialize replaces it with this user's file."""
+    return valid_bytes(root, artifact, own=True) is not None
 
 
 def write_replacing(root: Path, target: Path, data: bytes) -> None:

@@ -167,10 +167,12 @@ class PooledLoader:
         self.stats = LoaderStats()
         self._lock = threading.Lock()
         self._unwritable: set[str] = set()  #: pools whose publication failure was logged
+        self._call = threading.local()  #: this thread's call: ``missed``, see logged_miss
         self.__name__ = "get_artifact"
         self.__doc__ = getattr(original, "__doc__", None)
 
     def __call__(self, file_name: Any, sha256: Any, session: Any = None) -> bytes:
+        self._call.missed = False
         try:
             answer = self._load(file_name, sha256)
         except Exception as exc:  # distcache's own failure: FlashInfer answers
@@ -244,6 +246,7 @@ class PooledLoader:
             self._bump("fallbacks")
             return _ASK_FLASHINFER
         self._bump("offline_misses")
+        self._call.missed = True
         pool = getattr(self.pool, "root", self.pool)
         log.error("flashinfer artifact %s (sha256 %s) is not in the pool %s and "
                   "DISTCACHE_OFFLINE=1 forbids downloads; %s",
@@ -251,6 +254,11 @@ class PooledLoader:
         _events.emit("flashinfer.offline_miss", name=artifact.name, sha256=artifact.sha256,
                      pool=str(pool))
         return _ASK_FLASHINFER if no_download() else b""
+
+    def logged_miss(self) -> bool:
+        """Whether this thread's last call logged an offline miss as an error (a caller
+        failing because of that miss need not log it a second time)."""
+        return bool(getattr(self._call, "missed", False))
 
     def _resolve(self, artifact: Artifact) -> tuple[bytes | None, bool, bool]:
         """The artifact's bytes (``None``: downloads are off and nothing local has
@@ -260,11 +268,14 @@ class PooledLoader:
         if data is not None:
             self._bump("hits")
             return data, False, True
+        # A file in the cubin directory counts as placed only when it is this user's
+        # (own=True); another user's with the right bytes is served, then replaced.
         root = self.cubin_dir()
-        data = valid_bytes(root, artifact) if root is not None else None
+        data = valid_bytes(root, artifact, own=True) if root is not None else None
         in_cubin_dir = data is not None
-        for seed in () if in_cubin_dir else self.seed_dirs():
-            data = valid_bytes(seed, artifact)
+        others = () if root is None else (root,)
+        for local in () if in_cubin_dir else (*others, *self.seed_dirs()):
+            data = valid_bytes(local, artifact)
             if data is not None:
                 break
         if data is not None:
@@ -328,10 +339,11 @@ class PooledLoader:
 
     def _materialize(self, artifact: Artifact, data: bytes | None) -> None:
         """Place ``artifact`` under FlashInfer's cubin directory: linked from the pool,
-        or written from ``data`` when the pool does not hold it. A valid file is left
-        alone: replacing it, even with identical bytes, would swap the inode under a
-        compiler that is reading it. An installed cubin directory (``uninstall`` ran
-        while this load was in flight, and put it back) is never written."""
+        or written from ``data`` when the pool does not hold it. A file :func:`placed`
+        trusts is left alone (replacing it, even with identical bytes, would swap the
+        inode under a compiler reading it); another user's, or one reached through a
+        symlink, is replaced. An installed cubin directory (``uninstall`` ran while this
+        load was in flight, and put it back) is never written."""
         root = self.cubin_dir()
         if root is None or is_installed_location(Path(root)) or placed(root, artifact):
             return
