@@ -26,6 +26,7 @@ from typing import Any
 from distcache._log import get_logger
 from distcache.collective._audience import Turns
 from distcache.comm import Communicator, reduce_object
+from distcache.errors import WireError
 
 log = get_logger(__name__)
 
@@ -37,6 +38,29 @@ Failure = tuple[str, str | None, int, str, str]
 
 #: How a failure that is a collective's timeout begins ("Type: message").
 TIMED_OUT = "CollectiveTimeout:"
+
+_FAILURE_TYPES: tuple[type | tuple[type, ...], ...] = (str, (str, type(None)), int, str, str)
+
+
+def sent_failures(failures: Iterable[Failure | None], operation: str) -> list[Failure]:
+    """The failures of ``failures`` (one per rank, in rank order, ``None`` where a rank
+    did not fail), each checked to be a :data:`Failure` as another rank sent it.
+
+    Raises:
+        WireError: a rank sent something else (naming it): every rank received the
+            same, so every rank raises it alike.
+    """
+    found: list[Failure] = []
+    for rank, failure in enumerate(failures):
+        if failure is None:
+            continue
+        if not (type(failure) is tuple and len(failure) == len(_FAILURE_TYPES) and all(
+                isinstance(v, t) and type(v) is not bool
+                for v, t in zip(failure, _FAILURE_TYPES, strict=True))):
+            raise WireError(f"{operation}: rank {rank} sent a malformed failure record "
+                            f"{failure!r:.120}", op="decode", peer=rank)
+        found.append(failure)
+    return found
 
 
 def primary(failures: Iterable[Failure]) -> Failure:

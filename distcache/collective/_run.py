@@ -51,6 +51,7 @@ from distcache.collective._heartbeat import (
     concurrent,
     heartbeats,
     primary,
+    sent_failures,
 )
 from distcache.collective._plan import Plan, decode_bitmap, elect_writers, encode_bitmap
 from distcache.collective._progress import Progress
@@ -129,7 +130,7 @@ class Run:
         return (phase, artifact, self.comm.rank, self.comm.node_id, cause)
 
     def raise_first(self, failures: Iterable[Failure | None]) -> None:
-        found = [f for f in failures if f is not None]
+        found = sent_failures(failures, self.operation)
         if not found:
             return
         phase, artifact, rank, host, cause = primary(found)

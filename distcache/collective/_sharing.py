@@ -37,6 +37,7 @@ from typing import Any
 
 from distcache._log import get_logger
 from distcache.collective._run import Run
+from distcache.errors import WireError
 from distcache.store import Identity
 
 log = get_logger(__name__)
@@ -99,8 +100,8 @@ def _round(run: Run, claimed: Sequence[str], unresolved: list[int], chosen: list
         # Tuples: a payload many ranks send alike ((None, None) from every rank not
         # chosen) is decoded once per rank, not once per sender.
         gathered = comm.allgather_object((offer, failure), timeout=_left(deadline))
-        run.raise_first(f for _, f in gathered)
-        offers: list[Offer | None] = [o for o, _ in gathered]
+        run.raise_first(_pairs(gathered))
+        offers: list[Offer | None] = [_offer_of(r, o) for r, (o, _) in enumerate(gathered)]
         seen: list[int] = []
         if me in unresolved:
             for c in chosen:
@@ -109,7 +110,35 @@ def _round(run: Run, claimed: Sequence[str], unresolved: list[int], chosen: list
                         c == me or identity.sees(o["name"], o["token"])):
                     seen.append(c)
         reports = comm.allgather_object(tuple(seen), timeout=_left(deadline))
+    for rank, report in enumerate(reports):
+        if not (type(report) is tuple and all(type(c) is int and c in chosen for c in report)):
+            raise _malformed(rank, "report of the probes it saw", report)
     return offers, reports
+
+
+def _pairs(gathered: Any) -> list[Any]:
+    """Each rank's failure of a round's all-gather of (offer, failure) pairs."""
+    for rank, pair in enumerate(gathered):
+        if not (type(pair) is tuple and len(pair) == 2):
+            raise _malformed(rank, "offer", pair)
+    return [f for _, f in gathered]
+
+
+def _offer_of(rank: int, offer: Any) -> Offer | None:
+    """``offer`` as rank ``rank`` sent it, checked to be an :data:`Offer` or None."""
+    if offer is None or (
+            type(offer) is dict and set(offer) == {"id", "name", "token", "renewed"}
+            and type(offer["id"]) is str and type(offer["token"]) is str
+            and (offer["name"] is None or type(offer["name"]) is str)
+            and type(offer["renewed"]) is bool):
+        return offer
+    raise _malformed(rank, "offer", offer)
+
+
+def _malformed(rank: int, what: str, value: Any) -> WireError:
+    """The error every rank raises alike for what ``rank`` sent (all received it)."""
+    return WireError(f"agreeing which ranks share a pool: rank {rank} sent a malformed "
+                     f"{what} {value!r:.120}", op="agree", peer=rank)
 
 
 def _offer(probes: contextlib.ExitStack, identity: Identity, pool_id: str, *,
