@@ -2,7 +2,9 @@
 ``DISTCACHE_OFFLINE=1``): :func:`held_anywhere` asks each pool once, and
 :func:`missing_error` is the one error, alike on every rank, for an artifact that no
 pool holds; :class:`NoOrigin` stands in for the origin of a prefetch that only moves
-what some pool holds.
+what some pool holds. And what a prefetch leaves out of a usage record's hints: which
+artifact a failed run's agreed error says the origin lacks (:func:`not_found`), and the
+one warning naming them (:func:`warn_left_out`).
 """
 
 from __future__ import annotations
@@ -11,13 +13,25 @@ import os
 from collections.abc import Sequence
 from typing import BinaryIO
 
+from distcache._log import get_logger
 from distcache.artifact import Artifact
 from distcache.comm import Communicator
-from distcache.errors import ConfigError, DistcacheError, OriginError, PoolError
+from distcache.errors import (
+    ArtifactNotFound,
+    ConfigError,
+    DistcacheError,
+    OriginError,
+    PoolError,
+    PrefetchError,
+)
 from distcache.store import ArtifactPool
+
+log = get_logger(__name__)
 
 #: Names a missing-artifact error lists before "and N more".
 _SHOWN_NAMES = 5
+#: Names the warning about recorded artifacts left out lists before "and N more".
+_SHOWN_LEFT_OUT = 20
 
 
 class NoOrigin:
@@ -111,3 +125,23 @@ def missing_error(
         f"lacking from {'; '.join(where) or 'the pool'}; {todo}",
         variable=variable, value=value,
     )
+
+
+def not_found(error: PrefetchError) -> str | None:
+    """The artifact ``error`` names when the origin had no copy of it (the cause starts
+    with the downloading rank's class name, ``ArtifactNotFound``), else ``None``. Only
+    an agreed error counts: a transport's failure that one rank met alone does not."""
+    cause, name = getattr(error, "cause", None), getattr(error, "artifact", None)
+    found = (error.agreed and getattr(error, "phase", None) == "fetch" and isinstance(cause, str)
+             and cause.startswith(f"{ArtifactNotFound.__name__}: "))
+    return name if found and isinstance(name, str) else None
+
+
+def warn_left_out(comm: Communicator, names: Sequence[str], why: str) -> None:
+    """One warning, on rank 0, for the hints left out of a prefetch and why."""
+    if comm.rank == 0:
+        more = f" and {len(names) - _SHOWN_LEFT_OUT} more" if len(names) > _SHOWN_LEFT_OUT else ""
+        log.warning("left %d artifact(s) out of the prefetch that only a usage record lists, "
+                    "as %s: %s%s; a record is a hint: FlashInfer's own loader fetches such a "
+                    "kernel when it is first used", len(names), why,
+                    ", ".join(names[:_SHOWN_LEFT_OUT]), more)

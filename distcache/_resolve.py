@@ -13,7 +13,9 @@ What some pool of the job holds needs no origin: without one (or with
 artifact that no pool holds is an error, one per job, raised alike on every rank, that
 names what is missing, where, and the command that fetches it
 (:func:`missing_error`). What some pools hold and others lack moves between them as
-usual; the origin is never asked.
+usual; the origin is never asked. What only an integration's usage record lists is a
+hint: one that no pool holds then, or that the origin does not have, is left out with
+one warning, not an error (FlashInfer's loader fetches it when first used).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from distcache.artifact import (
 )
 from distcache.comm import Communicator, agree_on_error, node_tree
 from distcache.config import Settings, settings
-from distcache.errors import ConfigError, PoolError
+from distcache.errors import ConfigError, PoolError, PrefetchError
 from distcache.origins import Credentials, Origin, open_origin
 from distcache.store import ArtifactPool, PoolLayout
 
@@ -56,6 +58,11 @@ log = get_logger(__name__)
 
 #: A ``sha256sum``-format file, or a list of artifacts.
 ManifestSpec = str | os.PathLike[str] | Sequence[Artifact]
+
+#: Recorded artifacts the origin lacks that a prefetch leaves out one run at a time;
+#: past them, every recorded one no pool holds is left out at once (a run each would
+#: ask the origin again for all the others, for as many runs as the origin lacks).
+_ONE_BY_ONE = 3
 
 
 def resolve_pool(
@@ -135,6 +142,8 @@ def prefetch_manifests(
     may differ), unless it is the only one. Without an
     origin, or ``offline`` (default ``DISTCACHE_OFFLINE``), nothing is downloaded:
     what some pool holds reaches the others, and an artifact no pool holds is an error.
+    An artifact that only an integration's usage record lists is left out instead, with
+    one warning, where no pool holds it then or the origin does not have it.
 
     Raises:
         ConfigError: ``manifests`` is a single path, a manifest cannot be read, or
@@ -143,7 +152,8 @@ def prefetch_manifests(
         ManifestError: a malformed manifest or record, or one name with two digests
             (on every rank).
         ManifestMismatchError: ranks passed different manifests (on every rank).
-        PrefetchError: a download or transfer failed (on every rank).
+        PrefetchError: a download or transfer failed (on every rank); not for a
+            recorded artifact that the origin does not have.
         CollectiveTimeout: not every rank arrived in time.
     """
     if isinstance(manifests, str | os.PathLike):
@@ -203,6 +213,7 @@ def _prefetch(comm: Communicator, pool: ArtifactPool, origin: Origin | None,
         _list_key(listed)))
     cannot = [(none, off) for none, off, _, _ in carried]
     artifacts = listed
+    everyone: list[Artifact] = []
     if any(d is not None for _, _, d, _ in carried):  # said by every rank, not local
         everyone = union_across_ranks(comm, wanted, recorded_ns=_recorded_ns(integrations),
                                       timeout=timeout, digests=[d for _, _, d, _ in carried],
@@ -216,7 +227,8 @@ def _prefetch(comm: Communicator, pool: ArtifactPool, origin: Origin | None,
             agree_on_error(comm, error, timeout=timeout)
     from distcache._held import NoOrigin, held_anywhere, missing_error  # offline's, not hot
 
-    if len({key for *_, key in carried}) > 1 and len(set(comm.allgather_object(
+    listed_alike = len({key for *_, key in carried}) == 1
+    if not listed_alike and len(set(comm.allgather_object(
             _list_key(artifacts), timeout=timeout))) > 1:
         # The ranks' lists differ (alike on every rank): neither "nothing to do" on some
         # ranks nor a look at the pools by position; the collective's agreement says
@@ -226,20 +238,81 @@ def _prefetch(comm: Communicator, pool: ArtifactPool, origin: Origin | None,
                                    timeout=timeout, **collective_counts(conf, downloads_per_rank))
     if not artifacts:
         return None
+    # What only the integrations want, by name: a usage record is a hint, so what the
+    # origin or the pools lack of it is left out, not an error. The same set on every
+    # rank: ``everyone`` is, and so is ``listed`` where every rank's key matches (else,
+    # with the same merged list, none is a hint: strict everywhere, as before).
+    hints = {a.name for a in everyone} - {a.name for a in listed} if listed_alike else set()
+    counts = collective_counts(conf, downloads_per_rank)
     # Whether to look before fetching is decided alike on every rank: a rank without an
     # origin (or offline) makes the whole job fetch nothing.
     if origin is None or any(none or off for none, off in cannot):
         offline = any(off for _, off in cannot)
         held, where = held_anywhere(comm, pool, artifacts, timeout=timeout)
         missing = [a for a, found in zip(artifacts, held, strict=True) if not found]
-        if missing:
+        strict = [a for a in missing if a.name not in hints]
+        if strict:
             files = [s for s in manifests if isinstance(s, str | os.PathLike)]
-            error = missing_error(missing, offline=offline, where=where, manifests=files)
+            error = missing_error(strict, offline=offline, where=where, manifests=files)
             error.agreed = True  # built from what every rank holds alike
             raise error
-        origin = NoOrigin(offline)
-    return collective_prefetch(artifacts, comm=comm, pool=pool, origin=origin, timeout=timeout,
-                               **collective_counts(conf, downloads_per_rank))
+        if missing:  # only hints: left out, on every rank alike (``held`` is agreed)
+            from distcache._held import warn_left_out
+
+            warn_left_out(comm, [a.name for a in missing], "no pool of the job holds them and "
+                           + ("DISTCACHE_OFFLINE=1 forbids downloads" if offline
+                              else "no origin is set"))
+            artifacts = [a for a, found in zip(artifacts, held, strict=True) if found]
+            if not artifacts:
+                return None
+        return collective_prefetch(artifacts, comm=comm, pool=pool, origin=NoOrigin(offline),
+                                   timeout=timeout, **counts)
+    return _fetch_but_hints(artifacts, hints, comm=comm, pool=pool, origin=origin,
+                            timeout=timeout, **counts)
+
+
+def _fetch_but_hints(artifacts: Sequence[Artifact], hints: set[str], *, comm: Communicator,
+                     **given: Any) -> PrefetchReport | None:
+    """:func:`collective_prefetch` of ``artifacts``; where the origin has no copy of one
+    of ``hints``, that one is left out and the rest run again (what the failed run
+    fetched is in the pools, so the rerun moves only what is left), for at most
+    :data:`_ONE_BY_ONE` hints; then every hint no pool holds is left out and the rest
+    run once more. Any other failure is raised. ``None`` when every artifact was left
+    out.
+
+    Every step follows the :class:`~distcache.errors.PrefetchError` that every rank
+    raises alike, built from the same gathered failure records, so every rank leaves
+    out the same artifact and runs the same collectives."""
+    left: list[str] = []
+    try:
+        while True:
+            try:
+                return collective_prefetch(artifacts, comm=comm, **given)
+            except PrefetchError as exc:
+                from distcache._held import not_found  # where a run failed
+
+                name = not_found(exc)
+                if name is None or name not in hints or name in left:
+                    raise
+            left.append(name)
+            artifacts = [a for a in artifacts if a.name != name]
+            if len(left) == _ONE_BY_ONE:  # many lacking: the hints no pool holds go too
+                from distcache._held import held_anywhere
+
+                held, _ = held_anywhere(comm, given["pool"], artifacts, timeout=given["timeout"])
+                left += [a.name for a, h in zip(artifacts, held, strict=True)
+                         if not h and a.name in hints]
+                artifacts = [a for a, h in zip(artifacts, held, strict=True)
+                             if h or a.name not in hints]
+            if not artifacts:
+                return None
+    finally:
+        if left:
+            from distcache._held import warn_left_out
+
+            warn_left_out(comm, left, "the origin does not have them" if len(left) <= _ONE_BY_ONE
+                           else f"the origin does not have the first {_ONE_BY_ONE} of them and "
+                           "the rest were not fetched after that")
 
 
 def collective_prefetch(artifacts: Sequence[Artifact], **given: Any) -> PrefetchReport:
