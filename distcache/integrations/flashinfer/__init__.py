@@ -28,7 +28,8 @@ torch; :func:`install` does.
 
 Behind this front: ``_upstream`` (what is read from FlashInfer: its loader module,
 its ``FLASHINFER_*`` variables, the default origin), ``_loader`` (the wrapper's
-policy), ``_download`` (FlashInfer's direct downloads), ``_record`` (the usage record), ``_install`` (rebinding, the installed
+policy), ``_families`` (which names it pools), ``_download`` (FlashInfer's direct
+downloads), ``_record`` (the usage record), ``_install`` (rebinding, the installed
 wrapper), ``_integration`` (:class:`FlashInfer`) and ``_warm`` (records and whole
 families, prefetched collectively).
 """
@@ -37,15 +38,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from distcache.integrations.flashinfer._install import install, installed, uninstall
-from distcache.integrations.flashinfer._integration import FlashInfer
-from distcache.integrations.flashinfer._loader import (
+from distcache.integrations.flashinfer._families import (
     DEFAULT_MATERIALIZED,
     DEFAULT_POOLED,
     Families,
-    LoaderStats,
-    PooledLoader,
 )
+from distcache.integrations.flashinfer._install import install, installed, uninstall
+from distcache.integrations.flashinfer._integration import FlashInfer
+from distcache.integrations.flashinfer._loader import LoaderStats, PooledLoader
 from distcache.integrations.flashinfer._upstream import default_origin
 
 if TYPE_CHECKING:

@@ -1,5 +1,6 @@
 """Files and bytes the loader wrapper handles: the files in FlashInfer's cubin
-directory, writing one whole, and an origin that keeps what it delivered."""
+directory, writing one whole, keeping given bytes at the path FlashInfer opens, and an
+origin that keeps what it delivered."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from distcache.artifact import Artifact, path_under, sha256_hex
+from distcache.integrations.flashinfer._upstream import is_installed_location
 from distcache.origins._base import Asked
 from distcache.store._fs import process_umask
 from distcache.store._materialize import _ensure_dirs, _open_dirs, _read_if
@@ -108,3 +110,29 @@ def write_replacing(root: Path, target: Path, data: bytes) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def hold(root: Path, name: str, data: bytes) -> bool:
+    """Make ``root/<name>``, the path FlashInfer opens after asking for ``name``
+    (``FLASHINFER_CUBIN_DIR / name``), hold ``data``; returns whether it wrote.
+
+    A file there is left alone when it is this user's, reached without a link
+    (:func:`own_bytes`), and holds exactly ``data``: compared, not hashed, since
+    ``data`` is what the caller is about to be given. Anything else there (missing,
+    other bytes, another user's file, a symlink) is replaced by
+    :func:`write_replacing`, which never writes through a link. An installation
+    directory (site-packages) is never written.
+
+    Raises:
+        ValueError: ``name`` is not a relative path that stays under ``root``.
+        OSError: the write failed (:class:`~distcache.errors.PoolError` for a
+            directory on the way that is a symlink or another user's).
+    """
+    relative = Path(name)
+    if not relative.parts or relative.is_absolute() or ".." in relative.parts:
+        raise ValueError(f"{name!r} does not name a file under {root}")
+    target = Path(root) / relative
+    if own_bytes(Path(root), target) == data or is_installed_location(Path(root)):
+        return False
+    write_replacing(Path(root), target, data)
+    return True

@@ -10,8 +10,9 @@ per process (a module-level function), so the process has one slot, behind
 Where files go: when FlashInfer's ``FLASHINFER_CUBIN_DIR`` lies in site-packages (an
 installed ``flashinfer-cubin``) or is not writable, :func:`install` points every
 FlashInfer module's ``FLASHINFER_CUBIN_DIR`` at FlashInfer's own writable cache
-directory; the installed files stay readable (they are served and added to the pool)
-and are never written to.
+directory; the installed files stay readable (they are served, added to the pool, and
+written into that cache when FlashInfer opens them by path) and are never written to.
+With ``FLASHINFER_CUBIN_CHECKSUM_DISABLED`` set at install, nothing is moved.
 
 Offline: with ``DISTCACHE_OFFLINE=1`` the wrapper fetches nothing and
 ``FLASHINFER_NO_DOWNLOAD=1`` is set for FlashInfer's own loader.
@@ -30,13 +31,15 @@ from distcache import _events
 from distcache._log import get_logger
 from distcache.config import settings
 from distcache.integrations.flashinfer._download import RoutedDownload
-from distcache.integrations.flashinfer._loader import Families, GetArtifact, PooledLoader
+from distcache.integrations.flashinfer._families import Families
+from distcache.integrations.flashinfer._loader import GetArtifact, PooledLoader
 from distcache.integrations.flashinfer._record import Recorder
 from distcache.integrations.flashinfer._upstream import (
     CUBIN_DIR_VARIABLE,
     LOADER_MODULE,
     REPOSITORY_VARIABLE,
     allow_downloads,
+    checksum_disabled,
     cubin_dir,
     forbid_downloads,
     loader_attr,
@@ -119,7 +122,12 @@ def _is_flashinfers_repository(origin: Origin | None, conf: Settings) -> bool:
 
 def _choose_cubin_dir() -> tuple[Path | None, Path | None]:
     """``(installed, writable)`` when FlashInfer's cubin directory must be moved to a
-    writable cache; ``(None, None)`` when it may be written as it is."""
+    writable cache; ``(None, None)`` when it may be written as it is, or is to stay
+    where it is: with ``FLASHINFER_CUBIN_CHECKSUM_DISABLED`` set, every call goes to
+    FlashInfer's own loader, which then reads (and its path readers open) whatever
+    file that directory holds, as if distcache were absent."""
+    if checksum_disabled():
+        return None, None
     current = cubin_dir()
     target = writable_cubin_dir(current)
     if current is None or target == current:

@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 
 from distcache.artifact import Artifact
 from distcache.config import settings
+from distcache.integrations.flashinfer._families import Families
 from distcache.integrations.flashinfer._install import install, uninstall_if
-from distcache.integrations.flashinfer._loader import Families, PooledLoader
+from distcache.integrations.flashinfer._loader import PooledLoader
 from distcache.integrations.flashinfer._record import read_record, recorded_ns
 from distcache.integrations.flashinfer._upstream import (
     LOADER_MODULE,

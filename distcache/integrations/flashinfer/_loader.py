@@ -15,8 +15,12 @@ cannot be switched off.
 
 Only FlashInfer's function answers while ``FLASHINFER_CUBIN_CHECKSUM_DISABLED`` is set
 (it then returns the file in its cubin directory whatever its sha256), and for names
-the pool cannot store but that stay inside a directory (``pin/./a.cubin``). A name
-that could leave the directory (an absolute path, a ``..`` segment) gets ``b""``.
+the pool cannot store, or outside the pooled families, but that stay inside a
+directory (``pin/./a.cubin``). A name that could leave the directory (an absolute
+path, a ``..`` segment) gets ``b""``. When the install moved ``FLASHINFER_CUBIN_DIR``
+away from an installed ``flashinfer-cubin``, the installed file is read first, and
+what such a call returns is also kept at ``FLASHINFER_CUBIN_DIR/<name>``: FlashInfer's
+path readers open that file right after asking for the name.
 
 A verified download is never thrown away: when the pool cannot take it, the caller
 gets the bytes, the failure is logged once per pool, and FlashInfer's function is not
@@ -27,18 +31,23 @@ gets them and the failure is logged once per name, not counted as a fallback.
 
 from __future__ import annotations
 
-import fnmatch
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from distcache import _events, peer
 from distcache._log import get_logger
 from distcache.artifact import Artifact, check_sha256, path_under, sha256_hex, validate_name
-from distcache.config import Settings, settings
 from distcache.errors import ArtifactNameError, ArtifactNotFound, IntegrityError, PoolError
-from distcache.integrations.flashinfer._files import Keeping, placed, valid_bytes, write_replacing
+from distcache.integrations.flashinfer._families import Families
+from distcache.integrations.flashinfer._files import (
+    Keeping,
+    hold,
+    placed,
+    valid_bytes,
+    write_replacing,
+)
 from distcache.integrations.flashinfer._record import Recorder
 from distcache.integrations.flashinfer._seeds import escape as _escape
 from distcache.integrations.flashinfer._seeds import seed_bytes
@@ -54,48 +63,6 @@ if TYPE_CHECKING:
     from distcache.store import ArtifactPool
 
 log = get_logger(__name__)
-
-#: Pooled by default: every kernel (``.cubin``; cute-dsl ``.so``) and the files FlashInfer
-#: fetches to compile against them, all content-addressed by the sha256 FlashInfer passes.
-DEFAULT_POOLED = ("*.cubin", "*.so", "*.h", "*/checksums.txt", "*.json")
-#: Also written into ``FLASHINFER_CUBIN_DIR`` by default: the files FlashInfer (or nvcc,
-#: through its include symlinks) opens by path; TRTLLM-Gen/cuDNN cubins are only handed
-#: over as bytes, so they are not copied into every rank's cache.
-DEFAULT_MATERIALIZED = ("*.h", "*/checksums.txt", "*.json", "*.so", "*/deep-gemm/*")
-
-
-class Families(NamedTuple):
-    """Which artifact names the loader serves from the pool (shell globs, matched
-    against the whole normalised name; ``*`` also matches ``/``, so a pin prefix is
-    ``"<pin>/fmha/trtllm-gen/*"``)."""
-
-    #: Names served from the pool; anything else goes straight to FlashInfer.
-    pooled: tuple[str, ...] = DEFAULT_POOLED
-    #: Names never pooled, even when ``pooled`` matches.
-    excluded: tuple[str, ...] = ()
-    #: Pooled names that must also exist as files under ``FLASHINFER_CUBIN_DIR``.
-    materialized: tuple[str, ...] = DEFAULT_MATERIALIZED
-
-    def is_pooled(self, name: str) -> bool:
-        return _matches(name, self.pooled) and not _matches(name, self.excluded)
-
-    def is_materialized(self, name: str) -> bool:
-        return _matches(name, self.materialized)
-
-    @classmethod
-    def from_settings(cls, conf: Settings | None = None) -> Families:
-        """``DISTCACHE_FLASHINFER_FAMILIES`` (comma-separated globs) replaces
-        :data:`DEFAULT_POOLED` when set.
-
-        Raises:
-            ConfigError: the variable is set but lists no glob.
-        """
-        globs = (conf if conf is not None else settings()).flashinfer_families
-        return cls() if globs is None else cls(pooled=globs)
-
-
-def _matches(name: str, globs: Iterable[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, g) for g in globs)
 
 
 class LoaderStats:
@@ -355,8 +322,16 @@ class PooledLoader:
     def _fallback(self, file_name: Any, sha256: Any, session: Any) -> bytes:
         """The installed files FlashInfer was pointed away from (``seed_dirs``, read as
         FlashInfer would read them: :func:`seed_bytes`), then FlashInfer's own
-        function; what it raises passes through unchanged."""
-        data = seed_bytes(self.seed_dirs(), file_name, sha256, skip=self.cubin_dir())
+        function; what it raises passes through unchanged.
+
+        While FlashInfer's cubin directory is moved away from those files, the bytes
+        returned are also kept at ``<cubin dir>/<name>`` (:func:`hold`), which
+        FlashInfer's path readers (deep-gemm's kernel map, CuTe-DSL's manifests) open
+        right after the call: there they would find nothing, or an older file of an
+        earlier run. A failure to write is logged once per name; the bytes are served."""
+        root, seeds = self.cubin_dir(), tuple(self.seed_dirs())
+        data = seed_bytes(seeds, file_name, sha256, skip=root)
+        seeded = data is not None  # an installed file, possibly empty
         try:
             if data is None:
                 data = self.original(file_name, sha256, session)
@@ -368,6 +343,12 @@ class PooledLoader:
         if not isinstance(data, bytes | bytearray):
             return b""
         data = bytes(data)
+        if (seeded or data) and root is not None and any(Path(s) != root for s in seeds):
+            try:
+                hold(root, file_name, data)
+            except Exception as exc:
+                self._note(None, str(file_name), f"not written under FLASHINFER_CUBIN_DIR: "
+                           f"{type(exc).__name__}: {exc}", then="serving the bytes")
         if data and isinstance(file_name, str) and isinstance(sha256, str):
             try:
                 name = validate_name(file_name)
