@@ -54,13 +54,32 @@ def sent_failures(failures: Iterable[Failure | None], operation: str) -> list[Fa
     for rank, failure in enumerate(failures):
         if failure is None:
             continue
-        if not (type(failure) is tuple and len(failure) == len(_FAILURE_TYPES) and all(
-                isinstance(v, t) and type(v) is not bool
-                for v, t in zip(failure, _FAILURE_TYPES, strict=True))):
+        if not _is_failure(failure):
             raise WireError(f"{operation}: rank {rank} sent a malformed failure record "
                             f"{failure!r:.120}", op="decode", peer=rank)
         found.append(failure)
     return found
+
+
+def _is_failure(value: Any) -> bool:
+    return type(value) is tuple and len(value) == len(_FAILURE_TYPES) and all(
+        isinstance(v, t) and type(v) is not bool
+        for v, t in zip(value, _FAILURE_TYPES, strict=True))
+
+
+def _checked_state(state: Any) -> dict[str, Any]:
+    """One rank's heartbeat state (or a partial combination of them), checked for
+    its shape: every rank combines the same states, so a malformed one is a
+    WireError alike on every rank, not a raw error on some."""
+    late = state.get("late") if type(state) is dict else None
+    if not (type(state) is dict and set(state) == {"over", "late", "failure", "ready"}
+            and type(state["over"]) is bool and type(state["ready"]) is int
+            and (late is None or (type(late) is tuple and len(late) == 4
+                                  and type(late[0]) is int and type(late[1]) in (int, float)
+                                  and type(late[3]) is str))
+            and (state["failure"] is None or _is_failure(state["failure"]))):
+        raise WireError(f"a rank sent a malformed heartbeat {state!r:.120}", op="heartbeat")
+    return state
 
 
 def primary(failures: Iterable[Failure]) -> Failure:
@@ -132,6 +151,7 @@ def _beat(comm: Communicator, timeout: float, step: Step,
 
 def _combine(states: list[dict[str, Any]]) -> dict[str, Any]:
     """One beat's states combined (partial combinations give the same result)."""
+    states = [_checked_state(s) for s in states]
     late = [s["late"] for s in states if s["late"] is not None]
     failures = [s["failure"] for s in states if s["failure"] is not None]
     ready = -1

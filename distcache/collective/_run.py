@@ -373,7 +373,9 @@ def discover(run: Run, objects: list[str], pool_ids: list[str]) -> dict[str, lis
             failure = run.failure("discover", None, exc)
     gathered = run.comm.allgather_object((payload, failure, run.comm.node_id),
                                          timeout=run.timeout)
-    run.raise_first(f for _, f, _ in gathered)
+    run.raise_first(g[1] if type(g) is tuple and len(g) == 3 else (
+        "discover", None, r, "?", f"WireError: rank {r} sent a malformed have-set record")
+        for r, g in enumerate(gathered))
     have: dict[str, list[bool]] = {}
     for p, w in writers.items():
         # Every rank decodes the same gathered payloads: a malformed one fails alike.

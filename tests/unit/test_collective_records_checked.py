@@ -104,3 +104,29 @@ def test_well_formed_rounds_still_agree_that_the_ranks_share_the_pool() -> None:
     offer = {"id": "p" * 32, "name": "n" * 32, "token": "t" * 32, "renewed": False}
     run = _run(1, 2, [[(offer, None), (None, None)], [(0,), (0,)]])
     assert agree_pools(run, ["p" * 32, "p" * 32], ["a", "b"]) == ["p" * 32, "p" * 32]
+
+
+@pytest.mark.parametrize("state", [
+    {"over": True, "late": None, "failure": None},                      # no "ready"
+    {"over": 1, "late": None, "failure": None, "ready": -1},            # over not a bool
+    {"over": False, "late": (1, 2.0), "failure": None, "ready": -1},   # a short late entry
+    {"over": True, "late": None, "failure": ["fetch"], "ready": -1},    # a list failure
+    ("over", True),
+])
+def test_a_malformed_heartbeat_state_is_a_wire_error(state: Any) -> None:
+    from distcache.collective._heartbeat import _combine
+
+    good = {"over": True, "late": None, "failure": None, "ready": -1}
+    with pytest.raises(WireError, match="malformed heartbeat"):
+        _combine([good, state])
+    assert _combine([good, dict(good, failure=GOOD_FAILURE)])["failure"] == GOOD_FAILURE
+
+
+@pytest.mark.parametrize("entry", [None, (b"", None), [b"", None, "n"], 5])
+def test_a_malformed_have_set_record_fails_the_prefetch_naming_its_sender(entry: Any) -> None:
+    from distcache.collective._run import discover
+
+    run = _run(0, 2, [[(None, None, "a"), entry]])
+    with pytest.raises(PrefetchError) as caught:
+        discover(run, ["ab" * 32], ["p" * 32, "q" * 32])
+    assert caught.value.rank == 1 and "malformed have-set" in str(caught.value)
