@@ -292,7 +292,9 @@ def _bad_description(comm: Communicator, peer: int, what: str) -> WireError:
     )
 
 
-# Polling: start with a tight loop (small collectives finish in microseconds), back
+# Polling: start with a tight loop (small collectives finish in microseconds; where
+# processes outnumber cores, as tight as a rank is run again anyway:
+# :func:`_shortest_pause`), back
 # off to a short sleep so idle ranks do not steal cores from working ones, and on a
 # long wait to a pause of a tenth of the time waited so far, at most a longest pause
 # that follows how many processes share each core (:func:`_longest_pause`): a rank
@@ -309,17 +311,32 @@ _LOCAL_PROCESSES = ("OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MPI_LOCAL
 
 
 @functools.cache
-def _longest_pause() -> float:
-    """The longest pause between two polls: :data:`_POLL_OWN_CORE_S` times the
-    processes per core (the launcher counts the processes of this host,
-    :func:`usable_cpus` the cores), at most :data:`_POLL_LONG_S`, which is also what a
-    host of unknown load gets. Where every
-    rank has a core, polling often costs nothing a working rank needs and a wait ends
-    closer to when its peers arrive."""
+def _processes_per_core() -> float | None:
+    """The processes of this host per core it may use (the launcher counts the
+    processes, :func:`usable_cpus` the cores), at least 1; None where no launcher
+    says."""
     local = next((os.environ[v] for v in _LOCAL_PROCESSES if os.environ.get(v)), "")
     if not (local.isascii() and local.isdigit() and int(local) > 0):
-        return _POLL_LONG_S
-    return min(_POLL_LONG_S, _POLL_OWN_CORE_S * max(1.0, int(local) / usable_cpus()))
+        return None
+    return max(1.0, int(local) / usable_cpus())
+
+
+def _longest_pause() -> float:
+    """The longest pause between two polls: :data:`_POLL_OWN_CORE_S` times the
+    processes per core, at most :data:`_POLL_LONG_S`, which is also what a host of
+    unknown load gets. Where every rank has a core, polling often costs nothing a
+    working rank needs and a wait ends closer to when its peers arrive."""
+    per_core = _processes_per_core()
+    return _POLL_LONG_S if per_core is None else min(_POLL_LONG_S, _POLL_OWN_CORE_S * per_core)
+
+
+def _shortest_pause() -> float:
+    """The first pause of a wait: :data:`_POLL_MIN_S` times the processes per core, at
+    most :data:`_POLL_MAX_S`. Where processes outnumber cores, a rank that sleeps less
+    is not run again sooner (the others hold the cores); it only wakes more often,
+    each wake a few dozen microseconds of the CPU the working ranks wait for."""
+    per_core = _processes_per_core()
+    return _POLL_MIN_S if per_core is None else min(_POLL_MAX_S, _POLL_MIN_S * per_core)
 
 
 #: Where Linux says which cores this process's control group may run on (cgroup v2,
@@ -381,7 +398,7 @@ def _cpu_list_size(text: str | None) -> int:
 
 def poll_until(done: Callable[[], bool], until: float) -> bool:
     """Call ``done`` until it returns True (then True) or ``until`` passes (False)."""
-    pause = _POLL_MIN_S
+    pause = _shortest_pause()
     longest = _longest_pause()
     began = time.monotonic()
     while not done():
