@@ -6,7 +6,8 @@ are checked against the sha256 asked for before they are returned, so a peer can
 a lookup fail but never hand over other bytes; and an answer taken as final (the origin
 behind the agent has no such artifact) must carry the agent's signature of it, under the
 same key, for this very request: one without is a hop that did not answer
-(:class:`Unsigned`), never the end of a lookup.
+(:class:`Unsigned`), never the end of a lookup. A Unix socket is dialled only when this
+user listens on it (the kernel says who): another's is a hop to an agent not there.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import http.client
 import io
+import os
 import socket
+import struct
 import threading
 import time
 from urllib.parse import quote
@@ -111,6 +114,7 @@ class _Connection(http.client.HTTPConnection):
             sock.settimeout(bound)
             try:
                 sock.connect(self.unix_path)
+                _check_listener(sock, self.unix_path)
             except BaseException:
                 sock.close()
                 raise
@@ -119,6 +123,22 @@ class _Connection(http.client.HTTPConnection):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(self.read_timeout)
         self.sock = sock
+
+
+def _check_listener(sock: socket.socket, path: str) -> None:
+    """Refuse a Unix socket whose listener is not this user's: in a pool directory
+    other users may write to, one could rename a socket of their own over the agent's.
+    The kernel's record of the listener (``SO_PEERCRED``), one call per connection.
+
+    Raises:
+        PermissionError: another user (root included, unless this is root) listens;
+            the hop fails as one to an agent that is not there.
+    """
+    _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                    struct.calcsize("3i")))
+    if uid != os.geteuid():
+        raise PermissionError(f"{path} is served by uid {uid}, not by this user "
+                              f"(uid {os.geteuid()}): not this job's agent")
 
 
 def _host_port(endpoint: str) -> tuple[str, int]:

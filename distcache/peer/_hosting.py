@@ -214,7 +214,8 @@ class Starting:
         What the leaders hand their nodes with the start-up prefetch's report
         (:func:`distcache._delegate.led_by_node_leaders`), in place of the all-gather
         of :meth:`finish`."""
-        return [tuple(e) for e in leaders.allgather_object(self._mine(), timeout=self.timeout)]
+        everyone = leaders.allgather_object(self._mine(), timeout=self.timeout)
+        return self._checked(everyone, leaders)
 
     def received(self, entries: Any) -> None:
         """Take the entries the leaders handed down; :meth:`finish` then shares
@@ -223,13 +224,31 @@ class Starting:
         Raises:
             WireError: ``entries`` is not a list of ``(node, tcp, unix)`` strings.
         """
-        if not (type(entries) is list and all(
-                type(e) is tuple and len(e) == 3 and all(type(x) is str for x in e)
-                for e in entries)):
+        if _malformed(entries) is not None:
             raise WireError(f"rank {self.comm.rank}/{self.comm.size} ({self.comm.node_id}): "
                             "the node agents' endpoints from the node leader are malformed",
                             op="allgather_object", rank=self.comm.rank)
-        self._entries = entries
+        self._entries = [(node, tcp, unix) for node, tcp, unix in entries]
+
+    def _checked(self, entries: Any, among: Communicator) -> list[tuple[str, str, str]]:
+        """``entries``, all-gathered over ``among`` (the ``i``-th from its rank ``i``),
+        as tuples, once each is a node's entry as :meth:`_mine` sends it: what another
+        rank sent is checked before it is unpacked or dialled. Ranks are named as
+        ``among``'s (the prefetch's report turns the node leaders' into the job's).
+
+        Raises:
+            WireError: an entry is not three strings (on every rank: all got the same),
+                naming the rank that sent it.
+        """
+        bad = _malformed(entries)
+        if bad is not None:
+            what = ("are not a list" if bad < 0 else f"sent by rank {bad}/{among.size} are "
+                    f"malformed ({repr(entries[bad])[:80]})")
+            raise WireError(f"rank {among.rank}/{among.size} ({self.comm.node_id}): the node "
+                            f"agents' endpoints {what}; check that every rank runs the same "
+                            "distcache", op="allgather_object", rank=among.rank,
+                            peer=None if bad < 0 else bad)
+        return [(node, tcp, unix) for node, tcp, unix in entries]
 
     def finish(self) -> Hosted:
         """Collective unless the leaders handed the entries down: every node agent's
@@ -240,18 +259,20 @@ class Starting:
 
         Raises:
             CollectiveTimeout, CommError: the all-gather failed (on every rank); this
-                rank's agent is stopped first.
+                rank's agent is stopped first. A ``WireError`` where a rank's entry is
+                malformed, naming that rank.
         """
         comm = self.comm
         everyone = self._entries
         if everyone is None:
             try:
-                everyone = comm.allgather_object(self._mine(), timeout=self.timeout)
+                everyone = self._checked(
+                    comm.allgather_object(self._mine(), timeout=self.timeout), comm)
             except BaseException:
                 self.abandon()  # nobody else holds the agent: stop it, remove its socket
                 raise
         agent = self._started()
-        leaders = [(str(node), str(tcp), str(unix)) for node, tcp, unix in everyone if tcp]
+        leaders = [(node, tcp, unix) for node, tcp, unix in everyone if tcp]
         # Probing other nodes' sockets is for a ring an agent joins (and rank 0's
         # warning); another rank works its list out if it is ever asked for it.
         nodes = functools.partial(endpoints, leaders, comm.node_id, comm.rank == 0)
@@ -275,6 +296,20 @@ class Starting:
         self._agent = self._error = None
         if agent is not None:
             Hosted(None, agent).close()
+
+
+def _malformed(entries: Any) -> int | None:
+    """Where ``entries`` is not a list of node entries as :meth:`Starting._mine` sends
+    them (a tuple or list of three strings: the node, its agent's TCP and Unix
+    endpoints, empty where it has none): the index of the first bad entry, -1 when
+    ``entries`` is not a list at all; ``None`` when it is well formed."""
+    if type(entries) is not list:
+        return -1
+    for i, entry in enumerate(entries):
+        if not (type(entry) in (tuple, list) and len(entry) == 3
+                and all(type(x) is str for x in entry)):
+            return i
+    return None
 
 
 def begin(comm: Communicator, pool: ArtifactPool, origin: Callable[[], Origin | None],

@@ -5,10 +5,18 @@ A process reaches its node's agent over the agent's Unix socket. Which agent: th
 names (``python -m launch --peers`` sets it for its program), whose request key is in
 the file beside it (``<socket>.key``, readable by this user only). With neither, there
 is no peer tier and :func:`lookup` answers ``None`` at once.
+
+The key file is taken only when it is this user's own regular file, readable by
+nobody else, of a key's length, and never through a symlink: in a pool directory
+other users may write to (a group-shared one), anyone could otherwise rename a key and
+socket of their own over the agent's and answer this process's lookups as its agent.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 import threading
 import time
 from collections import Counter
@@ -24,6 +32,10 @@ log = get_logger(__name__)
 
 #: Seconds a lookup may spend in the peer tier before the loader goes on without it.
 LOOKUP_BOUND_S = 30.0
+#: Bytes of a request key (``derive_key``'s HMAC-SHA256).
+KEY_BYTES = 32
+#: How the key file is opened: never through a symlink, never blocking on a FIFO.
+_KEY_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
 class Tier(NamedTuple):
@@ -66,6 +78,40 @@ def key_path(socket_path: str | Path) -> Path:
     return Path(f"{socket_path}.key")
 
 
+def read_key(path: Path) -> bytes:
+    """The request key in ``path``, which must be this user's own regular file with no
+    group or other permission bits and :data:`KEY_BYTES` long (opened without following
+    a symlink, then checked on the open file, so it cannot be swapped in between).
+
+    Raises:
+        OSError: it cannot be read, or it is not such a file (the message says why).
+    """
+    try:
+        fd = os.open(path, _KEY_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # what O_NOFOLLOW answers for a symlink
+            raise OSError(exc.errno, f"{path} is a symlink") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{path} is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise OSError(f"{path} is owned by uid {st.st_uid}, not by this user "
+                          f"(uid {os.geteuid()})")
+        if st.st_mode & 0o077:
+            raise OSError(f"{path} has mode {stat.S_IMODE(st.st_mode):04o}: others may "
+                          "read or write it (an agent's key is 0600)")
+        if st.st_size != KEY_BYTES:
+            raise OSError(f"{path} holds {st.st_size} bytes, not a key's {KEY_BYTES}")
+        key = os.read(fd, KEY_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(key) != KEY_BYTES:
+        raise OSError(f"{path}: read {len(key)} bytes, not a key's {KEY_BYTES}")
+    return key
+
+
 def current() -> Tier | None:
     """The process's peer tier, if any (never raises)."""
     if _attached is not None:
@@ -79,9 +125,10 @@ def current() -> Tier | None:
     with _lock:
         if value not in _from_env:
             try:
-                _from_env[value] = Tier(f"unix:{value}", key_path(value).read_bytes())
+                _from_env[value] = Tier(f"unix:{value}", read_key(key_path(value)))
             except OSError as exc:
-                log.warning("DISTCACHE_PEERS=%s: cannot read the agent's key: %s", value, exc)
+                log.warning("DISTCACHE_PEERS=%s: the agent's key is not used: %s; lookups "
+                            "go to the origin, as without peers", value, exc)
                 _from_env[value] = None
         return _from_env[value]
 
