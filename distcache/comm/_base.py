@@ -156,8 +156,7 @@ def check_timeout(timeout: float | None) -> None:
 
     Raises:
         ValueError: ``timeout`` is not None and not a finite number of seconds > 0
-            (0, a negative number, NaN or infinity would end a wait at once or never),
-            as :func:`~distcache.config.check_seconds` words it.
+            (as :func:`~distcache.config.check_seconds` words it).
     """
     if timeout is not None:
         try:
@@ -194,14 +193,10 @@ def agree_on_error(
     carry: Any = None,
 ) -> list[Any]:
     """Collective: if any rank passes an error, every rank raises one; else every
-    rank's ``carry`` (anything the communicator sends), in rank order, so that what
-    the ranks tell each other next rides on the same all-gather.
-
-    The rank that failed re-raises its own error; every other rank raises the lowest
-    failing rank's error, rebuilt from its description (:func:`describe_error`) when
-    it is one of the classes of :mod:`distcache.errors`, else a :class:`RemoteError`
-    that names the rank, its host and the original message. An error crosses ranks
-    as data (class name, message, declared attributes), never as a pickle.
+    rank's ``carry`` (plain data), in rank order: what the ranks tell each other next
+    rides on the same all-gather. The rank that failed re-raises its own error; every
+    other rank raises the lowest failing rank's, rebuilt from its description
+    (:func:`described_error`), which crosses ranks as data, never as a pickle.
 
     Raises:
         DistcacheError: some rank failed.
@@ -229,10 +224,9 @@ def agree_on_error(
 
 def described_error(description: Any, rank: int, size: int, host: str
                     ) -> DistcacheError | str:
-    """The error that rank ``rank`` of ``size`` on ``host`` described
-    (:func:`describe_error`): rebuilt when it is one of distcache's classes, else a
-    :class:`RemoteError` that names the rank, its host and the original message; or
-    what is wrong with ``description``."""
+    """The error rank ``rank`` of ``size`` on ``host`` described (:func:`describe_error`),
+    as its class of distcache's, else a :class:`RemoteError` naming the rank, its host
+    and the message; or what is wrong with ``description``."""
     if not (type(description) is tuple and len(description) == 4
             and all(type(part) is str for part in description[:2])):
         return "not an error's description"
@@ -292,14 +286,11 @@ def _bad_description(comm: Communicator, peer: int, what: str) -> WireError:
     )
 
 
-# Polling: start with a tight loop (small collectives finish in microseconds; where
-# processes outnumber cores, as tight as a rank is run again anyway:
-# :func:`_shortest_pause`), back
-# off to a short sleep so idle ranks do not steal cores from working ones, and on a
-# long wait to a pause of a tenth of the time waited so far, at most a longest pause
-# that follows how many processes share each core (:func:`_longest_pause`): a rank
-# waiting seconds for its peers polls a few dozen times, not thousands, and completes
-# at most about 10 % later than it could have.
+# Polling: a tight loop first (small collectives finish in microseconds), a short
+# sleep next (idle ranks leave the cores to working ones), then a tenth of the time
+# waited so far; the first and longest pauses follow how many processes share each
+# core (:func:`_shortest_pause`, :func:`_longest_pause`). A rank waiting seconds polls
+# a few dozen times, and completes at most about 10 % later than it could have.
 _POLL_MIN_S = 20e-6
 _POLL_MAX_S = 2e-3
 _POLL_LONG_S = 50e-3
@@ -312,9 +303,8 @@ _LOCAL_PROCESSES = ("OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MPI_LOCAL
 
 @functools.cache
 def _processes_per_core() -> float | None:
-    """The processes of this host per core it may use (the launcher counts the
-    processes, :func:`usable_cpus` the cores), at least 1; None where no launcher
-    says."""
+    """This host's processes (the launcher's count) per usable core, at least 1; None
+    where no launcher says."""
     local = next((os.environ[v] for v in _LOCAL_PROCESSES if os.environ.get(v)), "")
     if not (local.isascii() and local.isdigit() and int(local) > 0):
         return None
@@ -322,26 +312,23 @@ def _processes_per_core() -> float | None:
 
 
 def _longest_pause() -> float:
-    """The longest pause between two polls: :data:`_POLL_OWN_CORE_S` times the
-    processes per core, at most :data:`_POLL_LONG_S`, which is also what a host of
-    unknown load gets. Where every rank has a core, polling often costs nothing a
-    working rank needs and a wait ends closer to when its peers arrive."""
+    """:data:`_POLL_OWN_CORE_S` times the processes per core, at most (and on a host
+    of unknown load) :data:`_POLL_LONG_S`: where every rank has a core, polling often
+    costs nothing a working rank needs and a wait ends closer to its peers' arrival."""
     per_core = _processes_per_core()
     return _POLL_LONG_S if per_core is None else min(_POLL_LONG_S, _POLL_OWN_CORE_S * per_core)
 
 
 def _shortest_pause() -> float:
-    """The first pause of a wait: :data:`_POLL_MIN_S` times the processes per core, at
-    most :data:`_POLL_MAX_S`. Where processes outnumber cores, a rank that sleeps less
-    is not run again sooner (the others hold the cores); it only wakes more often,
-    each wake a few dozen microseconds of the CPU the working ranks wait for."""
+    """A wait's first pause: :data:`_POLL_MIN_S` times the processes per core, at most
+    :data:`_POLL_MAX_S`. A rank that outnumbers the cores is not run again sooner for
+    sleeping less; it only wakes more often, on CPU the working ranks wait for."""
     per_core = _processes_per_core()
     return _POLL_MIN_S if per_core is None else min(_POLL_MAX_S, _POLL_MIN_S * per_core)
 
 
 #: Where Linux says which cores this process's control group may run on (cgroup v2,
-#: then v1: "0-3,8") and how much CPU time it may use per period (v2's ``cpu.max``,
-#: "max 100000" or "200000 100000", else v1's quota and period).
+#: then v1: "0-3,8") and its CPU time per period (v2's ``cpu.max``, else v1's).
 CGROUP_CPU = (("/sys/fs/cgroup/cpuset.cpus.effective",
                "/sys/fs/cgroup/cpuset/cpuset.effective_cpus"),
               "/sys/fs/cgroup/cpu.max",
