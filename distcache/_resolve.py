@@ -40,7 +40,6 @@ from distcache.artifact import (
     Artifact,
     manifest_text,
     merge_manifests,
-    parse_checksums,
     read_manifest,
     sha256_hex,
 )
@@ -204,13 +203,16 @@ def _prefetch(comm: Communicator, pool: ArtifactPool, origin: Origin | None,
             offline = settings().offline
     except Exception as exc:  # any failure, a defect of an integration's too: said to all
         error = exc
+    from distcache._held import NoOrigin, held_anywhere, missing_error, sent_carries
+
     # A rank that cannot read its manifest or record must not leave the others waiting.
     # The same all-gather carries whether the rank may download, the digest of what
-    # its integrations want and that of what it lists: one round where there were four.
+    # its integrations want and that of what it lists: one round where there were four
+    # (each rank's checked: a malformed one fails every rank alike).
     wanted_text = manifest_text(wanted).encode()
-    carried = agree_on_error(comm, error, timeout=timeout, carry=(
+    carried = sent_carries(agree_on_error(comm, error, timeout=timeout, carry=(
         origin is None, bool(offline), sha256_hex(wanted_text) if wanted else None,
-        _list_key(listed)))
+        _list_key(listed))))
     cannot = [(none, off) for none, off, _, _ in carried]
     artifacts = listed
     everyone: list[Artifact] = []
@@ -225,8 +227,6 @@ def _prefetch(comm: Communicator, pool: ArtifactPool, origin: Origin | None,
             except Exception as exc:
                 error = exc
             agree_on_error(comm, error, timeout=timeout)
-    from distcache._held import NoOrigin, held_anywhere, missing_error  # offline's, not hot
-
     listed_alike = len({key for *_, key in carried}) == 1
     if not listed_alike and len(set(comm.allgather_object(
             _list_key(artifacts), timeout=timeout))) > 1:
@@ -367,13 +367,12 @@ def union_across_ranks(
     if digest is not None and digests.index(digest) == comm.rank:
         mine = (zlib.compress(text), recorded_ns or 0)
     sent = comm.allgather_object(mine, timeout=timeout)
-    # Oldest first (ties by rank, alike everywhere): a later list's digest wins.
-    dated = sorted((stamp, rank, blob) for rank, (blob, stamp) in
-                   ((r, part) for r, part in enumerate(sent) if part is not None))
+    from distcache._held import listed_by, sent_lists  # each checked, inflated capped
+
     merged: dict[str, Artifact] = {}
     replaced: dict[str, tuple[str, str]] = {}
-    for _stamp, _rank, blob in dated:
-        for artifact in parse_checksums(zlib.decompress(blob).decode()):
+    for rank, blob in sent_lists(sent):  # oldest first: a later list's digest wins
+        for artifact in listed_by(rank, blob):
             before = merged.get(artifact.name)
             if before is not None and before.sha256 != artifact.sha256:
                 replaced[artifact.name] = (before.sha256, artifact.sha256)

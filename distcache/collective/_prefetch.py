@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from distcache._log import get_logger
 from distcache.artifact import Artifact, manifest_text
@@ -23,7 +23,7 @@ from distcache.collective._run import Moving, Run, discover, own_settings
 from distcache.collective._sharing import agree_pools
 from distcache.collective._totals import finish
 from distcache.comm import Communicator, node_tree
-from distcache.errors import ManifestError, ManifestMismatchError
+from distcache.errors import ManifestError, ManifestMismatchError, WireError
 from distcache.origins import Origin
 from distcache.store import Pool
 
@@ -70,6 +70,27 @@ class _Said(NamedTuple):
     node_id: str
     names: str  #: the digest of its names and digests alone (``manifest_text``)
     counts: tuple[int, int]  #: its downloads_per_rank and downloads_per_job
+
+
+def _said_by(rank: int, one: Any) -> _Said:
+    """What rank ``rank`` said, checked to be a :class:`_Said` as every rank sends it:
+    the counts two whole numbers of at least 1 (the plan divides by them).
+
+    Raises:
+        WireError: it is not (naming the rank): every rank received the same, so every
+            rank raises it alike.
+    """
+    if (type(one) is tuple and len(one) == len(_Said._fields)
+            and all(type(v) is str for v in (one[0], *one[2:5]))
+            and type(one[1]) is int and one[1] >= 0
+            and type(one[5]) is tuple and len(one[5]) == 2
+            and all(type(c) is int and c >= 1 for c in one[5])):
+        return _Said(*one)
+    error = WireError(f"prefetch: rank {rank} sent a malformed agreement (list digest, "
+                      f"size, pool, node, names digest, download counts) {one!r:.300}",
+                      op="agree", peer=rank)
+    error.agreed = True  # built from the all-gather: the same on every rank
+    raise error
 
 
 def _digests(listing: Sequence[Artifact]) -> tuple[str, str]:
@@ -205,10 +226,10 @@ def prefetch(
             listing = _agreed_list(artifacts)
             digest, names = _digests(listing)
             # Whatever the plan reads is said here, so every rank plans alike.
-            said = [_Said(*one) for one in comm.allgather_object(
+            said = [_said_by(rank, one) for rank, one in enumerate(comm.allgather_object(
                 tuple(_Said(digest, len(listing), pool.pool_id, comm.node_id, names,
                             (conf.downloads_per_rank, conf.downloads_per_job))),
-                timeout=run.timeout)]
+                timeout=run.timeout))]
             if len({one.digest for one in said}) > 1:
                 raise _mismatch(said)
             artifact_of = _artifact_of(listing)

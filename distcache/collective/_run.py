@@ -155,6 +155,12 @@ class Run:
         try:
             return body()
         except CommError as exc:  # a transport's failure: every rank meets its own
+            if getattr(exc, "agreed", False):  # what every rank received alike, said alike
+                error = PrefetchError(f"{self.operation} failed: {exc}", artifact=None,
+                                      rank=getattr(exc, "peer", None), host=None,
+                                      cause=f"{type(exc).__name__}: {exc}", phase="collective")
+                error.agreed = True
+                raise error from exc
             rank, host = self.comm.rank, self.comm.node_id
             raise PrefetchError(
                 f"{self.operation} failed on rank {rank}/{self.comm.size} ({host}): {exc}; "
