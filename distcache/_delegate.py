@@ -124,7 +124,7 @@ def led_by_node_leaders(
         assert upper is not None, "every leader has the leaders' communicator"
         votes = upper.allgather_object((all(s is True for s in said), tree.rank),
                                        timeout=wait)
-        go = all(type(v) is tuple and v[0] is True for v in votes)
+        go = _agreed(votes, tree.leader_ranks)
         local.allgather_object(go, timeout=wait)
     else:
         go = local.allgather_object(None, timeout=wait)[0] is True
@@ -135,8 +135,7 @@ def led_by_node_leaders(
     try:
         if leader:
             assert upper is not None
-            return (_lead(tree, local, upper, pool, [v[1] for v in votes], wait, lead,
-                          aside),)
+            return (_lead(tree, local, upper, pool, tree.leader_ranks, wait, lead, aside),)
         return (_follow(tree, local, pool, wait, began, aside),)
     except BaseException:
         forget_tree(tree)
@@ -152,6 +151,28 @@ class Aside(Protocol):
 
     def received(self, data: Any) -> None:
         """Take what the leaders handed down (checked: it crossed the wire)."""
+
+
+def _agreed(votes: list[Any], leaders: list[int]) -> bool:
+    """Whether every node's leader voted that its node may leave the prefetch to it.
+
+    A vote counts only as ``(bool, rank)`` whose rank is the one the tree knows that
+    leader by (the collective's reports name ranks from that list, never from a vote).
+    Any other vote is malformed: logged, and taken as a no. Every leader sees the same
+    votes, so all decide alike and tell their members, and every rank takes the full
+    collective, which checks its own payloads; no leader raises alone while its
+    members wait for its word.
+    """
+    if len(votes) != len(leaders):  # one vote per leader, as the leaders' communicator has
+        return False
+    bad = [rank for vote, rank in zip(votes, leaders, strict=True)
+           if not (type(vote) is tuple and len(vote) == 2 and type(vote[0]) is bool
+                   and type(vote[1]) is int and vote[1] == rank)]
+    if bad:
+        log.warning("the node leader(s) of rank(s) %s sent a malformed vote; every rank "
+                    "takes the full collective", bad)
+        return False
+    return all(vote[0] for vote in votes)
 
 
 def _seconds(timeout: float | None, tree: NodeTree) -> float:

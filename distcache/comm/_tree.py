@@ -1,28 +1,27 @@
 """Node-leader aggregation: all-gathers whose cost per rank follows the nodes, not the ranks.
 
-A flat all-gather hands every rank every other rank's payload, so what one rank
-receives grows with the job. The collective's payloads are mostly alike within a node
-(the pool's id, its have-bitmap, the agreed list's digest, "no failure"), so
-:class:`NodeTree` routes :meth:`~NodeTree.allgather_object` through one leader per
-node:
+A flat all-gather hands every rank every other rank's payload, so what one rank receives
+grows with the job. The collective's payloads are mostly alike within a node (the pool's
+id, its have-bitmap, the agreed list's digest, "no failure"), so :class:`NodeTree`
+routes :meth:`~NodeTree.allgather_object` through one leader per node:
 
-1. the ranks of a node all-gather their encoded payloads on the node's communicator,
-   and its leader (the node's lowest rank) keeps each distinct payload once, with one
-   index per member;
+1. the ranks of a node all-gather their encoded payloads on the node's communicator, and
+   its leader (the node's lowest rank) keeps each distinct payload once, with one index
+   per member;
 2. the leaders all-gather those node blocks among themselves;
-3. each leader folds the blocks into one table of distinct payloads and a
-   run-length list of indices in rank order, and hands that down its node (an
-   all-gather on the node's communicator in which only the leader sends: the
-   broadcasts of a communicator stay the collective's buckets).
+3. each leader folds the blocks into one table of distinct payloads and a run-length
+   list of indices in rank order, and hands that down its node (an all-gather on the
+   node's communicator in which only the leader sends: the broadcasts of a communicator
+   stay the collective's buckets).
 
-Every rank then decodes each rank's entry from the table, so the result is the list
-a flat all-gather returns, element for element (each entry decoded on its own: a
-caller may change one without changing another). What a rank receives is its node's
-payloads plus the distinct payloads of the job and one run per change of payload in
-rank order: for the collective's payloads, a fixed amount per node.
+Every rank then decodes each rank's entry from the table, so the result is the list a
+flat all-gather returns, element for element (each entry decoded on its own: a caller
+may change one without changing another). What a rank receives is its node's payloads
+plus the distinct payloads of the job and one run per change of payload in rank order:
+for the collective's payloads, a fixed amount per node.
 
-The tree is made once per communicator (:func:`node_tree` keeps it): one all-gather
-of the node ids and two splits. Broadcasts, barriers and splits go to the wrapped
+The tree is made once per communicator (:func:`node_tree` keeps it): one all-gather of
+the node ids and two splits. Broadcasts, barriers and splits go to the wrapped
 communicator unchanged. A job with one rank per node, or one node, uses the wrapped
 communicator directly: there is nothing to aggregate; so do in-process ranks
 (:data:`IN_PROCESS`), unless a :class:`NodeTree` is made explicitly.
@@ -34,6 +33,7 @@ import contextlib
 import time
 import weakref
 from collections.abc import Callable
+from itertools import groupby
 from typing import Any
 
 from distcache.comm._base import Communicator, Wrapping, check_timeout
@@ -115,12 +115,11 @@ def reduce_object(comm: Communicator, obj: Any, combine: Callable[[list[Any]], A
                   timeout: float | None = None) -> Any:
     """Collective: ``combine`` of every rank's ``obj``, the same value on every rank.
 
-    On a :class:`NodeTree` each node's leader combines its node's values and every
-    rank combines the leaders' results, so what a rank receives is its node's values
-    and one value per node; elsewhere ``combine`` runs over a plain all-gather. So
-    ``combine`` must give the same result either way (``combine`` of partial results
-    equals ``combine`` of the whole list, as sums, maxima and unions do) and return
-    plain data.
+    On a :class:`NodeTree` each node's leader combines its node's values and every rank
+    combines the leaders' results, so what a rank receives is its node's values and one
+    value per node; elsewhere ``combine`` runs over a plain all-gather. So ``combine``
+    must give the same result either way (``combine`` of partial results equals
+    ``combine`` of the whole list, as sums, maxima and unions do) and return plain data.
 
     Raises:
         CollectiveTimeout: not every rank arrived in time.
@@ -133,13 +132,7 @@ def reduce_object(comm: Communicator, obj: Any, combine: Callable[[list[Any]], A
 
 def _runs(indices: list[int]) -> list[int]:
     """``[count, index, count, index, ...]`` for consecutive equal ``indices``."""
-    out: list[int] = []
-    for index in indices:
-        if out and out[-1] == index:
-            out[-2] += 1
-        else:
-            out.extend((1, index))
-    return out
+    return [n for index, run in groupby(indices) for n in (len(list(run)), index)]
 
 
 def _combined(combine: Callable[[list[Any]], Any], values: list[Any]) -> tuple[bool, Any]:
@@ -289,6 +282,11 @@ class NodeTree(Wrapping):
         """The rank (of the wrapped communicator) that leads this rank's node."""
         return self._members[self._node][0]
 
+    @property
+    def leader_ranks(self) -> list[int]:
+        """The rank leading each node, in node order (the leaders' communicator's)."""
+        return [members[0] for members in self._members]
+
     def levels(self) -> tuple[Communicator, Communicator | None]:
         """The node's communicator (its leader is rank 0 there) and the leaders' (on a
         member: the other members', or None where the backend made the leaders' among
@@ -321,13 +319,12 @@ class NodeTree(Wrapping):
             answer = self._down(local, None, left())
         base = self._base
         where = f"rank {base.rank}/{base.size} ({base.node_id})"
-        leader = self._members[self._node][0]
-        result = decode_from(answer, leader, where, rank=base.rank, backend=base.backend)
+        result = decode_from(answer, self.leader, where, rank=base.rank, backend=base.backend)
         if not (type(result) is tuple and len(result) == 2 and result[0] is True):
             why = result[1] if type(result) is tuple and len(result) == 2 else "malformed"
             raise WireError(f"allreduce_object on {where}: the reduction failed: {why}",
                             op="allreduce_object", rank=base.rank, backend=base.backend,
-                            peer=leader)
+                            peer=self.leader)
         return result[1]
 
     def allgather_object(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
@@ -336,10 +333,12 @@ class NodeTree(Wrapping):
         local, upper = self.levels()
         parts = local.allgather_object(mine, timeout=left())
         if self.is_leader:
+            # A member's part that is not bytes goes up as its rank: every rank fails alike.
+            bad = [i for i, p in enumerate(parts) if type(p) is not bytes]
             distinct: dict[bytes, int] = {}
-            indices = [distinct.setdefault(bytes(p), len(distinct)) for p in parts]
-            blocks = self._leaders(upper).allgather_object((list(distinct), indices),
-                                                           timeout=left())
+            indices = [distinct.setdefault(p, len(distinct)) for p in parts if not bad]
+            block = self._members[self._node][bad[0]] if bad else (list(distinct), indices)
+            blocks = self._leaders(upper).allgather_object(block, timeout=left())
             answer = self._down(local, encode(self._fold(blocks)), left())
         else:
             answer = self._down(local, None, left())
@@ -365,6 +364,8 @@ class NodeTree(Wrapping):
         per_rank = [0] * self._base.size
         for k, block in enumerate(blocks):
             members = self._members[k]
+            if type(block) is int and block in members:  # its leader's word: not bytes
+                return f"rank {block} sent a part that is not an encoded payload"
             if not (type(block) is tuple and len(block) == 2 and type(block[0]) is list
                     and type(block[1]) is list and len(block[1]) == len(members)
                     and all(type(p) is bytes for p in block[0])
