@@ -85,7 +85,9 @@ def move_objects(
     returns the first ``(object index, error)`` for the caller to agree on (index
     :data:`NO_OBJECT`: the flush failed). A stream that ends without an object this
     rank's pool lacks is such a failure too, and so is a bucket that is malformed or
-    names an object outside its source's stream or sent before (thrown away whole).
+    names an object outside its source's stream or sent before (thrown away whole),
+    and so is an audience whose members' ranks do not arrive as its ranks, each once
+    (every member skips it alike and goes on to the next).
 
     ``arrivals`` (a move that runs beside the downloads into this source's pool)
     says which objects are still downloading and which landed since. A source sends
@@ -180,7 +182,14 @@ def _move(rank: int, plan: Plan, pool: Pool, comms: list[Communicator | None],
             turns.enter(index, timeout, on_bucket)
             # Learn the audience communicator's rank order rather than assume it.
             world_of = acomm.allgather_object(rank, timeout=timeout)
-            root_of = {world: sub for sub, world in enumerate(world_of)}
+            try:
+                root_of = _roots(rank, audience.ranks, world_of)
+            except WireError as exc:
+                # Every member received the same answer, so every member skips this
+                # audience alike and the later ones stay in step; the move fails when
+                # it ends, on every rank (members or not) through the usual agreement.
+                missing.append((NO_OBJECT, exc))
+                continue
             # The sources take turns, one bucket each, until each has sent its last:
             # every rank receives while it publishes, instead of one source at a time
             # keeping the others idle. Every rank sees the same "last" flags, so all
@@ -199,6 +208,36 @@ def _move(rank: int, plan: Plan, pool: Pool, comms: list[Communicator | None],
         publisher.close()
         failed.extend(publisher.failed)
         failed.extend(missing)
+
+
+def _roots(rank: int, ranks: tuple[int, ...], world_of: object) -> dict[int, int]:
+    """Per rank of an audience (``ranks``), its rank in the audience's communicator,
+    from what the members all-gathered there (each its own rank), checked to be
+    exactly the audience's ranks, each once.
+
+    Raises:
+        WireError: the answer is not one rank per member, or a member sent something
+            other than a rank of the audience no other member sent (the split keeps
+            the ranks' order, so the member at position ``i`` is ``ranks[i]``). Every
+            member received the same answer and raises alike.
+    """
+    if type(world_of) is not list or len(world_of) != len(ranks):
+        raise WireError(f"rank {rank}: the audience of ranks {list(ranks)} answered "
+                        f"{world_of!r:.120} for its members' ranks", op="stream", rank=rank)
+    members = set(ranks)
+    root_of: dict[int, int] = {}
+    for sub, world in enumerate(world_of):
+        if type(world) is not int or world not in members:
+            why = "which is not one of the audience's ranks"
+        elif world in root_of:
+            why = f"which member {root_of[world]} sent too"
+        else:
+            root_of[world] = sub
+            continue
+        raise WireError(f"rank {rank}: rank {ranks[sub]} (member {sub} of the audience of "
+                        f"ranks {list(ranks)}) sent {world!r:.40} for its rank, {why}",
+                        op="stream", rank=rank, peer=ranks[sub])
+    return root_of
 
 
 def _take_turns(rank: int, sends: Sequence[tuple[int, tuple[int, ...]]],

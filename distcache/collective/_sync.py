@@ -7,6 +7,7 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 from distcache._log import get_logger
 from distcache.artifact import Artifact
@@ -28,6 +29,7 @@ from distcache.collective._sharing import agree_pools
 from distcache.collective._totals import finish
 from distcache.collective._trust import Trust, draw, next_token, pack, trusted, unpack
 from distcache.comm import Communicator, node_tree
+from distcache.errors import WireError
 from distcache.store import Pool
 from distcache.store._log import journal_mark
 
@@ -278,6 +280,23 @@ def _exchange(run: Run, node_ids: list[str], report: Report
     return decoded, trusts
 
 
+def _infos(gathered: list[Any]) -> list[tuple[str, str]]:
+    """Each rank's ``(pool id, node id)`` as it sent it, checked for its shape.
+
+    Raises:
+        WireError: a rank sent something else (naming it): every rank received the
+            same, so every rank raises it alike.
+    """
+    infos: list[tuple[str, str]] = []
+    for rank, info in enumerate(gathered):
+        if not (type(info) is tuple and len(info) == 2
+                and type(info[0]) is str and type(info[1]) is str):
+            raise WireError(f"sync: rank {rank} sent a malformed (pool id, node id) pair "
+                            f"{info!r:.120}", op="sync", peer=rank)
+        infos.append((info[0], info[1]))
+    return infos
+
+
 def sync(
     *,
     comm: Communicator,
@@ -310,7 +329,8 @@ def sync(
         with run.phase("agree"):
             # Every all-gather of the collective goes through node leaders from here.
             run.comm = comm = node_tree(run.comm, timeout=run.timeout)
-            infos = comm.allgather_object((pool.pool_id, comm.node_id), timeout=run.timeout)
+            infos = _infos(comm.allgather_object((pool.pool_id, comm.node_id),
+                                                 timeout=run.timeout))
             node_ids = [i[1] for i in infos]
             pool_ids = agree_pools(run, [i[0] for i in infos], node_ids)
             is_writer = elect_writers(pool_ids)[pool_ids[comm.rank]] == comm.rank

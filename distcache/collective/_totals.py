@@ -14,11 +14,12 @@ from typing import Any
 
 from distcache._events import emit
 from distcache._log import get_logger
-from distcache.collective._heartbeat import primary
+from distcache.collective._heartbeat import primary, sent_failures
 from distcache.collective._plan import Plan
 from distcache.collective._report import PHASES, PrefetchReport
 from distcache.collective._run import Failure, Run
 from distcache.comm import reduce_object
+from distcache.errors import WireError
 
 log = get_logger(__name__)
 
@@ -26,9 +27,21 @@ _SUMMED = ("downloads", "origin_bytes", "broadcasts", "broadcast_bytes", "receiv
            "discarded_bytes", "published")
 
 
+#: The keys of every entry, each rank's and each combination's.
+_KEYS = frozenset((*_SUMMED, "peak", "seconds", "downloaders", "failure"))
+
+
 def combine(entries: list[dict[str, Any]]) -> dict[str, Any]:
     """One entry for ``entries``: combining partial results gives the same entry as
-    combining them all at once."""
+    combining them all at once.
+
+    Raises:
+        WireError: an entry is not of this shape (naming it by its place: rank ``i``
+            sent entry ``i`` where every rank's entry is combined at once). Every rank
+            combines the same entries, so every rank raises it alike.
+    """
+    for place, entry in enumerate(entries):
+        _check(place, entry)
     failures = [e["failure"] for e in entries if e["failure"] is not None]
     return {
         **{key: sum(e[key] for e in entries) for key in _SUMMED},
@@ -37,6 +50,31 @@ def combine(entries: list[dict[str, Any]]) -> dict[str, Any]:
         "downloaders": sorted(r for e in entries for r in e["downloaders"]),
         "failure": primary(failures) if failures else None,
     }
+
+
+def _check(place: int, entry: Any) -> None:
+    """Raise a WireError naming ``place`` unless ``entry`` is one rank's figures or a
+    combination of them."""
+    if not _well_formed(entry):
+        raise WireError(f"totals: entry {place} of the figures combined (rank {place}'s "
+                        f"where every rank's entry is combined at once) is malformed: "
+                        f"{entry!r:.120}", op="totals", peer=place)
+
+
+def _well_formed(entry: Any) -> bool:
+    if not (type(entry) is dict and set(entry) == _KEYS):
+        return False
+    seconds, downloaders, failure = entry["seconds"], entry["downloaders"], entry["failure"]
+    if not (all(type(entry[key]) is int for key in (*_SUMMED, "peak"))
+            and type(seconds) is dict
+            and all(type(seconds.get(p)) in (int, float) for p in PHASES)
+            and type(downloaders) is list and all(type(r) is int for r in downloaders)):
+        return False
+    try:
+        sent_failures([failure], "totals")  # None, or a failure record
+    except WireError:
+        return False
+    return True
 
 
 def finish(run: Run, plan: Plan, artifacts: int, failure: Failure | None) -> PrefetchReport:

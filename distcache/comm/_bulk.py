@@ -87,26 +87,53 @@ class BulkCommunicator:
 def shared_store(comm: Communicator, timeout: float) -> Any:
     """A ``TCPStore`` every rank of ``comm`` reaches: rank 0 hosts it on a port the OS
     chooses and the address travels over ``comm`` (:func:`launch.publish_store`).
+    Collective: every rank learns whether every other one reached the store, so rank 0
+    does not wait for peers that never will.
 
     Raises:
-        CommError: the store cannot be hosted or reached.
+        CommError: the store cannot be hosted or reached, or rank 0's address is
+            malformed (on every rank alike: the lowest failing rank's error).
     """
     from datetime import timedelta
 
     from launch import publish_store
 
     wait = timedelta(seconds=timeout)
+    store: Any = None
+    error: CommError | None = None
     try:
         _, _, store = publish_store(
             comm.rank, comm.size,
             lambda obj: comm.allgather_object(obj, timeout=timeout),
-            lambda obj: comm.allgather_object(obj, timeout=timeout)[0],  # rank 0's answer
+            lambda obj: _address(comm, comm.allgather_object(obj, timeout=timeout)[0]),
             wait,
         )
+    except CommError as exc:
+        error = exc
     except (RuntimeError, ValueError) as exc:
-        raise CommError(f"rank {comm.rank}: cannot reach the NCCL group's store: {exc}",
-                        op="rendezvous", rank=comm.rank, backend="nccl") from exc
+        error = CommError(f"rank {comm.rank}: cannot reach the NCCL group's store: {exc}",
+                          op="rendezvous", rank=comm.rank, backend="nccl")
+        error.__cause__ = exc
+    agree_on_error(comm, error, timeout=timeout)
     return store
+
+
+def _address(comm: Communicator, message: Any) -> tuple[str, str, int]:
+    """Rank 0's ``(status, host or reason, port)`` for the store, checked for its shape
+    before this rank connects to it.
+
+    Raises:
+        CommError: it is not such a triple with a port in 1-65535 when the status is
+            "ok" (naming rank 0, which sent it).
+    """
+    if type(message) is tuple and len(message) == 3:
+        status, host, port = message
+        if type(status) is str and type(host) is str and type(port) is int and (
+                status != "ok" or (host and 1 <= port <= 65535)):
+            return status, host, port
+    raise CommError(f"rank {comm.rank}: rank 0 sent a malformed address for the NCCL "
+                    f"group's store: {message!r:.120}", op="rendezvous", rank=0,
+                    backend="nccl")
 
 
 @contextmanager

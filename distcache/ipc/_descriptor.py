@@ -174,13 +174,21 @@ def gathered_descriptors(gathered: list[list[bytes]]) -> list[PoolDescriptor]:
     each pool is claimed by one rank only, the rank that owns it.
 
     Raises:
-        IpcError: garbled bytes, or a pool id claimed twice or by a non-owner.
+        IpcError: a rank sent something other than a list of descriptors, garbled
+            bytes (naming the rank), or a pool id claimed twice or by a non-owner.
     """
     seen: dict[str, int] = {}
     descriptors = []
     for rank, packed in enumerate(gathered):
+        if type(packed) is not list:
+            raise IpcError(f"rank {rank} sent {packed!r:.120}, not a list of pool "
+                           "descriptors")
         for blob in packed:
-            desc = PoolDescriptor.unpack(blob)
+            try:
+                desc = PoolDescriptor.unpack(blob)
+            except IpcError as exc:
+                raise IpcError(f"rank {rank} sent a malformed pool descriptor: {exc}",
+                               pool_id=getattr(exc, "pool_id", None)) from None
             if seen.setdefault(desc.pool_id, rank) != rank or desc.owner != rank:
                 raise IpcError(
                     f"pool id {desc.pool_id} is claimed by ranks {seen[desc.pool_id]} and {rank}",

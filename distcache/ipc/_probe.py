@@ -18,10 +18,11 @@ from __future__ import annotations
 import mmap
 import platform
 import sys
+from typing import Any
 
 from distcache._log import get_logger
 from distcache.comm._base import Communicator
-from distcache.errors import IpcError
+from distcache.errors import IpcError, WireError
 from distcache.ipc import _driver as drv
 
 log = get_logger(__name__)
@@ -160,8 +161,12 @@ def agree_backend(
 
     Every rank takes part in every round, so the rounds stay in step; each node's
     answer depends only on what its own ranks report.
+
+    Raises:
+        WireError: a rank's vote or trial export is malformed (on every rank alike).
     """
-    votes = comm.allgather_object((comm.node_id, wants_cuda, failure), timeout=timeout)
+    votes = _checked(comm.allgather_object((comm.node_id, wants_cuda, failure),
+                                           timeout=timeout), (str, bool, str), "vote")
     nodes = [node for node, _, _ in votes]
     here = nodes[comm.rank]
     exporters = [rank for rank, (_, wants, _) in enumerate(votes) if wants]
@@ -183,6 +188,21 @@ def agree_backend(
         )
         return "shm", nodes
     return ("cuda" if here in viable else "shm"), nodes
+
+
+def _checked(gathered: list[Any], types: tuple[type, ...], what: str) -> list[Any]:
+    """``gathered`` (one tuple per rank), each checked to hold values of ``types``.
+
+    Raises:
+        WireError: a rank sent something else (naming it): every rank received the
+            same, so every rank raises it alike.
+    """
+    for rank, sent in enumerate(gathered):
+        if not (type(sent) is tuple and len(sent) == len(types)
+                and all(type(v) is t for v, t in zip(sent, types, strict=True))):
+            raise WireError(f"agreeing on CUDA IPC: rank {rank} sent a malformed {what} "
+                            f"{sent!r:.120}", op="ipc", peer=rank)
+    return gathered
 
 
 def _probe_nodes(comm: Communicator, nodes: list[str], viable: set[str],
@@ -210,7 +230,8 @@ def _trial_nodes(comm: Communicator, nodes: list[str], exporters: list[int],
     if active and comm.rank in exporters:
         reason, uuid, handle, ptr = _export(device)
     try:
-        trials = comm.allgather_object((reason, uuid, handle), timeout=timeout)
+        trials = _checked(comm.allgather_object((reason, uuid, handle), timeout=timeout),
+                          (str, bytes, bytes), "trial export")
         for rank, (why, _, _) in enumerate(trials):
             if why:
                 failed.setdefault(nodes[rank], []).append((rank, why))
