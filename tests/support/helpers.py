@@ -178,3 +178,14 @@ def loopback_store() -> Iterator[Any]:
         yield store
     finally:
         del store
+
+
+def node_pools(tmp_path: Path, nodes: list[str]) -> dict[str, Path]:
+    """A pool directory per node of ``nodes`` (each rank's node), made before the ranks
+    open it."""
+    from distcache.store import ArtifactPool
+
+    made = {node: tmp_path / f"pool-{node}" for node in set(nodes)}
+    for root in made.values():
+        ArtifactPool(root)
+    return made

@@ -15,6 +15,7 @@ from distcache.comm import Communicator, NodeTree, ThreadGroup, node_tree
 from distcache.comm._tree import forget_tree
 from distcache.errors import CollectiveTimeout, WireError
 from distcache.store import ArtifactPool
+from tests.support.helpers import node_pools
 from tests.support.threads import run_ranks
 from tests.unit.test_comm_edges import _Threaded
 
@@ -26,11 +27,7 @@ NODES = ["a", "a", "b", "b"]
 
 @pytest.fixture
 def pools(tmp_path: Path) -> dict[str, Path]:
-    """A pool directory per node, made before the ranks open it."""
-    made = {node: tmp_path / f"pool-{node}" for node in set(NODES)}
-    for root in made.values():
-        ArtifactPool(root)
-    return made
+    return node_pools(tmp_path, NODES)
 
 
 def _forged(leaders: Communicator) -> Any:

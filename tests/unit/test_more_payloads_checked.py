@@ -22,6 +22,7 @@ from distcache.collective._report import PHASES
 from distcache.collective._stream import NO_OBJECT, move_objects
 from distcache.collective._totals import combine
 from distcache.comm import Communicator, ThreadGroup
+from distcache.comm._base import Forwarding
 from distcache.comm._bulk import shared_store
 from distcache.errors import CommError, IpcError, PrefetchError, WireError
 from distcache.ipc import _probe
@@ -60,32 +61,20 @@ class ScriptedComm:
         return self
 
 
-class Altering:
+class Altering(Forwarding):
     """A rank's communicator, through every split: ``alter(sent, gathered, child)``
     may change what each of its all-gathers returns (a faulty or hostile peer's
     answer could differ)."""
 
     def __init__(self, inner: Communicator, alter: Any, *, child: bool = False) -> None:
-        self.inner, self.alter, self.child = inner, alter, child
-
-    rank = property(lambda self: self.inner.rank)
-    size = property(lambda self: self.inner.size)
-    node_id = property(lambda self: self.inner.node_id)
-    backend = property(lambda self: self.inner.backend)
+        self._base, self.alter, self.child = inner, alter, child
 
     def allgather_object(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
-        return self.alter(obj, self.inner.allgather_object(obj, timeout=timeout),  # type: ignore[no-any-return]
+        return self.alter(obj, self._base.allgather_object(obj, timeout=timeout),  # type: ignore[no-any-return]
                           self.child)
 
-    def broadcast_bytes(self, data: bytes | None, root: int, *,
-                        timeout: float | None = None) -> bytes:
-        return self.inner.broadcast_bytes(data, root, timeout=timeout)
-
-    def barrier(self, *, timeout: float | None = None) -> None:
-        self.inner.barrier(timeout=timeout)
-
     def split(self, color: int) -> Altering:
-        return Altering(self.inner.split(color), self.alter, child=True)
+        return Altering(self._base.split(color), self.alter, child=True)
 
 
 # -- the ranks of an audience, before a move --------------------------------------------

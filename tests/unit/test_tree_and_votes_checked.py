@@ -16,6 +16,7 @@ from distcache.comm import Communicator, NodeTree, ThreadGroup
 from distcache.comm._base import Forwarding
 from distcache.errors import CollectiveTimeout, WireError
 from distcache.store import ArtifactPool
+from tests.support.helpers import node_pools
 from tests.support.threads import run_ranks
 
 #: Short enough that a rank left waiting shows as a CollectiveTimeout in the results.
@@ -35,16 +36,6 @@ class _Replacing(Forwarding):
         if not self.replaced:
             self.replaced, obj = True, self.sent
         return self._base.allgather_object(obj, timeout=timeout)
-
-    def broadcast_bytes(self, data: bytes | None, root: int, *,
-                        timeout: float | None = None) -> bytes:
-        return self._base.broadcast_bytes(data, root, timeout=timeout)
-
-    def barrier(self, *, timeout: float | None = None) -> None:
-        self._base.barrier(timeout=timeout)
-
-    def split(self, color: int) -> Communicator:
-        return self._base.split(color)
 
 
 class _OneRankSends(NodeTree):
@@ -105,11 +96,7 @@ def test_a_members_part_that_is_an_int_allocates_nothing_on_its_leader() -> None
 
 @pytest.fixture
 def pools(tmp_path: Path) -> dict[str, Path]:
-    """A pool directory per node, made before the ranks open it."""
-    made = {node: tmp_path / f"pool-{node}" for node in set(NODES)}
-    for root in made.values():
-        ArtifactPool(root)
-    return made
+    return node_pools(tmp_path, NODES)
 
 
 def _report(leaders: Communicator) -> PrefetchReport:
