@@ -167,3 +167,39 @@ def test_an_offline_miss_through_download_file_logs_one_error_line(
     assert len(errors) == 1, errors
     assert MANIFEST_NAME in errors[0] and "distcache fetch" in errors[0]
     assert not (tmp_path / "checksums.txt").exists()
+
+
+@needs_root
+def test_a_right_file_in_another_users_directory_is_kept_when_it_cannot_be_replaced(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from distcache.integrations.flashinfer._download import _write
+
+    cubins = tmp_path / "cubins"
+    theirs = cubins / "pin" / "checksums.txt"
+    theirs.parent.mkdir(parents=True)
+    theirs.write_bytes(MANIFEST)
+    os.chown(theirs, OTHER, OTHER)
+    os.chown(theirs.parent, OTHER, OTHER)  # a directory this user may not write through
+    with caplog.at_level(logging.WARNING):
+        # The right bytes: kept (the whole directory is theirs), with a warning.
+        assert _write(theirs, MANIFEST, cubins) is True
+        assert any("kept" in r.getMessage() for r in caplog.records
+                   if r.levelno == logging.WARNING)
+        # Other bytes there cannot be replaced either: the download fails.
+        assert _write(theirs, SO, cubins) is False
+    assert theirs.read_bytes() == MANIFEST and os.lstat(theirs).st_uid == OTHER
+
+
+def test_a_file_already_there_is_not_replaced_where_hold_may_not_replace(
+        tmp_path: Path) -> None:
+    from distcache.integrations.flashinfer._files import hold
+
+    root = tmp_path / "cubins"
+    built = root / "pin" / "k.so"
+    built.parent.mkdir(parents=True)
+    built.write_bytes(b"a kernel built here")
+    assert hold(root, "pin/k.so", SO, replace=False) is False
+    assert built.read_bytes() == b"a kernel built here"
+    assert hold(root, "pin/other.so", SO, replace=False) is True
+    assert (root / "pin" / "other.so").read_bytes() == SO
+    assert hold(root, "pin/k.so", SO) is True and built.read_bytes() == SO

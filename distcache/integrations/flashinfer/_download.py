@@ -73,9 +73,21 @@ def _write(destination: Path, data: bytes, cubin_dir: Path | None) -> bool:
     try:
         write_replacing(root, destination, data)
     except OSError as exc:
+        if _holds(destination, data):  # a directory of another user's, say: theirs anyway
+            log.warning("flashinfer: kept %s, which holds the right bytes but could not be "
+                        "replaced by this user's copy: %s", destination, exc)
+            return True
         log.error("flashinfer: cannot write %s: %s", destination, exc)
         return False
     return True
+
+
+def _holds(destination: Path, data: bytes) -> bool:
+    """Whether the file at ``destination`` holds exactly ``data`` now."""
+    try:
+        return destination.read_bytes() == data
+    except OSError:
+        return False
 
 
 class RoutedDownload:
