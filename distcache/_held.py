@@ -73,6 +73,7 @@ def held_anywhere(comm: Communicator, pool: ArtifactPool, artifacts: Sequence[Ar
 
     Raises:
         PoolError: a pool could not be read (on every rank alike).
+        WireError: a rank's answer is of another shape (naming it, on every rank).
         CollectiveTimeout: not every rank arrived in time.
     """
     seen = comm.allgather_object((pool.pool_id, str(pool.root), comm.node_id),

@@ -154,6 +154,7 @@ def prefetch_manifests(
         PrefetchError: a download or transfer failed (on every rank); not for a
             recorded artifact that the origin does not have.
         CollectiveTimeout: not every rank arrived in time.
+        WireError: a rank sent a payload of another shape (naming it, on every rank).
     """
     if isinstance(manifests, str | os.PathLike):
         raise ConfigError(

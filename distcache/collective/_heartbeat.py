@@ -55,8 +55,10 @@ def sent_failures(failures: Iterable[Failure | None], operation: str) -> list[Fa
         if failure is None:
             continue
         if not _is_failure(failure):
-            raise WireError(f"{operation}: rank {rank} sent a malformed failure record "
-                            f"{failure!r:.120}", op="decode", peer=rank)
+            error = WireError(f"{operation}: rank {rank} sent a malformed failure record "
+                              f"{failure!r:.120}", op="decode", peer=rank)
+            error.agreed = True
+            raise error
         found.append(failure)
     return found
 
@@ -78,7 +80,9 @@ def _checked_state(state: Any) -> dict[str, Any]:
                                   and type(late[0]) is int and type(late[1]) in (int, float)
                                   and type(late[3]) is str))
             and (state["failure"] is None or _is_failure(state["failure"]))):
-        raise WireError(f"a rank sent a malformed heartbeat {state!r:.120}", op="heartbeat")
+        error = WireError(f"a rank sent a malformed heartbeat {state!r:.120}", op="heartbeat")
+        error.agreed = True
+        raise error
     return state
 
 

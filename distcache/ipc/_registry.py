@@ -83,6 +83,8 @@ class PoolRegistry:
             IpcError: a pool could not be bound or mapped on some rank (raised on every
                 rank).
             CollectiveTimeout: a rank did not arrive within ``timeout``.
+            WireError: a rank's backend vote or trial export is of another shape
+                (naming it, on every rank).
         """
         cuda = [p for p in pools if isinstance(p, CudaPool)]
         failure = "; ".join(p.unusable for p in cuda if p.unusable)

@@ -130,3 +130,22 @@ def test_a_malformed_have_set_record_fails_the_prefetch_naming_its_sender(entry:
     with pytest.raises(PrefetchError) as caught:
         discover(run, ["ab" * 32], ["p" * 32, "q" * 32])
     assert caught.value.rank == 1 and "malformed have-set" in str(caught.value)
+
+
+def test_a_malformed_payload_is_an_agreed_error_where_every_rank_received_it() -> None:
+    """Agreed: the prefetch words it the same on every rank, and one rank reports it."""
+    from distcache.collective import _heartbeat, _sharing, _sync, _totals
+    from distcache.ipc import _probe
+
+    raising = [
+        lambda: _heartbeat.sent_failures([["x"]], "prefetch"),
+        lambda: _heartbeat._checked_state({"over": 1}),
+        lambda: _sync._infos([("p",)]),
+        lambda: _totals._check(0, {"downloads": True}),
+        lambda: _probe._checked([("n", 1, "x")], (str, bool, str), "vote"),
+    ]
+    for call in raising:
+        with pytest.raises(WireError) as caught:
+            call()
+        assert caught.value.agreed is True, call
+    assert _sharing._malformed(1, "offer", None).agreed is True
