@@ -188,18 +188,3 @@ def test_a_right_file_in_another_users_directory_is_kept_when_it_cannot_be_repla
         # Other bytes there cannot be replaced either: the download fails.
         assert _write(theirs, SO, cubins) is False
     assert theirs.read_bytes() == MANIFEST and os.lstat(theirs).st_uid == OTHER
-
-
-def test_a_file_already_there_is_not_replaced_where_hold_may_not_replace(
-        tmp_path: Path) -> None:
-    from distcache.integrations.flashinfer._files import hold
-
-    root = tmp_path / "cubins"
-    built = root / "pin" / "k.so"
-    built.parent.mkdir(parents=True)
-    built.write_bytes(b"a kernel built here")
-    assert hold(root, "pin/k.so", SO, replace=False) is False
-    assert built.read_bytes() == b"a kernel built here"
-    assert hold(root, "pin/other.so", SO, replace=False) is True
-    assert (root / "pin" / "other.so").read_bytes() == SO
-    assert hold(root, "pin/k.so", SO) is True and built.read_bytes() == SO

@@ -112,11 +112,9 @@ def write_replacing(root: Path, target: Path, data: bytes) -> None:
         raise
 
 
-def hold(root: Path, name: str, data: bytes, *, replace: bool = True) -> bool:
+def hold(root: Path, name: str, data: bytes) -> bool:
     """Make ``root/<name>``, the path FlashInfer opens after asking for ``name``
     (``FLASHINFER_CUBIN_DIR / name``), hold ``data``; returns whether it wrote.
-    Without ``replace``, only where nothing is there yet (a file someone put there,
-    a kernel built locally, is theirs to keep).
 
     A file there is left alone when it is this user's, reached without a link
     (:func:`own_bytes`), and holds exactly ``data``: compared, not hashed, since
@@ -135,8 +133,6 @@ def hold(root: Path, name: str, data: bytes, *, replace: bool = True) -> bool:
         raise ValueError(f"{name!r} does not name a file under {root}")
     target = Path(root) / relative
     if own_bytes(Path(root), target) == data or is_installed_location(Path(root)):
-        return False
-    if not replace and os.path.lexists(target):
         return False
     write_replacing(Path(root), target, data)
     return True

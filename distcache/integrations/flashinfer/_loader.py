@@ -345,9 +345,7 @@ class PooledLoader:
         data = bytes(data)
         if (seeded or data) and root is not None and any(Path(s) != root for s in seeds):
             try:
-                # With checksums disabled, FlashInfer reads whatever file is there
-                # (a kernel built locally): only a missing one is written.
-                hold(root, file_name, data, replace=not checksum_disabled())
+                hold(root, file_name, data)
             except Exception as exc:
                 self._note(None, str(file_name), f"not written under FLASHINFER_CUBIN_DIR: "
                            f"{type(exc).__name__}: {exc}", then="serving the bytes")
