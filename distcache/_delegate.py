@@ -373,10 +373,13 @@ def _unpacked(fields: Any, where: str, tree: NodeTree) -> PrefetchReport | None:
         values = dict(fields)
         for name in _RANK_FIELDS:
             values[name] = tuple(values[name])
+        left_out = values["left_out"]
         if not (type(values["operation"]) is str and type(seconds := values["seconds"]) is dict
-                and all(type(v) is int for n in PrefetchReport._FIELDS[1:-1]
+                and all(type(v) is int for n in PrefetchReport._FIELDS
+                        if n not in ("operation", "seconds", "left_out")
                         for v in (values[n] if n in _RANK_FIELDS else (values[n],)))
-                and all(type(k) is str and type(v) in (int, float) for k, v in seconds.items())):
+                and all(type(k) is str and type(v) in (int, float) for k, v in seconds.items())
+                and type(left_out) is tuple and all(type(n) is str for n in left_out)):
             raise ValueError("a field of the report has the wrong type")
         return PrefetchReport(**values)
     except (TypeError, ValueError, KeyError) as exc:

@@ -239,10 +239,9 @@ def _prefetch(comm: Communicator, pool: ArtifactPool, origin: Origin | None,
                                    timeout=timeout, **collective_counts(conf, downloads_per_rank))
     if not artifacts:
         return None
-    # What only the integrations want, by name: a usage record is a hint, so what the
-    # origin or the pools lack of it is left out, not an error. The same set on every
-    # rank: ``everyone`` is, and so is ``listed`` where every rank's key matches (else,
-    # with the same merged list, none is a hint: strict everywhere, as before).
+    # What only the integrations want, by name: a usage record is a hint, left out, not
+    # an error, where the origin or the pools lack it. Alike on every rank: ``everyone``
+    # is, and ``listed`` where every rank's key matches (else none is a hint).
     hints = {a.name for a in everyone} - {a.name for a in listed} if listed_alike else set()
     counts = collective_counts(conf, downloads_per_rank)
     # Whether to look before fetching is decided alike on every rank: a rank without an
@@ -266,8 +265,9 @@ def _prefetch(comm: Communicator, pool: ArtifactPool, origin: Origin | None,
             artifacts = [a for a, found in zip(artifacts, held, strict=True) if found]
             if not artifacts:
                 return None
-        return collective_prefetch(artifacts, comm=comm, pool=pool, origin=NoOrigin(offline),
-                                   timeout=timeout, **counts)
+        report = collective_prefetch(artifacts, comm=comm, pool=pool, origin=NoOrigin(offline),
+                                     timeout=timeout, **counts)
+        return report.replace(left_out=tuple(a.name for a in missing)) if missing else report
     return _fetch_but_hints(artifacts, hints, comm=comm, pool=pool, origin=origin,
                             timeout=timeout, **counts)
 
@@ -278,17 +278,21 @@ def _fetch_but_hints(artifacts: Sequence[Artifact], hints: set[str], *, comm: Co
     of ``hints``, that one is left out and the rest run again (what the failed run
     fetched is in the pools, so the rerun moves only what is left), for at most
     :data:`_ONE_BY_ONE` hints; then every hint no pool holds is left out and the rest
-    run once more. Any other failure is raised. ``None`` when every artifact was left
-    out.
+    run once more. Any other failure is raised. The report names those left out;
+    ``None`` when every artifact was. The runs log a hint the origin lacks at INFO.
 
     Every step follows the :class:`~distcache.errors.PrefetchError` that every rank
     raises alike, built from the same gathered failure records, so every rank leaves
     out the same artifact and runs the same collectives."""
+    from distcache.collective._run import HINTS
+
     left: list[str] = []
+    hinted = HINTS.set(frozenset(hints))
     try:
         while True:
             try:
-                return collective_prefetch(artifacts, comm=comm, **given)
+                report = collective_prefetch(artifacts, comm=comm, **given)
+                return report.replace(left_out=tuple(left)) if left else report
             except PrefetchError as exc:
                 from distcache._held import not_found  # where a run failed
 
@@ -308,6 +312,7 @@ def _fetch_but_hints(artifacts: Sequence[Artifact], hints: set[str], *, comm: Co
             if not artifacts:
                 return None
     finally:
+        HINTS.reset(hinted)
         if left:
             from distcache._held import warn_left_out
 

@@ -26,13 +26,16 @@ class PrefetchReport(Record):
     ``discarded_bytes`` is the part of it that reached a pool already holding the
     object and was thrown away: zero unless a call had more distinct audiences than
     :data:`distcache.collective._audience.MAX_AUDIENCES`.
-    ``seconds`` is per phase, the maximum over ranks.
+    ``seconds`` is per phase, the maximum over ranks. ``left_out`` names the artifacts
+    that only a usage record listed and the start-up prefetch left out (the origin
+    lacked them, or no pool held them where nothing may be downloaded), in the order
+    they were left out; a collective's own report leaves it empty.
     """
 
     _FIELDS = ("operation", "artifacts", "objects", "downloads", "origin_bytes",
                  "broadcasts", "broadcast_bytes", "received_bytes", "discarded_bytes",
                  "pool_hits", "objects_published", "pools", "writers", "downloaders",
-                 "peak_bytes", "seconds")
+                 "peak_bytes", "seconds", "left_out")
     __slots__ = _FIELDS
     operation: str
     artifacts: int
@@ -52,17 +55,19 @@ class PrefetchReport(Record):
     #: Largest number of artifact bytes any rank held at once while moving them.
     peak_bytes: int
     seconds: Mapping[str, float]
+    left_out: tuple[str, ...]
 
     def __init__(self, operation: str, artifacts: int, objects: int, downloads: int,
                  origin_bytes: int, broadcasts: int, broadcast_bytes: int,
                  received_bytes: int, discarded_bytes: int, pool_hits: int,
                  objects_published: int, pools: int, writers: tuple[int, ...],
                  downloaders: tuple[int, ...], peak_bytes: int,
-                 seconds: Mapping[str, float] | None = None) -> None:
+                 seconds: Mapping[str, float] | None = None,
+                 left_out: tuple[str, ...] = ()) -> None:
         self._assign(operation, artifacts, objects, downloads, origin_bytes, broadcasts,
                      broadcast_bytes, received_bytes, discarded_bytes, pool_hits,
                      objects_published, pools, writers, downloaders, peak_bytes,
-                     {} if seconds is None else seconds)
+                     {} if seconds is None else seconds, left_out)
 
     @property
     def total_seconds(self) -> float:
@@ -71,13 +76,14 @@ class PrefetchReport(Record):
     def summary(self) -> str:
         """A short human-readable account (two lines)."""
         phases = " ".join(f"{p} {self.seconds.get(p, 0.0):.3f}" for p in PHASES)
+        left = f", {len(self.left_out)} recorded artifact(s) left out" if self.left_out else ""
         return (
             f"{self.operation}: {self.artifacts} artifacts ({self.objects} objects, "
             f"{self.pool_hits} already everywhere) over {self.pools} pool(s); "
             f"{self.downloads} downloads ({_mb(self.origin_bytes)}) by "
             f"{len(self.downloaders)} rank(s); {self.broadcasts} broadcasts "
             f"({_mb(self.broadcast_bytes)}, {_mb(self.received_bytes)} received); "
-            f"{self.objects_published} published\n"
+            f"{self.objects_published} published{left}\n"
             f"  seconds: {phases} (total {self.total_seconds:.3f})"
         )
 

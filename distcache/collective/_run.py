@@ -38,6 +38,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from distcache._log import get_logger
@@ -58,7 +59,7 @@ from distcache.collective._progress import Progress
 from distcache.collective._report import PHASES
 from distcache.comm import Communicator, tell_others
 from distcache.config import Settings, settings
-from distcache.errors import CommError, ConfigError, PrefetchError
+from distcache.errors import ArtifactNotFound, CommError, ConfigError, PrefetchError
 from distcache.origins import Origin
 from distcache.store import Pool
 
@@ -89,6 +90,9 @@ MOVE_COLORS = (0x4D56, 0x4D57)
 #: turns.
 Moving = tuple[Worker, Activity, Turns]
 
+#: Names the origin may lack, which the caller of this context's collectives leaves out.
+HINTS: ContextVar[frozenset[str]] = ContextVar("distcache_hints", default=frozenset())
+
 
 class Run:
     """One rank's side of one collective: timings, counters, error agreement."""
@@ -108,6 +112,7 @@ class Run:
         self._turns: Turns | None = None
         #: Rank 0's bar on a terminal (see ``_progress``); a no-op elsewhere.
         self.progress = Progress(0, enabled=False)
+        self.hints = HINTS.get()  # read where the collective starts, not on its threads
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -118,15 +123,12 @@ class Run:
             self.seconds[name] += time.monotonic() - start
 
     def failure(self, phase: str, artifact: str | None, exc: BaseException) -> Failure:
+        """This rank's failure, logged at ERROR (INFO for a hint the origin lacks)."""
         cause = f"{type(exc).__name__}: {exc}"
-        log.error(
-            "%s %s failed on rank %d for %s: %s",
-            self.operation,
-            phase,
-            self.comm.rank,
-            artifact,
-            cause,
-        )
+        hint = (phase == "fetch" and artifact in self.hints
+                and cause.startswith(f"{ArtifactNotFound.__name__}: "))
+        (log.info if hint else log.error)("%s %s failed on rank %d for %s: %s",
+                                          self.operation, phase, self.comm.rank, artifact, cause)
         return (phase, artifact, self.comm.rank, self.comm.node_id, cause)
 
     def raise_first(self, failures: Iterable[Failure | None]) -> None:
