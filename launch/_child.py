@@ -18,6 +18,12 @@
   ``ctypes`` there may deadlock. Dying with the wrapper (``PR_SET_PDEATHSIG``) is set
   by a small exec shim instead: a fresh interpreter that sets it and execs PROGRAM
   under the same process id.
+- **Nothing left behind.** What PROGRAM started in its group ends with it, as a
+  launcher ends a rank's group: once PROGRAM has exited, any process still in its
+  group gets SIGTERM and, :data:`GRACE_S` later, SIGKILL; at once SIGKILL where the
+  wrapper had already passed on a signal that ends PROGRAM (the launcher is shutting
+  the job down and may kill the wrapper next). A wrapper killed outright (SIGKILL)
+  cannot do this; PROGRAM itself still dies with it.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import NoReturn
 
@@ -52,6 +60,9 @@ FORWARDED = (
 _ENDING = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT})
 #: Stops the kernel discards for an orphaned process group (POSIX job control).
 _JOB_STOPS = frozenset({signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU})
+
+#: Seconds a process PROGRAM left in its group has, after SIGTERM, before SIGKILL.
+GRACE_S = 3.0
 
 #: argv: ``-c SHIM WRAPPER_PID PROGRAM [ARGS...]``. The interpreter's start-up
 #: ignores SIGPIPE and SIGXFSZ; PROGRAM gets them at their defaults, as subprocess
@@ -126,6 +137,7 @@ class _Job:
         self.proc: subprocess.Popen[bytes] | None = None
         self.pending: list[int] = []
         self.stopped = False
+        self.ending = False  # a signal that ends PROGRAM was passed on to its group
 
     # -- the terminal ---------------------------------------------------------------
 
@@ -172,6 +184,7 @@ class _Job:
             self._resume()
             return
         self._signal_child(signum)
+        self.ending = self.ending or signum in _ENDING
         if signum in _ENDING and self.stopped:
             self._signal_child(signal.SIGCONT)
             self.stopped = False
@@ -208,7 +221,9 @@ class _Job:
             self._give_terminal()
             for signum in self.pending:
                 self._on_signal(signum, None)
-            return self._wait(self.proc)
+            status = self._wait(self.proc)
+            self._end_group()
+            return status
         finally:
             if self.proc is not None and self.proc.returncode is None:
                 # Leaving by an exception: PROGRAM must not outlive us.
@@ -222,6 +237,28 @@ class _Job:
             if self.tty is not None:
                 os.close(self.tty)
 
+    def _end_group(self) -> None:
+        """End what PROGRAM (exited) left running in its group (the module's doc)."""
+        assert self.proc is not None
+        group = self.proc.pid
+        if not _running_in(group):
+            return
+        if self.ending:
+            log.warning("PROGRAM's process group %d still runs after it ended: killing it",
+                        group)
+            self._signal_child(signal.SIGKILL)
+            return
+        log.warning("PROGRAM exited and left processes running in its group %d: sending "
+                    "them SIGTERM, SIGKILL after %g s", group, GRACE_S)
+        self._signal_child(signal.SIGTERM)
+        self._signal_child(signal.SIGCONT)  # a stopped one would not handle it
+        deadline = time.monotonic() + GRACE_S
+        while _running_in(group):
+            if time.monotonic() >= deadline:
+                self._signal_child(signal.SIGKILL)
+                return
+            time.sleep(0.05)
+
     def _wait(self, proc: subprocess.Popen[bytes]) -> int:
         while True:
             _, status = os.waitpid(proc.pid, os.WUNTRACED)
@@ -230,6 +267,32 @@ class _Job:
                 continue
             proc.returncode = os.waitstatus_to_exitcode(status)
             return proc.returncode
+
+
+def _running_in(group: int) -> bool:
+    """Whether a process of process group ``group`` is running (not a zombie, which an
+    init that does not reap would keep in the group for good)."""
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        entries = list(Path("/proc").iterdir())
+    except OSError:
+        return True  # no process table to read: the group answers, so it runs
+    for entry in entries:
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        fields = stat[stat.rindex(")") + 2:].split()
+        if len(fields) > 2 and fields[2] == str(group) and fields[0] != "Z":
+            return True
+    return False
 
 
 def run(command: Sequence[str], env: dict[str, str], *, terminal: bool = True) -> int:
