@@ -20,12 +20,16 @@ MAX_HOSTS = 1_000_000
 
 def _digits(text: str) -> bool:
     """Whether ``text`` is ASCII digits (``str.isdigit`` also takes "²", which ``int``
-    refuses, and other scripts' digits, which no launcher writes)."""
-    return text.isascii() and text.isdigit()
+    refuses, and other scripts' digits, which no launcher writes), at most 18 of them
+    past leading zeros and 64 in all (no launcher means more; past 4300 ``int``
+    refuses)."""
+    return (text.isascii() and text.isdigit() and len(text) <= 64
+            and len(text.lstrip("0")) <= 18)
 
 
 def _bad(text: str, why: str, what: str = "node list") -> LaunchError:
-    return LaunchError(f"malformed Slurm {what} {text!r}: {why}", variable=what, value=text)
+    shown = text if len(text) <= 200 else f"{text[:200]}... ({len(text)} characters)"
+    return LaunchError(f"malformed Slurm {what} {shown!r}: {why}", variable=what, value=text)
 
 
 def _split_top_level(text: str) -> list[str]:
@@ -56,7 +60,7 @@ def _expand_range(body: str, text: str) -> list[str]:
         item = item.strip()
         low, dash, high = item.partition("-")
         if not _digits(low) or (dash and not _digits(high)):
-            raise _bad(text, f"range item {item!r} is not N or N-M")
+            raise _bad(text, f"range item {item[:40]!r} is not N or N-M (at most 18 digits)")
         lo = int(low)
         hi = int(high) if dash else lo
         if hi < lo:
@@ -138,7 +142,8 @@ def expand_counts(text: str) -> list[int]:
         else:
             repeat = "1"
         if not _digits(count) or not _digits(repeat) or int(repeat) < 1:
-            raise _bad(text, f"item {item!r} is not N or N(xK)", "task counts")
+            raise _bad(text, f"item {item[:40]!r} is not N or N(xK) (at most 18 digits)",
+                       "task counts")
         if len(counts) + int(repeat) > MAX_HOSTS:
             raise _bad(text, f"names more than {MAX_HOSTS} nodes", "task counts")
         counts.extend([int(count)] * int(repeat))
