@@ -129,16 +129,10 @@ def test_the_report_names_the_hints_left_out_one_by_one(
     present, _ = _present(tmp_path)
     gone = [_gone("pin/gone-b.cubin"), _gone("pin/gone-c.cubin")]
     results = _prefetch_record(tmp_path, caplog, [present, *gone], nodes=nodes)
+    _left_out_alike(results, gone, caplog)
     for result in results:
-        assert isinstance(result, PrefetchReport), result
-        assert result.artifacts == 1
-        assert sorted(result.left_out) == [g.name for g in gone], result.left_out
         assert result.summary().splitlines()[0].endswith(
             ", 2 recorded artifact(s) left out"), result.summary()
-    (left_out,) = {r.left_out for r in results}  # alike on every rank
-    # In the order they were left out, as the warning names them.
-    (warning,) = _warnings(caplog)
-    assert f": {', '.join(left_out)}; " in warning
 
 
 def test_the_report_names_every_hint_left_out_at_once(
@@ -147,18 +141,26 @@ def test_the_report_names_every_hint_left_out_at_once(
     present, _ = _present(tmp_path)
     gone = [_gone(f"pin/gone-{i}.cubin") for i in range(7)]
     results = _prefetch_record(tmp_path, caplog, [present, *gone])
-    for result in results:
-        assert isinstance(result, PrefetchReport), result
-        assert result.artifacts == 1
-        assert sorted(result.left_out) == sorted(g.name for g in gone), result.left_out
-        assert f"{len(gone)} recorded artifact(s) left out" in result.summary()
-    (left_out,) = {r.left_out for r in results}  # alike on every rank
+    left_out = _left_out_alike(results, gone, caplog)
+    assert all(f"{len(gone)} recorded artifact(s) left out" in r.summary() for r in results)
     # _ONE_BY_ONE one at a time, each as a failed run named it, then the rest at once,
     # in the order the prefetch lists them.
     first = set(left_out[:_ONE_BY_ONE])
     assert left_out[_ONE_BY_ONE:] == tuple(sorted(g.name for g in gone if g.name not in first))
+
+
+def _left_out_alike(results: list[Any], gone: list[Artifact],
+                    caplog: pytest.LogCaptureFixture) -> tuple[str, ...]:
+    """Check that every rank's report names ``gone`` as left out, alike on every rank
+    and in the order the warning names them; return that order."""
+    for result in results:
+        assert isinstance(result, PrefetchReport), result
+        assert result.artifacts == 1
+        assert sorted(result.left_out) == sorted(g.name for g in gone), result.left_out
+    (left_out,) = {r.left_out for r in results}  # alike on every rank
     (warning,) = _warnings(caplog)
     assert f": {', '.join(left_out)}; " in warning
+    return left_out
 
 
 def test_without_an_origin_the_report_names_the_hints_no_pool_holds(
