@@ -258,10 +258,13 @@ def download_objects(
     bounds the time without progress, not the whole call: a download that received no
     byte for that long is reported as an :class:`~distcache.errors.OriginError` and
     abandoned."""
-    downloads = Downloads(pool, origin, artifacts, workers=workers, on_done=on_done)
     beat = 1.0 if timeout is None else min(1.0, timeout / 4)
+    downloads: Downloads | None = None
     try:
         with pool.batch():
+            # Started inside the batch: an object found present is held for the batch's
+            # collection only while one is open (a capped pool would collect it).
+            downloads = Downloads(pool, origin, artifacts, workers=workers, on_done=on_done)
             while not downloads.wait(beat):
                 if timeout is not None and downloads.idle() >= timeout:
                     idle, stalled = downloads.idle(), downloads.running()
@@ -273,6 +276,8 @@ def download_objects(
                                           name=name, timeout=timeout)), got.placed)
             return downloads.result()
     except PoolError as exc:
+        if downloads is None:  # the batch could not begin: nothing was started
+            return Downloaded(0, 0, (artifacts[0].name if artifacts else "", exc), 0)
         # The batch's flush failed: what was published may not survive a power loss.
         got = downloads.result()
         return Downloaded(got.downloads, got.origin_bytes,

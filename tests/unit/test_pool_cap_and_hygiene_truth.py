@@ -3,6 +3,7 @@ hygiene commands (``pool prune``, ``pool rm``, ``pool verify``) say what they di
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -12,6 +13,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -84,6 +86,31 @@ def test_downloads_hold_an_object_found_present_for_the_batchs_collection(
     origin = _origin(tmp_path)
     pool = _pool(tmp_path / "pool", [("a.bin", A, 10 * DAY), ("z.bin", Z, 5 * DAY)])
     pool.max_bytes = 2500
+    got = download_objects(pool, DirOrigin(str(origin)),
+                           [Artifact("a.bin", sha256_hex(A), 1000),
+                            Artifact("b.bin", sha256_hex(B), 1000)], workers=1)
+    assert got.failure is None and (got.downloads, got.placed) == (1, 1)
+    assert pool.has(sha256_hex(A)) and pool.has(sha256_hex(B))
+    assert not pool.has(sha256_hex(Z))
+
+
+def test_downloads_begin_only_once_the_batch_holding_them_is_open(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An object found present is held only while a batch is open: a download thread
+    # that ran before the batch opened found nothing to hold it in, and the capped
+    # collection after the next publication removed it (the oldest object).
+    origin = _origin(tmp_path)
+    pool = _pool(tmp_path / "pool", [("a.bin", A, 10 * DAY), ("z.bin", Z, 5 * DAY)])
+    pool.max_bytes = 2500
+    opening = pool.batch
+
+    @contextlib.contextmanager
+    def late_batch(*args: Any, **kwargs: Any) -> Iterator[None]:
+        time.sleep(0.5)  # ample time for a thread already started to run its downloads
+        with opening(*args, **kwargs):
+            yield
+
+    monkeypatch.setattr(pool, "batch", late_batch)
     got = download_objects(pool, DirOrigin(str(origin)),
                            [Artifact("a.bin", sha256_hex(A), 1000),
                             Artifact("b.bin", sha256_hex(B), 1000)], workers=1)
