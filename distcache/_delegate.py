@@ -271,8 +271,7 @@ def _lead(tree: NodeTree, local: Communicator, upper: Communicator, pool: Artifa
                 f"the prefetch on rank {tree.rank}/{tree.size} ({tree.node_id}): the "
                 f"node(s) led by rank(s) {gone} lost a rank, or stopped waiting for a "
                 "leader that made no progress", op="allgather_object", timeout=wait,
-                rank=tree.rank)
-            error.agreed = True
+                rank=tree.rank, agreed=True)
         else:
             report = _in_job_ranks(report, leaders)
             extra = None if aside is None else aside.among_leaders(upper)

@@ -239,7 +239,5 @@ def _malformed(doing: str, rank: int, what: str, *value: Any) -> WireError:
     """The error every rank raises alike for what ``rank`` sent (all received it): its
     ``value``, where given, shown in part."""
     shown = "".join(f" {v!r:.120}" for v in value)
-    error = WireError(f"{doing}: rank {rank} sent a malformed {what}{shown}", op="decode",
-                      peer=rank)
-    error.agreed = True  # built from the all-gather: the same on every rank
-    return error
+    return WireError(f"{doing}: rank {rank} sent a malformed {what}{shown}", op="decode",
+                     peer=rank, agreed=True)  # built from the all-gather: the same on every rank

@@ -254,7 +254,7 @@ def _prefetch(comm: Communicator, pool: ArtifactPool, origin: Origin | None,
         if strict:
             files = [s for s in manifests if isinstance(s, str | os.PathLike)]
             error = missing_error(strict, offline=offline, where=where, manifests=files)
-            error.agreed = True  # built from what every rank holds alike
+            error.agreed = True  # built from what every rank holds alike (unlike fetch's)
             raise error
         if missing:  # only hints: left out, on every rank alike (``held`` is agreed)
             from distcache._held import warn_left_out

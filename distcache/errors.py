@@ -76,7 +76,8 @@ class DistcacheError(Exception):
     Keyword arguments become attributes (``err.rank``, ``err.sha256`` ...); each class
     declares the ones it takes in ``attributes`` and every declared attribute that was
     not given reads as ``None``. The message is the first positional argument and is
-    the whole human-readable text.
+    the whole human-readable text. The keyword-only ``agreed`` sets :attr:`agreed`
+    (every subclass takes it); pickling carries it.
 
     Raises:
         TypeError: a keyword that no class in the hierarchy declares.
@@ -89,8 +90,9 @@ class DistcacheError(Exception):
     #: (:func:`distcache._logging.error_line`).
     agreed: bool = False
 
-    def __init__(self, message: str = "", **attrs: Any) -> None:
+    def __init__(self, message: str = "", *, agreed: bool = False, **attrs: Any) -> None:
         super().__init__(message)
+        self.agreed = agreed
         known = self.declared()
         unknown = sorted(set(attrs) - known)
         if unknown:

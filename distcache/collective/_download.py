@@ -109,7 +109,9 @@ class Pending:
 
 class Downloads:
     """One rank's downloads of ``artifacts`` from ``origin`` into ``pool``, on
-    ``workers`` daemon threads started at once.
+    ``workers`` daemon threads that :meth:`start` starts (constructing starts nothing):
+    call it inside the ``pool.batch()`` that the downloads belong to, as an object found
+    present is held for a capped pool's collection only while a batch is open.
 
     Publication is atomic (``pool.download`` streams the verified bytes into a
     temporary file, then links it), so any rank sharing the pool may do this. A
@@ -147,10 +149,25 @@ class Downloads:
         self._left = len(artifacts)
         self._result = Downloaded()
         self._last = time.monotonic()
+        self._workers = max(1, min(workers, len(artifacts))) if artifacts else 0
+        self._started = False
         if not artifacts:
             self._finished.set()
-        for i in range(max(1, min(workers, len(artifacts))) if artifacts else 0):
+
+    def start(self) -> Downloads:
+        """Start the worker threads, inside the pool's open batch; returns ``self``.
+
+        Raises:
+            RuntimeError: they were started already.
+        """
+        with self._lock:
+            if self._started:
+                raise RuntimeError("these downloads were started already")
+            self._started = True
+        self._last = time.monotonic()
+        for i in range(self._workers):
             threading.Thread(target=self._work, name=f"distcache-fetch-{i}", daemon=True).start()
+        return self
 
     @property
     def origin(self) -> str:
@@ -264,7 +281,8 @@ def download_objects(
         with pool.batch():
             # Started inside the batch: an object found present is held for the batch's
             # collection only while one is open (a capped pool would collect it).
-            downloads = Downloads(pool, origin, artifacts, workers=workers, on_done=on_done)
+            downloads = Downloads(pool, origin, artifacts, workers=workers,
+                                  on_done=on_done).start()
             while not downloads.wait(beat):
                 if timeout is not None and downloads.idle() >= timeout:
                     idle, stalled = downloads.idle(), downloads.running()

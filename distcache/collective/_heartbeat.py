@@ -55,10 +55,8 @@ def sent_failures(failures: Iterable[Failure | None], operation: str) -> list[Fa
         if failure is None:
             continue
         if not _is_failure(failure):
-            error = WireError(f"{operation}: rank {rank} sent a malformed failure record "
-                              f"{failure!r:.120}", op="decode", peer=rank)
-            error.agreed = True
-            raise error
+            raise WireError(f"{operation}: rank {rank} sent a malformed failure record "
+                            f"{failure!r:.120}", op="decode", peer=rank, agreed=True)
         found.append(failure)
     return found
 
@@ -80,9 +78,8 @@ def _checked_state(state: Any) -> dict[str, Any]:
                                   and type(late[0]) is int and type(late[1]) in (int, float)
                                   and type(late[3]) is str))
             and (state["failure"] is None or _is_failure(state["failure"]))):
-        error = WireError(f"a rank sent a malformed heartbeat {state!r:.120}", op="heartbeat")
-        error.agreed = True
-        raise error
+        raise WireError(f"a rank sent a malformed heartbeat {state!r:.120}", op="heartbeat",
+                        agreed=True)
     return state
 
 

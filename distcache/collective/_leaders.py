@@ -28,8 +28,7 @@ def in_job_terms(error: BaseException, tree: NodeTree, leaders: list[int]) -> Ba
             for digest, ranks in groups.items())
         mapped = ManifestMismatchError(
             f"ranks called prefetch with different artifact lists: {parts}; every rank "
-            "must pass the same list", groups=groups, counts=counts)
-        mapped.agreed = error.agreed
+            "must pass the same list", groups=groups, counts=counts, agreed=error.agreed)
         return mapped
     if not isinstance(error, DistcacheError):
         return error

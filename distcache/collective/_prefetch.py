@@ -86,11 +86,10 @@ def _said_by(rank: int, one: Any) -> _Said:
             and type(one[5]) is tuple and len(one[5]) == 2
             and all(type(c) is int and c >= 1 for c in one[5])):
         return _Said(*one)
-    error = WireError(f"prefetch: rank {rank} sent a malformed agreement (list digest, "
-                      f"size, pool, node, names digest, download counts) {one!r:.300}",
-                      op="agree", peer=rank)
-    error.agreed = True  # built from the all-gather: the same on every rank
-    raise error
+    raise WireError(f"prefetch: rank {rank} sent a malformed agreement (list digest, "
+                    f"size, pool, node, names digest, download counts) {one!r:.300}",
+                    op="agree", peer=rank,
+                    agreed=True)  # built from the all-gather: the same on every rank
 
 
 def _digests(listing: Sequence[Artifact]) -> tuple[str, str]:
@@ -117,10 +116,9 @@ def _mismatch(said: Sequence[_Said]) -> ManifestMismatchError:
                       "rank leaves unknown differs from one another rank gives)")
     else:
         what, rule = "different artifact lists", "every rank must pass the same list"
-    error = ManifestMismatchError(f"ranks called prefetch with {what}: {parts}; {rule}",
-                                  groups=groups, counts=counts)
-    error.agreed = True  # built from the all-gather: the same on every rank
-    return error
+    return ManifestMismatchError(f"ranks called prefetch with {what}: {parts}; {rule}",
+                                 groups=groups, counts=counts,
+                                 agreed=True)  # built from the all-gather: the same on every rank
 
 
 def _artifact_of(listing: Sequence[Artifact]) -> dict[str, Artifact]:
@@ -131,9 +129,7 @@ def _artifact_of(listing: Sequence[Artifact]) -> dict[str, Artifact]:
         ManifestError: a name listed with two digests, or a digest with two sizes.
     """
     def refused(message: str, text: str) -> ManifestError:
-        error = ManifestError(message, line=0, text=text)
-        error.agreed = True
-        return error
+        return ManifestError(message, line=0, text=text, agreed=True)
 
     dup = next((a.name for a, b in itertools.pairwise(listing)
                 if a.name == b.name and a.sha256 != b.sha256), None)

@@ -137,7 +137,7 @@ class Run:
             return
         phase, artifact, rank, host, cause = primary(found)
         what = artifact if artifact is not None else "(no single artifact)"
-        error = PrefetchError(
+        raise PrefetchError(
             f"{self.operation} failed in {phase} on rank {rank}/{self.comm.size} ({host}) "
             f"for {what}: {cause}",
             artifact=artifact,
@@ -145,9 +145,8 @@ class Run:
             host=host,
             cause=cause,
             phase=phase,
+            agreed=True,  # every rank raises this one, built from the same records
         )
-        error.agreed = True  # every rank raises this one, built from the same records
-        raise error
 
     def check(self, failure: Failure | None) -> None:
         """Collective: raise the same PrefetchError on every rank if any rank failed."""
@@ -158,11 +157,10 @@ class Run:
             return body()
         except CommError as exc:  # a transport's failure: every rank meets its own
             if getattr(exc, "agreed", False):  # what every rank received alike, said alike
-                error = PrefetchError(f"{self.operation} failed: {exc}", artifact=None,
-                                      rank=getattr(exc, "peer", None), host=None,
-                                      cause=f"{type(exc).__name__}: {exc}", phase="collective")
-                error.agreed = True
-                raise error from exc
+                raise PrefetchError(f"{self.operation} failed: {exc}", artifact=None,
+                                    rank=getattr(exc, "peer", None), host=None,
+                                    cause=f"{type(exc).__name__}: {exc}", phase="collective",
+                                    agreed=True) from exc
             rank, host = self.comm.rank, self.comm.node_id
             raise PrefetchError(
                 f"{self.operation} failed on rank {rank}/{self.comm.size} ({host}): {exc}; "
@@ -219,9 +217,9 @@ class Run:
                 f"{len(artifacts)} artifact(s) are in no pool and DISTCACHE_OFFLINE=1 forbids "
                 f"downloads: {shown}{more}; import them with 'distcache pool import' or "
                 "unset DISTCACHE_OFFLINE", variable="DISTCACHE_OFFLINE", value="1"))
-        elif artifacts:
+        elif artifacts:  # started in the caller's batch (:meth:`durable`)
             job = Downloads(self.pool, origin, artifacts, workers=workers,
-                            on_done=self.progress.update, pending=pending)
+                            on_done=self.progress.update, pending=pending).start()
 
         def step(beat: float) -> tuple[bool, float, Any, Failure | None]:
             nonlocal job, failure

@@ -137,10 +137,8 @@ def _offer_of(rank: int, offer: Any) -> Offer | None:
 
 def _malformed(rank: int, what: str, value: Any) -> WireError:
     """The error every rank raises alike for what ``rank`` sent (all received it)."""
-    error = WireError(f"agreeing which ranks share a pool: rank {rank} sent a malformed "
-                      f"{what} {value!r:.120}", op="agree", peer=rank)
-    error.agreed = True
-    return error
+    return WireError(f"agreeing which ranks share a pool: rank {rank} sent a malformed "
+                     f"{what} {value!r:.120}", op="agree", peer=rank, agreed=True)
 
 
 def _offer(probes: contextlib.ExitStack, identity: Identity, pool_id: str, *,

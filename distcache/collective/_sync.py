@@ -291,10 +291,9 @@ def _infos(gathered: list[Any]) -> list[tuple[str, str]]:
     for rank, info in enumerate(gathered):
         if not (type(info) is tuple and len(info) == 2
                 and type(info[0]) is str and type(info[1]) is str):
-            error = WireError(f"sync: rank {rank} sent a malformed (pool id, node id) "
-                              f"pair {info!r:.120}", op="sync", peer=rank)
-            error.agreed = True  # every rank received the same
-            raise error
+            raise WireError(f"sync: rank {rank} sent a malformed (pool id, node id) "
+                            f"pair {info!r:.120}", op="sync", peer=rank,
+                            agreed=True)  # every rank received the same
         infos.append((info[0], info[1]))
     return infos
 

@@ -56,11 +56,10 @@ def _check(place: int, entry: Any) -> None:
     """Raise a WireError naming ``place`` unless ``entry`` is one rank's figures or a
     combination of them."""
     if not _well_formed(entry):
-        error = WireError(f"totals: entry {place} of the figures combined (rank {place}'s "
-                          f"where every rank's entry is combined at once) is malformed: "
-                          f"{entry!r:.120}", op="totals", peer=place)
-        error.agreed = True  # every rank combines the same entries
-        raise error
+        raise WireError(f"totals: entry {place} of the figures combined (rank {place}'s "
+                        f"where every rank's entry is combined at once) is malformed: "
+                        f"{entry!r:.120}", op="totals", peer=place,
+                        agreed=True)  # every rank combines the same entries
 
 
 def _well_formed(entry: Any) -> bool:

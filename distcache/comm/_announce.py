@@ -180,7 +180,8 @@ class Announcements:
             for name, value in (("rank", rank), ("host", node)):
                 if name in rebuilt.declared() and getattr(rebuilt, name, None) is None:
                     setattr(rebuilt, name, value)
-        rebuilt.agreed = True  # every rank the word reached raises it
+        # Every rank the word reached raises it (set here: described_error built it).
+        rebuilt.agreed = True
         return rebuilt
 
     def _bad(self, source: int, what: str) -> WireError:

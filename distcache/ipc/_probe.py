@@ -200,10 +200,8 @@ def _checked(gathered: list[Any], types: tuple[type, ...], what: str) -> list[An
     for rank, sent in enumerate(gathered):
         if not (type(sent) is tuple and len(sent) == len(types)
                 and all(type(v) is t for v, t in zip(sent, types, strict=True))):
-            error = WireError(f"agreeing on CUDA IPC: rank {rank} sent a malformed {what} "
-                              f"{sent!r:.120}", op="ipc", peer=rank)
-            error.agreed = True
-            raise error
+            raise WireError(f"agreeing on CUDA IPC: rank {rank} sent a malformed {what} "
+                            f"{sent!r:.120}", op="ipc", peer=rank, agreed=True)
     return gathered
 
 
