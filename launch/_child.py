@@ -23,7 +23,10 @@
   group gets SIGTERM and, :data:`GRACE_S` later, SIGKILL; at once SIGKILL where the
   wrapper had already passed on a signal that ends PROGRAM (the launcher is shutting
   the job down and may kill the wrapper next). A wrapper killed outright (SIGKILL)
-  cannot do this; PROGRAM itself still dies with it.
+  cannot do this itself: PROGRAM dies with it (``PR_SET_PDEATHSIG``), and what
+  PROGRAM started is killed by a watcher (:data:`WATCHER`), a ``/bin/sh`` in a session
+  of its own (out of reach of a signal sent to the wrapper's group) that kills
+  PROGRAM's group when the wrapper is gone without having said that it is done.
 """
 
 from __future__ import annotations
@@ -87,6 +90,16 @@ except OSError as exc:
 """
 
 
+#: The watcher's script: the first line on its stdin is PROGRAM's process group; a
+#: second line means the wrapper has dealt with that group (it is done); end of file
+#: before it means the wrapper died, and the group is killed. Nothing is killed before
+#: the group is known, nor once the wrapper is done (the group's number may be reused
+#: once it is empty).
+WATCHER = 'read -r group || exit 0; read -r done || kill -s KILL -- "-$group"; exit 0'
+#: ``$0`` of the watcher, the name it shows in the process table.
+WATCHER_NAME = "distcache-launch-watcher"
+
+
 def shim_command(command: Sequence[str]) -> list[str]:
     """The argv that runs ``command`` through :data:`SHIM`."""
     return [sys.executable, "-I", "-S", "-c", SHIM, str(os.getpid()), *command]
@@ -127,6 +140,57 @@ def _stop_signal_for_self(sig: int) -> int:
     except OSError:
         pass
     return signal.SIGSTOP
+
+
+class _Watcher:
+    """The watcher (:data:`WATCHER`) of PROGRAM's group; a no-op where ``/bin/sh``
+    cannot be started (then a wrapper killed outright leaves PROGRAM's children)."""
+
+    def __init__(self) -> None:
+        self._pipe: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._watching = False
+        read, write = os.pipe()  # not inherited by PROGRAM (close_fds, non-inheritable)
+        try:
+            # A session of its own: a launcher's signal to the wrapper's group (torchrun
+            # ends a rank by killpg) does not reach it. Its stdout and stderr are not
+            # the wrapper's, which would keep the launcher's pipes open after the rank.
+            self._proc = subprocess.Popen(
+                ["/bin/sh", "-c", WATCHER, WATCHER_NAME], stdin=read,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:
+            os.close(write)
+            log.debug("no watcher for PROGRAM's group (%s): a wrapper killed outright "
+                      "leaves what PROGRAM started", exc)
+        else:
+            self._pipe = write
+        finally:
+            os.close(read)
+
+    def watch(self, group: int) -> None:
+        self._say(f"{group}\n")
+        self._watching = True
+
+    def done(self) -> None:
+        """The group is dealt with (or was never started): the watcher exits without
+        killing anything."""
+        if self._watching:
+            self._say("done\n")
+        if self._pipe is not None:
+            os.close(self._pipe)
+            self._pipe = None
+        if self._proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=5)  # reaped here rather than left a zombie
+
+    def _say(self, line: str) -> None:
+        if self._pipe is None:
+            return
+        try:
+            os.write(self._pipe, line.encode())
+        except OSError:  # the watcher is gone (killed): nothing watches the group now
+            os.close(self._pipe)
+            self._pipe = None
 
 
 class _Job:
@@ -216,21 +280,26 @@ class _Job:
 
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in FORWARDED}
+        watcher, ended = _Watcher(), False
         try:
             self.proc = subprocess.Popen(shim_command(self.command), env=self.env, process_group=0)
+            watcher.watch(self.proc.pid)
             self._give_terminal()
             for signum in self.pending:
                 self._on_signal(signum, None)
             status = self._wait(self.proc)
             self._end_group()
+            ended = True
             return status
         finally:
-            if self.proc is not None and self.proc.returncode is None:
-                # Leaving by an exception: PROGRAM must not outlive us.
+            if self.proc is not None and not ended:
+                # Leaving by an exception: PROGRAM and its group must not outlive us.
                 self._signal_child(signal.SIGKILL)
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(self.proc.pid, 0)
-                self.proc.returncode = -signal.SIGKILL
+                if self.proc.returncode is None:
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(self.proc.pid, 0)
+                    self.proc.returncode = -signal.SIGKILL
+            watcher.done()
             self._take_terminal()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

@@ -66,9 +66,12 @@ def test_program_starts_in_its_own_group_with_nothing_run_between_fork_and_exec(
     monkeypatch.setattr(subprocess, "Popen", spy)
     status = _child.run([PY, "-c", "raise SystemExit(3)"], base_env(), terminal=False)
     assert status == 3
-    assert len(calls) == 1
-    assert calls[0].get("preexec_fn") is None
-    assert calls[0].get("process_group") == 0
+    # The watcher of PROGRAM's group (a session of its own), then PROGRAM.
+    assert len(calls) == 2
+    assert all(call.get("preexec_fn") is None for call in calls)
+    watcher, program = calls
+    assert watcher.get("start_new_session") is True
+    assert program.get("process_group") == 0
 
 
 def test_program_gets_sigpipe_and_sigxfsz_at_their_defaults() -> None:

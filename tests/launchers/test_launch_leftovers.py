@@ -139,3 +139,71 @@ def test_a_zombie_left_in_the_group_does_not_count_as_running() -> None:
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def _watchers_of(wrapper: int) -> list[int]:
+    """The wrapper's watcher processes (children of ``wrapper`` named as the watcher)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if (int(stat[stat.rindex(")") + 2:].split()[1]) == wrapper
+                    and _child.WATCHER_NAME.encode() in argv):
+                found.append(int(entry.name))
+    return found
+
+
+def test_a_wrapper_killed_outright_takes_what_the_program_started(tmp_path: Path) -> None:
+    # torchrun ends a rank by signalling the wrapper's group and, when that is not
+    # enough, by SIGKILL: the wrapper cannot act then, and PROGRAM dies with it; what
+    # PROGRAM started (ignoring SIGTERM) must not outlive the rank either.
+    proc, pidfile, _ = _start(tmp_path, on_term="pass", wait_for_term=True)
+    pid = int(pidfile.read_text())
+    try:
+        assert os.getpgid(pid) != os.getpgid(proc.pid)  # out of the wrapper's group
+        watchers = _watchers_of(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while _alive(pid):
+            assert time.monotonic() < deadline, "the program's child outlived the wrapper"
+            time.sleep(0.05)
+        while any(_alive(w) for w in watchers):
+            assert time.monotonic() < deadline, "the watcher outlived the wrapper"
+            time.sleep(0.05)
+    finally:
+        _finish(proc, pid)
+
+
+def test_the_watcher_ends_with_the_wrapper_and_kills_nothing(tmp_path: Path) -> None:
+    # A clean run: the watcher is told the wrapper is done and leaves, killing nothing
+    # (a process outside the program's group, started by the test, is untouched).
+    go = tmp_path / "go"
+    program = ("import os, time\n"
+               f"while not os.path.exists({str(go)!r}):\n"
+               "    time.sleep(0.02)\n"
+               "raise SystemExit(5)\n")
+    bystander = subprocess.Popen([PY, "-c", "import time; time.sleep(120)"])
+    proc = subprocess.Popen([*LAUNCH, "--", PY, "-c", program], env=base_env(), cwd=REPO,
+                            start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not (watchers := _watchers_of(proc.pid)):
+            assert time.monotonic() < deadline, "no watcher within 60s"
+            assert proc.poll() is None, proc.communicate()[0].decode()
+            time.sleep(0.05)
+        [watcher] = watchers
+        assert os.getsid(watcher) == watcher != os.getsid(proc.pid)  # its own session
+        go.touch()
+        output = proc.communicate(timeout=60)[0].decode()
+        assert proc.returncode == 5, output
+        assert not any(_alive(w) for w in watchers), output  # gone with the wrapper
+        assert bystander.poll() is None
+    finally:
+        kill_group(proc)
+        bystander.kill()
+        bystander.wait()
