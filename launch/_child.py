@@ -157,7 +157,8 @@ class _Watcher:
             # the wrapper's, which would keep the launcher's pipes open after the rank.
             self._proc = subprocess.Popen(
                 ["/bin/sh", "-c", WATCHER, WATCHER_NAME], stdin=read,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                cwd="/", env={})  # pins no directory; needs no variable (kill is built in)
         except OSError as exc:
             os.close(write)
             log.debug("no watcher for PROGRAM's group (%s): a wrapper killed outright "
