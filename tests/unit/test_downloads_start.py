@@ -14,9 +14,8 @@ from distcache.artifact import Artifact, sha256_hex
 from distcache.collective._download import Downloads
 from distcache.origins._directory import DirOrigin
 from distcache.store import ArtifactPool
-
-A, B, Z = b"A" * 1000, b"B" * 1000, b"Z" * 1000
-DAY = 86400
+from tests.unit.test_pool_cap_and_hygiene_truth import DAY, A, B, Z
+from tests.unit.test_pool_cap_and_hygiene_truth import _origin as _origin_dir
 
 
 def _workers() -> list[threading.Thread]:
@@ -24,14 +23,8 @@ def _workers() -> list[threading.Thread]:
 
 
 def _origin(tmp_path: Path) -> DirOrigin:
-    origin = tmp_path / "origin"
-    origin.mkdir()
-    lines = []
-    for name, data in (("a.bin", A), ("b.bin", B)):
-        (origin / name).write_bytes(data)
-        lines.append(f"{sha256_hex(data)}  {name}\n")
-    (origin / "checksums.txt").write_text("".join(lines))
-    return DirOrigin(str(origin))
+    """The origin of test_pool_cap_and_hygiene_truth (a.bin = A, b.bin = B)."""
+    return DirOrigin(str(_origin_dir(tmp_path)))
 
 
 def _artifacts() -> list[Artifact]:
