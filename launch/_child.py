@@ -10,8 +10,10 @@
   terminal back when PROGRAM stops or exits. Under mpirun, srun and torchrun the
   wrapper is not the foreground group (or has no terminal), and nothing changes.
 - **Job control.** INT, TERM, HUP, QUIT, USR1, USR2, TSTP and CONT sent to the wrapper
-  are forwarded. When PROGRAM stops, the wrapper stops too (so the shell sees the job
-  stopped); when the wrapper is continued, so is PROGRAM. A signal that ends PROGRAM
+  are forwarded. When PROGRAM stops on a job-control stop (TSTP, TTIN, TTOU), the
+  wrapper stops too (so the shell sees the job stopped); when the wrapper is continued,
+  so is PROGRAM. A SIGSTOP sent to PROGRAM itself does not stop the wrapper, which
+  then still sees PROGRAM continued (by whoever) and its exit. A signal that ends PROGRAM
   is followed by SIGCONT when PROGRAM is stopped, or a handler would never run.
 - **Nothing between fork and exec** but subprocess's own C code (``process_group=``):
   the wrapper may hold threads (the prefetch's), and a ``preexec_fn`` calling into
@@ -24,7 +26,7 @@
   wrapper had already passed on a signal that ends PROGRAM (the launcher is shutting
   the job down and may kill the wrapper next). A wrapper killed outright (SIGKILL)
   cannot do this itself: PROGRAM dies with it (``PR_SET_PDEATHSIG``), and what
-  PROGRAM started is killed by a watcher (:data:`WATCHER`), a ``/bin/sh`` in a session
+  PROGRAM started is killed by a watcher (:mod:`launch._watch`), a ``/bin/sh`` in a session
   of its own (out of reach of a signal sent to the wrapper's group) that kills
   PROGRAM's group when the wrapper is gone without having said that it is done.
 """
@@ -45,6 +47,7 @@ from types import FrameType
 from typing import NoReturn
 
 from distcache._log import get_logger
+from launch._watch import Watcher
 
 log = get_logger(__name__)
 
@@ -90,16 +93,6 @@ except OSError as exc:
 """
 
 
-#: The watcher's script: the first line on its stdin is PROGRAM's process group; a
-#: second line means the wrapper has dealt with that group (it is done); end of file
-#: before it means the wrapper died, and the group is killed. Nothing is killed before
-#: the group is known, nor once the wrapper is done (the group's number may be reused
-#: once it is empty).
-WATCHER = 'read -r group || exit 0; read -r done || kill -s KILL -- "-$group"; exit 0'
-#: ``$0`` of the watcher, the name it shows in the process table.
-WATCHER_NAME = "distcache-launch-watcher"
-
-
 def shim_command(command: Sequence[str]) -> list[str]:
     """The argv that runs ``command`` through :data:`SHIM`."""
     return [sys.executable, "-I", "-S", "-c", SHIM, str(os.getpid()), *command]
@@ -140,58 +133,6 @@ def _stop_signal_for_self(sig: int) -> int:
     except OSError:
         pass
     return signal.SIGSTOP
-
-
-class _Watcher:
-    """The watcher (:data:`WATCHER`) of PROGRAM's group; a no-op where ``/bin/sh``
-    cannot be started (then a wrapper killed outright leaves PROGRAM's children)."""
-
-    def __init__(self) -> None:
-        self._pipe: int | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._watching = False
-        read, write = os.pipe()  # not inherited by PROGRAM (close_fds, non-inheritable)
-        try:
-            # A session of its own: a launcher's signal to the wrapper's group (torchrun
-            # ends a rank by killpg) does not reach it. Its stdout and stderr are not
-            # the wrapper's, which would keep the launcher's pipes open after the rank.
-            self._proc = subprocess.Popen(
-                ["/bin/sh", "-c", WATCHER, WATCHER_NAME], stdin=read,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                cwd="/", env={})  # pins no directory; needs no variable (kill is built in)
-        except OSError as exc:
-            os.close(write)
-            log.debug("no watcher for PROGRAM's group (%s): a wrapper killed outright "
-                      "leaves what PROGRAM started", exc)
-        else:
-            self._pipe = write
-        finally:
-            os.close(read)
-
-    def watch(self, group: int) -> None:
-        self._say(f"{group}\n")
-        self._watching = True
-
-    def done(self) -> None:
-        """The group is dealt with (or was never started): the watcher exits without
-        killing anything."""
-        if self._watching:
-            self._say("done\n")
-        if self._pipe is not None:
-            os.close(self._pipe)
-            self._pipe = None
-        if self._proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(timeout=5)  # reaped here rather than left a zombie
-
-    def _say(self, line: str) -> None:
-        if self._pipe is None:
-            return
-        try:
-            os.write(self._pipe, line.encode())
-        except OSError:  # the watcher is gone (killed): nothing watches the group now
-            os.close(self._pipe)
-            self._pipe = None
 
 
 class _Job:
@@ -257,6 +198,11 @@ class _Job:
     def _child_stopped(self, sig: int) -> None:
         assert self.proc is not None
         self.stopped = True
+        if sig not in _JOB_STOPS:
+            # SIGSTOP, which no terminal sends: a person or a debugger stopped PROGRAM
+            # itself and continues it the same way. Stopped with it, the wrapper would
+            # see neither that nor PROGRAM's exit, and its launcher would wait on it.
+            return
         if sig in (signal.SIGTTIN, signal.SIGTTOU) and self.tty is not None:
             owner = self._foreground()
             if owner == self.proc.pid:
@@ -281,7 +227,7 @@ class _Job:
 
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in FORWARDED}
-        watcher, ended = _Watcher(), False
+        watcher, ended = Watcher(), False
         try:
             self.proc = subprocess.Popen(shim_command(self.command), env=self.env, process_group=0)
             watcher.watch(self.proc.pid)
@@ -331,9 +277,12 @@ class _Job:
 
     def _wait(self, proc: subprocess.Popen[bytes]) -> int:
         while True:
-            _, status = os.waitpid(proc.pid, os.WUNTRACED)
+            _, status = os.waitpid(proc.pid, os.WUNTRACED | os.WCONTINUED)
             if os.WIFSTOPPED(status):
                 self._child_stopped(os.WSTOPSIG(status))
+                continue
+            if os.WIFCONTINUED(status):
+                self.stopped = False  # by whoever: an ending signal needs no SIGCONT now
                 continue
             proc.returncode = os.waitstatus_to_exitcode(status)
             return proc.returncode

@@ -14,7 +14,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from launch import _child
+from launch import _child, _watch
 from tests.launchers.procs import LAUNCH, PY, REPO, base_env
 from tests.support.process import kill_group
 
@@ -151,7 +151,7 @@ def _watchers_of(wrapper: int) -> list[int]:
             stat = (entry / "stat").read_text()
             argv = (entry / "cmdline").read_bytes().split(b"\0")
             if (int(stat[stat.rindex(")") + 2:].split()[1]) == wrapper
-                    and _child.WATCHER_NAME.encode() in argv):
+                    and _watch.WATCHER_NAME.encode() in argv):
                 found.append(int(entry.name))
     return found
 

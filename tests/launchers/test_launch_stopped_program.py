@@ -1,0 +1,87 @@
+"""A SIGSTOP sent to PROGRAM itself does not stop `python -m launch`.
+
+A person pauses one rank by the pid `ps` or `nvidia-smi` shows (PROGRAM's, not the
+wrapper's) and continues it the same way. A wrapper that stopped with it would see
+neither, and its launcher would wait on it after PROGRAM had exited.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.launchers.procs import LAUNCH, PY, REPO, base_env
+from tests.support.process import kill_group
+
+#: PROGRAM: writes its pid, then waits for ``go`` and exits 7.
+_PROGRAM = """
+import os, time
+open({pidfile!r} + ".tmp", "w").write(str(os.getpid()))
+os.rename({pidfile!r} + ".tmp", {pidfile!r})
+while not os.path.exists({go!r}):
+    time.sleep(0.02)
+raise SystemExit(7)
+"""
+
+
+def _state(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2]
+    return "gone"
+
+
+def _until(what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what} within {timeout:g}s"
+        time.sleep(0.02)
+
+
+def _started(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int, Path]:
+    pidfile, go = tmp_path / "pid", tmp_path / "go"
+    program = _PROGRAM.format(pidfile=str(pidfile), go=str(go))
+    proc = subprocess.Popen([*LAUNCH, "--", PY, "-c", program], env=base_env(), cwd=REPO,
+                            start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    _until("the program started", pidfile.exists, 60)
+    return proc, int(pidfile.read_text()), go
+
+
+def test_a_program_stopped_and_continued_directly_exits_through_the_wrapper(
+        tmp_path: Path) -> None:
+    proc, pid, go = _started(tmp_path)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        _until("the program stopped", lambda: _state(pid) == "T")
+        time.sleep(0.5)  # time enough for a wrapper that follows it to stop too
+        assert _state(proc.pid) != "T", "the wrapper stopped with its program"
+        os.kill(pid, signal.SIGCONT)
+        go.touch()
+        output = proc.communicate(timeout=30)[0].decode()
+        assert proc.returncode == 7, output
+    finally:
+        kill_group(proc)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_signal_forwarded_to_a_program_stopped_directly_reaches_it(tmp_path: Path) -> None:
+    # The wrapper knows PROGRAM is stopped: an ending signal it passes on is followed
+    # by SIGCONT, or PROGRAM would never handle it.
+    proc, pid, _ = _started(tmp_path)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        _until("the program stopped", lambda: _state(pid) == "T")
+        os.kill(proc.pid, signal.SIGTERM)
+        output = proc.communicate(timeout=30)[0].decode()
+        assert proc.returncode == -signal.SIGTERM, output
+    finally:
+        kill_group(proc)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
