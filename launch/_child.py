@@ -14,7 +14,9 @@
   wrapper stops too (so the shell sees the job stopped); when the wrapper is continued,
   so is PROGRAM. A SIGSTOP sent to PROGRAM itself does not stop the wrapper, which
   then still sees PROGRAM continued (by whoever) and its exit. A signal that ends PROGRAM
-  is followed by SIGCONT when PROGRAM is stopped, or a handler would never run.
+  is followed by SIGCONT when PROGRAM is stopped, or a handler would never run; once
+  one was passed on, a stop of PROGRAM reported after it is undone the same way (it
+  may have been stopped before the signal, its stop not yet seen).
 - **Nothing between fork and exec** but subprocess's own C code (``process_group=``):
   the wrapper may hold threads (the prefetch's), and a ``preexec_fn`` calling into
   ``ctypes`` there may deadlock. Dying with the wrapper (``PR_SET_PDEATHSIG``) is set
@@ -198,6 +200,12 @@ class _Job:
     def _child_stopped(self, sig: int) -> None:
         assert self.proc is not None
         self.stopped = True
+        if self.ending:
+            # An ending signal was passed on before this stop was reported (it may have
+            # found PROGRAM stopped already): continued, PROGRAM handles it.
+            self._signal_child(signal.SIGCONT)
+            self.stopped = False
+            return
         if sig not in _JOB_STOPS:
             # SIGSTOP, which no terminal sends: a person or a debugger stopped PROGRAM
             # itself and continues it the same way. Stopped with it, the wrapper would
