@@ -14,9 +14,8 @@
   wrapper stops too (so the shell sees the job stopped); when the wrapper is continued,
   so is PROGRAM. A SIGSTOP sent to PROGRAM itself does not stop the wrapper, which
   then still sees PROGRAM continued (by whoever) and its exit. A signal that ends PROGRAM
-  is followed by SIGCONT when PROGRAM is stopped, or a handler would never run; once
-  one was passed on, a stop of PROGRAM reported after it is undone the same way (it
-  may have been stopped before the signal, its stop not yet seen).
+  is followed by SIGCONT when PROGRAM is stopped, or a handler would never run; also
+  when PROGRAM's stop is reported only after the signal, which then waits on it.
 - **Nothing between fork and exec** but subprocess's own C code (``process_group=``):
   the wrapper may hold threads (the prefetch's), and a ``preexec_fn`` calling into
   ``ctypes`` there may deadlock. Dying with the wrapper (``PR_SET_PDEATHSIG``) is set
@@ -200,9 +199,9 @@ class _Job:
     def _child_stopped(self, sig: int) -> None:
         assert self.proc is not None
         self.stopped = True
-        if self.ending:
-            # An ending signal was passed on before this stop was reported (it may have
-            # found PROGRAM stopped already): continued, PROGRAM handles it.
+        if self.ending and _ending_pending(self.proc.pid):
+            # An ending signal passed on found PROGRAM stopped before its stop was
+            # reported, and waits there: continued, PROGRAM handles it.
             self._signal_child(signal.SIGCONT)
             self.stopped = False
             return
@@ -294,6 +293,20 @@ class _Job:
                 continue
             proc.returncode = os.waitstatus_to_exitcode(status)
             return proc.returncode
+
+
+def _ending_pending(pid: int) -> bool:
+    """Whether a signal of :data:`_ENDING` waits on process ``pid`` (True where its
+    status cannot be read: a needless SIGCONT is the lesser harm)."""
+    mask = sum(1 << (sig - 1) for sig in _ENDING)
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    for line in status.splitlines():
+        if line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & mask:
+            return True
+    return False
 
 
 def _running_in(group: int) -> bool:

@@ -85,3 +85,45 @@ def test_a_signal_forwarded_to_a_program_stopped_directly_reaches_it(tmp_path: P
         kill_group(proc)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+#: PROGRAM: survives SIGINT (says so), writes its pid, waits for ``go``, exits 7.
+_SURVIVOR = """
+import os, signal, time
+signal.signal(signal.SIGINT, lambda *_: open({survived!r}, "w").close())
+open({pidfile!r} + ".tmp", "w").write(str(os.getpid()))
+os.rename({pidfile!r} + ".tmp", {pidfile!r})
+while not os.path.exists({go!r}):
+    time.sleep(0.02)
+raise SystemExit(7)
+"""
+
+
+def test_a_program_that_survived_a_forwarded_signal_can_still_be_paused(
+        tmp_path: Path) -> None:
+    # Only a stop with an ending signal waiting on it is continued by the wrapper: a
+    # person pausing the program later keeps it paused.
+    pidfile, go, survived = tmp_path / "pid", tmp_path / "go", tmp_path / "survived"
+    program = _SURVIVOR.format(pidfile=str(pidfile), go=str(go), survived=str(survived))
+    proc = subprocess.Popen([*LAUNCH, "--", PY, "-c", program], env=base_env(), cwd=REPO,
+                            start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    pid = None
+    try:
+        _until("the program started", pidfile.exists, 60)
+        pid = int(pidfile.read_text())
+        os.kill(proc.pid, signal.SIGINT)
+        _until("the program handled SIGINT", survived.exists)
+        os.kill(pid, signal.SIGSTOP)
+        _until("the program stopped", lambda: _state(pid) == "T")
+        time.sleep(0.5)  # time enough for the wrapper to see the stop
+        assert _state(pid) == "T", "the wrapper continued a program paused on purpose"
+        os.kill(pid, signal.SIGCONT)
+        go.touch()
+        output = proc.communicate(timeout=30)[0].decode()
+        assert proc.returncode == 7, output
+    finally:
+        kill_group(proc)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
