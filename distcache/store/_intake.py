@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from distcache.artifact import Artifact, sha256_hex
 from distcache.errors import IntegrityError, PoolError
-from distcache.store._fs import pool_error
+from distcache.store._fs import pool_error, pread_all
 from distcache.store._objects import ObjectStore, check_size
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ def download_bytes(store: ObjectStore, artifact: Artifact, origin: Origin,
     """
     source = origin.describe()
     with store.staged(artifact.sha256[:16]) as (fd, tmp):
-        data = os.pread(fd, stream_in(fd, tmp, artifact, origin), 0)
+        data = pread_all(fd, stream_in(fd, tmp, artifact, origin))
         actual = sha256_hex(data)
         if actual != artifact.sha256:
             raise IntegrityError(
