@@ -335,10 +335,13 @@ class HttpOrigin(BaseOrigin):
                 )
             except TRANSIENT as exc:
                 down = unreachable(exc)
+                if down is not None and current != url:
+                    # The host one artifact was sent to, not the origin: that artifact
+                    # fails; the origin is not marked down for the others.
+                    raise Fatal(f"{down} at the redirect target {redact_url(current)}"
+                                ) from None
                 if down is not None:
-                    where = "" if current == url else (
-                        f" at the redirect target {redact_url(current)}")
-                    raise _Unreachable(down, down + where) from None
+                    raise _Unreachable(down, down) from None
                 kind = Fatal if untrusted(exc) else Retry
                 failure, cause = kind(f"{type(exc).__name__}: {self._scrub(exc)}"), exc
             except FATAL as exc:
