@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import http.cookiejar
 import math
 import random
 import re
@@ -82,9 +83,13 @@ class _Session(requests.Session):
 
 def new_session(pool_size: int) -> requests.Session:
     """A session keeping up to ``pool_size`` connections per host, never retrying
-    on its own (the origin's attempts and backoff are its caller's) nor reading a
-    redirect's body (the origin follows redirects itself)."""
+    on its own (the origin's attempts and backoff are its caller's), reading a
+    redirect's body (the origin follows redirects itself) nor keeping cookies."""
     session = _Session()
+    # No cookie is kept, so none is sent back: a cookie ignores ports, and one the
+    # origin set (after the token was accepted, say) would otherwise go to another
+    # port on its host that a redirect names, where no credential of the origin's goes.
+    session.cookies.set_policy(http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
     adapter = WatchedAdapter(pool_connections=4, pool_maxsize=pool_size, max_retries=0)
     session.mount("http://", adapter)
     session.mount("https://", adapter)

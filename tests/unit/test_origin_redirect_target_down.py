@@ -1,9 +1,11 @@
-"""A redirect target that cannot be reached fails the one artifact sent there.
+"""What a redirect target gets: no cookie of the origin's, and no say over the origin.
 
 An origin that sends one artifact to another host (allowed), which refuses
 connections, is itself up: the artifacts it serves keep coming from it, the failure
 names the redirect target, and no OriginChain skips the origin as down for them.
-A refused connection at the origin itself still marks it down (the guard).
+A refused connection at the origin itself still marks it down (the guard). A cookie
+the origin sets ignores ports: it reached another port of the origin's host that a
+redirect named, where neither the token nor the caller's headers go.
 """
 
 from __future__ import annotations
@@ -92,3 +94,29 @@ def test_a_refusing_origin_is_still_marked_down() -> None:
         origin.fetch(SENT_AWAY)
     with pytest.raises(OriginUnreachable, match="not asked again"):
         origin.fetch(SERVED)
+
+
+@pytest.mark.timeout(60)
+def test_a_cookie_the_origin_sets_is_not_sent_to_another_port_of_its_host(
+    raw: Callable[[Responder], ThreadedRawServer],
+) -> None:
+    def serve(index: int, request: bytes, conn: socket.socket) -> None:
+        conn.sendall(_head("200 OK", [("Content-Length", str(len(BODY)))]) + BODY)
+
+    target = raw(serve)
+
+    def send_away(index: int, request: bytes, conn: socket.socket) -> None:
+        conn.sendall(_head("302 Found", [("Location", f"{target.url}/x/a.cubin"),
+                                         ("Set-Cookie", "sess=SECRET-COOKIE; Path=/"),
+                                         ("Content-Length", "0")]))
+
+    origin_server = raw(send_away)
+    origin = _origin(f"{origin_server.url}/c", token="tok-cookie-0123",
+                     headers={"X-Api-Key": "key-0123"}, allow_redirect_hosts=["127.0.0.1"])
+    assert origin.fetch(SENT_AWAY) == BODY
+    assert origin.fetch(SENT_AWAY) == BODY  # the origin asked again, after its cookie
+    sent = b"".join(target.requests + origin_server.requests[1:])
+    assert len(target.requests) == 2 and len(origin_server.requests) == 2
+    assert b"SECRET-COOKIE" not in sent
+    for request in target.requests:
+        assert b"tok-cookie-0123" not in request and b"key-0123" not in request
