@@ -61,9 +61,10 @@ class Background:
 
     @property
     def elsewhere(self) -> bool:
-        """Whether this is another process than the one that started the start-up (a
-        child forked while it ran)."""
-        return os.getpid() != self._pid
+        """Whether this is a child forked while the start-up ran: another process than
+        the one that started it, where it was not over at the fork (and never will be).
+        A child forked after it was over has its outcome, as after a foreground one."""
+        return os.getpid() != self._pid and not self._over.is_set()
 
     @property
     def here(self) -> bool:

@@ -162,10 +162,10 @@ class InitOptions(Record):
         """Log a warning naming the fields a later ``init(options, **fields)`` names (as
         keywords, or in ``options`` away from their defaults) with values other than
         these, which the open session ignores; return those fields."""
+        asked = InitOptions.of(options, fields)  # first: a bad argument is a ConfigError
         default = InitOptions()
         named = set(fields) | {n for n in self._FIELDS if options is not None
                                and not _same(getattr(options, n), getattr(default, n))}
-        asked = InitOptions.of(options, fields)
         ignored = sorted(n for n in named if not _same(getattr(asked, n), getattr(self, n)))
         if ignored:
             log.warning("init was called again with other %s; the open session keeps "

@@ -113,7 +113,9 @@ class Session:
     def wait(self, timeout: float | None = None) -> PrefetchReport | None:
         """Join the background start-up (the prefetch and the integrations' install)
         and return the prefetch report; at once when ``init`` ran in the foreground.
-        Call it before warm-up.
+        Call it before warm-up. From inside the start-up (an integration's install),
+        where waiting for it would wait for the caller itself, it returns at once with
+        the report so far, as it does in a foreground one.
 
         Raises:
             CollectiveTimeout: the start-up is still running after ``timeout`` seconds
@@ -123,7 +125,7 @@ class Session:
             DistcacheError: this process was forked from the one whose background
                 start-up this is, while it ran.
         """
-        if self._background is not None:
+        if self._background is not None and STARTING.get() is not self:
             self._background.join(timeout, self.comm)
         return self.report
 
