@@ -233,7 +233,10 @@ class _Job:
     # -- the run --------------------------------------------------------------------
 
     def run(self) -> int:
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in FORWARDED}
+        # A signal ignored on entry (nohup's SIGHUP; SIGINT and SIGQUIT for a shell's
+        # background job) stays ignored: PROGRAM inherits the ignore, nothing is passed on.
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in FORWARDED
+                    if signal.getsignal(sig) != signal.SIG_IGN}
         watcher, ended = Watcher(), False
         try:
             self.proc = subprocess.Popen(shim_command(self.command), env=self.env, process_group=0)
