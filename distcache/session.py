@@ -112,18 +112,16 @@ class Session:
 
     def wait(self, timeout: float | None = None) -> PrefetchReport | None:
         """Join the background start-up (the prefetch and the integrations' install)
-        and return the prefetch report; at once when ``init`` ran in the foreground.
-        Call it before warm-up. From inside the start-up (an integration's install),
-        where waiting for it would wait for the caller itself, it returns at once with
-        the report so far, as it does in a foreground one.
+        and return the prefetch report; at once when ``init`` ran in the foreground, or
+        from inside the start-up (an install: it would wait for itself). Call it before
+        warm-up.
 
         Raises:
             CollectiveTimeout: the start-up is still running after ``timeout`` seconds
                 (it goes on; call ``wait`` again).
             PrefetchError, ManifestMismatchError, ConfigError, ...: what the start-up
                 raised; the collective errors are raised on every rank alike.
-            DistcacheError: this process was forked from the one whose background
-                start-up this is, while it ran.
+            DistcacheError: forked from the process running the background start-up.
         """
         if self._background is not None and STARTING.get() is not self:
             self._background.join(timeout, self.comm)

@@ -93,19 +93,6 @@ def read_fd(fd: int, size: int) -> bytes:
     return b"".join(parts)
 
 
-def pread_all(fd: int, size: int) -> bytes:
-    """The first ``size`` bytes of ``fd`` (fewer where it is shorter), read at their
-    offsets: one ``pread`` returns at most about 2 GiB on Linux, whatever it is asked."""
-    data = os.pread(fd, size, 0)
-    if len(data) >= size or not data:
-        return data
-    parts, got = [data], len(data)
-    while got < size and (chunk := os.pread(fd, size - got, got)):
-        parts.append(chunk)
-        got += len(chunk)
-    return b"".join(parts)
-
-
 #: Chunks :func:`hash_fd` reads: a huge file is hashed without holding it in memory.
 CHUNK_BYTES = 1 << 20
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from distcache.artifact import Artifact, sha256_hex
 from distcache.errors import IntegrityError, PoolError
-from distcache.store._fs import pool_error, pread_all
+from distcache.store._fs import pool_error
 from distcache.store._objects import ObjectStore, check_size
 
 if TYPE_CHECKING:
@@ -66,3 +66,16 @@ def download_bytes(store: ObjectStore, artifact: Artifact, origin: Origin,
         if store.publish(fd, tmp, artifact.sha256):
             published(artifact.sha256, len(data))
         return data
+
+
+def pread_all(fd: int, size: int) -> bytes:
+    """The first ``size`` bytes of ``fd`` (fewer where it is shorter), read at their
+    offsets: one ``pread`` returns at most about 2 GiB on Linux, whatever it is asked."""
+    data = os.pread(fd, size, 0)
+    if len(data) >= size or not data:
+        return data
+    parts, got = [data], len(data)
+    while got < size and (chunk := os.pread(fd, size - got, got)):
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from distcache import Artifact, ArtifactPool, DirOrigin
-from distcache.store._fs import pread_all
+from distcache.store._intake import pread_all
 
 CAP = 1000  # bytes one pread returns at most, here (the kernel's is about 2 GiB)
 
