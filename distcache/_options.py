@@ -186,8 +186,9 @@ def check_fields(options: InitOptions) -> None:
     """Refuse a field of ``options`` whose shape the start-up cannot use, before
     anything is set up: a pool that is not an ``ArtifactPool`` or a directory (a blank
     one would be the current directory), manifests that are not a list of manifests,
-    a comm that is not a distcache ``Communicator``, integrations or IPC pools that
-    are not a list, an environ that is not a mapping of strings.
+    a comm that is not a distcache ``Communicator``, integrations, IPC pools or JIT
+    caches that are not a list (of producer pools, of names), an environ that is not
+    a mapping of strings.
 
     Raises:
         ConfigError: naming the field (or the variable of ``environ``) and the shape
@@ -198,6 +199,8 @@ def check_fields(options: InitOptions) -> None:
     _check_comm(options.comm)
     _check_list("integrations", options.integrations, "[FlashInfer(record=DIR)]")
     _check_list("ipc_pools", options.ipc_pools, "[pool]")
+    _check_ipc_pools(options.ipc_pools)
+    _check_names(options.jit_caches)
     _check_environ(options.environ)
 
 
@@ -238,6 +241,37 @@ def _check_list(keyword: str, value: object, example: str) -> None:
     what = f"the string {value!r}" if isinstance(value, str | bytes) else _shown(value)
     raise ConfigError(f"{keyword} must be a list ({keyword}={example}), not {what}",
                       variable=keyword, value=_shown(value))
+
+
+def _check_items(keyword: str, value: object, kind: type | tuple[type, ...], what: str
+                 ) -> None:
+    """Refuse a list for ``keyword`` with an item that is not a ``kind`` (``what``);
+    an iterable that is not a sequence is left unread (it may be read once only)."""
+    if not isinstance(value, Sequence) or isinstance(value, str | bytes):
+        return
+    for item in value:
+        if not isinstance(item, kind):
+            raise ConfigError(f"{keyword} must list {what} each, not {_shown(item)}",
+                              variable=keyword, value=_shown(item))
+
+
+def _check_names(names: object) -> None:
+    """``jit_caches``: a list of names (``None``: ``DISTCACHE_JIT_CACHES``)."""
+    if names is None:
+        return
+    if isinstance(names, str | bytes) or not isinstance(names, Iterable):
+        what = f"the string {names!r}" if isinstance(names, str | bytes) else _shown(names)
+        raise ConfigError(f'jit_caches must be a list of names (jit_caches=["inductor"]), '
+                          f"not {what}", variable="jit_caches", value=_shown(names))
+    _check_items("jit_caches", names, str, "a cache's name")
+
+
+def _check_ipc_pools(pools: object) -> None:
+    if isinstance(pools, Sequence) and pools:
+        from distcache.ipc._producer import ProducerPool  # loaded by the jobs that map pools
+
+        _check_items("ipc_pools", pools, ProducerPool,
+                     "a producer pool (distcache.ipc.ShmPool or CudaPool)")
 
 
 def _check_environ(environ: object) -> None:
@@ -327,11 +361,9 @@ def jit_families(names: Sequence[str] | None, conf: Settings, pool: ArtifactPool
     ``DISTCACHE_JIT_CACHES``, bound to ``pool``.
 
     Raises:
-        ConfigError: ``names`` is a single string, or names an unknown family.
+        ConfigError: ``names`` names an unknown family (its shape was checked with the
+            rest of the options: :func:`check_fields`).
     """
-    if isinstance(names, str):
-        raise ConfigError(f"jit_caches must be a list of names, not the string {names!r}",
-                          variable="jit_caches", value=names)
     chosen = conf.jit_caches if names is None else tuple(names)
     if not chosen:
         return []  # distcache.jit is loaded by the jobs that use a family

@@ -9,6 +9,10 @@
   been forked while it ran (``ready`` and ``wait`` raised); it now has its outcome.
 * A second ``init`` given a wrong positional argument raised ``AttributeError`` from
   the check for ignored options; it now raises the first call's ``ConfigError``.
+* ``jit_caches`` that is not a list of names, and ``ipc_pools`` items that are not
+  producer pools, got past the checks and failed with a raw ``TypeError`` or
+  ``AttributeError`` once the communicator and the pool were set up; they are now a
+  ``ConfigError`` naming the field before anything is set up.
 
 Every wait is bounded, so a regression fails instead of hanging.
 """
@@ -126,3 +130,22 @@ def test_a_second_init_with_a_bad_positional_argument_is_a_config_error(
         assert slot.current() is session and not session.closed
     finally:
         session.close()
+
+
+@pytest.mark.parametrize(("field", "value", "said"), [
+    ("jit_caches", 5, "not 5"),
+    ("jit_caches", "inductor", "not the string 'inductor'"),
+    ("jit_caches", ["inductor", 7], "not 7"),
+    ("ipc_pools", [5], "not 5"),
+    ("ipc_pools", ["features"], "not 'features'"),
+])
+def test_a_field_of_the_wrong_shape_is_refused_before_anything_is_set_up(
+    tmp_path: Path, field: str, value: Any, said: str,
+) -> None:
+    slot = SessionSlot()
+    with pytest.raises(ConfigError, match=field) as caught:
+        slot.init(pool=tmp_path / "pool", integrations=[], timeout=WAIT_S, **{field: value})
+    assert said in str(caught.value)
+    assert caught.value.variable == field  # type: ignore[attr-defined]
+    assert not (tmp_path / "pool").exists()  # refused before the pool was set up
+    assert slot.current() is None
