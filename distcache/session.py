@@ -75,8 +75,7 @@ class Session:
     def __init__(self, comm: Communicator, pool: ArtifactPool | None, *,
                  registry: PoolRegistry | None = None, report: PrefetchReport | None = None,
                  phases: dict[str, float] | None = None, disabled: bool = False,
-                 settings: Settings | None = None,
-                 integrations: list[Integration] | None = None,
+                 settings: Settings | None = None, integrations: list[Integration] | None = None,
                  options: InitOptions | None = None, _adopted: Adopted | None = None,
                  _slot: SessionSlot | None = None) -> None:
         self.comm, self.pool, self.registry, self.report = comm, pool, registry, report
@@ -88,8 +87,7 @@ class Session:
         # the background start-up (init(background=True)): its thread, what it raised.
         self._adopted, self._slot = _adopted, _slot
         self._background: Background | None = None
-        # The node agents of the peer tier this rank hosts or uses (distcache.peer);
-        # their start, until their endpoints are shared.
+        # The node agents of the peer tier this rank hosts or uses, and their start.
         self._peers, self._starting = None, None
 
     def __repr__(self) -> str:
@@ -224,10 +222,12 @@ class SessionSlot:
             return _again(session, options, fields)
 
     def leave(self, session: Session) -> None:
-        """Empty the slot if ``session`` is in it."""
-        with self._lock:
-            if self._session is session:
-                self._session = None
+        """Empty the slot if ``session`` is in it: not yet while ``init`` starts it, so
+        a close from its start-up's threads never waits for ``init``'s lock."""
+        if self._session is session:
+            with self._lock:
+                if self._session is session:
+                    self._session = None
 
 
 # The process's slot: module state by necessity (see SessionSlot).

@@ -5,6 +5,10 @@
   being started and calls ``wait()`` or ``sync()`` on it, as a background ``init``'s
   callers are told to, waited for its own start-up: for ever, and a ``close`` then
   waited for ever too. It now returns at once, as in a foreground start-up.
+* An install beside the prefetch of a foreground ``init`` that gives up and closes
+  the session it gets deadlocked: its close waited for the slot's lock, which the
+  ``init`` waiting for the install held. ``init`` now raises that the session was
+  closed during its start-up.
 * A child forked after the background start-up was over was told the start-up had
   been forked while it ran (``ready`` and ``wait`` raised); it now has its outcome.
 * A second ``init`` given a wrong positional argument raised ``AttributeError`` from
@@ -29,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from distcache.errors import ConfigError
+from distcache.errors import ConfigError, DistcacheError
 from distcache.session import Session, SessionSlot
 from tests.support.helpers import isolated_init, on_threads
 from tests.unit.test_session_close import Noted
@@ -148,4 +152,33 @@ def test_a_field_of_the_wrong_shape_is_refused_before_anything_is_set_up(
     assert said in str(caught.value)
     assert caught.value.variable == field  # type: ignore[attr-defined]
     assert not (tmp_path / "pool").exists()  # refused before the pool was set up
+    assert slot.current() is None
+
+
+class GivesUp(Noted):
+    """An integration installed beside the prefetch whose install closes the session
+    that ``init()`` on ``slot`` gives it (the one being started)."""
+
+    install_beside_prefetch = True
+
+    def __init__(self, slot: SessionSlot, notes: list[str]) -> None:
+        super().__init__("gives-up", notes)
+        self.slot = slot
+
+    def install(self, pool: Any, origin: Any) -> None:
+        super().install(pool, origin)
+        self.slot.init().close()
+
+
+def test_an_install_beside_the_prefetch_closing_its_session_fails_init(
+    tmp_path: Path,
+) -> None:
+    slot = SessionSlot()
+    notes: list[str] = []
+    [raised] = on_threads(1, lambda rank: slot.init(
+        pool=tmp_path / "pool", integrations=[GivesUp(slot, notes)], timeout=WAIT_S),
+        join=2 * WAIT_S)
+    assert isinstance(raised, DistcacheError), raised
+    assert "closed during its start-up" in str(raised)
+    assert notes == ["install gives-up", "uninstall gives-up"]
     assert slot.current() is None
