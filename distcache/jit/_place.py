@@ -46,7 +46,7 @@ from distcache._log import get_logger
 from distcache.artifact import sha256_hex, validate_name
 from distcache.errors import ArtifactNameError, JitCacheError
 from distcache.jit._tree import MODE_MASK, TreeEntry
-from distcache.jit._walk import FOREIGN, InTheWay, check_way, ensure_dirs, walk
+from distcache.jit._walk import FOREIGN, InTheWay, Refused, check_way, ensure_dirs, walk
 from distcache.store import ArtifactPool
 from distcache.store._fs import Witness, witness
 from distcache.store.layout import STALE_TMP_SECONDS
@@ -176,6 +176,11 @@ def _scan_one(pool: ArtifactPool, rel: str, path: Path, prefix: str,
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or (expect is not None and witness(st) != expect):
             return None
+        if st.st_uid != os.geteuid():
+            # Not built by a rank of the job: another user's code stays out of the pool.
+            log.warning("%s belongs to uid %d, not to this user (uid %d): left out of the "
+                        "pool", path, st.st_uid, os.geteuid())
+            return None
         mode = st.st_mode & MODE_MASK
         mtime = st.st_mtime_ns if times else None
         before = known.get(name) if known else None
@@ -230,16 +235,17 @@ def materialize_entries(pool: ArtifactPool, root: Path, entries: Sequence[TreeEn
     mode, and a tool that writes in place would write into the pool, so copying is
     the default).
 
-    A file where the tree has a directory keeps its place: the entries under it are
-    counted as ``kept``, the others written. Entries under a :data:`FOREIGN`
+    A file where the tree has a directory keeps its place, as does a directory below
+    ``root`` that is another user's or a symbolic link (with a warning): the entries
+    under it are counted as ``kept``, the others written. Entries under a :data:`FOREIGN`
     directory (listed by trees published before it was left out) are skipped. A
     written copy gets the entry's time, if it has one, clamped to now. A file that
     cannot be written is counted as ``missing`` and logged, and the others placed,
     unless the filesystem as a whole refuses (:data:`WHOLE_FS`).
 
     Raises:
-        JitCacheError: ``root`` or a directory on the way belongs to another user or
-            is a symbolic link (:func:`~distcache.jit._walk.check_way`).
+        JitCacheError: ``root`` or a directory on the way to it belongs to another
+            user or is a symbolic link (:func:`~distcache.jit._walk.check_way`).
         PoolError: an object cannot be read.
         OSError: a directory cannot be created, or the filesystem is read-only or
             full.
@@ -248,6 +254,7 @@ def materialize_entries(pool: ArtifactPool, root: Path, entries: Sequence[TreeEn
     placed = Placed()
     checked: set[Path] = {root}
     swept: set[Path] = set()
+    refused: set[str] = set()
     now = time.time_ns()  # one bound for the whole call keeps the files' order
     for entry in entries:
         if not entry.path.startswith(prefix):
@@ -260,6 +267,13 @@ def materialize_entries(pool: ArtifactPool, root: Path, entries: Sequence[TreeEn
             parent = ensure_dirs(root, target.parent, checked, family)
         except InTheWay:  # a file where the tree has a directory: left as it is
             placed.kept += 1
+            continue
+        except Refused as exc:  # another user's directory, or a link: left as it is
+            placed.kept += 1
+            where = str(getattr(exc, "path", ""))
+            if where not in refused:
+                refused.add(where)
+                log.warning("%s; the entries under it are left out", exc)
             continue
         try:
             _place_one(pool, parent, target, entry, link, now, placed, swept)

@@ -160,9 +160,14 @@ class InTheWay(Exception):
     directory: the entries under it are left out, the others placed."""
 
 
+class Refused(JitCacheError):
+    """A directory below the root that is a symbolic link or another user's: nothing
+    is written through it; the entries under it are left out, the others placed."""
+
+
 def ensure_dirs(root: Path, directory: Path, checked: set[Path], family: str) -> Path:
     """Create the directories from ``root`` to ``directory``; refuse a symbolic link
-    or another user's directory on the way (:class:`JitCacheError`), and raise
+    or another user's directory on the way (:class:`Refused`), and raise
     :class:`InTheWay` for a file in the way."""
     missing: list[Path] = []
     here = directory
@@ -179,12 +184,15 @@ def ensure_dirs(root: Path, directory: Path, checked: set[Path], family: str) ->
                                 path=str(path)) from exc
         st = os.lstat(path)
         if stat.S_ISLNK(st.st_mode):
-            raise JitCacheError(f"{family}: {path} is a symbolic link; refusing to write "
-                                "through it", family=family, path=str(path))
+            raise Refused(f"{family}: {path} is a symbolic link; refusing to write "
+                          "through it", family=family, path=str(path))
         if not stat.S_ISDIR(st.st_mode):
             raise InTheWay(path)
         if st.st_uid != os.geteuid():
-            check_owner(path, family=family)
+            try:
+                check_owner(path, family=family)
+            except JitCacheError as exc:
+                raise Refused(str(exc), family=family, path=str(path)) from None
         checked.add(path)
     return directory
 
