@@ -75,6 +75,8 @@ def open_root(layout: PoolLayout, *, read_only: bool) -> Opened:
         setgid = bool(os.stat(root).st_mode & stat.S_ISGID)
     except OSError as exc:
         raise pool_error("cannot create pool root", root, exc) from exc
+    if not layout.is_pool():
+        _check_new_root(layout)
     version = layout.open_format(host=host, mode=file_mode, setgid=setgid)
     # A directory made here is flushed into the root once, so that objects/ (and
     # every object later journaled under it) survives a power loss.
@@ -82,6 +84,37 @@ def open_root(layout: PoolLayout, *, read_only: bool) -> Opened:
     if any(made):
         fsync_dir(root)
     return Opened(host, file_mode, setgid, version, read_only=False)
+
+
+#: Entries a directory may hold before it becomes a pool, beside the pool's own (a
+#: creator stopped part-way leaves some): a file system's and hidden ones.
+_BESIDE_A_NEW_POOL = ("lost+found",)
+
+
+def _check_new_root(layout: PoolLayout) -> None:
+    """Refuse to make a pool of a directory that holds what is not a pool's (a project
+    directory given as the pool): every open sweeps ``tmp/`` and ``locks/``, and would
+    delete what the directory's owner keeps there.
+
+    Raises:
+        PoolError: naming the root and what it holds.
+    """
+    own = {p.name for p in (layout.format_file, layout.pool_id_file, layout.names_log,
+                            layout.journal_log, layout.sync_cursor, layout.sync_names_cursor,
+                            *layout.directories)}
+    try:
+        with os.scandir(layout.root) as it:
+            others = sorted(e.name for e in it if e.name not in own
+                            and e.name not in _BESIDE_A_NEW_POOL and not e.name.startswith("."))
+    except OSError as exc:
+        raise pool_error("cannot list the pool root", layout.root, exc) from exc
+    if others:
+        shown = ", ".join(repr(n) for n in others[:3]) + (", ..." if len(others) > 3 else "")
+        raise PoolError(
+            f"{layout.root} is not a distcache pool and holds other files ({shown}); a "
+            "pool removes stale files from its tmp/ and locks/, so it is made only in a new "
+            "or empty directory: point DISTCACHE_POOL (or --pool) at one",
+            path=str(layout.root))
 
 
 def refusal(root: Path, what: str) -> PoolError:
