@@ -160,6 +160,17 @@ def _expected(source: Path, scan: _Scan) -> tuple[dict[str, str], set[str]]:
     return expected, at_root
 
 
+def _a_pools_own(files: Collection[str]) -> bool:
+    """Whether ``files`` are a pool's own (at the top or in one directory): its
+    ``format`` or ``pool_id`` beside objects stored under their digests
+    (``objects/<xx>/<sha256>``)."""
+    tops = {rel[: len(rel) - len(name)] for rel in files for name in ("format", "pool_id")
+            if rel == name or rel.endswith(f"/{name}")}
+    return any(len(rel) == len(top) + 75 and rel.startswith(f"{top}objects/")
+               and rel[len(top) + 10] == "/" and rel[len(top) + 8:len(top) + 10]
+               == rel[len(top) + 11:len(top) + 13] for top in tops for rel in files)
+
+
 def plan_import(source: Path, scan: _Scan, kind: str,
                 keep: Callable[[str], bool] | None = None) -> tuple[list[Artifact], ImportReport]:
     """The labels to record (every one verified, and wanted by ``keep``) and the
@@ -170,6 +181,11 @@ def plan_import(source: Path, scan: _Scan, kind: str,
         ConfigError: a malformed or conflicting manifest, or a file the root
             ``checksums.txt`` lists is not in the source.
     """
+    if _a_pools_own(scan.files):
+        # Its files are the pool's internals, not artifacts: their names would be lost.
+        raise refuse(source, "it is an archive of a distcache pool, not an artifact set; "
+                             "write one with 'distcache --pool POOL pool export --tar FILE' "
+                             "and import FILE")
     expected, at_root = _expected(source, scan)
     loose = not scan.manifests
     report = ImportReport(source=str(source), kind=kind, manifests=len(scan.manifests),
