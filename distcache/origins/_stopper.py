@@ -17,9 +17,10 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, BinaryIO
 
 from distcache.artifact import Artifact
@@ -91,9 +92,12 @@ class Stopper:
         finish (each removes its own temporary file), then remove what is left."""
         self.stop()
         deadline = time.monotonic() + GRACE_SECONDS
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        self.remove_temp_files(tmp)
+        try:
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
+        finally:  # a second Ctrl-C (or a TERM) in the wait still leaves no temporary file
+            with _ending_signals_ignored():
+                self.remove_temp_files(tmp)
 
     def _fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
         if self._stopped.is_set():
@@ -132,3 +136,18 @@ class _StoppableOrigin:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stopper._origin, name)
+
+
+@contextlib.contextmanager
+def _ending_signals_ignored() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored for the block, on the main thread (elsewhere it cannot
+    change handlers): the command is ending already, and its clean-up is short."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in held.items():
+            signal.signal(sig, handler)

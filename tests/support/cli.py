@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -26,11 +27,12 @@ def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]
 
 
 def signal_mid_download(args: list[str], env: dict[str, str], pool: Path,
-                        sig: int) -> tuple[int, float, str]:
+                        sig: int, again: float | None = None) -> tuple[int, float, str]:
     """Run ``args`` in a session of its own, send ``sig`` once its downloads write into
-    ``pool``'s ``tmp/`` (0.3 s after the first temporary file shows), and return its
-    exit status, the seconds from the signal to its exit, and its stderr. Killed
-    (group and all) if it does not end within a minute of the signal."""
+    ``pool``'s ``tmp/`` (0.3 s after the first temporary file shows), and ``again``
+    seconds later once more (an impatient second Ctrl-C), and return its exit status,
+    the seconds from the signal to its exit, and its stderr. Killed (group and all) if
+    it does not end within a minute of the signal."""
     import signal
     import time
 
@@ -53,6 +55,10 @@ def signal_mid_download(args: list[str], env: dict[str, str], pool: Path,
         time.sleep(0.3)  # well into the downloads
         sent = time.monotonic()
         proc.send_signal(sig)
+        if again is not None:
+            time.sleep(again)
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
         _, stderr = proc.communicate(timeout=60)
         return proc.returncode, time.monotonic() - sent, stderr
     finally:

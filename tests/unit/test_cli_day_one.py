@@ -26,10 +26,12 @@ distcache = run_cli
 # --- Ctrl-C -----------------------------------------------------------------------------
 
 
-def _interrupt(tmp_path: Path, env: dict[str, str], *command: str) -> tuple[int, float, str]:
+def _interrupt(tmp_path: Path, env: dict[str, str], *command: str,
+               sig: int = signal.SIGINT, again: float | None = None) -> tuple[int, float, str]:
     """Start ``distcache --pool P COMMAND --manifest M --origin URL`` against a slow
-    origin, send SIGINT once downloads are writing into tmp/, and return the exit
-    status, the seconds from the signal to the exit, and stderr."""
+    origin, send ``sig`` once downloads are writing into tmp/ (and ``again`` seconds
+    later once more), and return the exit status, the seconds from the signal to the
+    exit, and stderr."""
     served = tmp_path / "origin"
     make_artifacts(served, 20, min_size=200_000, max_size=300_000, seed=5)
     pool = tmp_path / "pool"
@@ -38,7 +40,7 @@ def _interrupt(tmp_path: Path, env: dict[str, str], *command: str) -> tuple[int,
         status, elapsed, stderr = signal_mid_download(
             [sys.executable, "-m", "distcache", "--pool", str(pool), *command,
              "--manifest", str(served / "checksums.txt"), "--origin", origin.url],
-            env, pool, signal.SIGINT)
+            env, pool, sig, again)
         # The queue was left, not downloaded (the caller checks how soon it stopped).
         held = sum(1 for _ in (pool / "objects").rglob("*") if _.is_file())
         assert held < 20, (held, origin.total_requests, elapsed, stderr)
@@ -53,6 +55,18 @@ def test_ctrl_c_stops_fetch_within_a_second_and_removes_its_temp_files(
     assert status == 130, stderr
     assert elapsed < 1.0, f"exit {elapsed:.2f} s after SIGINT"
     assert "interrupted" in stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_during_the_clean_up_still_leaves_no_temp_file(
+    tmp_path: Path, env: dict[str, str], sig: int,
+) -> None:
+    # Two Ctrl-C 20 ms apart, or `timeout` signalling the command and then its group:
+    # the second arrived while the first's clean-up waited for the downloads, and
+    # ended it before their temporary files were removed.
+    status, _elapsed, stderr = _interrupt(tmp_path, env, "fetch", "--jobs", "4", sig=sig,
+                                          again=0.02)
+    assert status == 128 + sig, stderr
 
 
 def test_ctrl_c_in_prefetch_removes_its_temp_files(tmp_path: Path, env: dict[str, str]) -> None:
