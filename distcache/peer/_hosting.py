@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from distcache._log import get_logger
 from distcache.comm import node_layout, node_tree
 from distcache.errors import WireError
+from distcache.peer import _exit
 from distcache.peer._auth import derive_key
 from distcache.peer._reach import endpoints
 from distcache.peer._tier import Tier, attach, key_path
@@ -94,11 +95,17 @@ class Hosted:
     def close(self) -> None:
         attach(None)
         if self.agent is not None:
-            self.agent.stop()
-            if self.agent.socket_path is not None:
-                _remove_key(key_path(self.agent.socket_path), _KEY_FILES.pop(self.agent, None))
-                _remove_made_dir(self.agent.socket_path, self.agent.pool)
+            _exit.unregister(self.agent)
+            leave(self.agent)
             self.agent = None
+
+
+def leave(agent: Agent) -> None:
+    """Stop ``agent`` and remove its key file and a directory made for its socket."""
+    agent.stop()
+    if agent.socket_path is not None:
+        _remove_key(key_path(agent.socket_path), _KEY_FILES.pop(agent, None))
+        _remove_made_dir(agent.socket_path, agent.pool)
 
 
 def _remove_made_dir(socket: Path, pool: ArtifactPool) -> None:
@@ -157,6 +164,7 @@ def host_agent(pool: ArtifactPool, origin: Callable[[], Origin | None], key: byt
         _remove_made_dir(path, pool)
         raise
     _KEY_FILES[agent] = made
+    _exit.register(agent, leave)  # a job that never closes its session leaves nothing
     return agent
 
 
