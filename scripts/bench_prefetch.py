@@ -811,6 +811,17 @@ def check_targets(rows: list[dict[str, Any]], baselines: dict[int, dict[str, Any
         a target read from an incomplete row does not hold, whatever its figures."""
         return all(r["complete"] for r in used)
 
+    def bare_beside(row: dict[str, Any]) -> str:
+        """The baseline at ``row``'s concurrency against the same latency floor: one
+        process downloading the set with nothing else on its clock (no imports, no
+        init, no kernel loads), what no start-up at that concurrency can beat."""
+        bare = baselines.get(row["concurrent_downloads"])
+        if bare is None:
+            return ""
+        return (f"; one process downloading the set at the same {bare['concurrent_downloads']}"
+                f" connections: {bare['wall_s']:.3f} s "
+                f"({bare['wall_s'] / row['latency_floor_s']:.2f}x)")
+
     per_rank, pre, warm = of("per-rank"), of("prefetch"), of("warm")
     engine, engine_warm, fi_node = of("engine"), of("engine-warm"), of("fi-per-node")
     engine_init, engine_init_warm = of("engine-init"), of("engine-init-warm")
@@ -892,7 +903,8 @@ def check_targets(rows: list[dict[str, Any]], baselines: dict[int, dict[str, Any
                        f"{row['latency_floor_s'] / math.ceil(k / 16):.3f} s = "
                        f"{row['latency_floor_s']:.3f} s)",
              "holds": row["vs_latency_floor"] <= 1.5 and done(row),
-             "observed": f"{row['wall_s']:.3f} s ({row['vs_latency_floor']:.2f}x)"},
+             "observed": f"{row['wall_s']:.3f} s ({row['vs_latency_floor']:.2f}x)"
+                         + bare_beside(row)},
         ]
     if engine_init_warm:
         targets.append({
