@@ -185,7 +185,8 @@ class Family:
         replacing one); conflicting paths are left out and logged once.
 
         Raises:
-            JitCacheError: a directory belongs to another user or is a link.
+            JitCacheError: a directory belongs to another user or is a link (once the
+                family's other directories are filled).
             PoolError: the pool cannot be read.
         """
         pool = self._pool(pool)
@@ -193,6 +194,7 @@ class Family:
         self.report.conflicts = self._conflicts.report(self.name, self.key, merged.conflicts)
         entries = sorted(merged.entries.values(), key=lambda e: e.path)
         total = Placed()
+        refused: JitCacheError | None = None  # raised once the other roots are filled
         # Longest prefix first, so a root nested in another gets its own files.
         for root in sorted(self.spec.roots, key=lambda r: -len(r.prefix)):
             mine = [e for e in entries if e.path.startswith(root.prefix) and not any(
@@ -200,11 +202,17 @@ class Family:
                 for o in self.spec.roots)]
             if not mine and not root.path.exists():
                 continue
-            placed = materialize_entries(pool, root.path, mine, family=self.name,
-                                         prefix=root.prefix, link=self.link)
+            try:
+                placed = materialize_entries(pool, root.path, mine, family=self.name,
+                                             prefix=root.prefix, link=self.link)
+            except JitCacheError as exc:
+                refused = refused or exc
+                continue
             for name in vars(total):
                 setattr(total, name, getattr(total, name) + getattr(placed, name))
         self.report.placed = total
+        if refused is not None:
+            raise refused
         return total
 
     def publish(self, pool: ArtifactPool | None = None) -> int:
@@ -234,7 +242,8 @@ class Family:
         Raises:
             JitCacheError: a directory, or one on the way to it, belongs to another
                 user, or a link on the way is another user's
-                (:func:`~distcache.jit._walk.check_way`).
+                (:func:`~distcache.jit._walk.check_way`); raised once what the
+                family's other directories hold is stored.
             PoolError: the pool cannot be written.
         """
         pool = self._pool(pool)
@@ -245,8 +254,13 @@ class Family:
         received = _Listed(trees, mine, known.entries)
         scanned: list[TreeEntry] = []
         fresh: list[Fresh] = []
+        refused: JitCacheError | None = None  # raised once the other roots are stored
         for root in self.spec.roots:
-            if not root.path.is_dir() or not check_way(root.path, family=self.name):
+            try:
+                if not root.path.is_dir() or not check_way(root.path, family=self.name):
+                    continue
+            except JitCacheError as exc:
+                refused = refused or exc
                 continue
             scanned += scan_into(pool, root.path, root.prefix, listed, self._seen,
                                  times=self.spec.keep_times, fresh=fresh)
@@ -256,6 +270,8 @@ class Family:
         publish_tree(pool, TreeManifest(self.name, self.key, tuple(unique.values()),
                                         self.publisher, next_seq(trees, self.publisher)))
         self.report.published = len(unique)
+        if refused is not None:
+            raise refused
         return len(unique)
 
     def merged(self, pool: ArtifactPool | None = None) -> Union:

@@ -6,7 +6,9 @@ They are now left out, with a warning. Materialising stopped at the first direct
 below the root that was another user's or a symbolic link, the files after it in order
 never written: such a directory now keeps its place like a file in the way, the entries
 under it left out and the others written. The root itself is still refused
-(test_jit_place_paths.py).
+(test_jit_place_paths.py), but a family's other roots are now filled and published
+first: Inductor's second directory (torch's default, for precompiled headers) being
+another user's no longer costs the user's own TORCHINDUCTOR_CACHE_DIR its files.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from distcache import jit
+from distcache.errors import JitCacheError
 from distcache.jit import Family, FamilySpec, Root
 from distcache.store import ArtifactPool
 
@@ -103,3 +107,34 @@ def test_a_link_below_the_root_is_not_written_through_and_the_rest_is_placed(
     assert _files(dest) == ["a/k.so", "c.py"]
     assert list(elsewhere.iterdir()) == []
     assert (placed.written, placed.kept) == (2, 1)
+
+
+def _theirs_default(tmp_path: Path) -> dict[str, str]:
+    """Inductor's environment: the cache in ``tmp_path/cache``, torch's default
+    directory (the headers' root) another user's."""
+    tmpdir = tmp_path / "tmpdir"
+    theirs = tmpdir / "torchinductor_u"
+    (theirs / "precompiled_headers").mkdir(parents=True)
+    os.chown(theirs, OTHER_UID, OTHER_UID)
+    return {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "TMPDIR": str(tmpdir),
+            "USER": "u"}
+
+
+@needs_root
+def test_a_refused_headers_root_leaves_the_cache_directory_published_and_filled(
+    tmp_path: Path,
+) -> None:
+    pool = ArtifactPool(tmp_path / "pool")
+    environ = _theirs_default(tmp_path)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "x.so").write_bytes(b"kernel" * 10)
+    os.utime(tmp_path / "cache" / "x.so", (1_000_000_000, 1_000_000_000))
+    family = jit.family("inductor", pool=pool, environ=environ)
+    with pytest.raises(JitCacheError, match="belongs to uid"):
+        family.publish()
+    assert list(family.merged().entries) == ["x.so"]  # stored before the refusal
+    (tmp_path / "cache" / "x.so").unlink()
+    again = jit.family("inductor", pool=pool, environ=environ)
+    with pytest.raises(JitCacheError, match="belongs to uid"):
+        again.materialize()
+    assert (tmp_path / "cache" / "x.so").read_bytes() == b"kernel" * 10
