@@ -23,9 +23,9 @@
   under the same process id.
 - **Nothing left behind.** What PROGRAM started in its group ends with it, as a
   launcher ends a rank's group: once PROGRAM has exited, any process still in its
-  group gets SIGTERM and, :data:`GRACE_S` later, SIGKILL; at once SIGKILL where the
-  wrapper had already passed on a signal that ends PROGRAM (the launcher is shutting
-  the job down and may kill the wrapper next). A wrapper killed outright (SIGKILL)
+  group gets SIGTERM and, :data:`GRACE_S` later, SIGKILL; at once SIGKILL where
+  PROGRAM ended by a signal the wrapper had passed on, or exited with 128 plus it (the
+  launcher is shutting the job down and may kill the wrapper next). A wrapper killed outright (SIGKILL)
   cannot do this itself: PROGRAM dies with it (``PR_SET_PDEATHSIG``), and what
   PROGRAM started is killed by a watcher (:mod:`launch._watch`), a ``/bin/sh`` in a session
   of its own (out of reach of a signal sent to the wrapper's group) that kills
@@ -269,7 +269,9 @@ class _Job:
         group = self.proc.pid
         if not _running_in(group):
             return
-        if self.ending:
+        code = self.proc.returncode
+        if self.ending and code is not None and (-code in _ENDING or code - 128 in _ENDING):
+            # It ended by (or exiting for) a signal passed on: the job is being shut down.
             log.warning("PROGRAM's process group %d still runs after it ended: killing it",
                         group)
             self._signal_child(signal.SIGKILL)
