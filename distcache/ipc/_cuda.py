@@ -46,7 +46,7 @@ from distcache.ipc import _driver as drv
 from distcache.ipc._allocator import Lease
 from distcache.ipc._descriptor import PoolDescriptor
 from distcache.ipc._devmap import pack_handle, stream_handle
-from distcache.ipc._layout import WORD_BYTES, WordArray, align_up
+from distcache.ipc._layout import WORD_BYTES, WordArray, align_up, in_process
 from distcache.ipc._producer import DEFAULT_SLOTS, ProducerPool
 from distcache.ipc._ref import FeatureRef
 from distcache.ipc._shm import SHM_DIR, ShmPool, create_segment, segment_name, unlink_quietly
@@ -124,7 +124,8 @@ class CudaPool(ProducerPool):
             raise
         self._ptr, self._mm, self._addr = ptr, mm, addr
         self._linked = True
-        self._finalizer = weakref.finalize(self, unlink_quietly, self.path)
+        self._finalizer = weakref.finalize(self, in_process, os.getpid(), unlink_quietly,
+                                           self.path)
         self._share = pack_handle(
             ipc, drv.device_uuid(index), self.capacity, words_bytes, self.segment
         )

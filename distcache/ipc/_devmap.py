@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 import struct
 import weakref
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from distcache._log import get_logger
 from distcache.errors import IpcError
 from distcache.ipc import _driver as drv
 from distcache.ipc._descriptor import PoolDescriptor
-from distcache.ipc._layout import WORD_BYTES, Layout, WordArray
+from distcache.ipc._layout import WORD_BYTES, Layout, WordArray, in_process
 from distcache.ipc._probe import resolve_device
 from distcache.ipc._shm import open_segment
 
@@ -64,8 +65,8 @@ class _Peer:
 
     def __init__(self, ordinal: int, ptr: int, mm: mmap.mmap, addr: int, words: WordArray) -> None:
         self.leave: list[Callable[[], None]] = []
-        self._finalizer = weakref.finalize(
-            self, _close_peer, ordinal, ptr, mm, addr, words, self.leave
+        self._finalizer = weakref.finalize(  # not in a forked child: not its mapping
+            self, in_process, os.getpid(), _close_peer, ordinal, ptr, mm, addr, words, self.leave
         )
 
 

@@ -23,8 +23,10 @@ only its ack words and its own row of the consumer table.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 ALIGNMENT = 256
 WORD_BYTES = 4
@@ -151,3 +153,11 @@ class WordArray:
 
     def release(self) -> None:
         self._words.release()
+
+
+def in_process(pid: int, action: Callable[..., object], *args: Any) -> None:
+    """``action(*args)`` in process ``pid`` only: the finalizer of what a process set
+    up (a mapping, a segment's name) is inherited by a child it forks, and the child's
+    exit must not undo its parent's (mark its consumer gone, unlink its segment)."""
+    if os.getpid() == pid:
+        action(*args)

@@ -17,6 +17,7 @@ milliseconds per feature on GPUs (SGLang's traces: 32 opens = 293 ms, 32 closes 
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -28,6 +29,7 @@ from distcache.comm._base import Communicator, agree_on_error
 from distcache.errors import IpcError, StaleHandleError
 from distcache.ipc._cuda import CudaPool
 from distcache.ipc._descriptor import PoolDescriptor, gathered_descriptors
+from distcache.ipc._layout import in_process
 from distcache.ipc._mapping import Entry, close_all, open_mapping
 from distcache.ipc._probe import agree_backend
 from distcache.ipc._producer import ProducerPool
@@ -61,7 +63,8 @@ class PoolRegistry:
         self._retired: dict[str, set[int]] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._finalizer = weakref.finalize(self, close_all, self._entries)
+        self._finalizer = weakref.finalize(self, in_process, os.getpid(), close_all,
+                                           self._entries)
 
     # -- set-up ---------------------------------------------------------------------
     @classmethod

@@ -23,7 +23,7 @@ from typing import Any
 from distcache._log import get_logger
 from distcache.errors import IpcError, PoolError
 from distcache.ipc._descriptor import PoolDescriptor
-from distcache.ipc._layout import Layout, WordArray
+from distcache.ipc._layout import Layout, WordArray, in_process
 from distcache.ipc._producer import DEFAULT_SLOTS, ProducerPool
 from distcache.store._fs import unlink_quietly
 
@@ -192,7 +192,8 @@ class ShmPool(ProducerPool):
         mm = create_segment(self.path, self.data_start + self.capacity, self.pool_id)
         self._mem = _Memory(mm, self.data_start, self.layout.stride)
         self._linked = True
-        self._finalizer = weakref.finalize(self, unlink_quietly, self.path)
+        self._finalizer = weakref.finalize(self, in_process, os.getpid(), unlink_quietly,
+                                           self.path)
         self._start(self._mem.words)
 
     def _handle(self) -> bytes:
