@@ -127,6 +127,11 @@ class ProducerPool:
     def unlink(self) -> None:
         """Remove the pool's system-wide name, if it has one; existing mappings stay."""
 
+    @property
+    def explicit_consumers(self) -> tuple[int, ...] | None:
+        """The consumer ranks given when the pool was made (None: the node's others)."""
+        return self._explicit
+
     # -- protocol -------------------------------------------------------------------
     def bind(self, owner: int | None, consumers: Sequence[int], node_id: str = "") -> None:
         """Fix the owner rank and the consumer ranks (the registry does this at exchange).

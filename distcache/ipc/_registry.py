@@ -98,7 +98,14 @@ class PoolRegistry:
             for pool in pools:
                 if isinstance(pool, CudaPool) and backend == "shm":
                     pool.fall_back_to_host()
-                pool.bind(comm.rank, _consumers_of(comm.rank, nodes), comm.node_id)
+                node = _consumers_of(comm.rank, nodes)
+                strays = [r for r in pool.explicit_consumers or () if r not in node]
+                if strays:
+                    raise IpcError(
+                        f"pool {pool.pool_id}: consumers {strays} are not ranks of this "
+                        f"node's job besides its owner {comm.rank} (those are {node})",
+                        pool_id=pool.pool_id)
+                pool.bind(comm.rank, node, comm.node_id)
                 registry.own[pool.pool_id] = pool
             mine = [pool.descriptor().pack() for pool in pools]
         except Exception as exc:
