@@ -21,6 +21,13 @@ from distcache.ipc._wire import (
     decode,
 )
 
+_THING = "pool descriptor"  # what a malformed one is called in its error
+
+
+def _bad(what: str, pool_id: str | None = None) -> IpcError:
+    return bad(what, pool_id, _THING)
+
+
 _DESC_MAGIC = b"DCP"
 #: Version 2: the segment carries audience words per slot and a consumer table.
 #: Version 3: and the extent (offset, bytes) of each slot's lease.
@@ -61,32 +68,32 @@ class PoolDescriptor:
         check_pool_id(self.pool_id)
         pid = self.pool_id
         if self.backend not in BACKENDS:
-            raise bad(f"backend {self.backend!r} is not one of {BACKENDS}", pid)
+            raise _bad(f"backend {self.backend!r} is not one of {BACKENDS}", pid)
         if self.version != DESCRIPTOR_VERSION:
-            raise bad(f"descriptor version {self.version!r} != {DESCRIPTOR_VERSION}", pid)
+            raise _bad(f"descriptor version {self.version!r} != {DESCRIPTOR_VERSION}", pid)
         if self.owner is not None:
-            check_int("owner", self.owner, _NO_OWNER - 1, pid)
-        check_int("epoch", self.epoch, (1 << 63) - 1, pid)
-        check_int("capacity", self.capacity, MAX_BYTES, pid)
-        check_int("data_start", self.data_start, MAX_BYTES, pid)
-        check_int("slots", self.slots, 1 << 20, pid)
-        check_int("ack_words", self.ack_words, 0xFFFF, pid)
+            check_int("owner", self.owner, _NO_OWNER - 1, pid, _THING)
+        check_int("epoch", self.epoch, (1 << 63) - 1, pid, _THING)
+        check_int("capacity", self.capacity, MAX_BYTES, pid, _THING)
+        check_int("data_start", self.data_start, MAX_BYTES, pid, _THING)
+        check_int("slots", self.slots, 1 << 20, pid, _THING)
+        check_int("ack_words", self.ack_words, 0xFFFF, pid, _THING)
         if type(self.device) is not int or not -1 <= self.device <= 0x7FFF:
-            raise bad(f"device={self.device!r} must be -1 (host) or a device index", pid)
+            raise _bad(f"device={self.device!r} must be -1 (host) or a device index", pid)
         if self.slots == 0 or Layout(self.slots, self.ack_words).words * 4 > self.data_start:
-            raise bad("control words overlap the data region", pid)
+            raise _bad("control words overlap the data region", pid)
         if self.data_start % ALIGNMENT:
-            raise bad(f"data_start={self.data_start} is not aligned to {ALIGNMENT} bytes", pid)
+            raise _bad(f"data_start={self.data_start} is not aligned to {ALIGNMENT} bytes", pid)
         if not isinstance(self.consumers, tuple) or len(self.consumers) > self.ack_words:
-            raise bad(f"{self.consumers!r} consumers exceed {self.ack_words} ack words", pid)
+            raise _bad(f"{self.consumers!r} consumers exceed {self.ack_words} ack words", pid)
         for rank in self.consumers:
-            check_int("consumer rank", rank, MAX_RANK, pid)
+            check_int("consumer rank", rank, MAX_RANK, pid, _THING)
         if len(set(self.consumers)) != len(self.consumers):
-            raise bad(f"consumer ranks {list(self.consumers)} repeat a rank", pid)
+            raise _bad(f"consumer ranks {list(self.consumers)} repeat a rank", pid)
         if not isinstance(self.handle, bytes) or not 0 < len(self.handle) <= 0xFFFF:
-            raise bad("handle must be 1-65535 bytes", pid)
+            raise _bad("handle must be 1-65535 bytes", pid)
         if not isinstance(self.node_id, str) or len(self.node_id.encode()) > 255:
-            raise bad("node_id must be a string of at most 255 bytes", pid)
+            raise _bad("node_id must be a string of at most 255 bytes", pid)
 
     @property
     def segment_bytes(self) -> int:
@@ -127,18 +134,18 @@ class PoolDescriptor:
             IpcError: the bytes are not a valid descriptor of a supported version.
         """
         if not isinstance(data, bytes | bytearray | memoryview):
-            raise bad(f"expected bytes for a pool descriptor, got {type(data).__name__}")
+            raise _bad(f"expected bytes for a pool descriptor, got {type(data).__name__}")
         return decode(cls._unpack, data, "pool descriptor")
 
     @classmethod
     def _unpack(cls, buf: memoryview) -> PoolDescriptor:
         magic, version, backend, id_len = _DESC_HEAD.unpack_from(buf, 0)
         if magic != _DESC_MAGIC:
-            raise bad("not a pool descriptor (bad magic)")
+            raise _bad("not a pool descriptor (bad magic)")
         if version != DESCRIPTOR_VERSION:
-            raise bad(f"pool descriptor version {version} is not supported")
+            raise _bad(f"pool descriptor version {version} is not supported")
         if backend >= len(BACKENDS):
-            raise bad(f"unknown backend code {backend}")
+            raise _bad(f"unknown backend code {backend}")
         pos = _DESC_HEAD.size
         pool_id = bytes(buf[pos : pos + id_len]).decode("ascii")
         pos += id_len
@@ -147,7 +154,7 @@ class PoolDescriptor:
         owner, epoch, capacity, data_start, slots, ack_words, device, n_cons, h_len, n_len = body
         need = pos + 4 * n_cons + h_len + n_len
         if len(buf) != need:
-            raise bad(f"pool descriptor is {len(buf)} bytes, its fields say {need}")
+            raise _bad(f"pool descriptor is {len(buf)} bytes, its fields say {need}")
         consumers = struct.unpack_from(f"<{n_cons}I", buf, pos)
         pos += 4 * n_cons
         handle = bytes(buf[pos : pos + h_len])
@@ -189,7 +196,10 @@ def gathered_descriptors(gathered: list[list[bytes]]) -> list[PoolDescriptor]:
             except IpcError as exc:
                 raise IpcError(f"rank {rank} sent a malformed pool descriptor: {exc}",
                                pool_id=getattr(exc, "pool_id", None)) from None
-            if seen.setdefault(desc.pool_id, rank) != rank or desc.owner != rank:
+            if desc.owner != rank:
+                raise IpcError(f"rank {rank} sent pool {desc.pool_id} of rank {desc.owner}: a "
+                               "rank shares only its own pools", pool_id=desc.pool_id)
+            if seen.setdefault(desc.pool_id, rank) != rank:
                 raise IpcError(
                     f"pool id {desc.pool_id} is claimed by ranks {seen[desc.pool_id]} and {rank}",
                     pool_id=desc.pool_id,

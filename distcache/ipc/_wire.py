@@ -48,8 +48,8 @@ _POOL_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
 BACKENDS = ("shm", "cuda")
 
 
-def bad(what: str, pool_id: str | None = None) -> IpcError:
-    return IpcError(f"invalid feature reference: {what}", pool_id=pool_id)
+def bad(what: str, pool_id: str | None = None, thing: str = "feature reference") -> IpcError:
+    return IpcError(f"invalid {thing}: {what}", pool_id=pool_id)
 
 
 _T = TypeVar("_T")
@@ -65,12 +65,13 @@ def decode(
     except IpcError:
         raise
     except (struct.error, ValueError, TypeError, UnicodeDecodeError, IndexError) as exc:
-        raise bad(f"garbled {what} ({exc})") from None
+        raise bad(f"garbled {what} ({exc})", thing=what) from None
 
 
-def check_int(name: str, value: Any, upper: int, pool_id: str | None) -> None:
+def check_int(name: str, value: Any, upper: int, pool_id: str | None,
+              thing: str = "feature reference") -> None:
     if type(value) is not int or not 0 <= value <= upper:
-        raise bad(f"{name}={value!r} must be an integer in [0, {upper}]", pool_id)
+        raise bad(f"{name}={value!r} must be an integer in [0, {upper}]", pool_id, thing)
 
 
 def consumer_ranks(ranks: Any, pool_id: str | None) -> tuple[int, ...]:
