@@ -10,7 +10,6 @@ value. ``0`` and ``""`` are real values: nothing here uses ``x or default``.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -75,12 +74,19 @@ def _int(minimum: int) -> Callable[[str, str], int]:
     return parse
 
 
+#: The longest wait a setting may ask for (about 11.6 days): far beyond any real one,
+#: and within what every wait downstream takes (an int32 of milliseconds, a socket's
+#: timeout, a deadline as a timestamp).
+MAX_SECONDS = 1_000_000.0
+
+
 def check_seconds(value: object, *, what: str, text: bool = True) -> float:
-    """``value`` as seconds, a finite number above 0: a text is parsed when ``text`` (a
-    variable, an option), never otherwise; ``what`` names it (``""``: argparse does).
+    """``value`` as seconds, a number above 0 and at most :data:`MAX_SECONDS`: a text is
+    parsed when ``text`` (a variable, an option), never otherwise; ``what`` names it
+    (``""``: argparse does).
 
     Raises:
-        ConfigError: not a number, or not a finite number above 0.
+        ConfigError: not a number, or not one above 0 and at most :data:`MAX_SECONDS`.
     """
     number: float | None = None
     if text and isinstance(value, str):
@@ -88,11 +94,12 @@ def check_seconds(value: object, *, what: str, text: bool = True) -> float:
             number = float(value.strip())
     elif isinstance(value, int | float) and not isinstance(value, bool):
         number = value  # not numpy's ints or Fraction: the waits downstream take floats
-    # Infinity is refused too: the waits of ``threading`` overflow on it.
-    if number is not None and 0 < number < math.inf:
+    # Infinity and huge numbers are refused: the waits downstream overflow on them.
+    if number is not None and 0 < number <= MAX_SECONDS:
         return float(number)
     shown = f"{what}={value!r}" if what else repr(value)
-    why = "is not a number" if number is None else "must be a finite number of seconds > 0"
+    why = ("is not a number" if number is None else
+           f"must be a number of seconds above 0 and at most {MAX_SECONDS:,.0f}")
     raise ConfigError(f"{shown} {why}", variable=what or None, value=value)
 
 

@@ -168,7 +168,7 @@ def check_families(names: Iterable[str], option: str = "--family") -> None:
 
 
 def positive_seconds(text: str) -> float:
-    """An option's value in seconds: a finite number above 0, as
+    """An option's value in seconds: above 0 and at most ``MAX_SECONDS``, as
     :func:`~distcache.config.check_seconds` checks it (argparse type).
 
     Raises:

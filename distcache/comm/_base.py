@@ -155,8 +155,9 @@ def check_timeout(timeout: float | None) -> None:
     """The check every collective makes of its ``timeout`` before it communicates.
 
     Raises:
-        ValueError: ``timeout`` is not None and not a finite number of seconds > 0
-            (as :func:`~distcache.config.check_seconds` words it).
+        ValueError: ``timeout`` is not None and not a number of seconds above 0 and at
+            most :data:`~distcache.config.MAX_SECONDS` (worded as
+            :func:`~distcache.config.check_seconds` words it).
     """
     if timeout is not None:
         try:

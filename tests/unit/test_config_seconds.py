@@ -17,8 +17,9 @@ from distcache.config import TABLE, check_seconds, settings
 from distcache.errors import ConfigError
 from distcache.store import ArtifactPool
 
-NOT_SECONDS = "must be a finite number of seconds > 0"
-BAD_TEXTS = ("0", "-5", "nan", "inf", "-inf", "1e400")
+NOT_SECONDS = "must be a number of seconds above 0 and at most 1,000,000"
+#: ... and a wait far past what any wait downstream takes (1e10 s overflowed there).
+BAD_TEXTS = ("0", "-5", "nan", "inf", "-inf", "1e400", "1e10", "1000000.5")
 #: The variables whose values are seconds (their rows parse with the one check).
 SECONDS_VARIABLES = ("DISTCACHE_TIMEOUT", "DISTCACHE_HTTP_TIMEOUT", "DISTCACHE_LOCK_TIMEOUT",
                      "DISTCACHE_INIT_TIMEOUT")
@@ -96,6 +97,7 @@ def test_every_seconds_variable_reads_a_finite_positive_number(name: str) -> Non
 
 def test_good_seconds_are_read_as_floats_on_every_path() -> None:
     assert check_seconds(" 2.5 ", what="x") == 2.5
+    assert check_seconds("1e6", what="x") == 1_000_000.0  # the longest wait taken
     assert check_seconds(7, what="x", text=False) == 7.0
     conf = settings({}, timeout=7)
     assert conf.timeout == 7.0 and isinstance(conf.timeout, float)
@@ -146,13 +148,13 @@ def test_the_rows_that_check_an_explicit_value() -> None:
                        "downloads_per_rank", "downloads_per_job"}
 
 
-@pytest.mark.parametrize("given", [0, -1.0, math.inf, math.nan])
+@pytest.mark.parametrize("given", [0, -1.0, math.inf, math.nan, 1e10])
 def test_an_http_origin_and_the_rendezvous_take_the_one_seconds_check(given: float) -> None:
     from distcache.origins import HttpOrigin
 
-    with pytest.raises(ConfigError, match=r"^timeout=.* must be a finite number of seconds"):
+    with pytest.raises(ConfigError, match=r"^timeout=.* must be a number of seconds above 0"):
         HttpOrigin("http://mirror.example/c", timeout=given)
-    with pytest.raises(ConfigError, match=r"^init_timeout=.* must be a finite number"):
+    with pytest.raises(ConfigError, match=r"^init_timeout=.* must be a number of seconds"):
         settings({}, init_timeout=given)
 
 
