@@ -239,6 +239,12 @@ def _master(
     used: list[str] = []
     addr = env.get("MASTER_ADDR") or None
     if addr is not None:
+        # A host name or an address (IPv6 in brackets or not, a zone after %), nothing
+        # else: a blank or a trailing comment would be looked up as a name, after waiting.
+        if len(addr) > 253 or not addr.isascii() or not all(
+                c.isalnum() or c in "-._:%[]" for c in addr):
+            raise LaunchError(f"MASTER_ADDR={addr[:200]!r} is not a host name or address",
+                              variable="MASTER_ADDR", value=addr[:200])
         used.append("MASTER_ADDR")
     port = read_int(env, "MASTER_PORT", minimum=1)
     if port is not None:

@@ -329,6 +329,20 @@ def test_explicit_master_variables_win_over_slurm_derivation() -> None:
     assert (info.master_addr, info.master_port) == ("10.1.2.3", 31000)
 
 
+@pytest.mark.parametrize("addr", ["  ", "127.0.0.1 # c", "host\n", "h\u00f6st", "a" * 254])
+def test_a_master_addr_that_is_no_host_is_a_launch_error(addr: str) -> None:
+    # It was looked up as a host name, after the whole rendezvous timeout, and the
+    # failure then blamed MASTER_PORT.
+    with pytest.raises(LaunchError, match="is not a host name or address") as err:
+        detect({**TORCHRUN, "MASTER_ADDR": addr}, hostname=HOST)
+    assert err.value.variable == "MASTER_ADDR"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("addr", ["node-1.cluster", "10.0.0.1", "fe80::1", "[fe80::1%eth0]"])
+def test_host_names_and_addresses_are_taken_as_master_addr(addr: str) -> None:
+    assert detect({**TORCHRUN, "MASTER_ADDR": addr}, hostname=HOST).master_addr == addr
+
+
 def test_arbitrary_slurm_distribution_leaves_master_addr_unknown() -> None:
     info = detect({**SLURM_THREE_NODES, "SLURM_DISTRIBUTION": "arbitrary"}, hostname=HOST)
     assert info.master_addr is None
