@@ -47,7 +47,8 @@ def setup_fetch(parser: argparse.ArgumentParser) -> None:
                         help="origin URL or directory; repeat or comma-separate to fall back "
                              "in order (default: DISTCACHE_ORIGIN)")
     parser.add_argument("--jobs", type=int, metavar="N",
-                        help="parallel downloads (default: DISTCACHE_DOWNLOADS_PER_RANK)")
+                        help="parallel downloads (default: the smaller of "
+                             "DISTCACHE_DOWNLOADS_PER_RANK and DISTCACHE_DOWNLOADS_PER_JOB)")
     add_json_option(parser)
     parser.set_defaults(run=run_fetch)
 
@@ -72,7 +73,10 @@ def _progress(total: int) -> Any:
 def run_fetch(args: argparse.Namespace) -> int:
     """``fetch``: every artifact of the manifest into the pool; exit 1 if any failed."""
     conf = settings()
-    jobs = args.jobs if args.jobs is not None else conf.downloads_per_rank
+    # One process is the whole job here: the job's cap on concurrent downloads (a CDN's
+    # rate limit) holds too.
+    jobs = (args.jobs if args.jobs is not None
+            else min(conf.downloads_per_rank, conf.downloads_per_job))
     if jobs < 1:
         raise UsageError(f"fetch: --jobs must be >= 1, got {jobs}")
     origin = resolve_origin(args.origin or None, conf)
