@@ -113,11 +113,24 @@ def _repoint(old: Path, new: Path) -> list[str]:
 def _is_flashinfers_repository(origin: Origin | None, conf: Settings) -> bool:
     """True when misses go to the repository FlashInfer's own loader would download
     from: then its "not found" is the answer FlashInfer would get, after retries."""
-    repo = (repository() or str(loader_attr(REPOSITORY_VARIABLE) or "")).rstrip("/")
+    repo = repository() or str(loader_attr(REPOSITORY_VARIABLE) or "")
     if origin is not None:
-        return origin.describe().rstrip("/") == repo
-    specs = [spec.rstrip("/") for spec in conf.origins]
-    return not specs or specs == [repo]
+        return _same_place(origin.describe(), repo)
+    return not conf.origins or (len(conf.origins) == 1 and _same_place(conf.origins[0], repo))
+
+
+def _same_place(a: str, b: str) -> bool:
+    """Whether two origin URLs name one place: scheme, host (in any spelling or case)
+    and port, and path; user-info (which a description leaves out) and query aside."""
+    from urllib.parse import urlsplit
+
+    from distcache.origins._credentials import host_key
+
+    try:
+        return ((host_key(a), urlsplit(a).path.rstrip("/"))
+                == (host_key(b), urlsplit(b).path.rstrip("/")))
+    except ValueError:  # not a URL whose port or host can be read: compared as written
+        return a.rstrip("/") == b.rstrip("/")
 
 
 def _choose_cubin_dir() -> tuple[Path | None, Path | None]:
