@@ -52,10 +52,13 @@ from distcache.integrations.flashinfer._record import Recorder
 from distcache.integrations.flashinfer._seeds import escape as _escape
 from distcache.integrations.flashinfer._seeds import seed_bytes
 from distcache.integrations.flashinfer._upstream import (
+    REPOSITORY_VARIABLE,
     checksum_disabled,
     default_origin,
     is_installed_location,
+    loader_attr,
     no_download,
+    repository,
 )
 
 if TYPE_CHECKING:
@@ -95,10 +98,15 @@ _ASK_FLASHINFER = object()
 
 
 def fetch_hint(artifact: Artifact) -> str:
-    """The commands that bring ``artifact`` into an offline pool."""
+    """The commands that bring ``artifact`` into an offline pool: fetched on a connected
+    machine from FlashInfer's repository (named where known here), exported alone."""
+    from distcache._urls import redact_url
+
+    repo = repository() or str(loader_attr(REPOSITORY_VARIABLE) or "")
     return (f"on a connected machine run: printf '%s  %s\\n' {artifact.sha256} {artifact.name} "
-            "> need.txt && distcache fetch --manifest need.txt && distcache pool export "
-            "--tar need.tar; then here: distcache pool import need.tar")
+            f"> need.txt && distcache fetch --manifest need.txt --origin "
+            f"{redact_url(repo) if repo else 'URL'} && distcache pool export --manifest "
+            "need.txt --tar need.tar; then here: distcache pool import need.tar")
 
 
 class PooledLoader:
