@@ -44,7 +44,13 @@ from typing import Protocol
 
 from distcache.artifact import Artifact, decode_manifest, parse_checksums
 from distcache.config import settings
-from distcache.errors import ArtifactNameError, ConfigError, IntegrityError, ManifestError
+from distcache.errors import (
+    ArtifactNameError,
+    ConfigError,
+    IntegrityError,
+    ManifestError,
+    PoolError,
+)
 from distcache.store._pool import ArtifactPool
 from distcache.store._sources import kind_of, members, refuse, total_bytes
 
@@ -273,5 +279,13 @@ def import_set(pool: ArtifactPool, source: Path, progress: Progress | None = Non
         raise ConfigError(f"cannot import {source}: it changed while being imported "
                           f"({len(gone)} verified file(s) are gone, e.g. {gone[0]}); no "
                           "names were recorded", variable="SRC", value=str(source))
+    # Another process may have collected objects since they were published (a pool gc
+    # to a small cap): their names would list what the pool no longer holds.
+    lost = sorted({a.sha256 for a in labels if not pool.has(a.sha256)})
+    if lost:
+        raise PoolError(f"cannot finish importing {source}: {len(lost)} of its objects were "
+                        f"removed from the pool at {pool.root} while it ran (another "
+                        f"process's gc or size cap), e.g. {lost[0]}; no names were recorded: "
+                        "run the import again", path=str(pool.root))
     pool.remember(labels)
     return report
