@@ -155,9 +155,8 @@ def check_timeout(timeout: float | None) -> None:
     """The check every collective makes of its ``timeout`` before it communicates.
 
     Raises:
-        ValueError: ``timeout`` is not None and not a number of seconds above 0 and at
-            most :data:`~distcache.config.MAX_SECONDS` (worded as
-            :func:`~distcache.config.check_seconds` words it).
+        ValueError: ``timeout`` is not None and not seconds that
+            :func:`~distcache.config.check_seconds` takes (in its words).
     """
     if timeout is not None:
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -44,6 +45,14 @@ class Result:
             for launcher, rank, world, total in _RESULT.findall(self.output)
         ]
         return sorted(rows, key=lambda row: row[1])
+
+
+def as_on_a_terminal() -> None:
+    """A ``preexec_fn``: SIGINT and SIGQUIT at their defaults, as a shell on a terminal
+    leaves them. The suite may run as a shell's background job, which has them ignored,
+    and the wrapper keeps a signal ignored on entry ignored (as the program would)."""
+    for sig in (signal.SIGINT, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def base_env(**extra: str) -> dict[str, str]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.launchers.procs import LAUNCH, PY, REPO, base_env
+from tests.launchers.procs import LAUNCH, PY, REPO, as_on_a_terminal, base_env
 from tests.support.process import kill_group
 
 IGNORED = ("SIGHUP", "SIGINT", "SIGQUIT", "SIGTERM")
@@ -39,8 +39,10 @@ while not os.path.exists({go!r}):
 
 
 def _ignoring(*names: str) -> Callable[[], None]:
-    """A preexec function: ``names`` ignored in the child before it execs the wrapper."""
+    """A preexec function: ``names`` ignored in the child before it execs the wrapper,
+    the others at their defaults (as on a terminal)."""
     def ignore() -> None:
+        as_on_a_terminal()
         for name in names:
             signal.signal(getattr(signal, name), signal.SIG_IGN)
     return ignore

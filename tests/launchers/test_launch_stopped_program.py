@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from tests.launchers.procs import LAUNCH, PY, REPO, base_env
+from tests.launchers.procs import LAUNCH, PY, REPO, as_on_a_terminal, base_env
 from tests.support.process import kill_group
 
 #: PROGRAM: survives SIGINT (writes ``survived``), writes its pid, then waits for
@@ -53,7 +53,7 @@ def _launched(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
                               survived=str(tmp_path / "survived"))
     proc = subprocess.Popen([*LAUNCH, "--", PY, "-c", program], env=base_env(), cwd=REPO,
                             start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+                            stderr=subprocess.STDOUT, preexec_fn=as_on_a_terminal)
     pid = None
     try:
         _until("the program started", pidfile.exists, 60)

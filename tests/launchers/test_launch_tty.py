@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launchers.procs import REPO, base_env
+from tests.launchers.procs import REPO, as_on_a_terminal, base_env
 
 PY = sys.executable
 #: Generous: two interpreters start and the machine may be loaded.
@@ -57,6 +57,7 @@ class Terminal:
         pid, fd = os.forkpty()
         if pid == 0:  # pragma: no cover - the child execs at once
             try:
+                as_on_a_terminal()  # what a shell on this terminal would leave
                 os.chdir(REPO)
                 os.execve(argv[0], argv, env)
             finally:
