@@ -233,13 +233,13 @@ def _check_comm(comm: object) -> None:
         "adopts its own", variable="comm", value=_shown(comm))
 
 
-def _check_list(keyword: str, value: object, example: str) -> None:
+def _check_list(keyword: str, value: object, example: str, of: str = "") -> None:
     """Refuse ``value`` for ``keyword`` unless it is ``None`` or a list (any iterable
-    but a string): a single object or a string is not one."""
+    but a string) ``of`` what it should hold: a single object or a string is not one."""
     if value is None or (isinstance(value, Iterable) and not isinstance(value, str | bytes)):
         return
     what = f"the string {value!r}" if isinstance(value, str | bytes) else _shown(value)
-    raise ConfigError(f"{keyword} must be a list ({keyword}={example}), not {what}",
+    raise ConfigError(f"{keyword} must be a list{of} ({keyword}={example}), not {what}",
                       variable=keyword, value=_shown(value))
 
 
@@ -257,12 +257,7 @@ def _check_items(keyword: str, value: object, kind: type | tuple[type, ...], wha
 
 def _check_names(names: object) -> None:
     """``jit_caches``: a list of names (``None``: ``DISTCACHE_JIT_CACHES``)."""
-    if names is None:
-        return
-    if isinstance(names, str | bytes) or not isinstance(names, Iterable):
-        what = f"the string {names!r}" if isinstance(names, str | bytes) else _shown(names)
-        raise ConfigError(f'jit_caches must be a list of names (jit_caches=["inductor"]), '
-                          f"not {what}", variable="jit_caches", value=_shown(names))
+    _check_list("jit_caches", names, '["inductor"]', " of names")
     _check_items("jit_caches", names, str, "a cache's name")
 
 
