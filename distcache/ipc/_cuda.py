@@ -49,7 +49,8 @@ from distcache.ipc._devmap import pack_handle, stream_handle
 from distcache.ipc._layout import WORD_BYTES, WordArray, align_up, in_process
 from distcache.ipc._producer import DEFAULT_SLOTS, ProducerPool
 from distcache.ipc._ref import FeatureRef
-from distcache.ipc._shm import SHM_DIR, ShmPool, create_segment, segment_name, unlink_quietly
+from distcache.ipc._shm import SHM_DIR, ShmPool, create_segment, segment_name
+from distcache.ipc._stale import release
 
 log = get_logger(__name__)
 
@@ -111,21 +112,21 @@ class CudaPool(ProducerPool):
         ptr = drv.mem_alloc(index, self.capacity)
         try:
             ipc = drv.ipc_handle(index, ptr)
-            mm = create_segment(self.path, words_bytes, self.pool_id)
+            mm, held = create_segment(self.path, words_bytes, self.pool_id)
             try:
                 addr = drv.buffer_address(mm)
                 self._dev_words = drv.host_register(index, addr, words_bytes)
             except BaseException:
                 mm.close()
-                unlink_quietly(self.path)
+                release(self.path, held)
                 raise
         except BaseException:
             drv.mem_free(index, ptr)
             raise
         self._ptr, self._mm, self._addr = ptr, mm, addr
-        self._linked = True
-        self._finalizer = weakref.finalize(self, in_process, os.getpid(), unlink_quietly,
-                                           self.path)
+        self._linked, self._held = True, held
+        self._finalizer = weakref.finalize(self, in_process, os.getpid(), release,
+                                           self.path, held)
         self._share = pack_handle(
             ipc, drv.device_uuid(index), self.capacity, words_bytes, self.segment
         )
@@ -263,7 +264,7 @@ class CudaPool(ProducerPool):
     def _unlink_words(self) -> None:
         if self._linked:
             self._linked = False
-            unlink_quietly(self.path)
+            release(self.path, self._held)
             self._finalizer.detach()
 
     def _free(self) -> None:

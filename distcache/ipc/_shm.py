@@ -7,14 +7,15 @@ with a resource tracker that unlinks it when *any* attaching process exits
 with ``posix_fallocate``, because a full ``/dev/shm`` (64 MB by default in Docker)
 otherwise shows up as SIGBUS on the first write into an unbacked page, not as an
 error (research notes, 4.3). The owner unlinks the name right after the exchange
-barrier, so a crash leaks nothing; mappings outlive the name.
+barrier, so a crash after it leaks nothing; mappings outlive the name. A producer
+killed before it holds its segment locked, and the next segment made on the host
+sweeps such names away (:mod:`distcache.ipc._stale`).
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import re
 import stat
 import weakref
 from collections.abc import Callable, Sequence
@@ -25,12 +26,12 @@ from distcache.errors import IpcError, PoolError
 from distcache.ipc._descriptor import PoolDescriptor
 from distcache.ipc._layout import Layout, WordArray, in_process
 from distcache.ipc._producer import DEFAULT_SLOTS, ProducerPool
-from distcache.store._fs import unlink_quietly
+from distcache.ipc._stale import NAME_RE, hold, release, sweep_stale
 
 log = get_logger(__name__)
 
 SHM_DIR = "/dev/shm"
-_NAME_RE = re.compile(r"\Adistcache\.[A-Za-z0-9._-]{1,100}\Z")
+_NAME_RE = NAME_RE
 
 
 def _unmap(mm: mmap.mmap, what: str) -> None:
@@ -42,8 +43,10 @@ def _unmap(mm: mmap.mmap, what: str) -> None:
         log.warning("%s: tensors still view the segment; it is unmapped when they are freed", what)
 
 
-def create_segment(path: str, size: int, pool_id: str) -> mmap.mmap:
-    """Create, reserve and map a new zeroed segment of ``size`` bytes at ``path``.
+def create_segment(path: str, size: int, pool_id: str) -> tuple[mmap.mmap, int]:
+    """Create, reserve and map a new zeroed segment of ``size`` bytes at ``path``, after
+    sweeping stale names away; the mapping and the descriptor that holds the segment
+    locked until :func:`~distcache.ipc._stale.release` unlinks it.
 
     Raises:
         PoolError: ``/dev/shm`` has too little free space, or creating it failed.
@@ -52,6 +55,8 @@ def create_segment(path: str, size: int, pool_id: str) -> mmap.mmap:
         vfs = os.statvfs(SHM_DIR)
     except OSError as exc:
         raise PoolError(f"cannot use {SHM_DIR}: {exc}", path=SHM_DIR) from exc
+    if sweep_stale(SHM_DIR):
+        vfs = os.statvfs(SHM_DIR)
     free = vfs.f_bavail * vfs.f_frsize
     if size > free:
         raise PoolError(
@@ -65,6 +70,7 @@ def create_segment(path: str, size: int, pool_id: str) -> mmap.mmap:
     except OSError as exc:
         raise PoolError(f"cannot create {path}: {exc}", path=path) from exc
     try:
+        hold(fd, path)
         try:
             os.posix_fallocate(fd, 0, size)
         except OSError as exc:
@@ -73,12 +79,10 @@ def create_segment(path: str, size: int, pool_id: str) -> mmap.mmap:
                 f"{exc}; free space or enlarge {SHM_DIR}",
                 path=path,
             ) from exc
-        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE), fd
     except BaseException:
-        unlink_quietly(path)
+        release(path, fd)
         raise
-    finally:
-        os.close(fd)
 
 
 def open_segment(name: str, size: int, descriptor: PoolDescriptor) -> mmap.mmap:
@@ -189,11 +193,12 @@ class ShmPool(ProducerPool):
         super().__init__(capacity_bytes, consumers=consumers, name=name, slots=slots, device=-1)
         self.segment = segment_name(self.pool_id, self.epoch)
         self.path = os.path.join(SHM_DIR, self.segment)
-        mm = create_segment(self.path, self.data_start + self.capacity, self.pool_id)
+        mm, self._held = create_segment(self.path, self.data_start + self.capacity,
+                                        self.pool_id)
         self._mem = _Memory(mm, self.data_start, self.layout.stride)
         self._linked = True
-        self._finalizer = weakref.finalize(self, in_process, os.getpid(), unlink_quietly,
-                                           self.path)
+        self._finalizer = weakref.finalize(self, in_process, os.getpid(), release,
+                                           self.path, self._held)
         self._start(self._mem.words)
 
     def _handle(self) -> bytes:
@@ -216,7 +221,7 @@ class ShmPool(ProducerPool):
         """Remove the segment's name from ``/dev/shm`` (idempotent); mappings survive."""
         if self._linked:
             self._linked = False
-            unlink_quietly(self.path)
+            release(self.path, self._held)
             self._finalizer.detach()
 
     def _free(self) -> None:
