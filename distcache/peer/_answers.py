@@ -4,9 +4,9 @@
 Every answer closes its connection (the asker opens one per request): a client can
 hold a connection only for as long as one request's head takes (:data:`HEAD_S
 <distcache.peer._servers.HEAD_S>`), never from one refusal to the next. An answer to
-an authenticated request that is not the object's bytes carries the agent's signature
-of it (:func:`distcache.peer._auth.sign_answer`): the asker takes the origin's "no such
-artifact" as final only with it.
+an authenticated request carries the agent's signature of it
+(:func:`distcache.peer._auth.sign_answer`): the asker takes the origin's "no such
+artifact" as final only with it, and reads the object's bytes only after it.
 """
 
 from __future__ import annotations
@@ -162,6 +162,7 @@ def handler(agent: Agent, *, hop_s: float, budget_s: float
                 self.send_header("Content-Type", "application/octet-stream")
                 self.send_header("Content-Length", str(len(got.data)))
                 self.send_header(_client.HEADER_SOURCE, got.source)
+                self.send_header(HEADER_ANSWER, sign_answer(agent.key, signed, 200, got.source))
                 self.send_header("Connection", "close")
                 self.end_headers()
                 self.wfile.write(got.data)

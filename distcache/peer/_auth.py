@@ -13,12 +13,14 @@ replayed to it, nor sent to another node's agent, which computes another MAC. Th
 key never travels: a worker of the node reads it from a file only its user can read,
 beside the agent's Unix socket.
 
-An answer other than the object's bytes (which the asker checks against the sha256
-it asked for) is signed by the agent too (:func:`sign_answer`): an HMAC under the same
-key of the request's nonce and signature, the status and the reason, in
-:data:`HEADER_ANSWER`. The asker takes such an answer as final (the origin has no such
-artifact) only when :func:`answer_signed`: a process that answers at an agent's
-endpoint without the key (one that took a stopped agent's port) is only skipped.
+Every answer to an authenticated request is signed by the agent too
+(:func:`sign_answer`): an HMAC under the same key of the request's nonce and
+signature, the status and the reason (for the object's bytes, where the agent got
+them), in :data:`HEADER_ANSWER`. The asker takes an answer as final (the origin has no
+such artifact) only when :func:`answer_signed`, and reads the bytes of one (which it
+then checks against the sha256 it asked for) only after it: a process that answers at
+an agent's endpoint without the key (one that took a stopped agent's port) is only
+skipped, and cannot make an asker take in gigabytes first.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ HEADER_NONCE = "X-Distcache-Nonce"
 HEADER_AUTH = "X-Distcache-Auth"
 #: Seconds the asker gives the answer (its budget); signed with the request.
 HEADER_DEADLINE = "X-Distcache-Deadline"
-#: The agent's signature of an answer that is not the object's bytes.
+#: The agent's signature of its answer.
 HEADER_ANSWER = "X-Distcache-Answer-Auth"
 _LABEL = b"distcache peer agent v1"
 

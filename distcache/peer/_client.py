@@ -6,7 +6,8 @@ are checked against the sha256 asked for before they are returned, so a peer can
 a lookup fail but never hand over other bytes; and an answer taken as final (the origin
 behind the agent has no such artifact) must carry the agent's signature of it, under the
 same key, for this very request: one without is a hop that did not answer
-(:class:`Unsigned`), never the end of a lookup. A Unix socket is dialled only when this
+(:class:`Unsigned`), never the end of a lookup. An answer with the bytes must carry it
+too before its body is read: one that does not costs the asker no memory. A Unix socket is dialled only when this
 user listens on it (the kernel says who): another's is a hop to an agent not there.
 """
 
@@ -193,6 +194,8 @@ def request(endpoint: str, key: bytes, path: str, *, timeout: float, deadline: s
                 headed = not cut.fired
                 if not headed:
                     raise TimeoutError("no whole status line and headers in time")
+                if answer.status == 200:
+                    _check_signed(endpoint, key, signed, answer)
                 body = _body(endpoint, sock, answer, until, bound)
                 return answer.status, {k.lower(): v for k, v in answer.getheaders()}, body
         except RuntimeError as exc:  # no thread for the cut: nothing said of the agent
@@ -204,6 +207,21 @@ def request(endpoint: str, key: bytes, path: str, *, timeout: float, deadline: s
         if cut is not None:
             cut.cancel()
         conn.close()
+
+
+def _check_signed(endpoint: str, key: bytes, signed: dict[str, str],
+                  answer: http.client.HTTPResponse) -> None:
+    """Refuse an answer with the bytes unless the agent signed it for this request,
+    before any of them is read.
+
+    Raises:
+        Unsigned: it is not signed so.
+    """
+    source = answer.getheader(HEADER_SOURCE) or ""
+    if not answer_signed(key, signed, answer.status, source, answer.getheader(HEADER_ANSWER)):
+        raise Unsigned(f"agent {endpoint} answered {answer.status} without this job's "
+                       "signature of it: its body was not read", endpoint=endpoint,
+                       status=0, refused=False)
 
 
 def _unanswered(endpoint: str, exc: BaseException, cut: bool, headed: bool) -> PeerError:

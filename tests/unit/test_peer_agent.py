@@ -21,6 +21,7 @@ from distcache.peer import (
     Agent,
     Singleflight,
     Tier,
+    _client,
     derive_key,
     fetch,
     host_agent,
@@ -534,10 +535,29 @@ def test_an_agent_whose_endpoints_cannot_be_shared_is_stopped_and_leaves_nothing
         socket.create_connection((host, int(port)), 1)
 
 
+def signed_script(request: bytes, script: bytes, key: bytes = KEY) -> list[bytes | memoryview]:
+    """``script`` with a ``200`` answer's head signed for ``request`` as an agent holding
+    ``key`` signs it, in pieces to send one after the other (the body is not copied):
+    what misbehaves in it then does so past the signature check."""
+    if not script.startswith((b"HTTP/1.1 200", b"HTTP/1.0 200")):
+        return [script]
+    from distcache.peer._auth import HEADER_ANSWER, sign_answer
+
+    def headers(text: bytes) -> dict[str, str]:
+        lines = text[:4096].split(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")[1:]
+        return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+
+    source = headers(script).get(_client.HEADER_SOURCE, "")
+    mac = sign_answer(key, headers(request), 200, source)
+    end = script.index(b"\r\n")
+    return [script[:end], f"\r\n{HEADER_ANSWER}: {mac}".encode(), memoryview(script)[end:]]
+
+
 def _bad_peer(script: bytes, trickle: int = 0, delay: float = 0.0,
               hold: float = 0.0) -> tuple[str, threading.Thread]:
-    """A TCP endpoint that answers one request with ``script`` after ``delay`` s, then
-    ``trickle`` bytes one every 0.3 s, then keeps the connection ``hold`` s."""
+    """A TCP endpoint that answers one request with ``script`` (a ``200`` signed as
+    this job's agent would: :func:`signed_script`) after ``delay`` s, then ``trickle``
+    bytes one every 0.3 s, then keeps the connection ``hold`` s."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen()
@@ -545,10 +565,11 @@ def _bad_peer(script: bytes, trickle: int = 0, delay: float = 0.0,
     def serve() -> None:
         conn, _ = server.accept()
         with conn, server:
-            conn.recv(65536)
+            asked = conn.recv(65536)
             time.sleep(delay)
             with contextlib.suppress(OSError):
-                conn.sendall(script)
+                for piece in signed_script(asked, script):
+                    conn.sendall(piece)
             for _ in range(trickle):
                 time.sleep(0.3)
                 with contextlib.suppress(OSError):
@@ -584,8 +605,6 @@ def test_an_owner_that_fails_in_an_unforeseen_way_is_skipped_and_left_out(
     tmp_path: Path, made: list[Artifact], origin: LoopbackOrigin,
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from distcache.peer import _client
-
     agents = _agents(tmp_path, origin.url, 2)
     endpoints = [a.endpoint for a in agents]
     real = _client.fetch

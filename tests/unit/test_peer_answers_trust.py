@@ -301,3 +301,75 @@ def test_nodes_simulated_on_one_host_keep_their_loopback_endpoints(
         for agent in agents:
             agent.stop()
     assert not [r for r in caplog.records if "loopback" in r.getMessage()]
+
+
+# --- the bytes too are read only from an answer the agent signed -------------------
+
+
+def _serving(data: bytes, key: bytes | None, source: str = "pool",
+             signed_source: str | None = None) -> tuple[str, http.server.ThreadingHTTPServer]:
+    """An endpoint that answers every request 200 with ``data``, signed with ``key`` as
+    an agent signs (``None``: unsigned; ``signed_source``: the source signed, when it
+    is not the one sent)."""
+
+    class Serving(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header(_client.HEADER_SOURCE, source)
+            if key is not None:
+                from distcache.peer._auth import HEADER_ANSWER, sign_answer
+
+                request = {k: v for k, v in self.headers.items()}
+                self.send_header(HEADER_ANSWER, sign_answer(
+                    key, request, 200, source if signed_source is None else signed_source))
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Serving)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"tcp://127.0.0.1:{server.server_address[1]}", server
+
+
+@pytest.mark.parametrize(("key", "signed_source"),
+                         [(None, None), (OTHER_KEY, None), (KEY, "origin")],
+                         ids=["unsigned", "another-key", "another-source"])
+def test_bytes_without_the_agents_signature_are_not_read(
+    tmp_path: Path, made: list[Artifact], monkeypatch: pytest.MonkeyPatch,
+    key: bytes | None, signed_source: str | None,
+) -> None:
+    """Even the artifact's own bytes: a process at an agent's endpoint without the key
+    is skipped before its body is read, so one that announces gigabytes costs nothing."""
+    data = (tmp_path / "repo" / made[0].name).read_bytes()
+    assert sha256_hex(data) == made[0].sha256
+    reads: list[int] = []
+    body = _client._body
+    monkeypatch.setattr(_client, "_body", lambda *a: reads.append(1) or body(*a))
+    fake, server = _serving(data, key, signed_source=signed_source)
+    try:
+        with pytest.raises(_client.Unsigned) as raised:
+            _client.fetch(fake, KEY, made[0], fill=False, timeout=5)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert reads == []
+    assert "its body was not read" in str(raised.value)
+    assert _client.gone(raised.value, whole=True)  # left out of walks a while
+
+
+def test_bytes_the_agent_signed_are_taken(tmp_path: Path, made: list[Artifact]) -> None:
+    data = (tmp_path / "repo" / made[0].name).read_bytes()
+    fake, server = _serving(data, KEY, source="peer")
+    try:
+        got = _client.fetch(fake, KEY, made[0], fill=False, timeout=5)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert got.data == data and got.source == "peer"

@@ -22,6 +22,7 @@ from distcache.testing import LoopbackOrigin
 from tests.unit.test_peer_agent import (
     KEY,
     origin,  # noqa: F401  (a fixture)
+    signed_script,
 )
 from tests.unit.test_peer_owner_down_and_key import (  # noqa: F401  (fixtures)
     HOP_S,
@@ -36,8 +37,9 @@ TRICKLE_S = 0.05
 
 
 class _Fake:
-    """A TCP endpoint that is no agent of ours: each connection's request is read, then
-    ``script`` is sent, then ``trickle`` a byte at a time until the connection or the
+    """A TCP endpoint that answers as a broken agent of this job would: each
+    connection's request is read, then ``script`` is sent (a ``200`` head signed with
+    the job's key, :func:`~tests.unit.test_peer_agent.signed_script`), then ``trickle`` a byte at a time until the connection or the
     fake is shut. ``connections``: how many it took."""
 
     def __init__(self, script: bytes, trickle: bytes = b"") -> None:
@@ -63,8 +65,9 @@ class _Fake:
     def _serve(self, conn: socket.socket) -> None:
         with conn, contextlib.suppress(OSError):
             conn.settimeout(5)
-            conn.recv(65536)
-            conn.sendall(self.script)
+            asked = conn.recv(65536)
+            for piece in signed_script(asked, self.script):
+                conn.sendall(piece)
             for byte in self.trickle:
                 if self._stop.wait(TRICKLE_S):
                     return
