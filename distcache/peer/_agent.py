@@ -60,6 +60,9 @@ DOWN_S = 10.0
 BUSY_WAIT_S = 5.0
 #: Seconds one hop to another agent may take (its origin download included).
 HOP_S = 20.0
+#: Seconds between two asks of an owner still downloading, at least (an answer that
+#: comes sooner is not asked again at once).
+REASK_S = 0.1
 #: Seconds a request may take when the asker gives no budget.
 DEFAULT_BUDGET_S = 30.0
 #: Seconds a filling request waits, at most, for an agent that will be joined to the
@@ -229,13 +232,51 @@ class Agent:
                     break
                 return self._fill(artifact, "origin" if place == 0 else "fallback",
                                   until - time.monotonic())
-            endpoint = nodes[index]
-            hop = min(HOP_S, until - time.monotonic())
-            if hop <= 0 or self._is_down(endpoint):
+            got = self._from(nodes[index], artifact, until)
+            if got is None:
                 continue
+            self.count("peer")
+            # Published beside the answer, not before it: the asker has verified bytes
+            # now, and a lookup that comes before the object lands only copies again.
+            threading.Thread(target=self._publish, args=(artifact, got.data), daemon=True,
+                             name="distcache-peer-publish").start()
+            return _client.Answer(got.data, "peer")
+        self.count("no_owner")
+        raise PeerError(f"no owner of {artifact.name} answered", sha256=artifact.sha256,
+                        status=503, refused=False)
+
+    def _from(self, endpoint: str, artifact: Artifact, until: float) -> _client.Answer | None:
+        """``artifact`` from the agent at ``endpoint``, asked again for as long as its
+        download of it goes on (:class:`~distcache.peer._client.Filling`) and ``until``
+        allows; ``None`` when it is skipped (left out of walks a while where it did not
+        answer as an agent of this job does).
+
+        Raises:
+            ArtifactNotFound: the origin behind it has no such artifact: final.
+            PeerError: ``until`` passed while its download went on: the walk ends there
+                rather than have the next node ask the origin too.
+        """
+        filling = False
+        while True:
+            hop = min(HOP_S, until - time.monotonic())
+            if hop <= 0 and filling:
+                raise PeerError(f"agent {endpoint} was still downloading {artifact.name} "
+                                "when this walk's time ran out", sha256=artifact.sha256,
+                                status=503, refused=False)
+            if hop <= 0 or self._is_down(endpoint):
+                return None
+            asked = time.monotonic()
             try:
-                got = _client.fetch(endpoint, self.key, artifact, fill=True, timeout=hop,
-                                    deadline=_client.budget_for(hop))
+                return _client.fetch(endpoint, self.key, artifact, fill=True, timeout=hop,
+                                     deadline=_client.budget_for(hop))
+            except _client.Filling:
+                # Its download goes on: the next node would ask the origin once more.
+                filling = True
+                self.count("peer_filling")
+                log.debug("agent %s is still downloading %s: asked again", endpoint,
+                          artifact.name)
+                time.sleep(max(0.0, REASK_S - (time.monotonic() - asked)))
+                continue
             except PeerError as exc:
                 status = getattr(exc, "status", None)
                 wrong = isinstance(exc, _client.Wrong)  # no agent of ours answers so
@@ -257,7 +298,7 @@ class Agent:
                                 "is skipped for %.0f s at a time", exc, endpoint, DOWN_S)
                 else:
                     log.debug("agent %s skipped for %s: %s", endpoint, artifact.name, exc)
-                continue
+                return None
             except ArtifactNotFound:
                 raise  # the origin behind it has no such artifact: final
             except Exception as exc:  # an answer no agent of ours sends: not one to ask
@@ -265,16 +306,7 @@ class Agent:
                 self.count("peer_skipped")
                 log.warning("peers: agent %s skipped for %s: %s: %s", endpoint,
                             artifact.name, type(exc).__name__, exc)
-                continue
-            self.count("peer")
-            # Published beside the answer, not before it: the asker has verified bytes
-            # now, and a lookup that comes before the object lands only copies again.
-            threading.Thread(target=self._publish, args=(artifact, got.data), daemon=True,
-                             name="distcache-peer-publish").start()
-            return _client.Answer(got.data, "peer")
-        self.count("no_owner")
-        raise PeerError(f"no owner of {artifact.name} answered", sha256=artifact.sha256,
-                        status=503, refused=False)
+                return None
 
     def _fill(self, artifact: Artifact, source: str, budget: float) -> _client.Answer:
         origin = self.origin()

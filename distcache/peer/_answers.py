@@ -148,7 +148,9 @@ def handler(agent: Agent, *, hop_s: float, budget_s: float
                                    local=isinstance(self.server, UnixServer), budget=budget)
             except ArtifactNotFound:
                 return self._refuse(404, _client.NOT_AT_ORIGIN, "not_at_origin", signed)
-            except (PeerError, StillRunning) as exc:  # StillRunning: another's fill goes on
+            except StillRunning:  # the fill goes on: the asker asks again, not elsewhere
+                return self._refuse(503, _client.FILLING, "filling", signed)
+            except PeerError as exc:
                 if getattr(exc, "refused", False):
                     return self._refuse(404, "not-held", "refused_missing", signed)
                 return self._refuse(503, "unavailable", "unavailable", signed)  # not a failure

@@ -36,6 +36,9 @@ HEADER_SOURCE = "X-Distcache-Source"
 HEADER_REASON = "X-Distcache-Reason"
 #: The answer's reason when the origin behind the agent has no such artifact.
 NOT_AT_ORIGIN = "not-at-origin"
+#: The answer's reason when the agent's download of the artifact goes on past the
+#: asker's budget: asked again, it serves the same download's bytes.
+FILLING = "filling"
 #: What caps an answer for an artifact of unknown size (one of known size: its size):
 #: bytes read as they come, never allocated ahead of them, and never copied whole.
 MAX_ANSWER_VARIABLE = "DISTCACHE_MAX_ARTIFACT_BYTES"
@@ -72,6 +75,12 @@ class Unsigned(Unanswered):
     """An answer that would be final came without the agent's signature of it: not
     from an agent of this job (another process on its port, another run secret). The
     walk leaves it out for a while and asks the next node, as for a broken answer."""
+
+
+class Filling(PeerError):
+    """The agent's download of the artifact goes on past this request's budget, as it
+    signed: asking it again joins that download, where asking the next node would ask
+    the origin a second time. ``status`` 503."""
 
 
 class Silent(Unanswered):
@@ -314,6 +323,7 @@ def fetch(endpoint: str, key: bytes, artifact: Artifact, *, fill: bool, timeout:
     Raises:
         ArtifactNotFound: the origin behind the agent has no such artifact (an answer
             the agent signed for this request).
+        Filling: its download of the artifact goes on (signed so for this request).
         Unsigned: that answer without the agent's signature.
         Wrong: bytes that are not the artifact's (``refused``), or too many of them.
         PeerError: refused (``refused``: unauthenticated, not held), or no answer
@@ -338,5 +348,9 @@ def fetch(endpoint: str, key: bytes, artifact: Artifact, *, fill: bool, timeout:
                            status=status, sha256=sha, refused=False)
         raise ArtifactNotFound(f"{artifact.name}: the origin behind agent {endpoint} has no "
                                "such artifact", name=artifact.name, status=404)
+    if status == 503 and reason == FILLING and answer_signed(
+            key, signed, status, reason, headers.get(HEADER_ANSWER.lower())):
+        raise Filling(f"agent {endpoint} is still downloading {artifact.name}",
+                      endpoint=endpoint, status=status, sha256=sha, refused=False)
     raise PeerError(f"agent {endpoint} answered {status} {reason}".rstrip(), endpoint=endpoint,
                     status=status, sha256=sha, refused=status in (403, 404))

@@ -890,9 +890,11 @@ def test_a_fill_that_finds_the_object_published_meanwhile_answers_from_the_pool(
         agent.stop()
 
 
-def test_a_request_that_stops_waiting_for_anothers_fill_is_unavailable_not_an_error(
+def test_a_request_that_stops_waiting_for_anothers_fill_is_told_it_goes_on(
     tmp_path: Path, made: list[Artifact],
 ) -> None:
+    """Not an error, nor a plain 503: a signed "filling", so that the asker asks this
+    agent again instead of the next node, which would ask the origin once more."""
     with LoopbackOrigin(tmp_path / "repo", latency=2.0) as slow:
         (agent,) = _agents(tmp_path, slow.url, 1)
         try:
@@ -901,10 +903,11 @@ def test_a_request_that_stops_waiting_for_anothers_fill_is_unavailable_not_an_er
                 filling = pool.submit(fetch, agent.endpoint, KEY, art, fill=True,
                                       timeout=10, deadline=10.0)
                 time.sleep(0.5)  # the first request's fill is under way
-                with pytest.raises(PeerError) as late:
+                with pytest.raises(_client.Filling) as late:
                     fetch(agent.endpoint, KEY, art, fill=True, timeout=5, deadline=0.5)
                 assert late.value.status == 503  # type: ignore[attr-defined]
-                assert agent.counts["unavailable"] == 1 and agent.counts["errors"] == 0
+                assert agent.counts["filling"] == 1 and agent.counts["errors"] == 0
+                assert agent.counts["unavailable"] == 0
                 assert sha256_hex(filling.result().data) == art.sha256
             assert slow.total_requests == 1 and agent.counts["origin"] == 1
         finally:

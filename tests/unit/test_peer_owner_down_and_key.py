@@ -150,10 +150,13 @@ def test_a_silent_owner_is_left_out_once_it_was_given_a_whole_hop(
     assert not peer.is_alive()
 
 
-def test_an_owner_still_filling_says_so_within_the_hop_and_is_asked_again(
+def test_an_owner_still_filling_says_so_within_the_hop_and_is_waited_for(
     tmp_path: Path, made: list[Artifact], origin: LoopbackOrigin,  # noqa: F811
     short_hop: None, caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """An owner whose origin download takes longer than a hop says so (a signed 503
+    "filling") within it, and is asked again: the next node would ask the origin a
+    second time for the same artifact."""
     caplog.set_level(logging.DEBUG, logger="distcache.peer")
     with _slow_owner(tmp_path, origin.url) as (owner, agent, slow):
         owned = _owned_by(0, [owner.endpoint, agent.endpoint], made)[:2]
@@ -165,15 +168,20 @@ def test_an_owner_still_filling_says_so_within_the_hop_and_is_asked_again(
             tier = Tier(agent.local_endpoint or "", KEY, bound=10)
             got = [lookup(a, tier) for a in owned]
             assert [f.result().source for f in fills] == ["origin"] * 2
-    assert [g and g.source for g in got] == ["fallback"] * 2
-    # Each walk asked it, and it answered: a busy owner says so (503) before the
-    # asker's hop ends, and is not taken for a silent one.
-    assert owner.counts["unavailable"] == 2 and agent.counts["peer_skipped"] == 2
-    said = [r.getMessage() for r in caplog.records if "skipped for" in r.getMessage()]
-    assert len(said) == 2 and all("answered 503 unavailable" in m for m in said), said
+    assert [g and g.source for g in got] == ["peer"] * 2
+    assert [g and g.data for g in got] == [
+        (tmp_path / "repo" / a.name).read_bytes() for a in owned]
+    # One origin request per artifact in the job: the owner's.
+    assert slow.total_requests == 2 and origin.total_requests == 0
+    assert agent.counts["fallback"] == 0 and agent.counts["peer_skipped"] == 0
+    # A busy owner is not taken for a silent one, nor left out.
+    assert owner.counts["filling"] >= 1 and agent.counts["peer_filling"] >= 1
+    assert not agent._is_down(owner.endpoint)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("is still downloading" in m for m in said), said
 
 
-def test_an_owner_leading_a_slow_fill_for_its_first_asker_says_so_and_serves_later(
+def test_an_owner_leading_a_slow_fill_for_its_first_asker_serves_it_when_done(
     tmp_path: Path, made: list[Artifact], origin: LoopbackOrigin,  # noqa: F811
     short_hop: None,
 ) -> None:
@@ -182,15 +190,32 @@ def test_an_owner_leading_a_slow_fill_for_its_first_asker_says_so_and_serves_lat
         owner.pool.put((tmp_path / "repo" / held.name).read_bytes())
         owner.pool.remember([held])
         tier = Tier(agent.local_endpoint or "", KEY, bound=10)
-        # The owner leads this fill itself, longer than a hop: it answers 503 within
-        # the hop and the download goes on.
-        assert (got := lookup(first, tier)) is not None and got.source == "fallback"
-        assert owner.counts["unavailable"] == 1
+        # The owner leads this fill itself, longer than a hop: it says so within the
+        # hop, the download goes on, and the asker asks again until it is served.
+        assert (got := lookup(first, tier)) is not None and got.source == "peer"
+        assert owner.counts["filling"] >= 1 and owner.counts["origin"] == 1
         assert not agent._is_down(owner.endpoint)
-        _until(lambda: owner.pool.has(first.sha256))
         again = lookup(held, tier)
     assert again is not None and again.source == "peer"
-    assert slow.total_requests == 1 and agent.counts["fallback"] == 1
+    assert slow.total_requests == 1 and origin.total_requests == 0
+    assert agent.counts["fallback"] == 0
+
+
+def test_a_walk_whose_time_ends_while_the_owner_downloads_asks_no_origin(
+    tmp_path: Path, made: list[Artifact], origin: LoopbackOrigin,  # noqa: F811
+    short_hop: None,
+) -> None:
+    """The lookup gives up (its loader then does what it does without peers), but this
+    node does not start a second origin download as the owner's fallback."""
+    with _slow_owner(tmp_path, origin.url) as (owner, agent, slow):
+        (first,) = _owned_by(0, [owner.endpoint, agent.endpoint], made)[:1]
+        assert lookup(first, Tier(agent.local_endpoint or "", KEY, bound=1.5)) is None
+        assert owner.counts["filling"] >= 1
+        _until(lambda: owner.pool.has(first.sha256))
+        got = lookup(first, Tier(agent.local_endpoint or "", KEY, bound=10))
+    assert got is not None and got.source == "peer"
+    assert slow.total_requests == 1 and origin.total_requests == 0
+    assert agent.counts["fallback"] == 0 and agent.counts["unavailable"] == 1
 
 
 # --- the key file ------------------------------------------------------------------
