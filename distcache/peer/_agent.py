@@ -44,7 +44,7 @@ from distcache.origins._base import Asked
 from distcache.peer import _client
 from distcache.peer._answers import handler as _handler
 from distcache.peer._auth import MAX_SKEW_S, Nonces
-from distcache.peer._flight import Singleflight
+from distcache.peer._flight import Singleflight, StillRunning
 from distcache.peer._ring import order
 from distcache.peer._servers import TcpServer, close_connections, private_socket
 
@@ -63,6 +63,8 @@ HOP_S = 20.0
 #: Seconds between two asks of an owner still downloading, at least (an answer that
 #: comes sooner is not asked again at once).
 REASK_S = 0.1
+#: Seconds left to a walk, at least, for it to ask an owner still downloading again.
+REASK_HOP_S = 0.5
 #: Seconds a request may take when the asker gives no budget.
 DEFAULT_BUDGET_S = 30.0
 #: Seconds a filling request waits, at most, for an agent that will be joined to the
@@ -224,6 +226,10 @@ class Agent:
         return order(artifact.sha256, nodes).index(me)
 
     def _walk(self, artifact: Artifact, until: float) -> _client.Answer:
+        if self._fills.running(_flight_key(artifact)):
+            # This agent downloads it already (an asker told it goes on asks again):
+            # wait on that, not on another walk that would ask the owners once more.
+            return self._fill(artifact, "fallback", until - time.monotonic())
         nodes, me = self._ring  # one view, whenever join() comes
         ranked = order(artifact.sha256, nodes) if me >= 0 else [0]
         for place, index in enumerate(ranked):
@@ -253,16 +259,16 @@ class Agent:
 
         Raises:
             ArtifactNotFound: the origin behind it has no such artifact: final.
-            PeerError: ``until`` passed while its download went on: the walk ends there
-                rather than have the next node ask the origin too.
+            StillRunning: ``until`` passed while its download went on: the walk ends
+                there rather than have the next node ask the origin too (the asker is
+                told so, and may ask again).
         """
         filling = False
         while True:
             hop = min(HOP_S, until - time.monotonic())
-            if hop <= 0 and filling:
-                raise PeerError(f"agent {endpoint} was still downloading {artifact.name} "
-                                "when this walk's time ran out", sha256=artifact.sha256,
-                                status=503, refused=False)
+            if filling and hop < REASK_HOP_S:  # too short for its answer to come back
+                raise StillRunning(f"agent {endpoint} was still downloading "
+                                   f"{artifact.name} when this walk's time ran out")
             if hop <= 0 or self._is_down(endpoint):
                 return None
             asked = time.monotonic()
@@ -279,6 +285,13 @@ class Agent:
                 continue
             except PeerError as exc:
                 status = getattr(exc, "status", None)
+                if filling and status == 0 and hop < HOP_S and not isinstance(
+                        exc, _client.Unanswered):
+                    # Asked again with less than a hop left, and the time ran out: it
+                    # was downloading, and nothing says it stopped.
+                    raise StillRunning(f"agent {endpoint} was still downloading "
+                                       f"{artifact.name} when this walk's time ran "
+                                       "out") from None
                 wrong = isinstance(exc, _client.Wrong)  # no agent of ours answers so
                 if status is None or wrong or _client.gone(exc, whole=hop >= HOP_S):
                     self._mark_down(endpoint)  # not a busy one

@@ -35,6 +35,11 @@ class Singleflight(Generic[T]):
         self.led = 0
         self.joined = 0
 
+    def running(self, key: str) -> bool:
+        """Whether a call for ``key`` runs now (a :meth:`do` would wait on it)."""
+        with self._lock:
+            return key in self._calls
+
     def do(self, key: str, work: Callable[[], T], *, timeout: float | None = None,
            bounded: bool = False) -> T:
         """Raises:

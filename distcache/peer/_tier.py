@@ -32,6 +32,7 @@ log = get_logger(__name__)
 
 #: Seconds a lookup may spend in the peer tier before the loader goes on without it.
 LOOKUP_BOUND_S = 30.0
+
 #: Bytes of a request key (``derive_key``'s HMAC-SHA256).
 KEY_BYTES = 32
 #: How the key file is opened: never through a symlink, never blocking on a FIFO.
@@ -153,8 +154,10 @@ def lookup(artifact: Artifact, tier: Tier | None = None) -> Lookup | None:
     try:
         from distcache.peer import _client  # http.client, with the first lookup
 
+        # The agent is given the bound less a margin: it answers within the bound,
+        # whatever its walk meets.
         got = _client.fetch(tier.endpoint, tier.key, artifact, fill=True, timeout=tier.bound,
-                            deadline=tier.bound)
+                            deadline=_client.budget_for(tier.bound))
     except ArtifactNotFound:
         _count("not_at_origin")
         raise

@@ -10,6 +10,7 @@ import os
 import socket
 import stat
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 from distcache.artifact import Artifact
 from distcache.origins import HttpOrigin
 from distcache.peer import Agent, Tier, fetch, host_agent, lookup, order
+from distcache.peer import _tier as peer_tier
 from distcache.peer._hosting import Hosted, socket_path
 from distcache.peer._tier import key_path
 from distcache.store import ArtifactPool
@@ -205,17 +207,22 @@ def test_a_walk_whose_time_ends_while_the_owner_downloads_asks_no_origin(
     tmp_path: Path, made: list[Artifact], origin: LoopbackOrigin,  # noqa: F811
     short_hop: None,
 ) -> None:
-    """The lookup gives up (its loader then does what it does without peers), but this
-    node does not start a second origin download as the owner's fallback."""
+    """The lookup gives up within its bound (its loader then does what it does without
+    peers), but this node does not start a second origin download as the owner's
+    fallback, and says within the bound that the owner's goes on."""
     with _slow_owner(tmp_path, origin.url) as (owner, agent, slow):
         (first,) = _owned_by(0, [owner.endpoint, agent.endpoint], made)[:1]
-        assert lookup(first, Tier(agent.local_endpoint or "", KEY, bound=1.5)) is None
-        assert owner.counts["filling"] >= 1
+        failed = peer_tier.counts["failed"]
+        began = time.monotonic()
+        assert lookup(first, Tier(agent.local_endpoint or "", KEY, bound=1.2)) is None
+        assert time.monotonic() - began < 1.2 + 0.5
+        assert peer_tier.counts["failed"] == failed + 1
+        assert owner.counts["filling"] >= 1 and agent.counts["filling"] == 1
         _until(lambda: owner.pool.has(first.sha256))
         got = lookup(first, Tier(agent.local_endpoint or "", KEY, bound=10))
     assert got is not None and got.source == "peer"
     assert slow.total_requests == 1 and origin.total_requests == 0
-    assert agent.counts["fallback"] == 0 and agent.counts["unavailable"] == 1
+    assert agent.counts["fallback"] == 0 and agent.counts["unavailable"] == 0
 
 
 # --- the key file ------------------------------------------------------------------
@@ -282,3 +289,25 @@ def test_the_key_is_in_place_before_the_agent_listens_and_a_failed_start_leaves_
         host_agent(pool, lambda: None, KEY, "node0")
     assert seen == [KEY]
     assert not list(Path(pool.root).glob(".peer-*"))
+
+
+def test_a_node_already_downloading_an_artifact_waits_on_that_not_on_another_walk(
+    tmp_path: Path, made: list[Artifact], short_hop: None,
+) -> None:
+    """A lookup that gave up while this node's agent downloads (its fallback for a
+    silent owner) leaves the download running; the next lookup waits on it, without
+    asking the owners again."""
+    bad, peer = _bad_peer(b"", hold=4 * HOP_S)
+    with LoopbackOrigin(tmp_path / "repo", latency=2 * HOP_S) as slow, \
+            _asker_beside(bad, tmp_path, slow.url) as agent:
+        (first,) = _owned_by(0, [bad, agent.endpoint], made)[:1]
+        # The owner is given less than a hop (not left out for it), then the fallback
+        # download begins, longer than this lookup's bound.
+        assert lookup(first, Tier(agent.local_endpoint or "", KEY, bound=1.2)) is None
+        assert agent.counts["peer_skipped"] == 1
+        got = lookup(first, Tier(agent.local_endpoint or "", KEY, bound=10))
+        assert got is not None and got.source == "fallback"
+        assert agent.counts["peer_skipped"] == 1  # the owner was not asked again
+    assert slow.total_requests == 1 and agent.counts["fallback"] == 1
+    peer.join(10)
+    assert not peer.is_alive()
