@@ -48,24 +48,30 @@ def origin(tmp_path: Path, made: list[Artifact]) -> Iterator[LoopbackOrigin]:
         yield served
 
 
-def _impostor(key: bytes | None) -> tuple[str, http.server.ThreadingHTTPServer]:
-    """An endpoint that answers every request "404 not-at-origin", signed with ``key``
-    as an agent signs (``None``: unsigned)."""
+def _impostor(key: bytes | None, *, status: int = 404, said: str = _client.NOT_AT_ORIGIN,
+              data: bytes = b"", signed_as: str | None = None,
+              ) -> tuple[str, http.server.ThreadingHTTPServer]:
+    """An endpoint that answers every request ``status`` with ``said`` (its reason, or
+    for a 200 with ``data`` its source), signed with ``key`` as an agent signs
+    (``None``: unsigned; ``signed_as``: what is signed, when it is not what is said)."""
 
     class Impostor(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def do_GET(self) -> None:
-            self.send_response(404)
-            self.send_header(_client.HEADER_REASON, _client.NOT_AT_ORIGIN)
+            self.send_response(status)
+            self.send_header(_client.HEADER_SOURCE if status == 200 else _client.HEADER_REASON,
+                             said)
             if key is not None:
                 from distcache.peer._auth import HEADER_ANSWER, sign_answer
 
                 request = {k: v for k, v in self.headers.items()}
-                self.send_header(HEADER_ANSWER,
-                                 sign_answer(key, request, 404, _client.NOT_AT_ORIGIN))
-            self.send_header("Content-Length", "0")
+                self.send_header(HEADER_ANSWER, sign_answer(
+                    key, request, status, said if signed_as is None else signed_as))
+            self.send_header("Content-Length", str(len(data)))
             self.end_headers()
+            with contextlib.suppress(OSError):
+                self.wfile.write(data)
 
         def log_message(self, format: str, *args: Any) -> None:
             pass
@@ -306,38 +312,6 @@ def test_nodes_simulated_on_one_host_keep_their_loopback_endpoints(
 # --- the bytes too are read only from an answer the agent signed -------------------
 
 
-def _serving(data: bytes, key: bytes | None, source: str = "pool",
-             signed_source: str | None = None) -> tuple[str, http.server.ThreadingHTTPServer]:
-    """An endpoint that answers every request 200 with ``data``, signed with ``key`` as
-    an agent signs (``None``: unsigned; ``signed_source``: the source signed, when it
-    is not the one sent)."""
-
-    class Serving(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.send_header(_client.HEADER_SOURCE, source)
-            if key is not None:
-                from distcache.peer._auth import HEADER_ANSWER, sign_answer
-
-                request = {k: v for k, v in self.headers.items()}
-                self.send_header(HEADER_ANSWER, sign_answer(
-                    key, request, 200, source if signed_source is None else signed_source))
-            self.end_headers()
-            with contextlib.suppress(OSError):
-                self.wfile.write(data)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Serving)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return f"tcp://127.0.0.1:{server.server_address[1]}", server
-
-
 @pytest.mark.parametrize(("key", "signed_source"),
                          [(None, None), (OTHER_KEY, None), (KEY, "origin")],
                          ids=["unsigned", "another-key", "another-source"])
@@ -352,7 +326,7 @@ def test_bytes_without_the_agents_signature_are_not_read(
     reads: list[int] = []
     body = _client._body
     monkeypatch.setattr(_client, "_body", lambda *a: reads.append(1) or body(*a))
-    fake, server = _serving(data, key, signed_source=signed_source)
+    fake, server = _impostor(key, status=200, said="pool", data=data, signed_as=signed_source)
     try:
         with pytest.raises(_client.Unsigned) as raised:
             _client.fetch(fake, KEY, made[0], fill=False, timeout=5)
@@ -366,7 +340,7 @@ def test_bytes_without_the_agents_signature_are_not_read(
 
 def test_bytes_the_agent_signed_are_taken(tmp_path: Path, made: list[Artifact]) -> None:
     data = (tmp_path / "repo" / made[0].name).read_bytes()
-    fake, server = _serving(data, KEY, source="peer")
+    fake, server = _impostor(KEY, status=200, said="peer", data=data)
     try:
         got = _client.fetch(fake, KEY, made[0], fill=False, timeout=5)
     finally:
