@@ -3,7 +3,7 @@ node's processes, and is the one place per node that asks an owner or the origin
 
 ``http.server.ThreadingHTTPServer`` on two listeners: TCP bound to one address (the
 one the job uses, never a wildcard) for the other nodes, and a Unix socket for the
-node's own processes. One route, ``GET /v1/objects/<sha256>[?fill=<name>]``:
+node's own processes. One route, ``GET /v1/objects/<sha256>[?fill=<name>[&join=1]]``:
 
 - every request is authenticated (:mod:`distcache.peer._auth`); one that is not gets
   403 and nothing else; every answer closes its connection, and one that is not the
@@ -19,6 +19,9 @@ node's own processes. One route, ``GET /v1/objects/<sha256>[?fill=<name>]``:
   answers, this node asks the origin if its place allows (``origin`` when it owns the
   artifact, ``fallback`` otherwise). Bytes from anywhere are verified and published
   into the pool before they are sent on.
+- ``join`` with ``fill``: only from a download that runs already, here or at the
+  nodes that may download the artifact; none is started (a lookup waiting past its
+  bound on the download it was told goes on).
 
 At most ``max_transfers`` answers are sent at once; more wait for a slot up to what is
 left of the request's budget (at least :data:`BUSY_WAIT_S`), then get 503: an asker
@@ -174,12 +177,15 @@ class Agent:
 
     # --- what a request gets ------------------------------------------------------
 
-    def answer(self, artifact: Artifact, *, fill: bool, local: bool,
-               budget: float) -> _client.Answer | None:
+    def answer(self, artifact: Artifact, *, fill: bool, local: bool, budget: float,
+               join: bool = False) -> _client.Answer | None:
         """The answer with a transfer slot taken for it (the caller sends it, then
         releases ``_slots``), or ``None``: no slot within the wait. A held object is
         read in its slot (not a copy per waiting request), a fill's shared bytes before.
-        Raises: ArtifactNotFound, PeerError (refused when not held and not filled)."""
+        ``join``: fill only from a download that runs already, here or (local) at the
+        owners; start none.
+        Raises: ArtifactNotFound, PeerError (refused when not held and not filled),
+        StillRunning (the download waited on goes on)."""
         until = time.monotonic() + budget
         def slot() -> bool:  # waits as long as the asker does (see BUSY_WAIT_S)
             return self._slots.acquire(timeout=max(BUSY_WAIT_S, until - time.monotonic()))
@@ -201,8 +207,14 @@ class Agent:
                         min(JOIN_WAIT_S, budget / 2), artifact.name)
         budget = max(until - time.monotonic(), 0.001)
         if local:
-            got = self._walks.do(_flight_key(artifact), lambda: self._walk(artifact, until),
+            got = self._walks.do(_flight_key(artifact) + ("#join" if join else ""),
+                                 lambda: self._walk(artifact, until, join=join),
                                  timeout=budget)
+        elif join:
+            if not self._fills.running(_flight_key(artifact)):
+                raise PeerError("no download of it runs here", sha256=artifact.sha256,
+                                status=404, refused=True)
+            got = self._fill(artifact, "origin", budget)  # joins the running one
         else:
             position = self._position(artifact)
             if position > self.fallbacks:
@@ -225,7 +237,10 @@ class Agent:
             return 0
         return order(artifact.sha256, nodes).index(me)
 
-    def _walk(self, artifact: Artifact, until: float) -> _client.Answer:
+    def _walk(self, artifact: Artifact, until: float, *, join: bool = False
+              ) -> _client.Answer:
+        """``join``: only from a download that runs already, here or at the nodes that
+        may download it (the owner and its fallbacks); none is started."""
         if self._fills.running(_flight_key(artifact)):
             # This agent downloads it already (an asker told it goes on asks again):
             # wait on that, not on another walk that would ask the owners once more.
@@ -233,12 +248,16 @@ class Agent:
         nodes, me = self._ring  # one view, whenever join() comes
         ranked = order(artifact.sha256, nodes) if me >= 0 else [0]
         for place, index in enumerate(ranked):
+            if join and place > self.fallbacks:
+                break
             if index == me or me < 0:
+                if join:
+                    continue  # not downloading it (looked above): start nothing
                 if place > self.fallbacks:
                     break
                 return self._fill(artifact, "origin" if place == 0 else "fallback",
                                   until - time.monotonic())
-            got = self._from(nodes[index], artifact, until)
+            got = self._from(nodes[index], artifact, until, join=join)
             if got is None:
                 continue
             self.count("peer")
@@ -247,11 +266,15 @@ class Agent:
             threading.Thread(target=self._publish, args=(artifact, got.data), daemon=True,
                              name="distcache-peer-publish").start()
             return _client.Answer(got.data, "peer")
+        if join:
+            raise PeerError(f"no download of {artifact.name} runs", sha256=artifact.sha256,
+                            status=404, refused=True)
         self.count("no_owner")
         raise PeerError(f"no owner of {artifact.name} answered", sha256=artifact.sha256,
                         status=503, refused=False)
 
-    def _from(self, endpoint: str, artifact: Artifact, until: float) -> _client.Answer | None:
+    def _from(self, endpoint: str, artifact: Artifact, until: float, *, join: bool = False
+              ) -> _client.Answer | None:
         """``artifact`` from the agent at ``endpoint``, asked again for as long as its
         download of it goes on (:class:`~distcache.peer._client.Filling`) and ``until``
         allows; ``None`` when it is skipped (left out of walks a while where it did not
@@ -274,7 +297,7 @@ class Agent:
             asked = time.monotonic()
             try:
                 return _client.fetch(endpoint, self.key, artifact, fill=True, timeout=hop,
-                                     deadline=_client.budget_for(hop))
+                                     deadline=_client.budget_for(hop), join=join)
             except _client.Filling:
                 # Its download goes on: the next node would ask the origin once more.
                 filling = True

@@ -52,8 +52,8 @@ class Agent(Protocol):
 
     def _first(self, what: str) -> bool: ...
 
-    def answer(self, artifact: Artifact, *, fill: bool, local: bool,
-               budget: float) -> _client.Answer | None: ...
+    def answer(self, artifact: Artifact, *, fill: bool, local: bool, budget: float,
+               join: bool = False) -> _client.Answer | None: ...
 
 
 def handler(agent: Agent, *, hop_s: float, budget_s: float
@@ -145,6 +145,7 @@ def handler(agent: Agent, *, hop_s: float, budget_s: float
                     raise ValueError(f"a deadline of {budget} s")
                 budget = min(max(budget, 0.001), 300.0)
                 got = agent.answer(Artifact(name, sha), fill="fill" in query,
+                                   join="fill" in query and query.get("join") == ["1"],
                                    local=isinstance(self.server, UnixServer), budget=budget)
             except ArtifactNotFound:
                 return self._refuse(404, _client.NOT_AT_ORIGIN, "not_at_origin", signed)

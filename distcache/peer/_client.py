@@ -316,9 +316,10 @@ def _over(endpoint: str, what: str, bound: tuple[int, str]) -> PeerError:
 
 
 def fetch(endpoint: str, key: bytes, artifact: Artifact, *, fill: bool, timeout: float,
-          deadline: float | None = None) -> Answer:
+          deadline: float | None = None, join: bool = False) -> Answer:
     """The verified bytes of ``artifact`` from the agent at ``endpoint``. With ``fill``,
-    an agent that does not hold them may get them (its owner walk, or the origin).
+    an agent that does not hold them may get them (its owner walk, or the origin); with
+    ``join`` too, only from a download of them that runs already (it starts none).
 
     Raises:
         ArtifactNotFound: the origin behind the agent has no such artifact (an answer
@@ -330,7 +331,8 @@ def fetch(endpoint: str, key: bytes, artifact: Artifact, *, fill: bool, timeout:
             within ``timeout``.
     """
     sha = artifact.sha256
-    path = f"/v1/objects/{sha}" + (f"?fill={quote(artifact.name, safe='')}" if fill else "")
+    path = (f"/v1/objects/{sha}" + (f"?fill={quote(artifact.name, safe='')}" if fill else "")
+            + ("&join=1" if fill and join else ""))
     budget = "" if deadline is None else f"{deadline:.3f}"
     signed = sign(key, "GET", path, target=target_of(endpoint), deadline=budget)
     status, headers, body = request(endpoint, key, path, timeout=timeout, deadline=budget,

@@ -32,6 +32,13 @@ log = get_logger(__name__)
 
 #: Seconds a lookup may spend in the peer tier before the loader goes on without it.
 LOOKUP_BOUND_S = 30.0
+#: Seconds a lookup goes on past its bound, at most, while a download of the artifact
+#: in the job goes on (its agent says so once per bound): the loader asking the origin
+#: itself would download it once more. It only waits on that download, and stops
+#: when it ends without the bytes.
+FILLING_WAIT_S = 600.0
+#: Seconds between two asks while that download goes on, at least.
+_REASK_S = 0.1
 
 #: Bytes of a request key (``derive_key``'s HMAC-SHA256).
 KEY_BYTES = 32
@@ -140,8 +147,10 @@ def _count(outcome: str) -> None:
 
 
 def lookup(artifact: Artifact, tier: Tier | None = None) -> Lookup | None:
-    """The artifact from the node's agent, within ``tier.bound`` seconds; ``None`` when
-    there is no tier or it did not serve (counted; the caller goes on as without it).
+    """The artifact from the node's agent, within ``tier.bound`` seconds, or while a
+    download of it in the job goes on (up to :data:`FILLING_WAIT_S`: asked again, the
+    agent only waits on that download and starts none); ``None`` when there is no tier
+    or it did not serve (counted; the caller goes on as without it).
 
     Raises:
         ArtifactNotFound: the origin behind the owner has no such artifact (final
@@ -154,10 +163,24 @@ def lookup(artifact: Artifact, tier: Tier | None = None) -> Lookup | None:
     try:
         from distcache.peer import _client  # http.client, with the first lookup
 
-        # The agent is given the bound less a margin: it answers within the bound,
-        # whatever its walk meets.
-        got = _client.fetch(tier.endpoint, tier.key, artifact, fill=True, timeout=tier.bound,
-                            deadline=_client.budget_for(tier.bound))
+        join = False
+        while True:
+            asked = time.monotonic()
+            try:
+                # The agent is given the bound less a margin: it answers within the
+                # bound, whatever its walk meets.
+                got = _client.fetch(tier.endpoint, tier.key, artifact, fill=True,
+                                    timeout=tier.bound,
+                                    deadline=_client.budget_for(tier.bound), join=join)
+                break
+            except _client.Filling:
+                if time.monotonic() - start >= max(tier.bound, FILLING_WAIT_S):
+                    raise
+                join = True  # wait on that download; never start another
+                _count("waited")
+                log.debug("peer tier: a download of %s goes on in the job; waiting on it",
+                          artifact.name)
+                time.sleep(max(0.0, _REASK_S - (time.monotonic() - asked)))
     except ArtifactNotFound:
         _count("not_at_origin")
         raise

@@ -14,11 +14,13 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 
 from distcache.artifact import Artifact
-from distcache.origins import HttpOrigin
+from distcache.errors import OriginError
+from distcache.origins import DirOrigin, HttpOrigin
 from distcache.peer import Agent, Tier, fetch, host_agent, lookup, order
 from distcache.peer import _tier as peer_tier
 from distcache.peer._hosting import Hosted, socket_path
@@ -203,26 +205,74 @@ def test_an_owner_leading_a_slow_fill_for_its_first_asker_serves_it_when_done(
     assert agent.counts["fallback"] == 0
 
 
-def test_a_walk_whose_time_ends_while_the_owner_downloads_asks_no_origin(
+def test_a_lookup_whose_bound_ends_while_the_owner_downloads_waits_on_that_download(
     tmp_path: Path, made: list[Artifact], origin: LoopbackOrigin,  # noqa: F811
     short_hop: None,
 ) -> None:
-    """The lookup gives up within its bound (its loader then does what it does without
-    peers), but this node does not start a second origin download as the owner's
-    fallback, and says within the bound that the owner's goes on."""
+    """The walk ends within the lookup's bound without a fallback download of its own,
+    saying the owner's goes on; the lookup asks again, past its bound, to wait on that
+    download only (the loader asking the origin itself would download it once more)."""
+    with _slow_owner(tmp_path, origin.url) as (owner, agent, slow):
+        (first,) = _owned_by(0, [owner.endpoint, agent.endpoint], made)[:1]
+        waited = peer_tier.counts["waited"]
+        began = time.monotonic()
+        got = lookup(first, Tier(agent.local_endpoint or "", KEY, bound=1.2))
+        took = time.monotonic() - began
+        assert owner.counts["filling"] >= 1 and agent.counts["filling"] >= 1
+    assert got is not None and got.source == "peer"
+    assert got.data == (tmp_path / "repo" / first.name).read_bytes()
+    assert peer_tier.counts["waited"] > waited and took > 1.2  # past its bound
+    assert slow.total_requests == 1 and origin.total_requests == 0
+    assert agent.counts["fallback"] == 0 and agent.counts["unavailable"] == 0
+
+
+class _Failing(DirOrigin):
+    """An origin whose every download fails after ``seconds``; ``calls`` counted."""
+
+    def __init__(self, root: Path, seconds: float) -> None:
+        super().__init__(root)
+        self.seconds, self.calls = seconds, 0
+
+    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
+        self.calls += 1
+        time.sleep(self.seconds)
+        raise OriginError(f"{artifact.name}: the origin broke off", name=artifact.name)
+
+
+def test_a_waiting_lookup_starts_no_download_when_the_owners_fails(
+    tmp_path: Path, made: list[Artifact], origin: LoopbackOrigin,  # noqa: F811
+    short_hop: None,
+) -> None:
+    """Waiting past its bound, a lookup only joins the download that runs: once it
+    fails, no ask starts another, at the owner or here."""
+    failing = _Failing(tmp_path / "repo", 3 * HOP_S)
+    owner = host_agent(ArtifactPool(tmp_path / "owner"), lambda: failing, KEY, "owner")
+    try:
+        with _asker_beside(owner.endpoint, tmp_path, origin.url) as agent:
+            owner.join([owner.endpoint, agent.endpoint], 0)
+            (first,) = _owned_by(0, [owner.endpoint, agent.endpoint], made)[:1]
+            began = time.monotonic()
+            assert lookup(first, Tier(agent.local_endpoint or "", KEY, bound=1.2)) is None
+            took = time.monotonic() - began
+            assert owner.counts["filling"] >= 1 and agent.counts["fallback"] == 0
+    finally:
+        owner.stop()
+    assert failing.calls == 1 and origin.total_requests == 0
+    assert 3 * HOP_S <= took < 3 * HOP_S + 2.5  # ended with the download that failed
+
+
+def test_a_lookup_stops_waiting_after_the_filling_wait(
+    tmp_path: Path, made: list[Artifact], origin: LoopbackOrigin,  # noqa: F811
+    short_hop: None, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(peer_tier, "FILLING_WAIT_S", 1.0)
     with _slow_owner(tmp_path, origin.url) as (owner, agent, slow):
         (first,) = _owned_by(0, [owner.endpoint, agent.endpoint], made)[:1]
         failed = peer_tier.counts["failed"]
-        began = time.monotonic()
-        assert lookup(first, Tier(agent.local_endpoint or "", KEY, bound=1.2)) is None
-        assert time.monotonic() - began < 1.2 + 0.5
+        assert lookup(first, Tier(agent.local_endpoint or "", KEY, bound=0.6)) is None
         assert peer_tier.counts["failed"] == failed + 1
-        assert owner.counts["filling"] >= 1 and agent.counts["filling"] == 1
         _until(lambda: owner.pool.has(first.sha256))
-        got = lookup(first, Tier(agent.local_endpoint or "", KEY, bound=10))
-    assert got is not None and got.source == "peer"
     assert slow.total_requests == 1 and origin.total_requests == 0
-    assert agent.counts["fallback"] == 0 and agent.counts["unavailable"] == 0
 
 
 # --- the key file ------------------------------------------------------------------
@@ -294,20 +344,18 @@ def test_the_key_is_in_place_before_the_agent_listens_and_a_failed_start_leaves_
 def test_a_node_already_downloading_an_artifact_waits_on_that_not_on_another_walk(
     tmp_path: Path, made: list[Artifact], short_hop: None,
 ) -> None:
-    """A lookup that gave up while this node's agent downloads (its fallback for a
-    silent owner) leaves the download running; the next lookup waits on it, without
-    asking the owners again."""
+    """A lookup whose bound ends while this node's agent downloads (its fallback for a
+    silent owner) waits on that download, without asking the owners again."""
     bad, peer = _bad_peer(b"", hold=4 * HOP_S)
     with LoopbackOrigin(tmp_path / "repo", latency=2 * HOP_S) as slow, \
             _asker_beside(bad, tmp_path, slow.url) as agent:
         (first,) = _owned_by(0, [bad, agent.endpoint], made)[:1]
         # The owner is given less than a hop (not left out for it), then the fallback
         # download begins, longer than this lookup's bound.
-        assert lookup(first, Tier(agent.local_endpoint or "", KEY, bound=1.2)) is None
-        assert agent.counts["peer_skipped"] == 1
-        got = lookup(first, Tier(agent.local_endpoint or "", KEY, bound=10))
+        got = lookup(first, Tier(agent.local_endpoint or "", KEY, bound=1.2))
         assert got is not None and got.source == "fallback"
         assert agent.counts["peer_skipped"] == 1  # the owner was not asked again
+        assert agent.counts["filling"] >= 1
     assert slow.total_requests == 1 and agent.counts["fallback"] == 1
     peer.join(10)
     assert not peer.is_alive()
