@@ -26,6 +26,7 @@ import time
 
 from distcache._log import get_logger
 from distcache.errors import PoolError
+from distcache.store._fs import unlink_quietly
 
 log = get_logger(__name__)
 
@@ -50,8 +51,7 @@ def hold(fd: int, path: str) -> None:
 
 def release(path: str, fd: int) -> None:
     """Unlink ``path``, then close its held descriptor ``fd``; never raises."""
-    with contextlib.suppress(OSError):
-        os.unlink(path)
+    unlink_quietly(path)
     with contextlib.suppress(OSError):
         os.close(fd)
 

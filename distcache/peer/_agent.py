@@ -63,9 +63,6 @@ DOWN_S = 10.0
 BUSY_WAIT_S = 5.0
 #: Seconds one hop to another agent may take (its origin download included).
 HOP_S = 20.0
-#: Seconds between two asks of an owner still downloading, at least (an answer that
-#: comes sooner is not asked again at once).
-REASK_S = 0.1
 #: Seconds left to a walk, at least, for it to ask an owner still downloading again.
 REASK_HOP_S = 0.5
 #: Seconds a request may take when the asker gives no budget.
@@ -211,10 +208,11 @@ class Agent:
                                  lambda: self._walk(artifact, until, join=join),
                                  timeout=budget)
         elif join:
-            if not self._fills.running(_flight_key(artifact)):
+            running = self._running_fill(artifact, budget)
+            if running is None:
                 raise PeerError("no download of it runs here", sha256=artifact.sha256,
                                 status=404, refused=True)
-            got = self._fill(artifact, "origin", budget)  # joins the running one
+            got = running
         else:
             position = self._position(artifact)
             if position > self.fallbacks:
@@ -241,10 +239,11 @@ class Agent:
               ) -> _client.Answer:
         """``join``: only from a download that runs already, here or at the nodes that
         may download it (the owner and its fallbacks); none is started."""
-        if self._fills.running(_flight_key(artifact)):
-            # This agent downloads it already (an asker told it goes on asks again):
-            # wait on that, not on another walk that would ask the owners once more.
-            return self._fill(artifact, "fallback", until - time.monotonic())
+        # This agent downloads it already (an asker told it goes on asks again): wait
+        # on that, not on another walk that would ask the owners once more.
+        joined = self._running_fill(artifact, until - time.monotonic())
+        if joined is not None:
+            return joined
         nodes, me = self._ring  # one view, whenever join() comes
         ranked = order(artifact.sha256, nodes) if me >= 0 else [0]
         for place, index in enumerate(ranked):
@@ -287,11 +286,12 @@ class Agent:
                 told so, and may ask again).
         """
         filling = False
+        ran_out = StillRunning(f"agent {endpoint} was still downloading {artifact.name} "
+                               "when this walk's time ran out")
         while True:
             hop = min(HOP_S, until - time.monotonic())
             if filling and hop < REASK_HOP_S:  # too short for its answer to come back
-                raise StillRunning(f"agent {endpoint} was still downloading "
-                                   f"{artifact.name} when this walk's time ran out")
+                raise ran_out
             if hop <= 0 or self._is_down(endpoint):
                 return None
             asked = time.monotonic()
@@ -304,7 +304,7 @@ class Agent:
                 self.count("peer_filling")
                 log.debug("agent %s is still downloading %s: asked again", endpoint,
                           artifact.name)
-                time.sleep(max(0.0, REASK_S - (time.monotonic() - asked)))
+                _client.pause_after(asked)
                 continue
             except PeerError as exc:
                 status = getattr(exc, "status", None)
@@ -312,9 +312,7 @@ class Agent:
                         exc, _client.Unanswered):
                     # Asked again with less than a hop left, and the time ran out: it
                     # was downloading, and nothing says it stopped.
-                    raise StillRunning(f"agent {endpoint} was still downloading "
-                                       f"{artifact.name} when this walk's time ran "
-                                       "out") from None
+                    raise ran_out from None
                 wrong = isinstance(exc, _client.Wrong)  # no agent of ours answers so
                 if status is None or wrong or _client.gone(exc, whole=hop >= HOP_S):
                     self._mark_down(endpoint)  # not a busy one
@@ -343,6 +341,17 @@ class Agent:
                 log.warning("peers: agent %s skipped for %s: %s: %s", endpoint,
                             artifact.name, type(exc).__name__, exc)
                 return None
+
+    def _running_fill(self, artifact: Artifact, budget: float) -> _client.Answer | None:
+        """This agent's running download of ``artifact``, waited on within ``budget``;
+        ``None`` when none runs.
+
+        Raises:
+            StillRunning: it goes on past ``budget``.
+        """
+        if not self._fills.running(_flight_key(artifact)):
+            return None
+        return self._fill(artifact, "fallback", budget)  # the running one's answer
 
     def _fill(self, artifact: Artifact, source: str, budget: float) -> _client.Answer:
         origin = self.origin()

@@ -39,6 +39,9 @@ NOT_AT_ORIGIN = "not-at-origin"
 #: The answer's reason when the agent's download of the artifact goes on past the
 #: asker's budget: asked again, it serves the same download's bytes.
 FILLING = "filling"
+#: Seconds between two asks of an agent that said a download goes on, at least (an
+#: answer that comes sooner is not asked again at once).
+REASK_S = 0.1
 #: What caps an answer for an artifact of unknown size (one of known size: its size):
 #: bytes read as they come, never allocated ahead of them, and never copied whole.
 MAX_ANSWER_VARIABLE = "DISTCACHE_MAX_ARTIFACT_BYTES"
@@ -99,6 +102,12 @@ def gone(exc: BaseException, *, whole: bool) -> bool:
     left out of walks a while): its answer broke off, or it said nothing within the
     hop, a ``whole`` one (a hop cut short by the asker's own budget proves nothing)."""
     return isinstance(exc, Unanswered) and (whole or not isinstance(exc, Silent))
+
+
+def pause_after(asked: float) -> None:
+    """Sleep what is left of :data:`REASK_S` since ``asked`` (a monotonic time): the
+    pause before asking again an agent whose download goes on."""
+    time.sleep(max(0.0, REASK_S - (time.monotonic() - asked)))
 
 
 def budget_for(hop: float) -> float:

@@ -37,8 +37,6 @@ LOOKUP_BOUND_S = 30.0
 #: itself would download it once more. It only waits on that download, and stops
 #: when it ends without the bytes.
 FILLING_WAIT_S = 600.0
-#: Seconds between two asks while that download goes on, at least.
-_REASK_S = 0.1
 
 #: Bytes of a request key (``derive_key``'s HMAC-SHA256).
 KEY_BYTES = 32
@@ -180,7 +178,7 @@ def lookup(artifact: Artifact, tier: Tier | None = None) -> Lookup | None:
                 _count("waited")
                 log.debug("peer tier: a download of %s goes on in the job; waiting on it",
                           artifact.name)
-                time.sleep(max(0.0, _REASK_S - (time.monotonic() - asked)))
+                _client.pause_after(asked)
     except ArtifactNotFound:
         _count("not_at_origin")
         raise
