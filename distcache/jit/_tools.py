@@ -175,8 +175,9 @@ def triton(environ: Mapping[str, str]) -> FamilySpec:
     ``TRITON_CACHE_MANAGER`` to the pool's cache manager, and ``DISTCACHE_POOL`` (which
     the manager reads) to the installed pool, when they are unset."""
     given = environ.get("TRITON_CACHE_DIR")
-    home = Path(environ.get("TRITON_HOME") or _home(environ))
-    directory = Path(os.path.abspath(given)) if given else home / ".triton" / "cache"
+    given_home = environ.get("TRITON_HOME")  # set blank: the working directory, as Triton
+    home = Path(given_home) if given_home is not None else _home(environ)
+    directory = Path(os.path.abspath(given if given else home / ".triton" / "cache"))
     key = f"{base_key('triton', _version('triton'))};dir={directory}"
     manager = "distcache.jit._triton:PoolCacheManager"
     return FamilySpec("triton", key, (Root(directory),), {"TRITON_CACHE_MANAGER": manager},
@@ -202,8 +203,10 @@ def flashinfer_jit(environ: Mapping[str, str]) -> FamilySpec:
     on it doing nothing when the op is built: the family keeps the files' times, and
     ninja's ``.ninja_log`` and ``.ninja_deps`` (``_walk.KEPT``) are published. Both
     name outputs and headers by absolute path, which the key's directory and
-    installation path pin."""
-    base = Path(environ.get("FLASHINFER_WORKSPACE_BASE") or _home(environ))
+    installation path pin. A blank base is the working directory, as FlashInfer reads
+    it (``Path(os.getenv(...))``)."""
+    given = environ.get("FLASHINFER_WORKSPACE_BASE")
+    base = Path(given) if given is not None else _home(environ)
     directory = Path(os.path.abspath(base / ".cache" / "flashinfer"))
     key = (f"{base_key('flashinfer', _version('flashinfer-python'))};"
            f"at={_installed_at('flashinfer')};dir={directory}")
@@ -213,12 +216,14 @@ def flashinfer_jit(environ: Mapping[str, str]) -> FamilySpec:
 def vllm(environ: Mapping[str, str]) -> FamilySpec:
     """vLLM's torch.compile cache, ``$VLLM_CACHE_ROOT/torch_compile_cache``, the root
     found as vLLM finds it: ``VLLM_CACHE_ROOT``, else ``$XDG_CACHE_HOME/vllm``, else
-    ``~/.cache/vllm``, with a leading ``~`` expanded (a blank variable counts as
-    unset). Its per-rank directories (``<hash>/rank_<r>_<dp>/``) usually hold the same
-    files: the pool stores each distinct file once, whatever the number of ranks."""
+    ``~/.cache/vllm``, with a leading ``~`` expanded. A variable set blank is taken as
+    vLLM takes it (``os.getenv`` with a default): a root of the working directory, or
+    ``vllm`` in it. Its per-rank directories (``<hash>/rank_<r>_<dp>/``) usually hold
+    the same files: the pool stores each distinct file once, whatever the number of
+    ranks."""
     root = environ.get("VLLM_CACHE_ROOT")
-    if not root:
-        root = os.path.join(environ.get("XDG_CACHE_HOME") or "~/.cache", "vllm")
+    if root is None:
+        root = os.path.join(environ.get("XDG_CACHE_HOME", "~/.cache"), "vllm")
     directory = Path(os.path.abspath(_expanduser(root, environ))) / "torch_compile_cache"
     key = (f"{base_key('vllm', _version('vllm'))};torch={_version('torch')};"
            f"cpu={cpu_features()};dir={directory}")  # Inductor's kernels, as above

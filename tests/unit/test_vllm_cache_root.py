@@ -1,6 +1,7 @@
 """The ``vllm`` family's directory is the one vLLM compiles into (vllm/envs.py:
 ``VLLM_CACHE_ROOT``, else ``$XDG_CACHE_HOME/vllm``, else ``~/.cache/vllm``, ``~``
-expanded), so what a rank compiled is published and what the pool holds is found."""
+expanded; a variable set blank read as ``os.getenv`` gives it, relative to the working
+directory), so what a rank compiled is published and what the pool holds is found."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tests.unit.test_jit_family import fill
 COMPILED = {"h/rank_0_0/vllm_compile_cache.py": b"{}\n", "h/rank_0_0/model": b"compiled" * 40}
 
 IDS = ["xdg", "root-under-tilde", "root-is-tilde", "xdg-under-tilde", "root-before-xdg",
-       "default", "blank-xdg"]
+       "default", "blank-xdg", "blank-root"]
 
 
 def _cases(tmp: Path) -> list[tuple[dict[str, str], Path]]:
@@ -30,11 +31,13 @@ def _cases(tmp: Path) -> list[tuple[dict[str, str], Path]]:
         ({"XDG_CACHE_HOME": "~/xc"}, home / "xc" / "vllm" / cache),
         ({"VLLM_CACHE_ROOT": str(given), "XDG_CACHE_HOME": str(xdg)}, given / cache),
         ({}, home / ".cache" / "vllm" / cache),
-        ({"XDG_CACHE_HOME": ""}, home / ".cache" / "vllm" / cache),  # blank: unset
+        # Blank: os.getenv gives "", so vLLM's root is relative to the working directory.
+        ({"XDG_CACHE_HOME": ""}, tmp / "vllm" / cache),
+        ({"VLLM_CACHE_ROOT": "", "XDG_CACHE_HOME": str(xdg)}, tmp / cache),
     ]
 
 
-@pytest.mark.parametrize("case", range(7), ids=IDS)
+@pytest.mark.parametrize("case", range(len(IDS)), ids=IDS)
 def test_the_directory_is_the_one_vllm_compiles_into(
     case: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -173,12 +173,13 @@ def _writable(path: Path) -> bool:
 def flashinfer_cache_dir() -> Path:
     """Where FlashInfer keeps cubins when no package provides them: its
     ``FLASHINFER_CACHE_DIR / "cubins"`` when its ``env`` module is loaded, else the
-    same default computed here (``$FLASHINFER_WORKSPACE_BASE`` or ``~``, then
-    ``.cache/flashinfer/cubins``)."""
+    same default computed here (``$FLASHINFER_WORKSPACE_BASE``, set blank the working
+    directory, else ``~``, then ``.cache/flashinfer/cubins``)."""
     env = sys.modules.get(ENV_MODULE)
     cache = getattr(env, "FLASHINFER_CACHE_DIR", None) if env is not None else None
     if cache is None:
-        base = os.environ.get("FLASHINFER_WORKSPACE_BASE") or str(Path.home())
+        base = os.environ.get("FLASHINFER_WORKSPACE_BASE")
+        base = str(Path.home()) if base is None else base
         cache = Path(base) / ".cache" / "flashinfer"
     return Path(cache) / "cubins"
 
