@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 from distcache.config import check_seconds, settings
 from distcache.errors import ConfigError, PoolError
 from distcache.store import ArtifactPool, PoolLayout
+from distcache.store._opening import refuse_foreign as refuse_foreign_pool
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -118,11 +119,8 @@ def refuse_foreign(root: Path) -> None:
         PoolError: ``root`` has ``objects/`` and neither ``format`` nor ``pool_id``.
     """
     layout = PoolLayout(root)
-    if layout.is_pool() and not layout.is_pool(made_by_distcache=True):
-        raise PoolError(
-            f"{root} is not a distcache pool: it has objects/ but no format or pool_id "
-            "file (another tool's directory?); nothing was changed there: pass --pool DIR "
-            "or set DISTCACHE_POOL", path=str(root))
+    if layout.is_pool():
+        refuse_foreign_pool(layout)
 
 
 #: The ``pool`` actions that only read the pool: they open it read-only.

@@ -73,10 +73,16 @@ def open_root(layout: PoolLayout, *, read_only: bool) -> Opened:
     try:
         root.mkdir(parents=True, exist_ok=True)
         setgid = bool(os.stat(root).st_mode & stat.S_ISGID)
+    except FileExistsError as exc:  # what is there is no directory, nor leads to one
+        raise PoolError(f"cannot create pool root {root}: {_what_is_at(root)} is there, not "
+                        "a directory; point DISTCACHE_POOL (or --pool) at a directory",
+                        path=str(root), errno=exc.errno) from exc
     except OSError as exc:
         raise pool_error("cannot create pool root", root, exc) from exc
     if not layout.is_pool():
         _check_new_root(layout)
+    else:
+        refuse_foreign(layout)
     version = layout.open_format(host=host, mode=file_mode, setgid=setgid)
     # A directory made here is flushed into the root once, so that objects/ (and
     # every object later journaled under it) survives a power loss.
@@ -84,6 +90,36 @@ def open_root(layout: PoolLayout, *, read_only: bool) -> Opened:
     if any(made):
         fsync_dir(root)
     return Opened(host, file_mode, setgid, version, read_only=False)
+
+
+def _what_is_at(path: Path) -> str:
+    try:
+        mode = os.lstat(path).st_mode
+        if stat.S_ISLNK(mode):
+            target = os.readlink(path)
+            return (f"a symbolic link to {target}, which "
+                    + ("is no directory" if os.path.lexists(path.parent / target)
+                       else "does not exist"))
+    except OSError as exc:
+        return f"something this user cannot look at ({exc.strerror or exc})"
+    kinds = ((stat.S_ISREG, "a file"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"),
+             (stat.S_ISFIFO, "a pipe"), (stat.S_ISSOCK, "a socket"))
+    return next((said for test, said in kinds if test(mode)), "something else")
+
+
+def refuse_foreign(layout: PoolLayout) -> None:
+    """Refuse a directory that has ``objects/`` but neither ``format`` nor ``pool_id``,
+    which every pool distcache made has: another tool's (a ``.git`` directory), which
+    opening it as a pool would write its format and identity into.
+
+    Raises:
+        PoolError: ``layout.root`` is such a directory (nothing is changed there).
+    """
+    if not layout.is_pool(made_by_distcache=True):
+        raise PoolError(
+            f"{layout.root} is not a distcache pool: it has objects/ but no format or "
+            "pool_id file (another tool's directory?); nothing was changed there: pass "
+            "--pool DIR or set DISTCACHE_POOL", path=str(layout.root))
 
 
 #: Entries a directory may hold before it becomes a pool, beside the pool's own (a

@@ -147,10 +147,21 @@ class PoolLayout(Record):
         With ``made_by_distcache``, also the ``format`` or ``pool_id`` file that every
         pool distcache made has (a pool older than ``format`` has ``pool_id``): another
         tool's directory with an ``objects/`` (a git directory) is then not a pool.
+
+        Raises:
+            PoolError: this user cannot look into ``root`` (a directory on the way it may
+                not enter).
         """
-        if not self.objects.is_dir():
-            return False
-        return not made_by_distcache or self.format_file.is_file() or self.pool_id_file.is_file()
+        try:
+            if not self.objects.is_dir():
+                return False
+            return (not made_by_distcache or self.format_file.is_file()
+                    or self.pool_id_file.is_file())
+        except OSError as exc:  # a directory on the way this user may not enter
+            raise PoolError(
+                f"cannot look into the pool {self.root}: {exc.strerror or exc}; this user "
+                "must be able to enter it and its objects/ directory: check their "
+                "permissions and owner", path=str(self.root), errno=exc.errno) from exc
 
     @staticmethod
     def fanout_name(sha: str) -> str:

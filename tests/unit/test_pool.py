@@ -165,6 +165,7 @@ def test_root_that_is_a_file_raises_pool_error_with_path(tmp_path: Path) -> None
 def test_symlinked_objects_directory_is_refused(tmp_path: Path) -> None:
     root = tmp_path / "p"
     root.mkdir()
+    (root / "format").write_text("1\n")  # a pool's, not another tool's directory
     (tmp_path / "elsewhere").mkdir()
     os.symlink(tmp_path / "elsewhere", root / "objects")
     with pytest.raises(PoolError, match="not a directory"):

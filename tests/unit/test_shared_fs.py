@@ -390,6 +390,8 @@ def test_a_pool_whose_tmp_or_locks_is_a_symlink_is_refused_before_any_write(
     for sub in ("objects", "quarantine"):
         (root / sub).mkdir()
         os.chown(root / sub, users.a, users.gid)
+    (root / "format").write_text("1\n")  # a pool's, not another tool's directory
+    os.chown(root / "format", users.a, users.gid)
     os.symlink(outside, root / "tmp")
     os.symlink(outside, root / "locks")
     before = shared.snapshot_outside()
