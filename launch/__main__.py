@@ -39,7 +39,7 @@ import distcache
 from distcache._logging import configure_logging, error_line
 from distcache._resolve import resolve_origin, resolve_pool
 from distcache.artifact import read_manifest
-from distcache.comm import adopt
+from distcache.comm import adopt, tell_others
 from distcache.config import settings
 from distcache.errors import DistcacheError
 from distcache.integrations.flashinfer import FlashInfer
@@ -258,6 +258,11 @@ def _host_peers(info: LaunchInfo, pool: str | None) -> Hosted | None:
         the_origin = resolve_origin(None, conf, [FlashInfer()])
         return start(adopted.comm, resolve_pool(pool, conf), origin_or_default(the_origin),
                      adopted.scope.secret, timeout=conf.timeout)
+    except BaseException as exc:
+        # The pool or origin refused on this rank alone (before the agents' first
+        # collective): the other ranks' waits raise it instead of timing out.
+        tell_others(adopted.comm, exc)
+        raise
     finally:
         adopted.close()
 

@@ -31,7 +31,7 @@ from distcache.artifact import merge_manifests, read_manifest
 from distcache.cli._common import check_families, positive_seconds, refuse_foreign
 from distcache.cli._fetch import say
 from distcache.collective import PrefetchReport
-from distcache.comm import Communicator, adopt
+from distcache.comm import Communicator, adopt, tell_others
 from distcache.config import settings
 from distcache.errors import ConfigError, DistcacheError
 from distcache.integrations.flashinfer import FlashInfer
@@ -198,14 +198,16 @@ def _prefetch(args: argparse.Namespace) -> tuple[PrefetchReport | None, int]:
         report = prefetch_manifests(comm, pool, origin, manifests=manifests,
                                     timeout=conf.timeout, offline=conf.offline)
         return report, comm.rank
-    except DistcacheError:
-        args.rank = adopted.comm.rank  # the error line is printed once per job (main)
-        raise
-    except KeyboardInterrupt:
-        # The downloads run on the collective's daemon threads: stop them at their
-        # next write and remove their temporary files, rather than leave them to the
-        # stale sweep.
-        if stopper is not None and pool is not None:
+    except BaseException as exc:
+        # Before the close: the other ranks' waits raise this rank's error (its pool
+        # or an input refused here alone) instead of waiting out the timeout.
+        tell_others(adopted.comm, exc)
+        if isinstance(exc, DistcacheError):
+            args.rank = adopted.comm.rank  # the error line is printed once per job (main)
+        elif isinstance(exc, KeyboardInterrupt) and stopper is not None and pool is not None:
+            # The downloads run on the collective's daemon threads: stop them at their
+            # next write and remove their temporary files, rather than leave them to
+            # the stale sweep.
             stopper.interrupt(pool.layout.tmp, ())
         raise
     finally:
