@@ -33,9 +33,21 @@ logger = get_logger(__name__)
 
 def built_inside(target: Path) -> bool:
     """Whether the new tree must be built inside ``target``, not beside it: ``target``
-    is a mount point (nothing can be renamed over it) or its parent cannot be written."""
+    is a mount point (nothing can be renamed over it), its parent cannot be written, or
+    it is this process's working directory or holds it (renamed away, it would leave
+    the shell that ran the export in a removed directory, which lists empty)."""
     return os.path.isdir(target) and (os.path.ismount(target)
-                                      or not os.access(target.parent, os.W_OK | os.X_OK))
+                                      or not os.access(target.parent, os.W_OK | os.X_OK)
+                                      or _holds_cwd(target))
+
+
+def _holds_cwd(target: Path) -> bool:
+    try:
+        here = os.getcwd()
+    except OSError:  # the working directory is gone already
+        return False
+    top = os.path.realpath(target)
+    return here == top or here.startswith(top.rstrip("/") + "/")
 
 
 def beside(target: Path, tag: str = "tmp") -> Path:

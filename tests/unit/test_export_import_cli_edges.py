@@ -257,3 +257,32 @@ def test_an_export_into_a_directory_it_cannot_replace_is_written_inside_it(
     assert listed == {n: _sha(d) for n, d in {**FIRST, "c.bin": b"c\n"}.items()}
     assert all(_sha((out / n).read_bytes()) == s for n, s in listed.items())
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("cwd", [".", "a"], ids=["dot", "inside-it"])
+def test_an_export_into_the_working_directory_leaves_the_shell_in_it(
+    tmp_path: Path, env: dict[str, str], monkeypatch: pytest.MonkeyPatch, cwd: str
+) -> None:
+    # ``pool export .`` (or into a directory that holds the shell's): swapped in by a
+    # rename, the shell would be left in a removed directory that lists empty, and a
+    # second export from it would fail. It is written inside the directory instead.
+    first = _pool(env, tmp_path / "first", _set(tmp_path / "src1", FIRST))
+    second = _pool(env, tmp_path / "second", _set(tmp_path / "src2", {"c.bin": b"c\n"}))
+    out = tmp_path / "here"
+    out.mkdir()
+    if cwd != ".":
+        done = run_cli(env, "--pool", str(first), "pool", "export", str(out))
+        assert done.returncode == 0, done.stderr
+    monkeypatch.chdir(out / cwd)
+    inode = os.stat(".").st_ino
+    for pool in (first, second):
+        done = run_cli(env, "--pool", str(pool), "pool", "export",
+                       "." if cwd == "." else str(out))
+        assert done.returncode == 0, done.stderr
+        assert os.stat(".").st_nlink > 0 and os.stat(".").st_ino == inode
+        assert os.stat(out / cwd).st_ino == inode  # the shell's directory is in the export
+    listed = {a.name: a.sha256 for a in parse_checksums((out / "checksums.txt").read_text())}
+    assert listed == {n: _sha(d) for n, d in {**FIRST, "c.bin": b"c\n"}.items()}
+    assert all(_sha((out / n).read_bytes()) == s for n, s in listed.items())
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
