@@ -13,10 +13,12 @@ the session being started (``distcache.session``'s ``STARTING``).
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import os
 import threading
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from distcache._log import get_logger
@@ -32,7 +34,8 @@ class Background:
     """The start-up ``body`` on a thread :meth:`start` starts (in a copy of the
     caller's context); what it raised, told to the other ranks of ``comm``."""
 
-    def __init__(self, body: Callable[[], None], comm: Communicator) -> None:
+    def __init__(self, body: Callable[[], None], comm: Communicator,
+                 stop: Callable[[Sequence[threading.Thread]], None] | None = None) -> None:
         self.thread = threading.Thread(target=contextvars.copy_context().run,
                                        args=(self._run, body), daemon=True,
                                        name="distcache-start-up")
@@ -41,6 +44,10 @@ class Background:
         self._comm = comm
         self._over = threading.Event()
         self._pid = os.getpid()
+        # Stops the start-up's downloads and removes their temporary files, given the
+        # threads to wait for a moment first (Stopper.interrupt).
+        self._stop = stop
+        _STARTED.add(self)
 
     def start(self) -> None:
         try:
@@ -58,6 +65,19 @@ class Background:
             log.debug("background start-up failed: %s", exc)
         finally:
             self._over.set()
+
+    def cancel(self) -> bool:
+        """Stop the downloads of a start-up that is not over (a close before it ended,
+        the process's exit): each fails at its next write, and the start-up with it,
+        told to the other ranks as any failure is; the temporary files of those still
+        running are removed. Not in a forked child (:attr:`elsewhere`). Whether it was
+        stopped."""
+        if self._stop is None or self._over.is_set() or self.elsewhere:
+            return False
+        log.info("the background start-up is stopped before it ended: its downloads stop "
+                 "and their temporary files are removed")
+        self._stop(() if self.here else (self.thread,))
+        return True
 
     @property
     def elsewhere(self) -> bool:
@@ -107,3 +127,19 @@ class Background:
         if self.error is not None:
             self.waited = True
             raise self.error
+
+
+#: The background start-ups of this process, for :func:`_cancel_at_exit`.
+_STARTED: weakref.WeakSet[Background] = weakref.WeakSet()
+
+
+@atexit.register
+def _cancel_at_exit() -> None:
+    """At the interpreter's exit, stop the downloads of a background start-up still
+    running (a program that exits, or is interrupted, without ``close``): its daemon
+    threads would be cut off mid-write and leave their temporary files in the pool."""
+    for start_up in list(_STARTED):
+        try:
+            start_up.cancel()
+        except Exception as exc:  # the exit goes on
+            log.debug("could not stop a background start-up at exit: %s", exc)

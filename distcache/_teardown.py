@@ -93,11 +93,14 @@ class Closing:
         if start_up is None or start_up.here or start_up.elsewhere:
             return
         try:  # every collective of the start-up is bounded by the timeout
+            stopped = start_up.cancel()  # closed before it ended: its downloads stop
             start_up.wait(None)
         except BaseException:
             self.reopen()  # nothing was torn down yet
             raise
-        if start_up.error is not None and not start_up.waited:
+        if stopped and start_up.error is not None:
+            log.info("the background start-up ended as it was stopped: %s", start_up.error)
+        elif start_up.error is not None and not start_up.waited:
             log.warning("the background start-up failed and no wait() raised it: %s",
                         start_up.error)
 

@@ -13,8 +13,8 @@ stand for the fields). A process keeps one session (:class:`SessionSlot`).
 from __future__ import annotations
 
 import contextvars
-import functools
 import threading
+from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Unpack
 
@@ -110,9 +110,8 @@ class Session:
 
     def wait(self, timeout: float | None = None) -> PrefetchReport | None:
         """Join the background start-up (the prefetch and the integrations' install)
-        and return the prefetch report; at once when ``init`` ran in the foreground, or
-        from inside the start-up (an install: it would wait for itself). Call it before
-        warm-up.
+        and return the prefetch report (before warm-up); at once when ``init`` ran in
+        the foreground, or from inside the start-up (an install: it would wait for it).
 
         Raises:
             CollectiveTimeout: the start-up is still running after ``timeout`` seconds
@@ -148,11 +147,11 @@ class Session:
 
     def close(self) -> None:
         """Uninstall the integrations, unmap IPC pools, and tear down what init
-        started. Idempotent and thread-safe (:class:`~distcache._teardown.Closing`); not
+        started (a background start-up not over has its downloads stopped first).
+        Idempotent and thread-safe (:class:`~distcache._teardown.Closing`); not
         collective. Every step runs even where one fails; the call that tore down raises
         the error of the last failing step (the others chained to it). A call
-        interrupted while it waits for the background start-up (Ctrl-C) leaves the
-        session open, to be closed again."""
+        interrupted while it waits for the start-up (Ctrl-C) leaves the session open."""
         if not self._closing.claim(self._thread, self.settings and self.settings.timeout):
             return
         with self._closing.tearing_down():
@@ -160,7 +159,7 @@ class Session:
             starting, slot, self._starting = self._starting, self._slot, None
             self._closing.tear_down(self.integrations, starting.abandon if starting else None,
                                     (self._peers, self.registry, self._adopted),
-                                    functools.partial(slot.leave, self) if slot else None)
+                                    partial(slot.leave, self) if slot else None)
 
     @property
     def closed(self) -> bool:
@@ -311,7 +310,7 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
                phases["comm"])
     session = Session(comm=comm, pool=None, phases=phases, settings=conf, options=options,
                       _adopted=adopted, _slot=slot)
-    starting, stopper = STARTING.set(session), None
+    starting, stop = STARTING.set(session), None
     try:
         with _phase(phases, "pool"):
             session.pool = the_pool = resolve_pool(options.pool, conf)
@@ -319,7 +318,8 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
         chosen = [*chosen, *jit_families(options.jit_caches, conf, the_pool, options.environ)]
         origin = resolve_origin(options.origin, conf, chosen)
         stopper = None if origin is None else Stopper(origin)
-        the_origin = None if stopper is None else stopper.origin
+        the_origin, stop = (None, None) if stopper is None else (
+            stopper.origin, partial(stopper.interrupt, the_pool.layout.tmp))
         secret = adopted.scope.secret if adopted else None
         manifests = as_lists(options.manifests)  # read by the set-up, then the prefetch
         with _phase(phases, "peers"):
@@ -370,14 +370,14 @@ def _start(options: InitOptions, slot: SessionSlot) -> Session:
 
         if options.background:
             from distcache._background import Background  # where one runs in background
-            session._background = Background(start_up, comm)
+            session._background = Background(start_up, comm, stop)
             session._background.start()
         else:
             start_up()
     except BaseException as exc:
         tell_others(comm, exc)  # before the close: their waits raise it, not time out
-        if stopper is not None:  # its downloads end at their next write (Ctrl-C)
-            stopper.stop()
+        if stop is not None:  # its downloads end at their next write (Ctrl-C)
+            stop(())
         _close_failed(session)
         raise
     finally:

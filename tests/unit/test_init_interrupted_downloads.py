@@ -1,6 +1,7 @@
 """A foreground ``init`` interrupted (Ctrl-C) while its downloads run stops them: each
-fails at its next write, so nothing reaches the pool after ``init`` raised, as the
-command line's prefetch does."""
+fails at its next write, so nothing reaches the pool after ``init`` raised, and the
+temporary file of one still waiting on its origin is removed at once (its thread is a
+daemon, cut off at the process's exit), as the command line's prefetch does."""
 
 from __future__ import annotations
 
@@ -73,9 +74,12 @@ def _interrupted_init(tmp_path: Path) -> None:
                   integrations=[], timeout=60)
     except KeyboardInterrupt as exc:
         raised = exc
+        # The download still waits on its origin (a socket read): its file is gone.
+        left = sorted(p.name for p in (pool_dir / "tmp").iterdir())
     finally:
         origin.go.set()
     assert raised is not None, "init was not interrupted"
+    assert left == [], left
     assert origin.finished.wait(30)
     assert origin.outcomes == ["interrupted"]
     assert not any((pool_dir / "objects").rglob(artifact.sha256)), "published after init raised"

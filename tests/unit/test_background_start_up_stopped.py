@@ -1,0 +1,126 @@
+"""A background start-up that has not ended when its session is closed, or when the
+process exits without a close, has its downloads stopped: each fails at its next
+write (no retry, nothing published), and the temporary file of one still waiting on
+its origin is removed, instead of the close waiting for every download and retry and
+the exit cutting the daemon threads off mid-write."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import BinaryIO
+
+import pytest
+
+from distcache.artifact import Artifact, sha256_hex
+from distcache.comm import local
+from distcache.origins import BaseOrigin, Interrupted
+from distcache.session import SessionSlot
+from tests.support.cli import REPO
+
+pytestmark = pytest.mark.timeout(120)
+
+DATA = b"b" * 4096
+
+
+class _Held(BaseOrigin):
+    """Writes half of each artifact, then waits for :attr:`go` before the rest;
+    counts its calls and records how each write of the rest ended."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.go = threading.Event()
+        self.calls = 0
+        self.outcomes: list[str] = []
+
+    def describe(self) -> str:
+        return "held"
+
+    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
+        self.calls += 1
+        out.write(DATA[:2048])
+        self.started.set()
+        self.go.wait(60)
+        try:
+            out.write(DATA[2048:])
+            self.outcomes.append("written")
+        except Interrupted:
+            self.outcomes.append("interrupted")
+            raise
+        return len(DATA)
+
+
+def _tmp_files(pool: Path) -> list[str]:
+    return sorted(p.name for p in (pool / "tmp").iterdir())
+
+
+def test_a_close_before_the_background_start_up_ended_stops_its_downloads(
+        tmp_path: Path) -> None:
+    origin = _Held()
+    artifact = Artifact("b/one.cubin", sha256_hex(DATA), len(DATA))
+    pool = tmp_path / "pool"
+    session = SessionSlot().init(comm=local(), pool=str(pool), origin=origin,
+                                 manifests=[[artifact]], integrations=[], timeout=60,
+                                 background=True)
+    assert origin.started.wait(30)
+    assert _tmp_files(pool), "the download writes no temporary file"
+    closing = threading.Thread(target=session.close, daemon=True)
+    closing.start()
+    # While the download still waits on its origin, its file is removed...
+    until = time.monotonic() + 30
+    while _tmp_files(pool) and time.monotonic() < until:
+        time.sleep(0.01)
+    left = _tmp_files(pool)
+    origin.go.set()  # ...and its next write fails
+    closing.join(30)
+    assert not closing.is_alive()
+    assert left == [], left
+    assert origin.outcomes == ["interrupted"]
+    assert origin.calls == 1  # not asked again
+    assert not any((pool / "objects").rglob(artifact.sha256))
+    assert session.closed
+
+
+_EXITING = textwrap.dedent("""
+    import sys, threading
+    from distcache.artifact import Artifact, sha256_hex
+    from distcache.comm import local
+    from distcache.origins import BaseOrigin
+    from distcache.session import SessionSlot
+
+    DATA = b"b" * 4096
+    started = threading.Event()
+
+    class Held(BaseOrigin):
+        def describe(self):
+            return "held"
+
+        def fetch_into(self, artifact, out):
+            out.write(DATA[:2048])
+            started.set()
+            threading.Event().wait(600)  # an origin that never sends the rest
+            out.write(DATA[2048:])
+            return len(DATA)
+
+    artifact = Artifact("b/one.cubin", sha256_hex(DATA), len(DATA))
+    SessionSlot().init(comm=local(), pool=sys.argv[1], origin=Held(),
+                       manifests=[[artifact]], integrations=[], timeout=600,
+                       background=True)
+    assert started.wait(60)
+    print("exiting", flush=True)
+    sys.exit(0)  # no close: the program ends while the start-up downloads
+""")
+
+
+def test_an_exit_during_the_background_start_up_leaves_no_temporary_file(
+        tmp_path: Path) -> None:
+    pool = tmp_path / "pool"
+    done = subprocess.run([sys.executable, "-c", _EXITING, str(pool)], capture_output=True,
+                          text=True, timeout=90, cwd=REPO, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "exiting" in done.stdout
+    assert _tmp_files(pool) == [], done.stderr
