@@ -33,6 +33,7 @@ from distcache.errors import (
     OriginUnreachable,
 )
 from distcache.origins._base import BaseOrigin, rewind, split_url
+from distcache.origins._catchall import SameAnswers
 from distcache.origins._credentials import clean_token, host_key, host_name, redact
 
 if TYPE_CHECKING:
@@ -47,15 +48,13 @@ logger = get_logger(__name__)
 _REDIRECTS = {301, 302, 303, 307, 308}
 _MAX_REDIRECTS = 5
 
-#: Seconds an unreachable origin is not asked again: the whole of a command's run,
-#: while a process that serves for days (the FlashInfer wrapper) finds the origin again
-#: once it is back.
+#: Seconds an unreachable origin is not asked again: a command's whole run, while a
+#: process that serves for days (the FlashInfer wrapper) finds it again once it is back.
 DOWN_SECONDS = 60.0
 
 
 def _user_agent() -> str:
-    # From distcache's own version module, not the installed distribution's metadata:
-    # reading that scans every directory of sys.path, on each downloading rank.
+    # distcache's own version module: the distribution's metadata scans all of sys.path.
     from distcache._version import __version__
 
     return f"distcache/{__version__}"
@@ -77,10 +76,10 @@ class HttpOrigin(BaseOrigin):
     A refused connection or a host name that does not resolve is not retried: the
     origin is marked down for :data:`DOWN_SECONDS` (a command's whole run) and every
     fetch meanwhile raises :class:`~distcache.errors.OriginUnreachable` with the same
-    cause at once, without a request.
-
-    Redirects are followed (at most 5) only to the same scheme and host, or to a
-    host in ``allow_redirect_hosts`` with the same scheme.
+    cause at once, without a request. Nor is a wrong body that different artifacts
+    came back as (one page for every path, :mod:`~distcache.origins._catchall`): an
+    :class:`~distcache.errors.OriginError`. Redirects are followed (at most 5) only to
+    the same scheme and host, or to a host in ``allow_redirect_hosts``, same scheme.
 
     Backoff between attempts is ``backoff_base * 2**n`` seconds with full jitter,
     each at most ``backoff_max``; ``Retry-After`` is honoured up to
@@ -146,16 +145,16 @@ class HttpOrigin(BaseOrigin):
         self._token = clean_token(token, "token")
         # Values never to show in a message: requests quotes a header value it refuses
         # (a token read from a file with its newline) in the exception text. As given,
-        # trimmed, and as repr() escapes it (how requests quotes it); under 4 characters
-        # a value is no secret, and hiding it would garble the message ("1" in an address).
+        # trimmed, and as repr() escapes it; under 4 characters a value is no secret,
+        # and hiding it would garble the message ("1" in an address).
         raw = [v for v in (*self._given.values(), self._token) if isinstance(v, str)]
         forms = {f for v in raw for f in (v, v.strip(), repr(v)[1:-1]) if len(f) >= 4}
         self._secrets = tuple(sorted(forms, key=len, reverse=True))
         self._pool_size = pool_size
-        # The HTTP stack (requests, urllib3) is imported and set up with the first
-        # request: most ranks of a job never send one, and importing it costs a rank
-        # more CPU than the rest of an init.
+        # The HTTP stack (requests, urllib3) is set up with the first request: most
+        # ranks never send one, and importing it costs more CPU than the rest of init.
         self._lock = threading.Lock()
+        self._same = SameAnswers()
         self._session: Any = None
         self._backoff: Backoff | None = None
 
@@ -190,9 +189,8 @@ class HttpOrigin(BaseOrigin):
     def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
         """Stream the artifact into ``out`` while hashing it; return the byte count.
 
-        A failed attempt's bytes are truncated away before the next one when ``out``
-        is seekable; when it is not, the first failure after bytes were written ends
-        the fetch (the caller discards ``out``).
+        A failed attempt's bytes are truncated before the next one where ``out`` is
+        seekable; else a failure after bytes were written ends it (``out`` discarded).
 
         Raises:
             IntegrityError: every attempt delivered bytes with the wrong digest or size.
@@ -239,6 +237,8 @@ class HttpOrigin(BaseOrigin):
                 ) from exc
             except Retry as exc:
                 last = exc
+                if exc.body is not None:  # one page for every path: fail now
+                    self._same.check(exc.body, artifact, where)
                 if written[0] and not rewind(out, start):
                     break
             if attempt == attempts:

@@ -112,12 +112,14 @@ class Retry(Exception):
     """One failed attempt that another attempt may fix."""
 
     def __init__(self, reason: str, *, status: int | None = None, delay: float | None = None,
-                 integrity: tuple[str, str] | None = None) -> None:
+                 integrity: tuple[str, str] | None = None,
+                 body: tuple[str, int, str] | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.status = status
         self.delay = delay
         self.integrity = integrity  # (expected, actual) on a digest/size mismatch
+        self.body = body  # the wrong body there: its sha256 (or ""), length, type
 
 
 class Fatal(Exception):
@@ -290,6 +292,7 @@ def read_response(response: requests.Response, artifact: Artifact, out: BinaryIO
         # although its bytes are the artifact's. A failure names the coding.
         coding = (response.headers.get("Content-Encoding") or "identity").strip().lower()
         coded = "" if coding == "identity" else f" (sent with Content-Encoding: {coding[:40]})"
+        kind = " ".join((response.headers.get("Content-Type") or "").split())[:60]
         # Transfer-Encoding overrides Content-Length (RFC 9112 6.3): a chunked body
         # ends at its last chunk, as urllib3 reads it, whatever length is announced.
         codings = (response.headers.get("Transfer-Encoding") or "").lower().split(",")
@@ -301,7 +304,8 @@ def read_response(response: requests.Response, artifact: Artifact, out: BinaryIO
             # Refuse before reading: a body announced larger than the artifact is
             # not worth a byte of bandwidth or disk.
             raise Retry(f"announced size mismatch{coded}",
-                        integrity=(f"{limit} bytes", f"Content-Length {expected_len}"))
+                        integrity=(f"{limit} bytes", f"Content-Length {expected_len}"),
+                        body=("", expected_len, kind))
         cap = max_bytes if limit is None else limit
         if limit is None and expected_len is not None and expected_len > cap:
             raise _over_cap(cap, f"announced Content-Length {expected_len}")
@@ -332,11 +336,13 @@ def read_response(response: requests.Response, artifact: Artifact, out: BinaryIO
                         f"({type(exc).__name__}){coded}") from exc
     if expected_len is not None and written[0] != expected_len:
         raise Retry(f"body cut short: {written[0]} of {expected_len} bytes")
-    if limit is not None and written[0] != limit:
-        raise Retry(f"size mismatch{coded}", integrity=(f"{limit} bytes", f"{written[0]} bytes"))
     actual = digest.hexdigest()
+    if limit is not None and written[0] != limit:
+        raise Retry(f"size mismatch{coded}", integrity=(f"{limit} bytes", f"{written[0]} bytes"),
+                    body=(actual, written[0], kind))
     if actual != artifact.sha256:
-        raise Retry(f"sha256 mismatch{coded}", integrity=(artifact.sha256, actual))
+        raise Retry(f"sha256 mismatch{coded}", integrity=(artifact.sha256, actual),
+                    body=(actual, written[0], kind))
     return written[0]
 
 
