@@ -166,7 +166,9 @@ class InitOptions(Record):
         default = InitOptions()
         named = set(fields) | {n for n in self._FIELDS if options is not None
                                and not _same(getattr(options, n), getattr(default, n))}
-        ignored = sorted(n for n in named if not _same(getattr(asked, n), getattr(self, n)))
+        ignored = sorted(n for n in named
+                         if not _same(_as_compared(n, getattr(asked, n)),
+                                      _as_compared(n, getattr(self, n))))
         if ignored:
             log.warning("init was called again with other %s; the open session keeps "
                         "those of the first call: the new ones are ignored", ", ".join(ignored))
@@ -288,6 +290,20 @@ def _shown(value: object) -> str:
     """``repr(value)``, cut to 120 characters for a message."""
     text = repr(value)
     return text if len(text) <= 120 else f"{text[:120]}..."
+
+
+def _as_compared(name: str, value: Any) -> Any:
+    """``value`` of the field ``name`` as two calls that mean the same give it alike: a
+    list and a tuple as a tuple, and the pool's and the manifests' paths (a ``str`` or
+    a path object, with or without a trailing ``/``) as absolute paths."""
+    def path(item: Any) -> Any:
+        return os.path.abspath(os.fspath(item)) if isinstance(item, str | os.PathLike) else item
+
+    if name == "pool":
+        return path(value)
+    if isinstance(value, list | tuple):
+        return tuple(path(item) if name == "manifests" else item for item in value)
+    return value
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -92,9 +92,8 @@ class Session:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "disabled" if self.disabled else "open"
-        return (f"Session({state}, rank {self.comm.rank}/{self.comm.size}, pool="
-                f"{self.pool and str(self.pool.root)!r}, integrations="
-                f"{[i.name for i in self.integrations]})")
+        pool, names = self.pool and str(self.pool.root), [i.name for i in self.integrations]
+        return f"Session({state}, rank {self.comm.rank}/{self.comm.size}, {pool=}, integrations={names})"
 
     @property
     def _thread(self) -> threading.Thread | None:
@@ -180,16 +179,15 @@ class Session:
 class SessionSlot:
     """Where a process keeps its open session.
 
-    A second ``init`` returns the open session (an engine and a library it embeds
-    both call ``init``, and only one of them may adopt a communicator and install
-    the integrations), so the process has one slot: the module's ``_PROCESS``, which
-    :func:`init` and :func:`current` use. Tests construct their own. A session knows
-    its slot and leaves it on ``close``. An ``init`` called from inside a start-up
-    (an integration's install, on any of the start-up's threads) returns the session
-    being started at once (:data:`STARTING`). A session whose background start-up
-    failed is closed by the next ``init``, which starts afresh, as after a foreground
-    start-up that failed.
-    """
+    A second ``init`` returns the open session (an engine and a library it embeds both
+    call ``init``, and only one of them may adopt a communicator and install the
+    integrations), a foreground one once its background start-up is over, so the
+    process has one slot: the module's ``_PROCESS``, which :func:`init` and
+    :func:`current` use. Tests construct their own. A session leaves its slot on
+    ``close``. An ``init`` from inside a start-up (an integration's install, on any of
+    its threads) returns the session being started at once (:data:`STARTING`). A
+    session whose background start-up failed is closed by the next ``init``, which
+    starts afresh."""
 
     def __init__(self) -> None:
         # Re-entrant: a start-up that fails closes its session, which leaves the slot.
@@ -218,7 +216,10 @@ class SessionSlot:
             if session is None:
                 self._session = session = _start(InitOptions.of(options, fields), self)
                 return session
-            return _again(session, options, fields)
+            _again(session, options, fields)
+        if not InitOptions.of(options, fields).background and not session.ready:
+            session.wait()  # a foreground init returns with the start-up over (or raises)
+        return session
 
     def leave(self, session: Session) -> None:
         """Empty the slot if ``session`` is in it: not yet while ``init`` starts it, so
@@ -263,18 +264,17 @@ def init(options: InitOptions | None = None, /, **fields: Unpack[InitFields]) ->
 
     Args:
         options: an :class:`InitOptions` (default: every field at its default).
-        **fields: fields of :class:`InitOptions` given as keywords, in place of
-            those of ``options``: ``init(manifests=["checksums.txt"])``,
+        **fields: fields of :class:`InitOptions` (each described there) given as
+            keywords, in place of those of ``options``: ``init(manifests=[M])``,
             ``init(manifests=[M], ipc_pools=[features], background=True)``,
-            ``init(integrations=[FlashInfer(record=DIR)])``. The fields: what to
-            fetch (``manifests``, ``integrations``, ``ipc_pools``, ``jit_caches``), where
-            from and into (``pool``, ``origin``), how to run (``comm``, ``timeout``,
-            ``transport``, ``background``, ``environ``); each is described by
-            :class:`InitOptions`.
+            ``init(integrations=[FlashInfer(record=DIR)])``. What to fetch
+            (``manifests``, ``integrations``, ``ipc_pools``, ``jit_caches``), where from
+            and into (``pool``, ``origin``), how to run (``comm``, ``timeout``,
+            ``transport``, ``background``, ``environ``).
 
     Returns:
-        The process's session; a second call returns the same one (its options are
-        those of the first call: ``Session.options``).
+        The process's session; a second call returns the same one, with the options of
+        the first (``Session.options``), in the foreground once its start-up is over.
 
     Raises:
         ConfigError: a bad or unknown option or ``DISTCACHE_*`` value, or artifacts

@@ -124,3 +124,29 @@ def test_an_exit_during_the_background_start_up_leaves_no_temporary_file(
     assert done.returncode == 0, done.stderr
     assert "exiting" in done.stdout
     assert _tmp_files(pool) == [], done.stderr
+
+
+def test_a_foreground_init_that_finds_a_background_start_up_waits_for_it(
+        tmp_path: Path) -> None:
+    # An engine started in the background; a library it embeds calls init() and takes
+    # the pool for filled when it returns, as a foreground init promises.
+    origin = _Held()
+    artifact = Artifact("b/one.cubin", sha256_hex(DATA), len(DATA))
+    slot = SessionSlot()
+    session = slot.init(comm=local(), pool=str(tmp_path / "pool"), origin=origin,
+                        manifests=[[artifact]], integrations=[], timeout=60, background=True)
+    try:
+        assert origin.started.wait(30)
+        found: list[object] = []
+        library = threading.Thread(target=lambda: found.append(slot.init()), daemon=True)
+        library.start()
+        library.join(0.5)
+        assert library.is_alive(), "init returned while the start-up still downloads"
+        assert slot.init(background=True) is session  # a background one returns at once
+        origin.go.set()
+        library.join(30)
+        assert found == [session] and session.ready
+        assert session.report is not None and session.report.downloads == 1
+    finally:
+        origin.go.set()
+        session.close()

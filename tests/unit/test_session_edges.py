@@ -93,6 +93,8 @@ def test_a_second_init_with_other_options_says_they_are_ignored(
         with caplog.at_level(logging.WARNING, logger="distcache"):
             assert slot.init(pool=tmp_path / "pool", integrations=()) is first
             assert slot.init() is first
+            # The same values written otherwise: a str, a trailing "/", a list.
+            assert slot.init(pool=f"{tmp_path / 'pool'}/", integrations=[]) is first
             assert not [r for r in caplog.records if "ignored" in r.getMessage()]
             assert slot.init(pool=tmp_path / "other", integrations=()) is first
         said = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
@@ -192,3 +194,25 @@ def test_a_leaders_report_with_fields_of_the_wrong_type_is_a_wire_error(
     assert _unpacked(_report_fields(), "rank 1/2 (n)", tree).downloads == 1  # type: ignore[arg-type,union-attr]
     with pytest.raises(WireError, match="malformed"):
         _unpacked(_report_fields(**changes), "rank 1/2 (n)", tree)  # type: ignore[arg-type]
+
+
+def test_the_same_manifests_written_otherwise_are_not_called_other(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "checksums.txt").write_text("")
+    monkeypatch.chdir(tmp_path)
+    slot = SessionSlot()
+    first = slot.init(pool=str(tmp_path / "pool"), manifests=["checksums.txt"],
+                      integrations=[])
+    try:
+        with caplog.at_level(logging.WARNING, logger="distcache"):
+            for manifests in (("checksums.txt",), [tmp_path / "checksums.txt"],
+                              [f"{tmp_path}/./checksums.txt"]):
+                assert slot.init(pool=tmp_path / "pool", manifests=manifests,
+                                 integrations=()) is first
+            assert not [r for r in caplog.records if "ignored" in r.getMessage()]
+            assert slot.init(manifests=[tmp_path / "other.txt"]) is first
+        said = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+        assert len(said) == 1 and "manifests" in said[0], said
+    finally:
+        first.close()
