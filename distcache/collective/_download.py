@@ -51,7 +51,8 @@ class _Ticking:
 
     def write(self, data: Any) -> int:
         written = self._out.write(data)
-        self._tick()
+        if len(data):  # bytes came: an empty write (an origin's check of the stop) is none
+            self._tick()
         return written
 
     def __getattr__(self, name: str) -> Any:

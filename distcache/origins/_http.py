@@ -228,8 +228,7 @@ class HttpOrigin(BaseOrigin):
             except Fatal as exc:
                 if written[0]:
                     rewind(out, start)  # a body over the cap: drop what came before it
-                # A 404 is definitive: the origin answered that it has no such file.
-                error = ArtifactNotFound if exc.status == 404 else OriginError
+                error = ArtifactNotFound if exc.status == 404 else OriginError  # 404: final
                 advice = exc.advice or self._advice(exc.status)
                 raise error(
                     f"GET {where} failed: {exc.reason}; {advice}",
@@ -253,6 +252,7 @@ class HttpOrigin(BaseOrigin):
                            attempt, self.retries, delay)
             self._sleep(delay)
             waited += delay
+            out.write(b"")  # a stopped download (Stopper) asks nothing more: it raises here
         assert last is not None  # the loop ran at least once and did not return
         tried = f"{attempt} attempt{'s' if attempt > 1 else ''}"
         if last.integrity is not None:
