@@ -107,6 +107,12 @@ def run_import(args: argparse.Namespace) -> int:
     refuse_foreign(root)
     # Before the pool is opened, which creates it: a mistyped SRC leaves no pool.
     kind_of(args.source)
+    if Path(args.source).is_dir() and Path(root).resolve().is_relative_to(
+            Path(args.source).resolve()):
+        # Its files would be taken for artifacts, and the next import for a pool's.
+        raise PoolError(f"cannot import {args.source}: the pool {root} is inside it; keep "
+                        "the pool outside the directory you import (--pool or "
+                        "DISTCACHE_POOL)", path=str(args.source))
     pool = resolve_pool(root, settings())
     bar = progress_bar(args)
     try:

@@ -293,8 +293,9 @@ def export_tar(pool: ArtifactPool, artifacts: list[Artifact], target: Path,
 
     Raises:
         PoolError: an artifact is missing from the pool or corrupt there, the
-            target's directory does not exist, or the temporary file beside the
-            target cannot be created (nothing is written in any case).
+            target's directory does not exist, the target is a directory, or the
+            temporary file beside the target cannot be created (nothing is written in
+            any case).
         ConfigError: the target's suffix is not one import reads back, an artifact
             is named ``checksums.txt``, or one named ``<dir>/checksums.txt`` would be
             refused by import (nothing is written in any case).
@@ -313,6 +314,10 @@ def export_tar(pool: ArtifactPool, artifacts: list[Artifact], target: Path,
     if not target.parent.is_dir():
         raise PoolError(f"cannot export to {target}: {target.parent} is not a directory",
                         path=str(target))
+    if target.is_dir():  # refused before a byte is written, not at the rename
+        raise PoolError(f"cannot export to {target}: it is a directory; give the tarball a "
+                        "name of its own, or export into the directory with 'pool export "
+                        "DIR' (no --tar)", path=str(target))
     tmp, fd = _create_temp(target)
     now = time.time()
     total = 0

@@ -286,3 +286,38 @@ def test_an_export_into_the_working_directory_leaves_the_shell_in_it(
     assert all(_sha((out / n).read_bytes()) == s for n, s in listed.items())
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("listed", [True, False], ids=["with-checksums", "loose"])
+def test_an_import_of_the_directory_that_holds_the_pool_is_refused_alike_each_time(
+    tmp_path: Path, env: dict[str, str], listed: bool
+) -> None:
+    # The pool kept inside the set: its own files would be imported as artifacts
+    # (pool/format, pool/pool_id), and the next import refused as a pool's archive.
+    source = tmp_path / "set"
+    if listed:
+        _set(source, FIRST)
+    else:
+        for name, data in FIRST.items():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            (source / name).write_bytes(data)
+    pool = source / ".pool"
+    before = _tree(source)
+    for _ in range(2):
+        done = run_cli(env, "--pool", str(pool), "pool", "import", str(source))
+        assert done.returncode == 1, done.stdout
+        assert f"the pool {pool} is inside it" in done.stderr, done.stderr
+        assert _tree(source) == before  # no pool made there
+
+
+def test_a_tarball_export_onto_a_directory_is_refused_before_writing(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    pool = _pool(env, tmp_path / "pool", _set(tmp_path / "src", FIRST))
+    target = tmp_path / "out.tar"
+    target.mkdir()
+    done = run_cli(env, "--pool", str(pool), "pool", "export", "--tar", str(target))
+    assert done.returncode == 1, done.stdout
+    assert f"cannot export to {target}: it is a directory" in done.stderr, done.stderr
+    assert ".tmp" not in done.stderr and "Errno" not in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.tar", "pool", "src"]
