@@ -11,9 +11,12 @@ import socket
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol, TypeVar
+from typing import Any, BinaryIO, Protocol, TypeVar
 
 import pytest
+
+from distcache.artifact import Artifact
+from distcache.origins import BaseOrigin, Interrupted
 
 
 class Closing(Protocol):
@@ -127,3 +130,37 @@ class ThreadedRawServer:
         for thread in self._threads:
             thread.join(5)
         assert not any(t.is_alive() for t in [self._accept, *self._threads])
+
+
+class HeldOrigin(BaseOrigin):
+    """An origin that writes the first half of :attr:`data` for each artifact, then
+    waits for :attr:`go` before the rest (a download waiting on its origin, as in a
+    socket read); counts its calls and records how each write of the rest ended
+    (``"written"``, or ``"interrupted"`` where the download was stopped)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.started = threading.Event()
+        self.go = threading.Event()
+        self.finished = threading.Event()
+        self.calls = 0
+        self.outcomes: list[str] = []
+
+    def describe(self) -> str:
+        return "held"
+
+    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
+        self.calls += 1
+        half = len(self.data) // 2
+        out.write(self.data[:half])
+        self.started.set()
+        self.go.wait(60)
+        try:
+            out.write(self.data[half:])
+            self.outcomes.append("written")
+        except Interrupted:
+            self.outcomes.append("interrupted")
+            raise
+        finally:
+            self.finished.set()
+        return len(self.data)

@@ -12,46 +12,18 @@ import textwrap
 import threading
 import time
 from pathlib import Path
-from typing import BinaryIO
 
 import pytest
 
 from distcache.artifact import Artifact, sha256_hex
 from distcache.comm import local
-from distcache.origins import BaseOrigin, Interrupted
 from distcache.session import SessionSlot
 from tests.support.cli import REPO
+from tests.support.origins import HeldOrigin
 
 pytestmark = pytest.mark.timeout(120)
 
 DATA = b"b" * 4096
-
-
-class _Held(BaseOrigin):
-    """Writes half of each artifact, then waits for :attr:`go` before the rest;
-    counts its calls and records how each write of the rest ended."""
-
-    def __init__(self) -> None:
-        self.started = threading.Event()
-        self.go = threading.Event()
-        self.calls = 0
-        self.outcomes: list[str] = []
-
-    def describe(self) -> str:
-        return "held"
-
-    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
-        self.calls += 1
-        out.write(DATA[:2048])
-        self.started.set()
-        self.go.wait(60)
-        try:
-            out.write(DATA[2048:])
-            self.outcomes.append("written")
-        except Interrupted:
-            self.outcomes.append("interrupted")
-            raise
-        return len(DATA)
 
 
 def _tmp_files(pool: Path) -> list[str]:
@@ -60,7 +32,7 @@ def _tmp_files(pool: Path) -> list[str]:
 
 def test_a_close_before_the_background_start_up_ended_stops_its_downloads(
         tmp_path: Path) -> None:
-    origin = _Held()
+    origin = HeldOrigin(DATA)
     artifact = Artifact("b/one.cubin", sha256_hex(DATA), len(DATA))
     pool = tmp_path / "pool"
     session = SessionSlot().init(comm=local(), pool=str(pool), origin=origin,
@@ -130,7 +102,7 @@ def test_a_foreground_init_that_finds_a_background_start_up_waits_for_it(
         tmp_path: Path) -> None:
     # An engine started in the background; a library it embeds calls init() and takes
     # the pool for filled when it returns, as a foreground init promises.
-    origin = _Held()
+    origin = HeldOrigin(DATA)
     artifact = Artifact("b/one.cubin", sha256_hex(DATA), len(DATA))
     slot = SessionSlot()
     session = slot.init(comm=local(), pool=str(tmp_path / "pool"), origin=origin,

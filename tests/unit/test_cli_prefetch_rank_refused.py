@@ -37,6 +37,20 @@ def _bad_pool(tmp_path: Path, kind: str) -> Path:
     return bad
 
 
+def _refused_on_rank_1(cmd: list[str], env: dict[str, str]) -> str:
+    """The merged output of a 2-rank launch whose rank 1 is refused, checked to end on
+    both ranks with that rank's error (rank 0 told of it, not timed out)."""
+    try:
+        done = run_group(cmd, timeout=240, env=env, merge_stderr=True)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"a rank waited for the refused one: {exc.output!r}")
+    out = done.stdout
+    assert done.returncode != 0, out
+    assert "failed, so rank 0 stops" in out, out  # rank 0 heard rank 1's own error
+    assert "did not complete within" not in out, out
+    return out
+
+
 @pytest.mark.parametrize("kind", ["foreign", "file"])
 def test_a_pool_refused_on_one_rank_ends_the_job_on_every_rank(tmp_path: Path,
                                                                kind: str) -> None:
@@ -48,14 +62,7 @@ def test_a_pool_refused_on_one_rank_ends_the_job_on_every_rank(tmp_path: Path,
                 "--origin", str(tmp_path / "set")]
     cmd = [mpirun(), "-n", "1", "-x", f"DISTCACHE_POOL={tmp_path / 'good'}", *rank_cmd,
            ":", "-n", "1", "-x", f"DISTCACHE_POOL={bad}", *rank_cmd]
-    try:
-        done = run_group(cmd, timeout=240, env=env, merge_stderr=True)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"a rank waited for the refused one: {exc.output!r}")
-    out = done.stdout
-    assert done.returncode != 0, out
-    assert "failed, so rank 0 stops" in out, out  # rank 0 heard rank 1's own error
-    assert "did not complete within" not in out, out
+    out = _refused_on_rank_1(cmd, env)
     said = {"foreign": "is not a distcache pool", "file": "cannot create pool root"}[kind]
     assert out.count(said) >= 2, out  # rank 1's line, and rank 0's naming it
     assert "Errno" not in out, out
@@ -105,13 +112,6 @@ def test_launch_peers_with_a_pool_refused_on_one_rank_ends_every_rank(tmp_path: 
     cmd = [mpirun(), "-n", "1", "-x", "DISTCACHE_NODE_ID=a", *rank_cmd, str(tmp_path / "good"),
            "--", "true", ":", "-n", "1", "-x", "DISTCACHE_NODE_ID=b", *rank_cmd, str(bad),
            "--", "true"]
-    try:
-        done = run_group(cmd, timeout=240, env=env, merge_stderr=True)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"a rank waited for the refused one: {exc.output!r}")
-    out = done.stdout
-    assert done.returncode != 0, out
-    assert "failed, so rank 0 stops" in out, out
-    assert "did not complete within" not in out, out
+    out = _refused_on_rank_1(cmd, env)
     if before is not None:  # another tool's directory: nothing written into it
         assert sorted(p.name for p in bad.iterdir()) == before, out

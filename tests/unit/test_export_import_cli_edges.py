@@ -228,6 +228,20 @@ def test_a_command_refused_for_its_input_creates_no_pool(
 # --- E: an interrupted or failed import takes back what it added -----------------------
 
 
+def _two_pools(env: dict[str, str], tmp_path: Path) -> tuple[Path, Path]:
+    """A pool of :data:`FIRST` and one of another artifact, ``c.bin``."""
+    return (_pool(env, tmp_path / "first", _set(tmp_path / "src1", FIRST)),
+            _pool(env, tmp_path / "second", _set(tmp_path / "src2", {"c.bin": b"c\n"})))
+
+
+def _holds_both(out: Path) -> None:
+    """``out`` is an export of both pools' artifacts, whole, with no leftover."""
+    listed = {a.name: a.sha256 for a in parse_checksums((out / "checksums.txt").read_text())}
+    assert listed == {n: _sha(d) for n, d in {**FIRST, "c.bin": b"c\n"}.items()}
+    assert all(_sha((out / n).read_bytes()) == s for n, s in listed.items())
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
 @pytest.mark.parametrize("why", ["mount point", "parent not writable"])
 def test_an_export_into_a_directory_it_cannot_replace_is_written_inside_it(
     tmp_path: Path, env: dict[str, str], monkeypatch: pytest.MonkeyPatch, why: str
@@ -237,8 +251,7 @@ def test_an_export_into_a_directory_it_cannot_replace_is_written_inside_it(
     # built inside it and put in place there, the earlier export carried over.
     from distcache.store import _mirror
 
-    first = _pool(env, tmp_path / "first", _set(tmp_path / "src1", FIRST))
-    second = _pool(env, tmp_path / "second", _set(tmp_path / "src2", {"c.bin": b"c\n"}))
+    first, second = _two_pools(env, tmp_path)
     out = tmp_path / "usb"
     export_directory(ArtifactPool(first),
                      parse_checksums((tmp_path / "src1" / "checksums.txt").read_text()), out)
@@ -253,10 +266,7 @@ def test_an_export_into_a_directory_it_cannot_replace_is_written_inside_it(
     export_directory(ArtifactPool(second),
                      parse_checksums((tmp_path / "src2" / "checksums.txt").read_text()), out)
     assert os.stat(out).st_ino == inode  # the same directory, written inside
-    listed = {a.name: a.sha256 for a in parse_checksums((out / "checksums.txt").read_text())}
-    assert listed == {n: _sha(d) for n, d in {**FIRST, "c.bin": b"c\n"}.items()}
-    assert all(_sha((out / n).read_bytes()) == s for n, s in listed.items())
-    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+    _holds_both(out)
 
 
 @pytest.mark.parametrize("cwd", [".", "a"], ids=["dot", "inside-it"])
@@ -266,8 +276,7 @@ def test_an_export_into_the_working_directory_leaves_the_shell_in_it(
     # ``pool export .`` (or into a directory that holds the shell's): swapped in by a
     # rename, the shell would be left in a removed directory that lists empty, and a
     # second export from it would fail. It is written inside the directory instead.
-    first = _pool(env, tmp_path / "first", _set(tmp_path / "src1", FIRST))
-    second = _pool(env, tmp_path / "second", _set(tmp_path / "src2", {"c.bin": b"c\n"}))
+    first, second = _two_pools(env, tmp_path)
     out = tmp_path / "here"
     out.mkdir()
     if cwd != ".":
@@ -281,11 +290,8 @@ def test_an_export_into_the_working_directory_leaves_the_shell_in_it(
         assert done.returncode == 0, done.stderr
         assert os.stat(".").st_nlink > 0 and os.stat(".").st_ino == inode
         assert os.stat(out / cwd).st_ino == inode  # the shell's directory is in the export
-    listed = {a.name: a.sha256 for a in parse_checksums((out / "checksums.txt").read_text())}
-    assert listed == {n: _sha(d) for n, d in {**FIRST, "c.bin": b"c\n"}.items()}
-    assert all(_sha((out / n).read_bytes()) == s for n, s in listed.items())
+    _holds_both(out)
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]
-    assert not [p for p in out.iterdir() if p.name.startswith(".")]
 
 
 @pytest.mark.parametrize("listed", [True, False], ids=["with-checksums", "loose"])

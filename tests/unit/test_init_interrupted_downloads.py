@@ -9,42 +9,13 @@ import _thread
 import signal
 import threading
 from pathlib import Path
-from typing import BinaryIO
 
 from distcache.artifact import Artifact, sha256_hex
 from distcache.comm import local
-from distcache.origins import BaseOrigin, Interrupted
 from distcache.session import SessionSlot
+from tests.support.origins import HeldOrigin
 
 DATA = b"k" * 4096
-
-
-class _Held(BaseOrigin):
-    """Writes half of each artifact, then waits for :attr:`go` before the rest, and
-    records how each write of the rest ended."""
-
-    def __init__(self) -> None:
-        self.started = threading.Event()
-        self.go = threading.Event()
-        self.finished = threading.Event()
-        self.outcomes: list[str] = []
-
-    def describe(self) -> str:
-        return "held"
-
-    def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
-        out.write(DATA[:2048])
-        self.started.set()
-        self.go.wait(30)
-        try:
-            out.write(DATA[2048:])
-            self.outcomes.append("written")
-        except Interrupted:
-            self.outcomes.append("interrupted")
-            raise
-        finally:
-            self.finished.set()
-        return len(DATA)
 
 
 def test_an_interrupted_init_stops_its_downloads(tmp_path: Path) -> None:
@@ -58,7 +29,7 @@ def test_an_interrupted_init_stops_its_downloads(tmp_path: Path) -> None:
 
 
 def _interrupted_init(tmp_path: Path) -> None:
-    origin = _Held()
+    origin = HeldOrigin(DATA)
     artifact = Artifact("k/one.cubin", sha256_hex(DATA), len(DATA))
     pool_dir = tmp_path / "pool"
 
