@@ -367,3 +367,33 @@ def test_the_process_role_is_read_only_for_an_event(tmp_path: Path) -> None:
                                  DISTCACHE_POOL=str(tmp_path / "pool"))
     assert "distcache.integrations._compile_caches" in added
     assert "multiprocessing" not in added
+
+
+@needs_site_hook
+def test_a_session_closed_under_the_armed_hook_leaves_the_hooks_wrapper_offline(
+        tmp_path: Path) -> None:
+    # DISTCACHE_AUTOINSTALL=1 DISTCACHE_OFFLINE=1: the program's own init and close must
+    # not leave FlashInfer's loader free to download for the rest of the process.
+    arts = make_artifacts(tmp_path / "origin", 2, min_size=500, max_size=900)
+    code = ("import os, sys, distcache\n"
+            "import flashinfer.jit.cubin_loader as cl\n"
+            "distcache.init(manifests=[]).close()\n"
+            "print(type(cl.get_artifact).__name__, os.environ.get('FLASHINFER_NO_DOWNLOAD'))\n"
+            "try:\n"
+            "    cl.get_artifact(sys.argv[1], sys.argv[2])\n"
+            "    print('served')\n"
+            "except Exception as exc:\n"
+            "    print('refused', type(exc).__name__)\n")
+    with LoopbackOrigin(tmp_path / "origin") as origin:
+        env = clean_env(tmp_path, DISTCACHE_AUTOINSTALL="1", DISTCACHE_OFFLINE="1",
+                        DISTCACHE_POOL=str(tmp_path / "pool"),
+                        FLASHINFER_CUBINS_REPOSITORY=origin.url,
+                        FLASHINFER_CUBIN_DIR=str(tmp_path / "cubins"))
+        done = subprocess.run([PY, "-c", code, arts[0].name, arts[0].sha256],
+                              capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+        requests = origin.total_requests
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.split("\n")
+    assert lines[0] == "PooledLoader 1", done.stdout  # the hook's wrapper is back
+    assert lines[1].startswith("refused"), done.stdout  # offline: not in the pool
+    assert requests == 0

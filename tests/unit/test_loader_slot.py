@@ -64,3 +64,34 @@ def test_the_flashinfer_integration_installs_into_the_process_slot(
     assert loader is not None and loader.recorder is not None
     integration.uninstall()
     assert fi.installed() is None
+
+
+def test_taking_out_a_wrapper_puts_back_the_one_it_replaced_and_its_offline_switch(
+    loader_module: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The zero-code hook installs first (DISTCACHE_AUTOINSTALL=1); a session's install
+    # replaces it, and its close takes that one out: the hook's wrapper serves again,
+    # and offline FlashInfer's own loader still may not download.
+    import os
+
+    monkeypatch.setenv("DISTCACHE_OFFLINE", "1")
+    monkeypatch.delenv("FLASHINFER_NO_DOWNLOAD", raising=False)
+    original = loader_module.get_artifact
+    hook_pool, session_pool = ArtifactPool(tmp_path / "hook"), ArtifactPool(tmp_path / "s")
+    slot = LoaderSlot()
+    try:
+        hooks = slot.install(hook_pool)
+        assert hooks is not None and os.environ.get("FLASHINFER_NO_DOWNLOAD") == "1"
+        sessions = slot.install(session_pool)
+        assert sessions is not None and sessions is not hooks
+        slot.uninstall_if(sessions)  # the session's close
+        back = slot.installed()
+        assert back is not None and back.pool is hook_pool
+        assert loader_module.get_artifact is back and back.original is original
+        assert os.environ.get("FLASHINFER_NO_DOWNLOAD") == "1"
+        slot.uninstall_if(sessions)  # again: nothing more is taken out
+        assert slot.installed() is back
+    finally:
+        slot.uninstall()  # all of it: FlashInfer's own loader, downloads allowed again
+    assert slot.installed() is None and loader_module.get_artifact is original
+    assert "FLASHINFER_NO_DOWNLOAD" not in os.environ

@@ -67,6 +67,11 @@ class _Installation(NamedTuple):
     set_no_download: bool = False
     #: Stands in for FlashInfer's download_file (see _download).
     download: RoutedDownload | None = None
+    #: What install() was given (pool, origin, record, families), to install it again.
+    given: tuple[Any, ...] = ()
+    #: The installation this one replaced (a zero-code hook's, under a session's):
+    #: installed again when this one is taken out by uninstall_if.
+    replaced: _Installation | None = None
 
 
 def _flashinfer_modules() -> list[Any]:
@@ -189,38 +194,48 @@ class LoaderSlot:
         key = (id(pool), id(origin), os.fspath(record) if record is not None else None, fams)
         loader_module()  # imports FlashInfer, or raises ConfigError
         with self._lock:
-            if self._installed is not None:
-                if self._installed.key == key:
-                    return self._installed.loader
+            replaced = self._installed
+            if replaced is not None:
+                if replaced.key == key:
+                    return replaced.loader
                 self._uninstall_locked()
-            original: GetArtifact = sys.modules[LOADER_MODULE].get_artifact
-            installed_dir, writable_dir = _choose_cubin_dir()
-            loader = PooledLoader(
-                pool,
-                original,
-                origin=origin,
-                cubin_dir=cubin_dir,
-                families=fams,
-                recorder=Recorder(record) if record is not None else None,
-                seed_dirs=lambda: (installed_dir,) if installed_dir is not None else (),
-                offline=conf.offline,
-                final_not_found=_is_flashinfers_repository(origin, conf),
-            )
-            original_download = loader_attr("download_file")
-            download = (RoutedDownload(loader, original_download, offline=conf.offline)
-                        if callable(original_download) else None)
-            changed = _rebind((original, loader), *(
-                [(original_download, download)] if download is not None else []))
-            if writable_dir is not None and installed_dir is not None:
-                moved = _repoint(installed_dir, writable_dir)
-                log.info("flashinfer: %s moved from %s to %s in %s; the installed files are "
-                         "read, never written", CUBIN_DIR_VARIABLE, installed_dir,
-                         writable_dir, ", ".join(moved))
-            self._installed = _Installation(
-                loader=loader, original=original, key=key, installed_dir=installed_dir,
-                writable_dir=writable_dir, download=download,
-                set_no_download=forbid_downloads() if conf.offline else False,
-            )
+            return self._install_locked(pool, origin, record, fams, key, replaced)
+
+    def _install_locked(self, pool: ArtifactPool, origin: Origin | None,
+                        record: str | os.PathLike[str] | None, fams: Families,
+                        key: tuple[int, int, str | None, Families],
+                        replaced: _Installation | None) -> PooledLoader:
+        """The body of :meth:`install`, under the slot's lock."""
+        conf = settings()
+        original: GetArtifact = sys.modules[LOADER_MODULE].get_artifact
+        installed_dir, writable_dir = _choose_cubin_dir()
+        loader = PooledLoader(
+            pool,
+            original,
+            origin=origin,
+            cubin_dir=cubin_dir,
+            families=fams,
+            recorder=Recorder(record) if record is not None else None,
+            seed_dirs=lambda: (installed_dir,) if installed_dir is not None else (),
+            offline=conf.offline,
+            final_not_found=_is_flashinfers_repository(origin, conf),
+        )
+        original_download = loader_attr("download_file")
+        download = (RoutedDownload(loader, original_download, offline=conf.offline)
+                    if callable(original_download) else None)
+        changed = _rebind((original, loader), *(
+            [(original_download, download)] if download is not None else []))
+        if writable_dir is not None and installed_dir is not None:
+            moved = _repoint(installed_dir, writable_dir)
+            log.info("flashinfer: %s moved from %s to %s in %s; the installed files are "
+                     "read, never written", CUBIN_DIR_VARIABLE, installed_dir,
+                     writable_dir, ", ".join(moved))
+        self._installed = _Installation(
+            loader=loader, original=original, key=key, installed_dir=installed_dir,
+            writable_dir=writable_dir, download=download,
+            set_no_download=forbid_downloads() if conf.offline else False,
+            given=(pool, origin, record, fams), replaced=replaced,
+        )
         log.info("flashinfer: get_artifact served from pool %s (rebound %s)%s",
                  getattr(pool, "root", pool), ", ".join(changed),
                  "; offline: no origin is contacted" if conf.offline else "")
@@ -248,10 +263,23 @@ class LoaderSlot:
             self._uninstall_locked()
 
     def uninstall_if(self, loader: PooledLoader) -> None:
-        """:meth:`uninstall`, only while ``loader`` is this slot's wrapper."""
+        """:meth:`uninstall`, only while ``loader`` is this slot's wrapper; the
+        installation it replaced (the zero-code hook's, under a session's) is put back,
+        its offline switch with it."""
         with self._lock:
-            if self._installed is not None and self._installed.loader is loader:
-                self._uninstall_locked()
+            done = self._installed
+            if done is None or done.loader is not loader:
+                return
+            self._uninstall_locked()
+            back = done.replaced
+            if back is None:
+                return
+            pool, origin, record, fams = back.given
+            try:
+                self._install_locked(pool, origin, record, fams, back.key, back.replaced)
+            except Exception as exc:  # FlashInfer's own loader stays, as after uninstall()
+                log.warning("flashinfer: the wrapper installed before %s could not be put "
+                            "back: %s", loader, exc)
 
     def installed(self) -> PooledLoader | None:
         """This slot's active loader, or ``None``."""
