@@ -95,3 +95,40 @@ def test_taking_out_a_wrapper_puts_back_the_one_it_replaced_and_its_offline_swit
         slot.uninstall()  # all of it: FlashInfer's own loader, downloads allowed again
     assert slot.installed() is None and loader_module.get_artifact is original
     assert "FLASHINFER_NO_DOWNLOAD" not in os.environ
+
+
+def test_an_uninstalled_wrapper_inside_another_librarys_only_passes_calls_on(
+    loader_module: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    # A library wrapped get_artifact after distcache's install: uninstall cannot take
+    # that wrapper out, but what it still calls hands each call to FlashInfer's own
+    # function (never the pool), and the warning says so.
+    import logging
+
+    asked: list[str] = []
+
+    def flashinfers(name: str, sha256: str, session: Any = None) -> bytes:
+        asked.append(name)
+        return b"from flashinfer"
+
+    monkeypatch.setattr(loader_module, "get_artifact", flashinfers)
+    pool = ArtifactPool(tmp_path / "pool")
+    slot = LoaderSlot()
+    loader = slot.install(pool)
+    assert loader is not None
+    inner = loader_module.get_artifact
+
+    def telemetry(name: str, sha256: str, session: Any = None) -> bytes:
+        return inner(name, sha256, session)  # type: ignore[no-any-return]
+
+    loader_module.get_artifact = telemetry
+    with caplog.at_level(logging.WARNING, logger="distcache"):
+        slot.uninstall()
+    assert loader_module.get_artifact is telemetry
+    assert any("another library" in r.getMessage() for r in caplog.records)
+    sha = "a" * 64
+    assert loader_module.get_artifact("cubins/x/k.cubin", sha) == b"from flashinfer"
+    assert asked == ["cubins/x/k.cubin"]
+    assert not any(v for k, v in loader.stats.as_dict().items() if k != "failures")
+    assert not any(p.is_file() for p in (tmp_path / "pool" / "objects").rglob("*"))

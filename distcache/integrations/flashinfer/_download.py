@@ -109,6 +109,8 @@ class RoutedDownload:
         self.__doc__ = getattr(original, "__doc__", None)
 
     def __call__(self, source: Any, destination: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.loader.retired:  # uninstalled, but called through another's wrapper
+            return self.original(source, destination, *args, **kwargs)
         name = None
         sha256 = None
         if (kwargs.get("expected_sha256") is None and not getattr(_serving, "active", False)

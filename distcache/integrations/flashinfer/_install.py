@@ -248,6 +248,12 @@ class LoaderSlot:
         # Modules imported after install() copied the loader; they are restored too.
         _rebind((done.loader, done.original), *(
             [(done.download, done.download.original)] if done.download is not None else []))
+        done.loader.retired = True
+        wrapper = sys.modules[LOADER_MODULE].get_artifact
+        if wrapper is not done.original:
+            log.warning("flashinfer: get_artifact is %r, which another library put around "
+                        "distcache's wrapper after its install: it stays, and distcache's "
+                        "now hands each call it gets to FlashInfer's own function", wrapper)
         if done.writable_dir is not None and done.installed_dir is not None:
             _repoint(done.writable_dir, done.installed_dir)
         if done.set_no_download:

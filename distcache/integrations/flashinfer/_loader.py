@@ -143,10 +143,15 @@ class PooledLoader:
         self._lock = threading.Lock()
         self._unwritable: set[str] = set()  #: pools whose publication failure was logged
         self._call = threading.local()  #: this thread's call: ``missed``, see logged_miss
+        #: Set when uninstalled: a wrapper another library put around this one (after
+        #: the install) still calls it, and it then only hands the call to FlashInfer.
+        self.retired = False
         self.__name__ = "get_artifact"
         self.__doc__ = getattr(original, "__doc__", None)
 
     def __call__(self, file_name: Any, sha256: Any, session: Any = None) -> bytes:
+        if self.retired:  # uninstalled, but still called through another's wrapper
+            return self.original(file_name, sha256, session)
         self._call.missed = False
         try:
             answer = self._load(file_name, sha256)
