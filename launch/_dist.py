@@ -33,7 +33,7 @@ from distcache.config import settings
 from distcache.errors import CollectiveTimeout, CommError, LaunchError
 from launch._detect import LaunchInfo, check_mpi_place, detect
 from launch._mpiwire import allgather_str, bcast_message
-from launch._rendezvous import host_store
+from launch._rendezvous import client_store, host_store
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Store
@@ -191,7 +191,6 @@ def publish_store(
         CommError: rank 0 could not host the store (on every rank alike).
         RuntimeError, ValueError: this rank could not connect (torch's errors).
     """
-    import torch.distributed as dist
 
     hosted: list[Store] = []
 
@@ -208,7 +207,7 @@ def publish_store(
     where, chosen = agree_on_address(rank, allgather, broadcast, open_master)
     if hosted:
         return where, chosen, hosted[0]
-    return where, chosen, dist.TCPStore(where, chosen, size, is_master=False, timeout=timeout)
+    return where, chosen, client_store(where, chosen, size, timeout)
 
 
 def _mpi_store(info: LaunchInfo, timeout: timedelta) -> tuple[LaunchInfo, Store]:
@@ -218,7 +217,7 @@ def _mpi_store(info: LaunchInfo, timeout: timedelta) -> tuple[LaunchInfo, Store]
             info.rank, info.world_size, lambda m: allgather_str(comm, m), lambda m: bcast_message(comm, m),
             timeout, host=info.master_addr, port=info.master_port,
         )
-    except (RuntimeError, ValueError) as exc:
+    except (RuntimeError, ValueError, OSError) as exc:
         raise _translate(exc, "connecting to the rendezvous store", info) from exc
     return info.replace(master_addr=host, master_port=port), store
 
@@ -226,7 +225,6 @@ def _mpi_store(info: LaunchInfo, timeout: timedelta) -> tuple[LaunchInfo, Store]
 def _env_store(info: LaunchInfo, timeout: timedelta) -> Store:
     """The ``MASTER_ADDR:MASTER_PORT`` store: hosted by rank 0 on that address only
     (``env://`` would bind every interface) with a clear error when the port is taken."""
-    import torch.distributed as dist
 
     assert info.master_addr is not None and info.master_port is not None  # checked above
     if info.rank == 0:
@@ -235,9 +233,8 @@ def _env_store(info: LaunchInfo, timeout: timedelta) -> Store:
                           spans_hosts=not info.single_node, what="the job's rendezvous store",
                           hint=f"{derived}set MASTER_PORT to a free port below 32768")
     try:
-        return dist.TCPStore(info.master_addr, info.master_port, info.world_size, False,
-                             timeout=timeout)
-    except (RuntimeError, ValueError) as exc:
+        return client_store(info.master_addr, info.master_port, info.world_size, timeout)
+    except (RuntimeError, ValueError, OSError) as exc:
         raise _translate(exc, "connecting to the rendezvous store", info) from exc
 
 

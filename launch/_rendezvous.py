@@ -125,8 +125,7 @@ def find_store(
         )
     else:
         try:
-            store = dist.TCPStore(info.master_addr, port, info.world_size, False,
-                                  timeout=wait)
+            store = client_store(info.master_addr, port, info.world_size, wait)
         except (RuntimeError, OSError) as exc:
             raise CommError(
                 f"rank {info.rank}/{info.world_size}: cannot reach the rendezvous store at "
@@ -312,3 +311,37 @@ def host_store(addr: str, port: int, size: int, timeout: timedelta, *, spans_hos
         raise _bind_error(addr, port, what, hint, exc) from exc
     sock.detach()  # the server owns the descriptor now and closes it
     return store
+
+
+def client_store(addr: str, port: int, size: int, timeout: timedelta) -> Any:
+    """A ``TCPStore`` client of the server at ``addr:port``, within ``timeout`` in all.
+
+    It waits for the server to listen itself (plain connects, a pause growing to half a
+    second), then lets torch connect with what is left: torch's client, given the
+    whole timeout, tries once more after a back-off when nothing answers, which took a
+    rank whose rank 0 never came about twice the timeout (and printed a C++ trace for
+    each try).
+
+    Raises:
+        TimeoutError: nothing listened at ``addr:port`` within ``timeout``.
+        RuntimeError, OSError: torch's client failed (what it says).
+    """
+    import time
+
+    import torch.distributed as dist
+
+    until = time.monotonic() + timeout.total_seconds()
+    pause = 0.02
+    while True:
+        left = until - time.monotonic()
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.05, min(left, 5.0))):
+                break
+        except OSError as exc:
+            if left <= pause:
+                raise TimeoutError(f"nothing listened at {addr}:{port} within "
+                                   f"{timeout.total_seconds():.1f} s ({exc})") from None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
+    left = max(1.0, until - time.monotonic())
+    return dist.TCPStore(addr, port, size, False, timeout=timedelta(seconds=left))

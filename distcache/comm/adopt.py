@@ -124,8 +124,10 @@ def adopt(
             from (default ``os.environ``).
         options: ``timeout``, ``chunk_bytes``, ``node_id`` for the backend chosen
             (each overrides its ``DISTCACHE_*`` variable); a local communicator uses
-            only ``node_id``. ``timeout`` also bounds making
-            the communicator: a rank that does not come raises, it does not hang.
+            only ``node_id``. ``timeout`` also bounds making the communicator: a
+            rank that does not come raises, it does not hang. Under MPI it starts once
+            ``MPI_Init`` returned (the engine's ``import mpi4py.MPI``, else distcache's):
+            Open MPI's ``MPI_Init`` itself waits for every rank of the job to call it.
 
     Raises:
         TypeError: an unknown option.
