@@ -333,7 +333,9 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         if args.prefetch is not None:
             manifest = Path(args.prefetch)
             if not manifest.is_file():
-                raise _UsageError(f"--prefetch {args.prefetch}: no such file")
+                raise _UsageError(f"--prefetch {args.prefetch}: " + (
+                    "not a file (give the manifest, a checksums.txt)" if manifest.exists()
+                    else "no such file"))
             extra["DISTCACHE_PREFETCH_MANIFEST"] = str(manifest.absolute())
         info = _rendezvous(detect())
         failed = EXIT_ERROR

@@ -138,6 +138,10 @@ def test_launch_exits_1_for_a_runtime_error_and_2_for_bad_usage(
     # Bad usage, and a launcher environment that contradicts itself, stay 2.
     done = _run([*LAUNCH, "--materialize", str(tmp_path), "--", "true"], env)
     assert done.returncode == 2, done.stderr
+    for given, said in ((tmp_path, "not a file"), (tmp_path / "absent.txt", "no such file")):
+        done = _run([*LAUNCH, "--prefetch", str(given), "--", "true"], env)
+        assert done.returncode == 2, done.stderr
+        assert f"--prefetch {given}: {said}" in done.stderr, done.stderr
     conflicting = {**env, "RANK": "1", "WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2",
                    "OMPI_COMM_WORLD_SIZE": "4"}
     done = _run([*LAUNCH, "--", "true"], conflicting)
