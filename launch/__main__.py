@@ -337,6 +337,9 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
                     "not a file (give the manifest, a checksums.txt)" if manifest.exists()
                     else "no such file"))
             extra["DISTCACHE_PREFETCH_MANIFEST"] = str(manifest.absolute())
+        if args.materialize is not None and Path(args.materialize).exists() and not Path(
+                args.materialize).is_dir():
+            raise _UsageError(f"--materialize {args.materialize}: not a directory")
         info = _rendezvous(detect())
         failed = EXIT_ERROR
         configure_logging(int(args.verbose), info.rank)  # progress from rank 0; -v: every rank

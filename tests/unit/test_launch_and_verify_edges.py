@@ -128,13 +128,18 @@ def test_launch_exits_1_for_a_runtime_error_and_2_for_bad_usage(
     last = done.stderr.strip().splitlines()[-1]  # after the progress lines
     assert last.startswith("python -m launch: error: "), done.stderr
     assert "are in no pool" in last
-    # Linking into a directory that is a file cannot work.
+    # Linking into a directory under a file cannot work.
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
     done = _run([*LAUNCH, "--pool", pool, "--prefetch", manifest, "--materialize",
-                 str(blocker), "--", "true"], {**env, "DISTCACHE_ORIGIN": str(served)})
+                 str(blocker / "sub"), "--", "true"], {**env, "DISTCACHE_ORIGIN": str(served)})
     assert done.returncode == 1, done.stderr
     assert "cannot materialize" in done.stderr.strip().splitlines()[-1], done.stderr
+    # One that is a file is bad usage, said before anything runs.
+    done = _run([*LAUNCH, "--pool", pool, "--prefetch", manifest, "--materialize",
+                 str(blocker), "--", "true"], {**env, "DISTCACHE_ORIGIN": str(served)})
+    assert done.returncode == 2, done.stderr
+    assert f"--materialize {blocker}: not a directory" in done.stderr, done.stderr
     # Bad usage, and a launcher environment that contradicts itself, stay 2.
     done = _run([*LAUNCH, "--materialize", str(tmp_path), "--", "true"], env)
     assert done.returncode == 2, done.stderr
