@@ -73,6 +73,8 @@ def setup_pool(parser: argparse.ArgumentParser) -> None:
 
 def run_ls(args: argparse.Namespace) -> int:
     """``pool ls``: each named artifact whose object is present, as ``sha  name``."""
+    if args.family:  # a misspelt family is bad usage, whatever the pool
+        check_families([args.family])
     pool = existing_pool(args)
     if args.family is not None:
         return _ls_families(args, pool)
@@ -90,8 +92,6 @@ def _ls_families(args: argparse.Namespace, pool: ArtifactPool) -> int:
     """``pool ls --family [NAME]``: each family and key the pool holds trees for."""
     from distcache.jit import summarize
 
-    if args.family:
-        check_families([args.family])
     found = summarize(pool, (args.family,) if args.family else ())
     data = {"root": pool.root, "families": [dataclasses.asdict(f) for f in found]}
     emit(args, data, (

@@ -153,11 +153,11 @@ def run_export(args: argparse.Namespace) -> int:
         raise UsageError("export: give either DIR or --tar FILE")
     if args.family and args.manifest is not None:
         raise UsageError("export: give either --manifest or --family")
+    if args.family:  # a misspelt family is bad usage, whatever the pool
+        check_families(args.family)
     pool = existing_pool(args)
     if args.family:
         from distcache.jit import family_labels
-
-        check_families(args.family)
 
         artifacts = family_labels(pool, tuple(args.family))
     else:

@@ -163,15 +163,18 @@ def test_dry_run_refuses_a_record_directory_that_does_not_exist(
 
 @pytest.mark.parametrize("command", [
     ["pool", "ls", "--family", "inductr"], ["pool", "export", "OUT", "--family", "inductr"],
+    ["pool", "export", "--tar", "OUT.tar", "--family", "inductr"],
 ])
+@pytest.mark.parametrize("held", [True, False], ids=["pool", "no-pool"])
 def test_an_unknown_jit_family_is_refused(
-    tmp_path: Path, env: dict[str, str], pool: Path, command: list[str]
+    tmp_path: Path, env: dict[str, str], pool: Path, command: list[str], held: bool
 ) -> None:
+    # Bad usage whatever the pool: also where there is none yet.
     args = [a.replace("OUT", str(tmp_path / "out")) for a in command]
-    done = distcache(env, "--pool", str(pool), *args)
+    done = distcache(env, "--pool", str(pool if held else tmp_path / "absent"), *args)
     assert done.returncode == 2, done.stdout  # an option's value: bad usage
     assert "inductr" in done.stderr and "Traceback" not in done.stderr
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.tar").exists()
 
 
 # --- --json stays one document ----------------------------------------------------------
