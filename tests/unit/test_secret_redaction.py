@@ -9,6 +9,7 @@ import json
 import logging
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -125,7 +126,9 @@ def test_an_origin_without_a_scheme_is_named_without_its_secrets(
 def test_an_offline_refusal_logs_the_url_without_its_secrets(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    routed = RoutedDownload(loader=None, original=lambda *a, **k: True,  # type: ignore[arg-type]
+    # The loader is never asked: only an installed (not retired) one is looked at.
+    loader = SimpleNamespace(retired=False)
+    routed = RoutedDownload(loader=loader, original=lambda *a, **k: True,  # type: ignore[arg-type]
                             offline=True)
     caplog.set_level(logging.DEBUG)
     # As get_artifact's own download calls it (with the digest): never routed.
