@@ -191,7 +191,6 @@ def publish_store(
         CommError: rank 0 could not host the store (on every rank alike).
         RuntimeError, ValueError: this rank could not connect (torch's errors).
     """
-
     hosted: list[Store] = []
 
     def open_master(hosts: list[str]) -> tuple[str, int]:
@@ -225,7 +224,6 @@ def _mpi_store(info: LaunchInfo, timeout: timedelta) -> tuple[LaunchInfo, Store]
 def _env_store(info: LaunchInfo, timeout: timedelta) -> Store:
     """The ``MASTER_ADDR:MASTER_PORT`` store: hosted by rank 0 on that address only
     (``env://`` would bind every interface) with a clear error when the port is taken."""
-
     assert info.master_addr is not None and info.master_port is not None  # checked above
     if info.rank == 0:
         derived = "the port was derived from SLURM_JOB_ID; " if "SLURM_JOB_ID" in info.source else ""
