@@ -9,6 +9,7 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import re
 import socket
 import threading
@@ -138,7 +139,18 @@ class Server(ThreadingHTTPServer):
         logger.debug("loopback origin: error handling %s", client_address, exc_info=True)
 
 
-def shutdown_all(server: Server, stopping: threading.Event, conns: set[socket.socket]) -> None:
+def shutdown_all(server: Server, stopping: threading.Event, conns: set[socket.socket],
+                 pid: int) -> None:
+    """Stop ``server`` and cut its connections, in the process ``pid`` that serves.
+    A forked child holds copies of the sockets and no serving thread: it closes its
+    copies only (``shutdown`` would wait for a loop that does not run there, and
+    cutting a connection would cut the parent's too)."""
+    if os.getpid() != pid:
+        for conn in list(conns):
+            with contextlib.suppress(OSError):
+                conn.close()
+        server.server_close()
+        return
     stopping.set()
     server.shutdown()
     for conn in list(conns):

@@ -12,6 +12,7 @@ processes (MPI ranks) read the counters with ``GET /_stats`` and clear them with
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import weakref
@@ -115,7 +116,7 @@ class LoopbackOrigin:
         )
         self._thread.start()
         self._finalizer = weakref.finalize(
-            self, shutdown_all, self._server, self._stopping, self._conns
+            self, shutdown_all, self._server, self._stopping, self._conns, os.getpid()
         )
 
     # -- lifetime ---------------------------------------------------------------

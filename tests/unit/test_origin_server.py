@@ -251,6 +251,38 @@ def test_stop_is_prompt_with_a_hanging_handler(
     assert len(outcome) == 1 and isinstance(outcome[0], requests.ConnectionError)
 
 
+_FORKED_CHILD = """
+import http.client, os, sys
+from distcache.testing import LoopbackOrigin
+server = LoopbackOrigin(sys.argv[1])
+kept = http.client.HTTPConnection(server.host, server.port, timeout=10)
+kept.request("GET", "/" + sys.argv[2]); kept.getresponse().read()
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # the interpreter's exit: the origin's finalizer runs in the child
+_, status = os.waitpid(pid, 0)
+kept.request("GET", "/" + sys.argv[2])  # the connection the child held a copy of
+first = kept.getresponse().status
+fresh = http.client.HTTPConnection(server.host, server.port, timeout=10)
+fresh.request("GET", "/" + sys.argv[2])
+print(os.waitstatus_to_exitcode(status), first, fresh.getresponse().status)
+server.stop()
+"""
+
+
+def test_a_forked_child_exits_and_leaves_the_parent_serving(
+    artifact_dir: Path, artifacts: list[Artifact]
+) -> None:
+    # The child has copies of the sockets and no serving thread: at its exit it
+    # must not wait for that thread's loop, nor cut the parent's connections.
+    done = subprocess.run(
+        [sys.executable, "-c", _FORKED_CHILD, str(artifact_dir), artifacts[0].name],
+        capture_output=True, text=True, timeout=30, cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "200", "200"]
+
+
 def test_bandwidth_is_shared_by_all_connections() -> None:
     waits: list[float] = []
 
