@@ -337,6 +337,8 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
                     "not a file (give the manifest, a checksums.txt)" if manifest.exists()
                     else "no such file"))
             extra["DISTCACHE_PREFETCH_MANIFEST"] = str(manifest.absolute())
+        if args.materialize is not None and args.prefetch is None:
+            raise _UsageError("--materialize needs --prefetch MANIFEST")
         if args.materialize is not None and Path(args.materialize).exists() and not Path(
                 args.materialize).is_dir():
             raise _UsageError(f"--materialize {args.materialize}: not a directory")
@@ -355,8 +357,6 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
             _prefetch(info, Path(extra["DISTCACHE_PREFETCH_MANIFEST"]), extra.get("DISTCACHE_POOL"),
                       _materialize_dir(args.materialize, info.rank),
                       strict=args.materialize is not None)
-        elif args.materialize is not None:
-            raise _UsageError("--materialize needs --prefetch MANIFEST")
     except _UsageError as exc:
         _fail(EXIT_USAGE, error_line(PROG, exc, " ".join(str(exc).split())), hosted)
     except (DistcacheError, OSError) as exc:

@@ -71,11 +71,27 @@ def test_program_starts_after_the_wrapper_finalized_mpi(
 
 
 def test_a_failed_set_up_after_the_rendezvous_exits_with_mpi_finalized(
-    mpi: _MPI, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    mpi: _MPI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(wrapper, "run", lambda *a, **k: pytest.fail("PROGRAM ran"))
+    taken = tmp_path / "taken"
+    taken.write_text("a file where the workspace would go\n")
     with pytest.raises(SystemExit) as exited:
-        wrapper.main(["--materialize", "somewhere", "--", "true"])
+        wrapper.main(["--workspace", str(taken), "--", "true"])
+    assert exited.value.code == 1
+    assert str(taken) in capsys.readouterr().err
+    assert mpi.finalized == 1
+
+
+def test_materialize_without_prefetch_is_refused_before_the_rendezvous(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Bad usage on every rank alike: no rendezvous (no MPI_Init, no wait on the
+    # others), no workspace slot taken, no node agent started for --peers.
+    for name in ("detect", "mpi_publish", "acquire_slot", "_host_peers", "run"):
+        monkeypatch.setattr(wrapper, name, lambda *a, _n=name, **k: pytest.fail(f"{_n} ran"))
+    with pytest.raises(SystemExit) as exited:
+        wrapper.main(["--peers", "--workspace", "ws", "--materialize", "out", "--", "true"])
     assert exited.value.code == 2
     assert "--materialize needs --prefetch" in capsys.readouterr().err
-    assert mpi.finalized == 1
