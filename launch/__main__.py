@@ -350,8 +350,11 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
             extra["DISTCACHE_WORKSPACE"] = str(slot.path)
         if args.peers:
             hosted = _host_peers(info, extra.get("DISTCACHE_POOL"))
-            if hosted is not None and hosted.tier is not None:
-                extra["DISTCACHE_PEERS"] = hosted.tier.endpoint.removeprefix("unix:")
+            # Set on every rank: "0" where this node has no agent (it could not start, or
+            # the job is on one node), so that PROGRAM's init starts none of its own,
+            # whose collectives the other nodes' ranks would never join.
+            tier = hosted.tier if hosted is not None else None
+            extra["DISTCACHE_PEERS"] = "0" if tier is None else tier.endpoint.removeprefix("unix:")
         env = child_environment(info, dict(os.environ), extra)
         if args.prefetch is not None:
             _prefetch(info, Path(extra["DISTCACHE_PREFETCH_MANIFEST"]), extra.get("DISTCACHE_POOL"),

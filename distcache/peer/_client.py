@@ -6,8 +6,9 @@ are checked against the sha256 asked for before they are returned, so a peer can
 a lookup fail but never hand over other bytes; and an answer taken as final (the origin
 behind the agent has no such artifact) must carry the agent's signature of it, under the
 same key, for this very request: one without is a hop that did not answer
-(:class:`Unsigned`), never the end of a lookup. An answer with the bytes must carry it
-too before its body is read: one that does not costs the asker no memory. A Unix socket is dialled only when this
+(:class:`Unsigned`), never the end of a lookup. An answer with a body (the bytes; an
+agent's refusals have none) must carry it too before the body is read: one that does
+not costs the asker no memory. A Unix socket is dialled only when this
 user listens on it (the kernel says who): another's is a hop to an agent not there.
 """
 
@@ -212,7 +213,9 @@ def request(endpoint: str, key: bytes, path: str, *, timeout: float, deadline: s
                 headed = not cut.fired
                 if not headed:
                     raise TimeoutError("no whole status line and headers in time")
-                if answer.status == 200:
+                if answer.status == 200 or answer.length != 0:
+                    # A body to read (an agent's refusals announce none): only once the
+                    # agent signed the answer for this request, whatever its status.
                     _check_signed(endpoint, key, signed, answer)
                 body = _body(endpoint, sock, answer, until, bound)
                 return answer.status, {k.lower(): v for k, v in answer.getheaders()}, body
@@ -229,14 +232,15 @@ def request(endpoint: str, key: bytes, path: str, *, timeout: float, deadline: s
 
 def _check_signed(endpoint: str, key: bytes, signed: dict[str, str],
                   answer: http.client.HTTPResponse) -> None:
-    """Refuse an answer with the bytes unless the agent signed it for this request,
-    before any of them is read.
+    """Refuse an answer with a body (the bytes, or what no agent sends with a refusal)
+    unless the agent signed it for this request, before any of it is read: the status
+    and where the bytes came from (``200``), else the reason, as the agent signs them.
 
     Raises:
         Unsigned: it is not signed so.
     """
-    source = answer.getheader(HEADER_SOURCE) or ""
-    if not answer_signed(key, signed, answer.status, source, answer.getheader(HEADER_ANSWER)):
+    said = answer.getheader(HEADER_SOURCE if answer.status == 200 else HEADER_REASON) or ""
+    if not answer_signed(key, signed, answer.status, said, answer.getheader(HEADER_ANSWER)):
         raise Unsigned(f"agent {endpoint} answered {answer.status} without this job's "
                        "signature of it: its body was not read", endpoint=endpoint,
                        status=0, refused=False)

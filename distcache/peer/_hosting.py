@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-#: The longest Unix socket path Linux takes (108 bytes with the terminator), with room.
+#: The longest Unix socket path Linux takes in bytes (108 with the terminator), with room.
 _MAX_SOCKET_PATH = 100
 #: The longest a leader's agent waits for what it starts after (the origin's set-up).
 AFTER_WAIT_S = 10.0
@@ -49,16 +49,19 @@ _KEY_FILES: weakref.WeakKeyDictionary[Agent, tuple[int, int]] = weakref.WeakKeyD
 
 def job_address(environ: Mapping[str, str] | None = None) -> str:
     """The address this host uses for the job: the local end of the route to
-    ``MASTER_ADDR`` when that is set, else the address the host name resolves to, else
-    loopback. The agent binds this one address, never a wildcard."""
+    ``MASTER_ADDR`` (IPv4 or IPv6; none: a warning) when it is set, else the address the
+    host name resolves to, else loopback. The agent binds this one address, never a wildcard."""
     import socket  # on the node leaders that host an agent
 
-    env = os.environ if environ is None else environ
-    master = env.get("MASTER_ADDR")
+    master = (os.environ if environ is None else environ).get("MASTER_ADDR")
     if master:
-        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((socket.gethostbyname(master), 9))
-            return str(s.getsockname()[0])
+        try:  # a UDP connect sends nothing: it picks the route and its local end
+            family, *_, to = socket.getaddrinfo(master.strip("[]"), 9, type=socket.SOCK_DGRAM)[0]
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(to)
+                return str(s.getsockname()[0])
+        except OSError as exc:  # unresolved or unroutable: the fallback may be unreachable
+            log.warning("peers: MASTER_ADDR=%s: %s; binding the host name's address", master, exc)
     with contextlib.suppress(OSError):
         return socket.gethostbyname(socket.gethostname())
     return "127.0.0.1"
@@ -69,7 +72,7 @@ def socket_path(pool_root: Path, tag: str) -> Path:
     when the path fits a Unix socket, else in a private temporary directory."""
     name = f".peer-{hashlib.sha256(tag.encode()).hexdigest()[:12]}.sock"
     path = Path(pool_root) / name
-    if len(str(path)) <= _MAX_SOCKET_PATH:
+    if len(os.fsencode(path)) <= _MAX_SOCKET_PATH:  # the kernel counts bytes
         return path
     import tempfile  # (and shutil, bz2, lzma with it) only for this fallback
 
