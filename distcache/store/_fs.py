@@ -4,8 +4,8 @@ Pool roots are shared by users, hosts and crashed processes, so every call here 
 a few rules (the object-level rules built on them are in :mod:`distcache.store._objects`):
 
 - **Never follow a symlink the pool did not create.** Files are opened with
-  ``O_NOFOLLOW`` (reads also with ``O_NONBLOCK``, so a planted FIFO cannot hang an
-  open) and directories the pool writes into are checked with ``lstat``.
+  ``O_NOFOLLOW`` (reads and appends also with ``O_NONBLOCK``, so a planted FIFO cannot
+  hang an open) and directories the pool writes into are checked with ``lstat``.
 - **Temporary files are process-unique and exclusive**: named for host, pid and
   random bits, created ``O_CREAT | O_EXCL | O_NOFOLLOW`` with mode ``0600``. A link
   planted at a guessed name makes the create fail instead of being written through,
@@ -42,8 +42,8 @@ from distcache.store._locking import FileLock
 READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 #: How it creates temporary files: exclusively, never through a symlink.
 CREATE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-#: How it appends to its logs.
-APPEND_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+#: How it appends to its logs: never through a symlink, never blocking (a FIFO).
+APPEND_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 #: link(2) is not offered everywhere (some FUSE, SMB); rename is the fallback there.
 NO_LINK = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS})
 _HEX = frozenset("0123456789abcdef")

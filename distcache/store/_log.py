@@ -15,6 +15,7 @@ does it, with the pieces of :mod:`distcache.store._fs`.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import zlib
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from distcache._log import get_logger
 from distcache.artifact import MAX_NAME_BYTES, validate_name
+from distcache.errors import PoolError
 from distcache.store._fs import APPEND_FLAGS, READ_FLAGS, is_sha, pool_error, write_all
 from distcache.store._locking import flock_fd
 
@@ -46,7 +48,9 @@ class AppendLog:
     process holds past ``_APPEND_LOCK_WAIT`` seconds (a stopped process, a long
     ``pool rm``) is not waited for further: the records are appended without it, with
     a warning, since a record the logs lose only costs a later lookup or sync, and a
-    failed append would fail the publication it records.
+    failed append would fail the publication it records. The log is opened without
+    blocking and only a regular file is written: a FIFO, a directory or a symlink at
+    its path is refused (:func:`not_a_log`), never waited on or written through.
     """
 
     def __init__(self, path: Path, mode: int) -> None:
@@ -54,22 +58,59 @@ class AppendLog:
         self.mode = mode
 
     def append(self, records: Iterable[str]) -> None:
+        """Append ``records``, each framed by newlines.
+
+        Raises:
+            PoolError: the log cannot be opened or written, or is not a regular file.
+        """
         data = "".join(f"\n{r}\n" for r in records).encode("utf-8")
         if not data:
             return
-        try:
+        try:  # a FIFO no one reads fails here (ENXIO) rather than waiting for a reader
             fd = os.open(self.path, APPEND_FLAGS, self.mode)
         except OSError as exc:
-            raise pool_error("cannot open", self.path, exc) from exc
+            raise (not_a_log("cannot open", self.path)
+                   or pool_error("cannot open", self.path, exc)) from exc
         try:
+            refused = not_a_log("cannot append to", self.path, os.fstat(fd).st_mode)
+            if refused is not None:
+                raise refused
+            os.set_blocking(fd, True)  # a regular file: written as any other
             if flock_fd(fd, _APPEND_LOCK_WAIT, path=str(self.path)) is False:
                 logger.warning("%s: another process has held its lock for more than %gs; "
                                "appending without it", self.path, _APPEND_LOCK_WAIT)
             write_all(fd, data)
+        except PoolError:
+            raise
         except OSError as exc:
             raise pool_error("cannot append to", self.path, exc) from exc
         finally:
             os.close(fd)
+
+
+#: What ``lstat`` may find at a log's path instead of a regular file, and the errno
+#: that says so: a symlink, a directory, else (a FIFO, a socket, a device) EINVAL.
+_NOT_A_FILE = ((stat.S_ISLNK, "a symbolic link", errno.ELOOP),
+               (stat.S_ISDIR, "a directory", errno.EISDIR),
+               (stat.S_ISFIFO, "a FIFO", errno.EINVAL))
+
+
+def not_a_log(what: str, path: Path, mode: int | None = None) -> PoolError | None:
+    """The error of a log at ``path`` that is not a regular file (its ``mode``, else
+    what ``lstat`` finds there): ``what`` failed, what is there instead, and that
+    removing it lets the pool start a new log. None when it is a regular file, or
+    nothing can be said of it (absent, or ``lstat`` fails)."""
+    if mode is None:
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            return None
+    if stat.S_ISREG(mode):
+        return None
+    kind, code = next(((kind, code) for test, kind, code in _NOT_A_FILE if test(mode)),
+                      ("a socket or device", errno.EINVAL))
+    return PoolError(f"{what} {path}: not a regular file but {kind}; remove it to let the "
+                     "pool start a new log", path=str(path), errno=code)
 
 
 def _name_crc(sha: str, name: str) -> str:
@@ -121,8 +162,8 @@ class Journal:
             fd = os.open(path, READ_FLAGS)
         except FileNotFoundError:
             return [], 0
-        except OSError as exc:
-            raise pool_error("cannot read", path, exc) from exc
+        except OSError as exc:  # a symlink there: said as such
+            raise (not_a_log("cannot read", path) or pool_error("cannot read", path, exc)) from exc
         seen: dict[str, None] = {}
         try:
             size = os.fstat(fd).st_size

@@ -15,24 +15,30 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
 import threading
 from collections.abc import Iterable
 from pathlib import Path
 
 from distcache.artifact import collapse_slashes
+from distcache.errors import PoolError
 from distcache.store._fs import READ_FLAGS, pool_error
-from distcache.store._log import AppendLog, _name_record, _parse_name_record
+from distcache.store._log import AppendLog, _name_record, _parse_name_record, not_a_log
 
 #: The most bytes before a read's end that the next read checks are still there: the
 #: whole last record (its sha256 and checksum make it the only one of its kind), up to
 #: this many bytes.
 _TAIL = 4096
 
+#: What the index fails with when something other than a regular file is at
+#: ``names.log``: a symlink, a directory, a FIFO (:func:`~distcache.store._log.not_a_log`).
+#: Whoever can write the pool can plant one; it costs labels, never a lookup by sha.
+PLANTED_ERRNOS = frozenset({errno.ELOOP, errno.EISDIR, errno.EINVAL})
+
 #: Why a pool this process reads cannot take a label: a read-only mount, another
-#: user's pool, a full disk. A lookup that found its bytes goes on without the label.
+#: user's pool, a full disk, a planted ``names.log``. A lookup that found its bytes
+#: goes on without the label.
 UNLABELLED_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC,
-                               errno.EDQUOT})
+                               errno.EDQUOT}) | PLANTED_ERRNOS
 
 #: What a ``stat`` of the log says of its content: inode, size, change time.
 Seen = tuple[int, int, int]
@@ -51,25 +57,27 @@ def read_checked(path: Path, offset: int, tail: bytes
     :data:`Seen` (None: no log).
 
     Raises:
-        PoolError: the log cannot be read.
+        PoolError: the log cannot be read, or is not a regular file (a symlink, a
+            directory, a FIFO: :func:`~distcache.store._log.not_a_log`).
     """
     try:
         fd = os.open(path, READ_FLAGS)
     except FileNotFoundError:
         return [], 0, b"", offset > 0, None
     except OSError as exc:
-        raise pool_error("cannot read", path, exc) from exc
+        raise (not_a_log("cannot read", path) or pool_error("cannot read", path, exc)) from exc
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):  # a directory, a FIFO: no log to read
-            raise OSError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL,
-                          "not a regular file; remove it to let the pool start a new log")
+        if (refused := not_a_log("cannot read", path, st.st_mode)) is not None:
+            raise refused
         start = max(0, offset - len(tail))
         data = os.pread(fd, max(0, st.st_size - start), start) if offset <= st.st_size else b""
         again = offset > st.st_size or data[:offset - start] != tail
         if again:
             offset, start = 0, 0
             data = os.pread(fd, st.st_size, 0)
+    except PoolError:
+        raise
     except OSError as exc:
         raise pool_error("cannot read", path, exc) from exc
     finally:

@@ -30,7 +30,7 @@ from distcache.store._cap import Cap
 from distcache.store._locking import FileLock
 from distcache.store._log import Journal
 from distcache.store._materialize import materialize
-from distcache.store._names import UNLABELLED_ERRNOS, NamesIndex
+from distcache.store._names import PLANTED_ERRNOS, UNLABELLED_ERRNOS, NamesIndex
 from distcache.store._objects import Witness, check_size
 from distcache.store._offline import refuse_offline
 from distcache.store._opening import open_root, refusal
@@ -313,6 +313,7 @@ class ArtifactPool:
 
     def remember(self, artifacts: Iterable[Artifact]) -> None:
         """Record ``name -> sha`` labels (validated first; unchanged ones are skipped).
+        None is where ``names.log`` is not a regular file (:data:`PLANTED_ERRNOS`): said once.
 
         Raises:
             ArtifactNameError: a name is unsafe (nothing is written).
@@ -321,11 +322,19 @@ class ArtifactPool:
         """
         self._writable("record labels")
         pairs = [(a.name, a.sha256) for a in artifacts]
-        # Labels this process holds, or finds in the log on its first read, cost no
-        # validation (held names were validated when recorded or read).
-        if self._names_index.holds(pairs) or self._names_index.refreshed_holds(pairs):
-            return
-        self._names_index.record([(validate_name(n), check_sha256(s)) for n, s in pairs])
+        try:
+            # Labels this process holds, or finds in the log on its first read, cost no
+            # validation (held names were validated when recorded or read).
+            if self._names_index.holds(pairs) or self._names_index.refreshed_holds(pairs):
+                return
+            self._names_index.record([(validate_name(n), check_sha256(s)) for n, s in pairs])
+        except PoolError as exc:
+            if exc.errno not in PLANTED_ERRNOS:
+                raise
+            for name, sha in pairs:  # an unsafe name is refused all the same
+                validate_name(name)
+                check_sha256(sha)
+            self._say_unlabelled(exc)
 
     def label(self, artifacts: Iterable[Artifact]) -> None:
         """:meth:`remember` where the pool can take it; where it cannot for a reason of
@@ -336,10 +345,14 @@ class ArtifactPool:
         except PoolError as exc:
             if exc.errno not in UNLABELLED_ERRNOS:
                 raise
-            if not self._unlabelled:
-                self._unlabelled = True
-                logger.warning("%s; names are not recorded in this pool (its objects are "
-                               "still read and verified by sha)", exc)
+            self._say_unlabelled(exc)
+
+    def _say_unlabelled(self, exc: PoolError) -> None:
+        """Say, once per pool object, that this pool takes no labels and why."""
+        if not self._unlabelled:
+            self._unlabelled = True
+            logger.warning("%s; names are not recorded in this pool (its objects are "
+                           "still read and verified by sha)", exc)
 
     def names(self) -> dict[str, str]:
         """Every recorded name and the sha it maps to, the last record winning

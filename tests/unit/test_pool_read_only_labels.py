@@ -6,6 +6,8 @@ record are said once, and only writes that are asked for fail."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -106,11 +108,11 @@ def test_prefetch_of_what_a_read_only_pool_holds_succeeds(tmp_path: Path, warm: 
     assert len(said) == 1, out["warnings"]  # once per pool, not per call
 
 
-def test_a_names_log_that_is_a_directory_fails_the_lookup_naming_it(
-    tmp_path: Path, warm: Path
+def test_a_names_log_that_is_a_directory_costs_the_labels_naming_it_not_the_lookup(
+    tmp_path: Path, warm: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     (warm / "names.log").unlink()
-    (warm / "names.log").mkdir()  # EISDIR: not a pool this process merely reads
+    (warm / "names.log").mkdir()  # EISDIR: labels only name, the bytes are still served
     pool = ArtifactPool(warm)
     data = DATA["kernel_1.cubin"]
 
@@ -121,5 +123,10 @@ def test_a_names_log_that_is_a_directory_fails_the_lookup_naming_it(
         def fetch(self, artifact: Artifact) -> bytes:
             raise AssertionError("the origin was asked")
 
-    with pytest.raises(PoolError, match=r"cannot read .*names\.log: not a regular file; remove it"):
-        pool.fetch(Artifact("new/kernel_1.cubin", sha256_hex(data)), NoOrigin())
+    with caplog.at_level(logging.WARNING, logger="distcache"):
+        got = pool.fetch(Artifact("new/kernel_1.cubin", sha256_hex(data)), NoOrigin())
+    assert got == data
+    assert any(re.search(r"cannot read .*names\.log: not a regular file but a directory; "
+                         "remove it", r.getMessage()) for r in caplog.records)
+    with pytest.raises(PoolError, match=r"names\.log: not a regular file but a directory"):
+        pool.names()
