@@ -3,7 +3,9 @@ process starts, published when it exits.
 
 The vLLM plugin and the start-up hook call :func:`start` with the families that
 ``DISTCACHE_JIT_CACHES`` names (``vllm,inductor``: vLLM's torch.compile cache, and
-Inductor's directory with torch's precompiled header), before the engine compiles. The
+Inductor's directory with torch's precompiled header), before the engine compiles, and
+set each family's variables where unset, as ``init`` does (``triton``:
+``TRITON_CACHE_MANAGER``, and ``DISTCACHE_POOL`` to the pool it fills from). The
 first process of a tree that has them fills their directories from ``DISTCACHE_POOL``
 and becomes their *owner*: it names itself (host, pid, its start time, and a digest of
 the families' keys and directories) in :data:`OWNER_VARIABLE` in its own environment,
@@ -130,6 +132,9 @@ def _start(source: str, role: str, names: tuple[str, ...],
                 summary["refused"] = str(exc)
                 log.warning("distcache %s hook: %s not materialised: %s", source,
                             family.name, exc)
+        # As Family.install: before the engine imports the tool (the triton family's
+        # cache manager and its pool), inherited by the processes the engine starts.
+        family.set_environ(pool)
         summaries.append(summary)
     if not inherited:
         name_owner(digest)

@@ -161,6 +161,13 @@ class Family:
             self.report.refused = str(exc)
             log.warning("%s: the cache was not filled from the pool (%s); the engine "
                         "compiles what it lacks", self.name, exc)
+        self.set_environ(pool)
+
+    def set_environ(self, pool: ArtifactPool) -> None:
+        """Set the family's variables (``spec.environ``, and ``spec.pool_variable`` to
+        ``pool``'s directory) where unset, for what the tool loads later in this
+        process and in the processes it starts (Triton's cache manager);
+        :meth:`uninstall` removes them again."""
         wanted = dict(self.spec.environ)
         if self.spec.pool_variable is not None:
             wanted[self.spec.pool_variable] = str(pool.root)
@@ -185,8 +192,10 @@ class Family:
         replacing one); conflicting paths are left out and logged once.
 
         Raises:
-            JitCacheError: a directory belongs to another user or is a link (once the
-                family's other directories are filled).
+            JitCacheError: a directory belongs to another user or is a link, or its
+                filesystem refuses every write (full, over quota, read-only:
+                :class:`~distcache.jit._walk.WholeFilesystem`, naming the file), once
+                the family's other directories are filled.
             PoolError: the pool cannot be read.
         """
         pool = self._pool(pool)
@@ -247,6 +256,18 @@ class Family:
             PoolError: the pool cannot be written.
         """
         pool = self._pool(pool)
+        # One batch for the blobs and the tree that lists them: a capped pool
+        # collects when it ends, around all of them, never between the two.
+        with pool.batch():
+            unique, refused = self._store(pool)
+        self.report.published = len(unique)
+        if refused is not None:
+            raise refused
+        return len(unique)
+
+    def _store(self, pool: ArtifactPool) -> tuple[dict[str, TreeEntry], JitCacheError | None]:
+        """:meth:`publish`'s work: store the new files and their tree; the entries it
+        lists, and the first directory refused."""
         trees = read_trees(pool, self.name, self.key, cache=self._trees)
         known = union(trees)
         mine = {path: e for (who, path), e in latest(trees).items() if who == self.publisher}
@@ -269,10 +290,7 @@ class Family:
         unique = {e.path: e for e in scanned if received.new(e)}
         publish_tree(pool, TreeManifest(self.name, self.key, tuple(unique.values()),
                                         self.publisher, next_seq(trees, self.publisher)))
-        self.report.published = len(unique)
-        if refused is not None:
-            raise refused
-        return len(unique)
+        return unique, refused
 
     def merged(self, pool: ArtifactPool | None = None) -> Union:
         """The union of this key's trees in ``pool`` (default: the bound one), each

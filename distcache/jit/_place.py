@@ -46,7 +46,15 @@ from distcache._log import get_logger
 from distcache.artifact import sha256_hex, validate_name
 from distcache.errors import ArtifactNameError, JitCacheError
 from distcache.jit._tree import MODE_MASK, TreeEntry
-from distcache.jit._walk import FOREIGN, InTheWay, Refused, check_way, ensure_dirs, walk
+from distcache.jit._walk import (
+    FOREIGN,
+    InTheWay,
+    Refused,
+    WholeFilesystem,
+    check_way,
+    ensure_dirs,
+    walk,
+)
 from distcache.store import ArtifactPool
 from distcache.store._fs import Witness, witness
 from distcache.store.layout import STALE_TMP_SECONDS
@@ -245,10 +253,11 @@ def materialize_entries(pool: ArtifactPool, root: Path, entries: Sequence[TreeEn
 
     Raises:
         JitCacheError: ``root`` or a directory on the way to it belongs to another
-            user or is a symbolic link (:func:`~distcache.jit._walk.check_way`).
+            user or is a symbolic link (:func:`~distcache.jit._walk.check_way`), or a
+            directory cannot be created; :class:`~distcache.jit._walk.WholeFilesystem`
+            (an OSError too, with its errno) naming the family and the file when the
+            filesystem is read-only or full.
         PoolError: an object cannot be read.
-        OSError: a directory cannot be created, or the filesystem is read-only or
-            full.
     """
     check_way(root, family=family, create=True)
     placed = Placed()
@@ -279,7 +288,10 @@ def materialize_entries(pool: ArtifactPool, root: Path, entries: Sequence[TreeEn
             _place_one(pool, parent, target, entry, link, now, placed, swept)
         except OSError as exc:
             if exc.errno in WHOLE_FS:
-                raise
+                raise WholeFilesystem(
+                    f"{family}: cannot write {target} from the pool: {exc.strerror or exc}; "
+                    "make room on its filesystem (or give the cache a writable directory) "
+                    "and run again", family=family, path=str(target), errno=exc.errno) from exc
             placed.missing += 1
             log.warning("%s: cannot place %s from the pool (%s); the tool builds it",
                         family, target, exc)

@@ -290,7 +290,10 @@ class ConflictLog:
 
 def publish_tree(pool: ArtifactPool, tree: TreeManifest) -> Artifact | None:
     """Store ``tree`` (its blobs are already in the pool) and label it and its blobs;
-    the tree's artifact, or ``None`` for an empty tree.
+    the tree's artifact, or ``None`` for an empty tree. In a batch of its own, or the
+    caller's (one that also stored the blobs): a capped pool collects once the batch
+    ends, keeping the tree and every blob it lists, rather than collecting the blobs
+    to make room for the tree that names them.
 
     Raises:
         PoolError: the pool cannot be written.
@@ -298,12 +301,15 @@ def publish_tree(pool: ArtifactPool, tree: TreeManifest) -> Artifact | None:
     if not tree.entries:
         return None
     data = tree.encode()
-    sha = pool.put(data)
     blobs = {e.sha256 for e in tree.entries}
-    pool.remember([Artifact(blob_label(tree.family, tree.key, s), s) for s in sorted(blobs)])
-    artifact = Artifact(tree_label(tree.family, tree.key, sha), sha, len(data))
-    # The tree's label last: a reader that sees it finds every blob labelled.
-    pool.remember([artifact])
+    with pool.batch():
+        pool.hold(blobs)  # blobs stored before the batch, or by another process
+        sha = pool.put(data)
+        pool.remember([Artifact(blob_label(tree.family, tree.key, s), s)
+                       for s in sorted(blobs)])
+        artifact = Artifact(tree_label(tree.family, tree.key, sha), sha, len(data))
+        # The tree's label last: a reader that sees it finds every blob labelled.
+        pool.remember([artifact])
     return artifact
 
 

@@ -6,7 +6,8 @@ The manager is Triton's own :class:`~triton.runtime.cache.FileCacheManager` (fil
 group the directory lacks is looked up in the ``triton`` family's trees of the pool at
 ``DISTCACHE_POOL`` and materialised (verified; a corrupt object is a miss), and every
 group Triton puts (a compiled kernel: its files and the group file naming them) is
-published as one tree, so that ``Session.sync()`` moves it to every pool. Files keep
+published as one tree, so that ``Session.sync()`` moves it to every pool. Under
+``DISTCACHE_DISABLE=1`` it is Triton's own file cache and nothing more. Files keep
 Triton's layout (``<key>/<file>``), so the directory family and the manager share
 their trees. Importing this module imports Triton.
 """
@@ -47,8 +48,13 @@ _TREES: dict[str, TreeManifest] = {}
 
 
 def _pool() -> ArtifactPool | None:
+    """The pool of ``DISTCACHE_POOL``, one per process; ``None`` under
+    ``DISTCACHE_DISABLE=1`` (the manager is then Triton's own file cache: no pool is
+    made, read or written) or when there is none to open."""
     try:
         conf = settings()
+        if conf.disable:
+            return None
         root = str(conf.pool_dir)
         with _LOCK:
             if root not in _POOLS:
@@ -136,8 +142,11 @@ class PoolCacheManager(FileCacheManager):
         assert family is not None and family.pool is not None
         try:
             names = set(filenames)
-            entries = [e for e in scan_into(family.pool, Path(self.cache_dir), f"{self.key}/")
-                       if e.path.split("/", 1)[1] in names]
-            publish_tree(family.pool, TreeManifest(family.name, family.key, tuple(entries)))
+            with family.pool.batch():  # the files and their tree, collected as one
+                entries = [e for e in scan_into(family.pool, Path(self.cache_dir),
+                                                f"{self.key}/")
+                           if e.path.split("/", 1)[1] in names]
+                publish_tree(family.pool,
+                             TreeManifest(family.name, family.key, tuple(entries)))
         except (DistcacheError, OSError) as exc:
             log.warning("triton: cannot publish %s to the pool: %s", self.key, exc)

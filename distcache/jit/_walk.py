@@ -165,6 +165,15 @@ class Refused(JitCacheError):
     is written through it; the entries under it are left out, the others placed."""
 
 
+class WholeFilesystem(JitCacheError, OSError):
+    """The filesystem of a family's directory refuses every write (full, over quota,
+    read-only): placing into that directory stops. Also an :class:`OSError`, whose
+    ``errno`` it keeps. Attributes: ``family``, ``path`` (the file or directory being
+    written), ``errno``."""
+
+    attributes = ("path", "errno")
+
+
 def ensure_dirs(root: Path, directory: Path, checked: set[Path], family: str) -> Path:
     """Create the directories from ``root`` to ``directory``; refuse a symbolic link
     or another user's directory on the way (:class:`Refused`), and raise
