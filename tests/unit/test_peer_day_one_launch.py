@@ -40,16 +40,17 @@ def _two_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(wrapper, "configure_logging", lambda verbose, rank: lambda: None)
 
 
-def _program_env(monkeypatch: pytest.MonkeyPatch, hosted: Hosted | None,
-                 inherited: str | None) -> dict[str, str]:
-    """The environment PROGRAM gets from ``--peers`` on rank 0 of two, on two nodes,
-    when the agents' start-up gave this rank ``hosted``."""
+def _program_env(monkeypatch: pytest.MonkeyPatch, argv: list[str],
+                 host_peers: Any, inherited: str | None) -> dict[str, str]:
+    """The environment PROGRAM gets from ``python -m launch ARGV`` on rank 0 of two, on
+    two nodes, where the agents' start-up is ``host_peers`` and this process has
+    ``DISTCACHE_PEERS=inherited`` (None: unset)."""
     if inherited is None:
         monkeypatch.delenv("DISTCACHE_PEERS", raising=False)
     else:
         monkeypatch.setenv("DISTCACHE_PEERS", inherited)
     _two_nodes(monkeypatch)
-    monkeypatch.setattr(wrapper, "_host_peers", lambda info, pool: hosted)
+    monkeypatch.setattr(wrapper, "_host_peers", host_peers)
     seen: list[dict[str, str]] = []
 
     def program(command: list[str], env: dict[str, str], terminal: bool) -> int:
@@ -58,10 +59,15 @@ def _program_env(monkeypatch: pytest.MonkeyPatch, hosted: Hosted | None,
 
     monkeypatch.setattr(wrapper, "run", program)
     with pytest.raises(SystemExit) as exited:
-        wrapper.main(["--peers", "--", "true"])
+        wrapper.main([*argv, "--", "true"])
     assert exited.value.code == 0
     assert len(seen) == 1
     return seen[0]
+
+
+def _hosting(hosted: Hosted | None) -> Any:
+    """``--peers``'s start-up of the node agents, giving this rank ``hosted``."""
+    return lambda info, pool: hosted
 
 
 @pytest.mark.parametrize("inherited", [None, "1"], ids=["unset", "one"])
@@ -69,7 +75,7 @@ def _program_env(monkeypatch: pytest.MonkeyPatch, hosted: Hosted | None,
 def test_a_node_without_an_agent_gets_peers_off_and_its_init_starts_no_collective(
     monkeypatch: pytest.MonkeyPatch, hosted: Hosted | None, inherited: str | None,
 ) -> None:
-    env = _program_env(monkeypatch, hosted, inherited)
+    env = _program_env(monkeypatch, ["--peers"], _hosting(hosted), inherited)
     assert env.get("DISTCACHE_PEERS") == "0"
     # What PROGRAM's init does with it: begins no agents (no node_tree, no all-gather).
     peers = settings(env).peers
@@ -80,7 +86,8 @@ def test_a_node_with_an_agent_gets_its_socket(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
 ) -> None:
     sock = tmp_path / ".peer-0.sock"
-    env = _program_env(monkeypatch, Hosted(Tier(f"unix:{sock}", KEY)), "1")
+    env = _program_env(monkeypatch, ["--peers"], _hosting(Hosted(Tier(f"unix:{sock}", KEY))),
+                       "1")
     assert env.get("DISTCACHE_PEERS") == str(sock)
     assert start_for_session(_Comm(), None, None, None,  # type: ignore[arg-type]
                              settings(env).peers) is None
@@ -89,17 +96,5 @@ def test_a_node_with_an_agent_gets_its_socket(
 def test_without_peers_the_inherited_setting_is_left_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("DISTCACHE_PEERS", "1")
-    _two_nodes(monkeypatch)
-    monkeypatch.setattr(wrapper, "_host_peers", lambda info, pool: pytest.fail("hosted"))
-    seen: list[dict[str, str]] = []
-
-    def program(command: list[str], env: dict[str, str], terminal: bool) -> int:
-        seen.append(env)
-        return 0
-
-    monkeypatch.setattr(wrapper, "run", program)
-    with pytest.raises(SystemExit) as exited:
-        wrapper.main(["--", "true"])
-    assert exited.value.code == 0
-    assert [env.get("DISTCACHE_PEERS") for env in seen] == ["1"]
+    env = _program_env(monkeypatch, [], lambda info, pool: pytest.fail("hosted"), "1")
+    assert env.get("DISTCACHE_PEERS") == "1"
