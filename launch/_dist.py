@@ -166,10 +166,13 @@ def mpi_publish(info: LaunchInfo, choose: Callable[[list[str]], tuple[str, int]]
 
     Raises:
         CommError: mpi4py is missing, or ``choose`` failed on rank 0.
+        CollectiveTimeout: a rank did not join an exchange within ``init_timeout``.
         LaunchError: MPI's rank or size contradicts ``info``.
     """
     comm = _mpi_world(info)
-    return agree_on_address(info.rank, lambda m: allgather_str(comm, m), lambda m: bcast_message(comm, m), choose)
+    wait = settings().init_timeout  # each exchange: a rank that never comes is named
+    return agree_on_address(info.rank, lambda m: allgather_str(comm, m, wait),
+                            lambda m: bcast_message(comm, m, wait), choose)
 
 
 def publish_store(
@@ -211,11 +214,15 @@ def publish_store(
 
 def _mpi_store(info: LaunchInfo, timeout: timedelta) -> tuple[LaunchInfo, Store]:
     comm = _mpi_world(info)
+    wait = timeout.total_seconds()
     try:
         host, port, store = publish_store(
-            info.rank, info.world_size, lambda m: allgather_str(comm, m), lambda m: bcast_message(comm, m),
+            info.rank, info.world_size, lambda m: allgather_str(comm, m, wait),
+            lambda m: bcast_message(comm, m, wait),
             timeout, host=info.master_addr, port=info.master_port,
         )
+    except CollectiveTimeout:  # the MPI exchange: it names what a rank never joined
+        raise
     except (RuntimeError, ValueError, OSError) as exc:
         raise _translate(exc, "connecting to the rendezvous store", info) from exc
     return info.replace(master_addr=host, master_port=port), store
