@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import textwrap
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
@@ -189,3 +190,22 @@ def node_pools(tmp_path: Path, nodes: list[str]) -> dict[str, Path]:
     for root in made.values():
         ArtifactPool(root)
     return made
+
+
+def warnings_kept(prelude: str, body: str) -> str:
+    """A child's script: ``prelude`` then ``body`` (dedented; ``body`` sets the dict
+    ``out``), with ``json`` and ``logging`` imported, distcache's warnings kept in
+    ``records`` and printed with ``out`` on its last line as JSON (``"warnings"``)."""
+    return textwrap.dedent("""
+        import json, logging
+        records = []
+        class Keep(logging.Handler):
+            def emit(self, record):
+                records.append(record.getMessage())
+        logging.getLogger("distcache").addHandler(Keep())
+        logging.getLogger("distcache").setLevel(logging.WARNING)
+        out = {}
+    """) + textwrap.dedent(prelude) + textwrap.dedent(body) + textwrap.dedent("""
+        out["warnings"] = records
+        print(json.dumps(out))
+    """)

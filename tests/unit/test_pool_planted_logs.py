@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from distcache.artifact import Artifact, sha256_hex
 from distcache.errors import ArtifactNameError, PoolError
 from distcache.store import ArtifactPool
 from tests.support.cli import cli_env, run_cli
+from tests.support.helpers import warnings_kept
 
 DATA = b"verified kernel bytes " * 100
 SHA = sha256_hex(DATA)
@@ -35,24 +35,13 @@ def _child(tmp_path: Path, body: str) -> dict[str, Any]:
     """Run ``body`` (which sets ``out``; ``pool_root`` and ``DATA`` are given) in a
     child killed after 30 s; its ``out`` with the warnings it logged."""
     script = tmp_path / "child.py"
-    script.write_text(textwrap.dedent("""
-        import json, logging
+    script.write_text(warnings_kept("""
         from distcache.artifact import Artifact, sha256_hex
         from distcache.store import ArtifactPool
         from distcache.store._log import AppendLog
-        records = []
-        class Keep(logging.Handler):
-            def emit(self, record):
-                records.append(record.getMessage())
-        logging.getLogger("distcache").addHandler(Keep())
-        logging.getLogger("distcache").setLevel(logging.WARNING)
         DATA = b"verified kernel bytes " * 100
         pool_root = {root!r}
-        out = {{}}
-    """).format(root=str(tmp_path / "pool")) + textwrap.dedent(body) + textwrap.dedent("""
-        out["warnings"] = records
-        print(json.dumps(out))
-    """))
+    """.format(root=str(tmp_path / "pool")), body))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           env=cli_env(tmp_path), timeout=30, check=False)
     assert done.returncode == 0, done.stderr

@@ -9,7 +9,6 @@ import json
 import logging
 import re
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from distcache.artifact import Artifact, sha256_hex
 from distcache.errors import PoolError
 from distcache.store import ArtifactPool
 from tests.support.cli import cli_env, run_read_only
+from tests.support.helpers import warnings_kept
 
 DATA = {f"kernel_{i}.cubin": bytes([i]) * (1000 + i) for i in range(3)}
 
@@ -36,23 +36,13 @@ def _run(tmp_path: Path, warm: Path, body: str) -> dict[str, object]:
     """Run ``body`` (which sets ``out``) in a child with ``warm`` mounted read-only;
     return ``out`` and the warnings it logged."""
     script = tmp_path / "child.py"
-    script.write_text(textwrap.dedent(f"""
-        import json, logging, sys
+    script.write_text(warnings_kept(f"""
+        import sys
         from distcache.artifact import Artifact, sha256_hex
         from distcache.store import ArtifactPool
-        records = []
-        class Keep(logging.Handler):
-            def emit(self, record):
-                records.append(record.getMessage())
-        logging.getLogger("distcache").addHandler(Keep())
-        logging.getLogger("distcache").setLevel(logging.WARNING)
         DATA = {{f"kernel_{{i}}.cubin": bytes([i]) * (1000 + i) for i in range(3)}}
         pool = ArtifactPool({str(warm)!r})
-        out = {{}}
-    """) + textwrap.dedent(body) + textwrap.dedent("""
-        out["warnings"] = records
-        print(json.dumps(out))
-    """))
+    """, body))
     env = cli_env(tmp_path)
     done = run_read_only(env, warm, [sys.executable, str(script)])
     assert done.returncode == 0, done.stderr
