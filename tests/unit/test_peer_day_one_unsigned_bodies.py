@@ -21,6 +21,7 @@ from distcache.peer import Tier, _agent, _client, derive_key, host_agent, lookup
 from distcache.peer._auth import HEADER_ANSWER, sign_answer
 from distcache.store import ArtifactPool
 from distcache.testing import LoopbackOrigin, make_artifacts
+from tests.support.origins import read_head
 
 KEY = derive_key(b"s" * 32)
 OTHER_KEY = derive_key(b"o" * 32)
@@ -51,12 +52,9 @@ class _Impostor:
 
     def _answer(self, conn: socket.socket) -> None:
         with conn, contextlib.suppress(OSError):
-            head = b""
-            while b"\r\n\r\n" not in head:
-                got = conn.recv(65536)
-                if not got:
-                    return
-                head += got
+            head = read_head(conn)
+            if head is None:
+                return
             self.asked += 1
             request = dict(line.split(": ", 1) for line in
                            head.decode("latin-1").split("\r\n")[1:] if ": " in line)
