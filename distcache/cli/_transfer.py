@@ -54,9 +54,10 @@ checksums.txt lists but the source lacks are reported, not imported; a file the
 checksums.txt at the top lists but the source lacks refuses the import.
 
 All or nothing: an unsafe member (absolute path, '..', symlink, hard link, device),
-an unreadable, truncated or damaged archive, a member larger than
-DISTCACHE_MAX_ARTIFACT_BYTES, conflicting manifests or a single sha256 mismatch
-refuses the whole import (exit 1) and nothing is added to the pool. A failure or an
+an unreadable, truncated or damaged archive, one with no file at all (a file of
+zeros reads as an empty tarball), a member larger than DISTCACHE_MAX_ARTIFACT_BYTES,
+checksums.txt files over 256 MiB together, conflicting manifests or a single sha256
+mismatch refuses the whole import (exit 1) and nothing is added to the pool. A failure or an
 interrupt (Ctrl-C) while the objects are being added records no name: the objects
 already added stay without one (no lookup finds them; pool gc and pool prune remove
 them as any other). SRC must be a regular file or a directory (it is read twice; a

@@ -4,7 +4,9 @@ The tarball holds ``checksums.txt`` (first) and every artifact at its name, as p
 read-only files: the layout ``distcache pool import`` reads back, and the one a
 :class:`~distcache.origins.DirOrigin` serves once unpacked. It is written to a
 temporary file beside the target, flushed, then renamed over it, so the target is
-either the old file or the whole new one. The compression follows the target's
+either the old file or the whole new one, and the directory is flushed after the
+rename; a target that is a symbolic link stays one, and the file it points at is
+replaced (as ``tar -cf`` writes through it). The compression follows the target's
 suffix: ``.tar`` none, ``.tar.gz``/``.tgz`` gzip, ``.tar.bz2``/``.tbz2`` bzip2,
 ``.tar.xz``/``.txz`` xz (cubins compress about 4:1, but gzip runs near 50 MB/s on one
 core); any other suffix is refused before anything is written, as is an artifact
@@ -311,6 +313,8 @@ def export_tar(pool: ArtifactPool, artifacts: list[Artifact], target: Path,
                         "--manifest FILE)", path=str(pool.root))
     check_manifests(artifacts, lambda a: _verified(pool, a))
     target = target.absolute()
+    if target.is_symlink():  # the file it points at is the tarball, as tar -cf has it
+        target = Path(os.path.realpath(target))
     if not target.parent.is_dir():
         raise PoolError(f"cannot export to {target}: {target.parent} is not a directory",
                         path=str(target))
@@ -342,4 +346,6 @@ def export_tar(pool: ArtifactPool, artifacts: list[Artifact], target: Path,
         # Created by this call (exclusively, above): removing it removes nobody else's.
         unlink_quietly(tmp)
         raise
+    with contextlib.suppress(PoolError):  # in place and flushed; only its entry may lag
+        fsync_dir(target.parent)
     return ExportReport(target=str(target), artifacts=len(artifacts), bytes=total)

@@ -23,8 +23,12 @@ their files) are counted and reported, not an error; a file the root ``checksums
 lists but the source lacks (an exported set cut short) refuses the import.
 
 All or nothing. The first pass reads every member, checks it (see
-:mod:`distcache.store._sources`) and hashes it in chunks, keeping only the manifests;
-any unsafe or oversized member, an unreadable archive, conflicting manifests, a file
+:mod:`distcache.store._sources`) and hashes it in chunks, keeping only the manifests
+(together at most ``MAX_MANIFEST_BYTES``, as a manifest read from a file: a few
+compressed megabytes could otherwise hold gigabytes of them in memory); a source
+with no file at all (an empty directory or archive, or a tarball of zeros, which
+reads as one) is refused as nothing to import. Any unsafe or oversized member, an
+unreadable archive, conflicting manifests, a file
 missing from the root manifest or a single sha256 mismatch refuses the whole import
 before anything is written. The second pass publishes the objects, then records the
 labels in one append, only once every planned object is in the pool: a source that
@@ -42,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from distcache.artifact import Artifact, decode_manifest, parse_checksums
+from distcache.artifact import MAX_MANIFEST_BYTES, Artifact, decode_manifest, parse_checksums
 from distcache.config import settings
 from distcache.errors import (
     ArtifactNameError,
@@ -127,13 +131,17 @@ def _scan(source: Path, kind: str, progress: Progress | None, max_bytes: int) ->
     if progress is not None:
         progress.phase("verifying", total_bytes(source, kind))
     for path, size, sha, data in members(source, kind, want=_is_manifest, digest=True,
-                                         max_bytes=max_bytes):
+                                         max_bytes=max_bytes, max_kept=MAX_MANIFEST_BYTES):
         assert sha is not None  # every member is hashed
         found[path] = (sha, size)
         if data is not None:
             texts[path] = data
         if progress is not None:
             progress.advance(size)
+    if not found:
+        raise refuse(source, "it holds no file (an empty directory or archive; a file of "
+                             "zeros reads as an empty tarball): check that it was copied "
+                             "whole")
     scan = _Scan(root=_wheel_root(found))
     for path, entry in found.items():
         rel = _root_of(path, scan.root)
@@ -243,9 +251,10 @@ def import_set(pool: ArtifactPool, source: Path, progress: Progress | None = Non
     ``DISTCACHE_MAX_ARTIFACT_BYTES``) refuses the import before it is read.
 
     Raises:
-        ConfigError: the source is missing, of an unknown kind, unreadable, or has an
-            unsafe or oversized member, a malformed or conflicting manifest, or lacks
-            a file its root manifest lists; or it lost a file between the passes.
+        ConfigError: the source is missing, of an unknown kind, unreadable or empty,
+            or has an unsafe or oversized member, manifests larger together than
+            ``MAX_MANIFEST_BYTES``, a malformed or conflicting manifest, or lacks a
+            file its root manifest lists; or it lost a file between the passes.
         IntegrityError: a file does not match its ``checksums.txt``, or changed
             between the passes.
         PoolError: the pool cannot be written.

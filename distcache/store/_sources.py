@@ -9,7 +9,9 @@ the whole source with a :class:`~distcache.errors.ConfigError` naming the source
 the member: an absolute path or a ``..`` segment (or any name
 :func:`~distcache.artifact.validate_name` rejects), a symbolic or hard link, a
 device, FIFO or socket, the same path twice, a member larger than an artifact may be
-(``DISTCACHE_MAX_ARTIFACT_BYTES``), an encrypted zip member, and an archive that
+(``DISTCACHE_MAX_ARTIFACT_BYTES``), members kept whole that together hold more than
+the caller allows (import's ``checksums.txt`` files), an encrypted zip member, and an
+archive that
 cannot be read (a corrupt or truncated zip, one of a version or method zipfile
 lacks, a bad CRC, a broken compressed stream, a tarball cut short or with a damaged
 header). A tarball is read to its end, so the gzip, bzip2 or xz checksums are
@@ -114,15 +116,17 @@ def _checked_path(source: Path, raw: str) -> str:
         raise refuse(source, f"unsafe member {raw!r} ({getattr(exc, 'reason', exc)})") from exc
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Reader:
-    """How the members of one source are read: which to hash, which to keep, and the
-    largest one allowed."""
+    """How the members of one source are read: which to hash, which to keep, the
+    largest one allowed, and the most bytes the kept ones may hold together."""
 
     source: Path
     want: Callable[[str], bool]
     digest: bool
     max_bytes: int | None
+    max_kept: int | None = None
+    kept: int = 0  #: bytes of the members kept so far
 
     def member(self, path: str, size: int,
                open_: Callable[[], AbstractContextManager[_Readable]]) -> Member:
@@ -131,6 +135,13 @@ class _Reader:
                                       f"{self.max_bytes} an artifact may be "
                                       "(DISTCACHE_MAX_ARTIFACT_BYTES)")
         keep = self.want(path)
+        if keep and self.max_kept is not None:
+            self.kept += size
+            if self.kept > self.max_kept:
+                raise refuse(self.source, f"member {path!r} ({size} bytes) brings the "
+                                          "files read whole into memory (its checksums.txt "
+                                          f"files) past the {self.max_kept} bytes they may "
+                                          "hold together (MAX_MANIFEST_BYTES)")
         if not (keep or self.digest):
             return Member(path, size, None, None)
         digest = hashlib.sha256()
@@ -153,10 +164,11 @@ class _Reader:
 
 
 def members(source: Path, kind: str, want: Callable[[str], bool], *, digest: bool = False,
-            max_bytes: int | None = None) -> Iterator[Member]:
+            max_bytes: int | None = None, max_kept: int | None = None) -> Iterator[Member]:
     """Every regular file of ``source`` (of ``kind``, see :func:`kind_of`): with its
     sha256 when ``digest``, with its bytes when ``want(path)``. A member larger than
-    ``max_bytes`` is refused before it is read.
+    ``max_bytes`` is refused before it is read, and so is a wanted one that brings the
+    wanted members' bytes together past ``max_kept``.
 
     Raises:
         ConfigError: an unsafe, oversized or unsupported member, or an unreadable
@@ -164,7 +176,7 @@ def members(source: Path, kind: str, want: Callable[[str], bool], *, digest: boo
     """
     walk = {"dir": _dir_members, "zip": _zip_members, "tar": _tar_members}[kind]
     seen: set[str] = set()
-    for member in walk(_Reader(source, want, digest, max_bytes)):
+    for member in walk(_Reader(source, want, digest, max_bytes, max_kept)):
         if member.path in seen:
             raise refuse(source, f"member {member.path!r} appears twice")
         seen.add(member.path)
