@@ -258,24 +258,21 @@ class ProducerPool:
                 )
                 return None
             try:
+                # The ref first: a tensor it cannot describe (more than MAX_NDIM
+                # dimensions) is refused before a byte is written, and its lease goes.
+                ref = FeatureRef(
+                    pool_id=self.pool_id, epoch=self.epoch, offset=lease.offset,
+                    nbytes=nbytes, dtype=dtype, shape=tuple(int(d) for d in tensor.shape),
+                    strides=tuple(int(s) for s in tensor.stride()), slot=lease.slot,
+                    generation=lease.generation, descriptor=carried,
+                )  # fmt: skip
                 self._write(lease.offset, tensor)
                 self._publish(lease)
             except BaseException:
                 alloc.cancel(lease.slot, lease.generation)
                 raise
             self._unlink_when_mapped()
-        return FeatureRef(
-            pool_id=self.pool_id,
-            epoch=self.epoch,
-            offset=lease.offset,
-            nbytes=nbytes,
-            dtype=dtype,
-            shape=tuple(int(d) for d in tensor.shape),
-            strides=tuple(int(s) for s in tensor.stride()),
-            slot=lease.slot,
-            generation=lease.generation,
-            descriptor=carried,
-        )
+        return ref
 
     def _audience(self, consumers: Sequence[int] | None) -> tuple[int, ...] | None:
         if consumers is None:
@@ -285,11 +282,12 @@ class ProducerPool:
                 f"pool {self.pool_id} is not bound to its consumers yet; exchange it first",
                 pool_id=self.pool_id,
             )
-        try:
-            audience = tuple(sorted({self._index[int(rank)] for rank in consumers}))
-        except (KeyError, TypeError, ValueError):
+        try:  # ranks as the pool's consumers are: no bool, float or string
+            ranks = consumer_ranks(consumers, self.pool_id)
+            audience = tuple(sorted({self._index[rank] for rank in ranks}))
+        except (IpcError, KeyError):
             raise IpcError(
-                f"pool {self.pool_id}: readers {list(consumers)!r} are not all consumers of "
+                f"pool {self.pool_id}: readers {consumers!r} are not all consumers of "
                 f"the pool (consumers: {list(self.consumers or ())})",
                 pool_id=self.pool_id,
             ) from None

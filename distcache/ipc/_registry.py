@@ -43,6 +43,10 @@ def _consumers_of(owner: int, nodes: Sequence[str]) -> list[int]:
     return [r for r, node in enumerate(nodes) if r != owner and node == nodes[owner]]
 
 
+def _whose(owner: int | None) -> str:
+    return "a producer outside the group" if owner is None else f"rank {owner}"
+
+
 class PoolRegistry:
     """One process's mappings of its peers' pools, keyed by pool id.
 
@@ -133,11 +137,11 @@ class PoolRegistry:
         """Map a peer pool once: a :class:`PoolDescriptor` or its ``pack()`` bytes, as
         received over any channel from a producer that need not be a rank of this
         registry's group. Adding a mapped epoch again is a no-op; a later epoch of
-        the same pool replaces the mapping.
+        the same pool (same owner: its producer restarted) replaces the mapping.
 
         Raises:
-            IpcError: the bytes are not a descriptor, the pool is this rank's own,
-                this rank is not one of its consumers, or mapping failed.
+            IpcError: the bytes are not a descriptor, the pool is this rank's own, its
+                id is mapped from another owner, or this rank cannot map it (named).
             StaleHandleError: the descriptor names an epoch older than the mapped one.
         """
         self._check_open()
@@ -157,6 +161,10 @@ class PoolRegistry:
         with self._lock:
             self._check_open()
             old = self._entries.get(descriptor.pool_id)
+            if old is not None and descriptor.owner != old.descriptor.owner:  # not a restart
+                raise IpcError(f"pool {descriptor.pool_id} is mapped from {_whose(old.descriptor.owner)}"
+                               f"; {_whose(descriptor.owner)} has another pool of that id",
+                               pool_id=descriptor.pool_id)
             if old is not None and descriptor.epoch <= old.descriptor.epoch:
                 if descriptor.epoch == old.descriptor.epoch:
                     return
@@ -170,12 +178,17 @@ class PoolRegistry:
                     f"pool {descriptor.pool_id}: epoch {descriptor.epoch} was retired",
                     pool_id=descriptor.pool_id,
                 )
-            mapping = open_mapping(descriptor, self.device)
             try:
-                entry = Entry(mapping, descriptor, descriptor.consumers.index(self.rank))
-            except BaseException:
-                mapping.close()
-                raise
+                mapping = open_mapping(descriptor, self.device)
+                try:
+                    entry = Entry(mapping, descriptor, descriptor.consumers.index(self.rank))
+                except BaseException:
+                    mapping.close()
+                    raise
+            except IpcError as exc:  # other ranks rebuild it from its text alone
+                raise IpcError(f"rank {self.rank} could not map pool {descriptor.pool_id} of "
+                               f"{_whose(descriptor.owner)}: {exc}",
+                               pool_id=descriptor.pool_id) from exc
             self.opens[descriptor.pool_id] = self.opens.get(descriptor.pool_id, 0) + 1
             self._entries[descriptor.pool_id] = entry
             if old is not None:
