@@ -164,5 +164,6 @@ class DirOrigin(BaseOrigin):
                 f"sha256 mismatch for {artifact.name} in mirror {self.path}{size_note}: "
                 f"expected {artifact.sha256}, got {actual}; repair or remove {candidate}",
                 sha256=artifact.sha256, actual=actual, source=str(candidate),
+                name=artifact.name,
             )
         return count

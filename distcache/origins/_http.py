@@ -15,6 +15,7 @@ fail at once with that cause instead of each being retried.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -138,6 +139,7 @@ class HttpOrigin(BaseOrigin):
         self._backoff_args = (backoff_base, backoff_max, retry_after_max, backoff_total)
         self._sleep = sleep
         self._rng: random.Random | None = None
+        self._pid = -1  # the process the session was made in
         # Identity encoding makes Content-Length the body length we check; every host
         # gets these, the caller's headers go to the origin's own host only.
         self._own = {"Accept-Encoding": "identity"}
@@ -159,10 +161,17 @@ class HttpOrigin(BaseOrigin):
         self._backoff: Backoff | None = None
 
     def _ready(self) -> tuple[Any, Backoff]:
-        """The session and the backoff, made on first use (thread-safe)."""
+        """The session and the backoff, made on first use (thread-safe), and the
+        session again in a child made by fork."""
         from distcache.origins._response import Backoff, new_session
 
         with self._lock:
+            if self._pid != os.getpid():
+                # The parent's pooled connections (a request of each on one socket reads
+                # the other's answer) and jitter; closing copies tells the server nothing.
+                if self._session is not None:
+                    self._session.close()
+                self._session, self._rng, self._pid = None, None, os.getpid()
             if self._session is None or self._backoff is None:
                 self._backoff = Backoff(*self._backoff_args)
                 # A caller's User-Agent comes later in a request's headers and wins.
@@ -200,7 +209,7 @@ class HttpOrigin(BaseOrigin):
             OriginError: the origin cannot deliver it (``status`` is set when the
                 server answered), or a body of unknown size exceeds ``max_bytes``.
         """
-        from distcache.origins._response import Fatal, Retry
+        from distcache.origins._response import Fatal, Retry, Unreachable
 
         url = self.url_for(artifact)
         where = redact_url(url)
@@ -218,7 +227,7 @@ class HttpOrigin(BaseOrigin):
             written = [0]
             try:
                 return self._attempt(url, artifact, out, written)
-            except _Unreachable as exc:
+            except Unreachable as exc:
                 down = self._down
                 if down is None:
                     down = self._down = (exc.cause, exc.reason, time.monotonic())
@@ -260,7 +269,7 @@ class HttpOrigin(BaseOrigin):
             raise IntegrityError(
                 f"{last.reason} for {artifact.name} from {where} after {tried}: "
                 f"expected {expected}, got {actual}; check the mirror or set DISTCACHE_ORIGIN",
-                sha256=artifact.sha256, actual=actual, source=where,
+                sha256=artifact.sha256, actual=actual, source=where, name=artifact.name,
             )
         raise OriginError(
             f"GET {where} failed after {tried}: {last.reason}; {self._advice(last.status)}",
@@ -315,10 +324,11 @@ class HttpOrigin(BaseOrigin):
             TRANSIENT,
             Fatal,
             Retry,
+            Unreachable,
             as_given,
             redirect_target,
+            transport_failure,
             unreachable,
-            untrusted,
         )
 
         session, _backoff = self._ready()
@@ -331,19 +341,18 @@ class HttpOrigin(BaseOrigin):
                 response = session.get(
                     current, headers=headers, stream=True, timeout=self.timeout,
                     allow_redirects=False,  # the bound token wins over ~/.netrc's:
-                    auth=as_given if "Authorization" in headers else None,
+                    auth=as_given if "authorization" in map(str.lower, headers) else None,
                 )
             except TRANSIENT as exc:
                 down = unreachable(exc)
                 if down is not None and current != url:
                     # The host one artifact was sent to, not the origin: that artifact
                     # fails; the origin is not marked down for the others.
-                    raise Fatal(f"{down} at the redirect target {redact_url(current)}"
+                    raise Fatal(f"{down} at the redirect target {redact_url(current)[:200]}"
                                 ) from None
                 if down is not None:
-                    raise _Unreachable(down, down) from None
-                kind = Fatal if untrusted(exc) else Retry
-                failure, cause = kind(f"{type(exc).__name__}: {self._scrub(exc)}"), exc
+                    raise Unreachable(down, down) from None
+                failure, cause = transport_failure(exc, self._scrub(exc)), exc
             except FATAL as exc:
                 failure, cause = Fatal(f"{type(exc).__name__}: {self._scrub(exc)}"), exc
             if failure is not None:
@@ -367,11 +376,11 @@ class HttpOrigin(BaseOrigin):
                             status=response.status_code) from None
             if scheme != self._scheme:
                 raise Fatal(
-                    f"refused redirect to another scheme ({redact_url(target)}); "
+                    f"refused redirect to another scheme ({redact_url(target)[:200]}); "
                     "only same-scheme redirects are followed", status=response.status_code)
             if (scheme, host, _port) != self._origin_host and host not in self._allowed_hosts:
                 raise Fatal(
-                    f"refused redirect to another host ({redact_url(target)}); allow it "
+                    f"refused redirect to another host ({redact_url(target)[:200]}); allow it "
                     "with allow_redirect_hosts", status=response.status_code)
             current = target
         raise Fatal(f"more than {_MAX_REDIRECTS} redirects")
@@ -386,15 +395,6 @@ class HttpOrigin(BaseOrigin):
         with watchdog(self.timeout, written) as watched:  # the attempt's own deadline
             response = self._get(url)
             elsewhere = host_key(response.url) != self._origin_host
-            other = redact_url(response.url) if elsewhere else None
+            other = redact_url(response.url)[:200] if elsewhere else None
             return read_response(response, artifact, out, written, self.timeout,
                                  self.max_bytes, other, watched)
-
-
-class _Unreachable(Exception):
-    """No connection to the host at all: a refused connect or a failed name lookup."""
-
-    def __init__(self, cause: str, reason: str) -> None:
-        super().__init__(reason)
-        self.cause = cause
-        self.reason = reason

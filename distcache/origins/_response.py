@@ -3,12 +3,14 @@
 :func:`read_response` turns a response into the artifact's bytes in ``out`` or into a
 :class:`Retry` (another attempt may fix it: overload, a cut or stalled body, wrong
 bytes from one cache node) or a :class:`Fatal` (it will not: 404, 403, a refused
-redirect, a body over the byte cap, a certificate that fails verification). Bytes are
-hashed and counted as they stream, so nothing past the artifact's declared size (or,
-for an artifact of unknown size, past the cap) reaches ``out`` and a digest mismatch
-is known the moment the body ends. :class:`Backoff` decides how long to wait before
-the next attempt; :func:`unreachable` tells a refused connection or an unknown host
-from the rest, and :func:`untrusted` a certificate that fails verification.
+redirect, a body over the byte cap, a certificate that fails verification, a proxy
+refusing the tunnel). Bytes are hashed and counted as they stream, so nothing past
+the artifact's declared size (or, for an artifact of unknown size, past the cap)
+reaches ``out`` and a digest mismatch is known the moment the body ends.
+:class:`Backoff` decides how long to wait before the next attempt; :func:`unreachable`
+tells a refused connection or an unknown host from the rest, and
+:func:`transport_failure` which other failures of the connection another attempt may
+fix.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import urllib3.util
 from distcache._record import Record
 from distcache.artifact import Artifact
 from distcache.origins._credentials import host_key
+from distcache.origins._proxy import refused_tunnel, through_proxy
 from distcache.origins._watchdog import (
     MIN_RATE_BPS,
     MIN_WINDOW,
@@ -122,6 +125,15 @@ class Retry(Exception):
         self.body = body  # the wrong body there: its sha256 (or ""), length, type
 
 
+class Unreachable(Exception):
+    """No connection to the host at all: a refused connect or a failed name lookup."""
+
+    def __init__(self, cause: str, reason: str) -> None:
+        super().__init__(reason)
+        self.cause = cause
+        self.reason = reason
+
+
 class Fatal(Exception):
     """A failed attempt that retrying cannot fix."""
 
@@ -170,25 +182,36 @@ def redirect_target(current: str, location: str) -> str:
 
 
 def unreachable(exc: BaseException) -> str | None:
-    """A short cause ("connection refused", "host name does not resolve (...)") when
-    ``exc`` (from requests) is a refused connection or a failed name lookup; ``None``
-    for every other failure (timeouts, resets, TLS errors and a resolver's temporary
+    """A short cause ("connection refused", "host name does not resolve (...)", each
+    followed by " at the proxy <URL>" where the proxy is what it reached) when ``exc``
+    (from requests) is a refused connection or a failed name lookup; ``None`` for
+    every other failure (timeouts, resets, TLS errors and a resolver's temporary
     failure may pass)."""
     for error in _linked(exc):
         if isinstance(error, ConnectionRefusedError):
-            return "connection refused"
+            return "connection refused" + through_proxy(exc)
         if isinstance(error, socket.gaierror) and error.errno != socket.EAI_AGAIN:
             # EAI_AGAIN is the resolver's "try again" (a DNS server under load as a
             # thousand ranks start): retried like any transient failure.
-            return f"host name does not resolve ({error.strerror or error})"
+            return f"host name does not resolve ({error.strerror or error})" + through_proxy(exc)
     return None
 
 
-def untrusted(exc: BaseException) -> bool:
-    """Whether ``exc`` (from requests) is a server certificate that failed
-    verification: the same certificate fails every attempt, unlike a handshake cut
-    short."""
-    return any(isinstance(e, ssl.SSLCertVerificationError) for e in _linked(exc))
+def transport_failure(exc: BaseException, shown: str) -> Retry | Fatal:
+    """What ``exc`` (from requests; its message as ``shown``) makes of the attempt: a
+    :class:`Fatal` for a server certificate that fails verification (the same
+    certificate fails every attempt, unlike a handshake cut short) or a proxy that
+    refused the tunnel to the origin (it refuses every attempt; the origin gave no
+    status), a :class:`Retry` for the rest."""
+    text, linked = f"{type(exc).__name__}: {shown}", list(_linked(exc))
+    tunnel = refused_tunnel(linked)
+    if tunnel is not None:
+        return Fatal(text, advice=f"the proxy refused the connection to the origin (HTTP "
+                     f"{tunnel}); check HTTPS_PROXY, HTTP_PROXY and NO_PROXY, and the "
+                     "proxy's credentials")
+    if any(isinstance(e, ssl.SSLCertVerificationError) for e in linked):
+        return Fatal(text)
+    return Retry(text)
 
 
 def _linked(exc: BaseException) -> Iterator[BaseException]:
