@@ -7,7 +7,8 @@ absolute directories count: the XDG Base Directory specification says a relative
 pool under whatever directory a command happens to start in. Where none is left there
 is no default, which is an error only for a caller that needs the pool and did not
 name one: :func:`~distcache.config.settings` keeps it as an :class:`Unresolved`,
-raised when the setting is read, so a command given ``--pool`` still runs.
+raised when the setting is read, so a command given ``--pool`` still runs. A
+``DISTCACHE_POOL`` starting with ``~`` is kept so too (:func:`pool_path`).
 """
 
 from __future__ import annotations
@@ -56,20 +57,32 @@ def default_pool_dir(environ: Mapping[str, str] | None = None) -> Path:
     return Path(home) / ".cache" / "distcache"
 
 
+def pool_path(name: str, raw: str) -> Path | Unresolved:
+    """``DISTCACHE_POOL``'s value as a path. One starting with ``~`` is an
+    :class:`Unresolved`: only a shell expands ``~``, and taken as written it would make
+    a directory named ``~`` wherever a command starts."""
+    if raw.startswith("~"):
+        return Unresolved(f"{name}={raw!r} starts with '~', which only a shell expands; "
+                          "write the directory's absolute path, or pass --pool DIR",
+                          name, raw)
+    return Path(raw)
+
+
 class Unresolved(NamedTuple):
-    """A default that could not be worked out when the settings were read; reading the
-    setting raises the error it was (a named tuple: settings holding one still compare,
-    copy and pickle)."""
+    """A default (or a pool directory) that could not be worked out when the settings
+    were read; reading the setting raises the error it was, naming ``value`` (a named
+    tuple: settings holding one still compare, copy and pickle)."""
 
     message: str
     variable: str | None
+    value: Any = None
 
     @classmethod
     def of(cls, error: ConfigError) -> Unresolved:
         return cls(str(error), getattr(error, "variable", None))
 
     def error(self) -> ConfigError:
-        return ConfigError(self.message, variable=self.variable, value=None)
+        return ConfigError(self.message, variable=self.variable, value=self.value)
 
 
 def defer_fields(cls: type[Any], fields: Iterable[str]) -> None:

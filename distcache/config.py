@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from distcache._home import Unresolved, default_pool_dir, defer_fields
+from distcache._home import Unresolved, default_pool_dir, defer_fields, pool_path
 from distcache.errors import ConfigError
 
 __all__ = ["ENV_VARS", "TABLE", "Settings", "Variable", "check_seconds", "default_pool_dir",
@@ -26,22 +26,26 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _BYTES_RE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+#: The largest count a setting may ask for (threads, retries): far beyond any real one,
+#: and within what the ranks exchange to agree on their download counts.
+MAX_COUNT = 1_000_000
 
 
-def parse_bytes(text: str, *, variable: str = "value") -> int:
-    """Parse ``"512"``, ``"64M"``, ``"1GiB"`` into a byte count.
+def parse_bytes(text: str, *, variable: str = "value", least: int = 0) -> int:
+    """Parse ``"512"``, ``"64M"``, ``"1GiB"`` into a byte count of at least ``least``.
 
     Raises:
-        ConfigError: the text is not a non-negative size.
+        ConfigError: the text is not a size, or one below ``least``.
     """
     match = _BYTES_RE.match(text)
     if not match:
-        raise ConfigError(
-            f"{variable}={text!r} is not a size; use bytes or a K/M/G/T suffix (e.g. 64M)",
-            variable=variable,
-            value=text,
-        )
-    return int(match.group(1)) * _UNITS[match.group(2).lower()]
+        raise ConfigError(f"{variable}={text!r} is not a size; use bytes or a K/M/G/T suffix "
+                          "(e.g. 64M)", variable=variable, value=text)
+    number = int(match.group(1)) * _UNITS[match.group(2).lower()]
+    if number < least:
+        raise ConfigError(f"{variable}={text!r} must be at least {least} byte(s)",
+                          variable=variable, value=text)
+    return number
 
 
 # --- parsers: (variable name, raw text) -> value ------------------------------------
@@ -67,8 +71,9 @@ def _int(minimum: int) -> Callable[[str, str], int]:
         except ValueError:
             raise ConfigError(f"{name}={raw!r} is not an integer", variable=name,
                               value=raw) from None
-        if number < minimum:
-            raise ConfigError(f"{name}={raw!r} must be >= {minimum}", variable=name, value=raw)
+        if not minimum <= number <= MAX_COUNT:
+            raise ConfigError(f"{name}={raw!r} must be >= {minimum} and at most {MAX_COUNT:,}",
+                              variable=name, value=raw)
         return number
 
     return parse
@@ -118,9 +123,8 @@ def _text(name: str, raw: str) -> str:
 def _transport(name: str, raw: str) -> str:
     value = raw.strip().lower()
     if value not in TRANSPORTS:
-        raise ConfigError(
-            f"{name}={raw!r}: expected one of {', '.join(TRANSPORTS)}", variable=name, value=raw
-        )
+        raise ConfigError(f"{name}={raw!r}: expected one of {', '.join(TRANSPORTS)}",
+                          variable=name, value=raw)
     return value
 
 
@@ -228,8 +232,8 @@ def _given_transport(variable: Variable, given: Any) -> str:
 TABLE: tuple[Variable, ...] = (
     Variable("DISTCACHE_DISABLE", "disable", False, _bool, "0",
              "1 turns every hook (init, the FlashInfer wrapper) into a no-op"),
-    Variable("DISTCACHE_POOL", "pool_dir", default_pool_dir, _path, "$XDG_CACHE_HOME/distcache",
-             "artifact pool directory"),
+    Variable("DISTCACHE_POOL", "pool_dir", default_pool_dir, pool_path,
+             "$XDG_CACHE_HOME/distcache", "artifact pool directory"),
     Variable("DISTCACHE_POOL_MAX_BYTES", "pool_max_bytes", None, _bytes, "unlimited",
              "size cap of the pool; LRU objects are collected"),
     Variable("DISTCACHE_ORIGIN", "origins", (), _list, "unset",
@@ -240,7 +244,8 @@ TABLE: tuple[Variable, ...] = (
              "DISTCACHE_ORIGIN (never logged)"),
     Variable("DISTCACHE_ORIGIN_TOKENS", "origin_tokens", None, _text, "unset",
              "bearer tokens per host: host[:port]=token,... (never logged)"),
-    Variable("DISTCACHE_MAX_ARTIFACT_BYTES", "max_artifact_bytes", 4 << 30, _bytes, "4G",
+    Variable("DISTCACHE_MAX_ARTIFACT_BYTES", "max_artifact_bytes", 4 << 30,
+             lambda name, raw: parse_bytes(raw, variable=name, least=1), "4G",
              "largest body accepted for an artifact of unknown size"),
     Variable("DISTCACHE_TIMEOUT", "timeout", 600.0, _seconds, "600",
              "seconds a rank waits for a peer, and a rank's downloads may go without "
@@ -301,7 +306,7 @@ class Settings(NamedTuple):
     of as many fields). Build with :func:`settings`; one row of :data:`TABLE` each."""
 
     disable: bool  #: Disable every hook.
-    pool_dir: Path  #: Pool directory; ConfigError when read where it has no default.
+    pool_dir: Path  #: Pool directory; ConfigError when read where it has no (good) value.
     pool_max_bytes: int | None  #: Pool size cap in bytes, or ``None`` for unlimited.
     origins: tuple[str, ...]  #: Origins tried in order (URLs or directories); empty when unset.
     origin_token: str | None  #: Bearer token for the first HTTP(S) origin (never in ``repr``).
