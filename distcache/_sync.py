@@ -35,8 +35,8 @@ def publish_and_sync(comm: Communicator, pool: ArtifactPool,
 
 def publish_jit(pool: ArtifactPool, integrations: Sequence[Integration]) -> None:
     """Store what this rank's JIT cache directories (the JIT families among
-    ``integrations``) gained; not collective: a failure is logged, so that no rank
-    leaves the others waiting in the sync."""
+    ``integrations``) gained; not collective: a failure, of whatever type, is logged,
+    so that no rank leaves the others waiting in the sync."""
     from distcache.jit import Family
 
     for integration in integrations:
@@ -45,5 +45,9 @@ def publish_jit(pool: ArtifactPool, integrations: Sequence[Integration]) -> None
                 count = integration.publish(pool)
             except (DistcacheError, OSError) as exc:
                 log.warning("%s: not published: %s", integration.name, exc)
+                continue
+            except Exception as exc:  # raised here, it would leave the others waiting
+                log.warning("%s: not published: %s: %s", integration.name,
+                            type(exc).__name__, exc, exc_info=True)
                 continue
             log.debug("%s: published %d new file(s)", integration.name, count)

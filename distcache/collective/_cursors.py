@@ -11,11 +11,13 @@ place. A line whose key is not of the form :func:`pools_key` gives (or ``-``) is
 dropped: it is damage, and no sync reads it. A cursor whose mark its log no longer
 matches is not resumed from: that log is sent whole.
 
-A ``sync.cursor`` line ends with the token of the sync that kept it, one drawn per
-sync and kept in every pool of its set (``<pools key> <byte offset> <mark>
-<token>``): a cursor says what reached the pools of that sync, and a pool copied or
-restored under the same id carries another sync's token, or none (see
-:mod:`distcache.collective._trust`).
+A line ends with the token of the sync that kept it, one drawn per sync and kept in
+every pool of its set (``<pools key> <byte offset> <mark> <token>``): a cursor says
+what reached the pools of that sync, and a pool copied or restored under the same id
+carries another sync's token, or none (see :mod:`distcache.collective._trust`). A
+``sync.names.cursor`` line is resumed from only with the token of the pool's
+``sync.cursor`` line: the two are kept one after the other, and a label cursor left
+behind would send what that sync delivered as news.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ PLAIN_KEY = "-"
 _LOCK_SECONDS = 5.0
 
 #: A cursor line as read: its offset, its mark, and the token of the sync that kept
-#: it (None: a line without one, a ``sync.names.cursor`` line or an older one).
+#: it (None: a line without one, an older one).
 Line = tuple[int, str, str | None]
 
 
@@ -134,13 +136,17 @@ def journal_path(pool: Pool) -> Path | None:
 
 
 def labels_since(pool: Pool, key: str,
-                 held: tuple[int, str] | None = None, *, whole: bool = False
+                 held: tuple[int, str] | None = None, *, whole: bool = False,
+                 token: str | None = None
                  ) -> tuple[dict[str, str], int, str, bool] | None:
     """The labels ``pool``'s ``names.log`` recorded after the cursor the pool keeps for
     ``key``, or after ``held`` (a session's) when that is further and still valid; all
-    of them when neither is, or with ``whole``. With the offset read up to, its mark,
-    and whether a cursor held (False: the whole log); None for a pool that keeps no
-    files.
+    of them when neither is, or with ``whole``. The pool's cursor is resumed from only
+    where it was kept with ``token`` (the journal cursor's): one left behind by a sync
+    that kept the journal's (its keeping failed, or stopped between the two) would send
+    labels that sync delivered as news, to revert a label recorded since. With the
+    offset read up to, its mark, and whether a cursor held (False: the whole log); None
+    for a pool that keeps no files.
 
     Raises:
         PoolError: the log cannot be read.
@@ -152,18 +158,23 @@ def labels_since(pool: Pool, key: str,
     starts: list[tuple[int, str]] = []
     if path is not None and not whole:
         line = _read_cursors(path).get(key)
-        starts.append((0, "") if line is None else (line[0], line[1]))
+        if line is not None and token is not None and line[2] == token:
+            starts.append((line[0], line[1]))
+        else:
+            starts.append((0, ""))
     if held is not None:
         starts.append(held)
     return names_since(names, starts)
 
 
-def store_labels_cursor(pool: Pool, cursor: int, mark: str, key: str) -> None:
-    """Keep the ``names.log`` ``cursor`` for ``key`` in ``pool`` with its ``mark``, as
-    :func:`store_cursor` keeps the journal's."""
+def store_labels_cursor(pool: Pool, cursor: int, mark: str, key: str,
+                        token: str | None = None) -> None:
+    """Keep the ``names.log`` ``cursor`` for ``key`` in ``pool`` with its ``mark`` and
+    the ``token`` of the sync that reached it, as :func:`store_cursor` keeps the
+    journal's."""
     path = _layout_path(pool, "sync_names_cursor")
     if path is not None:
-        _keep(pool, path, key, (cursor, mark, None), "label")
+        _keep(pool, path, key, (cursor, mark, token), "label")
 
 
 def labels_past_received(pool: Pool, cursor: int, mark: str,

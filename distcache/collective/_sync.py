@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distcache._log import get_logger
-from distcache.artifact import Artifact
+from distcache.artifact import Artifact, validate_name
 from distcache.collective._cursors import (
     held_cursor,
     journal_matches,
@@ -148,7 +148,7 @@ def _keep_part(pool: Pool, part: _Part, key: str, token: str | None,
     if part.mark is not None:  # a cursor is kept only with its check on the journal
         store_cursor(pool, part.cursor, part.mark, key, token)
     if part.labelled is not None:
-        store_labels_cursor(pool, *part.labelled, key)
+        store_labels_cursor(pool, *part.labelled, key, token)
     if state is not None:
         state.key, state.token = key, token
         state.cursors[pool.pool_id] = part.cursor
@@ -176,10 +176,12 @@ def _winners(decoded: list[tuple[list[str], dict[str, str], bool]],
 
 
 def decode_gained(blob: object) -> tuple[list[str], dict[str, str]]:
-    """The inverse of :func:`encode_gained` (and of :func:`encode_labels`).
+    """The inverse of :func:`encode_gained` (and of :func:`encode_labels`), each
+    label's name checked as a pool checks it before recording it.
 
     Raises:
-        ValueError: the blob is malformed.
+        ValueError: the blob is malformed, or names a label no pool may record
+            (:class:`~distcache.errors.ArtifactNameError`).
     """
     if not isinstance(blob, bytes):
         raise ValueError(f"journal exchange of type {type(blob).__name__}")
@@ -197,7 +199,7 @@ def decode_gained(blob: object) -> tuple[list[str], dict[str, str]]:
         index, _, name = line.partition(" ")
         if not (index.isascii() and index.isdigit() and name) or int(index) >= count:
             raise ValueError(f"journal exchange has a malformed label {line[:80]!r}")
-        names[name] = shas[int(index)]
+        names[validate_name(name)] = shas[int(index)]  # else no pool could record it
     return shas, names
 
 
@@ -231,7 +233,7 @@ def _read_part(run: Run, pool: Pool, key: str, state: SyncState | None, *,
         own = {n: s for n, s in pool.names().items() if s in new}
         part.gained = encode_gained(shas, own)
         part.whole = (not from_state, True)
-        since = labels_since(pool, key, session, whole=whole)
+        since = labels_since(pool, key, session, whole=whole, token=held)
         resumed = start > 0
         if since is not None:
             recorded, reached, reached_mark, labels_held = since
