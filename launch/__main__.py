@@ -84,10 +84,15 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
 
 
 def _directory(text: str) -> str:
-    """A directory option's value: an empty one (an unset shell variable) would be the
-    current directory, so it is refused, as the ``distcache`` command refuses it."""
+    """A directory option's value: empty (an unset shell variable: the current directory)
+    or starting with ``~`` (a shell does not expand it after ``--pool=``: a directory
+    named ``~``) is refused, as the ``distcache`` command refuses it."""
     if not text.strip():
         raise argparse.ArgumentTypeError("empty directory name")
+    if text.startswith("~"):  # the shell leaves it after "--pool=": a directory named ~
+        raise argparse.ArgumentTypeError(
+            f"{text!r} starts with '~', which only a shell expands (not after '='); "
+            "write the directory's absolute path")
     return text
 
 

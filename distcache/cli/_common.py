@@ -180,9 +180,14 @@ def positive_seconds(text: str) -> float:
 
 def _directory(text: str) -> str:
     """``--pool``'s value: an empty one (an unset shell variable) would be the current
-    directory, so it is refused (argparse type)."""
+    directory, and one starting with ``~`` a directory named ``~`` there (a shell does
+    not expand it after ``--pool=``), so both are refused (argparse type)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("empty directory name")
+    if text.startswith("~"):  # the shell leaves it after "--pool=": a directory named ~
+        raise argparse.ArgumentTypeError(
+            f"{text!r} starts with '~', which only a shell expands (not after '='); "
+            "write the directory's absolute path")
     return text
 
 
