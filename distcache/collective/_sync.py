@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distcache._log import get_logger
-from distcache.artifact import Artifact, validate_name
+from distcache.artifact import MAX_MANIFEST_BYTES, Artifact, validate_name
 from distcache.collective._cursors import (
     held_cursor,
     journal_matches,
@@ -190,7 +190,13 @@ def decode_gained(blob: object) -> tuple[list[str], dict[str, str]]:
         end = 4 + 32 * count
         if len(blob) < end:
             raise ValueError(f"journal digest list is cut short ({len(blob)} < {end} bytes)")
-        text = zlib.decompress(blob[end:]).decode("utf-8")
+        # Labels are a manifest's worth at most: a few kilobytes from a peer must not
+        # inflate to gigabytes here (zlib packs about 1,000 to 1).
+        inflate = zlib.decompressobj()
+        text = inflate.decompress(blob[end:], MAX_MANIFEST_BYTES).decode("utf-8")
+        if inflate.unconsumed_tail or not inflate.eof:
+            raise ValueError(f"journal labels are cut short or exceed {MAX_MANIFEST_BYTES} "
+                             "bytes")
     except (struct.error, zlib.error) as exc:
         raise ValueError(f"journal exchange is malformed: {exc}") from exc
     shas = [blob[4 + 32 * i : 4 + 32 * (i + 1)].hex() for i in range(count)]
