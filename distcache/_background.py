@@ -19,6 +19,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from types import TracebackType
 from typing import TYPE_CHECKING
 
 from distcache._log import get_logger
@@ -40,7 +41,9 @@ class Background:
                                        args=(self._run, body), daemon=True,
                                        name="distcache-start-up")
         self.error: BaseException | None = None
-        self.waited = False  # wait() raised self.error
+        # Where it was raised: each wait raises it from there, not from the last wait.
+        self._trace: TracebackType | None = None
+        self.waited = False  # wait() raised self.error, or it was logged (unreported)
         self._comm = comm
         self._over = threading.Event()
         self._pid = os.getpid()
@@ -60,7 +63,7 @@ class Background:
         try:
             body()
         except BaseException as exc:
-            self.error = exc
+            self.error, self._trace = exc, exc.__traceback__
             tell_others(self._comm, exc)
             log.debug("background start-up failed: %s", exc)
         finally:
@@ -126,7 +129,16 @@ class Background:
                 f"after {timeout:g} s", op="wait", timeout=timeout, rank=comm.rank)
         if self.error is not None:
             self.waited = True
-            raise self.error
+            raise self.error.with_traceback(self._trace)
+
+    def unreported(self) -> BaseException | None:
+        """What the start-up raised, where it is over and neither a :meth:`join`
+        raised it nor an earlier call returned it; the caller logs it, and it counts as
+        reported from then on."""
+        if self.error is None or self.waited or not self._over.is_set():
+            return None
+        self.waited = True
+        return self.error
 
 
 #: The background start-ups of this process, for :func:`_cancel_at_exit`.
@@ -137,9 +149,15 @@ _STARTED: weakref.WeakSet[Background] = weakref.WeakSet()
 def _cancel_at_exit() -> None:
     """At the interpreter's exit, stop the downloads of a background start-up still
     running (a program that exits, or is interrupted, without ``close``): its daemon
-    threads would be cut off mid-write and leave their temporary files in the pool."""
+    threads would be cut off mid-write and leave their temporary files in the pool.
+    A start-up of this process that failed where nothing raised or logged its error (no
+    ``wait``, no ``close``) has it logged now, not lost."""
     for start_up in list(_STARTED):
         try:
+            error = start_up.unreported() if start_up._pid == os.getpid() else None
+            if error is not None:
+                log.warning("the background start-up failed and no wait() or close() "
+                            "raised or logged it: %s", error)
             start_up.cancel()
         except Exception as exc:  # the exit goes on
             log.debug("could not stop a background start-up at exit: %s", exc)

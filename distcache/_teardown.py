@@ -10,11 +10,17 @@ Once the start-up's own thread tore the session down, the start-up goes no furth
 (:meth:`Closing.unless_torn_down`) and leaves nothing set up behind it. A closer
 interrupted while it waits for the start-up (Ctrl-C) gives the teardown up before it
 begins (:meth:`Closing.reopen`): the session stays open and may be closed again.
+In a child forked from the process that set the session up, the teardown uninstalls the
+integrations (the child's own copies) and leaves the slot, but closes none of the parts:
+the node agents, the mapped pools and the communicator are the parent's, and stopping
+them there would wait for threads the child does not have, or take them from the
+parent.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
@@ -46,6 +52,7 @@ class Closing:
         self._lock = threading.Lock()
         self._over = threading.Event()
         self._closer: threading.Thread | None = None
+        self._pid = os.getpid()  # the process whose parts tear_down closes
         self.closed = False
         # How many of the session's integrations the teardown uninstalls (None until it
         # runs); any installed after that were installed by a start-up it did not join.
@@ -98,11 +105,11 @@ class Closing:
         except BaseException:
             self.reopen()  # nothing was torn down yet
             raise
+        error = start_up.unreported()  # not logged again at the exit
         if stopped and start_up.error is not None:
             log.info("the background start-up ended as it was stopped: %s", start_up.error)
-        elif start_up.error is not None and not start_up.waited:
-            log.warning("the background start-up failed and no wait() raised it: %s",
-                        start_up.error)
+        elif error is not None:
+            log.warning("the background start-up failed and no wait() raised it: %s", error)
 
     @contextlib.contextmanager
     def tearing_down(self) -> Iterator[None]:
@@ -121,9 +128,14 @@ class Closing:
         """Undo the set-up, last done first, each step even where one fails (the error
         of the last failing step is raised, the others chained to it): uninstall the
         ``integrations`` (last installed first), ``abandon`` the node agents' start,
-        close the ``parts`` in order, ``leave`` the slot."""
+        close the ``parts`` in order, ``leave`` the slot. In a forked child neither
+        ``abandon`` nor the ``parts``: they are the parent's."""
         self.taken = len(integrations)
         steps: list[Callable[[], object]] = [i.uninstall for i in reversed(integrations)]
+        if os.getpid() != self._pid:
+            log.debug("close in a child forked from process %d: its node agents, pools "
+                      "and communicator are left to it", self._pid)
+            abandon, parts = None, ()
         if abandon is not None:
             steps.append(abandon)
         steps += [part.close for part in parts if part is not None]
