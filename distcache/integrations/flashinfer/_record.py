@@ -33,13 +33,15 @@ import fcntl
 import os
 import re
 import socket
+import stat
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from distcache._log import get_logger
-from distcache.artifact import Artifact
+from distcache.artifact import MAX_NAME_BYTES, Artifact
 from distcache.errors import ArtifactNameError, ManifestError, PoolError
 
 log = get_logger(__name__)
@@ -55,6 +57,8 @@ _LOCK_WAIT_SECONDS = 10.0
 _LINE_RE = re.compile(r"^([0-9a-f]{64})  (\S.*)$")
 #: A line cut short before its name began (a crash, a full disk) and ended later.
 _TORN_RE = re.compile(r"^[0-9a-f]{1,64} {0,2}$")
+#: The longest line a record holds (a sha256, two blanks, the longest name, a newline).
+_MAX_LINE = 64 + 2 + MAX_NAME_BYTES + 1
 # The launcher variables that carry a global rank, most specific first. The rank is
 # only a readable tag in the file name; host and pid already make it unique.
 _RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
@@ -116,8 +120,9 @@ class Recorder:
     def _open(self) -> int:
         self.directory.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
-                         0o644)
+            fd = _open_regular(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW)
+            if fd is None:
+                raise OSError(f"{self.path} is not a regular file")
             try:
                 # Shared: tells a compactor this file is live. It waits only while a
                 # compaction holds the file; one that removed it meanwhile leaves it
@@ -139,6 +144,17 @@ class Recorder:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+
+def _open_regular(path: Path, flags: int) -> int | None:
+    """A descriptor on ``path`` opened with ``flags``, or ``None`` when it is not a
+    regular file (a FIFO, a device or a directory under a record name: opening does
+    not wait for a FIFO's other end, and nothing is read from or written to it)."""
+    fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+        return fd
+    os.close(fd)
+    return None
 
 
 def _after_torn_line(fd: int) -> int:
@@ -163,10 +179,11 @@ def read_record(
     digests keeps the newest, with one warning.
 
     A write cut short by a crash or a full disk is skipped, with a warning: a final
-    line without a newline, or one that stops before its name.
+    line without a newline, or one that stops before its name. An entry that is not a
+    regular file (a FIFO, a directory) is skipped, with a warning.
 
     Raises:
-        ManifestError: a malformed line.
+        ManifestError: a malformed line (one longer than a name allows is not read on).
         ArtifactNameError: a recorded name is unsafe.
         PoolError: the directory cannot be read.
     """
@@ -180,7 +197,7 @@ def read_record(
         for _attempt in range(3):
             try:
                 files = [path for _mtime, path in _record_files(root)]
-                entries, conflicts = _newest(_read_files(files))
+                entries, conflicts = _newest(_read_files(files), max_entries)
                 break
             except FileNotFoundError:
                 # A compactor on another host published its merged file and removed
@@ -195,7 +212,7 @@ def read_record(
         log.warning("usage record %s: %d name(s) recorded with two digests (an upgrade?); "
                     "kept the newest: %s %s..., was %s...", root, len(conflicts), name,
                     new[:12], old[:12])
-    return dict(list(entries.items())[-max_entries:])
+    return entries
 
 
 def recorded_ns(directory: str | os.PathLike[str]) -> int | None:
@@ -230,17 +247,21 @@ def _read_files(files: list[Path]) -> Iterator[Artifact]:
         yield from _lines(path)
 
 
-def _newest(artifacts: Iterator[Artifact]) -> tuple[dict[str, str], dict[str, tuple[str, str]]]:
-    """``name -> sha256`` in recording order (a name seen again moves to the end), and
-    ``name -> (older, newer)`` for each name seen with two digests."""
-    entries: dict[str, str] = {}
+def _newest(artifacts: Iterator[Artifact], max_entries: int
+            ) -> tuple[dict[str, str], dict[str, tuple[str, str]]]:
+    """The last ``max_entries`` names, ``name -> sha256`` in recording order (a name
+    seen again moves to the end), and ``name -> (older, newer)`` for each of them seen
+    with two digests. The oldest name goes as soon as there are too many."""
+    entries: OrderedDict[str, str] = OrderedDict()  # drops its oldest in O(1)
     conflicts: dict[str, tuple[str, str]] = {}
     for artifact in artifacts:
         previous = entries.pop(artifact.name, None)
         if previous is not None and previous != artifact.sha256:
             conflicts[artifact.name] = (previous, artifact.sha256)
         entries[artifact.name] = artifact.sha256
-    return entries, conflicts
+        if len(entries) > max_entries:
+            conflicts.pop(entries.popitem(last=False)[0], None)
+    return dict(entries), conflicts
 
 
 @contextlib.contextmanager
@@ -296,7 +317,8 @@ def _compact(root: Path, max_entries: int) -> dict[str, tuple[str, str]]:
             if not mine.fullmatch(path.name):
                 continue
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                if (fd := _open_regular(path, os.O_RDONLY)) is None:
+                    continue  # a FIFO, a directory: not a record file
             except OSError:
                 continue
             try:
@@ -309,11 +331,10 @@ def _compact(root: Path, max_entries: int) -> dict[str, tuple[str, str]]:
             newest = max(newest, mtime)
         if not held:
             return {}
-        entries, conflicts = _newest(_read_files([source[2] for source in sorted(sources)]))
-        kept = list(entries.items())[-max_entries:]
+        entries, conflicts = _newest(_read_files([s[2] for s in sorted(sources)]), max_entries)
         tmp = root / f".{host}.{os.getpid()}.compact.tmp"
         try:
-            tmp.write_text("".join(f"{sha}  {name}\n" for name, sha in kept), encoding="utf-8")
+            tmp.write_text("".join(f"{h}  {n}\n" for n, h in entries.items()), encoding="utf-8")
             # Dated as its newest source, so that it sorts among the files of live
             # processes as what it merged would have: newest wins stays true.
             os.utime(tmp, ns=(newest, newest))
@@ -327,7 +348,7 @@ def _compact(root: Path, max_entries: int) -> dict[str, tuple[str, str]]:
             with contextlib.suppress(OSError):
                 path.unlink()
         log.debug("usage record %s: merged %d file(s) into %s (%d names)", root, len(held),
-                  compact.name, len(kept))
+                  compact.name, len(entries))
         return conflicts
     finally:
         for _path, fd in held:
@@ -335,41 +356,44 @@ def _compact(root: Path, max_entries: int) -> dict[str, tuple[str, str]]:
 
 
 def _lines(path: Path) -> Iterator[Artifact]:
-    """The artifacts recorded in ``path``, in order.
+    """The artifacts recorded in ``path``, in order, read a line at a time.
 
     Raises:
         FileNotFoundError: the file is gone (a compactor removed it).
     """
     try:
-        text = path.read_text(encoding="utf-8")
+        fd = _open_regular(path, os.O_RDONLY)
     except FileNotFoundError:
         raise
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise PoolError(f"cannot read usage record {path}: {exc}", path=str(path)) from exc
-    lines = text.split("\n")
-    if lines and lines[-1]:
-        log.warning("%s: ignoring a truncated last line %r", path, lines[-1][:80])
-    torn = [line for line in lines[:-1] if _TORN_RE.match(line)]
+    if fd is None:
+        log.warning("%s: not a regular file; ignored", path)
+        return
+    torn = 0
+    with open(fd, "rb") as file:
+        for lineno, raw in enumerate(iter(lambda: file.readline(_MAX_LINE + 1), b""), 1):
+            try:
+                line = raw.decode() if len(raw) <= _MAX_LINE else raw[:120].decode(errors="replace")
+            except UnicodeDecodeError as exc:
+                raise PoolError(f"cannot read usage record {path}: {exc}", path=str(path)) from exc
+            if len(raw) <= _MAX_LINE and not line.endswith("\n"):
+                log.warning("%s: ignoring a truncated last line %r", path, line[:80])
+                break
+            line = line.removesuffix("\n")
+            torn += bool(_TORN_RE.match(line))  # cut short, then appended to: skipped
+            if not line.strip() or _TORN_RE.match(line):
+                continue
+            match = _LINE_RE.match(line) if len(raw) <= _MAX_LINE else None
+            if match is None:  # a line longer than a name allows is not read on
+                raise ManifestError(f"{path}:{lineno}: expected '<64 hex sha256>  <name>', got "
+                                    f"{line[:120]!r}", line=lineno, text=line, source=str(path))
+            try:
+                artifact = Artifact(match[2], match[1])
+            except ArtifactNameError as exc:
+                raise ArtifactNameError(f"{path}:{lineno}: {exc.message}", name=match[2],
+                                        reason=getattr(exc, "reason", str(exc)),
+                                        line=lineno) from None
+            yield artifact
     if torn:
-        # A write cut short, after which this file was appended to: the record is only a
-        # hint, and what it lost is fetched when first used.
-        log.warning("%s: ignoring %d line(s) cut short by an interrupted write", path, len(torn))
-    for lineno, line in enumerate(lines[:-1], start=1):
-        if not line.strip() or _TORN_RE.match(line):
-            continue
-        match = _LINE_RE.match(line)
-        if match is None:
-            raise ManifestError(
-                f"{path}:{lineno}: expected '<64 hex sha256>  <name>', got {line[:120]!r}",
-                line=lineno,
-                text=line,
-                source=str(path),
-            )
-        sha, raw_name = match.groups()
-        try:
-            yield Artifact(raw_name, sha)
-        except ArtifactNameError as exc:
-            raise ArtifactNameError(
-                f"{path}:{lineno}: {exc.message}", name=raw_name,
-                reason=getattr(exc, "reason", str(exc)), line=lineno,
-            ) from None
+        log.warning("%s: ignoring %d line(s) cut short by an interrupted write", path, torn)

@@ -42,8 +42,11 @@ log = get_logger(__name__)
 
 # FlashInfer spells the architecture a kernel was built for in its name or directory:
 # "fmhaSm100aKernel_...", "..._sm100f.cubin", "cute-dsl/x86_64/sm_103a/...".
-_ARCH_TOKEN = re.compile(r"sm_?(\d{2,3})([af]?)(?![0-9])", re.IGNORECASE)
-_ARCH_ARG = re.compile(r"(?:sm_?)?(\d{2,3})[af]?|(\d{1,2})\.(\d)", re.IGNORECASE)
+# ASCII digits only (other scripts' digits name no architecture), no leading zero.
+_ARCH_TOKEN = re.compile(r"sm_?(\d{2,3})([af]?)(?![0-9])", re.IGNORECASE | re.ASCII)
+# One value of TORCH_CUDA_ARCH_LIST's forms too: "9.0a", "10.0f", "9.0+PTX".
+_ARCH_ARG = re.compile(r"(?:(?:sm_?)?([1-9]\d{1,2})|([1-9]\d?)\.(\d))[af]?(?:\+ptx)?",
+                       re.IGNORECASE | re.ASCII)
 
 ARCH_RULE = """\
 A name that mentions an architecture (sm100a, Sm100a, _sm100f, sm_103a/) is kept when
@@ -55,15 +58,19 @@ the same major version (sm100f on sm_100 and sm_103). Names that mention none
 
 def parse_arch(text: str) -> int:
     """The compute capability in ``text`` as an integer: ``"sm_90"``, ``"sm_100a"``,
-    ``"100"`` and ``"10.0"`` give 90, 100, 100, 100.
+    ``"100"`` and ``"10.0"`` give 90, 100, 100, 100; so do TORCH_CUDA_ARCH_LIST's
+    ``"10.0a"`` and ``"9.0+PTX"`` (100, 90).
 
     Raises:
-        ConfigError: none of those forms.
+        ConfigError: none of those forms, or several architectures in one value.
     """
     match = _ARCH_ARG.fullmatch(text.strip())
     if match is None:
-        raise ConfigError(f"--arch: bad GPU architecture {text!r}: expected e.g. sm_90, "
-                          "sm_100a or 9.0", variable="--arch", value=text)
+        parts = re.split(r"[;,\s]+", text.strip())
+        several = len(parts) > 1 and all(_ARCH_ARG.fullmatch(p) for p in parts)
+        hint = "one architecture per --arch: repeat it" if several else "expected e.g."
+        raise ConfigError(f"--arch: bad GPU architecture {text!r}: {hint} (sm_90, sm_100a "
+                          "or 9.0)", variable="--arch", value=text)
     if match.group(1) is not None:
         return int(match.group(1))
     return int(match.group(2)) * 10 + int(match.group(3))
