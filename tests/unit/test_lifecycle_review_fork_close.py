@@ -10,7 +10,6 @@ import json
 import os
 import select
 import signal
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import pytest
 from distcache.comm import ThreadGroup
 from distcache.session import Session, SessionSlot
 from tests.support.helpers import isolated_init, on_threads
-from tests.unit.test_session_close import Noted
+from tests.unit.test_session_lifecycle_edges import Held
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,20 +29,6 @@ WAIT_S = 30.0  # what any wait of a test allows before it fails
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     yield from isolated_init(monkeypatch, tmp_path)
-
-
-class Held(Noted):
-    """An integration whose install waits until ``release`` is set."""
-
-    def __init__(self, name: str, notes: list[str]) -> None:
-        super().__init__(name, notes)
-        self.installing, self.release = threading.Event(), threading.Event()
-
-    def install(self, pool: Any, origin: Any) -> None:
-        self.installing.set()
-        if not self.release.wait(WAIT_S):
-            raise AssertionError("the test never released the install")
-        super().install(pool, origin)
 
 
 def _in_child(session: Session, notes: list[str]) -> dict[str, Any]:

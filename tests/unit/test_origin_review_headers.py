@@ -55,14 +55,19 @@ def _authorization(request: bytes) -> list[bytes]:
     return [line for line in request.split(b"\r\n") if line.lower().startswith(b"authorization:")]
 
 
-@pytest.mark.parametrize("name", ["Authorization", "authorization", "AUTHORIZATION"])
-def test_a_callers_authorization_header_wins_over_netrc_in_any_case(
-    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _netrc_for_localhost(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``~/.netrc`` (through ``NETRC``) with a login for 127.0.0.1."""
     netrc = tmp_path / "netrc"
     netrc.write_text("machine 127.0.0.1 login bob password netrc-pass-91c2\n")
     netrc.chmod(0o600)
     monkeypatch.setenv("NETRC", str(netrc))
+
+
+@pytest.mark.parametrize("name", ["Authorization", "authorization", "AUTHORIZATION"])
+def test_a_callers_authorization_header_wins_over_netrc_in_any_case(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _netrc_for_localhost(tmp_path, monkeypatch)
     server = _serve("200 OK", BODY)
     assert _origin(server.url, headers={name: "Bearer callers-own-7e3a"}).fetch(ARTIFACT) == BODY
     # Before, in lower case: "Authorization: Basic Ym9iOm5ldHJjLXBhc3MtOTFjMg==" (netrc's).
@@ -73,10 +78,7 @@ def test_a_callers_authorization_header_wins_over_netrc_in_any_case(
 def test_netrc_still_serves_an_origin_given_no_credential(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    netrc = tmp_path / "netrc"
-    netrc.write_text("machine 127.0.0.1 login bob password netrc-pass-91c2\n")
-    netrc.chmod(0o600)
-    monkeypatch.setenv("NETRC", str(netrc))
+    _netrc_for_localhost(tmp_path, monkeypatch)
     server = _serve("200 OK", BODY)
     assert _origin(server.url, headers={"X-Trace": "1"}).fetch(ARTIFACT) == BODY
     assert _authorization(server.requests[0])[0].startswith(b"Authorization: Basic ")
