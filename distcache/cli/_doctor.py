@@ -18,6 +18,7 @@ import fcntl
 import os
 import re
 import shutil
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -37,10 +38,12 @@ from distcache.errors import PoolError
 from distcache.ipc import probe_cuda_ipc
 from distcache.ipc._shm import SHM_DIR
 from distcache.store import FORMAT_VERSION, PoolLayout
+from distcache.store._fs import READ_FLAGS
 from launch import detect
 
-# Filesystems where flock may be node-local or advisory only (DESIGN.md, pool).
-_NETWORK_FS = ("nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "beegfs", "ceph", "fuse")
+# Filesystems where flock may be node-local or advisory only (DESIGN.md, pool), by
+# their exact type; FUSE ones (``fuse``, ``fuse.sshfs``) may be, ``fuseblk`` is a disk.
+_NETWORK_FS = frozenset({"nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "beegfs", "ceph"})
 
 
 def setup_doctor(parser: argparse.ArgumentParser) -> None:
@@ -160,10 +163,10 @@ def pool_state(root: Path) -> str:
     try:
         if not layout.is_pool(made_by_distcache=True):
             if not os.path.lexists(root) and _absent(root):
-                return "not created yet"
+                return f"not created yet{_uncreatable(root)}"
             return ("NOT USABLE: not a directory" if not root.is_dir()
-                    else "not created yet; the directory exists")
-        found = layout.read_format()
+                    else f"not created yet; the directory exists{_uncreatable(root)}")
+        found = _recorded_format(layout)
     except PoolError as exc:
         return f"NOT USABLE: {one_line(exc)}"
     except OSError as exc:  # a directory on the way this user cannot enter
@@ -180,6 +183,50 @@ def pool_state(root: Path) -> str:
         return (f"exists, read-only for this user: cannot write {unwritable[0]}; fetch, "
                 "prefetch and import will fail here")
     return "exists"
+
+
+def _recorded_format(layout: PoolLayout) -> int | None:
+    """The format version in the pool's ``format`` file, or None when it has none or an
+    empty one (a creator between its create and its write). Read once, at once: an
+    empty file is neither waited out nor removed, as opening the pool would.
+
+    Raises:
+        PoolError: the file is not a regular file, cannot be read, or does not hold a
+            format version.
+    """
+    try:
+        fd = os.open(layout.format_file, READ_FLAGS)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise PoolError(f"cannot read {layout.format_file}: {exc.strerror or exc}",
+                        path=str(layout.format_file), errno=exc.errno) from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise PoolError(f"{layout.format_file} is not a regular file",
+                            path=str(layout.format_file))
+        text = os.read(fd, 256).decode("ascii", "replace").strip()
+    finally:
+        os.close(fd)
+    return layout._parse_format(text) if text else None
+
+
+def _uncreatable(root: Path) -> str:
+    """Why this user cannot make a pool at ``root`` (empty when it can, as far as the
+    nearest existing directory tells: ``access()`` also says EROFS, a read-only mount)."""
+    where = _existing(root)
+    if os.access(where, os.W_OK | os.X_OK):
+        return ""
+    return f"; cannot be created here: this user cannot write {where}"
+
+
+def _fs_note(fstype: str) -> str:
+    """What ``fstype`` means for the pool's locks (empty for a local filesystem)."""
+    if fstype in _NETWORK_FS:
+        return "; a network filesystem: locks may not exclude across nodes"
+    if fstype == "fuse" or fstype.startswith("fuse."):
+        return "; a FUSE filesystem, perhaps a network one: locks may not exclude across nodes"
+    return ""
 
 
 def _absent(path: Path) -> bool:
@@ -212,9 +259,7 @@ def doctor_lines(pool_root: Path) -> list[tuple[str, str]]:
         lines.append(("filesystem", "unknown (/proc/mounts unreadable)"))
     else:
         fstype, mount, device = fs
-        note = ("; a network filesystem: locks may not exclude across nodes"
-                if fstype.startswith(_NETWORK_FS) else "")
-        lines.append(("filesystem", f"{fstype} on {mount} ({device}){note}"))
+        lines.append(("filesystem", f"{fstype} on {mount} ({device}){_fs_note(fstype)}"))
     lines.append(("kernel locks", check_locks(probe)))
     usage = shutil.disk_usage(probe)
     lines.append(("free space", f"{human_bytes(usage.free)} of {human_bytes(usage.total)} at {probe}"))

@@ -1,8 +1,9 @@
 """``distcache prefetch --dry-run``: what this process's pool lacks of what a prefetch
 would fetch, without contacting an origin or any other rank.
 
-Not collective: it reads the manifests, the usage record as this node sees it, and
-the families' pinned ``checksums.txt`` from the pool, and compares them with the pool.
+Not collective: it reads the manifests, the usage record as this node sees it (as its
+files are: they are not compacted, as a prefetch's read does), and the families'
+pinned ``checksums.txt`` from the pool, and compares them with the pool.
 A family whose ``checksums.txt`` is not in the pool yet cannot be expanded offline:
 the manifest itself is listed as missing, and the family is reported as not expanded.
 Run it once per pool (one process per node, or under the launcher, where each rank
@@ -20,7 +21,8 @@ from pathlib import Path
 from distcache.artifact import Artifact, merge_manifests, read_manifest
 from distcache.cli._common import EXIT_OK, emit, human_bytes, pool_root
 from distcache.errors import ConfigError
-from distcache.integrations.flashinfer import FlashInfer, family_checksums
+from distcache.integrations.flashinfer import family_checksums
+from distcache.integrations.flashinfer._record import read_record
 from distcache.integrations.flashinfer._warm import _parse_family, arch_filter
 from distcache.store import ArtifactPool, PoolLayout
 
@@ -41,6 +43,14 @@ def _families(pool: ArtifactPool | None, families: list[str],
     return listed, unexpanded
 
 
+def _recorded(record: str | None) -> list[Artifact]:
+    """What the usage record in ``record`` lists (empty without one), read as its files
+    are: unlike a prefetch's read, this host's finished files are not merged and
+    removed, and no lock file is made there."""
+    found = {} if record is None else read_record(record, compact=False)
+    return [Artifact(name, sha) for name, sha in sorted(found.items())]
+
+
 def run_dry_run(args: argparse.Namespace) -> int:
     """Print what the pool lacks: names as text, or one JSON document."""
     root = pool_root(args)
@@ -58,7 +68,7 @@ def run_dry_run(args: argparse.Namespace) -> int:
         parts.append((path, read_manifest(path)))
     unexpanded: list[str] = []
     if args.flashinfer:
-        parts.append(("usage record", FlashInfer(args.record).manifest()))
+        parts.append(("usage record", _recorded(args.record)))
         listed, unexpanded = _families(pool, args.family, keep)
         parts.append(("families", listed))
     wanted = merge_manifests(parts)

@@ -170,13 +170,13 @@ def _after_torn_line(fd: int) -> int:
     return fd
 
 
-def read_record(
-    directory: str | os.PathLike[str], *, max_entries: int = MAX_ENTRIES
-) -> dict[str, str]:
+def read_record(directory: str | os.PathLike[str], *, max_entries: int = MAX_ENTRIES,
+                compact: bool = True) -> dict[str, str]:
     """``name -> sha256`` from every record file in ``directory`` (missing: empty),
-    at most ``max_entries`` names (the most recently recorded); compacts this
-    host's files on the way (see the module's docstring). A name recorded with two
-    digests keeps the newest, with one warning.
+    at most ``max_entries`` names (the most recently recorded); with ``compact``,
+    compacts this host's files on the way (see the module's docstring), else reads
+    them as they are and writes nothing. A name recorded with two digests keeps the
+    newest, with one warning.
 
     A write cut short by a crash or a full disk is skipped, with a warning: a final
     line without a newline, or one that stops before its name. An entry that is not a
@@ -191,7 +191,7 @@ def read_record(
     if not root.exists():
         return {}
     resolved: dict[str, tuple[str, str]] = {}
-    with _compaction_lock(root) as locked:
+    with _compaction_lock(root) if compact else contextlib.nullcontext(False) as locked:
         if locked:
             resolved = _compact(root, max_entries)
         for _attempt in range(3):
