@@ -13,7 +13,7 @@ from typing import Any, BinaryIO, cast
 
 from distcache.artifact import Artifact
 from distcache.errors import ArtifactNotFound, IntegrityError, OriginError, PoolError
-from distcache.origins import Origin
+from distcache.origins import Interrupted, Origin
 from distcache.store import Pool
 
 
@@ -43,13 +43,18 @@ def _only_this_artifact(exc: BaseException) -> bool:
 
 
 class _Ticking:
-    """A file the origin streams into that notes each write as progress."""
+    """A file the origin streams into that notes each write as progress, and refuses
+    every write once ``abandoned`` is set."""
 
-    def __init__(self, out: BinaryIO, tick: Callable[[], None]) -> None:
+    def __init__(self, out: BinaryIO, tick: Callable[[], None],
+                 abandoned: threading.Event) -> None:
         self._out = out
         self._tick = tick
+        self._abandoned = abandoned
 
     def write(self, data: Any) -> int:
+        if self._abandoned.is_set():  # the caller gave up: fail, and the store removes
+            raise Interrupted("download abandoned: the caller stopped waiting for it")
         written = self._out.write(data)
         if len(data):  # bytes came: an empty write (an origin's check of the stop) is none
             self._tick()
@@ -60,11 +65,14 @@ class _Ticking:
 
 
 class _Watched:
-    """``origin``, with every byte it streams into the pool counted as progress."""
+    """``origin``, with every byte it streams into the pool counted as progress, and
+    each of its downloads failing at its next write once ``abandoned`` is set."""
 
-    def __init__(self, origin: Origin, tick: Callable[[], None]) -> None:
+    def __init__(self, origin: Origin, tick: Callable[[], None],
+                 abandoned: threading.Event) -> None:
         self._origin = origin
         self._tick = tick
+        self._abandoned = abandoned
 
     def describe(self) -> str:
         return self._origin.describe()
@@ -73,7 +81,8 @@ class _Watched:
         return self._origin.fetch(artifact)
 
     def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
-        return self._origin.fetch_into(artifact, cast(BinaryIO, _Ticking(out, self._tick)))
+        return self._origin.fetch_into(
+            artifact, cast(BinaryIO, _Ticking(out, self._tick, self._abandoned)))
 
 
 class Pending:
@@ -126,8 +135,10 @@ class Downloads:
     Nothing here bounds the time the downloads take: :meth:`idle` says how long ago
     the last byte arrived or the last artifact was published, and the caller decides
     when that is a stall (an origin can hold a download for ever while answering each
-    read in time). :meth:`abandon` leaves what still runs to its thread; whatever it
-    publishes later is whole. ``on_done(nbytes)`` is called after each download, and
+    read in time). :meth:`abandon` stops what still runs at its next write (the store
+    removes its temporary file; a download blocked in a read ends when the read does);
+    an origin without ``fetch_into`` is left to finish, and whatever it publishes later
+    is whole. ``on_done(nbytes)`` is called after each download, and
     for each artifact skipped because the pool holds it by then (for a progress bar,
     with its listed size); ``pending`` learns each artifact settled (the caller settles the
     rest when it stops waiting).
@@ -139,11 +150,12 @@ class Downloads:
         self._pool = pool
         self._pending = pending
         self._label = origin.describe()
-        self._origin: Origin = (_Watched(origin, self._tick) if hasattr(origin, "fetch_into")
-                                else origin)
+        self._stop = threading.Event()
+        self._abandoned = threading.Event()
+        self._origin: Origin = (_Watched(origin, self._tick, self._abandoned)
+                                if hasattr(origin, "fetch_into") else origin)
         self._on_done = on_done
         self._lock = threading.Lock()
-        self._stop = threading.Event()
         self._finished = threading.Event()
         self._todo = list(reversed(artifacts))
         self._running: dict[int, str] = {}
@@ -198,9 +210,10 @@ class Downloads:
             return Downloaded(got.downloads, got.origin_bytes, got.failure, got.placed)
 
     def abandon(self) -> Downloaded:
-        """Start nothing more, freeze the figures (late finishers no longer count),
-        and return them."""
+        """Start nothing more, stop the running downloads at their next write, freeze
+        the figures (late finishers no longer count), and return them."""
         self._stop.set()
+        self._abandoned.set()
         with self._lock:
             self._finished.set()
             got = self._result
@@ -231,7 +244,10 @@ class Downloads:
                     self._result.origin_bytes += size
             if self._on_done is not None:
                 self._on_done(size)
-        except Exception as exc:
+        except BaseException as exc:
+            # Whatever ends the download (an origin's library calling sys.exit, an
+            # interrupt raised in it) is this rank's failure: a thread that died of it
+            # would leave its artifact unsettled and the job waiting for it.
             with self._lock:
                 if not self._finished.is_set():
                     self._result.failure = self._result.failure or (artifact.name, exc)
@@ -246,14 +262,16 @@ class Downloads:
                     return
                 artifact = self._todo.pop()
                 self._running[me] = artifact.name
-            self._one(artifact)
-            if self._pending is not None:
-                self._pending.settle(artifact.sha256)
-            with self._lock:
-                self._running.pop(me, None)
-                self._left -= 1
-                if self._left == 0:
-                    self._finished.set()
+            try:
+                self._one(artifact)
+            finally:
+                if self._pending is not None:
+                    self._pending.settle(artifact.sha256)
+                with self._lock:
+                    self._running.pop(me, None)
+                    self._left -= 1
+                    if self._left == 0:
+                        self._finished.set()
 
 
 def stall_message(name: str, origin: str, timeout: float, idle: float, where: str) -> str:

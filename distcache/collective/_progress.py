@@ -10,25 +10,31 @@ from typing import Any
 from distcache.collective._plan import Plan
 
 
-def bytes_for_rank0(plan: Plan, sizes: list[int | None], pool_ids: list[str]) -> int:
-    """Bytes rank 0 will download itself or receive into its pool as its writer."""
-    own = sum(sizes[i] or 0 for i in plan.downloads.get(0, ()))
+def bytes_for_rank0(plan: Plan, sizes: list[int | None], pool_ids: list[str]) -> int | None:
+    """Bytes rank 0 will download itself or receive into its pool as its writer;
+    ``None`` where one of those artifacts is listed without a size (the bar counts
+    the bytes it gets with no total, rather than passing 100 %)."""
+    counted = list(plan.downloads.get(0, ()))
     pool = pool_ids[0]
-    if plan.writers.get(pool) != 0:
-        return own
-    received = sum(sizes[i] or 0 for source, indices in plan.sends if source != 0
-                   for i in indices if pool in plan.lacking[i])
-    return own + received
+    if plan.writers.get(pool) == 0:
+        counted += [i for source, indices in plan.sends if source != 0
+                    for i in indices if pool in plan.lacking[i]]
+    known = [sizes[i] for i in counted]
+    if any(size is None for size in known):
+        return None
+    return sum(size or 0 for size in known)
 
 
 class Progress:
     """A thread-safe byte counter shown as a ``tqdm`` bar when ``enabled`` and stderr
-    is a terminal; otherwise every call is a no-op."""
+    is a terminal; otherwise every call is a no-op. ``total`` ``None``: unknown, a
+    count of bytes and a rate without a percentage; 0: nothing to show."""
 
-    def __init__(self, total: int, *, enabled: bool, desc: str = "distcache prefetch") -> None:
+    def __init__(self, total: int | None, *, enabled: bool,
+                 desc: str = "distcache prefetch") -> None:
         self._bar: Any = None
         self._lock = threading.Lock()
-        if enabled and total > 0 and _terminal():
+        if enabled and (total is None or total > 0) and _terminal():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
