@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
+from distcache._log import get_logger
 from distcache.collective._plan import Plan
+
+log = get_logger(__name__)
 
 
 def bytes_for_rank0(plan: Plan, sizes: list[int | None], pool_ids: list[str]) -> int | None:
@@ -47,13 +51,24 @@ class Progress:
     def update(self, nbytes: int) -> None:
         if self._bar is not None:
             with self._lock:
-                self._bar.update(nbytes)
+                self._drawn(lambda bar: bar.update(nbytes))
 
     def close(self) -> None:
         if self._bar is not None:
             with self._lock:
-                self._bar.close()
+                self._drawn(lambda bar: bar.close())
                 self._bar = None
+
+    def _drawn(self, draw: Callable[[Any], object]) -> None:
+        """``draw`` the bar (under the lock); a terminal that went away (a closed or
+        hung-up stderr: EIO, EPIPE, a closed file) drops the bar, not the prefetch."""
+        if self._bar is None:
+            return
+        try:
+            draw(self._bar)
+        except (OSError, ValueError) as exc:
+            self._bar = None
+            log.warning("progress bar dropped: stderr cannot be written (%s)", exc)
 
 
 def _terminal() -> bool:

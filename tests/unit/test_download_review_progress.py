@@ -76,3 +76,30 @@ def test_every_size_known_gives_a_bar_with_its_total(tmp_path: Path, bars: list[
     prefetch(arts, comm=LocalCommunicator(), pool=ArtifactPool(tmp_path / "pool"),
              origin=DirOrigin(tmp_path / "mirror"))
     assert [(bar.total, bar.n) for bar in bars] == [(16000, 16000)]
+
+
+class LostTerminal(Bar):
+    """A bar whose terminal went away after the first update (a hung-up ssh session:
+    every write to stderr fails with EIO)."""
+
+    def update(self, n: int) -> None:
+        if self.n:
+            raise OSError(5, "Input/output error")
+        super().update(n)
+
+    def close(self) -> None:
+        raise OSError(5, "Input/output error")
+
+
+def test_a_terminal_that_goes_away_drops_the_bar_not_the_prefetch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm", types.SimpleNamespace(tqdm=LostTerminal))
+    monkeypatch.setattr(_progress, "_terminal", lambda: True)
+    arts = _mirror(tmp_path, [True, True, True])
+    pool = ArtifactPool(tmp_path / "pool")
+    report = prefetch(arts, comm=LocalCommunicator(), pool=pool,
+                      origin=DirOrigin(tmp_path / "mirror"))
+    assert report.downloads == 3
+    assert all(pool.has(a.sha256) for a in arts)
+    assert "progress bar dropped" in caplog.text
