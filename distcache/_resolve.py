@@ -1,21 +1,19 @@
 """Settings -> pool -> origin -> start-up prefetch, written once for the session, the
 CLI and the FlashInfer warm-up.
 
-An explicit argument wins, then the ``DISTCACHE_*`` setting, then what an integration
-offers (FlashInfer's own repository, say); see ``distcache.config`` for the table of
-defaults. :func:`prefetch_manifests` is the one start-up prefetch: manifests every
-rank passes alike, plus what each rank's integrations want (usage records differ per
-rank, so those are united across ranks first), merged by
-:func:`distcache.artifact.merge_manifests` and fetched once per job.
+An explicit argument wins, then the ``DISTCACHE_*`` setting, then what an integration offers
+(FlashInfer's own repository, say); see ``distcache.config`` for the table of defaults.
+:func:`prefetch_manifests` is the one start-up prefetch: manifests every rank passes alike, plus
+what each rank's integrations want (usage records differ per rank, so those are united across ranks
+first), merged by :func:`distcache.artifact.merge_manifests` and fetched once per job.
 
-What some pool of the job holds needs no origin: without one (or with
-``DISTCACHE_OFFLINE=1``) the pools' writers first report what they hold, and only an
-artifact that no pool holds is an error, one per job, raised alike on every rank, that
-names what is missing, where, and the command that fetches it
-(:func:`missing_error`). What some pools hold and others lack moves between them as
-usual; the origin is never asked. What only an integration's usage record lists is a
-hint: one that no pool holds then, or that the origin does not have, is left out with
-one warning, not an error (FlashInfer's loader fetches it when first used).
+What some pool of the job holds needs no origin: without one (or with ``DISTCACHE_OFFLINE=1``) the
+pools' writers first report what they hold, and only an artifact that no pool holds is an error, one
+per job, raised alike on every rank, that names what is missing, where, and the command that fetches
+it (:func:`missing_error`). What some pools hold and others lack moves between them as usual; the
+origin is never asked. What only an integration's usage record lists is a hint: one that no pool
+holds then, or that the origin does not have, is left out with one warning, not an error
+(FlashInfer's loader fetches it when first used).
 """
 
 from __future__ import annotations
@@ -71,7 +69,7 @@ def resolve_pool(
     must_exist: bool = False,
 ) -> ArtifactPool:
     """The pool to use: ``pool`` when given (an open pool or a directory), else
-    ``conf.pool_dir``, capped at ``conf.pool_max_bytes``.
+    ``conf.pool_dir``; capped at ``conf.pool_max_bytes``, waiting ``conf.lock_timeout``.
 
     Raises:
         PoolError: ``must_exist`` and there is no pool at the directory, or the pool
@@ -86,7 +84,7 @@ def resolve_pool(
             "DISTCACHE_POOL, or create one with 'distcache fetch' or 'distcache pool import'",
             path=str(root),
         )
-    return ArtifactPool(root, max_bytes=conf.pool_max_bytes)
+    return ArtifactPool(root, defaults=conf)  # conf's values, not os.environ's
 
 
 def resolve_origin(
@@ -104,17 +102,19 @@ def resolve_origin(
     Raises:
         ConfigError: a spec names an unknown scheme or a directory that is not one.
     """
-    if origin is not None:
-        given = [origin] if isinstance(origin, str) or not isinstance(origin, Sequence) else origin
-        return open_origin(origin, credentials=Credentials.from_settings(conf, given))
-    credentials = Credentials.from_settings(conf)
-    if conf.origins:
-        return open_origin(list(conf.origins), credentials=credentials)
-    for integration in integrations:
-        spec = integration.default_origin()
-        if spec:
-            return open_origin(spec, credentials=credentials)
-    return None
+    given = [origin] if isinstance(origin, str) or not isinstance(origin, Sequence) else origin
+    credentials = Credentials.from_settings(conf, () if origin is None else given)
+    spec = origin if origin is not None else list(conf.origins) if conf.origins else next(
+        filter(None, (i.default_origin() for i in integrations)), None)  # the first offered
+    if spec is None:
+        return None
+    from distcache.origins._http import DEFAULTS  # loaded with its first use, as HttpOrigin is
+
+    reset = DEFAULTS.set(conf)  # the HTTP origins opened read conf's values, not os.environ's
+    try:
+        return open_origin(spec, credentials=credentials)
+    finally:
+        DEFAULTS.reset(reset)
 
 
 def prefetch_manifests(

@@ -164,9 +164,8 @@ def _globs(name: str, raw: str) -> tuple[str, ...]:
 
 
 class Variable(NamedTuple):
-    """One row of the table (read-only): the variable, the :class:`Settings` field it
-    sets, its default (a value, or a function of the environment), how it is parsed,
-    and what it means."""
+    """One row of the table (read-only): the variable, the :class:`Settings` field it sets, its
+    default (a value, or a function of the environment), how it is parsed, what it means."""
 
     name: str
     field: str
@@ -325,8 +324,7 @@ class Settings(NamedTuple):
     transport: str  #: How the prefetch moves bulk bytes: ``"default"`` or ``"nccl"``.
     init_timeout: float  #: Seconds ``launch.init_process_group`` allows the rendezvous.
     flashinfer: bool  #: FlashInfer integration enabled.
-    #: Globs of the FlashInfer names that are pooled, or ``None`` for the
-    #: integration's own default.
+    #: Globs of the FlashInfer names that are pooled, or ``None``: the integration's own.
     flashinfer_families: tuple[str, ...] | None
     jit_caches: tuple[str, ...]  #: JIT caches init fills and Session.sync publishes.
     log_json: Path | None  #: File structured events are appended to, or ``None``.
@@ -352,15 +350,19 @@ _FIELDS = frozenset(Settings._fields)
 _ROWS = {v.field: v for v in TABLE}
 
 
-def setting(field: str, environ: Mapping[str, str] | None = None) -> Any:
-    """One plain setting (a flag, a number) as :func:`settings` gives it, read alone:
-    for a check made once per artifact, where reading the whole table would cost
-    more than the work it guards.
+def setting(field: str, environ: Mapping[str, str] | Settings | None = None,
+            given: Any = None) -> Any:
+    """One setting as :func:`settings` gives it, read alone (for a check made once per
+    artifact, or an object that uses a few): ``given`` checked as a keyword, unless
+    ``None``; else ``environ``'s field where it is a :class:`Settings`, else its variable.
 
     Raises:
-        ConfigError: the variable has a bad value.
+        ConfigError: the variable (or ``given``) has a bad value.
     """
-    return _ROWS[field].read(os.environ if environ is None else environ)
+    row = _ROWS[field]
+    if given is not None or isinstance(environ, Settings):
+        return row.take(given) if given is not None else getattr(environ, field)
+    return row.read(os.environ if environ is None else environ)
 
 
 def settings(environ: Mapping[str, str] | None = None, **explicit: Any) -> Settings:

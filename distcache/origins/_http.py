@@ -1,16 +1,15 @@
 """HTTP(S) origin: stream, hash, retry, and never trust a redirect or a body.
 
-A CDN under load (the cubin repository when a thousand ranks start at once) answers
-429 and 5xx, drops connections mid-body and occasionally serves the wrong bytes.
-:class:`HttpOrigin` retries those with jittered exponential backoff under a total cap,
-honours ``Retry-After``, verifies every byte against the artifact's SHA-256 while
-streaming, and follows redirects itself (requests drops ``Authorization`` on a
-redirect to another host or port, but keeps it from http to https of one host, and
-keeps every other header, ``X-Api-Key`` or ``Private-Token`` included, on any
-redirect): only to the same scheme and host (or hosts the caller allowed), with the
-token and the caller's headers only for the origin's own scheme, host and port. A
-refused connection or an unknown host marks the origin down: the remaining artifacts
-fail at once with that cause instead of each being retried.
+A CDN under load (the cubin repository when a thousand ranks start at once) answers 429 and 5xx,
+drops connections mid-body and occasionally serves the wrong bytes. :class:`HttpOrigin` retries
+those with jittered exponential backoff under a total cap, honours ``Retry-After``, verifies every
+byte against the artifact's SHA-256 while streaming, and follows redirects itself (requests drops
+``Authorization`` on a redirect to another host or port, but keeps it from http to https of one
+host, and keeps every other header, ``X-Api-Key`` or ``Private-Token`` included, on any redirect):
+only to the same scheme and host (or hosts the caller allowed), with the token and the caller's
+headers only for the origin's own scheme, host and port. A refused connection or an unknown host
+marks the origin down: the remaining artifacts fail at once with that cause instead of each being
+retried.
 """
 
 from __future__ import annotations
@@ -19,13 +18,14 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, BinaryIO
 from urllib.parse import quote
 
 from distcache._log import get_logger
 from distcache._urls import redact_url
 from distcache.artifact import Artifact
-from distcache.config import check_seconds, settings
+from distcache.config import Settings, check_seconds, setting
 from distcache.errors import (
     ArtifactNotFound,
     ConfigError,
@@ -53,6 +53,9 @@ _MAX_REDIRECTS = 5
 #: process that serves for days (the FlashInfer wrapper) finds it again once it is back.
 DOWN_SECONDS = 60.0
 
+#: The ``defaults`` of HTTP origins made in this context: ``resolve_origin`` sets ``init``'s.
+DEFAULTS: ContextVar[Settings | None] = ContextVar("http_origin_defaults", default=None)
+
 
 def _user_agent() -> str:
     # distcache's own version module: the distribution's metadata scans all of sys.path.
@@ -64,10 +67,11 @@ def _user_agent() -> str:
 class HttpOrigin(BaseOrigin):
     """Artifacts at ``base_url + "/" + name`` over HTTP(S).
 
-    ``timeout`` (seconds per connect/read) and ``retries`` (extra attempts per
-    artifact) resolve as: argument > ``DISTCACHE_HTTP_TIMEOUT`` /
-    ``DISTCACHE_HTTP_RETRIES`` > 30 s / 4. ``max_bytes`` caps the body of an
-    artifact of unknown size: argument > ``DISTCACHE_MAX_ARTIFACT_BYTES`` > 4 GiB.
+    ``timeout`` (seconds per connect/read), ``retries`` (extra attempts per artifact) and
+    ``max_bytes`` (the body cap for an artifact of unknown size) resolve as: argument >
+    ``DISTCACHE_HTTP_TIMEOUT`` / ``DISTCACHE_HTTP_RETRIES`` / ``DISTCACHE_MAX_ARTIFACT_BYTES``
+    > 30 s / 4 / 4 GiB; only these rows are read, from ``defaults`` (:class:`Settings` or
+    a mapping of variables), else :data:`DEFAULTS`, else ``os.environ``.
 
     ``token`` is a bearer token sent only to ``base_url``'s scheme, host and port (the
     origin reads no variable for it: :func:`open_origin` binds
@@ -109,6 +113,7 @@ class HttpOrigin(BaseOrigin):
         retry_after_max: float = 30.0,
         backoff_total: float = 60.0,
         sleep: Callable[[float], None] = time.sleep,
+        defaults: Settings | Mapping[str, str] | None = None,
     ) -> None:
         parts = split_url(base_url, variable="base_url")
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -119,18 +124,16 @@ class HttpOrigin(BaseOrigin):
                 variable="base_url",
                 value=redact_url(base_url),
             )
-        if timeout is not None:
-            timeout = check_seconds(timeout, what="timeout", text=False)
+        timeout = None if timeout is None else check_seconds(timeout, what="timeout", text=False)
         for name, value, least in (("retries", retries, 0), ("max_bytes", max_bytes, 1)):
             if value is not None and (type(value) is not int or value < least):
                 raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}",
                                   variable=name, value=value)
-        resolved = settings(http_timeout=timeout, http_retries=retries,
-                            max_artifact_bytes=max_bytes)
         self.base_url = base_url.rstrip("/")
-        self.timeout: float = resolved.http_timeout
-        self.retries: int = resolved.http_retries
-        self.max_bytes: int = resolved.max_artifact_bytes
+        conf = DEFAULTS.get() if defaults is None else defaults
+        self.timeout: float = setting("http_timeout", conf, timeout)
+        self.retries: int = setting("http_retries", conf, retries)
+        self.max_bytes: int = setting("max_artifact_bytes", conf, max_bytes)
         self._scheme = parts.scheme
         self._origin_host = host_key(base_url)
         # (cause, reason, since when) while unreachable; replaced whole, never mutated.
@@ -180,8 +183,7 @@ class HttpOrigin(BaseOrigin):
             return self._session, self._backoff
 
     def prepare(self) -> None:
-        """Import the HTTP stack and build the session now (see
-        :meth:`BaseOrigin.prepare`)."""
+        """Import the HTTP stack and build the session now (see :meth:`BaseOrigin.prepare`)."""
         self._ready()
 
     # -- Origin protocol ----------------------------------------------------------
@@ -239,10 +241,8 @@ class HttpOrigin(BaseOrigin):
                     rewind(out, start)  # a body over the cap: drop what came before it
                 error = ArtifactNotFound if exc.status == 404 else OriginError  # 404: final
                 advice = exc.advice or self._advice(exc.status)
-                raise error(
-                    f"GET {where} failed: {exc.reason}; {advice}",
-                    url=where, status=exc.status, name=artifact.name,
-                ) from exc
+                raise error(f"GET {where} failed: {exc.reason}; {advice}", url=where,
+                            status=exc.status, name=artifact.name) from exc
             except Retry as exc:
                 last = exc
                 if exc.body is not None:  # one page for every path: fail now

@@ -16,14 +16,14 @@ every path and checks the format, ``_objects`` reads, publishes and quarantines,
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from distcache._log import get_logger
 from distcache.artifact import Artifact, check_sha256, sha256_hex, validate_name
-from distcache.config import settings
+from distcache.config import Settings, setting
 from distcache.errors import ConfigError, IntegrityError, PoolError
 from distcache.store import _maintenance
 from distcache.store._cap import Cap
@@ -54,6 +54,8 @@ class ArtifactPool:
             object before downloading it too. Default: ``DISTCACHE_LOCK_TIMEOUT``.
         read_only: open an existing pool of the current format to read it only:
             nothing is made, migrated, swept or stamped; every write raises PoolError.
+        defaults: the settings (``init``'s), or the mapping of variables, that the values
+            not given come from. Default: the process's variables (``os.environ``).
 
     Raises:
         PoolError: the root or layout cannot be made or is not a directory, the format is
@@ -62,16 +64,14 @@ class ArtifactPool:
     """
 
     def __init__(self, root: str | os.PathLike[str], *, max_bytes: int | None = None,
-                 lock_timeout: float | None = None, read_only: bool = False) -> None:
-        if max_bytes is not None and max_bytes < 0:
-            raise ConfigError(f"max_bytes must be >= 0, got {max_bytes}", variable="max_bytes",
-                              value=max_bytes)
-        if lock_timeout is not None and lock_timeout < 0:
-            raise ConfigError(f"lock_timeout must be >= 0, got {lock_timeout}",
-                              variable="lock_timeout", value=lock_timeout)
-        resolved = settings(pool_max_bytes=max_bytes, lock_timeout=lock_timeout)
-        self.max_bytes: int | None = resolved.pool_max_bytes
-        self.lock_timeout: float = resolved.lock_timeout
+                 lock_timeout: float | None = None, read_only: bool = False,
+                 defaults: Settings | Mapping[str, str] | None = None) -> None:
+        for name, value in (("max_bytes", max_bytes), ("lock_timeout", lock_timeout)):
+            if value is not None and value < 0:
+                raise ConfigError(f"{name} must be >= 0, got {value}", variable=name, value=value)
+        # Only the two rows used: a bad unrelated variable cannot stop a pool.
+        self.max_bytes: int | None = setting("pool_max_bytes", defaults, max_bytes)
+        self.lock_timeout: float = setting("lock_timeout", defaults, lock_timeout)
         #: Every on-disk path of this pool.
         self.layout = PoolLayout(Path(root))
         self.root = self.layout.root
