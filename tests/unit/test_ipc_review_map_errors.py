@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import threading
 from typing import Any
 
 import pytest
@@ -21,6 +20,7 @@ import pytest
 from distcache.comm import ThreadGroup
 from distcache.errors import IpcError
 from distcache.ipc import PoolRegistry, ShmPool
+from tests.support.helpers import on_threads
 
 pytest.importorskip("torch")
 
@@ -28,30 +28,21 @@ pytest.importorskip("torch")
 def _exchange_with_a_broken_segment(tag: str) -> list[Any]:
     """Rank 0's pool, whose segment no longer has its size, exchanged among 3 ranks."""
     group = ThreadGroup(3, timeout=60)
-    results: list[Any] = [None] * 3
 
-    def main(rank: int) -> None:
+    def main(rank: int) -> Any:
         comm = group.comm(rank)
         pool = ShmPool(4096, slots=4, name=f"{tag}{rank}") if rank == 0 else None
         if pool is not None:
             os.truncate(pool.path, 100)
         try:
             registry = PoolRegistry.exchange(comm, [pool] if pool is not None else [])
-            results[rank] = "mapped"
             registry.close()
-        except IpcError as exc:
-            results[rank] = exc
+            return "mapped"
         finally:
             if pool is not None:
                 pool.close()
 
-    threads = [threading.Thread(target=main, args=(r,), daemon=True) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return results
+    return on_threads(3, main)  # each rank's answer, or the IpcError it raised
 
 
 def test_every_rank_learns_which_rank_could_not_map_whose_pool() -> None:
