@@ -202,16 +202,23 @@ def test_torchrun_restarting_the_whole_group_meets_under_a_new_nonce(tmp_path: P
 # -- ranks that disagree on the world size ------------------------------------------------
 
 
-def _meetings(store: Any, ranks: list[tuple[int, int]]) -> list[BaseException | None]:
+def _meetings(store: Any, ranks: list[tuple[int, int]], *, seconds: float = 30,
+              waiting: tuple[int, ...] = ()) -> list[BaseException | None]:
+    """Each rank's outcome of one meeting; the ranks in ``waiting`` have written their
+    hello (they wait on rank 0's answer) before the others start."""
     def one(rank: int, size: int) -> BaseException | None:
         try:
-            meet(store, rank, size, "j", 0, _soon(30))
+            meet(store, rank, size, "j", 0, _soon(seconds))
         except (LaunchError, CollectiveTimeout) as exc:
             return exc
         return None
 
     with ThreadPoolExecutor(len(ranks)) as pool:
-        return list(pool.map(lambda r: one(*r), ranks))
+        first = [pool.submit(one, *r) for r in ranks if r[0] == 0 or r[0] in waiting]
+        hellos = [f"{job_root('j')}/hello/{r}" for r in waiting]
+        _until("the waiting ranks' hellos", lambda: not hellos or store.check(hellos))
+        rest = [pool.submit(one, *r) for r in ranks if r[0] != 0 and r[0] not in waiting]
+        return [f.result() for f in first + rest]
 
 
 def test_a_rank_holding_a_larger_world_fails_both_ranks_naming_both_sizes() -> None:
@@ -222,10 +229,19 @@ def test_a_rank_holding_a_larger_world_fails_both_ranks_naming_both_sizes() -> N
 
 
 def test_a_rank_holding_a_smaller_world_fails_every_rank_waiting_on_the_meeting() -> None:
-    got = _meetings(_hash_store(), [(0, 3), (1, 3), (2, 2)])
+    got = _meetings(_hash_store(), [(0, 3), (1, 3), (2, 2)], waiting=(1,))
     for exc in got:
         assert isinstance(exc, LaunchError), got
         assert "rank 2 says WORLD_SIZE=2, rank 0 says 3" in str(exc)
+
+
+def test_a_rank_coming_after_the_meeting_failed_times_out_saying_it_may_be_late() -> None:
+    store = _hash_store()
+    got = _meetings(store, [(0, 3), (2, 2)])
+    assert all(isinstance(exc, LaunchError) for exc in got), got
+    late = _meetings(store, [(1, 3)], seconds=1.5)[0]
+    assert isinstance(late, CollectiveTimeout), late
+    assert "rank 1/3" in str(late) and "before this process came" in str(late)
 
 
 def test_a_rank_beyond_rank_0s_world_is_told_so() -> None:
