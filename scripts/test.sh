@@ -50,7 +50,7 @@ step() {
 step "ruff" ruff check distcache launch tests scripts
 step "mypy" mypy
 step "pytest (unit, multinode, launchers)" group_timeout 1500 \
-  python -m pytest -q -rs -p no:cacheprovider tests/unit tests/multinode tests/launchers
+  python -m pytest -q -rs -p no:cacheprovider --durations=20 tests/unit tests/multinode tests/launchers
 step "soak (faults under mpirun -n 4)" group_timeout 600 \
   python -m pytest -q -rs -p no:cacheprovider tests/soak
 # The air-gapped start seeded from FlashInfer's own cubin wheel (16,011 files, about
