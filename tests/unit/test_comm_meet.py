@@ -24,6 +24,8 @@ class Store:
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
         self._changed = threading.Condition()
+        #: Every key :meth:`check` was asked about.
+        self.checked: set[str] = set()
 
     def set(self, key: str, value: str | bytes) -> None:
         with self._changed:
@@ -32,6 +34,7 @@ class Store:
 
     def check(self, keys: list[str]) -> bool:
         with self._changed:
+            self.checked.update(keys)
             return all(k in self.data for k in keys)
 
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
@@ -146,14 +149,20 @@ def test_a_rank_that_never_comes_fails_every_rank_within_its_deadline() -> None:
     # A rank whose deadline passes after rank 0 answered it marks the meeting
     # abandoned; rank 0, still waiting for a third rank, reads the same outcome at
     # once, names the rank that gave up, and answers that rank's retry next time.
+    # Rank 1 comes once rank 0 looks for its hello, with time enough to be answered.
+    store.checked.clear()
     with ThreadPoolExecutor(2) as pool:
-        zero = pool.submit(meet, store, 0, 3, "j", 0, _soon(5.0))
+        zero = pool.submit(meet, store, 0, 3, "j", 0, _soon(30.0))
+        looking = time.monotonic() + 30
+        while f"{job_root('j')}/hello/1" not in store.checked:
+            assert time.monotonic() < looking and not zero.done(), "rank 0 never looked"
+            time.sleep(0.01)
         began = time.monotonic()
         with pytest.raises(CollectiveTimeout, match="this rank gave up"):
-            meet(store, 1, 3, "j", 0, time.monotonic() + 0.3)
+            meet(store, 1, 3, "j", 0, time.monotonic() + 2.0)
         with pytest.raises(CollectiveTimeout, match="rank 1 gave up"):
             zero.result()
-        assert time.monotonic() - began < 2.0  # not rank 0's own 5 s
+        assert time.monotonic() - began < 10.0  # not rank 0's own 30 s
 
 
 def test_another_job_on_the_same_store_is_never_answered() -> None:
