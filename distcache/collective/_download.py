@@ -12,7 +12,13 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, BinaryIO, cast
 
 from distcache.artifact import Artifact
-from distcache.errors import ArtifactNotFound, IntegrityError, OriginError, PoolError
+from distcache.errors import (
+    ArtifactNotFound,
+    ConfigError,
+    IntegrityError,
+    OriginError,
+    PoolError,
+)
 from distcache.origins import Interrupted, Origin
 from distcache.store import Pool
 
@@ -164,6 +170,7 @@ class Downloads:
         self._last = time.monotonic()
         self._workers = max(1, min(workers, len(artifacts))) if artifacts else 0
         self._started = False
+        self._fatal = False
         if not artifacts:
             self._finished.set()
 
@@ -197,6 +204,12 @@ class Downloads:
     def idle(self) -> float:
         """Seconds since the last progress (since the start, before any)."""
         return max(0.0, time.monotonic() - self._last)
+
+    def fatal(self) -> bool:
+        """Whether a failure other than one artifact's stopped new downloads (the
+        origin or the pool failed): what still runs is in vain for this call."""
+        with self._lock:
+            return self._fatal
 
     def running(self) -> list[str]:
         """The artifacts being downloaded now, sorted."""
@@ -252,6 +265,8 @@ class Downloads:
                 if not self._finished.is_set():
                     self._result.failure = self._result.failure or (artifact.name, exc)
             if not _only_this_artifact(exc):
+                with self._lock:
+                    self._fatal = True
                 self._stop.set()
 
     def _work(self) -> None:
@@ -272,6 +287,17 @@ class Downloads:
                     self._left -= 1
                     if self._left == 0:
                         self._finished.set()
+
+
+def offline_refusal(artifacts: Sequence[Artifact]) -> ConfigError:
+    """The error of a rank whose share of a plan is ``artifacts`` while
+    ``DISTCACHE_OFFLINE=1`` forbids downloads."""
+    shown = ", ".join(a.name for a in artifacts[:3])
+    more = f" and {len(artifacts) - 3} more" if len(artifacts) > 3 else ""
+    return ConfigError(
+        f"{len(artifacts)} artifact(s) are in no pool and DISTCACHE_OFFLINE=1 forbids "
+        f"downloads: {shown}{more}; import them with 'distcache pool import' or "
+        "unset DISTCACHE_OFFLINE", variable="DISTCACHE_OFFLINE", value="1")
 
 
 def stall_message(name: str, origin: str, timeout: float, idle: float, where: str) -> str:

@@ -5,7 +5,9 @@ in the move phase), every rank of the collective enters a small all-gather at le
 every ``min(HEARTBEAT, timeout / 4)`` seconds; a rank whose work is over enters at
 once. Each carries whether the rank's work is over, how long ago it last made
 progress (a byte, a bucket, an artifact published), a detail for messages, and, once
-over, the rank's failure. The phase ends when every rank's work is over. It fails on
+over, the rank's failure. The phase ends when every rank's work is over; a phase
+that may halt (the fetch) stops every rank's work at the beat that carries a failure
+halting it (an origin or a pool that failed, not one artifact). It fails on
 every rank alike when a rank made no progress for ``timeout`` seconds, or when a rank
 misses a heartbeat by ``timeout`` (the all-gather raises
 :class:`~distcache.errors.CollectiveTimeout`). A rank that takes no part in the work
@@ -72,8 +74,9 @@ def _checked_state(state: Any) -> dict[str, Any]:
     its shape: every rank combines the same states, so a malformed one is a
     WireError alike on every rank, not a raw error on some."""
     late = state.get("late") if type(state) is dict else None
-    if not (type(state) is dict and set(state) == {"over", "late", "failure", "ready"}
+    if not (type(state) is dict and set(state) == {"over", "late", "failure", "ready", "halt"}
             and type(state["over"]) is bool and type(state["ready"]) is int
+            and type(state["halt"]) is bool
             and (late is None or (type(late) is tuple and len(late) == 4
                                   and type(late[0]) is int and type(late[1]) in (int, float)
                                   and type(late[3]) is str))
@@ -94,6 +97,8 @@ def primary(failures: Iterable[Failure]) -> Failure:
 #: One rank's step: wait at most the given seconds, then say (over, seconds idle,
 #: detail, failure once over).
 Step = Callable[[float], tuple[bool, float, Any, Failure | None]]
+#: (whether this rank's failure halts every rank's work, stop this rank's work).
+Halt = tuple[Callable[[], bool], Callable[[], object]]
 
 
 def heartbeats(
@@ -103,6 +108,8 @@ def heartbeats(
     raise_first: Callable[[Iterable[Failure | None]], None],
     stalled: Callable[[int, float, Any, str], Failure],
     turns: Turns | None = None,
+    *,
+    halt: Halt | None = None,
 ) -> None:
     """Collective: beat until every rank's work is over (the rule: the module docstring).
 
@@ -111,10 +118,12 @@ def heartbeats(
     Each beat is one reduction (:func:`~distcache.comm.reduce_object`): whether all
     are over, the lowest stalled rank and the primary failure, so what a rank receives
     does not grow with the job. ``turns``: the move's, told each beat's combined
-    readiness, and abandoned when the beats fail.
+    readiness, and abandoned when the beats fail. ``halt``: whether this rank's work,
+    once over, failed so as to halt every rank's, and how to stop this rank's work
+    when another rank's does (its next step is then over).
     """
     try:
-        _beat(comm, timeout, step, raise_first, stalled, turns)
+        _beat(comm, timeout, step, raise_first, stalled, turns, halt)
     except BaseException:
         if turns is not None:
             turns.abandon()
@@ -123,20 +132,24 @@ def heartbeats(
 
 def _beat(comm: Communicator, timeout: float, step: Step,
           raise_first: Callable[[Iterable[Failure | None]], None],
-          stalled: Callable[[int, float, Any, str], Failure], turns: Turns | None) -> None:
+          stalled: Callable[[int, float, Any, str], Failure], turns: Turns | None,
+          halt: Halt | None) -> None:
     beat = min(HEARTBEAT, timeout / 4)
     while True:
         done, idle, detail, failure = step(beat)
         late = None if done or idle < timeout else (comm.rank, idle, detail, comm.node_id)
         state = reduce_object(comm, {"over": done, "late": late,
                                      "failure": failure if done else None,
-                                     "ready": -1 if turns is None else turns.ready()},
+                                     "ready": -1 if turns is None else turns.ready(),
+                                     "halt": halt is not None and done and halt[0]()},
                               _combine, timeout=timeout)
         if turns is not None:
             turns.heard(state["ready"])
         if state["over"]:
             raise_first([state["failure"]])
             return
+        if state["halt"] and halt is not None and not done:
+            halt[1]()  # another rank's work failed so: this rank's ends, and says so
         if state["late"] is not None:
             # A rank whose work already failed is a candidate beside the stalled one,
             # chosen by primary(): before a move's stall (a receiver that met a
@@ -161,7 +174,7 @@ def _combine(states: list[dict[str, Any]]) -> dict[str, Any]:
     return {"over": all(s["over"] for s in states),
             "late": min(late, key=lambda entry: entry[0]) if late else None,
             "failure": primary(failures) if failures else None,
-            "ready": ready}
+            "ready": ready, "halt": any(s["halt"] for s in states)}
 
 
 class Activity:

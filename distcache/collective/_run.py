@@ -18,7 +18,8 @@ makes progress. In the fetch phase (:meth:`Run.fetch`) every rank enters a small
 all-gather at least every ``min(1 s, timeout / 4)`` (a heartbeat; a rank whose
 downloads are over enters at once), carrying whether its downloads are over and how
 long ago its last progress was (a byte arriving from the origin, an artifact
-published). The phase ends when every rank's downloads are over. It fails, on every
+published). The phase ends when every rank's downloads are over: at once on every rank
+when one rank's origin or pool failed (not one artifact). It fails, on every
 rank alike, when a rank's downloads made no progress for ``timeout`` seconds (the
 lowest such rank is named: "the origin is stalling"), or when a rank misses a
 heartbeat by ``timeout`` (a peer that is gone, stopped or stuck: ``CollectiveTimeout``).
@@ -59,7 +60,7 @@ from distcache.collective._progress import Progress
 from distcache.collective._report import PHASES
 from distcache.comm import Communicator, tell_others
 from distcache.config import Settings, settings
-from distcache.errors import ArtifactNotFound, CommError, ConfigError, PrefetchError
+from distcache.errors import ArtifactNotFound, CommError, PrefetchError
 from distcache.origins import Origin
 from distcache.store import Pool
 
@@ -204,34 +205,37 @@ class Run:
             CommError: a peer missed a heartbeat by ``timeout``.
         """
         # Loaded by the runs that download (a warm start has nothing to fetch).
-        from distcache.collective._download import Downloads, stall_message
+        from distcache.collective._download import Downloads, offline_refusal, stall_message
 
         failure: Failure | None = None
         job: Downloads | None = None
         if artifacts and settings().offline:
             # No request from any path: a caller that handed the collective an origin
             # anyway gets one failure for this rank's share, agreed on like any other.
-            shown = ", ".join(a.name for a in artifacts[:3])
-            more = f" and {len(artifacts) - 3} more" if len(artifacts) > 3 else ""
-            failure = self.failure("fetch", artifacts[0].name, ConfigError(
-                f"{len(artifacts)} artifact(s) are in no pool and DISTCACHE_OFFLINE=1 forbids "
-                f"downloads: {shown}{more}; import them with 'distcache pool import' or "
-                "unset DISTCACHE_OFFLINE", variable="DISTCACHE_OFFLINE", value="1"))
+            failure = self.failure("fetch", artifacts[0].name, offline_refusal(artifacts))
         elif artifacts:  # started in the caller's batch (:meth:`durable`)
             job = Downloads(self.pool, origin, artifacts, workers=workers,
                             on_done=self.progress.update, pending=pending).start()
 
-        def step(beat: float) -> tuple[bool, float, Any, Failure | None]:
-            nonlocal job, failure
-            done = job is None or job.wait(beat)
-            if done and job is not None:
-                got = job.result()
+        # A failure of the origin or the pool (not one artifact's) ends this rank's
+        # downloads at once and, told by the beats, every other rank's: the phase fails
+        # then, not when the last rank has fetched its whole share.
+        halting = failure is not None
+
+        def finish() -> None:  # the downloads' figures, frozen: what still runs stops
+            nonlocal job, failure, halting
+            if job is not None:
+                halting, got, job = job.fatal(), job.abandon(), None
                 self.downloads += got.downloads
                 self.placed += got.placed
                 self.origin_bytes += got.origin_bytes
                 if got.failure is not None:
                     failure = self.failure("fetch", *got.failure)
-                job = None
+
+        def step(beat: float) -> tuple[bool, float, Any, Failure | None]:
+            done = job is None or job.wait(beat) or job.fatal()
+            if done:
+                finish()
             running = job.running() if job is not None else []
             idle = 0.0 if job is None else job.idle()
             return done, idle, (running[0] if running else None, origin.describe()), failure
@@ -243,13 +247,10 @@ class Run:
                 name or "(queued)", label, self.timeout, idle, where))
 
         try:
-            heartbeats(self.comm, self.timeout, step, self.raise_first, stalled, self._turns)
+            heartbeats(self.comm, self.timeout, step, self.raise_first, stalled, self._turns,
+                       halt=(lambda: halting, lambda: job is None or job.abandon()))
         finally:
-            if job is not None:
-                got = job.abandon()
-                self.downloads += got.downloads
-                self.placed += got.placed
-                self.origin_bytes += got.origin_bytes
+            finish()
             if pending is not None:
                 pending.settle()
 

@@ -111,12 +111,13 @@ def test_well_formed_rounds_still_agree_that_the_ranks_share_the_pool() -> None:
     {"over": 1, "late": None, "failure": None, "ready": -1},            # over not a bool
     {"over": False, "late": (1, 2.0), "failure": None, "ready": -1},   # a short late entry
     {"over": True, "late": None, "failure": ["fetch"], "ready": -1},    # a list failure
+    {"over": True, "late": None, "failure": None, "ready": -1, "halt": 1},  # halt not a bool
     ("over", True),
 ])
 def test_a_malformed_heartbeat_state_is_a_wire_error(state: Any) -> None:
     from distcache.collective._heartbeat import _combine
 
-    good = {"over": True, "late": None, "failure": None, "ready": -1}
+    good = {"over": True, "late": None, "failure": None, "ready": -1, "halt": False}
     with pytest.raises(WireError, match="malformed heartbeat"):
         _combine([good, state])
     assert _combine([good, dict(good, failure=GOOD_FAILURE)])["failure"] == GOOD_FAILURE
