@@ -3,10 +3,11 @@
 Under any launcher (mpirun, srun, torchrun, or none) each rank's program gets the
 ``env://`` variables ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
 ``MASTER_ADDR`` and ``MASTER_PORT``, so an unmodified
-``torch.distributed.init_process_group("gloo")`` works. Under MPI, rank 0 picks a port
-below the ephemeral range whose next port (where PROGRAM's distcache hosts its store)
-is free too, unless ``MASTER_PORT`` is set, and the address and port travel over MPI;
-elsewhere they come from :func:`launch._detect`.
+``torch.distributed.init_process_group("gloo")`` works, and torchrun's node variables
+``GROUP_RANK`` and ``GROUP_WORLD_SIZE`` where the launcher says (:mod:`launch._environ`).
+Under MPI, rank 0 picks a port below the ephemeral range whose next port (where
+PROGRAM's distcache hosts its store) is free too, unless ``MASTER_PORT`` is set, and the
+address and port travel over MPI; elsewhere they come from :func:`launch._detect`.
 
 The program runs as a child in its own process group, as a shell runs a job (see
 :mod:`launch._child`): on a terminal it gets the terminal; SIGINT, SIGTERM, SIGHUP,
@@ -49,6 +50,7 @@ from distcache.store import PoolLayout
 from launch._child import exit_like, run
 from launch._detect import LaunchInfo, detect
 from launch._dist import mpi_publish, rendezvous_address
+from launch._environ import child_environment
 from launch._rendezvous import free_port_pair
 from launch._workspace import WorkspaceSlot, acquire_slot
 
@@ -108,7 +110,8 @@ def _parser() -> _Parser:
         description="Run PROGRAM with torchrun's environment under mpirun, srun, "
         "torchrun or alone.",
         epilog="Exported to PROGRAM: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, "
-        "MASTER_ADDR, MASTER_PORT, and DISTCACHE_POOL / DISTCACHE_WORKSPACE / "
+        "MASTER_ADDR, MASTER_PORT, GROUP_RANK and GROUP_WORLD_SIZE (where the launcher says), "
+        "and DISTCACHE_POOL / DISTCACHE_WORKSPACE / "
         "DISTCACHE_PREFETCH_MANIFEST when the matching option is given.",
     )
     parser.add_argument("--pool", metavar="DIR", type=_directory, help="artifact pool directory (exported as DISTCACHE_POOL)")
@@ -160,32 +163,20 @@ def _rendezvous(info: LaunchInfo) -> LaunchInfo:
     if info.world_size == 1:
         host = info.master_addr or "127.0.0.1"
         return info.replace(master_addr=host, master_port=info.master_port or free_port_pair())
+    # Name what is missing (a MASTER_ADDR the user set is not), and why Slurm gives none.
+    missing = {name: hint for name, value, hint in (
+        ("MASTER_ADDR", info.master_addr, "MASTER_ADDR to rank 0's host name"),
+        ("MASTER_PORT", info.master_port, "MASTER_PORT to a free port on rank 0's host"))
+        if value is None}
+    why = ""
+    if info.launcher == "slurm" and info.master_addr is None:
+        why = (" (with SLURM_DISTRIBUTION=arbitrary or SLURM_HOSTFILE the step's first node "
+               "need not be rank 0's)" if "arbitrary" in os.environ.get("SLURM_DISTRIBUTION", "")
+               or "SLURM_HOSTFILE" in os.environ else " (SLURM_STEP_NODELIST is not set)")
     raise _UsageError(
-        f"{info.launcher} launch of {info.world_size} ranks gives no rendezvous address; "
-        "set MASTER_ADDR and MASTER_PORT"
+        f"{info.launcher} launch of {info.world_size} ranks gives no {' or '.join(missing)}"
+        f"{why}; set {' and '.join(missing.values())}, the same on every rank"
     )
-
-
-def child_environment(
-    info: LaunchInfo, base: dict[str, str], extra: dict[str, str]
-) -> dict[str, str]:
-    """The environment PROGRAM runs with: ``base`` plus the torchrun variables."""
-    env = dict(base)
-    values = {
-        "RANK": info.rank,
-        "WORLD_SIZE": info.world_size,
-        "LOCAL_RANK": info.local_rank,
-        "LOCAL_WORLD_SIZE": info.local_world_size,
-        "MASTER_ADDR": info.master_addr,
-        "MASTER_PORT": info.master_port,
-    }
-    for name, value in {**values, **extra}.items():
-        if value is None:
-            continue
-        if env.get(name) != str(value):
-            log.debug("exporting %s=%s", name, value)  # the handler tags the rank
-        env[name] = str(value)
-    return env
 
 
 def _prefetch(

@@ -246,12 +246,8 @@ def _master(
             raise LaunchError(f"MASTER_ADDR={addr[:200]!r} is not a host name or address",
                               variable="MASTER_ADDR", value=addr[:200])
         used.append("MASTER_ADDR")
-    port = read_int(env, "MASTER_PORT", minimum=1)
+    port = read_int(env, "MASTER_PORT", minimum=1, maximum=65535)  # a TCP port
     if port is not None:
-        if port > 65535:
-            raise LaunchError(
-                f"MASTER_PORT={port} is not a TCP port", variable="MASTER_PORT", value=str(port)
-            )
         used.append("MASTER_PORT")
     if launcher == "slurm":
         if addr is None and single_node:
@@ -321,9 +317,12 @@ def detect(environ: Mapping[str, str] = os.environ, *, hostname: str | None = No
         return values[name][0] if name in values else default
 
     world = get("world_size", 1)
-    local_world = get("local_world_size", 1 if launcher == "single" else None)
-    num_nodes = get("num_nodes", 1 if launcher == "single" else None)
-    node_rank = get("node_rank", 0 if launcher == "single" else None)
+    # One process in all (no launcher, or RANK=0 WORLD_SIZE=1) is alone on its node:
+    # PROGRAM gets LOCAL_RANK and LOCAL_WORLD_SIZE, and the terminal, as under no launcher.
+    alone = launcher == "single" or world == 1
+    local_world = get("local_world_size", 1 if alone else None)
+    num_nodes = get("num_nodes", 1 if alone else None)
+    node_rank = get("node_rank", 0 if alone else None)
     if num_nodes is None and local_world is not None and local_world == world:
         num_nodes = 1
     if num_nodes == 1 and node_rank is None:
@@ -350,7 +349,7 @@ def detect(environ: Mapping[str, str] = os.environ, *, hostname: str | None = No
         launcher=launcher,
         rank=get("rank", 0) or 0,
         world_size=world,
-        local_rank=get("local_rank", 0 if launcher == "single" else None),
+        local_rank=get("local_rank", 0 if alone else None),
         local_world_size=local_world,
         node_rank=node_rank,
         num_nodes=num_nodes,

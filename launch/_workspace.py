@@ -68,14 +68,56 @@ class WorkspaceSlot:
         return f"WorkspaceSlot({str(self.path)!r}, index={self.index}, {state})"
 
 
+def _refusal(path: Path, exc: OSError) -> WorkspaceError:
+    """What cannot be done with ``path`` (a slot or its lock file), and what to do."""
+    # The file the call failed on: a parent of a slot being made, else ``path`` itself.
+    name = exc.filename if isinstance(exc.filename, str) and os.path.isabs(exc.filename) else None
+    where = Path(name) if name is not None else path
+    if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(path):
+        try:
+            target = f" (to {os.readlink(path)})"
+        except OSError:
+            target = ""
+        why = (f"{path} is a symbolic link{target}, which a workspace slot never follows "
+               "(its files would be written where the link points); remove the link")
+    elif exc.errno in (errno.EEXIST, errno.ENOTDIR):
+        # The first component on the way that is there but is no directory.
+        where = next((p for p in (*reversed(path.parents), path)
+                      if os.path.lexists(p) and not p.is_dir()), where)
+        why = (f"{where} exists and is not a directory (a file, or a symbolic link to a "
+               "missing directory); remove it")
+    elif exc.errno in (errno.EACCES, errno.EPERM):
+        owner = ""
+        for held in (where, where.parent):  # a lock file not made yet: its directory's
+            with contextlib.suppress(OSError):
+                owner, where = f", owned by uid {os.stat(held).st_uid}", held
+                break
+        why = (f"permission denied on {where}{owner}, and this process runs "
+               f"as uid {os.geteuid()}; give --workspace a directory of this user's own")
+    else:
+        why = str(exc)
+    return WorkspaceError(f"cannot use workspace slot {path}: {why}", path=str(path))
+
+
 def _try_lock(slot: Path) -> int | None:
     try:
         slot.mkdir(parents=True, exist_ok=True)
-        fd = os.open(slot / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as exc:
-        raise WorkspaceError(
-            f"cannot create workspace slot {slot}: {exc}", path=str(slot)
-        ) from exc
+        raise _refusal(slot, exc) from exc
+    # Neither the slot nor its lock file is reached through a symbolic link: one planted
+    # in a shared directory would have the lock file truncated, and PROGRAM's files
+    # written, wherever it points.
+    try:
+        where = os.open(slot, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _refusal(slot, exc) from exc
+    try:
+        fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                     dir_fd=where)
+    except OSError as exc:
+        raise _refusal(slot / LOCK_NAME, exc) from exc
+    finally:
+        os.close(where)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -88,9 +130,11 @@ def _try_lock(slot: Path) -> int | None:
             "filesystem that supports flock (a node-local disk)",
             path=str(slot),
         ) from exc
-    # Who holds it, for a person looking at a busy slot; never read for correctness.
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+    # Who holds it, for a person looking at a busy slot; never read for correctness, so
+    # a full disk (or a file size limit) does not keep a warm slot from being used.
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
     return fd
 
 
