@@ -44,9 +44,10 @@ Triton's own cache lookups from the pool of ``DISTCACHE_POOL`` as well.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
+from distcache.errors import JitCacheError
 from distcache.jit._family import Family, FamilySpec, Report, Root
 from distcache.jit._listing import FamilySummary, family_labels, summarize
 from distcache.jit._place import Placed
@@ -77,6 +78,8 @@ __all__ = [
     "summarize",
     "union",
 ]
+
+_T = TypeVar("_T")
 
 #: The family names ``init(jit_caches=[...])`` and ``DISTCACHE_JIT_CACHES`` accept.
 NAMES: tuple[str, ...] = tuple(TOOLS)
@@ -109,22 +112,40 @@ def families(names: Iterable[str], *, pool: ArtifactPool | None = None,
 
 def materialize(chosen: Sequence[Family], pool: ArtifactPool | None = None) -> list[Placed]:
     """Fill each family's directories from ``pool`` (default: the family's own);
-    not collective.
+    not collective. A family whose directory is refused does not keep the others
+    from being filled: the first such error is raised once they are.
 
     Raises:
-        JitCacheError: a directory belongs to another user.
+        JitCacheError: a directory belongs to another user, cannot be created, or its
+            filesystem is full or read-only.
         PoolError: the pool cannot be read.
     """
-    return [f.materialize(pool) for f in chosen]
+    return _each(chosen, lambda f: f.materialize(pool))
 
 
 def publish(chosen: Sequence[Family], pool: ArtifactPool | None = None) -> list[int]:
     """Store what each family's directories hold that its trees lack; the number of
     files each new tree lists. Not collective: ``Session.sync()`` (or
-    :func:`distcache.collective.sync`) then moves it to the other pools.
+    :func:`distcache.collective.sync`) then moves it to the other pools. A family
+    whose directory is refused does not keep the others from being stored: the
+    first such error is raised once they are.
 
     Raises:
         JitCacheError: a directory belongs to another user.
         PoolError: the pool cannot be written.
     """
-    return [f.publish(pool) for f in chosen]
+    return _each(chosen, lambda f: f.publish(pool))
+
+
+def _each(chosen: Sequence[Family], call: Callable[[Family], _T]) -> list[_T]:
+    """``call`` on every family; the first :class:`JitCacheError`, raised after all."""
+    results: list[_T] = []
+    refused: JitCacheError | None = None
+    for fam in chosen:
+        try:
+            results.append(call(fam))
+        except JitCacheError as exc:
+            refused = refused or exc
+    if refused is not None:
+        raise refused
+    return results

@@ -192,10 +192,10 @@ class Family:
         replacing one); conflicting paths are left out and logged once.
 
         Raises:
-            JitCacheError: a directory belongs to another user or is a link, or its
-                filesystem refuses every write (full, over quota, read-only:
-                :class:`~distcache.jit._walk.WholeFilesystem`, naming the file), once
-                the family's other directories are filled.
+            JitCacheError: a directory belongs to another user or is a link, cannot be
+                created, or its filesystem refuses every write (full, over quota,
+                read-only: :class:`~distcache.jit._walk.WholeFilesystem`, naming the
+                file), once the family's other directories are filled.
             PoolError: the pool cannot be read.
         """
         pool = self._pool(pool)

@@ -33,7 +33,6 @@ the pool object's time: the object is shared.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import secrets
 import stat
@@ -44,16 +43,20 @@ from pathlib import Path
 
 from distcache._log import get_logger
 from distcache.artifact import sha256_hex, validate_name
-from distcache.errors import ArtifactNameError, JitCacheError
+from distcache.errors import ArtifactNameError
 from distcache.jit._tree import MODE_MASK, TreeEntry
 from distcache.jit._walk import (
     FOREIGN,
+    NO_LINKS,
+    WHOLE_FS,
     InTheWay,
+    LinkRefused,
     Refused,
-    WholeFilesystem,
+    Uncreatable,
     check_way,
     ensure_dirs,
     walk,
+    whole_filesystem,
 )
 from distcache.store import ArtifactPool
 from distcache.store._fs import Witness, witness
@@ -177,7 +180,8 @@ def _scan_one(pool: ArtifactPool, rel: str, path: Path, prefix: str,
     ``expect``, and one changed just before when ``fresh`` collects those."""
     try:
         name = validate_name(f"{prefix}{rel}")
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # Non-blocking: a FIFO put where the scan saw a file must not hang the open.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except (ArtifactNameError, OSError):
         return None
     try:
@@ -245,18 +249,20 @@ def materialize_entries(pool: ArtifactPool, root: Path, entries: Sequence[TreeEn
 
     A file where the tree has a directory keeps its place, as does a directory below
     ``root`` that is another user's or a symbolic link (with a warning): the entries
-    under it are counted as ``kept``, the others written. Entries under a :data:`FOREIGN`
+    under it are counted as ``kept``, the others written; those under a directory
+    that cannot be created are ``missing`` (one warning). Entries under a :data:`FOREIGN`
     directory (listed by trees published before it was left out) are skipped. A
     written copy gets the entry's time, if it has one, clamped to now. A file that
     cannot be written is counted as ``missing`` and logged, and the others placed,
-    unless the filesystem as a whole refuses (:data:`WHOLE_FS`).
+    unless the filesystem as a whole refuses (:data:`WHOLE_FS`: full, read-only, or
+    without the hard links that placing a file without replacing one needs).
 
     Raises:
         JitCacheError: ``root`` or a directory on the way to it belongs to another
-            user or is a symbolic link (:func:`~distcache.jit._walk.check_way`), or a
-            directory cannot be created; :class:`~distcache.jit._walk.WholeFilesystem`
+            user or is a symbolic link, or cannot be created
+            (:func:`~distcache.jit._walk.check_way`); :class:`~distcache.jit._walk.WholeFilesystem`
             (an OSError too, with its errno) naming the family and the file when the
-            filesystem is read-only or full.
+            filesystem is read-only or full, or has no hard links.
         PoolError: an object cannot be read.
     """
     check_way(root, family=family, create=True)
@@ -277,8 +283,9 @@ def materialize_entries(pool: ArtifactPool, root: Path, entries: Sequence[TreeEn
         except InTheWay:  # a file where the tree has a directory: left as it is
             placed.kept += 1
             continue
-        except Refused as exc:  # another user's directory, or a link: left as it is
-            placed.kept += 1
+        except Refused as exc:  # another user's directory, a link, or none made
+            placed.missing += isinstance(exc, Uncreatable)
+            placed.kept += not isinstance(exc, Uncreatable)
             where = str(getattr(exc, "path", ""))
             if where not in refused:
                 refused.add(where)
@@ -287,20 +294,13 @@ def materialize_entries(pool: ArtifactPool, root: Path, entries: Sequence[TreeEn
         try:
             _place_one(pool, parent, target, entry, link, now, placed, swept)
         except OSError as exc:
-            if exc.errno in WHOLE_FS:
-                raise WholeFilesystem(
-                    f"{family}: cannot write {target} from the pool: {exc.strerror or exc}; "
-                    "make room on its filesystem (or give the cache a writable directory) "
-                    "and run again", family=family, path=str(target), errno=exc.errno) from exc
+            if exc.errno in WHOLE_FS or isinstance(exc, LinkRefused):
+                raise whole_filesystem(family, target, exc) from exc
             placed.missing += 1
             log.warning("%s: cannot place %s from the pool (%s); the tool builds it",
                         family, target, exc)
     return placed
 
-
-#: Errors of a filesystem as a whole (full, over quota, read-only): they stop a
-#: materialisation rather than fail every file in turn.
-WHOLE_FS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
 
 def _place_one(pool: ArtifactPool, parent: Path, target: Path, entry: TreeEntry,
@@ -378,11 +378,12 @@ def _place(pool: ArtifactPool, parent: Path, target: Path, data: bytes, entry: T
         os.fsync(fd)
         try:
             os.link(tmp, target)
+        except FileExistsError:
+            return False
         except OSError as exc:
-            if exc.errno == errno.EEXIST:
-                return False
-            raise JitCacheError(f"cannot write {target}: {exc}", family=None,
-                                path=str(target)) from exc
+            if exc.errno in NO_LINKS:
+                raise LinkRefused(exc.errno, exc.strerror, str(target)) from exc
+            raise
         if entry.mtime_ns is not None:
             # Only once linked: until then the temporary file keeps the time it was
             # written, so another placement's sweep never takes it for a stale one.

@@ -168,9 +168,10 @@ def tree_bytes(pool: ArtifactPool, sha: str) -> bytes | None:
 
 def publisher_id(host: str, directories: Iterable[str]) -> str:
     """The publisher a tree names: 16 hex digits of the host and the directories a
-    family scans (one such pair rewriting a file updates it, never conflicts)."""
+    family scans (one such pair rewriting a file updates it, never conflicts). A
+    directory whose name is not UTF-8 is hashed like any other (:func:`_utf8`)."""
     text = "\n".join([host, *directories])
-    return sha256_hex(text.encode("utf-8"))[:16]
+    return sha256_hex(_utf8(text))[:16]
 
 
 def next_seq(trees: Iterable[TreeManifest], publisher: str) -> int:
@@ -180,7 +181,14 @@ def next_seq(trees: Iterable[TreeManifest], publisher: str) -> int:
 
 def key_id(key: str) -> str:
     """The 24 hex digits of ``key``'s sha256 that labels carry."""
-    return sha256_hex(key.encode("utf-8"))[:24]
+    return sha256_hex(_utf8(key))[:24]
+
+
+def _utf8(text: str) -> bytes:
+    """``text`` in UTF-8, lone surrogates included (how Python reads a path that is
+    not UTF-8, a cache directory named in another encoding, and what a tree's JSON
+    may carry): such a key or directory is hashed like any other, never refused."""
+    return text.encode("utf-8", "surrogatepass")
 
 
 def family_prefix(family: str, key: str | None = None) -> str:

@@ -5,7 +5,7 @@ check every directory, and the way to it, passes before it is filled or publishe
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import fnmatch
 import os
 import stat
@@ -81,8 +81,9 @@ def check_way(directory: Path, *, family: str, create: bool = False) -> bool:
 
     Raises:
         JitCacheError: ``directory`` or a directory or link on the way fails the
-            check, or the way passes more than :data:`MAX_LINKS` links.
-        OSError: a missing directory cannot be created.
+            check, the way passes more than :data:`MAX_LINKS` links, or a missing
+            directory cannot be created (:class:`WholeFilesystem` where its
+            filesystem is full or read-only), naming the family and the directory.
     """
     me = os.geteuid()
     todo = list(reversed(Path(os.path.abspath(directory)).parts[1:]))
@@ -101,8 +102,7 @@ def check_way(directory: Path, *, family: str, create: bool = False) -> bool:
         if st is None:
             if not create:
                 return False
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(path)
+            _make_dir(path, directory, family)
             st = _lstat(path, family)
         if not todo:  # ``directory`` itself
             check_owner(Path(path), family=family)
@@ -126,6 +126,26 @@ def check_way(directory: Path, *, family: str, create: bool = False) -> bool:
         here = path
     check_owner(Path(here), family=family)  # ``directory`` is ``/``
     return True
+
+
+def _make_dir(path: str, directory: Path, family: str) -> None:
+    """Create ``path``, on the way to the cache ``directory`` (or that directory).
+
+    Raises:
+        JitCacheError: it cannot be created (:class:`WholeFilesystem` for a full or
+            read-only filesystem), with what to do.
+    """
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        message = (f"{family}: cannot create {path} for the cache directory {directory}: "
+                   f"{exc.strerror or exc}; create it, or point the tool's cache variable "
+                   "at a directory this user can write, and run again")
+        if exc.errno in WHOLE_FS:
+            raise WholeFilesystem(message, family=family, path=path, errno=exc.errno) from exc
+        raise JitCacheError(message, family=family, path=path) from exc
 
 
 def _lstat(path: str, family: str) -> os.stat_result | None:
@@ -155,6 +175,22 @@ def _check_on_way(path: str, st: os.stat_result | None, me: int, family: str) ->
             path=path)
 
 
+def whole_filesystem(family: str, target: Path, exc: OSError) -> WholeFilesystem:
+    """The error that stops placing ``target`` and every file after it (``exc``'s
+    errno is one of :data:`WHOLE_FS`, or it is a :class:`LinkRefused`), with what to
+    do."""
+    if isinstance(exc, LinkRefused):
+        remedy = ("its filesystem cannot hard-link files, which placing a file without "
+                  "ever replacing one needs; give the cache a directory on a filesystem "
+                  "that can (a local disk)")
+    else:
+        remedy = ("make room on its filesystem (or give the cache a writable directory) "
+                  "and run again")
+    return WholeFilesystem(f"{family}: cannot write {target} from the pool: "
+                           f"{exc.strerror or exc}; {remedy}", family=family,
+                           path=str(target), errno=exc.errno)
+
+
 class InTheWay(Exception):
     """Something other than a directory or a link (a stale file) where a tree has a
     directory: the entries under it are left out, the others placed."""
@@ -165,9 +201,29 @@ class Refused(JitCacheError):
     is written through it; the entries under it are left out, the others placed."""
 
 
+#: Errors of a filesystem as a whole (full, over quota, read-only): they stop a
+#: materialisation rather than fail every file in turn.
+WHOLE_FS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+#: What ``link`` fails with on a filesystem without hard links (some FUSE and
+#: object-store mounts): a file is placed by linking its temporary copy into place,
+#: which never replaces one that a compile got to first, so nothing can be placed.
+NO_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS})
+
+
+class LinkRefused(OSError):
+    """Linking a placed file's temporary copy into place failed with one of
+    :data:`NO_LINKS`: the filesystem cannot place any file."""
+
+
+class Uncreatable(Refused):
+    """A directory below the root that cannot be created (not a full or read-only
+    filesystem: a name it refuses, a directory without write permission): the
+    entries under it are missing, for the tool to build; the others are placed."""
+
+
 class WholeFilesystem(JitCacheError, OSError):
     """The filesystem of a family's directory refuses every write (full, over quota,
-    read-only): placing into that directory stops. Also an :class:`OSError`, whose
+    read-only, or without hard links): placing into that directory stops. Also an :class:`OSError`, whose
     ``errno`` it keeps. Attributes: ``family``, ``path`` (the file or directory being
     written), ``errno``."""
 
@@ -176,8 +232,14 @@ class WholeFilesystem(JitCacheError, OSError):
 
 def ensure_dirs(root: Path, directory: Path, checked: set[Path], family: str) -> Path:
     """Create the directories from ``root`` to ``directory``; refuse a symbolic link
-    or another user's directory on the way (:class:`Refused`), and raise
-    :class:`InTheWay` for a file in the way."""
+    or another user's directory on the way (:class:`Refused`), or one that cannot be
+    created (:class:`Uncreatable`): the entries under it are left out, the others
+    placed; raise :class:`InTheWay` for a file in the way.
+
+    Raises:
+        WholeFilesystem: the filesystem is full or read-only (nothing more can be
+            placed in it).
+    """
     missing: list[Path] = []
     here = directory
     while here not in checked:
@@ -189,8 +251,13 @@ def ensure_dirs(root: Path, directory: Path, checked: set[Path], family: str) ->
         except FileExistsError:
             pass
         except OSError as exc:
-            raise JitCacheError(f"{family}: cannot create {path}: {exc}", family=family,
-                                path=str(path)) from exc
+            message = f"{family}: cannot create {path}: {exc.strerror or exc}"
+            if exc.errno in WHOLE_FS:
+                raise WholeFilesystem(
+                    f"{message}; make room on its filesystem (or give the cache a writable "
+                    "directory) and run again", family=family, path=str(path),
+                    errno=exc.errno) from exc
+            raise Uncreatable(message, family=family, path=str(path)) from exc
         st = os.lstat(path)
         if stat.S_ISLNK(st.st_mode):
             raise Refused(f"{family}: {path} is a symbolic link; refusing to write "
