@@ -76,9 +76,10 @@ class Unanswered(PeerError):
 
 
 class Unsigned(Unanswered):
-    """An answer that would be final came without the agent's signature of it: not
-    from an agent of this job (another process on its port, another run secret). The
-    walk leaves it out for a while and asks the next node, as for a broken answer."""
+    """An answer other than a bare 403 came without the agent's signature of it (a
+    final one, a redirect, a status no agent sends): not from an agent of this job
+    (another process on its port, another run secret). The walk leaves it out for a
+    while and asks the next node, as for a broken answer."""
 
 
 class Filling(PeerError):
@@ -338,7 +339,7 @@ def fetch(endpoint: str, key: bytes, artifact: Artifact, *, fill: bool, timeout:
         ArtifactNotFound: the origin behind the agent has no such artifact (an answer
             the agent signed for this request).
         Filling: its download of the artifact goes on (signed so for this request).
-        Unsigned: that answer without the agent's signature.
+        Unsigned: any answer but a 403 without the agent's signature of it.
         Wrong: bytes that are not the artifact's (``refused``), or too many of them.
         PeerError: refused (``refused``: unauthenticated, not held), or no answer
             within ``timeout``.
@@ -356,15 +357,21 @@ def fetch(endpoint: str, key: bytes, artifact: Artifact, *, fill: bool, timeout:
                         endpoint=endpoint, status=status, sha256=sha, refused=True)
         return Answer(body, headers.get(HEADER_SOURCE.lower(), "pool"))
     reason = headers.get(HEADER_REASON.lower(), "")
+    # An agent signs every answer to a request it authenticated; only its 403, to one
+    # it could not (another run secret, a clock far off), is bare. Any other answer
+    # without its signature (a redirect, a status no agent sends, an unsigned 404 or
+    # 503) comes from something else at its endpoint: skipped and left out a while.
+    if status != 403 and not answer_signed(key, signed, status, reason,
+                                           headers.get(HEADER_ANSWER.lower())):
+        raise Unsigned(f"agent {endpoint} answered {status} {reason}".rstrip()
+                       + " without this job's signature of it: not an agent of this job "
+                       "(another process on its port, or another run secret); not taken "
+                       "as final", endpoint=endpoint, status=status, sha256=sha,
+                       refused=False)
     if status == 404 and reason == NOT_AT_ORIGIN:
-        if not answer_signed(key, signed, status, reason, headers.get(HEADER_ANSWER.lower())):
-            raise Unsigned(f"agent {endpoint} answered {status} {reason} without this job's "
-                           "signature of it: not taken as final", endpoint=endpoint,
-                           status=status, sha256=sha, refused=False)
         raise ArtifactNotFound(f"{artifact.name}: the origin behind agent {endpoint} has no "
                                "such artifact", name=artifact.name, status=404)
-    if status == 503 and reason == FILLING and answer_signed(
-            key, signed, status, reason, headers.get(HEADER_ANSWER.lower())):
+    if status == 503 and reason == FILLING:
         raise Filling(f"agent {endpoint} is still downloading {artifact.name}",
                       endpoint=endpoint, status=status, sha256=sha, refused=False)
     raise PeerError(f"agent {endpoint} answered {status} {reason}".rstrip(), endpoint=endpoint,

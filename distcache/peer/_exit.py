@@ -1,6 +1,8 @@
 """What a node agent leaves behind when its process exits without closing its
 session: its key file and socket in the pool. An exit hook removes them (at a normal
-exit or an uncaught error; a process a signal kills outright runs no hook)."""
+exit or an uncaught error; a process a signal kills outright runs no hook). A forked
+child runs no hook, and forgets the key files (:data:`KEY_FILES`): they are its
+parent's, whose agent still serves, never removed by the child's close."""
 
 from __future__ import annotations
 
@@ -8,8 +10,15 @@ import atexit
 import contextlib
 import functools
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
+
+#: The key file each agent ``host_agent`` started wrote: its (device, inode), so that
+#: closing removes that file and never one put at its name since; emptied in a forked
+#: child.
+KEY_FILES: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
+os.register_at_fork(after_in_child=KEY_FILES.clear)
 
 #: Each registered agent's hook, by ``id`` (the hook holds the agent, so the id stays).
 _HOOKS: dict[int, Callable[[], None]] = {}

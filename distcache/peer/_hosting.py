@@ -17,7 +17,6 @@ import functools
 import hashlib
 import os
 import threading
-import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,9 +41,8 @@ log = get_logger(__name__)
 _MAX_SOCKET_PATH = 100
 #: The longest a leader's agent waits for what it starts after (the origin's set-up).
 AFTER_WAIT_S = 10.0
-#: The key file each agent :func:`host_agent` started wrote: its (device, inode), so
-#: that closing removes that file and never one put at its name since.
-_KEY_FILES: weakref.WeakKeyDictionary[Agent, tuple[int, int]] = weakref.WeakKeyDictionary()
+#: The key file each agent :func:`host_agent` started wrote (see :data:`_exit.KEY_FILES`).
+_KEY_FILES = _exit.KEY_FILES
 
 
 def job_address(environ: Mapping[str, str] | None = None) -> str:

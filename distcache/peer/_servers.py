@@ -1,7 +1,14 @@
 """The node agent's listeners: its TCP server for the other nodes' agents, with a cap on
 the connections it holds at once, and its Unix socket for this node's processes, which
 only this user may connect to; and the base of their handler, which gives a request's
-head a bound in total time (:class:`BoundedHead`)."""
+head a bound in total time (:class:`BoundedHead`).
+
+A child forked from the agent's process lets go of its copies of the listeners and of
+the connections being served (:func:`_forked`): it has none of the agent's threads, so
+a listener it held would take connections nobody accepts once the agent stops or its
+process dies (askers would wait out their whole time where a closed port refuses them
+at once), and a child that closes the agent must neither wait for a serving thread it
+does not have nor remove the parent's socket."""
 
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ import socketserver
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +60,32 @@ class _Live(http.server.ThreadingHTTPServer):
     """A server that knows the connections it serves, so that :func:`close_connections`
     can shut them when the agent stops (a stopped agent serves no request more)."""
 
+    #: Set in a forked child (:meth:`forked`): no thread of this process serves it.
+    orphan = False
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._live: set[socket.socket] = set()
         self._live_lock = threading.Lock()
         super().__init__(*args, **kwargs)
+        _LISTENERS.add(self)
+
+    def shutdown(self) -> None:
+        """Stop ``serve_forever`` and wait for it, where it runs in this process (in a
+        forked child it does not: waiting would never end)."""
+        if not self.orphan:
+            super().shutdown()
+
+    def forked(self) -> None:
+        """In a forked child: close this process's copies of the listening socket and
+        of the connections (never shut them: that would end the parent's too)."""
+        self.orphan = True
+        self._live_lock = threading.Lock()  # another thread may have held it at the fork
+        with contextlib.suppress(OSError):
+            self.socket.close()
+        for request in list(self._live):
+            with contextlib.suppress(OSError):
+                request.close()
+        self._live.clear()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         with self._live_lock:  # on the serving thread: known before its thread starts
@@ -76,6 +106,20 @@ class _Live(http.server.ThreadingHTTPServer):
                 exc_info=True)
 
 
+#: This process's listeners, for :func:`_forked`.
+_LISTENERS: weakref.WeakSet[_Live] = weakref.WeakSet()
+
+
+def _forked() -> None:
+    """In a child just forked (one thread, no agent serving in it): every listener
+    lets go of what the parent serves with (:meth:`_Live.forked`)."""
+    for server in list(_LISTENERS):
+        server.forked()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def close_connections(server: Any) -> None:
     """Shut every connection ``server`` still serves (after its ``shutdown``: no new
     one comes); their threads end at their next read or write."""
@@ -92,8 +136,17 @@ def close_connections(server: Any) -> None:
 #: raise it to :data:`PER_NODE` per node (every node may ask one owner for a popular
 #: artifact at once). One more is closed at once: a host of the job's network that
 #: opens connections and sends nothing would otherwise hold a thread each, unsigned.
+#: One address holds at most three quarters of them (:func:`per_address`).
 MAX_CONNECTIONS = 256
 PER_NODE = 4
+
+
+def per_address(cap: int) -> int:
+    """The connections one address may hold of a listener's ``cap``: a host that fills
+    its share with connections that send nothing leaves the rest to the job's other
+    nodes (else every other node's connection would be closed at once, and each would
+    take the agent for a busy one and ask the origin)."""
+    return cap - cap // 4
 
 
 class TcpServer(_Live):
@@ -104,6 +157,8 @@ class TcpServer(_Live):
         self.cap = MAX_CONNECTIONS
         self.turned_away = 0
         self._open = 0
+        self._by_address: dict[str, int] = {}
+        self._told: set[str] = set()  # the limits named at WARNING once
         self._lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
@@ -122,32 +177,48 @@ class TcpServer(_Live):
                 self.socket.listen(self.cap)
 
     def process_request(self, request: Any, client_address: Any) -> None:
+        address = str(client_address[0])
         with self._lock:
-            admitted = self._open < self.cap
-            self._open += admitted
-            if not admitted:
+            mine = self._by_address.get(address, 0)
+            full = ("all" if self._open >= self.cap else
+                    "address" if mine >= per_address(self.cap) else None)
+            if full is None:
+                self._open += 1
+                self._by_address[address] = mine + 1
+            else:
                 self.turned_away += 1
-        if not admitted:
-            if self.turned_away == 1:
+                first = full not in self._told
+                self._told.add(full)
+        if full is not None:
+            if first and full == "all":
                 log.warning("peers: agent at %s: %d connections open; closing the next "
                             "ones until some end", self.server_address, self.cap)
+            elif first:
+                log.warning("peers: agent at %s: %s holds %d of its %d connections; closing "
+                            "its next ones until some end (more than the job's agents "
+                            "open: if %s is no node of the job, keep it off the agents' "
+                            "network)", self.server_address, address, mine, self.cap,
+                            address)
             self.shutdown_request(request)
             return
         try:
             super().process_request(request, client_address)
         except BaseException:  # no thread to let it go
-            self._release()
+            self._release(address)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._release()
+            self._release(str(client_address[0]))
 
-    def _release(self) -> None:
+    def _release(self, address: str) -> None:
         with self._lock:
             self._open -= 1
+            left = self._by_address.pop(address, 1) - 1
+            if left:
+                self._by_address[address] = left
 
 
 class UnixServer(_Live):
@@ -157,6 +228,10 @@ class UnixServer(_Live):
 
     #: Where :func:`private_socket` put the socket, and its (device, inode) there.
     placed: tuple[Path, int, int] | None = None
+
+    def forked(self) -> None:
+        super().forked()
+        self.placed = None  # the parent's socket: never removed by a child's close
 
     def server_bind(self) -> None:  # HTTPServer's would resolve the path as a host name
         self.socket.bind(self.server_address)
