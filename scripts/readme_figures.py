@@ -266,7 +266,8 @@ def engine_startup() -> str:
         # What downloading alone takes on this machine in this run, at the same concurrency.
         b = bare[0]
         lines += ["", f"In the same run one process that only downloads the K artifacts, "
-                  f"16 at a time (its start-up outside the clock; nothing to move or load), takes "
+                  f"16 at a time (its start-up and imports, the HTTP stack's too, outside the "
+                  f"clock, as the engine's are; nothing to move or load), takes "
                   f"{_s(b['wall_s'])} s: {b['wall_s'] / floors[0]:.2f}x "
                   "the latency floor."]
     lines += ["", *_targets(d["targets"])]
