@@ -31,7 +31,7 @@ from typing import Any
 
 from distcache._log import get_logger
 from distcache._urls import redact_url
-from distcache.integrations.flashinfer._files import own_bytes, write_replacing
+from distcache.integrations.flashinfer._files import own_holds, regular_bytes, write_replacing
 from distcache.integrations.flashinfer._loader import PooledLoader
 from distcache.integrations.flashinfer._upstream import (
     REPOSITORY_VARIABLE,
@@ -61,14 +61,14 @@ def _write(destination: Path, data: bytes, cubin_dir: Path | None) -> bool:
     the destination lies there, no directory is walked through a symlink.
 
     An identical file is left alone (replacing it would swap the inode under a reader)
-    only when :func:`own_bytes` trusts it: this user's regular file, reached without a
+    only when :func:`own_holds` finds it so: this user's regular file, reached without a
     symlink. Another user's is replaced, whatever it holds: its owner could rewrite
     it after this check, and FlashInfer reads it by path."""
     destination = Path(os.path.abspath(destination))
     root = Path(os.path.abspath(cubin_dir)) if cubin_dir is not None else None
     if root is None or not destination.is_relative_to(root):
         root = destination.parent  # elsewhere: its directory, as FlashInfer would make it
-    if own_bytes(root, destination) == data:
+    if own_holds(root, destination, data):
         return True
     try:
         write_replacing(root, destination, data)
@@ -83,11 +83,9 @@ def _write(destination: Path, data: bytes, cubin_dir: Path | None) -> bool:
 
 
 def _holds(destination: Path, data: bytes) -> bool:
-    """Whether the file at ``destination`` holds exactly ``data`` now."""
-    try:
-        return destination.read_bytes() == data
-    except OSError:
-        return False
+    """Whether the file at ``destination`` holds exactly ``data`` now (a regular file:
+    :func:`regular_bytes` never blocks on a FIFO there)."""
+    return regular_bytes(destination) == data
 
 
 class RoutedDownload:

@@ -4,16 +4,18 @@ origin that keeps what it delivered."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import tempfile
+from collections.abc import Generator
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from distcache.artifact import Artifact, path_under, sha256_hex
 from distcache.integrations.flashinfer._upstream import is_installed_location
 from distcache.origins._base import Asked
-from distcache.store._fs import process_umask
+from distcache.store._fs import READ_FLAGS, process_umask, read_fd
 from distcache.store._materialize import _ensure_dirs, _open_dirs, _read_if
 
 if TYPE_CHECKING:
@@ -22,30 +24,70 @@ if TYPE_CHECKING:
 
 class Keeping(Asked):
     """``origin``, noting whether it was asked (``asked``: this process downloaded)
-    and keeping a copy of the verified bytes it delivered to the pool, so that a
-    publication that fails after them does not cost a second download."""
+    and keeping hold of the verified bytes it delivered to the pool, so that a
+    publication that fails after them does not cost a second download.
+
+    What the origin streams into the pool's file is held by a duplicate of that
+    file's descriptor, not copied into memory: the pool returns the bytes itself
+    when it publishes them, and a second copy of an artifact of hundreds of
+    megabytes would double every download's peak. :attr:`kept` reads them back (the
+    page cache) only when asked, after the pool's file is gone. A context manager:
+    leaving it closes the descriptor."""
 
     def __init__(self, origin: Origin) -> None:
         super().__init__(origin)
-        self.kept: bytes | None = None
+        self._data: bytes | None = None  #: what ``fetch`` returned
+        self._fd: int | None = None  #: the pool's file, from ``_start``
+        self._start = 0
+
+    def __enter__(self) -> Keeping:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Let go of the pool's file (idempotent)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    @property
+    def kept(self) -> bytes | None:
+        """The bytes the origin delivered, or ``None`` when there were none or they
+        cannot be read back (the caller checks their sha256 either way)."""
+        if self._data is not None or self._fd is None:
+            return self._data
+        try:
+            size = os.fstat(self._fd).st_size - self._start
+            parts, got = [], 0
+            while got < size and (chunk := os.pread(self._fd, size - got, self._start + got)):
+                parts.append(chunk)
+                got += len(chunk)
+        except OSError:
+            return None
+        return b"".join(parts)
 
     def fetch(self, artifact: Artifact) -> bytes:
-        self.kept = super().fetch(artifact)
-        return self.kept
+        self._data = super().fetch(artifact)
+        return self._data
 
     def fetch_into(self, artifact: Artifact, out: BinaryIO) -> int:
-        if not hasattr(self._origin, "fetch_into"):
-            data = self.fetch(artifact)
-            out.write(data)
-            return len(data)
         start = out.tell()
-        size = super().fetch_into(artifact, out)
+        if hasattr(self._origin, "fetch_into"):
+            size = super().fetch_into(artifact, out)
+        else:  # written, then dropped: the pool's file holds it
+            data = super().fetch(artifact)
+            out.write(data)
+            size = len(data)
+            del data
         try:
-            # The pool's own temporary file: read back what was just written (page cache).
-            out.seek(start)
-            self.kept = out.read()
-        except (OSError, ValueError):
-            self.kept = None
+            out.flush()
+            fd = os.dup(out.fileno())
+        except (OSError, ValueError, AttributeError):  # no descriptor to hold
+            return size
+        self.close()
+        self._fd, self._start = fd, start
         return size
 
 
@@ -72,13 +114,124 @@ def _own_file(st: os.stat_result) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
 
 
-def valid_bytes(root: Path, artifact: Artifact, *, own: bool = False) -> bytes | None:
-    """The bytes of ``root/<name>`` when that file exists and matches the sha256; with
-    ``own``, only when it is also a file :func:`own_bytes` trusts (then it is already
-    the artifact, to be left in place)."""
+#: How much of a file is read at a time where it is only hashed or compared.
+_CHUNK = 1 << 20
+
+
+def _own_chunks(root: Path, target: Path) -> Generator[bytes, None, None] | None:
+    """The bytes of ``target``, a piece at a time, when :func:`own_bytes` would read
+    it (``None`` otherwise): a file that is only hashed or compared is never held
+    whole beside the bytes the caller holds."""
+    try:
+        dir_fd = _open_dirs(Path(root), target.parent, create=False)
+    except (OSError, ValueError):
+        return None
+    try:
+        fd = os.open(target.name, READ_FLAGS, dir_fd=dir_fd)
+    except OSError:
+        return None
+    finally:
+        os.close(dir_fd)
+    try:
+        if not _own_file(os.fstat(fd)):
+            os.close(fd)
+            return None
+    except OSError:
+        os.close(fd)
+        return None
+
+    def pieces() -> Generator[bytes, None, None]:
+        try:
+            while chunk := os.read(fd, _CHUNK):
+                yield chunk
+        finally:
+            os.close(fd)
+
+    return pieces()
+
+
+def own_digest(root: Path, target: Path) -> str | None:
+    """The sha256 of ``target`` when :func:`own_bytes` would read it, else ``None``;
+    hashed a piece at a time. ``None`` too when it cannot be read to its end."""
+    chunks = _own_chunks(root, target)
+    if chunks is None:
+        return None
+    digest = hashlib.sha256()
+    try:
+        for chunk in chunks:
+            digest.update(chunk)
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
+def own_holds(root: Path, target: Path, data: bytes) -> bool:
+    """Whether ``target`` is a file :func:`own_bytes` would read and holds exactly
+    ``data``; compared a piece at a time."""
+    chunks = _own_chunks(root, target)
+    if chunks is None:
+        return False
+    view, at = memoryview(data), 0
+    try:
+        for chunk in chunks:
+            if view[at:at + len(chunk)] != chunk:
+                chunks.close()  # closes the file
+                return False
+            at += len(chunk)
+    except OSError:
+        return False
+    return at == len(data)
+
+
+def regular_bytes(path: Path) -> bytes | None:
+    """The bytes of the regular file at ``path`` (a symlink followed), or ``None``
+    for anything else or a file that cannot be read whole.
+
+    Opened without blocking and checked on the open descriptor: a FIFO there would
+    block ``open`` until a writer came (FlashInfer's C++ side waits meanwhile in its
+    ctypes callback), and a device (a link to ``/dev/zero``) would never end."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (OSError, ValueError):  # ValueError: a NUL in the path
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        data = read_fd(fd, st.st_size)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return data if len(data) == st.st_size else None
+
+
+def cubin_bytes(root: Path, artifact: Artifact) -> tuple[bytes | None, bool]:
+    """The bytes of ``root/<name>`` when that file matches the sha256 (else ``None``),
+    and whether it is already the artifact, to be left in place (a file
+    :func:`own_bytes` trusts). The file is read once: a trusted file with other bytes
+    is not read again through its path."""
     try:
         path = path_under(Path(root), artifact.name)
-        data = own_bytes(Path(root), path) if own else path.read_bytes()
+    except ValueError:  # an unsafe name
+        return None, False
+    data = own_bytes(Path(root), path)
+    trusted = data is not None
+    if data is None:
+        data = regular_bytes(path)
+    if data is None or sha256_hex(data) != artifact.sha256:
+        return None, False
+    return data, trusted
+
+
+def valid_bytes(root: Path, artifact: Artifact, *, own: bool = False) -> bytes | None:
+    """The bytes of ``root/<name>`` when that file exists, is a regular file
+    (:func:`regular_bytes`) and matches the sha256; with ``own``, only when it is
+    also a file :func:`own_bytes` trusts (then it is already the artifact, to be left
+    in place)."""
+    try:
+        path = path_under(Path(root), artifact.name)
+        data = own_bytes(Path(root), path) if own else regular_bytes(path)
     except (OSError, ValueError):  # ValueError: an unsafe name
         return None
     return data if data is not None and sha256_hex(data) == artifact.sha256 else None
@@ -87,7 +240,10 @@ def valid_bytes(root: Path, artifact: Artifact, *, own: bool = False) -> bytes |
 def placed(root: Path, artifact: Artifact) -> bool:
     """Whether ``root/<name>`` is already the artifact (``valid_bytes(own=True)``);
     when it is not, the pool's materialize replaces it with this user's file."""
-    return valid_bytes(root, artifact, own=True) is not None
+    try:
+        return own_digest(Path(root), path_under(Path(root), artifact.name)) == artifact.sha256
+    except ValueError:  # an unsafe name
+        return False
 
 
 def write_replacing(root: Path, target: Path, data: bytes) -> None:
@@ -132,7 +288,7 @@ def hold(root: Path, name: str, data: bytes) -> bool:
     if not relative.parts or relative.is_absolute() or ".." in relative.parts:
         raise ValueError(f"{name!r} does not name a file under {root}")
     target = Path(root) / relative
-    if own_bytes(Path(root), target) == data or is_installed_location(Path(root)):
+    if own_holds(Path(root), target, data) or is_installed_location(Path(root)):
         return False
     write_replacing(Path(root), target, data)
     return True

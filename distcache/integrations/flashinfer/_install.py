@@ -41,6 +41,7 @@ from distcache.integrations.flashinfer._upstream import (
     allow_downloads,
     checksum_disabled,
     cubin_dir,
+    flashinfer_cache_dir,
     forbid_downloads,
     loader_attr,
     loader_module,
@@ -152,8 +153,11 @@ def _choose_cubin_dir() -> tuple[Path | None, Path | None]:
         return None, None
     if target is None:
         log.warning("flashinfer: %s=%s is not writable and neither is FlashInfer's cache "
-                    "directory; files FlashInfer opens by path are not materialised",
-                    CUBIN_DIR_VARIABLE, current)
+                    "directory %s; files FlashInfer opens by path (headers, checksums.txt) "
+                    "are not materialised and its JIT builds that include them fail: set "
+                    "%s, or FLASHINFER_WORKSPACE_BASE, to a writable directory before "
+                    "FlashInfer is imported", CUBIN_DIR_VARIABLE, current,
+                    flashinfer_cache_dir(), CUBIN_DIR_VARIABLE)
         return current, None
     return current, target
 

@@ -31,6 +31,7 @@ gets them and the failure is logged once per name, not counted as a fallback.
 
 from __future__ import annotations
 
+import shlex
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -43,6 +44,7 @@ from distcache.errors import ArtifactNameError, ArtifactNotFound, IntegrityError
 from distcache.integrations.flashinfer._families import Families
 from distcache.integrations.flashinfer._files import (
     Keeping,
+    cubin_bytes,
     hold,
     placed,
     valid_bytes,
@@ -99,13 +101,16 @@ _ASK_FLASHINFER = object()
 
 def fetch_hint(artifact: Artifact) -> str:
     """The commands that bring ``artifact`` into an offline pool: fetched on a connected
-    machine from FlashInfer's repository (named where known here), exported alone."""
+    machine from FlashInfer's repository (named where known here), exported alone.
+    The name and the URL are quoted for the shell: a name may hold a space, a quote
+    or ``$(``, and the recipe is pasted as printed."""
     from distcache._urls import redact_url
 
     repo = repository() or str(loader_attr(REPOSITORY_VARIABLE) or "")
-    return (f"on a connected machine run: printf '%s  %s\\n' {artifact.sha256} {artifact.name} "
-            f"> need.txt && distcache fetch --manifest need.txt --origin "
-            f"{redact_url(repo) if repo else 'URL'} && distcache pool export --manifest "
+    origin = shlex.quote(redact_url(repo)) if repo else "URL"
+    return (f"on a connected machine run: printf '%s  %s\\n' {artifact.sha256} "
+            f"{shlex.quote(artifact.name)} > need.txt && distcache fetch --manifest need.txt "
+            f"--origin {origin} && distcache pool export --manifest "
             "need.txt --tar need.tar; then here: distcache pool import need.tar")
 
 
@@ -167,7 +172,8 @@ class PooledLoader:
         if escape is not None:
             # FlashInfer would join the name onto its cache directory and write there;
             # a name that leaves it gets FlashInfer's failure answer and touches nothing.
-            self._note("rejected", repr(file_name), escape)
+            self._note("rejected", repr(file_name), escape, then="answered b'' (FlashInfer's "
+                       "failure answer): the name would leave FLASHINFER_CUBIN_DIR")
             return b""
         if checksum_disabled():
             # FlashInfer then returns whatever file its cubin directory holds (a kernel
@@ -251,10 +257,8 @@ class PooledLoader:
         # A file in the cubin directory counts as placed only when it is this user's
         # (own=True); another user's with the right bytes is served, then replaced.
         root = self.cubin_dir()
-        data = valid_bytes(root, artifact, own=True) if root is not None else None
-        in_cubin_dir = data is not None
-        others = () if root is None else (root,)
-        for local in () if in_cubin_dir else (*others, *self.seed_dirs()):
+        data, in_cubin_dir = cubin_bytes(root, artifact) if root is not None else (None, False)
+        for local in () if data is not None else self.seed_dirs():
             data = valid_bytes(local, artifact)
             if data is not None:
                 break
@@ -273,18 +277,20 @@ class PooledLoader:
         if peered is not None:
             return peered, False, self.pool.has(artifact.sha256)
         origin = self.origin if self.origin is not None else default_origin()
-        keeping = Keeping(origin)
-        try:
-            data = self.pool.fetch(artifact, keeping)
-        except PoolError as exc:
-            # Publishing failed after the origin delivered (or before it was asked):
-            # the caller gets the verified bytes either way, and nothing downloads twice.
-            self._unpublished(exc)
-            kept = keeping.kept
-            data = kept if kept is not None and sha256_hex(kept) == artifact.sha256 else (
-                origin.fetch(artifact))
-            self._bump("fetched")
-            return data, False, False
+        with Keeping(origin) as keeping:
+            try:
+                data = self.pool.fetch(artifact, keeping)
+            except PoolError as exc:
+                # Publishing failed after the origin delivered (or before it was asked):
+                # the caller gets the verified bytes either way, and nothing downloads
+                # twice. The pool's frames, which hold the bytes it read, are let go first.
+                exc.__traceback__ = None
+                self._unpublished(exc)
+                kept = keeping.kept
+                data = kept if kept is not None and sha256_hex(kept) == artifact.sha256 else (
+                    origin.fetch(artifact))
+                self._bump("fetched")
+                return data, False, False
         # Another thread or process may have fetched it while this one waited.
         self._bump("fetched" if keeping.asked else "hits")
         return data, False, True

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from distcache.integrations.flashinfer._files import regular_bytes
 from distcache.integrations.flashinfer._upstream import checksum_disabled
 
 
@@ -49,9 +50,8 @@ def seed_bytes(seeds: Iterable[Path], file_name: Any, sha256: Any,
     for seed in seeds:
         if skip is not None and Path(seed) == Path(skip):
             continue
-        try:
-            data = (Path(seed) / file_name).read_bytes()
-        except (OSError, ValueError):
+        data = regular_bytes(Path(seed) / file_name)  # a FIFO there would block
+        if data is None:
             continue
         if unchecked or hashlib.sha256(data).hexdigest() == sha256:
             return data
