@@ -104,6 +104,11 @@ class OriginChain(BaseOrigin):
                 missing += isinstance(exc, ArtifactNotFound)
                 if isinstance(exc, IntegrityError):
                     corrupt.append(exc)
+                # Whatever the failure, the failed origin's bytes go before the next is
+                # asked (one cut off mid-body by a server gone down too): the next
+                # origin verifies only the bytes it writes itself.
+                if not rewind(out, start) and counted.written:
+                    break  # bytes already went into a stream that cannot be rewound
                 if isinstance(exc, OriginUnreachable):
                     down.append(f"{origin.describe()} ({getattr(exc, 'cause', None)})")
                     if index not in self._warned:
@@ -111,8 +116,6 @@ class OriginChain(BaseOrigin):
                         logger.warning("%s; skipping it while it is down",
                                        exc.message.split(";", 1)[0])
                     continue
-                if not rewind(out, start) and counted.written:
-                    break  # bytes already went into a stream that cannot be rewound
                 if index < len(self.origins) - 1:
                     logger.warning("origin %s failed for %s (%s); trying %s",
                                    origin.describe(), artifact.name, exc.message,

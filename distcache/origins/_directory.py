@@ -11,7 +11,7 @@ from typing import BinaryIO, TypeVar
 
 from distcache.artifact import Artifact, path_under
 from distcache.config import setting
-from distcache.errors import ArtifactNotFound, IntegrityError, OriginError
+from distcache.errors import ArtifactNotFound, IntegrityError, OriginError, OriginUnreachable
 from distcache.origins._base import BaseOrigin
 
 _CHUNK = 1 << 20
@@ -26,6 +26,9 @@ class DirOrigin(BaseOrigin):
 
     Raises:
         ArtifactNotFound: (from ``fetch``) the mirror has no such file.
+        OriginUnreachable: (from ``fetch``) the mirror directory itself is gone
+            (moved, deleted, unmounted, or a link to a removed release), having been
+            one when the origin was made or when it served a file since.
         OriginError: (from ``fetch``) a symlink leaving the mirror, an unreadable
             file, or a file of an artifact of unknown size over the byte cap.
         IntegrityError: (from ``fetch``) the file's bytes do not match the artifact.
@@ -36,6 +39,9 @@ class DirOrigin(BaseOrigin):
         # Absolute now: a later chdir of the process does not move the mirror.
         self.path = Path(path).absolute()
         self._resolved: Path | None = None
+        # Whether the mirror was ever seen as a directory: only one that was is "gone"
+        # when it no longer is (one not made yet lacks each artifact, as an empty one).
+        self._seen = self.path.is_dir()
 
     def describe(self) -> str:
         return f"dir:{self.path}"
@@ -60,6 +66,31 @@ class DirOrigin(BaseOrigin):
             "holds the artifacts' files: remove it or replace it with the file",
             url=str(candidate), status=None, name=artifact.name)
 
+    def _missing(self, artifact: Artifact, candidate: Path) -> OriginError:
+        """Why ``candidate`` could not be found: the mirror itself is gone (deleted,
+        moved, a link to a removed release: every artifact would fail alike, so the
+        origin is unreachable, not each artifact missing), or the mirror lacks it (a
+        link in it to nothing is named as one; so is a mirror never made yet)."""
+        try:
+            mode: int | None = os.stat(self.path).st_mode
+        except OSError:
+            mode = None
+        what = "no such directory" if mode is None else "not a directory"
+        if self._seen and (mode is None or not stat.S_ISDIR(mode)):
+            return OriginUnreachable(
+                f"mirror {self.path} is gone ({what}): it was moved, deleted or unmounted "
+                "since this origin was opened; restore it, or point DISTCACHE_ORIGIN (or "
+                "--origin) at where the mirror is now",
+                url=str(self.path), name=artifact.name, cause=what)
+        try:
+            link = f" (a symbolic link to {os.readlink(candidate)}, which does not exist)"
+        except OSError:
+            link = "" if mode is not None and stat.S_ISDIR(mode) else f" (the mirror: {what})"
+        return ArtifactNotFound(
+            f"{artifact.name} is not in mirror {self.path} (looked for {candidate}{link}); "
+            "add it to the mirror or put another origin after this one",
+            url=str(candidate), name=artifact.name)
+
     def _open(self, artifact: Artifact, candidate: Path) -> int:
         """Open ``candidate`` (following symlinks) and check that the file reached is
         inside the mirror. The kernel names the file an fd reached in one call
@@ -74,12 +105,8 @@ class DirOrigin(BaseOrigin):
             # O_NONBLOCK: a FIFO put in place of the file since the stat must not hang
             # the open (the fstat after it refuses it).
             fd = os.open(candidate, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise ArtifactNotFound(
-                f"{artifact.name} is not in mirror {self.path} (looked for {candidate}); "
-                "add it to the mirror or put another origin after this one",
-                url=str(candidate), name=artifact.name,
-            ) from None
+        except (FileNotFoundError, NotADirectoryError):
+            raise self._missing(artifact, candidate) from None
         except OSError as exc:
             raise OriginError(f"cannot read {candidate} in mirror {self.path}: {exc}",
                               url=str(candidate), status=None, name=artifact.name) from exc
@@ -99,6 +126,7 @@ class DirOrigin(BaseOrigin):
         except BaseException:
             os.close(fd)
             raise
+        self._seen = True
         return fd
 
     def _read(self, artifact: Artifact, candidate: Path, read: Callable[[int], _T],
