@@ -41,39 +41,117 @@ def gc(layout: PoolLayout, max_bytes: int | None, keep: Collection[str] = ()) ->
     ``keep`` (sha256s). Safe under concurrent readers: an open object stays
     readable; a reader that comes later sees a miss.
 
+    The order comes from one scan, which may take long on a large pool; so each object
+    is looked at again just before it goes, through its fan-out directory opened
+    without following a link, and kept when it is no longer the file the scan found
+    (read since, so its recency stamp moved; or replaced by another publication).
+    Objects that cannot be removed (another user's pool) are logged a few at a time,
+    then once in sum, not once each.
+
     Raises:
         PoolError: the objects directory cannot be listed.
     """
     from distcache.store._report import GcReport  # the report, with the call
 
-    entries = sorted((st.st_mtime_ns, path, st.st_size) for path, _sha, st in scan_objects(layout))
-    total = sum(size for _m, _p, size in entries)
+    entries = sorted((st.st_mtime_ns, path, st.st_size, _seen(st))
+                     for path, _sha, st in scan_objects(layout))
+    _warn_unlisted(_unlisted(layout), "neither counted nor collected")
+    total = sum(entry[2] for entry in entries)
     removed = freed = 0
     # Objects another process removed since the scan: neither removed here nor kept.
     gone = gone_bytes = 0
+    failures = _Failures(layout.root)
     if max_bytes is not None:
-        for _mtime, path, size in entries:
+        for _mtime, path, size, seen in entries:
             if total - freed - gone_bytes <= max_bytes:
                 break
             if keep and os.path.basename(path) in keep:
                 continue
             try:
-                os.unlink(path)
-            except FileNotFoundError:
-                gone += 1
-                gone_bytes += size
-                continue
+                outcome = _remove_unchanged(layout, os.path.basename(path), seen)
             except OSError as exc:
-                logger.warning("cannot remove %s during gc: %s", path, exc)
+                failures.add(path, exc)
                 if exc.errno == errno.EROFS:
                     break  # the whole pool is read-only: no other object can go either
                 continue
-            removed += 1
-            freed += size
+            if outcome is None:
+                gone += 1
+                gone_bytes += size
+            elif outcome:
+                removed += 1
+                freed += size
+    failures.summarize()
     if removed:
         logger.info("gc removed %d objects (%d bytes) from %s", removed, freed, layout.root)
     return GcReport(max_bytes=max_bytes, removed=removed, freed_bytes=freed,
                     kept=len(entries) - removed - gone, kept_bytes=total - freed - gone_bytes)
+
+
+def _seen(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What tells an object's file apart from a later one at its name: device, inode,
+    mtime (the recency stamp) and ctime (moved by a stamp, a link, a rename, and set
+    afresh for a new file that reuses a freed inode number)."""
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _remove_unchanged(layout: PoolLayout, sha: str,
+                      seen: tuple[int, int, int, int]) -> bool | None:
+    """Remove the object ``sha`` if it is still the file a scan found (``seen``:
+    :func:`_seen` of it then): True when removed, False when it changed since (kept),
+    None when it is gone. The fan-out directory is opened without following a
+    link, so a directory replaced by a link since the scan is never walked through.
+
+    Raises:
+        OSError: the object cannot be looked at or removed.
+    """
+    try:
+        fd = os.open(layout.fanout(sha), DIR_FLAGS)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # now a link: what it leads to is not this pool's
+            return None
+        raise
+    try:
+        st = os.stat(sha, dir_fd=fd, follow_symlinks=False)
+        if _seen(st) != seen:
+            return False
+        os.unlink(sha, dir_fd=fd)
+    except FileNotFoundError:
+        return None
+    finally:
+        os.close(fd)
+    return True
+
+
+class _Failures:
+    """The objects a collection could not remove: the first :attr:`SHOWN` logged one
+    by one, the rest counted and logged once, with their causes, by
+    :meth:`summarize` (a pool of another user's 100,000 objects is one paragraph of
+    warnings, not 100,000 lines)."""
+
+    SHOWN = 3
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.count = 0
+        self.causes: dict[str, int] = {}
+
+    def add(self, path: str, exc: OSError) -> None:
+        """``path`` could not be removed, for ``exc``."""
+        self.count += 1
+        cause = exc.strerror or str(exc)
+        self.causes[cause] = self.causes.get(cause, 0) + 1
+        if self.count <= self.SHOWN:
+            logger.warning("cannot remove %s during gc: %s", path, cause)
+
+    def summarize(self) -> None:
+        """Log the failures not logged one by one, if any."""
+        if self.count <= self.SHOWN:
+            return
+        causes = ", ".join(f"{cause}: {n}" for cause, n in sorted(self.causes.items()))
+        logger.warning("gc could not remove %d objects from %s in all (%s); %d more than "
+                       "shown above", self.count, self.root, causes, self.count - self.SHOWN)
 
 
 def verify(store: ObjectStore) -> VerifyReport:
@@ -85,7 +163,8 @@ def verify(store: ObjectStore) -> VerifyReport:
     artifact for good while the report said the pool was whole.
 
     Raises:
-        PoolError: the pool cannot be listed or an object cannot be read.
+        PoolError: the pool cannot be listed (a fan-out directory this user may not
+            list: after the others are verified) or an object cannot be read.
     """
     from distcache.store._report import VerifyReport  # the report, with the call
 
@@ -114,6 +193,14 @@ def verify(store: ObjectStore) -> VerifyReport:
             moved += 1
         elif _same_file(path, st):
             corrupt += 1
+    if unlisted := _unlisted(store.layout):
+        # A pool cannot be called whole while part of it was not read.
+        raise PoolError(
+            f"verified {ok + corrupt} objects of {store.layout.root} ({corrupt} corrupt), "
+            f"but {_said(unlisted)}: the objects in them were not verified; this user "
+            "must be able to list every directory of objects/ (check the owner and "
+            "mode of each, and the umask of the users who share the pool)",
+            path=unlisted[0][0], errno=unlisted[0][1].errno)
     return VerifyReport(ok=ok, corrupt=corrupt, quarantined=_count(store.layout.quarantine),
                         ok_bytes=ok_bytes, moved=moved)
 
@@ -214,9 +301,44 @@ def stats(layout: PoolLayout, *, pool_id: str, names: int, max_bytes: int | None
     for _path, _sha, st in scan_objects(layout):
         count += 1
         size += st.st_size
+    _warn_unlisted(_unlisted(layout), "not counted")
     return PoolStats(root=layout.root, pool_id=pool_id, objects=count, bytes=size,
                      quarantined=_count(layout.quarantine), tmp_files=_count(layout.tmp),
                      names=names, max_bytes=max_bytes)
+
+
+def _unlisted(layout: PoolLayout) -> list[tuple[str, OSError]]:
+    """The fan-out directories of ``objects/`` that this user cannot list (another
+    user's, made under umask 077), with why: a scan passes over them as if empty, so
+    what it reports leaves their objects out. Empty when ``objects/`` itself cannot
+    be listed (the scan raised for that already)."""
+    found = []
+    try:
+        fanouts = _fanouts(layout)
+    except PoolError:
+        return []
+    for prefix in fanouts:
+        path = layout.objects / prefix
+        try:
+            os.scandir(path).close()
+        except FileNotFoundError:
+            continue  # removed meanwhile: it held nothing
+        except OSError as exc:
+            found.append((str(path), exc))
+    return found
+
+
+def _said(unlisted: list[tuple[str, OSError]]) -> str:
+    """``cannot list D1 (why), D2 (why) ... and N more`` for fan-out directories."""
+    shown = ", ".join(f"{path} ({exc.strerror or exc})" for path, exc in unlisted[:3])
+    more = f" and {len(unlisted) - 3} more" if len(unlisted) > 3 else ""
+    return f"cannot list {len(unlisted)} directories of objects/: {shown}{more}"
+
+
+def _warn_unlisted(unlisted: list[tuple[str, OSError]], what: str) -> None:
+    """Say that the objects of the fan-out directories in ``unlisted`` were ``what``."""
+    if unlisted:
+        logger.warning("%s; the objects in them were %s", _said(unlisted), what)
 
 
 def _count(directory: Path) -> int:

@@ -22,12 +22,20 @@ from pathlib import Path
 from distcache.artifact import collapse_slashes
 from distcache.errors import PoolError
 from distcache.store._fs import READ_FLAGS, pool_error
-from distcache.store._log import AppendLog, _name_record, _parse_name_record, not_a_log
+from distcache.store._log import (
+    _NAME_RECORD_MAX,
+    AppendLog,
+    _name_record,
+    _parse_name_record,
+    not_a_log,
+)
 
 #: The most bytes before a read's end that the next read checks are still there: the
 #: whole last record (its sha256 and checksum make it the only one of its kind), up to
 #: this many bytes.
 _TAIL = 4096
+#: How much of the log is read at a time.
+_CHUNK = 1 << 16
 
 #: What the index fails with when something other than a regular file is at
 #: ``names.log``: a symlink, a directory, a FIFO (:func:`~distcache.store._log.not_a_log`).
@@ -56,6 +64,10 @@ def read_checked(path: Path, offset: int, tail: bytes
     the bytes before it are no longer ``tail``: it was rewritten); and the log's
     :data:`Seen` (None: no log).
 
+    The log is read a chunk at a time, and a line longer than any record (a
+    zero-filled stretch a power loss left, a planted file) is skipped as it is read,
+    never held whole: what is held is the records.
+
     Raises:
         PoolError: the log cannot be read, or is not a regular file (a symlink, a
             directory, a FIFO: :func:`~distcache.store._log.not_a_log`).
@@ -71,25 +83,49 @@ def read_checked(path: Path, offset: int, tail: bytes
         if (refused := not_a_log("cannot read", path, st.st_mode)) is not None:
             raise refused
         start = max(0, offset - len(tail))
-        data = os.pread(fd, max(0, st.st_size - start), start) if offset <= st.st_size else b""
-        again = offset > st.st_size or data[:offset - start] != tail
+        again = offset > st.st_size or os.pread(fd, offset - start, start) != tail
         if again:
-            offset, start = 0, 0
-            data = os.pread(fd, st.st_size, 0)
+            offset = 0
+        records, end = _records(fd, offset, st.st_size)
+        if end <= offset:  # nothing complete after the offset
+            return [], offset, tail if not again else b"", again, _seen(st)
+        # From the newline before the last record on: the record whole, not its last
+        # bytes (names often share long endings: one kernel under two hash prefixes).
+        lead = os.pread(fd, min(_TAIL, end - offset), end - min(_TAIL, end - offset))
+        last = lead[max(lead.rfind(b"\n", 0, len(lead) - 1), 0):]
     except PoolError:
         raise
     except OSError as exc:
         raise pool_error("cannot read", path, exc) from exc
     finally:
         os.close(fd)
-    end = data.rfind(b"\n", offset - start) + 1
-    if end <= offset - start:  # nothing complete after the offset
-        return [], offset, tail if not again else b"", again, _seen(st)
-    lines = data[offset - start:end].decode("utf-8", "replace").split("\n")
-    # From the newline before the last record on: the record whole, not its last bytes
-    # (names often share long endings: one kernel under two hash prefixes).
-    first = max(data.rfind(b"\n", 0, end - 1), end - _TAIL, 0)
-    return [line for line in lines if line], start + end, data[first:end], again, _seen(st)
+    return records, end, last, again, _seen(st)
+
+
+def _records(fd: int, offset: int, size: int) -> tuple[list[str], int]:
+    """The non-empty lines of the log open as ``fd`` between ``offset`` and the last
+    newline before ``size`` that are not longer than any record, and the offset after
+    that newline (``offset`` when there is none)."""
+    records: list[str] = []
+    end = pos = offset
+    line: bytes | None = b""  # the line so far; None: too long to be a record
+    while pos < size:
+        data = os.pread(fd, min(_CHUNK, size - pos), pos)
+        if not data:
+            break
+        pieces = data.split(b"\n")
+        for piece in pieces[:-1]:
+            record = None if line is None else line + piece
+            if record and len(record) <= _NAME_RECORD_MAX:
+                records.append(record.decode("utf-8", "replace"))
+            line = b""
+        if len(pieces) > 1:
+            end = pos + data.rfind(b"\n") + 1
+        line = None if line is None else line + pieces[-1]
+        if line is not None and len(line) > _NAME_RECORD_MAX:
+            line = None
+        pos += len(data)
+    return records, end
 
 
 class NamesIndex:
