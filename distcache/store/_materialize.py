@@ -108,12 +108,19 @@ def _kept(dir_fd: int, name: str, obj: str, sha: str, size: int) -> bool:
         os.close(fd)
 
 
+#: Bytes of a file's name its temporary name keeps (with the process id, 12 hex digits
+#: and the dots, well under the 255 bytes a name may have).
+_TMP_STEM = 128
+
+
 def _place(dir_fd: int, directory: Path, obj: str, name: str, data: bytes,
            mode: int) -> None:
     """Link ``obj`` (else copy ``data``, ``mode``) to a fresh name in the directory
     held as ``dir_fd`` (its path ``directory``) and rename it over ``name`` there.
     :class:`PoolError` when ``directory`` stops leading to that directory meanwhile."""
-    tmp = f".{name}.{os.getpid()}.{os.urandom(6).hex()}.tmp"
+    # The name's first bytes only: a segment may take all 255 bytes a file name has.
+    stem = name.encode("utf-8", "surrogateescape")[:_TMP_STEM].decode("utf-8", "ignore")
+    tmp = f".{stem}.{os.getpid()}.{os.urandom(6).hex()}.tmp"
     try:
         try:
             # The linked file must be this user's regular file of the bytes verified:
