@@ -23,8 +23,14 @@ SLOW_S = 0.25
 
 
 class Slow(FakeOrigin):
+    """Each request takes ``seconds``."""
+
+    def __init__(self, blobs: dict[str, bytes], seconds: float = SLOW_S) -> None:
+        super().__init__(blobs)
+        self.seconds = seconds
+
     def fetch(self, artifact: Artifact) -> bytes:
-        time.sleep(SLOW_S)
+        time.sleep(self.seconds)
         return super().fetch(artifact)
 
 
@@ -44,11 +50,12 @@ class Failing(FakeOrigin):
         return data
 
 
-def _two_ranks(rank1: FakeOrigin) -> tuple[list[Any], Slow, list[Artifact], list[Store]]:
+def _two_ranks(rank1: FakeOrigin, slow_s: float = SLOW_S
+               ) -> tuple[list[Any], Slow, list[Artifact], list[Store]]:
     arts, blobs = make_blobs(40)
     stores = [Store("p0"), Store("p1")]
     pools = [FakePool(s) for s in stores]
-    origins: list[FakeOrigin] = [Slow(blobs), rank1]
+    origins: list[FakeOrigin] = [Slow(blobs, slow_s), rank1]
     rank1.blobs = blobs
     group = ThreadGroup(2, ["a", "b"], timeout=20)
     out = run_ranks(group, lambda r: prefetch(arts, comm=group.comm(r), pool=pools[r],
@@ -84,7 +91,7 @@ def test_one_artifact_missing_at_the_origin_still_lets_every_rank_finish() -> No
         return ArtifactNotFound(f"404 for fake://origin/{artifact.name}", status=404)
 
     partly = Failing({}, error)
-    out, slow, arts, stores = _two_ranks(partly)
+    out, slow, arts, stores = _two_ranks(partly, slow_s=0.01)
     assert all(isinstance(exc, PrefetchError) for exc in out), out
     assert missing and missing[0] in str(out[0])
     # Every other artifact was fetched once and is in both pools.
