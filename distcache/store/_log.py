@@ -19,7 +19,7 @@ import errno
 import os
 import stat
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from distcache._log import get_logger
@@ -167,31 +167,49 @@ class Journal:
         seen: dict[str, None] = {}
         try:
             size = os.fstat(fd).st_size
-            end = pos = 0 if cursor > size else cursor
-            line: bytes | None = b""  # the line so far; None: too long to be a record
-            while pos < size:
-                data = os.pread(fd, min(_CHUNK, size - pos), pos)
-                if not data:
-                    break
-                pieces = data.split(b"\n")
-                for piece in pieces[:-1]:
-                    record = None if line is None else line + piece
-                    if record is not None and len(record) == _RECORD:
-                        text = record.decode("ascii", "replace")
-                        if is_sha(text):
-                            seen[text] = None
-                    line = b""
-                if len(pieces) > 1:
-                    end = pos + data.rfind(b"\n") + 1
-                line = None if line is None else line + pieces[-1]
-                if line is not None and len(line) > _RECORD:
-                    line = None
-                pos += len(data)
+            end = start = 0 if cursor > size else cursor
+            for record, after in bounded_lines(fd, start, size, _RECORD):
+                end = after
+                if len(record) == _RECORD:
+                    text = record.decode("ascii", "replace")
+                    if is_sha(text):
+                        seen[text] = None
         except OSError as exc:
             raise pool_error("cannot read", path, exc) from exc
         finally:
             os.close(fd)
         return list(seen), end
+
+
+def bounded_lines(fd: int, offset: int, size: int, longest: int
+                  ) -> Iterator[tuple[bytes, int]]:
+    """The complete lines of the file open as ``fd`` between ``offset`` and the last
+    newline before ``size``, without their newline, each with the offset after it;
+    read a chunk at a time, and a line longer than ``longest`` bytes (a zero-filled
+    stretch a power loss left, a planted file) is skipped as it is read, never held
+    whole.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    pos = offset
+    line: bytes | None = b""  # the line so far; None: too long to be a record
+    while pos < size:
+        data = os.pread(fd, min(_CHUNK, size - pos), pos)
+        if not data:
+            return
+        pieces = data.split(b"\n")
+        at = pos
+        for piece in pieces[:-1]:
+            at += len(piece) + 1
+            if line is not None and len(line) + len(piece) <= longest:
+                yield line + piece, at
+            else:  # over-long: skipped, though its end still counts as read
+                yield b"", at
+            line = b""
+        line = None if line is None or len(line) + len(pieces[-1]) > longest else (
+            line + pieces[-1])
+        pos += len(data)
 
 
 #: How many journal bytes before a cursor its mark covers (about two records).

@@ -262,13 +262,14 @@ def _holds(dir_fd: int, name: str, data: bytes) -> bool:
                     and st.st_size == len(data)) == data
 
 
-def _read_if(dir_fd: int, name: str,
-             admit: Callable[[os.stat_result], bool]) -> bytes | None:
-    """The bytes of ``name`` in ``dir_fd``, opened without following a link, when
+def _read_if(dir_fd: int | None, name: str | os.PathLike[str],
+             admit: Callable[[os.stat_result], bool], flags: int = READ_FLAGS) -> bytes | None:
+    """The bytes of ``name`` in ``dir_fd`` (None: a path as given), opened with
+    ``flags`` (by default without following a link, nor blocking on a FIFO), when
     ``admit`` takes its status; None when it does not, or it cannot be read whole."""
     try:
-        fd = os.open(name, READ_FLAGS, dir_fd=dir_fd)
-    except OSError:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except (OSError, ValueError):  # ValueError: a NUL in the name
         return None
     try:
         st = os.fstat(fd)

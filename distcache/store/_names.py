@@ -27,6 +27,7 @@ from distcache.store._log import (
     AppendLog,
     _name_record,
     _parse_name_record,
+    bounded_lines,
     not_a_log,
 )
 
@@ -34,9 +35,6 @@ from distcache.store._log import (
 #: whole last record (its sha256 and checksum make it the only one of its kind), up to
 #: this many bytes.
 _TAIL = 4096
-#: How much of the log is read at a time.
-_CHUNK = 1 << 16
-
 #: What the index fails with when something other than a regular file is at
 #: ``names.log``: a symlink, a directory, a FIFO (:func:`~distcache.store._log.not_a_log`).
 #: Whoever can write the pool can plant one; it costs labels, never a lookup by sha.
@@ -107,24 +105,11 @@ def _records(fd: int, offset: int, size: int) -> tuple[list[str], int]:
     newline before ``size`` that are not longer than any record, and the offset after
     that newline (``offset`` when there is none)."""
     records: list[str] = []
-    end = pos = offset
-    line: bytes | None = b""  # the line so far; None: too long to be a record
-    while pos < size:
-        data = os.pread(fd, min(_CHUNK, size - pos), pos)
-        if not data:
-            break
-        pieces = data.split(b"\n")
-        for piece in pieces[:-1]:
-            record = None if line is None else line + piece
-            if record and len(record) <= _NAME_RECORD_MAX:
-                records.append(record.decode("utf-8", "replace"))
-            line = b""
-        if len(pieces) > 1:
-            end = pos + data.rfind(b"\n") + 1
-        line = None if line is None else line + pieces[-1]
-        if line is not None and len(line) > _NAME_RECORD_MAX:
-            line = None
-        pos += len(data)
+    end = offset
+    for record, after in bounded_lines(fd, offset, size, _NAME_RECORD_MAX):
+        end = after
+        if record:
+            records.append(record.decode("utf-8", "replace"))
     return records, end
 
 

@@ -31,12 +31,15 @@ BODY = 256 * 1024
 
 class _Impostor:
     """A TCP endpoint that answers every request with ``head`` (its status line and
-    headers, the request's signature headers at hand) then ``body``; counts requests."""
+    headers, the request's signature headers at hand, and ``headers``) then ``body``;
+    counts requests. ``reason`` None: no reason header."""
 
-    def __init__(self, status: int, reason: str, *, length: bool = True,
-                 key: bytes | None = None, body: bytes = b"\0" * BODY) -> None:
+    def __init__(self, status: int, reason: str | None, *, length: bool = True,
+                 key: bytes | None = None, body: bytes = b"\0" * BODY,
+                 headers: tuple[str, ...] = ()) -> None:
         self.status, self.reason, self.length, self.key, self.body = (
             status, reason, length, key, body)
+        self.headers = headers
         self.asked = 0
         self._server = socket.create_server(("127.0.0.1", 0))
         self.endpoint = f"tcp://127.0.0.1:{self._server.getsockname()[1]}"
@@ -58,13 +61,14 @@ class _Impostor:
             self.asked += 1
             request = dict(line.split(": ", 1) for line in
                            head.decode("latin-1").split("\r\n")[1:] if ": " in line)
-            lines = [f"HTTP/1.1 {self.status} X", f"{_client.HEADER_REASON}: {self.reason}",
-                     "Connection: close"]
+            lines = [f"HTTP/1.1 {self.status} X", *self.headers, "Connection: close"]
+            if self.reason is not None:
+                lines.append(f"{_client.HEADER_REASON}: {self.reason}")
             if self.length:
                 lines.append(f"Content-Length: {len(self.body)}")
             if self.key is not None:
                 lines.append(f"{HEADER_ANSWER}: "
-                             f"{sign_answer(self.key, request, self.status, self.reason)}")
+                             f"{sign_answer(self.key, request, self.status, self.reason or '')}")
             conn.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + self.body)
 
     def close(self) -> None:
@@ -94,7 +98,7 @@ def reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 @contextlib.contextmanager
-def _impostor(status: int, reason: str, **kwargs: object) -> Iterator[_Impostor]:
+def impostor(status: int, reason: str | None, **kwargs: object) -> Iterator[_Impostor]:
     served = _Impostor(status, reason, **kwargs)  # type: ignore[arg-type]
     try:
         yield served
@@ -111,7 +115,7 @@ def test_a_refusal_with_a_body_and_no_signature_is_skipped_before_the_body_is_re
     made: list[Artifact], reads: list[int], status: int, reason: str, length: bool,
     key: bytes | None,
 ) -> None:
-    with (_impostor(status, reason, length=length, key=key) as fake,
+    with (impostor(status, reason, length=length, key=key) as fake,
           pytest.raises(_client.Unsigned) as raised):
         _client.fetch(fake.endpoint, KEY, made[0], fill=True, timeout=5)
     assert reads == []
@@ -123,10 +127,10 @@ def test_an_agents_own_refusals_are_read_as_before(made: list[Artifact],
                                                    reads: list[int]) -> None:
     """A signed refusal, and an unsigned one with no body (an agent's answer to a
     request it cannot authenticate), are refusals, not an impostor's answers."""
-    with (_impostor(503, "busy", key=KEY, body=b"") as fake,
+    with (impostor(503, "busy", key=KEY, body=b"") as fake,
           pytest.raises(PeerError) as signed):
         _client.fetch(fake.endpoint, KEY, made[0], fill=True, timeout=5)
-    with (_impostor(403, "unauthenticated", body=b"") as fake,
+    with (impostor(403, "unauthenticated", body=b"") as fake,
           pytest.raises(PeerError) as unsigned):
         _client.fetch(fake.endpoint, KEY, made[0], fill=True, timeout=5)
     assert not isinstance(signed.value, _client.Unanswered)
@@ -136,7 +140,7 @@ def test_an_agents_own_refusals_are_read_as_before(made: list[Artifact],
     assert len(reads) == 2
 
 
-def test_a_real_agent_with_another_key_refuses_without_being_taken_for_an_impostor(
+def test_a_real_agent_with_another_key_refuses_without_being_taken_for_animpostor(
     tmp_path: Path, made: list[Artifact],
 ) -> None:
     agent = host_agent(ArtifactPool(tmp_path / "pool-other"), lambda: None, OTHER_KEY, "o")
@@ -149,15 +153,15 @@ def test_a_real_agent_with_another_key_refuses_without_being_taken_for_an_impost
     assert raised.value.status == 403  # type: ignore[attr-defined]
 
 
-def test_an_owner_endpoint_that_answers_refusals_with_bodies_is_left_out_of_later_walks(
-    tmp_path: Path, made: list[Artifact], reads: list[int], monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(_agent, "DOWN_S", 3600.0)  # left out for the whole test
-    with LoopbackOrigin(tmp_path / "repo") as origin, _impostor(404, "not-held") as fake:
+def walk_past(tmp_path: Path, made: list[Artifact], endpoint: str) -> tuple[Any, int]:
+    """Three lookups through an agent of this job whose ring's other node is at
+    ``endpoint`` (which owns each of the three): each served and verified; the agent
+    and the number of requests its origin saw."""
+    with LoopbackOrigin(tmp_path / "repo") as origin:
         agent = host_agent(ArtifactPool(tmp_path / "pool-a"), lambda: HttpOrigin(origin.url),
                            KEY, "a")
         try:
-            nodes = [agent.endpoint, fake.endpoint]
+            nodes = [agent.endpoint, endpoint]
             agent.join(nodes, 0)
             owned = [a for a in made if order(a.sha256, nodes)[0] == 1][:3]
             assert len(owned) == 3
@@ -165,10 +169,20 @@ def test_an_owner_endpoint_that_answers_refusals_with_bodies_is_left_out_of_late
             got = [lookup(a, tier) for a in owned]
         finally:
             agent.stop()
-    # This node asked the origin for each; the impostor once, its body never read.
     assert all(g is not None and sha256_hex(g.data) == a.sha256
                for g, a in zip(got, owned, strict=True))
-    assert origin.total_requests == len(owned)
+    return agent, origin.total_requests
+
+
+def test_an_owner_endpoint_that_answers_refusals_with_bodies_is_left_out_of_later_walks(
+    tmp_path: Path, made: list[Artifact], reads: list[int], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_agent, "DOWN_S", 3600.0)  # left out for the whole test
+    with impostor(404, "not-held") as fake:
+        agent, asked = walk_past(tmp_path, made, fake.endpoint)
+    # This node asked the origin for each; the impostor once, its body never read.
+    owned = 3
+    assert asked == owned
     assert fake.asked == 1
-    assert agent.counts["fallback"] == len(owned)
-    assert len(reads) == len(owned)  # the local answers' bodies alone
+    assert agent.counts["fallback"] == owned
+    assert len(reads) == owned  # the local answers' bodies alone

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, BinaryIO
 from distcache.artifact import Artifact, path_under, sha256_hex
 from distcache.integrations.flashinfer._upstream import is_installed_location
 from distcache.origins._base import Asked
-from distcache.store._fs import READ_FLAGS, process_umask, read_fd
+from distcache.store._fs import READ_FLAGS, process_umask
 from distcache.store._materialize import _ensure_dirs, _open_dirs, _read_if
 
 if TYPE_CHECKING:
@@ -190,20 +190,8 @@ def regular_bytes(path: Path) -> bytes | None:
     Opened without blocking and checked on the open descriptor: a FIFO there would
     block ``open`` until a writer came (FlashInfer's C++ side waits meanwhile in its
     ctypes callback), and a device (a link to ``/dev/zero``) would never end."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except (OSError, ValueError):  # ValueError: a NUL in the path
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return None
-        data = read_fd(fd, st.st_size)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return data if len(data) == st.st_size else None
+    return _read_if(None, path, lambda st: stat.S_ISREG(st.st_mode),
+                    os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
 
 
 def cubin_bytes(root: Path, artifact: Artifact) -> tuple[bytes | None, bool]:
