@@ -49,7 +49,7 @@ step() {
 
 step "ruff" ruff check distcache launch tests scripts
 step "mypy" mypy
-step "pytest (unit, multinode, launchers)" group_timeout 1500 \
+step "pytest (unit, multinode, launchers)" group_timeout 1800 \
   python -m pytest -q -rs -p no:cacheprovider --durations=20 tests/unit tests/multinode tests/launchers
 step "soak (faults under mpirun -n 4)" group_timeout 600 \
   python -m pytest -q -rs -p no:cacheprovider tests/soak
