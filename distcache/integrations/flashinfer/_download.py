@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +32,7 @@ from typing import Any
 
 from distcache._log import get_logger
 from distcache._urls import redact_url
-from distcache.integrations.flashinfer._files import own_holds, regular_bytes, write_replacing
+from distcache.integrations.flashinfer._files import fd_holds, own_holds, write_replacing
 from distcache.integrations.flashinfer._loader import PooledLoader
 from distcache.integrations.flashinfer._upstream import (
     REPOSITORY_VARIABLE,
@@ -83,9 +84,20 @@ def _write(destination: Path, data: bytes, cubin_dir: Path | None) -> bool:
 
 
 def _holds(destination: Path, data: bytes) -> bool:
-    """Whether the file at ``destination`` holds exactly ``data`` now (a regular file:
-    :func:`regular_bytes` never blocks on a FIFO there)."""
-    return regular_bytes(destination) == data
+    """Whether the file at ``destination`` holds exactly ``data`` now: a regular file
+    (opened without blocking, so a FIFO there never blocks) compared a piece at a
+    time (:func:`fd_holds`): the served bytes are never held twice."""
+    try:
+        fd = os.open(destination, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        return stat.S_ISREG(st.st_mode) and fd_holds(fd, st.st_size, data)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 class RoutedDownload:

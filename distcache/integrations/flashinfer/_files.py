@@ -4,18 +4,16 @@ origin that keeps what it delivered."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 import tempfile
-from collections.abc import Generator
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from distcache.artifact import Artifact, path_under, sha256_hex
 from distcache.integrations.flashinfer._upstream import is_installed_location
 from distcache.origins._base import Asked
-from distcache.store._fs import READ_FLAGS, process_umask
+from distcache.store._fs import READ_FLAGS, hash_fd, process_umask, read_fd
 from distcache.store._materialize import _ensure_dirs, _open_dirs, _read_if
 
 if TYPE_CHECKING:
@@ -95,87 +93,91 @@ def own_bytes(root: Path, target: Path) -> bytes | None:
     """The bytes of ``target`` (a path under ``root``) when it is this user's regular
     file, reached from ``root`` through this user's directories without following a
     symlink at any of them or at the file (opened as the pool's materialize opens its
-    targets); ``None`` otherwise.
+    targets); ``None`` otherwise, or when it cannot be read whole.
 
     Only such a file may be left in place: another user's, or one reached through a
     link, can be rewritten by its owner after it was checked, and FlashInfer opens it
     by path. ``None`` makes the caller replace it."""
-    try:
-        dir_fd = _open_dirs(Path(root), target.parent, create=False)
-    except (OSError, ValueError):
+    opened = _own_fd(root, target)
+    if opened is None:
         return None
+    fd, size = opened
     try:
-        return _read_if(dir_fd, target.name, _own_file)
+        data = read_fd(fd, size)
+    except OSError:
+        return None
     finally:
-        os.close(dir_fd)
+        os.close(fd)
+    return data if len(data) == size else None
 
 
-def _own_file(st: os.stat_result) -> bool:
-    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
-
-
-#: How much of a file is read at a time where it is only hashed or compared.
-_CHUNK = 1 << 20
-
-
-def _own_chunks(root: Path, target: Path) -> Generator[bytes, None, None] | None:
-    """The bytes of ``target``, a piece at a time, when :func:`own_bytes` would read
-    it (``None`` otherwise): a file that is only hashed or compared is never held
-    whole beside the bytes the caller holds."""
+def _own_fd(root: Path, target: Path) -> tuple[int, int] | None:
+    """A descriptor and the size of ``target`` when :func:`own_bytes` would read it,
+    else ``None``; the caller closes the descriptor."""
     try:
         dir_fd = _open_dirs(Path(root), target.parent, create=False)
     except (OSError, ValueError):
         return None
     try:
         fd = os.open(target.name, READ_FLAGS, dir_fd=dir_fd)
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL in the name
         return None
     finally:
         os.close(dir_fd)
     try:
-        if not _own_file(os.fstat(fd)):
-            os.close(fd)
-            return None
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+            return fd, st.st_size
     except OSError:
-        os.close(fd)
-        return None
+        pass
+    os.close(fd)
+    return None
 
-    def pieces() -> Generator[bytes, None, None]:
-        try:
-            while chunk := os.read(fd, _CHUNK):
-                yield chunk
-        finally:
-            os.close(fd)
 
-    return pieces()
+#: How much of a file is read at a time where it is only compared.
+_CHUNK = 1 << 20
 
 
 def own_digest(root: Path, target: Path) -> str | None:
     """The sha256 of ``target`` when :func:`own_bytes` would read it, else ``None``;
-    hashed a piece at a time. ``None`` too when it cannot be read to its end."""
-    chunks = _own_chunks(root, target)
-    if chunks is None:
+    hashed a piece at a time. ``None`` too when it cannot be read to the end its
+    ``fstat`` gave (a file growing or shrinking meanwhile)."""
+    opened = _own_fd(root, target)
+    if opened is None:
         return None
-    digest = hashlib.sha256()
+    fd, size = opened
     try:
-        for chunk in chunks:
-            digest.update(chunk)
+        digest, got = hash_fd(fd, size)
     except OSError:
         return None
-    return digest.hexdigest()
+    finally:
+        os.close(fd)
+    return digest if got == size else None
 
 
 def own_holds(root: Path, target: Path, data: bytes) -> bool:
     """Whether ``target`` is a file :func:`own_bytes` would read and holds exactly
-    ``data``; compared a piece at a time."""
-    chunks = _own_chunks(root, target)
-    if chunks is None:
+    ``data``; compared a piece at a time, and not read at all when its size differs."""
+    opened = _own_fd(root, target)
+    if opened is None:
+        return False
+    fd, size = opened
+    try:
+        return fd_holds(fd, size, data)
+    finally:
+        os.close(fd)
+
+
+def fd_holds(fd: int, size: int, data: bytes) -> bool:
+    """Whether the file open at ``fd``, whose ``fstat`` said ``size``, holds exactly
+    ``data``: compared a piece at a time (never a second copy of ``data``), and not
+    read at all when the sizes differ. ``False`` when it cannot be read."""
+    if size != len(data):
         return False
     view, at = memoryview(data), 0
     try:
-        for chunk in chunks:
+        while chunk := os.pread(fd, _CHUNK, at):
             if view[at:at + len(chunk)] != chunk:
-                chunks.close()  # closes the file
                 return False
             at += len(chunk)
     except OSError:
@@ -212,21 +214,8 @@ def cubin_bytes(root: Path, artifact: Artifact) -> tuple[bytes | None, bool]:
     return data, trusted
 
 
-def valid_bytes(root: Path, artifact: Artifact, *, own: bool = False) -> bytes | None:
-    """The bytes of ``root/<name>`` when that file exists, is a regular file
-    (:func:`regular_bytes`) and matches the sha256; with ``own``, only when it is
-    also a file :func:`own_bytes` trusts (then it is already the artifact, to be left
-    in place)."""
-    try:
-        path = path_under(Path(root), artifact.name)
-        data = own_bytes(Path(root), path) if own else regular_bytes(path)
-    except (OSError, ValueError):  # ValueError: an unsafe name
-        return None
-    return data if data is not None and sha256_hex(data) == artifact.sha256 else None
-
-
 def placed(root: Path, artifact: Artifact) -> bool:
-    """Whether ``root/<name>`` is already the artifact (``valid_bytes(own=True)``);
+    """Whether ``root/<name>`` is already the artifact (:func:`own_digest`);
     when it is not, the pool's materialize replaces it with this user's file."""
     try:
         return own_digest(Path(root), path_under(Path(root), artifact.name)) == artifact.sha256

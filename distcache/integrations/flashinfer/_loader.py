@@ -47,7 +47,6 @@ from distcache.integrations.flashinfer._files import (
     cubin_bytes,
     hold,
     placed,
-    valid_bytes,
     write_replacing,
 )
 from distcache.integrations.flashinfer._record import Recorder
@@ -255,11 +254,11 @@ class PooledLoader:
             self._bump("hits")
             return data, False, True
         # A file in the cubin directory counts as placed only when it is this user's
-        # (own=True); another user's with the right bytes is served, then replaced.
+        # (own_bytes); another user's with the right bytes is served, then replaced.
         root = self.cubin_dir()
         data, in_cubin_dir = cubin_bytes(root, artifact) if root is not None else (None, False)
         for local in () if data is not None else self.seed_dirs():
-            data = valid_bytes(local, artifact)
+            data = cubin_bytes(local, artifact)[0]
             if data is not None:
                 break
         if data is not None:

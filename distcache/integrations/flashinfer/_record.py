@@ -33,16 +33,17 @@ import fcntl
 import os
 import re
 import socket
-import stat
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from distcache._log import get_logger
-from distcache.artifact import MAX_NAME_BYTES, Artifact
-from distcache.errors import ArtifactNameError, ManifestError, PoolError
+from distcache.artifact import Artifact
+from distcache.errors import PoolError
+from distcache.integrations.flashinfer._record_lines import _lines, _open_regular
 
 log = get_logger(__name__)
 
@@ -54,11 +55,6 @@ COMPACT_SUFFIX = ".compact" + RECORD_SUFFIX
 MAX_ENTRIES = 100_000
 #: How long a reader waits for another process's compaction before reading without.
 _LOCK_WAIT_SECONDS = 10.0
-_LINE_RE = re.compile(r"^([0-9a-f]{64})  (\S.*)$")
-#: A line cut short before its name began (a crash, a full disk) and ended later.
-_TORN_RE = re.compile(r"^[0-9a-f]{1,64} {0,2}$")
-#: The longest line a record holds (a sha256, two blanks, the longest name, a newline).
-_MAX_LINE = 64 + 2 + MAX_NAME_BYTES + 1
 # The launcher variables that carry a global rank, most specific first. The rank is
 # only a readable tag in the file name; host and pid already make it unique.
 _RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
@@ -84,17 +80,34 @@ class Recorder:
     """Appends each distinct ``(name, sha256)`` once to this process's record file.
 
     The directory is created on first use. Thread-safe; a failing write is logged
-    once and recording stops (a usage record must never break serving).
+    once and recording stops (a usage record must never break serving). A process
+    forked from this one (an engine's worker) records into a file of its own
+    (:func:`record_file_name` with its pid; a given ``file_name`` is kept, each line
+    still one ``O_APPEND`` write): it never writes as its parent, nor waits on a lock
+    a thread of the parent held at the fork.
     """
 
     def __init__(self, directory: str | os.PathLike[str], file_name: str | None = None) -> None:
         self.directory = Path(directory)
+        self._named = file_name is not None
         self.path = self.directory / (file_name or record_file_name())
         self._seen: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         self._fd: int | None = None
         self._broken = False
         self._finished = False
+        _RECORDERS.add(self)
+
+    def _forked(self) -> None:
+        """In a forked child: let go of the parent's descriptor (its shared lock
+        stays the parent's) and name the child's own file."""
+        self._lock = threading.Lock()  # a parent's thread may have held it at the fork
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if not self._named:
+            self.path = self.directory / record_file_name()
 
     def add(self, name: str, sha256: str) -> bool:
         """Record one request; returns ``True`` when a line was written."""
@@ -146,15 +159,16 @@ class Recorder:
                 self._fd = None
 
 
-def _open_regular(path: Path, flags: int) -> int | None:
-    """A descriptor on ``path`` opened with ``flags``, or ``None`` when it is not a
-    regular file (a FIFO, a device or a directory under a record name: opening does
-    not wait for a FIFO's other end, and nothing is read from or written to it)."""
-    fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
-    if stat.S_ISREG(os.fstat(fd).st_mode):
-        return fd
-    os.close(fd)
-    return None
+#: Every live recorder of this process, renamed in a forked child.
+_RECORDERS: weakref.WeakSet[Recorder] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for recorder in list(_RECORDERS):
+        recorder._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _after_torn_line(fd: int) -> int:
@@ -353,47 +367,3 @@ def _compact(root: Path, max_entries: int) -> dict[str, tuple[str, str]]:
     finally:
         for _path, fd in held:
             os.close(fd)
-
-
-def _lines(path: Path) -> Iterator[Artifact]:
-    """The artifacts recorded in ``path``, in order, read a line at a time.
-
-    Raises:
-        FileNotFoundError: the file is gone (a compactor removed it).
-    """
-    try:
-        fd = _open_regular(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise PoolError(f"cannot read usage record {path}: {exc}", path=str(path)) from exc
-    if fd is None:
-        log.warning("%s: not a regular file; ignored", path)
-        return
-    torn = 0
-    with open(fd, "rb") as file:
-        for lineno, raw in enumerate(iter(lambda: file.readline(_MAX_LINE + 1), b""), 1):
-            try:
-                line = raw.decode() if len(raw) <= _MAX_LINE else raw[:120].decode(errors="replace")
-            except UnicodeDecodeError as exc:
-                raise PoolError(f"cannot read usage record {path}: {exc}", path=str(path)) from exc
-            if len(raw) <= _MAX_LINE and not line.endswith("\n"):
-                log.warning("%s: ignoring a truncated last line %r", path, line[:80])
-                break
-            line = line.removesuffix("\n")
-            torn += bool(_TORN_RE.match(line))  # cut short, then appended to: skipped
-            if not line.strip() or _TORN_RE.match(line):
-                continue
-            match = _LINE_RE.match(line) if len(raw) <= _MAX_LINE else None
-            if match is None:  # a line longer than a name allows is not read on
-                raise ManifestError(f"{path}:{lineno}: expected '<64 hex sha256>  <name>', got "
-                                    f"{line[:120]!r}", line=lineno, text=line, source=str(path))
-            try:
-                artifact = Artifact(match[2], match[1])
-            except ArtifactNameError as exc:
-                raise ArtifactNameError(f"{path}:{lineno}: {exc.message}", name=match[2],
-                                        reason=getattr(exc, "reason", str(exc)),
-                                        line=lineno) from None
-            yield artifact
-    if torn:
-        log.warning("%s: ignoring %d line(s) cut short by an interrupted write", path, torn)
