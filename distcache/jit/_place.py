@@ -42,8 +42,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distcache._log import get_logger
-from distcache.artifact import sha256_hex, validate_name
-from distcache.errors import ArtifactNameError
+from distcache.artifact import validate_name
+from distcache.errors import ArtifactNameError, PoolError
+from distcache.jit._stream import hash_fd as _read_all  # a hook tests wrap
+from distcache.jit._stream import store_fd
 from distcache.jit._tree import MODE_MASK, TreeEntry
 from distcache.jit._walk import (
     FOREIGN,
@@ -200,43 +202,40 @@ def _scan_one(pool: ArtifactPool, rel: str, path: Path, prefix: str,
         if (last is not None and last[0] == witness(st)
                 and before is not None and before.sha256 == last[1]):
             return TreeEntry(name, last[1], mode, st.st_size, mtime)
-        data = _read_all(fd, st.st_size)
+        sha, size = _read_all(fd, st.st_size)  # hashed a piece at a time
         # A writer that moved the file while it was read: what was read may be
         # neither the old bytes nor the new ones.
-        if len(data) != st.st_size or witness(os.fstat(fd)) != witness(st):
+        if size != st.st_size or witness(os.fstat(fd)) != witness(st):
             if seen is not None:
                 seen.pop(name, None)
             return None
-    except OSError:
+        entry = TreeEntry(name, sha, mode, size, mtime)
+        quiet = settled(st)
+        if fresh is not None and not quiet:
+            fresh.append(Fresh(entry, rel, path, prefix, witness(st),
+                               max(st.st_mtime_ns, st.st_ctime_ns)))
+            if seen is not None:
+                seen.pop(name, None)
+            return None
+        # Copied from the same descriptor, checked against ``sha`` on the way: a file
+        # rewritten since it was hashed is not stored (nor listed).
+        if (before is None or before.sha256 != sha or not pool.has(sha)) and (
+                not store_fd(pool, fd, sha, size) or witness(os.fstat(fd)) != witness(st)):
+            if seen is not None:
+                seen.pop(name, None)
+            return None
+    except OSError as exc:
+        if isinstance(exc, PoolError):
+            raise
         return None
     finally:
         os.close(fd)
-    sha = sha256_hex(data)
-    entry = TreeEntry(name, sha, mode, len(data), mtime)
-    quiet = settled(st)
-    if fresh is not None and not quiet:
-        fresh.append(Fresh(entry, rel, path, prefix, witness(st),
-                           max(st.st_mtime_ns, st.st_ctime_ns)))
-        if seen is not None:
-            seen.pop(name, None)
-        return None
-    if before is None or before.sha256 != sha or not pool.has(sha):
-        pool.put(data, sha)
     if seen is not None:
         if quiet:
             seen[name] = (witness(st), sha)
         else:
             seen.pop(name, None)
     return entry
-
-
-def _read_all(fd: int, size: int) -> bytes:
-    chunks: list[bytes] = []
-    while True:
-        chunk = os.read(fd, max(size, 1 << 16))
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
 
 
 def materialize_entries(pool: ArtifactPool, root: Path, entries: Sequence[TreeEntry], *,

@@ -35,6 +35,7 @@ from distcache.jit._tree import (
     read_trees,
     union,
 )
+from distcache.jit._walk import check_way
 from distcache.store import ArtifactPool
 
 log = get_logger(__name__)
@@ -142,6 +143,8 @@ class PoolCacheManager(FileCacheManager):
         assert family is not None and family.pool is not None
         try:
             names = set(filenames)
+            # Refused (logged below) where another user could have planted the files.
+            check_way(Path(self.cache_dir), family=family.name)
             with family.pool.batch():  # the files and their tree, collected as one
                 entries = [e for e in scan_into(family.pool, Path(self.cache_dir),
                                                 f"{self.key}/")

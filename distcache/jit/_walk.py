@@ -36,10 +36,14 @@ def transient(relpath: str, patterns: Sequence[str] = TRANSIENT) -> bool:
 
 def check_owner(directory: Path, *, family: str) -> None:
     """Refuse ``directory`` unless it is a directory owned by this process's user,
-    and not a symbolic link (whoever made the link chose where the files would go).
+    not a symbolic link (whoever made the link chose where the files would go), and
+    not one every user may write to without the sticky bit (:func:`open_to_all`:
+    anyone could plant a file there that the tool loads).
 
     Raises:
-        JitCacheError: it is owned by another user, is a link, or is not a directory.
+        JitCacheError: it is owned by another user, is a link, is not a directory, or
+            is writable by every user without the sticky bit (naming its mode, its
+            owner and ``chmod go-w``).
     """
     try:
         st = os.lstat(directory)
@@ -60,6 +64,19 @@ def check_owner(directory: Path, *, family: str) -> None:
             f"to this user (uid {os.geteuid()}); a JIT cache holds code the engine runs, "
             "so point the tool at a directory of your own", family=family,
             path=str(directory))
+    if open_to_all(st):
+        raise JitCacheError(
+            f"{family}: refusing to use {directory}: every user may write to it (mode "
+            f"{oct(stat.S_IMODE(st.st_mode))}, no sticky bit; owner uid {st.st_uid}), so "
+            "another user could plant compiled code the engine would load; run "
+            f"chmod go-w {directory} (or point the tool at a directory of your own) and "
+            "run again", family=family, path=str(directory))
+
+
+def open_to_all(st: os.stat_result) -> bool:
+    """Whether every user may add, rename or remove entries of the directory ``st``
+    describes (world-writable without the sticky bit)."""
+    return bool(st.st_mode & stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX
 
 
 #: How many symbolic links the way to a directory may pass through (as for one path
@@ -168,10 +185,12 @@ def _check_on_way(path: str, st: os.stat_result | None, me: int, family: str) ->
         raise JitCacheError(
             f"{family}: refusing to fill under {path}: it belongs to uid {st.st_uid}, not "
             f"to this user (uid {me}) nor to root", family=family, path=path)
-    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+    if open_to_all(st):
         raise JitCacheError(
-            f"{family}: refusing to fill under {path}: every user may write to it and it "
-            "has no sticky bit, so anyone may replace what it holds", family=family,
+            f"{family}: refusing to fill under {path}: every user may write to it (mode "
+            f"{oct(stat.S_IMODE(st.st_mode))}, no sticky bit; owner uid {st.st_uid}), so "
+            f"anyone may replace what it holds; run chmod go-w {path} (or chmod +t, or "
+            "point the tool at a directory elsewhere) and run again", family=family,
             path=path)
 
 
@@ -264,7 +283,7 @@ def ensure_dirs(root: Path, directory: Path, checked: set[Path], family: str) ->
                           "through it", family=family, path=str(path))
         if not stat.S_ISDIR(st.st_mode):
             raise InTheWay(path)
-        if st.st_uid != os.geteuid():
+        if st.st_uid != os.geteuid() or open_to_all(st):
             try:
                 check_owner(path, family=family)
             except JitCacheError as exc:
