@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Collection, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 from distcache._log import get_logger
 from distcache.store import _maintenance
-from distcache.store.layout import PoolLayout
+from distcache.store._quarantine import trim_quarantine
 
 if TYPE_CHECKING:
+    from distcache.store._objects import ObjectStore
     from distcache.store._report import GcReport
 
 logger = get_logger(__name__)
@@ -48,11 +49,10 @@ class Cap:
     batches; an uncapped pool is never measured, and a pool well under its cap is
     measured once per sixteenth of the cap published."""
 
-    def __init__(self, layout: PoolLayout, max_bytes: int | None,
-                 total: Callable[[], int]) -> None:
-        self.layout = layout
+    def __init__(self, store: ObjectStore, max_bytes: int | None) -> None:
+        self.store = store
+        self.layout = store.layout
         self.max_bytes = max_bytes
-        self._total = total
         self._guard = threading.Lock()
         self._approx: int | None = None
         self._unmeasured = 0  # bytes this process published since the last measurement
@@ -81,10 +81,11 @@ class Cap:
             if self._open:
                 self._fresh[sha] = size
         if current is None:
-            current = self._total()
+            current = sum(st.st_size for _path, _sha, st in self.store.scan())
             self.set_total(current)
         with self._guard:
-            stale = self._unmeasured >= self.max_bytes * RESCAN_FRACTION
+            # Divided, not multiplied: a cap past a float's range (10**400) is no cap.
+            stale = self._unmeasured / RESCAN_FRACTION >= self.max_bytes
             if current <= self.max_bytes and not stale:
                 return
             if self._open:
@@ -108,9 +109,11 @@ class Cap:
 
     def collect(self, max_bytes: int | None = None, keep: Collection[str] = ()) -> GcReport:
         """:func:`~distcache.store._maintenance.gc` down to ``max_bytes`` (default: the
-        cap), keeping ``keep``; the pool's size it finds is the new measurement."""
+        cap), keeping ``keep``; the pool's size it finds is the new measurement. Then
+        ``quarantine/`` is trimmed to the store's ``quarantine_keep`` newest entries."""
         report = _maintenance.gc(self.layout, self.max_bytes if max_bytes is None else max_bytes,
                                  keep)
+        trim_quarantine(self.layout, self.store.quarantine_keep)
         self.set_total(report.kept_bytes)
         return report
 

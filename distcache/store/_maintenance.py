@@ -17,7 +17,7 @@ import errno
 import os
 import stat
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -288,23 +288,29 @@ def _same_file(path: str, st: os.stat_result) -> bool:
     return (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev)
 
 
-def stats(layout: PoolLayout, *, pool_id: str, names: int, max_bytes: int | None) -> PoolStats:
-    """Counts from a directory scan of the pool at ``layout`` (no hashing); the
-    pool's ``pool_id``, number of ``names`` and ``max_bytes`` are reported as given.
+def stats(layout: PoolLayout, *, pool_id: str, names: int | Mapping[str, str],
+          max_bytes: int | None) -> PoolStats:
+    """Counts from a directory scan of the pool at ``layout`` (no hashing); of the
+    labels ``names`` (name to sha), those whose object the scan found (a label of a
+    collected object names nothing; a number is reported as given); the pool's
+    ``pool_id`` and ``max_bytes`` as given.
 
     Raises:
         PoolError: the pool cannot be listed.
     """
     from distcache.store._report import PoolStats  # the report, with the call
 
-    count = size = 0
-    for _path, _sha, st in scan_objects(layout):
-        count += 1
+    size = 0
+    present = set()
+    for _path, sha, st in scan_objects(layout):
+        present.add(sha)
         size += st.st_size
+    count, labelled = len(present), names if isinstance(names, int) else sum(
+        1 for sha in names.values() if sha in present)
     _warn_unlisted(_unlisted(layout), "not counted")
     return PoolStats(root=layout.root, pool_id=pool_id, objects=count, bytes=size,
                      quarantined=_count(layout.quarantine), tmp_files=_count(layout.tmp),
-                     names=names, max_bytes=max_bytes)
+                     names=labelled, max_bytes=max_bytes)
 
 
 def _unlisted(layout: PoolLayout) -> list[tuple[str, OSError]]:

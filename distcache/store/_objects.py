@@ -42,6 +42,7 @@ import errno
 import os
 import stat
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -63,8 +64,9 @@ from distcache.store._fs import (
     witness,
     write_all,
 )
+from distcache.store._quarantine import trim_quarantine
 from distcache.store._reading import DIR_FLAGS, NotAnObject, read_object
-from distcache.store.layout import PoolLayout, scan_objects, trim_quarantine
+from distcache.store.layout import PoolLayout, scan_objects
 
 logger = get_logger(__name__)
 
@@ -85,7 +87,7 @@ class ObjectStore:
 
     #: Reads refresh an object's recency stamp when it is older than this (seconds).
     stamp_interval: float = 60.0
-    #: Quarantined files kept for inspection, newest first (:func:`trim_quarantine`).
+    #: Quarantined entries kept for inspection, newest first (:func:`trim_quarantine`).
     quarantine_keep: int = 16
 
     def __init__(self, layout: PoolLayout, *, host: str, file_mode: int, setgid: bool) -> None:
@@ -158,6 +160,33 @@ class ObjectStore:
                 with contextlib.suppress(OSError):
                     found[i] = stat.S_ISREG(os.lstat(self.layout.object_path(wanted[i])).st_mode)
         return found
+
+    def stamp(self, sha: str, *, write: bool = True) -> int | None:
+        """The size of the object ``sha`` when a regular file is there (None: absent,
+        or not a file), looked at through its fan-out directory opened without
+        following a link; with ``write``, its recency stamp is refreshed when older than
+        :attr:`stamp_interval`, as a read does: a job that holds it uses it now. A stamp
+        this user may not write (another user's object) is skipped, never raised."""
+        try:
+            fd = os.open(self.layout.fanout(sha), DIR_FLAGS)
+        except OSError:
+            return None
+        try:
+            st = os.stat(sha, dir_fd=fd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            if write and time.time() - st.st_mtime > self.stamp_interval:
+                with contextlib.suppress(OSError):  # recency falls back to publish time
+                    os.utime(sha, dir_fd=fd, follow_symlinks=False)
+                    now = os.stat(sha, dir_fd=fd, follow_symlinks=False)
+                    with self._guard:  # the stamp moved its times: still what was verified
+                        if trusted_file(st, self.fresh.get(sha)):
+                            self.fresh[sha] = witness(now)
+            return st.st_size
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
 
     def read(self, sha: str, *, stamp: bool, trusted: bool = False) -> bytes | None:
         """The verified bytes of ``sha``, or None when absent or corrupt (then

@@ -87,8 +87,7 @@ class ArtifactPool:
         #: The pool's identity: its ``pool_id``, and the probes a collective places
         #: to show which ranks see this directory (a copy takes a fresh id).
         self.identity = opened.identity(self.layout)
-        self._cap = Cap(self.layout, self.max_bytes, lambda: sum(
-            st.st_size for _p, _s, st in self._store.scan()))
+        self._cap = Cap(self._store, self.max_bytes)
         if not read_only:
             self.sweep()
 
@@ -121,8 +120,9 @@ class ArtifactPool:
 
     @property
     def quarantine_keep(self) -> int:
-        """Quarantined files kept, newest first (default 16; ``quarantine/`` is
-        outside the size cap, so a medium that keeps corrupting cannot fill the disk)."""
+        """Quarantined entries kept, newest first, of every kind (default 16; trimmed
+        on each quarantine and collection: ``quarantine/`` is outside the size cap, so a
+        medium that keeps corrupting cannot fill the disk)."""
         return self._store.quarantine_keep
 
     @quarantine_keep.setter
@@ -247,17 +247,14 @@ class ArtifactPool:
         """Count the objects ``shas`` present in this pool as part of what the open
         batches bring (a prefetch's or a sync's set, found here or moved in by another
         process): the collection of a capped pool when the last batch ends keeps them,
-        as it keeps what the batches published. Without a cap or an open batch this
-        does nothing (ValueError: a bad sha)."""
+        as it keeps what the batches published (without a cap or an open batch, nothing
+        is kept). Held objects count as used now: a recency stamp older than
+        :attr:`stamp_interval` is refreshed, as a read does (ValueError: a bad sha)."""
         self._cap.max_bytes = self.max_bytes  # an attribute callers may set
-        if not self._cap.holding:
-            return
         for sha in shas:
-            try:
-                size = os.lstat(self.layout.object_path(check_sha256(sha))).st_size
-            except OSError:
-                continue  # absent: nothing to keep
-            self._cap.held(sha, size)
+            size = self._store.stamp(check_sha256(sha), write=not self.read_only)
+            if size is not None:  # absent: nothing to keep
+                self._cap.held(sha, size)
 
     def batch(self, *, wait: bool = True) -> AbstractContextManager[None]:
         """A context in which publications are made durable together when it ends
@@ -389,9 +386,9 @@ class ArtifactPool:
         return _maintenance.verify(self._store)
 
     def stats(self) -> PoolStats:
-        """Counts from a directory scan, no hashing (PoolError: the pool cannot be
-        listed, or the name index read)."""
-        return _maintenance.stats(self.layout, pool_id=self.pool_id, names=len(self.names()),
+        """Counts from a directory scan, no hashing; the labels of present objects only
+        (PoolError: the pool cannot be listed, or the name index read)."""
+        return _maintenance.stats(self.layout, pool_id=self.pool_id, names=self.names(),
                               max_bytes=self.max_bytes)
 
     def sweep(self, max_age: float = STALE_TMP_SECONDS) -> int:

@@ -54,7 +54,7 @@ class PoolStats:
     quarantined: int
     #: Temporary files in ``tmp/`` (downloads or publications in progress, or leftovers).
     tmp_files: int
-    #: Names recorded in the name index.
+    #: Names recorded in the name index whose objects are present.
     names: int
     #: The size cap, or ``None``.
     max_bytes: int | None
