@@ -47,6 +47,7 @@ from distcache.origins._base import Asked
 from distcache.peer import _client
 from distcache.peer._answers import handler as _handler
 from distcache.peer._auth import MAX_SKEW_S, Nonces
+from distcache.peer._backoff import Backoff
 from distcache.peer._flight import Singleflight, StillRunning
 from distcache.peer._ring import order
 from distcache.peer._servers import TcpServer, close_connections, private_socket
@@ -57,8 +58,9 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-#: Seconds a node that did not answer is left out of owner walks.
-DOWN_S = 10.0
+#: Seconds a node that did not answer is left out of owner walks, doubled while it
+#: fails each time it is asked again, up to DOWN_MAX_S; its first answer ends it.
+DOWN_S, DOWN_MAX_S = 10.0, 160.0
 #: Seconds an answer waits for a transfer slot, at least, before a 503.
 BUSY_WAIT_S = 5.0
 #: Seconds one hop to another agent may take (its origin download included).
@@ -112,7 +114,7 @@ class Agent:
         self.counts: Counter[str] = Counter()
         self._slots = threading.BoundedSemaphore(max_transfers)
         self._lock = threading.Lock()
-        self._down: dict[str, float] = {}
+        self._down = Backoff()
         self._walks: Singleflight[_client.Answer] = Singleflight()
         self._fills: Singleflight[_client.Answer] = Singleflight()
         self._servers: list[http.server.ThreadingHTTPServer] = []
@@ -292,12 +294,14 @@ class Agent:
             hop = min(HOP_S, until - time.monotonic())
             if filling and hop < REASK_HOP_S:  # too short for its answer to come back
                 raise ran_out
-            if hop <= 0 or self._is_down(endpoint):
+            if hop <= 0 or (not filling and self._down.skip(endpoint, hop)):  # it answers
                 return None
             asked = time.monotonic()
             try:
-                return _client.fetch(endpoint, self.key, artifact, fill=True, timeout=hop,
-                                     deadline=_client.budget_for(hop), join=join)
+                got = _client.fetch(endpoint, self.key, artifact, fill=True, timeout=hop,
+                                    deadline=_client.budget_for(hop), join=join)
+                self._down.answered(endpoint)
+                return got
             except _client.Filling:
                 # Its download goes on: the next node would ask the origin once more.
                 filling = True
@@ -314,10 +318,15 @@ class Agent:
                     # was downloading, and nothing says it stopped.
                     raise ran_out from None
                 wrong = isinstance(exc, _client.Wrong)  # no agent of ours answers so
-                if status is None or wrong or _client.gone(exc, whole=hop >= HOP_S):
-                    self._mark_down(endpoint)  # not a busy one
+                down = status is None or wrong or _client.gone(exc, whole=hop >= HOP_S)
+                seconds = self._mark_down(endpoint) if down else 0.0  # not a busy one
                 self.count("peer_skipped")
-                if wrong and self._first(f"wrong {endpoint}"):
+                if down and isinstance(exc, _client.Silent) and self._first(f"mute {endpoint}"):
+                    log.warning("peers: agent %s said nothing within a whole hop of %.0f s (a "
+                                "stopped or wedged process); walks leave it out for %.0f s, "
+                                "longer while it stays silent (up to %.0f s), and ask the next "
+                                "node in each order", endpoint, hop, seconds, DOWN_MAX_S)
+                elif wrong and self._first(f"wrong {endpoint}"):
                     log.warning("peers: %s; what listens at %s is not an agent of this "
                                 "job, or a broken one: it is skipped for %.0f s at a time",
                                 exc, endpoint, DOWN_S)
@@ -378,12 +387,10 @@ class Agent:
                         getattr(self.pool, "root", self.pool), exc)
 
     def _is_down(self, endpoint: str) -> bool:
-        with self._lock:
-            return self._down.get(endpoint, 0.0) > time.monotonic()
+        return self._down.down(endpoint)
 
-    def _mark_down(self, endpoint: str) -> None:
-        with self._lock:
-            self._down[endpoint] = time.monotonic() + DOWN_S
+    def _mark_down(self, endpoint: str) -> float:
+        return self._down.failed(endpoint, DOWN_S, DOWN_MAX_S)
 
 
 def _flight_key(artifact: Artifact) -> str:

@@ -27,6 +27,7 @@ from distcache._log import get_logger
 from distcache.artifact import Artifact
 from distcache.config import settings
 from distcache.errors import ArtifactNotFound
+from distcache.peer._backoff import Backoff
 
 log = get_logger(__name__)
 
@@ -37,6 +38,12 @@ LOOKUP_BOUND_S = 30.0
 #: itself would download it once more. It only waits on that download, and stops
 #: when it ends without the bytes.
 FILLING_WAIT_S = 600.0
+#: Seconds lookups leave out a node agent that said nothing within a lookup's whole
+#: bound (a stopped or wedged process: the kernel still accepts for it), could not be
+#: reached, or answered as no agent of the job does; doubled each time it is asked
+#: again and fails again, up to :data:`LEFT_OUT_MAX_S`. Its first answer ends it.
+LEFT_OUT_S = 10.0
+LEFT_OUT_MAX_S = 300.0
 
 #: Bytes of a request key (``derive_key``'s HMAC-SHA256).
 KEY_BYTES = 32
@@ -71,6 +78,9 @@ _attached: Tier | None = None
 _from_env: dict[str, Tier | None] = {}
 #: What lookups did in this process: outcome -> count.
 counts: Counter[str] = Counter()
+#: The node agents this process's lookups leave out, and those said so at WARNING.
+_down = Backoff()
+_told: set[str] = set()
 
 
 def attach(tier: Tier | None) -> None:
@@ -157,6 +167,9 @@ def lookup(artifact: Artifact, tier: Tier | None = None) -> Lookup | None:
     tier = tier if tier is not None else current()
     if tier is None:
         return None
+    if _down.skip(tier.endpoint, tier.bound):  # it said nothing lately: the origin
+        _count("left_out")
+        return None
     start = time.monotonic()
     try:
         from distcache.peer import _client  # http.client, with the first lookup
@@ -181,10 +194,46 @@ def lookup(artifact: Artifact, tier: Tier | None = None) -> Lookup | None:
                 _client.pause_after(asked)
     except ArtifactNotFound:
         _count("not_at_origin")
+        _answered(tier)
         raise
     except Exception as exc:
         _count("failed")
-        log.debug("peer tier did not serve %s: %s", artifact.name, exc)
+        _failed(tier, artifact, exc)
         return None
     _count(got.source)
+    _answered(tier)
     return Lookup(got.data, got.source, time.monotonic() - start)
+
+
+def _answered(tier: Tier) -> None:
+    if _down.answered(tier.endpoint):
+        log.info("peer tier: the node agent at %s answers again; lookups ask it again",
+                 tier.endpoint)
+
+
+def _failed(tier: Tier, artifact: Artifact, exc: Exception) -> None:
+    """Leave the node agent out for a while where ``exc`` says it is stopped, wedged,
+    gone or not this job's (every ask was given the whole bound); the first time,
+    at WARNING."""
+    from distcache.peer import _client
+
+    status = getattr(exc, "status", 0)
+    if not (status is None or _client.gone(exc, whole=True)):
+        if status != 0:  # a refusal or a busy answer: it answers
+            _answered(tier)
+        log.debug("peer tier did not serve %s: %s", artifact.name, exc)
+        return
+    seconds = _down.failed(tier.endpoint, LEFT_OUT_S, LEFT_OUT_MAX_S)
+    what = ("could not be reached" if status is None and not isinstance(exc, _client.Wrong)
+            else f"said nothing within a lookup's whole bound of {tier.bound:.0f} s"
+            if isinstance(exc, _client.Silent) else "answered as no agent of this job does")
+    with _lock:
+        first = tier.endpoint not in _told
+        _told.add(tier.endpoint)
+    (log.warning if first else log.debug)(
+        "peer tier: the node agent at %s %s (%s); lookups leave it out for %.0f s and go "
+        "to the origin, longer while it stays so (up to %.0f s), then ask it again. A "
+        "stopped (SIGSTOP, a debugger) or wedged process is the usual cause: check the "
+        "process that hosts it (the node's first rank, or python -m launch --peers)%s",
+        tier.endpoint, what, exc, seconds, LEFT_OUT_MAX_S,
+        "" if first else "; said once at WARNING")
