@@ -10,6 +10,7 @@ import json
 import os
 import sys
 from collections.abc import Iterable
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -68,17 +69,21 @@ class Parser(argparse.ArgumentParser):
 
 
 def human_bytes(nbytes: float | None) -> str:
-    """``nbytes`` for people: ``"512 B"``, ``"1.5 GiB"``; ``None`` is ``"unlimited"``."""
+    """``nbytes`` for people: ``"512 B"``, ``"1.5 GiB"``, up to EiB, and past 1024 EiB
+    in scientific notation (``"1.0e+30 B"``: an absurd cap reads as what it is, and one
+    past a float's range prints at all); ``None`` is ``"unlimited"``."""
     if nbytes is None:
         return "unlimited"
+    if nbytes < 1024:
+        return f"{nbytes:.0f} B"
+    if nbytes >= 1 << 70:
+        return f"{Decimal(nbytes):.1e} B"
     value = float(nbytes)
-    if value < 1024:
-        return f"{value:.0f} B"
-    for unit in ("KiB", "MiB", "GiB"):
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
         value /= 1024
         if value < 1024:
             return f"{value:.1f} {unit}"
-    return f"{value / 1024:.1f} TiB"
+    return f"{value / 1024:.1f} EiB"
 
 
 def one_line(exc: BaseException) -> str:

@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import os
 from collections.abc import Iterator
-from decimal import Decimal
 from pathlib import Path
 
 from distcache.cli._common import (
@@ -104,24 +103,12 @@ def _ls_families(args: argparse.Namespace, pool: ArtifactPool) -> int:
     return EXIT_OK
 
 
-def readable_bytes(nbytes: int | None) -> str:
-    """:func:`human_bytes`, with sizes of a PiB and more in PiB or EiB, and past 1024
-    EiB in scientific notation (``"1.0e+30 B"``): an absurd cap such as ``10**30``
-    reads as what it is, and one past a float's range (``10**400``) prints at all."""
-    if nbytes is None or nbytes < 1 << 50:
-        return human_bytes(nbytes)
-    if nbytes < 1 << 70:
-        unit, scale = ("PiB", 1 << 50) if nbytes < 1 << 60 else ("EiB", 1 << 60)
-        return f"{nbytes / scale:.1f} {unit}"
-    return f"{Decimal(nbytes):.1e} B"
-
-
 def _stats_lines(fields: dict[str, object]) -> Iterator[str]:
     for key, value in fields.items():
         shown = value
         if key in ("bytes", "max_bytes") and (value is None or isinstance(value, int)):
-            shown = readable_bytes(value) if value is None else (
-                f"{value} ({readable_bytes(value)})")
+            shown = human_bytes(value) if value is None else (
+                f"{value} ({human_bytes(value)})")
         yield f"{key}: {shown}"
 
 
@@ -182,19 +169,19 @@ def run_gc(args: argparse.Namespace) -> int:
     report = pool.gc(cap)
     if report.max_bytes is None:
         line = (f"no size cap (pass --max-bytes or set DISTCACHE_POOL_MAX_BYTES); kept "
-                f"{report.kept} objects ({readable_bytes(report.kept_bytes)})")
+                f"{report.kept} objects ({human_bytes(report.kept_bytes)})")
     else:
-        line = (f"removed {report.removed} objects ({readable_bytes(report.freed_bytes)}), "
-                f"kept {report.kept} ({readable_bytes(report.kept_bytes)}) with a cap of "
-                f"{readable_bytes(report.max_bytes)}")
+        line = (f"removed {report.removed} objects ({human_bytes(report.freed_bytes)}), "
+                f"kept {report.kept} ({human_bytes(report.kept_bytes)}) with a cap of "
+                f"{human_bytes(report.max_bytes)}")
     emit(args, {"root": pool.root, **dataclasses.asdict(report)}, [line])
     if report.max_bytes is not None and report.kept_bytes > report.max_bytes:
         # Asked to get under the cap and could not: a read-only or foreign-owned pool.
         cause = ("the pool is not writable" if not os.access(pool.layout.objects, os.W_OK)
                  else "see the warnings above")
         raise PoolError(
-            f"pool gc: {pool.root} still holds {readable_bytes(report.kept_bytes)} in "
-            f"{report.kept} objects, over the cap of {readable_bytes(report.max_bytes)}: "
+            f"pool gc: {pool.root} still holds {human_bytes(report.kept_bytes)} in "
+            f"{report.kept} objects, over the cap of {human_bytes(report.max_bytes)}: "
             f"removed {report.removed}, the others could not be removed ({cause})",
             path=str(pool.root),
         )
