@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from distcache._home import Unresolved, default_pool_dir, defer_fields, pool_path
+from distcache._settings_lists import _globs, _list, _origins
 from distcache.errors import ConfigError
 
 __all__ = ["ENV_VARS", "TABLE", "Settings", "Variable", "check_seconds", "default_pool_dir",
@@ -143,20 +144,6 @@ def _path(name: str, raw: str) -> Path:
     return Path(raw)
 
 
-def _list(name: str, raw: str) -> tuple[str, ...]:
-    return tuple(item.strip() for item in raw.split(",") if item.strip())
-
-
-def _globs(name: str, raw: str) -> tuple[str, ...]:
-    globs = _list(name, raw)
-    if not globs:
-        raise ConfigError(
-            f"{name} is set but lists no glob; unset it or list globs such as '*.cubin'",
-            variable=name, value=raw,
-        )
-    return globs
-
-
 # --- the table ----------------------------------------------------------------------
 # A blank variable (``VAR=``) counts as unset for a setting whose type has no empty
 # value (numbers, booleans, sizes, paths, names); a list setting reads it as the empty
@@ -235,7 +222,7 @@ TABLE: tuple[Variable, ...] = (
              "$XDG_CACHE_HOME/distcache", "artifact pool directory"),
     Variable("DISTCACHE_POOL_MAX_BYTES", "pool_max_bytes", None, _bytes, "unlimited",
              "size cap of the pool; LRU objects are collected"),
-    Variable("DISTCACHE_ORIGIN", "origins", (), _list, "unset",
+    Variable("DISTCACHE_ORIGIN", "origins", (), _origins, "unset",
              "origin URL(s) or directories, comma-separated, tried in order",
              blank_is_unset=False),
     Variable("DISTCACHE_ORIGIN_TOKEN", "origin_token", None, _text, "unset",

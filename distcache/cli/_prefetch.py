@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from distcache._bounded import shell_pipe
 from distcache._logging import configure_logging, reports_error
 from distcache._resolve import ManifestSpec, prefetch_manifests, resolve_origin, resolve_pool
 from distcache.artifact import merge_manifests, read_manifest
@@ -135,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         if args.dry_run:
             from distcache.cli._dryrun import run_dry_run  # reads FlashInfer's pins
 
+            _refuse_special_files(args.manifest or ())
             return run_dry_run(args)
         report, rank = _prefetch(args)
     except DistcacheError as exc:
@@ -244,18 +246,50 @@ def _read_manifests(comm: Communicator, manifests: list[str]) -> list[ManifestSp
     file in what it says). A pipe (``<(...)``) is read once: a second read finds it
     drained. With more ranks the prefetch reads the manifests and the ranks agree on
     the error, so that a manifest only some of them cannot read leaves none waiting;
-    a rank refusing alone here would.
+    a rank refusing alone here would. A named pipe or a device is refused here, on
+    each rank that sees one: opening or reading it would wait for ever.
 
     Raises:
-        ConfigError: a manifest cannot be read.
+        ConfigError: a manifest cannot be read, or is a named pipe or a device
+            (:func:`_refuse_special_files`).
         ManifestError, ArtifactNameError: a manifest is malformed, or two of them list
             one name with two digests.
     """
+    _refuse_special_files(manifests)
     if comm.size != 1:
         return list(manifests)
     read = [(manifest, read_manifest(manifest)) for manifest in manifests]
     merge_manifests(read)  # one name with two digests: said naming both files
     return [manifest if _regular_file(manifest) else artifacts for manifest, artifacts in read]
+
+
+#: What a manifest that is neither a regular file nor a pipe may be, by its stat.
+_SPECIAL = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+            (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _refuse_special_files(manifests: list[str] | tuple[str, ...]) -> None:
+    """Refuse a manifest that is a named pipe, a device or a socket, before any is
+    opened: opening a named pipe waits for a writer, for ever where none comes, and a
+    terminal or a device is no manifest. A pipe a shell made (``<(command)``,
+    ``/dev/stdin`` fed by ``|``) never waits to open and is read as before.
+
+    Raises:
+        ConfigError: naming the manifest, what it is, and what to pass instead.
+    """
+    for path in manifests:
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            continue  # reading it says why it cannot be read, naming it
+        what = next((kind for test, kind in _SPECIAL if test(mode)), None)
+        if what is None or (stat.S_ISFIFO(mode) and shell_pipe(path)):
+            continue
+        raise ConfigError(
+            f"--manifest {path} is {what}, not a regular file: reading it would wait for "
+            "a writer or read no manifest; write the manifest to a file and pass that "
+            "file, or pass a command's output as <(command)",
+            variable="--manifest", value=path)
 
 
 def _regular_file(path: str) -> bool:

@@ -163,13 +163,16 @@ def parse_tokens(text: str | None) -> dict[HostKey, str]:
 
     Raises:
         ConfigError: an entry without ``=``, without a host, or with a bad port or an
-            unusable token; the message names the entry's position, never a token.
+            unusable token; the message names the entry's position (and, for a bad
+            port, its host and port), never a token.
     """
     tokens: dict[HostKey, str] = {}
     if text is None:
         return tokens
     for position, entry in enumerate((e for e in text.split(",") if e.strip()), 1):
         host, sep, raw = entry.partition("=")
+        if sep:
+            _check_port(host.strip(), position)
         host = host.strip().lower()
         token = clean_token(raw, _TOKENS_VARIABLE) if sep else None
         try:
@@ -185,3 +188,26 @@ def parse_tokens(text: str | None) -> dict[HostKey, str]:
         for scheme, default in _DEFAULT_PORTS.items():
             tokens[(scheme, host_name(name), port or default)] = token
     return tokens
+
+
+def _check_port(host: str, position: int) -> None:
+    """Refuse the ``host[:port]`` of entry ``position`` when a port is written and it
+    is not a number from 1 to 65535 (``host:0``, ``host:``, ``host:99999``,
+    ``host:https``): read as the default port, or as no port, it would bind the token
+    to another port than the one meant.
+
+    Raises:
+        ConfigError: naming the entry's position, host and port; the token is shown
+            as ``<redacted>``.
+    """
+    if ":" not in host.rpartition("]")[2]:  # no port; an IPv6 literal's colons are inside
+        return
+    name, _, port = host.rpartition(":")
+    if port.isascii() and port.isdigit() and 0 < int(port) <= 65535:
+        return
+    raise ConfigError(
+        f"{_TOKENS_VARIABLE}: entry {position} ({host}=<redacted>) has port {port!r}, "
+        "not a number from 1 to 65535; write the port the origin's URL uses "
+        f"({name}:8443=TOKEN), or leave it out ({name}=TOKEN) for the scheme's default "
+        "port (443 for https, 80 for http)",
+        variable=_TOKENS_VARIABLE, value=f"entry {position}: {host}=<redacted>")

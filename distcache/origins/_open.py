@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from urllib.parse import unquote, urlsplit
 
 from distcache._log import get_logger
+from distcache._settings_lists import refuse_empty_entry
 from distcache._urls import URL_SCHEME, redact_url
 from distcache.config import settings
 from distcache.errors import ConfigError
@@ -173,7 +174,8 @@ def open_origin(
     first http(s) entry of ``DISTCACHE_ORIGIN`` only, and ``DISTCACHE_ORIGIN_TOKENS``).
 
     Raises:
-        ConfigError: an empty spec, a ``scheme://`` not in :data:`SCHEMES` (the
+        ConfigError: an empty spec or an empty entry in a comma-separated one
+            (``a,,b``, a comma at an end), a ``scheme://`` not in :data:`SCHEMES` (the
             message names the spec and the known schemes), a URL whose port is not a
             number from 1 to 65535 or whose host is malformed, a spec without a scheme
             or a ``file://`` URL that is not an existing directory (a ``~`` path or a
@@ -192,6 +194,7 @@ def open_origin(
             if not parts:
                 raise ConfigError("empty origin; give a URL or a directory",
                                   variable="origin", value=item)
+            refuse_empty_entry("origin", item)  # "$MIRROR,https://cdn" with MIRROR unset
             for part in parts:
                 origin = _open_one(part, credentials)
                 if _first_time(origin, part.strip(), seen):

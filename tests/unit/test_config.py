@@ -139,7 +139,9 @@ def test_one_table_sets_every_setting_and_documents_every_variable() -> None:
 def test_a_blank_variable_is_unset_for_typed_settings_and_empty_for_lists() -> None:
     blank = {v.name: "" for v in TABLE if v.name != "DISTCACHE_FLASHINFER_FAMILIES"}
     assert settings({**blank, "HOME": "/h"}) == settings({"HOME": "/h"}).replace(origins=())
-    assert settings({"DISTCACHE_ORIGIN": " a , ,b"}).origins == ("a", "b")
+    assert settings({"DISTCACHE_ORIGIN": " a , b"}).origins == ("a", "b")
+    with pytest.raises(ConfigError, match="entry 2 of 3 is empty"):
+        settings({"DISTCACHE_ORIGIN": " a , ,b"})
 
 
 def test_flashinfer_families_set_but_listing_nothing_is_an_error() -> None:
