@@ -11,9 +11,11 @@ address and port travel over MPI; elsewhere they come from :func:`launch._detect
 
 The program runs as a child in its own process group, as a shell runs a job (see
 :mod:`launch._child`): on a terminal it gets the terminal; SIGINT, SIGTERM, SIGHUP,
-SIGQUIT, SIGUSR1, SIGUSR2, SIGTSTP and SIGCONT are forwarded to it; it stops and
-continues with this process; it is killed if this process dies; and its exit status
-(or the signal that killed it) becomes ours.
+SIGQUIT, SIGUSR1, SIGUSR2, SIGTSTP and SIGCONT are forwarded to it, and so is every
+other signal that would end this process (SIGALRM, SIGXCPU, SIGPWR, ...: see
+:data:`launch._child.FORWARDED`); it stops and continues with this process; it is
+killed if this process dies; and its exit status (or the signal that killed it) becomes
+ours.
 
 Before PROGRAM starts, the wrapper's own exit codes are the ``distcache`` command's:
 2 when the job cannot start as given (a bad option, launcher variables that
@@ -25,7 +27,6 @@ their temporary files removed; 126 / 127 when PROGRAM cannot be run.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -51,21 +52,16 @@ from launch._child import exit_like, run
 from launch._detect import LaunchInfo, detect
 from launch._dist import mpi_publish, rendezvous_address
 from launch._environ import child_environment
+from launch._options import PROG, UsageError, make_parser
 from launch._rendezvous import free_port_pair
 from launch._workspace import WorkspaceSlot, acquire_slot
 
 log = logging.getLogger("launch")
 
-PROG = "python -m launch"
-
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 128 + signal.SIGINT
 EXIT_TERMINATED = 128 + signal.SIGTERM
-
-
-class _UsageError(Exception):
-    pass
 
 
 class _Terminated(KeyboardInterrupt):
@@ -83,69 +79,6 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
     if _UNWINDS[0]:
         raise _Terminated
     _UNWINDS[1] = True
-
-
-def _directory(text: str) -> str:
-    """A directory option's value: empty (an unset shell variable: the current directory)
-    or starting with ``~`` (a shell does not expand it after ``--pool=``: a directory
-    named ``~``) is refused, as the ``distcache`` command refuses it."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("empty directory name")
-    if text.startswith("~"):  # the shell leaves it after "--pool=": a directory named ~
-        raise argparse.ArgumentTypeError(
-            f"{text!r} starts with '~', which only a shell expands (not after '='); "
-            "write the directory's absolute path")
-    return text
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # One line, not argparse's usage block: this runs once per rank.
-        raise _UsageError(message)
-
-
-def _parser() -> _Parser:
-    parser = _Parser(
-        prog=PROG,
-        description="Run PROGRAM with torchrun's environment under mpirun, srun, "
-        "torchrun or alone.",
-        epilog="Exported to PROGRAM: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, "
-        "MASTER_ADDR, MASTER_PORT, GROUP_RANK and GROUP_WORLD_SIZE (where the launcher says), "
-        "and DISTCACHE_POOL / DISTCACHE_WORKSPACE / "
-        "DISTCACHE_PREFETCH_MANIFEST when the matching option is given.",
-    )
-    parser.add_argument("--pool", metavar="DIR", type=_directory, help="artifact pool directory (exported as DISTCACHE_POOL)")
-    parser.add_argument(
-        "--workspace",
-        metavar="DIR",
-        type=_directory,
-        help="give each rank a persistent slot DIR/rank-N, locked while PROGRAM runs; a "
-        "busy slot moves on to the next free N (exported as DISTCACHE_WORKSPACE)",
-    )
-    parser.add_argument(
-        "--prefetch",
-        metavar="MANIFEST",
-        help="run distcache's collective prefetch of this sha256sum manifest on every rank "
-        "before PROGRAM starts (origin: DISTCACHE_ORIGIN), so PROGRAM's own loads hit the "
-        "warm pool; also exported as DISTCACHE_PREFETCH_MANIFEST",
-    )
-    parser.add_argument(
-        "--materialize",
-        metavar="DIR",
-        type=_directory,
-        help="after --prefetch, link every prefetched artifact to DIR/<name> so that a "
-        "loader reading files by path finds it (default: $FLASHINFER_CUBIN_DIR when set, so "
-        "FlashInfer loads hit locally; an installed or unwritable one: FlashInfer's cache)",
-    )
-    parser.add_argument(
-        "--peers",
-        action="store_true",
-        help="host this node's peer agent for PROGRAM's whole life (on the node's first rank) "
-        "so that a lazy miss costs one origin request per job; exported as DISTCACHE_PEERS",
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what is exported")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- PROGRAM [ARGS...]")
-    return parser
 
 
 def _rendezvous(info: LaunchInfo) -> LaunchInfo:
@@ -173,7 +106,7 @@ def _rendezvous(info: LaunchInfo) -> LaunchInfo:
         why = (" (with SLURM_DISTRIBUTION=arbitrary or SLURM_HOSTFILE the step's first node "
                "need not be rank 0's)" if "arbitrary" in os.environ.get("SLURM_DISTRIBUTION", "")
                or "SLURM_HOSTFILE" in os.environ else " (SLURM_STEP_NODELIST is not set)")
-    raise _UsageError(
+    raise UsageError(
         f"{info.launcher} launch of {info.world_size} ranks gives no {' or '.join(missing)}"
         f"{why}; set {' and '.join(missing.values())}, the same on every rank"
     )
@@ -316,28 +249,28 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     # prefetch): exit 1, as the distcache command exits for an error.
     failed = EXIT_USAGE
     try:
-        args = _parser().parse_args(args_in)
+        args = make_parser().parse_args(args_in)
         configure_logging(int(args.verbose), None)  # warnings only until the rank is known
         command = list(args.command)
         if command[:1] == ["--"]:
             command = command[1:]
         if not command:
-            raise _UsageError("no PROGRAM given; usage: python -m launch [options] -- PROGRAM [ARGS...]")
+            raise UsageError("no PROGRAM given; usage: python -m launch [options] -- PROGRAM [ARGS...]")
         extra: dict[str, str] = {}
         if args.pool is not None:
             extra["DISTCACHE_POOL"] = str(Path(args.pool).absolute())
         if args.prefetch is not None:
             manifest = Path(args.prefetch)
             if not manifest.is_file():
-                raise _UsageError(f"--prefetch {args.prefetch}: " + (
+                raise UsageError(f"--prefetch {args.prefetch}: " + (
                     "not a file (give the manifest, a checksums.txt)" if manifest.exists()
                     else "no such file"))
             extra["DISTCACHE_PREFETCH_MANIFEST"] = str(manifest.absolute())
         if args.materialize is not None and args.prefetch is None:
-            raise _UsageError("--materialize needs --prefetch MANIFEST")
+            raise UsageError("--materialize needs --prefetch MANIFEST")
         if args.materialize is not None and Path(args.materialize).exists() and not Path(
                 args.materialize).is_dir():
-            raise _UsageError(f"--materialize {args.materialize}: not a directory")
+            raise UsageError(f"--materialize {args.materialize}: not a directory")
         info = _rendezvous(detect())
         failed = EXIT_ERROR
         configure_logging(int(args.verbose), info.rank)  # progress from rank 0; -v: every rank
@@ -356,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
             _prefetch(info, Path(extra["DISTCACHE_PREFETCH_MANIFEST"]), extra.get("DISTCACHE_POOL"),
                       _materialize_dir(args.materialize, info.rank),
                       strict=args.materialize is not None)
-    except _UsageError as exc:
+    except UsageError as exc:
         _fail(EXIT_USAGE, error_line(PROG, exc, " ".join(str(exc).split())), hosted)
     except (DistcacheError, OSError) as exc:
         # An error every rank raised: rank 0 prints it.

@@ -10,7 +10,7 @@
   terminal back when PROGRAM stops or exits. Under mpirun, srun and torchrun the
   wrapper is not the foreground group (or has no terminal), and nothing changes.
 - **Job control.** INT, TERM, HUP, QUIT, USR1, USR2, TSTP and CONT sent to the wrapper
-  are forwarded. When PROGRAM stops on a job-control stop (TSTP, TTIN, TTOU), the
+  are forwarded, and so is every other signal that would end it (:data:`FORWARDED`). When PROGRAM stops on a job-control stop (TSTP, TTIN, TTOU), the
   wrapper stops too (so the shell sees the job stopped); when the wrapper is continued,
   so is PROGRAM. A SIGSTOP sent to PROGRAM itself does not stop the wrapper, which
   then still sees PROGRAM continued (by whoever) and its exit. A signal that ends PROGRAM
@@ -52,16 +52,17 @@ from launch._watch import Watcher
 
 log = get_logger(__name__)
 
-#: Signals sent to the wrapper that are passed on to PROGRAM's process group.
-FORWARDED = (
-    signal.SIGINT,
-    signal.SIGTERM,
-    signal.SIGHUP,
-    signal.SIGQUIT,
-    signal.SIGUSR1,
-    signal.SIGUSR2,
-    signal.SIGTSTP,
-    signal.SIGCONT,
+#: Signals sent to the wrapper that are passed on to PROGRAM's process group: job
+#: control, and every signal sent from outside whose default action would end the
+#: wrapper (Slurm's USR1 before a time limit, a batch system's XCPU at a CPU limit,
+#: PWR on a power event, timers' ALRM, VTALRM and PROF, IO, the real-time signals).
+#: Faults (SEGV, BUS, ILL, FPE, ABRT, SYS, TRAP) are not: a wrapper killed by one takes
+#: PROGRAM with it (``PR_SET_PDEATHSIG``, :mod:`launch._watch`).
+FORWARDED: tuple[int, ...] = (
+    signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+    signal.SIGUSR2, signal.SIGTSTP, signal.SIGCONT, signal.SIGALRM, signal.SIGVTALRM,
+    signal.SIGPROF, signal.SIGXCPU, signal.SIGPWR, signal.SIGIO,
+    *range(signal.SIGRTMIN, signal.SIGRTMAX + 1),
 )
 #: Signals that usually end PROGRAM: a stopped PROGRAM is continued after them.
 _ENDING = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT})

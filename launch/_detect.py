@@ -7,7 +7,9 @@
 
 Sources, in order of precedence (the first one present is ``launcher``; the variables
 each reads are listed in :mod:`launch._sources`): ``torchrun``, ``openmpi``, ``mpich``,
-``pmix``, ``slurm``, and ``single`` when none is present (rank 0 of 1). torchrun comes
+``pmix``, ``slurm``, and ``single`` when none is present (rank 0 of 1; but a size above
+1 with no rank, or ``SLURM_PROCID`` above 0 outside a step, is a launcher that came half
+through, and raises: :func:`launch._sources.check_half_set`). torchrun comes
 first because it is always the innermost launcher: torchrun runs inside Slurm
 allocations and MPI jobs.
 
@@ -71,7 +73,7 @@ class LaunchInfo(Record):
     num_nodes: int | None
     """Number of nodes in the job, as the launcher counts; ``None`` when unknown."""
     node_id: str
-    """``DISTCACHE_NODE_ID`` if set, else the host name. Ranks with equal ``node_id``
+    """``DISTCACHE_NODE_ID`` unless blank, else the host name. Ranks with equal ``node_id``
     are treated as sharing a node (and its node-local files)."""
     master_addr: str | None
     """Rendezvous host; ``None`` when it must be agreed at run time (under MPI)."""
@@ -181,6 +183,7 @@ def _merge(env: Mapping[str, str]) -> tuple[str, dict[str, tuple[int, str]]]:
         if slurm is not None and _slurm_is_this_step(inner, slurm, env):
             accepted.append(slurm)
     if not accepted:
+        _sources.check_half_set(env)
         return "single", {}
     conflicts: list[str] = []
     for i, a in enumerate(accepted):
@@ -297,7 +300,8 @@ def detect(environ: Mapping[str, str] = os.environ, *, hostname: str | None = No
 
     Raises:
         LaunchError: a launcher variable is not an integer or out of range (rank not
-            below the world size, negative values), a rank is given without any size,
+            below the world size, negative values), a rank is given without any size
+            or a size above 1 without any rank (:func:`launch._sources.check_half_set`),
             or two launchers disagree (the message lists the variables).
     """
     launcher, values = _merge(environ)
@@ -329,14 +333,9 @@ def detect(environ: Mapping[str, str] = os.environ, *, hostname: str | None = No
         node_rank = 0
     source = [item[1] for item in values.values()]
 
-    node_id = environ.get("DISTCACHE_NODE_ID")
-    if node_id is not None:
-        if not node_id.strip():
-            raise LaunchError(
-                "DISTCACHE_NODE_ID is set but empty; unset it or name the node",
-                variable="DISTCACHE_NODE_ID",
-                value=node_id,
-            )
+    # Blank is unset, as distcache's settings read it: both name the node alike.
+    node_id = environ.get("DISTCACHE_NODE_ID", "")
+    if node_id.strip():
         source.append("DISTCACHE_NODE_ID")
     else:
         node_id = hostname if hostname is not None else os.uname().nodename

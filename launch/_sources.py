@@ -36,8 +36,11 @@ import re
 from collections.abc import Callable, Mapping
 from typing import NamedTuple, TypeVar
 
+from distcache._log import get_logger
 from distcache.errors import LaunchError
 from launch._nodelist import expand_counts
+
+log = get_logger(__name__)
 
 T = TypeVar("T")
 
@@ -224,6 +227,47 @@ def slurm(env: Mapping[str, str]) -> Signal | None:
 
 INNER = (torchrun, openmpi, mpich, pmix)
 """The readers of launchers that start ranks directly, innermost first."""
+
+#: Each launcher's size variable and the rank variables it comes with.
+_SIZES = (("WORLD_SIZE", ("RANK",)), ("OMPI_COMM_WORLD_SIZE", ("OMPI_COMM_WORLD_RANK",)),
+          ("PMI_SIZE", ("PMI_RANK", "PMI_ID")), ("SLURM_STEP_NUM_TASKS", ("SLURM_PROCID",)))
+_NOTED: set[str] = set()
+
+
+def check_half_set(env: Mapping[str, str]) -> None:
+    """Where no launcher's rank variable is present: refuse what only a launcher whose
+    variables came half through sets (a size above 1; ``SLURM_PROCID`` above 0 outside
+    a step), which would otherwise run this process alone as rank 0 of 1.
+
+    ``SLURM_PROCID=0`` without a step is ``sbatch``'s script, one process: logged once.
+
+    Raises:
+        LaunchError: a size above 1 without its rank, or ``SLURM_PROCID`` above 0
+            without ``SLURM_STEP_NUM_TASKS``.
+    """
+    for size_var, ranks in _SIZES:
+        size = read_int(env, size_var, minimum=1)
+        if size is not None and size > 1:
+            raise LaunchError(
+                f"{size_var}={size} is set but {' or '.join(ranks)} is not: no rank for "
+                f"this process in a job of {size}, which would run alone as rank 0 of 1 "
+                f"(a launcher's variables came half through, or {size_var} is left from "
+                f"another job); set {ranks[0]} for each rank, or unset {size_var} to run "
+                "one process", variable=size_var, value=env[size_var])
+    procid = read_int(env, "SLURM_PROCID")
+    if procid:
+        raise LaunchError(
+            f"SLURM_PROCID={procid} is set but SLURM_STEP_NUM_TASKS is not: not a task of "
+            "an srun step (sbatch's script is SLURM_PROCID=0), so this rank cannot be "
+            "placed; start it with srun, or unset SLURM_PROCID to run one process",
+            variable="SLURM_PROCID", value=env["SLURM_PROCID"])
+    if procid == 0:
+        note = ("SLURM_PROCID=0 without SLURM_STEP_NUM_TASKS: sbatch's script, not an srun "
+                f"step; running as one process (job {env.get('SLURM_JOB_ID', '?')}, "
+                f"SLURM_NTASKS={env.get('SLURM_NTASKS', 'unset')}); start the ranks with srun")
+        if note not in _NOTED:
+            _NOTED.add(note)
+            log.info("%s", note)
 
 
 #: Variables that name a job, innermost launcher first, and the variable that counts

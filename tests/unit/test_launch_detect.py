@@ -354,10 +354,9 @@ def test_node_id_override_replaces_hostname() -> None:
     assert "DISTCACHE_NODE_ID" in info.source
 
 
-def test_empty_node_id_override_is_rejected() -> None:
-    with pytest.raises(LaunchError, match="DISTCACHE_NODE_ID") as err:
-        detect({"DISTCACHE_NODE_ID": ""}, hostname=HOST)
-    assert err.value.variable == "DISTCACHE_NODE_ID"
+def test_an_empty_node_id_override_means_the_host_name() -> None:
+    # As distcache's settings read it: a blank variable is an unset one.
+    assert detect({"DISTCACHE_NODE_ID": ""}, hostname=HOST).node_id == HOST
 
 
 def test_lone_local_rank_does_not_make_a_launch() -> None:
