@@ -53,9 +53,10 @@ def gc(layout: PoolLayout, max_bytes: int | None, keep: Collection[str] = ()) ->
     """
     from distcache.store._report import GcReport  # the report, with the call
 
+    unlisted: list[tuple[str, OSError]] = []
     entries = sorted((st.st_mtime_ns, path, st.st_size, _seen(st))
-                     for path, _sha, st in scan_objects(layout))
-    _warn_unlisted(_unlisted(layout), "neither counted nor collected")
+                     for path, _sha, st in scan_objects(layout, unlisted))
+    _warn_unlisted(unlisted, "neither counted nor collected")
     total = sum(entry[2] for entry in entries)
     removed = freed = 0
     # Objects another process removed since the scan: neither removed here nor kept.
@@ -169,7 +170,8 @@ def verify(store: ObjectStore) -> VerifyReport:
     from distcache.store._report import VerifyReport  # the report, with the call
 
     ok = corrupt = moved = ok_bytes = 0
-    for path, sha, st in list(store.scan()):
+    unlisted: list[tuple[str, OSError]] = []
+    for path, sha, st in list(store.scan(unlisted)):
         before = store.quarantined
         size = _check(store, sha)
         if size is not None:
@@ -193,7 +195,7 @@ def verify(store: ObjectStore) -> VerifyReport:
             moved += 1
         elif _same_file(path, st):
             corrupt += 1
-    if unlisted := _unlisted(store.layout):
+    if unlisted:
         # A pool cannot be called whole while part of it was not read.
         raise PoolError(
             f"verified {ok + corrupt} objects of {store.layout.root} ({corrupt} corrupt), "
@@ -302,36 +304,16 @@ def stats(layout: PoolLayout, *, pool_id: str, names: int | Mapping[str, str],
 
     size = 0
     present = set()
-    for _path, sha, st in scan_objects(layout):
+    unlisted: list[tuple[str, OSError]] = []
+    for _path, sha, st in scan_objects(layout, unlisted):
         present.add(sha)
         size += st.st_size
     count, labelled = len(present), names if isinstance(names, int) else sum(
         1 for sha in names.values() if sha in present)
-    _warn_unlisted(_unlisted(layout), "not counted")
+    _warn_unlisted(unlisted, "not counted")
     return PoolStats(root=layout.root, pool_id=pool_id, objects=count, bytes=size,
                      quarantined=_count(layout.quarantine), tmp_files=_count(layout.tmp),
                      names=labelled, max_bytes=max_bytes)
-
-
-def _unlisted(layout: PoolLayout) -> list[tuple[str, OSError]]:
-    """The fan-out directories of ``objects/`` that this user cannot list (another
-    user's, made under umask 077), with why: a scan passes over them as if empty, so
-    what it reports leaves their objects out. Empty when ``objects/`` itself cannot
-    be listed (the scan raised for that already)."""
-    found = []
-    try:
-        fanouts = _fanouts(layout)
-    except PoolError:
-        return []
-    for prefix in fanouts:
-        path = layout.objects / prefix
-        try:
-            os.scandir(path).close()
-        except FileNotFoundError:
-            continue  # removed meanwhile: it held nothing
-        except OSError as exc:
-            found.append((str(path), exc))
-    return found
 
 
 def _said(unlisted: list[tuple[str, OSError]]) -> str:

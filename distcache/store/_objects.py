@@ -233,10 +233,11 @@ class ObjectStore:
         logger.warning("%s %s; moved to %s and treated as a miss", path, reason, dest)
         trim_quarantine(self.layout, self.quarantine_keep)
 
-    def scan(self) -> Iterator[tuple[str, str, os.stat_result]]:
+    def scan(self, unlisted: list[tuple[str, OSError]] | None = None
+             ) -> Iterator[tuple[str, str, os.stat_result]]:
         """``(path, sha, lstat)`` of each object present (no hashing); :class:`PoolError`
-        when the objects directory cannot be listed."""
-        return scan_objects(self.layout)
+        when the objects directory cannot be listed (``unlisted``: :func:`scan_objects`)."""
+        return scan_objects(self.layout, unlisted)
 
     @contextlib.contextmanager
     def staged(self, tag: str) -> Iterator[tuple[int, str]]:

@@ -342,9 +342,12 @@ class PoolLayout(Record):
             unlink_quietly(tmp)
 
 
-def scan_objects(layout: PoolLayout) -> Iterator[tuple[str, str, os.stat_result]]:
+def scan_objects(layout: PoolLayout, unlisted: list[tuple[str, OSError]] | None = None
+                 ) -> Iterator[tuple[str, str, os.stat_result]]:
     """``(path, sha, lstat)`` of each regular file in ``objects/<xx>/`` named for a
-    sha that belongs there; :class:`PoolError` when ``objects`` cannot be listed."""
+    sha that belongs there; :class:`PoolError` when ``objects`` cannot be listed. A
+    fan-out directory this user cannot list (another user's, made under umask 077) is
+    passed over as if empty, and added to ``unlisted`` with why when one is given."""
     objects = layout.objects
     try:
         prefixes = sorted(e.name for e in os.scandir(objects) if e.is_dir(follow_symlinks=False))
@@ -353,7 +356,11 @@ def scan_objects(layout: PoolLayout) -> Iterator[tuple[str, str, os.stat_result]
     for prefix in prefixes:
         try:
             entries = list(os.scandir(objects / prefix))
-        except OSError:
+        except FileNotFoundError:
+            continue  # removed meanwhile: it held nothing
+        except OSError as exc:
+            if unlisted is not None:
+                unlisted.append((str(objects / prefix), exc))
             continue
         for entry in entries:
             if not (is_sha(entry.name) and layout.fanout_name(entry.name) == prefix):
@@ -365,29 +372,3 @@ def scan_objects(layout: PoolLayout) -> Iterator[tuple[str, str, os.stat_result]
             if stat.S_ISREG(st.st_mode):
                 yield entry.path, entry.name, st
 
-
-def trim_quarantine(layout: PoolLayout, keep: int) -> int:
-    """Delete all but the ``keep`` newest files of ``quarantine/`` (it is outside the
-    size cap, so a medium that keeps corrupting objects would otherwise fill the disk
-    with them). Returns the number deleted; names the layout did not make are left
-    alone.
-    """
-    # Ordered by the time in the name (rename keeps the object's old mtime).
-    entries: list[tuple[int, str]] = []
-    try:
-        with os.scandir(layout.quarantine) as it:
-            for entry in it:
-                when = layout.quarantined_at(entry.name)
-                if when is not None:
-                    entries.append((when, entry.path))
-    except OSError:
-        return 0
-    entries.sort(reverse=True)
-    removed = 0
-    for _when, path in entries[keep:]:
-        try:
-            os.unlink(path)
-            removed += 1
-        except OSError:
-            pass
-    return removed

@@ -49,8 +49,9 @@ def test_gc_counts_an_object_another_process_removed_and_removes_no_more_than_ne
 ) -> None:
     oldest, middle, newest = _aged(pool, [b"a" * 100, b"b" * 100, b"c" * 100])
 
-    def racing(layout: PoolLayout) -> Iterator[tuple[str, str, os.stat_result]]:
-        found = list(scan_objects(layout))
+    def racing(layout: PoolLayout, unlisted: list[tuple[str, OSError]] | None = None
+               ) -> Iterator[tuple[str, str, os.stat_result]]:
+        found = list(scan_objects(layout, unlisted))
         os.unlink(layout.object_path(oldest))  # another process's gc got there first
         return iter(found)
 
@@ -68,8 +69,9 @@ def test_verify_does_not_count_an_object_removed_meanwhile_as_corrupt(
     store = pool._store
     real_scan = store.scan
 
-    def racing() -> Iterator[tuple[str, str, os.stat_result]]:
-        found = list(real_scan())
+    def racing(unlisted: list[tuple[str, OSError]] | None = None
+               ) -> Iterator[tuple[str, str, os.stat_result]]:
+        found = list(real_scan(unlisted))
         os.unlink(pool.layout.object_path(gone))  # collected by another process
         return iter(found)
 
