@@ -26,7 +26,7 @@ import ssl
 import time
 from collections.abc import Iterator
 from email.utils import parsedate_to_datetime
-from typing import BinaryIO
+from typing import Any, BinaryIO
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import requests
@@ -82,6 +82,13 @@ class _Session(requests.Session):
 
     def get_redirect_target(self, resp: requests.Response) -> str | None:
         return None
+
+    def merge_environment_settings(self, url: Any, proxies: Any, stream: Any, verify: Any,
+                                   cert: Any) -> Any:
+        # requests' merge, without reading the whole environment twice per request.
+        from distcache.origins._environ import merge_environment
+
+        return merge_environment(self, url, proxies, stream, verify, cert)
 
 
 def new_session(pool_size: int) -> requests.Session:
