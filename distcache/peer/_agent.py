@@ -48,7 +48,7 @@ from distcache.peer import _client
 from distcache.peer._answers import handler as _handler
 from distcache.peer._auth import MAX_SKEW_S, Nonces
 from distcache.peer._backoff import Backoff
-from distcache.peer._flight import Singleflight, StillRunning
+from distcache.peer._flight import Singleflight, StillRunning, flight_key
 from distcache.peer._ring import order
 from distcache.peer._servers import TcpServer, close_connections, private_socket
 
@@ -206,7 +206,7 @@ class Agent:
                         min(JOIN_WAIT_S, budget / 2), artifact.name)
         budget = max(until - time.monotonic(), 0.001)
         if local:
-            got = self._walks.do(_flight_key(artifact) + ("#join" if join else ""),
+            got = self._walks.do(flight_key(artifact) + ("#join" if join else ""),
                                  lambda: self._walk(artifact, until, join=join),
                                  timeout=budget)
         elif join:
@@ -305,6 +305,7 @@ class Agent:
             except _client.Filling:
                 # Its download goes on: the next node would ask the origin once more.
                 filling = True
+                self._answered(endpoint)
                 self.count("peer_filling")
                 log.debug("agent %s is still downloading %s: asked again", endpoint,
                           artifact.name)
@@ -319,7 +320,8 @@ class Agent:
                     raise ran_out from None
                 wrong = isinstance(exc, _client.Wrong)  # no agent of ours answers so
                 down = status is None or wrong or _client.gone(exc, whole=hop >= HOP_S)
-                seconds = self._mark_down(endpoint) if down else 0.0  # not a busy one
+                # A busy or refusing agent answers: not left out, its back-off over.
+                seconds = self._mark_down(endpoint) if down else self._answered(endpoint)
                 self.count("peer_skipped")
                 if down and isinstance(exc, _client.Silent) and self._first(f"mute {endpoint}"):
                     log.warning("peers: agent %s said nothing within a whole hop of %.0f s (a "
@@ -342,8 +344,9 @@ class Agent:
                 else:
                     log.debug("agent %s skipped for %s: %s", endpoint, artifact.name, exc)
                 return None
-            except ArtifactNotFound:
-                raise  # the origin behind it has no such artifact: final
+            except ArtifactNotFound:  # signed: the origin behind it has no such artifact
+                self._down.answered(endpoint)
+                raise
             except Exception as exc:  # an answer no agent of ours sends: not one to ask
                 self._mark_down(endpoint)
                 self.count("peer_skipped")
@@ -358,7 +361,7 @@ class Agent:
         Raises:
             StillRunning: it goes on past ``budget``.
         """
-        if not self._fills.running(_flight_key(artifact)):
+        if not self._fills.running(flight_key(artifact)):
             return None
         return self._fill(artifact, "fallback", budget)  # the running one's answer
 
@@ -375,7 +378,7 @@ class Agent:
             self.count(source)
             return _client.Answer(data, source)
 
-        return self._fills.do(_flight_key(artifact), download, timeout=max(budget, 0.001),
+        return self._fills.do(flight_key(artifact), download, timeout=max(budget, 0.001),
                               bounded=True)
 
     def _publish(self, artifact: Artifact, data: bytes) -> None:
@@ -386,15 +389,10 @@ class Agent:
             log.warning("agent: could not publish %s into %s: %s", artifact.name,
                         getattr(self.pool, "root", self.pool), exc)
 
-    def _is_down(self, endpoint: str) -> bool:
-        return self._down.down(endpoint)
-
     def _mark_down(self, endpoint: str) -> float:
         return self._down.failed(endpoint, DOWN_S, DOWN_MAX_S)
 
+    def _answered(self, endpoint: str) -> float:
+        self._down.answered(endpoint)
+        return 0.0
 
-def _flight_key(artifact: Artifact) -> str:
-    """What concurrent requests share one walk or one origin download by: the name as
-    well as the bytes, since the origin is asked by name (the same bytes under a name
-    it lacks must not answer 'not at origin' for a name it has)."""
-    return f"{artifact.name}@{artifact.sha256}"

@@ -53,6 +53,13 @@ class Backoff:
             self._until[endpoint] = _now() + seconds
             return seconds
 
+    def release(self, endpoint: str) -> None:
+        """The asker let through by :meth:`skip` is done without a verdict (neither
+        an answer nor a failure to answer): the others may ask again now."""
+        with self._lock:
+            if endpoint in self._failures:
+                self._until.pop(endpoint, None)
+
     def answered(self, endpoint: str) -> bool:
         """``endpoint`` answered: no longer left out. Whether it had failed before."""
         with self._lock:

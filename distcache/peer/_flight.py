@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from distcache.artifact import Artifact
 
 T = TypeVar("T")
 
@@ -75,3 +78,10 @@ class Singleflight(Generic[T]):
         if call.error is not None:
             raise call.error
         return call.value  # type: ignore[return-value]
+
+
+def flight_key(artifact: Artifact) -> str:
+    """What concurrent requests share one walk or one origin download by: the name as
+    well as the bytes, since the origin is asked by name (the same bytes under a name
+    it lacks must not answer 'not at origin' for a name it has)."""
+    return f"{artifact.name}@{artifact.sha256}"

@@ -221,6 +221,8 @@ def _failed(tier: Tier, artifact: Artifact, exc: Exception) -> None:
     if not (status is None or _client.gone(exc, whole=True)):
         if status != 0:  # a refusal or a busy answer: it answers
             _answered(tier)
+        else:  # no verdict: the other lookups may ask it again now
+            _down.release(tier.endpoint)
         log.debug("peer tier did not serve %s: %s", artifact.name, exc)
         return
     seconds = _down.failed(tier.endpoint, LEFT_OUT_S, LEFT_OUT_MAX_S)

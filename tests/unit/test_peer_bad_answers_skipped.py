@@ -121,7 +121,7 @@ def test_an_owner_that_trickles_its_head_is_left_out_of_later_walks(
         assert len(owned) == 3
         tier = Tier(agent.local_endpoint or "", KEY, bound=10)
         got = [lookup(a, tier) for a in owned]
-        assert agent._is_down(fake.endpoint)
+        assert agent._down.down(fake.endpoint)
     assert [g and g.source for g in got] == ["fallback"] * 3
     # Asked by the first walk only, which it cost a whole hop; not by the next two.
     assert fake.connections == 1
@@ -151,7 +151,7 @@ def test_an_owner_that_answers_other_bytes_is_left_out_of_later_walks_and_named(
         assert len(owned) == 3
         tier = Tier(agent.local_endpoint or "", KEY, bound=10)
         got = [lookup(a, tier) for a in owned]
-        assert agent._is_down(fake.endpoint)
+        assert agent._down.down(fake.endpoint)
     assert [g and g.source for g in got] == ["fallback"] * 3
     assert fake.connections == 1
     assert agent.counts["peer_skipped"] == 1 and agent.counts["fallback"] == 3

@@ -180,7 +180,7 @@ def test_an_owner_still_filling_says_so_within_the_hop_and_is_waited_for(
     assert agent.counts["fallback"] == 0 and agent.counts["peer_skipped"] == 0
     # A busy owner is not taken for a silent one, nor left out.
     assert owner.counts["filling"] >= 1 and agent.counts["peer_filling"] >= 1
-    assert not agent._is_down(owner.endpoint)
+    assert not agent._down.down(owner.endpoint)
     said = [r.getMessage() for r in caplog.records]
     assert any("is still downloading" in m for m in said), said
 
@@ -198,7 +198,7 @@ def test_an_owner_leading_a_slow_fill_for_its_first_asker_serves_it_when_done(
         # hop, the download goes on, and the asker asks again until it is served.
         assert (got := lookup(first, tier)) is not None and got.source == "peer"
         assert owner.counts["filling"] >= 1 and owner.counts["origin"] == 1
-        assert not agent._is_down(owner.endpoint)
+        assert not agent._down.down(owner.endpoint)
         again = lookup(held, tier)
     assert again is not None and again.source == "peer"
     assert slow.total_requests == 1 and origin.total_requests == 0
