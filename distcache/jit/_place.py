@@ -44,7 +44,6 @@ from pathlib import Path
 from distcache._log import get_logger
 from distcache.artifact import validate_name
 from distcache.errors import ArtifactNameError, PoolError
-from distcache.jit._stream import hash_fd as _read_all  # a hook tests wrap
 from distcache.jit._stream import store_fd
 from distcache.jit._tree import MODE_MASK, TreeEntry
 from distcache.jit._walk import (
@@ -62,6 +61,7 @@ from distcache.jit._walk import (
 )
 from distcache.store import ArtifactPool
 from distcache.store._fs import Witness, witness
+from distcache.store._fs import hash_fd as _read_all  # a hook tests wrap
 from distcache.store.layout import STALE_TMP_SECONDS
 
 log = get_logger(__name__)

@@ -15,25 +15,18 @@ import hashlib
 import mmap
 import os
 import tempfile
-from typing import IO
+from collections.abc import Callable
+from typing import IO, TypeVar
 
 from distcache.errors import PoolError
 from distcache.store import ArtifactPool
+
+T = TypeVar("T")
 
 #: How much of a file is read, hashed or copied at a time.
 CHUNK = 1 << 20
 #: Files up to this size are stored from one read; larger ones through a staged copy.
 SMALL = 16 << 20
-
-
-def hash_fd(fd: int, size: int) -> tuple[str, int]:
-    """The sha256 of what ``fd`` holds from its current offset to its end, and how
-    many bytes that was (``size`` is what ``stat`` said: a hint only)."""
-    digest, read = hashlib.sha256(), 0
-    while chunk := os.read(fd, max(min(size, CHUNK), 1 << 16)):
-        digest.update(chunk)
-        read += len(chunk)
-    return digest.hexdigest(), read
 
 
 def store_fd(pool: ArtifactPool, fd: int, sha: str, size: int) -> bool:
@@ -55,18 +48,33 @@ def store_fd(pool: ArtifactPool, fd: int, sha: str, size: int) -> bool:
         digest, at = hashlib.sha256(), 0
         while at < size and (chunk := os.pread(fd, min(CHUNK, size - at), at)):
             digest.update(chunk)
-            staged.write(chunk)
+            _staged(pool, staged.write, chunk)
             at += len(chunk)
-        staged.flush()
+        _staged(pool, lambda _: staged.flush(), b"")
         if at != size or os.pread(fd, 1, size) or digest.hexdigest() != sha:
             return False
-        with mmap.mmap(staged.fileno(), size, prot=mmap.PROT_READ) as mapped:
+        with _staged(pool, lambda _: mmap.mmap(staged.fileno(), size, prot=mmap.PROT_READ),
+                     b"") as mapped:
             view = memoryview(mapped)
             try:
                 pool.put(view, sha)
             finally:
                 view.release()
     return True
+
+
+def _staged(pool: ArtifactPool, step: Callable[[bytes], T], data: bytes) -> T:
+    """``step(data)`` on the staged copy; its failure (a full disk, a quota) is the
+    pool's, a :class:`PoolError` naming the pool: never taken for the tool's file
+    changing, which leaves the file out without a word."""
+    try:
+        return step(data)
+    except OSError as exc:
+        if isinstance(exc, PoolError):
+            raise
+        raise PoolError(f"cannot stage a file for the pool {pool.root} in {pool.layout.tmp}: "
+                        f"{exc.strerror or exc}; check that its filesystem has room",
+                        path=str(pool.layout.tmp), errno=exc.errno) from exc
 
 
 def _staging(pool: ArtifactPool) -> IO[bytes]:

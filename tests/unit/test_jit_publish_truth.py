@@ -123,7 +123,7 @@ def test_a_file_rewritten_while_it_is_read_is_left_for_the_next_publication(
     write(root / "cached_ops/op/op.so", b"\x7fELF" + b"x" * 996)
     real = _place._read_all
 
-    def read_while_the_linker_writes(fd: int, size: int) -> bytes:
+    def read_while_the_linker_writes(fd: int, size: int) -> tuple[str, int]:
         data = real(fd, size)
         with open(root / "cached_ops/op/op.so", "ab") as f:
             f.write(b"y" * 9000)

@@ -3,10 +3,12 @@ time, never held whole in memory (a compiled artifact may run to gigabytes)."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,3 +77,37 @@ def test_a_second_process_hashes_a_published_file_in_pieces(tmp_path: Path, big:
     count, peak = _publish_peak(Family(FamilySpec("tool", KEY, (Root(cache),)), pool))
     assert count == 0
     assert peak < BOUND, f"hashing a stored file held {peak:.2f} times its size"
+
+
+def test_a_full_disk_while_staging_fails_the_publish_naming_the_pool(
+        tmp_path: Path, big: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    from distcache.errors import PoolError
+    from distcache.jit import _stream
+
+    cache = _cache_with(tmp_path, {"k/big.so": big})
+    pool = ArtifactPool(tmp_path / "pool")
+    real = _stream._staging
+
+    class Full:
+        """The staged copy on a filesystem that has no room left."""
+
+        def __init__(self, staged: Any) -> None:
+            self._staged = staged
+
+        def __enter__(self) -> Full:
+            return self
+
+        def __exit__(self, *exc_info: object) -> None:
+            self._staged.close()
+
+        def write(self, data: bytes) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._staged, name)
+
+    monkeypatch.setattr(_stream, "_staging", lambda p: Full(real(p)))
+    with pytest.raises(PoolError, match="No space left on device") as failed:
+        Family(FamilySpec("tool", KEY, (Root(cache),)), pool).publish()
+    assert str(pool.root) in str(failed.value)
+    assert read_trees(pool, "tool", KEY) == []

@@ -62,7 +62,7 @@ def count_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     reads: list[int] = []
     real = _place._read_all
 
-    def counted(fd: int, size: int) -> bytes:
+    def counted(fd: int, size: int) -> tuple[str, int]:
         reads.append(size)
         return real(fd, size)
 
