@@ -65,7 +65,7 @@ from distcache.store._fs import (
     write_all,
 )
 from distcache.store._quarantine import trim_quarantine
-from distcache.store._reading import DIR_FLAGS, NotAnObject, read_object
+from distcache.store._reading import DIR_FLAGS, NotAnObject, open_object, read_object
 from distcache.store.layout import PoolLayout, scan_objects
 
 logger = get_logger(__name__)
@@ -103,6 +103,8 @@ class ObjectStore:
         #: their files' witnesses then: :meth:`read` with ``trusted`` does not hash
         #: them again while the file is unchanged.
         self.fresh: dict[str, Witness] = {}
+        #: Objects whose recency stamp this user may not write (another user's).
+        self._unstampable: set[str] = set()
 
     def verified(self) -> dict[str, Witness]:
         """The objects verified in this process, with their witnesses."""
@@ -163,30 +165,45 @@ class ObjectStore:
 
     def stamp(self, sha: str, *, write: bool = True) -> int | None:
         """The size of the object ``sha`` when a regular file is there (None: absent,
-        or not a file), looked at through its fan-out directory opened without
-        following a link; with ``write``, its recency stamp is refreshed when older than
-        :attr:`stamp_interval`, as a read does: a job that holds it uses it now. A stamp
-        this user may not write (another user's object) is skipped, never raised."""
+        or not a file); with ``write``, its recency stamp is refreshed when older than
+        :attr:`stamp_interval`, as a read does: a job that holds it uses it now.
+
+        One ``lstat`` when the stamp is recent (a start-up holds every object it
+        found); a stale one is stamped through a descriptor opened as a read opens it
+        (no link followed), and only that file's times are taken for the object's. A
+        stamp this user may not write (another user's object) is skipped, and not
+        tried again by this store."""
+        path = self.layout.object_path(sha)
         try:
-            fd = os.open(self.layout.fanout(sha), DIR_FLAGS)
+            st = os.lstat(path)
         except OSError:
             return None
-        try:
-            st = os.stat(sha, dir_fd=fd, follow_symlinks=False)
-            if not stat.S_ISREG(st.st_mode):
-                return None
-            if write and time.time() - st.st_mtime > self.stamp_interval:
-                with contextlib.suppress(OSError):  # recency falls back to publish time
-                    os.utime(sha, dir_fd=fd, follow_symlinks=False)
-                    now = os.stat(sha, dir_fd=fd, follow_symlinks=False)
-                    with self._guard:  # the stamp moved its times: still what was verified
-                        if trusted_file(st, self.fresh.get(sha)):
-                            self.fresh[sha] = witness(now)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        if not write or sha in self._unstampable or (
+                time.time() - st.st_mtime <= self.stamp_interval):
             return st.st_size
-        except OSError:
+        try:
+            opened = open_object(self.layout.fanout(sha), sha, path)
+        except (NotAnObject, OSError):  # PoolError: it cannot be opened
             return None
+        if opened is None:
+            return None
+        fd, st = opened
+        try:
+            os.utime(fd)
+            now = os.fstat(fd)
+        except OSError:  # recency falls back to publish time
+            with self._guard:
+                if len(self._unstampable) < 100_000:
+                    self._unstampable.add(sha)
+        else:
+            with self._guard:  # the stamp moved its times: still what was verified
+                if trusted_file(st, self.fresh.get(sha)):
+                    self.fresh[sha] = witness(now)
         finally:
             os.close(fd)
+        return st.st_size
 
     def read(self, sha: str, *, stamp: bool, trusted: bool = False) -> bytes | None:
         """The verified bytes of ``sha``, or None when absent or corrupt (then
