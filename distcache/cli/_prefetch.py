@@ -246,8 +246,9 @@ def _read_manifests(comm: Communicator, manifests: list[str]) -> list[ManifestSp
     file in what it says). A pipe (``<(...)``) is read once: a second read finds it
     drained. With more ranks the prefetch reads the manifests and the ranks agree on
     the error, so that a manifest only some of them cannot read leaves none waiting;
-    a rank refusing alone here would. A named pipe or a device is refused here, on
-    each rank that sees one: opening or reading it would wait for ever.
+    a rank refusing alone here would. A named pipe or a device is refused here by a
+    lone rank (:func:`_refuse_special_files`); with more ranks the prefetch's read
+    refuses a named pipe, and the ranks agree on it.
 
     Raises:
         ConfigError: a manifest cannot be read, or is a named pipe or a device
@@ -255,9 +256,9 @@ def _read_manifests(comm: Communicator, manifests: list[str]) -> list[ManifestSp
         ManifestError, ArtifactNameError: a manifest is malformed, or two of them list
             one name with two digests.
     """
-    _refuse_special_files(manifests)
     if comm.size != 1:
         return list(manifests)
+    _refuse_special_files(manifests)
     read = [(manifest, read_manifest(manifest)) for manifest in manifests]
     merge_manifests(read)  # one name with two digests: said naming both files
     return [manifest if _regular_file(manifest) else artifacts for manifest, artifacts in read]
