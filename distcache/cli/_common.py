@@ -132,11 +132,14 @@ def refuse_foreign(root: Path) -> None:
 READING_ACTIONS = ("ls", "stats")
 
 
-def existing_pool(args: argparse.Namespace, *, read_only: bool = False) -> ArtifactPool:
+def existing_pool(args: argparse.Namespace, *, read_only: bool = False,
+                  max_bytes: int | None = None) -> ArtifactPool:
     """The pool ``--pool`` (or the settings) names, which must already exist; with
     ``read_only``, ``--dry-run`` or for one of :data:`READING_ACTIONS`, opened to read
     it only, changing nothing there (:class:`~distcache.store.ArtifactPool`'s
-    ``read_only``: no stale file swept, no directory made, no recency stamp).
+    ``read_only``: no stale file swept, no directory made, no recency stamp). A
+    ``max_bytes`` given (an option's cap) wins: ``DISTCACHE_POOL_MAX_BYTES`` is not
+    read, and a bad value there does not stop the command.
 
     Raises:
         PoolError: there is no pool there, or the directory is not a pool (or, read
@@ -145,7 +148,7 @@ def existing_pool(args: argparse.Namespace, *, read_only: bool = False) -> Artif
     """
     from distcache._resolve import resolve_pool
 
-    conf = settings()
+    conf = settings() if max_bytes is None else settings(pool_max_bytes=max_bytes)
     root = Path(args.pool) if args.pool is not None else conf.pool_dir
     refuse_foreign(root)
     read_only = (read_only or getattr(args, "dry_run", False)

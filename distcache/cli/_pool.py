@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 from distcache.cli._common import (
     EXIT_CORRUPT,
@@ -23,12 +22,11 @@ from distcache.cli._common import (
     emit,
     existing_pool,
     human_bytes,
-    refuse_foreign,
 )
 from distcache.cli._fetch import say
 from distcache.cli._hygiene import PRUNE_HELP, RM_HELP, setup_prune, setup_rm
 from distcache.cli._transfer import IMPORT_HELP, setup_export, setup_import
-from distcache.config import parse_bytes, settings
+from distcache.config import parse_bytes
 from distcache.errors import PoolError
 from distcache.store import ArtifactPool
 
@@ -143,29 +141,12 @@ def run_verify(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _pool_capped_at(args: argparse.Namespace, cap: int) -> ArtifactPool:
-    """:func:`existing_pool`, capped at ``cap`` (``--max-bytes``): the option wins,
-    so ``DISTCACHE_POOL_MAX_BYTES`` is not read, and a bad value there does not stop
-    a collection whose cap the command line gives.
-
-    Raises:
-        PoolError: there is no pool there, or the directory is not a pool.
-        ConfigError: another ``DISTCACHE_*`` variable has a bad value.
-    """
-    from distcache._resolve import resolve_pool
-
-    conf = settings(pool_max_bytes=cap)
-    root = Path(args.pool) if args.pool is not None else conf.pool_dir
-    refuse_foreign(root)
-    return resolve_pool(root, conf, must_exist=True)  # refuses a missing pool
-
-
 def run_gc(args: argparse.Namespace) -> int:
     """``pool gc``: collect least recently used objects down to the cap."""
     # An empty value is a bad size, not "no cap" (an unset shell variable, say).
     cap = (parse_bytes(args.max_bytes, variable="--max-bytes") if args.max_bytes is not None
            else None)
-    pool = existing_pool(args) if cap is None else _pool_capped_at(args, cap)
+    pool = existing_pool(args, max_bytes=cap)
     report = pool.gc(cap)
     if report.max_bytes is None:
         line = (f"no size cap (pass --max-bytes or set DISTCACHE_POOL_MAX_BYTES); kept "
