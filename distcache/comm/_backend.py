@@ -43,6 +43,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Any, ClassVar, NamedTuple, Self
 
+from distcache.comm import _inline
 from distcache.comm._base import (
     MAX_MESSAGE_BYTES,
     check_broadcast,
@@ -86,13 +87,8 @@ class BackendCommunicator(ABC):
     _rank: int
     _size: int
 
-    def __init__(
-        self,
-        *,
-        timeout: float | None = None,
-        chunk_bytes: int | None = None,
-        node_id: str | None = None,
-    ) -> None:
+    def __init__(self, *, timeout: float | None = None, chunk_bytes: int | None = None,
+                 node_id: str | None = None) -> None:
         conf = settings(timeout=timeout, chunk_bytes=chunk_bytes, node_id=node_id)
         if not 0 < conf.chunk_bytes <= MAX_MESSAGE_BYTES:
             raise ValueError(
@@ -102,6 +98,10 @@ class BackendCommunicator(ABC):
         self._timeout = conf.timeout
         self._chunk_bytes = conf.chunk_bytes
         self._node_id = conf.node_id if conf.node_id is not None else hostname()
+        #: The most a broadcast_bytes receiver accepts unless the call says
+        #: (``max_bytes``): a bucket's worth beside the largest artifact of unknown size
+        #: (broadcast_buffer's bulk data: what this host's memory could hold).
+        self.max_broadcast_bytes = conf.max_artifact_bytes + conf.bucket_bytes
         self._broken: str | None = None
         # split() results by the all-gathered colors, least recently used first (see
         # split); at most MAX_CHILDREN are kept.
@@ -159,11 +159,8 @@ class BackendCommunicator(ABC):
 
     def _inherited(self) -> dict[str, Any]:
         """Constructor options a child communicator takes over from this one."""
-        return {
-            "timeout": self._timeout,
-            "chunk_bytes": self._chunk_bytes,
-            "node_id": self._node_id,
-        }
+        return {"timeout": self._timeout, "chunk_bytes": self._chunk_bytes,
+                "node_id": self._node_id}
 
     # -- state and errors -------------------------------------------------------------
 
@@ -173,10 +170,7 @@ class BackendCommunicator(ABC):
             raise CommError(
                 f"rank {self._rank}/{self._size}: this {self._label} communicator is unusable "
                 f"after {self._broken}; create a new communicator",
-                op="reuse",
-                rank=self._rank,
-                backend=self._kind,
-            )
+                op="reuse", rank=self._rank, backend=self._kind)
         wait = self._timeout if timeout is None else timeout
         check_timeout(wait)
         return Budget(wait, time.monotonic() + wait)
@@ -188,11 +182,7 @@ class BackendCommunicator(ABC):
             f"{op} on rank {self._rank}/{self._size} ({self._node_id}) did not "
             f"complete within {wait:g} s: a peer rank never arrived; check for "
             "a crashed or stalled rank, or raise DISTCACHE_TIMEOUT",
-            op=op,
-            timeout=wait,
-            rank=self._rank,
-            backend=self._kind,
-        )
+            op=op, timeout=wait, rank=self._rank, backend=self._kind)
 
     def _comm_error(self, op: str, exc: BaseException, *, over: str = "") -> CommError:
         """The transport failed ``op`` (``over``: the transport's own backend, if any)."""
@@ -207,23 +197,27 @@ class BackendCommunicator(ABC):
 
     # -- collectives ------------------------------------------------------------------
 
-    def broadcast_bytes(
-        self, data: bytes | None, root: int, *, timeout: float | None = None
-    ) -> bytes:
-        received = self._broadcast(data, root, timeout, lend=False)
+    def broadcast_bytes(self, data: bytes | None, root: int, *, timeout: float | None = None,
+                        max_bytes: int | None = None) -> bytes:
+        """The protocol's ``broadcast_bytes``; a payload the root announces past
+        ``max_bytes`` (every rank passes the same; None: :attr:`max_broadcast_bytes`)
+        is a :class:`~distcache.errors.WireError` on every rank, before any allocates
+        for it, and leaves the communicator unusable."""
+        received = self._broadcast(data, root, timeout, lend=False, most=max_bytes)
         return received if isinstance(received, bytes) else bytes(received)
 
-    def broadcast_buffer(
-        self, data: bytearray | None, root: int, *, timeout: float | None = None
-    ) -> bytes | bytearray:
+    def broadcast_buffer(self, data: bytearray | None, root: int, *,
+                         timeout: float | None = None, max_bytes: int | None = None
+                         ) -> bytes | bytearray:
         """:meth:`broadcast_bytes` for bulk data, without its copies where the transport
         allows: the root lends ``data`` (it must not change it afterwards, even when
         this raises) and every other rank gets a buffer of its own."""
-        return self._broadcast(data, root, timeout, lend=True)
+        return self._broadcast(data, root, timeout, lend=True, most=max_bytes)
 
     def _broadcast(self, data: bytes | bytearray | None, root: int, timeout: float | None,
-                   *, lend: bool) -> bytes | bytearray:
+                   *, lend: bool, most: int | None) -> bytes | bytearray:
         check_broadcast(self._rank, self._size, root, data)
+        _inline.check_most(most)
         budget = self._budget(timeout)
         mine = data if self._rank == root else None
         # Bulk data (lend) is chunked from the start; a small payload is one message.
@@ -233,6 +227,12 @@ class BackendCommunicator(ABC):
         block = self._broadcast_block(None if mine is None else head(mine, width),
                                       HEAD + width, root, budget)
         total = length_of(block)
+        cap, why = _inline.accepted(most, lend, self.max_broadcast_bytes)
+        refused = _inline.refusal(total, cap, root, self._rank, self._size, self._node_id,
+                                  backend=self._kind, why=why)
+        if refused is not None:  # the root may send chunks no rank takes: out of step
+            self._broken = self._broken or f"broadcast_bytes refused {total} bytes"
+            raise refused
         if total <= width:
             self.chunk_messages += total > 0
             self.payload_bytes += total
