@@ -8,6 +8,8 @@ import argparse
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from distcache._argtypes import directory
+
 PROG = "python -m launch"
 
 
@@ -27,19 +29,6 @@ class _Once(argparse.Action):
             parser.error(f"{name} given twice, as {given!r} and {values!r}; give {name} "
                          "once, with the value meant")
         setattr(namespace, self.dest, values)
-
-
-def directory(text: str) -> str:
-    """A directory option's value: empty (an unset shell variable: the current directory)
-    or starting with ``~`` (a shell does not expand it after ``--pool=``: a directory
-    named ``~``) is refused, as the ``distcache`` command refuses it."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("empty directory name")
-    if text.startswith("~"):  # the shell leaves it after "--pool=": a directory named ~
-        raise argparse.ArgumentTypeError(
-            f"{text!r} starts with '~', which only a shell expands (not after '='); "
-            "write the directory's absolute path")
-    return text
 
 
 class Parser(argparse.ArgumentParser):

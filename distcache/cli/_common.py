@@ -14,6 +14,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, NoReturn
 
+from distcache._argtypes import directory
 from distcache.config import check_seconds, settings
 from distcache.errors import ConfigError, PoolError
 from distcache.store import ArtifactPool, PoolLayout
@@ -186,24 +187,11 @@ def positive_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _directory(text: str) -> str:
-    """``--pool``'s value: an empty one (an unset shell variable) would be the current
-    directory, and one starting with ``~`` a directory named ``~`` there (a shell does
-    not expand it after ``--pool=``), so both are refused (argparse type)."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("empty directory name")
-    if text.startswith("~"):  # the shell leaves it after "--pool=": a directory named ~
-        raise argparse.ArgumentTypeError(
-            f"{text!r} starts with '~', which only a shell expands (not after '='); "
-            "write the directory's absolute path")
-    return text
-
-
 def common_options() -> Parser:
     """A parent parser with ``--pool`` and ``--verbose``, for every level of subcommand."""
     common = Parser(add_help=False)
     # SUPPRESS lets the options also follow a subcommand without resetting them.
-    common.add_argument("--pool", metavar="DIR", default=argparse.SUPPRESS, type=_directory,
+    common.add_argument("--pool", metavar="DIR", default=argparse.SUPPRESS, type=directory,
                         help="pool directory (default: DISTCACHE_POOL, else "
                              "$XDG_CACHE_HOME/distcache)")
     common.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,

@@ -16,11 +16,12 @@ from typing import Any
 import pytest
 
 from distcache.artifact import Artifact
-from distcache.peer import Agent, Tier, host_agent, lookup, order
+from distcache.peer import Tier, host_agent, lookup, order
 from distcache.peer import _tier as peer_tier
 from distcache.store import ArtifactPool
 from distcache.testing import LoopbackOrigin, make_artifacts
 from tests.unit.test_peer_agent import KEY
+from tests.unit.test_peer_owner_down_and_key import _asker_beside
 
 #: A short bound, so that each ask of the silent agent costs the test about a second.
 BOUND_S = 1.0
@@ -156,18 +157,6 @@ def short_hop(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_agent, "HOP_S", BOUND_S)
 
 
-@contextlib.contextmanager
-def _beside(owner: str, tmp_path: Path, url: str) -> Iterator[Agent]:
-    from distcache.origins import HttpOrigin
-
-    agent = host_agent(ArtifactPool(tmp_path / "pool"), lambda: HttpOrigin(url), KEY, "asker")
-    agent.join([owner, agent.endpoint], 1)
-    try:
-        yield agent
-    finally:
-        agent.stop()
-
-
 @pytest.mark.timeout(120)
 def test_a_walk_leaves_a_stopped_owner_out_for_a_back_off_that_doubles_said_once(
     tmp_path: Path, clock: _Clock, short_hop: None, caplog: pytest.LogCaptureFixture,
@@ -180,7 +169,7 @@ def test_a_walk_leaves_a_stopped_owner_out_for_a_back_off_that_doubles_said_once
             _silent(socket.AF_INET, ("127.0.0.1", 0)) as (asked, where):
         # The silent owner's endpoint: the listening socket's own port.
         silent = f"tcp://127.0.0.1:{where[1]}"
-        with _beside(silent, tmp_path, origin.url) as agent:
+        with _asker_beside(silent, tmp_path, origin.url) as agent:
             ring = [silent, agent.endpoint]
             owned = iter([a for a in made if order(a.sha256, ring)[0] == 0])
             tier = Tier(agent.local_endpoint or "", KEY, bound=10)
