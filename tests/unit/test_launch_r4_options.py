@@ -10,6 +10,13 @@ import pytest
 import launch.__main__ as wrapper
 
 
+@pytest.fixture(autouse=True)
+def _logging_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # main() sets up distcache's logging for the process it runs in; in-process here,
+    # that set-up would outlive the test.
+    monkeypatch.setattr(wrapper, "configure_logging", lambda verbose, rank: lambda: None)
+
+
 def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     with pytest.raises(SystemExit) as done:
         wrapper.main(argv)
