@@ -21,6 +21,7 @@ cannot make every rank allocate what it announces.
 
 from __future__ import annotations
 
+import functools
 import os
 
 from distcache.errors import WireError
@@ -72,11 +73,7 @@ def accepted(most: int | None, lend: bool, control: int) -> tuple[int, str]:
     if most is not None:
         return most, "the max_bytes this call passed"
     if lend:
-        try:
-            memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError):
-            memory = 1 << 62
-        return memory, "this host's memory: no larger payload could be received"
+        return _memory(), "this host's memory: no larger payload could be received"
     return control, ("the default cap, DISTCACHE_MAX_ARTIFACT_BYTES + "
                      "DISTCACHE_BUCKET_BYTES; raise either if payloads this large are meant")
 
@@ -97,3 +94,12 @@ def refusal(total: int, most: int, root: int, rank: int, size: int, where: str, 
         "Check that every rank of the communicator belongs to this job and runs the same "
         "distcache; the communicator is unusable now", op="broadcast_bytes", rank=rank,
         backend=backend, peer=root)
+
+
+@functools.cache
+def _memory() -> int:
+    """This host's physical memory in bytes, read once."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 1 << 62

@@ -73,7 +73,8 @@ def _staged(pool: ArtifactPool, step: Callable[[bytes], T], data: bytes) -> T:
         if isinstance(exc, PoolError):
             raise
         raise PoolError(f"cannot stage a file for the pool {pool.root} in {pool.layout.tmp}: "
-                        f"{exc.strerror or exc}; check that its filesystem has room",
+                        f"{exc.strerror or exc}; check that this user can write the pool and "
+                        "that its filesystem has room",
                         path=str(pool.layout.tmp), errno=exc.errno) from exc
 
 
@@ -84,10 +85,5 @@ def _staging(pool: ArtifactPool) -> IO[bytes]:
     Raises:
         PoolError: it cannot be created (a pool opened read-only, a full disk).
     """
-    try:
-        return tempfile.TemporaryFile(dir=pool.layout.tmp, prefix="jit.")
-    except OSError as exc:
-        raise PoolError(f"cannot stage a file for the pool {pool.root} in {pool.layout.tmp}: "
-                        f"{exc.strerror or exc}; check that this user can write the pool and "
-                        "that its filesystem has room", path=str(pool.layout.tmp),
-                        errno=exc.errno) from exc
+    return _staged(pool, lambda _: tempfile.TemporaryFile(dir=pool.layout.tmp, prefix="jit."),
+                   b"")

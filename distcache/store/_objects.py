@@ -198,12 +198,17 @@ class ObjectStore:
                 if len(self._unstampable) < 100_000:
                     self._unstampable.add(sha)
         else:
-            with self._guard:  # the stamp moved its times: still what was verified
-                if trusted_file(st, self.fresh.get(sha)):
-                    self.fresh[sha] = witness(now)
+            self._restamped(sha, st, now)
         finally:
             os.close(fd)
         return st.st_size
+
+    def _restamped(self, sha: str, before: os.stat_result, after: os.stat_result) -> None:
+        """A recency stamp moved the times of the file ``before`` described: when that
+        file was the one verified, ``after`` is what is verified now."""
+        with self._guard:
+            if trusted_file(before, self.fresh.get(sha)):
+                self.fresh[sha] = witness(after)
 
     def read(self, sha: str, *, stamp: bool, trusted: bool = False) -> bytes | None:
         """The verified bytes of ``sha``, or None when absent or corrupt (then
@@ -222,9 +227,8 @@ class ObjectStore:
             return None
         data, st, stamped = found
         if trusted and len(data) == st.st_size and trusted_file(st, self.fresh.get(sha)):
-            if stamped is not None:  # the stamp moved its times: still what was verified
-                with self._guard:
-                    self.fresh[sha] = witness(stamped)
+            if stamped is not None:
+                self._restamped(sha, st, stamped)
             return data
         if len(data) != st.st_size or sha256_hex(data) != sha:
             self.quarantine(sha, f"fails verification ({len(data)} bytes)", st)
