@@ -194,9 +194,9 @@ def agree_on_error(
 ) -> list[Any]:
     """Collective: if any rank passes an error, every rank raises one; else every
     rank's ``carry`` (plain data), in rank order: what the ranks tell each other next
-    rides on the same all-gather. The rank that failed re-raises its own error; every
-    other rank raises the lowest failing rank's, rebuilt from its description
-    (:func:`described_error`), which crosses ranks as data, never as a pickle.
+    rides on the same all-gather. A failed rank re-raises its own error (``agreed``
+    where all are described alike); any other raises the lowest failing rank's, rebuilt
+    (:func:`described_error`): data, never a pickle.
 
     Raises:
         DistcacheError: some rank failed.
@@ -214,6 +214,8 @@ def agree_on_error(
     if not failures:
         return [entry[2] for entry in gathered]
     if error is not None:
+        if isinstance(error, DistcacheError) and len(failures) == comm.size:
+            error.agreed = all(f[2] == payload for f in failures) or error.agreed
         raise error
     rank, host, description = failures[0]
     rebuilt = described_error(description, rank, comm.size, host)
@@ -291,9 +293,7 @@ def _bad_description(comm: Communicator, peer: int, what: str) -> WireError:
 # waited so far; the first and longest pauses follow how many processes share each
 # core (:func:`_shortest_pause`, :func:`_longest_pause`). A rank waiting seconds polls
 # a few dozen times, and completes at most about 10 % later than it could have.
-_POLL_MIN_S = 20e-6
-_POLL_MAX_S = 2e-3
-_POLL_LONG_S = 50e-3
+_POLL_MIN_S, _POLL_MAX_S, _POLL_LONG_S = 20e-6, 2e-3, 50e-3
 #: The longest pause where each process of the host has a core of its own.
 _POLL_OWN_CORE_S = 5e-3
 #: Variables the launchers set to the number of processes on this host.

@@ -30,7 +30,13 @@ from distcache.comm import (
 )
 from distcache.comm._base import MAX_MESSAGE_BYTES, chunk_spans
 from distcache.comm.adopt import launcher_is_mpi
-from distcache.errors import CollectiveTimeout, IntegrityError, RemoteError, WireError
+from distcache.errors import (
+    CollectiveTimeout,
+    ConfigError,
+    IntegrityError,
+    RemoteError,
+    WireError,
+)
 from tests.support.helpers import run_group
 from tests.support.threads import run_ranks
 
@@ -165,6 +171,25 @@ def test_thread_error_on_one_rank_is_raised_on_every_rank() -> None:
 
     results = run_ranks(ThreadGroup(4), body)
     assert all(isinstance(r, IntegrityError) and r.sha256 == "ab" * 32 for r in results)  # type: ignore[attr-defined]
+
+
+def test_thread_errors_alike_on_every_rank_are_agreed_so_one_rank_reports() -> None:
+    def body(comm: Communicator) -> None:
+        agree_on_error(comm, ConfigError("cannot read manifest m", variable="manifest"))
+
+    results = run_ranks(ThreadGroup(3), body)
+    assert all(isinstance(r, ConfigError) and r.agreed for r in results)
+
+
+@pytest.mark.parametrize("texts", [("a", "a", None), ("a", "b", "a")])
+def test_thread_errors_not_alike_everywhere_are_not_agreed(texts: tuple[str | None, ...]
+                                                           ) -> None:
+    def body(comm: Communicator) -> None:
+        text = texts[comm.rank]
+        agree_on_error(comm, None if text is None else ConfigError(text))
+
+    results = run_ranks(ThreadGroup(3), body)
+    assert all(isinstance(r, ConfigError) and not r.agreed for r in results)
 
 
 def test_thread_foreign_error_reaches_the_others_as_remote_error() -> None:
