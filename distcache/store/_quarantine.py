@@ -12,7 +12,6 @@ descriptors, each link removed, never walked through).
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 
 from distcache._log import get_logger
@@ -75,6 +74,8 @@ def _remove(directory: int, name: str) -> None:
     if stat.S_ISDIR(st.st_mode):
         # Descriptor-based: a symlink inside is unlinked, and a directory swapped for
         # a link meanwhile is refused, not followed.
+        import shutil  # only here: its import loads bz2 and lzma
+
         shutil.rmtree(name, dir_fd=directory)
     else:
         os.unlink(name, dir_fd=directory)
