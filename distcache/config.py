@@ -30,19 +30,27 @@ _BYTES_RE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 #: The largest count a setting may ask for (threads, retries): far beyond any real one,
 #: and within what the ranks exchange to agree on their download counts.
 MAX_COUNT = 1_000_000
+#: The largest size a setting may give: the largest file offset (``off_t``).
+MAX_BYTES = (1 << 63) - 1
 
 
 def parse_bytes(text: str, *, variable: str = "value", least: int = 0) -> int:
     """Parse ``"512"``, ``"64M"``, ``"1GiB"`` into a byte count of at least ``least``.
 
     Raises:
-        ConfigError: the text is not a size, or one below ``least``.
+        ConfigError: the text is not a size, or one below ``least`` or above
+            :data:`MAX_BYTES`.
     """
     match = _BYTES_RE.match(text)
     if not match:
         raise ConfigError(f"{variable}={text!r} is not a size; use bytes or a K/M/G/T suffix "
                           "(e.g. 64M)", variable=variable, value=text)
-    number = int(match.group(1)) * _UNITS[match.group(2).lower()]
+    digits = match.group(1).lstrip("0") or "0"
+    # Past 8 EiB no file or filesystem holds it (and past 4,300 digits int() refuses).
+    number = int(digits) * _UNITS[match.group(2).lower()] if len(digits) <= 19 else None
+    if number is None or number > MAX_BYTES:
+        raise ConfigError(f"{variable}={text[:40]!r} is more bytes than any filesystem holds "
+                          f"(at most {MAX_BYTES}, 8 EiB)", variable=variable, value=text)
     if number < least:
         raise ConfigError(f"{variable}={text!r} must be at least {least} byte(s)",
                           variable=variable, value=text)

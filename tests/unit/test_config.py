@@ -106,6 +106,21 @@ def test_sizes_accept_units_and_reject_nonsense() -> None:
         parse_bytes("-3", variable="SIZE_VAR")
 
 
+@pytest.mark.parametrize("text", ["9223372036854775808", "8388608T", "1" * 400, "1" * 5000])
+def test_a_size_past_any_filesystem_is_refused_naming_the_variable(text: str) -> None:
+    # A cap no filesystem could reach is a typo, not "no cap"; past 4,300 digits int()
+    # itself refuses, which must not escape as a bare ValueError.
+    with pytest.raises(ConfigError, match=r"DISTCACHE_POOL_MAX_BYTES=.*more bytes than any"):
+        parse_bytes(text, variable="DISTCACHE_POOL_MAX_BYTES")
+
+
+def test_the_largest_size_and_leading_zeros_still_parse() -> None:
+    assert parse_bytes("9223372036854775807") == (1 << 63) - 1
+    assert parse_bytes("8388607T") == 8388607 << 40
+    assert parse_bytes("0" * 30 + "64M") == 64 << 20
+    assert parse_bytes("0" * 30) == 0
+
+
 def test_booleans_and_numbers_parse_their_spellings() -> None:
     assert settings({"DISTCACHE_OFFLINE": "yes"}).offline is True
     assert settings({"DISTCACHE_FLASHINFER": "off"}).flashinfer is False
