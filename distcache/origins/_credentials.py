@@ -194,7 +194,8 @@ def _check_port(host: str, position: int) -> None:
     """Refuse the ``host[:port]`` of entry ``position`` when a port is written and it
     is not a number from 1 to 65535 (``host:0``, ``host:``, ``host:99999``,
     ``host:https``): read as the default port, or as no port, it would bind the token
-    to another port than the one meant.
+    to another port than the one meant; and an IPv6 address without its brackets
+    (``::1``), whose last group would be read as a port.
 
     Raises:
         ConfigError: naming the entry's position, host and port; the token is shown
@@ -203,6 +204,12 @@ def _check_port(host: str, position: int) -> None:
     if ":" not in host.rpartition("]")[2]:  # no port; an IPv6 literal's colons are inside
         return
     name, _, port = host.rpartition(":")
+    if ":" in name and not name.startswith("["):  # "::1": its last group read as a port
+        raise ConfigError(
+            f"{_TOKENS_VARIABLE}: entry {position} ({host}=<redacted>) looks like an IPv6 "
+            f"address without brackets; write it as in the origin's URL, [{host}]=TOKEN "
+            f"(or [{host}]:8443=TOKEN with a port)", variable=_TOKENS_VARIABLE,
+            value=f"entry {position}: {host}=<redacted>")
     if port.isascii() and port.isdigit() and 0 < int(port) <= 65535:
         return
     raise ConfigError(

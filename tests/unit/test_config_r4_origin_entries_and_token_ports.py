@@ -89,3 +89,19 @@ def test_tokens_for_ports_in_range_are_bound_to_those_ports() -> None:
     assert tokens[("https", "c.example", 443)] == SECRET
     assert tokens[("http", "c.example", 80)] == SECRET
     assert parse_tokens(f"[::1]:8443={SECRET}")[("https", "::1", 8443)] == SECRET
+
+
+@pytest.mark.parametrize("host", ["::1", "fe80::1", "2001:db8::abcd", "2001:db8::1:8443"])
+def test_an_ipv6_address_without_brackets_is_refused_as_such(host: str) -> None:
+    # "::1" would otherwise bind the token to a host "::" on port 1 (never sent to ::1).
+    with pytest.raises(ConfigError) as info:
+        parse_tokens(f"ok.example={SECRET}, {host}={SECRET}")
+    message = str(info.value)
+    assert f"entry 2 ({host}=<redacted>) looks like an IPv6 address without brackets" in message
+    assert f"[{host}]=TOKEN" in message and SECRET not in shown(info.value)
+
+
+def test_bracketed_ipv6_addresses_are_bound_with_and_without_a_port() -> None:
+    tokens = parse_tokens(f"[fe80::1]={SECRET},[2001:db8::1]:8443={SECRET}")
+    assert tokens[("https", "fe80::1", 443)] == SECRET
+    assert tokens[("https", "2001:db8::1", 8443)] == SECRET
