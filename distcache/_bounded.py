@@ -27,9 +27,9 @@ def _read_at_most(path: Path, limit: int) -> bytes:
             raise OSError(errno.ENXIO, "it is a named pipe (FIFO), not a regular file: "
                           "reading it would wait for a writer; write the manifest to a file "
                           "and pass that file")
-        launcher = forwarded_stdin(st)
+        launcher = forwarded_stdin(path, st)
         if launcher is not None:
-            raise OSError(errno.EINVAL, f"it is this rank's standard input, which {launcher}; "
+            raise OSError(errno.EINVAL, f"it is this rank's standard input, and {launcher}; "
                           "write the manifest to a file every rank can read and pass that "
                           "file")
         os.set_blocking(fd, True)  # a pipe's bytes are waited for, as a file's are read
@@ -50,36 +50,87 @@ def shell_pipe(path: str | os.PathLike[str]) -> bool:
     return os.path.basename(real).startswith("pipe:[") and not os.path.lexists(real)
 
 
-#: Launchers whose ranks cannot all read one standard input, by a variable each sets in
-#: its ranks (its value: the job's size, or ``None`` where any size counts), and why.
-_FORWARDING = (
-    ("OMPI_COMM_WORLD_SIZE", None, "Open MPI forwards to rank 0 alone and may never close "
-     "(rank 0 would wait for the end of the manifest for ever)"),
-    ("PMIX_RANK", None, "a PMIx launcher (prterun) forwards to rank 0 alone and may never "
-     "close (rank 0 would wait for the end of the manifest for ever)"),
-    ("PMI_SIZE", "PMI_SIZE", "MPICH forwards to rank 0 alone (the other ranks read nothing)"),
-    ("TORCHELASTIC_RUN_ID", "WORLD_SIZE", "torchrun's workers share (each would read part "
-     "of the manifest, or none)"),
-)
+#: The processes of MPI launchers that start ranks (by ``/proc/PID/comm``) and hand
+#: their standard input to rank 0 alone: why a manifest cannot come that way, and the
+#: variable that says the job's size where it matters only with more than one rank.
+_NEVER_CLOSED = ("Open MPI forwards it to rank 0 alone and never closes it (rank 0 "
+                 "would wait for the end of the manifest for ever)", None)
+_DAEMONS: dict[str, tuple[str, str | None]] = {
+    **dict.fromkeys(("prterun", "prted", "orted", "orterun", "mpirun", "mpiexec"),
+                    _NEVER_CLOSED),
+    "hydra_pmi_proxy": ("MPICH forwards it to rank 0 alone (the other ranks read nothing)",
+                        "PMI_SIZE"),
+}
+#: The names of this process's standard input.
+_STDIN_NAMES = ("/dev/stdin", "/dev/fd/0", "/proc/self/fd/0", "/proc/thread-self/fd/0")
 
 
-def forwarded_stdin(opened: os.stat_result) -> str | None:
-    """Why a file whose stat is ``opened`` cannot serve as a manifest, where it is this
-    process's standard input (not a regular file: a regular one is read from its start
-    on every rank alike) and a launcher that forwards it to some ranks only started this
-    process; else ``None``. A lone process fed by a shell's ``|`` reads it as before."""
-    if stat.S_ISREG(opened.st_mode):
+def forwarded_stdin(path: str | os.PathLike[str], opened: os.stat_result) -> str | None:
+    """Why ``path`` (opened, its stat ``opened``) cannot serve as a manifest: it names
+    this process's standard input, which is not a regular file (a regular one is read
+    from its start on every rank alike) and came unchanged from a launcher that gives
+    it to one rank only (:func:`_giver`); else ``None``. A process fed by a shell's
+    ``|`` reads it as before, a rank's own pipeline under a launcher too."""
+    if stat.S_ISREG(opened.st_mode) or not _names_stdin(path):
         return None
-    try:
-        stdin = os.fstat(0)
-    except OSError:  # no standard input: the file is not it
-        return None
-    if (stdin.st_dev, stdin.st_ino) != (opened.st_dev, opened.st_ino):
-        return None
-    for variable, size, why in _FORWARDING:
-        if variable in os.environ and (size is None or _more_than_one(os.environ.get(size))):
-            return why
+    return _giver(opened)
+
+
+def _names_stdin(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path``, or a symbolic link on the way from it, names standard input."""
+    here, own = os.path.abspath(path), f"/proc/{os.getpid()}/fd/0"
+    for _ in range(40):  # as many links as the kernel follows
+        if here in _STDIN_NAMES or here == own:
+            return True
+        try:
+            target = os.readlink(here)
+        except OSError:
+            return False
+        here = os.path.normpath(os.path.join(os.path.dirname(here), target))
+    return False
+
+
+def _giver(opened: os.stat_result) -> str | None:
+    """Why this process's standard input (``opened``) cannot be read whole, where it
+    came unchanged from an MPI launcher's process (each process on the way up holds
+    the same one), or from torchrun's agent with more than one worker on this node;
+    else ``None``."""
+    same = (opened.st_dev, opened.st_ino)
+    pid = os.getpid()
+    for _ in range(16):
+        parent = _parent(pid)
+        if parent is None:
+            return None
+        pid, name = parent
+        if name in _DAEMONS:
+            why, size = _DAEMONS[name]
+            return why if size is None or _more_than_one(os.environ.get(size)) else None
+        try:
+            theirs = os.stat(f"/proc/{pid}/fd/0")
+        except OSError:  # not ours to read, or gone: not known to be the launcher's
+            return None
+        if (theirs.st_dev, theirs.st_ino) != same:
+            return None  # a pipe made on the way (a rank's own shell pipeline)
+        if "TORCHELASTIC_RUN_ID" in os.environ and _more_than_one(os.environ.get(
+                "LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE"))):
+            return ("torchrun's workers on this node share it (each would read part of "
+                    "the manifest, or none)")
     return None
+
+
+def _parent(pid: int) -> tuple[int, str] | None:
+    """Process ``pid``'s parent and its name (``/proc/PID/comm``); ``None`` past init or
+    where ``/proc`` cannot say."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        parent = int(fields[1])
+        if parent <= 1:
+            return None
+        with open(f"/proc/{parent}/comm", "rb") as f:
+            return parent, f.read().decode(errors="replace").strip()
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _more_than_one(value: str | None) -> bool:

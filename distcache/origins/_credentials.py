@@ -195,7 +195,7 @@ def _check_port(host: str, position: int) -> None:
     is not a number from 1 to 65535 (``host:0``, ``host:``, ``host:99999``,
     ``host:https``): read as the default port, or as no port, it would bind the token
     to another port than the one meant; and an IPv6 address without its brackets
-    (``::1``), whose last group would be read as a port.
+    (``::1``), saying how to write it (not as a malformed entry).
 
     Raises:
         ConfigError: naming the entry's position, host and port; the token is shown
@@ -204,7 +204,7 @@ def _check_port(host: str, position: int) -> None:
     if ":" not in host.rpartition("]")[2]:  # no port; an IPv6 literal's colons are inside
         return
     name, _, port = host.rpartition(":")
-    if ":" in name and not name.startswith("["):  # "::1": its last group read as a port
+    if ":" in name and not name.startswith("[") and _ipv6(host):
         raise ConfigError(
             f"{_TOKENS_VARIABLE}: entry {position} ({host}=<redacted>) looks like an IPv6 "
             f"address without brackets; write it as in the origin's URL, [{host}]=TOKEN "
@@ -218,3 +218,14 @@ def _check_port(host: str, position: int) -> None:
         f"({name}:8443=TOKEN), or leave it out ({name}=TOKEN) for the scheme's default "
         "port (443 for https, 80 for http)",
         variable=_TOKENS_VARIABLE, value=f"entry {position}: {host}=<redacted>")
+
+
+def _ipv6(text: str) -> bool:
+    """Whether ``text`` is an IPv6 address (a zone, ``%eth0``, aside)."""
+    import ipaddress  # only for an entry that may be one
+
+    try:
+        ipaddress.IPv6Address(text.partition("%")[0])
+    except ValueError:
+        return False
+    return True

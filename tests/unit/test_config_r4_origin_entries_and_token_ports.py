@@ -93,7 +93,7 @@ def test_tokens_for_ports_in_range_are_bound_to_those_ports() -> None:
 
 @pytest.mark.parametrize("host", ["::1", "fe80::1", "2001:db8::abcd", "2001:db8::1:8443"])
 def test_an_ipv6_address_without_brackets_is_refused_as_such(host: str) -> None:
-    # "::1" would otherwise bind the token to a host "::" on port 1 (never sent to ::1).
+    # Refused before too, as an entry that is not host[:port]=token: now saying why.
     with pytest.raises(ConfigError) as info:
         parse_tokens(f"ok.example={SECRET}, {host}={SECRET}")
     message = str(info.value)
@@ -105,3 +105,11 @@ def test_bracketed_ipv6_addresses_are_bound_with_and_without_a_port() -> None:
     tokens = parse_tokens(f"[fe80::1]={SECRET},[2001:db8::1]:8443={SECRET}")
     assert tokens[("https", "fe80::1", 443)] == SECRET
     assert tokens[("https", "2001:db8::1", 8443)] == SECRET
+
+
+@pytest.mark.parametrize("entry", ["https://mirror.example:8443", "mirror.example:8443:1",
+                                   "user@mirror.example:8443"])
+def test_an_entry_with_colons_that_is_no_ipv6_address_is_not_called_one(entry: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_tokens(f"{entry}={SECRET}")
+    assert "IPv6" not in str(info.value) and SECRET not in shown(info.value)
