@@ -260,7 +260,8 @@ def inputs_key(manifests: Sequence[str | os.PathLike[str] | Sequence[Artifact]],
     """A digest of what decides a rank's prefetch: the manifests (each file's bytes,
     each list's artifacts), what the integrations want (their usage records), whether
     there is an origin, whether downloads are off. None when something cannot be
-    read: that rank takes the full collective, which reports why."""
+    read or fails: that rank takes the full collective, which reports why on every
+    rank (raising here, on one rank alone, would leave the others waiting)."""
     h = hashlib.sha256()
     try:
         for spec in manifests:
@@ -273,7 +274,7 @@ def inputs_key(manifests: Sequence[str | os.PathLike[str] | Sequence[Artifact]],
             h.update(b"wanted\0" + manifest_text(wanted).encode())
         if offline is None:
             offline = settings().offline
-    except (OSError, DistcacheError):
+    except Exception:  # any (a path with a NUL, an integration's defect): said by all
         return None
     h.update(f"\0origin={origin is not None}\0offline={bool(offline)}".encode())
     return h.hexdigest()

@@ -183,3 +183,42 @@ def test_a_failed_prefetch_closes_the_communicators_of_the_tree_it_let_go(
         return all(getattr(c, "usable", False) for c in tree.levels())
 
     assert run_ranks(plain, split_only, limit=4 * TIMEOUT) == [True] * 4
+
+
+class _Broken:
+    """An integration whose usage record cannot be read on this rank: its
+    ``manifest()`` raises what is no error of distcache's."""
+
+    name = "broken"
+
+    def manifest(self) -> list[Any]:
+        raise ValueError("usage record is corrupt JSON")
+
+
+@pytest.mark.parametrize("how", ["nul in a manifest path", "an integration's defect"])
+def test_one_ranks_unreadable_input_fails_every_rank_at_once_naming_it(
+        pools: dict[str, Path], tmp_path: Path, how: str) -> None:
+    from distcache._resolve import prefetch_manifests
+
+    sha = ArtifactPool(pools["a"]).put(b"x" * 10)
+    ArtifactPool(pools["b"]).put(b"x" * 10)
+    manifest = tmp_path / "checksums.txt"
+    manifest.write_text(f"{sha}  k.bin\n")
+    group = ThreadGroup(4, NODES, timeout=30)
+
+    def body(comm: Communicator) -> Exception | None:
+        odd = comm.rank == 3
+        spec = str(manifest) + ("\0" if odd and how.startswith("nul") else "")
+        integrations = [_Broken()] if odd and not how.startswith("nul") else []
+        try:
+            prefetch_manifests(NodeTree(comm, timeout=30), ArtifactPool(pools[comm.node_id]),
+                               None, manifests=[spec], integrations=integrations,
+                               timeout=30)
+        except Exception as exc:
+            return exc
+        return None
+
+    # Before, the other ranks waited out the timeout and raised CollectiveTimeout.
+    cause = "embedded null byte" if how.startswith("nul") else "usage record is corrupt"
+    for rank, error in enumerate(run_ranks(group, body, limit=60)):
+        assert error is not None and cause in str(error), (rank, error)
