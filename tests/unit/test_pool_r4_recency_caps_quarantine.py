@@ -13,6 +13,7 @@ import pytest
 
 from distcache.artifact import Artifact
 from distcache.cli import main
+from distcache.cli._common import human_bytes
 from distcache.store import ArtifactPool
 
 HOUR = 3600.0
@@ -231,8 +232,7 @@ def test_gc_keeps_the_newest_quarantined_entries(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("cap", "shown"), [
     (str(2**50), "1.0 PiB"),
     (str(3 * 2**60), "3.0 EiB"),
-    ("1" + "0" * 30, "1.0e+30 B"),
-    ("1" + "0" * 400, "1.0e+400 B"),
+    (str(2**63 - 1), "8.0 EiB"),
 ])
 def test_stats_prints_a_huge_cap_readably(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
@@ -255,8 +255,20 @@ def test_an_absurd_cap_is_no_practical_cap(
     assert all(pool.has(s) for s in shas)
     report = pool.gc()
     assert (report.removed, report.kept) == (0, 4)
-    assert main(["pool", "gc", "--pool", str(pool.root), "--max-bytes", str(cap)]) == 0
-    assert "1.0e+400 B" in capsys.readouterr().out
+    assert "1.0e+400 B" in human_bytes(cap)
+
+
+@pytest.mark.parametrize("cap", ["1" + "0" * 30, "1" + "0" * 400])
+def test_a_cap_past_any_filesystem_is_refused_where_a_user_types_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        cap: str) -> None:
+    # Taken as "no cap" before; a size no filesystem holds is a typo.
+    ArtifactPool(tmp_path / "pool").put(b"s")
+    assert main(["pool", "gc", "--pool", str(tmp_path / "pool"), "--max-bytes", cap]) == 2
+    assert "more bytes than any filesystem holds" in capsys.readouterr().err
+    monkeypatch.setenv("DISTCACHE_POOL_MAX_BYTES", cap)
+    assert main(["pool", "stats", "--pool", str(tmp_path / "pool")]) == 1
+    assert "DISTCACHE_POOL_MAX_BYTES" in capsys.readouterr().err
 
 
 def test_a_quarantined_entry_that_cannot_be_removed_is_logged_not_raised(
