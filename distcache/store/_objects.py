@@ -214,8 +214,8 @@ class ObjectStore:
         """The verified bytes of ``sha``, or None when absent or corrupt (then
         quarantined); ``stamp`` refreshes its recency. With ``trusted``, an object
         verified in this process whose file is unchanged since (:attr:`fresh`) is
-        returned without hashing it again. :class:`PoolError` when the object exists
-        but cannot be read."""
+        returned without hashing it again (unless it changed while it was read).
+        :class:`PoolError` when the object exists but cannot be read."""
         try:
             found = read_object(self.layout.fanout(sha), sha, self.layout.object_path(sha),
                                 self.stamp_interval if stamp else None,
@@ -225,8 +225,9 @@ class ObjectStore:
             return None
         if found is None:
             return None
-        data, st, stamped = found
-        if trusted and len(data) == st.st_size and trusted_file(st, self.fresh.get(sha)):
+        data, st, unchanged, stamped = found
+        if (trusted and unchanged and len(data) == st.st_size
+                and trusted_file(st, self.fresh.get(sha))):
             if stamped is not None:
                 self._restamped(sha, st, stamped)
             return data

@@ -12,7 +12,15 @@ import stat
 import time
 
 from distcache._log import get_logger
-from distcache.store._fs import READ_FLAGS, Witness, hash_fd, pool_error, read_fd, trusted_file
+from distcache.store._fs import (
+    READ_FLAGS,
+    Witness,
+    hash_fd,
+    pool_error,
+    read_fd,
+    trusted_file,
+    witness,
+)
 
 logger = get_logger(__name__)
 
@@ -84,12 +92,14 @@ def open_object(fanout: str, name: str, path: str) -> tuple[int, os.stat_result]
 
 def read_object(fanout: str, name: str, path: str, stamp_after: float | None,
                 known: Witness | None = None
-                ) -> tuple[bytes, os.stat_result, os.stat_result | None] | None:
+                ) -> tuple[bytes, os.stat_result, bool, os.stat_result | None] | None:
     """The bytes (not yet verified, unless past :data:`LARGE_FILE`) and ``fstat`` of
-    the object ``name`` (:func:`open_object`), and its ``fstat`` after a recency stamp
-    (``None``: not stamped; its mtime is refreshed when older than ``stamp_after``
-    seconds), or None when absent; a file ``known`` holds (verified, unchanged) is
-    read without the chunked hash. NotAnObject or PoolError as :func:`open_object`."""
+    the object ``name`` (:func:`open_object`), whether the file was unchanged while
+    they were read (its ``fstat`` after the read is the one before), and its ``fstat``
+    after a recency stamp (``None``: not stamped; its mtime is refreshed when older
+    than ``stamp_after`` seconds), or None when absent; a file ``known`` holds
+    (verified, unchanged) is read without the chunked hash. NotAnObject or PoolError
+    as :func:`open_object`."""
     opened = open_object(fanout, name, path)
     if opened is None:
         return None
@@ -99,6 +109,9 @@ def read_object(fanout: str, name: str, path: str, stamp_after: float | None,
                 fd, st.st_size) != (name, st.st_size):
             raise NotAnObject(f"fails verification ({st.st_size} bytes, hashed in chunks)", st)
         data = read_fd(fd, st.st_size)
+        # Written in place meanwhile (root, or the owner after a chmod), the bytes read
+        # are not those of the file verified: its times tell, and it is hashed.
+        unchanged = witness(os.fstat(fd)) == witness(st)
         stamped = None
         if stamp_after is not None and time.time() - st.st_mtime > stamp_after:
             # Another user's object may refuse: recency falls back to publish time.
@@ -109,7 +122,7 @@ def read_object(fanout: str, name: str, path: str, stamp_after: float | None,
         raise pool_error("cannot read object", path, exc) from exc
     finally:
         os.close(fd)
-    return data, st, stamped
+    return data, st, unchanged, stamped
 
 
 def file_holds(path: str | os.PathLike[str], sha: str) -> bool:
