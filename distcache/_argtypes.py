@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def directory(text: str) -> str:
@@ -15,5 +16,21 @@ def directory(text: str) -> str:
     if text.startswith("~"):  # the shell leaves it after "--pool=": a directory named ~
         raise argparse.ArgumentTypeError(
             f"{text!r} starts with '~', which only a shell expands (not after '='); "
-            "write the directory's absolute path")
+            "write the absolute path")
     return text
+
+
+def nonblank(text: str) -> str:
+    """A file or directory argument's value (``--manifest``, ``SRC``, ``DIR``,
+    ``--tar``, ``--record``), refused as :func:`directory` refuses: empty, it would be
+    the current directory (``pool import "$WHEEL"`` with WHEEL unset would import it
+    whole), and ``~`` is no home directory here (an argparse type)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty name (an unset variable?), which would be "
+                                         "the current directory")
+    return directory(text)
+
+
+def path(text: str) -> Path:
+    """:func:`nonblank` as a :class:`~pathlib.Path` (an argparse type)."""
+    return Path(nonblank(text))

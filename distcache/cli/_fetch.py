@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
-from pathlib import Path
 from typing import Any
 
+from distcache._argtypes import path
 from distcache._held import NoOrigin, missing_error
 from distcache._resolve import resolve_origin, resolve_pool
-from distcache.artifact import Artifact, read_manifest
+from distcache.artifact import Artifact, merge_manifests, read_manifest
 from distcache.cli._common import (
     EXIT_ERROR,
     EXIT_OK,
@@ -40,8 +40,9 @@ _SHOWN_FAILURES = 10
 
 def setup_fetch(parser: argparse.ArgumentParser) -> None:
     """Add the ``fetch`` options to its parser."""
-    parser.add_argument("--manifest", type=Path, required=True, metavar="FILE",
-                        help="checksums.txt (sha256sum format) listing the artifacts")
+    parser.add_argument("--manifest", type=path, action="append", required=True,
+                        metavar="FILE", help="checksums.txt (sha256sum format) listing the "
+                        "artifacts (repeatable: their union)")
     parser.add_argument("--prefix", default="", help="prefix joined in front of every name")
     parser.add_argument("--origin", action="append", metavar="URL",
                         help="origin URL or directory; repeat or comma-separate to fall back "
@@ -80,7 +81,10 @@ def run_fetch(args: argparse.Namespace) -> int:
     if jobs < 1:
         raise UsageError(f"fetch: --jobs must be >= 1, got {jobs}")
     origin = resolve_origin(args.origin or None, conf)
-    artifacts = read_manifest(args.manifest, args.prefix)
+    parts = [(str(m), read_manifest(m, args.prefix)) for m in args.manifest]
+    merge_manifests(parts)  # one name with two digests in two files: said naming both
+    # In the order given (a second name of one object then finds it in the pool), once.
+    artifacts = list(dict.fromkeys(a for _, listed in parts for a in listed))
     root = pool_root(args)
     refuse_foreign(root)
     pool = resolve_pool(root, conf)
@@ -94,7 +98,7 @@ def run_fetch(args: argparse.Namespace) -> int:
         missing = [a for a in artifacts if a.sha256 not in present]
         if missing:
             raise missing_error(missing, offline=conf.offline, where=[f"pool at {pool.root}"],
-                                manifests=[args.manifest])
+                                manifests=args.manifest)
         origin = NoOrigin(conf.offline)
     failures: list[tuple[Artifact, BaseException]] = []
     downloaded = nbytes = 0

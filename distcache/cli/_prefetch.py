@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from distcache._argtypes import nonblank
 from distcache._bounded import shell_pipe
 from distcache._logging import configure_logging, reports_error
 from distcache._resolve import ManifestSpec, prefetch_manifests, resolve_origin, resolve_pool
@@ -67,7 +68,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
     """Add the ``prefetch`` options to ``parser`` (the ``distcache`` command supplies
     ``--pool``)."""
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--manifest", action="append", metavar="FILE",
+    source.add_argument("--manifest", action="append", type=nonblank, metavar="FILE",
                         help="a sha256sum-format manifest (repeatable)")
     source.add_argument("--flashinfer", action="store_true",
                         help="FlashInfer artifacts: the usage record and/or whole families")
@@ -75,7 +76,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
                         help="a JIT compile cache (inductor, triton, deep_gemm, "
                              "flashinfer_jit, vllm; repeatable): what any rank's pool holds "
                              "reaches every pool, then fills this rank's cache directory")
-    parser.add_argument("--record", metavar="DIR",
+    parser.add_argument("--record", type=nonblank, metavar="DIR",
                         help="FlashInfer usage-record directory written by earlier runs")
     parser.add_argument("--family", action="append", default=[], metavar="NAME",
                         help="a whole FlashInfer artifact family, e.g. TRTLLM_GEN_FMHA "

@@ -15,8 +15,9 @@ import contextlib
 import dataclasses
 from pathlib import Path
 
+from distcache._argtypes import path
 from distcache._resolve import resolve_pool
-from distcache.artifact import Artifact, read_manifest
+from distcache.artifact import Artifact, merge_manifests, read_manifest
 from distcache.cli._common import (
     EXIT_OK,
     UsageError,
@@ -68,7 +69,7 @@ With --arch: """ + ARCH_RULE + "\n"
 
 def setup_import(parser: argparse.ArgumentParser) -> None:
     """Add the ``pool import`` arguments."""
-    parser.add_argument("source", type=Path, metavar="SRC",
+    parser.add_argument("source", type=path, metavar="SRC",
                         help="a .whl, a tarball or a directory")
     parser.add_argument("--arch", action="append", default=[], metavar="SM",
                         help="import only what GPUs of this architecture can load, e.g. "
@@ -78,17 +79,17 @@ def setup_import(parser: argparse.ArgumentParser) -> None:
 
 def setup_export(parser: argparse.ArgumentParser) -> None:
     """Add the ``pool export`` arguments."""
-    parser.add_argument("directory", type=Path, metavar="DIR", nargs="?",
+    parser.add_argument("directory", type=path, metavar="DIR", nargs="?",
                         help="write every named artifact and checksums.txt under DIR, as "
                              "copies, all or nothing; DIR must be new, empty or an earlier "
                              "export (whose other artifacts stay)")
-    parser.add_argument("--tar", type=Path, metavar="FILE",
+    parser.add_argument("--tar", type=path, metavar="FILE",
                         help="write one tarball instead (.tar, .tar.gz/.tgz, .tar.bz2/.tbz2, "
                              ".tar.xz/.txz; the suffix picks the compression), atomically; "
                              "'pool import FILE' reads it back")
-    parser.add_argument("--manifest", type=Path, metavar="M",
+    parser.add_argument("--manifest", type=path, action="append", metavar="M",
                         help="export only the artifacts this checksums.txt lists (all "
-                             "must be in the pool)")
+                             "must be in the pool; repeatable: their union)")
     parser.add_argument("--family", action="append", default=[], metavar="NAME",
                         help="export only this JIT cache family's trees and files, e.g. "
                              "inductor (repeatable); without it they go with the rest")
@@ -142,9 +143,9 @@ def run_import(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _selection(pool: ArtifactPool, manifest: Path | None) -> list[Artifact]:
-    if manifest is not None:
-        return read_manifest(manifest)
+def _selection(pool: ArtifactPool, manifests: list[Path] | None) -> list[Artifact]:
+    if manifests:
+        return merge_manifests([(str(m), read_manifest(m)) for m in manifests])
     return [Artifact(name, sha) for name, sha in sorted(pool.names().items()) if pool.has(sha)]
 
 
