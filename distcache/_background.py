@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from distcache._log import get_logger
 from distcache.comm import tell_others
-from distcache.errors import CollectiveTimeout, DistcacheError
+from distcache.errors import CollectiveTimeout, ConfigError, DistcacheError
 
 if TYPE_CHECKING:
     from distcache.comm import Communicator
@@ -120,9 +120,12 @@ class Background:
 
         Raises:
             CollectiveTimeout: the start-up is still running after ``timeout`` seconds.
+            ConfigError: ``timeout`` is no number of seconds from 0 up (``inf``: no limit).
             DistcacheError: the caller is another process (:meth:`wait`).
             BaseException: what the start-up raised.
         """
+        if timeout is not None:
+            timeout = _seconds(timeout)
         if not self.wait(timeout):
             raise CollectiveTimeout(
                 f"rank {comm.rank}/{comm.size}: the background start-up is still running "
@@ -139,6 +142,23 @@ class Background:
             return None
         self.waited = True
         return self.error
+
+
+def _seconds(timeout: object) -> float | None:
+    """A wait's ``timeout`` in seconds: 0 polls, ``inf`` (or more than the longest
+    setting, :data:`~distcache.config.MAX_SECONDS`) waits as ``None`` does.
+
+    Raises:
+        ConfigError: not a number, or NaN, or below 0.
+    """
+    from distcache.config import MAX_SECONDS
+
+    if (not isinstance(timeout, int | float) or isinstance(timeout, bool)
+            or not timeout >= 0):  # NaN too
+        raise ConfigError(f"wait's timeout={timeout!r:.40} is not a number of seconds from 0 "
+                          "up (None or inf: until the start-up is over)", variable="timeout",
+                          value=repr(timeout)[:40])
+    return None if timeout > MAX_SECONDS else float(timeout)
 
 
 #: The background start-ups of this process, for :func:`_cancel_at_exit`.

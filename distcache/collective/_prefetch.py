@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 from distcache._log import get_logger
 from distcache.artifact import Artifact, manifest_text
+from distcache.collective._arguments import NoneGiven, checked
 from distcache.collective._heartbeat import concurrent
 from distcache.collective._plan import Plan, download_threads, make_plan, max_downloaders
 from distcache.collective._progress import Progress, bytes_for_rank0
@@ -179,14 +180,15 @@ def prefetch(
     *,
     comm: Communicator,
     pool: Pool,
-    origin: Origin,
+    origin: Origin | None,
     timeout: float | None = None,
     bucket_bytes: int | None = None,
     downloads_per_rank: int | None = None,
     downloads_per_job: int | None = None,
 ) -> PrefetchReport:
     """Collective: make every rank's pool hold every artifact, fetching each missing
-    one from ``origin`` exactly once per job.
+    one from ``origin`` exactly once per job (``None``: none is fetched; what the pools
+    hold moves between them, and an artifact no pool holds fails the prefetch).
 
     Call on every rank of ``comm`` with the same ``artifacts``, sizes included (order
     and repeats do not matter; a repeat without a size takes the size another entry
@@ -207,8 +209,11 @@ def prefetch(
             sizes (on every rank).
         PrefetchError: a download, read, verification or publication failed on some
             rank, or a peer did not arrive in time (the same error on every rank).
-        ConfigError: a bad setting.
+        ConfigError: a bad setting, or an argument of the wrong kind (a path for
+            ``artifacts``, a path for ``pool``).
     """
+    artifacts = checked("prefetch", comm, pool, origin=origin, artifacts=artifacts)
+    origin = NoneGiven() if origin is None else origin
     conf = own_settings(
         comm, timeout=timeout, bucket_bytes=bucket_bytes, downloads_per_rank=downloads_per_rank,
         downloads_per_job=downloads_per_job,

@@ -11,6 +11,7 @@ from typing import Any
 
 from distcache._log import get_logger
 from distcache.artifact import MAX_MANIFEST_BYTES, Artifact, validate_name
+from distcache.collective._arguments import checked
 from distcache.collective._cursors import (
     held_cursor,
     journal_matches,
@@ -329,8 +330,9 @@ def sync(
     Raises:
         PrefetchError: a read, verification or publication failed on some rank, or a
             peer did not arrive in time (the same error on every rank).
-        ConfigError: a bad setting.
+        ConfigError: a bad setting, or an argument of the wrong kind.
     """
+    checked("sync", comm, pool, state=state, state_type=SyncState)
     conf = own_settings(comm, timeout=timeout, bucket_bytes=bucket_bytes)
     run = Run("sync", comm, pool, conf.timeout)
 
