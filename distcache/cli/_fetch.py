@@ -33,6 +33,7 @@ from distcache.cli._interrupt import run_threads
 from distcache.config import settings
 from distcache.errors import DistcacheError, OriginUnreachable, PoolError
 from distcache.origins import Interrupted, Stopper
+from distcache.store import PoolLayout
 
 #: Failures printed to stderr one per line; the rest are counted.
 _SHOWN_FAILURES = 10
@@ -87,6 +88,10 @@ def run_fetch(args: argparse.Namespace) -> int:
     artifacts = list(dict.fromkeys(a for _, listed in parts for a in listed))
     root = pool_root(args)
     refuse_foreign(root)
+    if (origin is None or conf.offline) and artifacts and not PoolLayout(root).is_pool():
+        # Nothing to fetch from, and no pool yet to hold anything: refused, none made.
+        raise missing_error(artifacts, offline=conf.offline,
+                            where=[f"pool at {root} (none there yet)"], manifests=args.manifest)
     pool = resolve_pool(root, conf)
     try:
         pool.remember(artifacts)

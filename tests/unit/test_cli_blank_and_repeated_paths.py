@@ -76,3 +76,17 @@ def test_an_empty_file_or_directory_argument_is_bad_usage(
     assert main([*argv, "--pool", str(pool)]) == 2
     assert "empty name (an unset variable?)" in capsys.readouterr().err
     assert not pool.exists() and sorted(p.name for p in work.iterdir()) == ["stray.bin"]
+
+
+@pytest.mark.parametrize("offline", [False, True])
+def test_fetch_with_nothing_to_fetch_from_makes_no_pool(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        offline: bool) -> None:
+    _, first, _ = _origin(tmp_path)
+    monkeypatch.delenv("DISTCACHE_ORIGIN", raising=False)
+    if offline:
+        monkeypatch.setenv("DISTCACHE_OFFLINE", "1")
+    pool = tmp_path / "pool"
+    assert main(["fetch", "--pool", str(pool), "--manifest", str(first)]) == 1
+    assert "a.bin" in capsys.readouterr().err
+    assert not pool.exists()  # refused for its input: no pool made (docs/cli.md)
