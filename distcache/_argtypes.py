@@ -11,13 +11,7 @@ def directory(text: str) -> str:
     shell variable) would be the current directory, and one starting with ``~`` a
     directory named ``~`` there (a shell does not expand it after ``--pool=``), so both
     are refused (an argparse type)."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("empty directory name")
-    if text.startswith("~"):  # the shell leaves it after "--pool=": a directory named ~
-        raise argparse.ArgumentTypeError(
-            f"{text!r} starts with '~', which only a shell expands (not after '='); "
-            "write the absolute path")
-    return text
+    return _named(text, "empty directory name")
 
 
 def nonblank(text: str) -> str:
@@ -25,12 +19,20 @@ def nonblank(text: str) -> str:
     ``--tar``, ``--record``), refused as :func:`directory` refuses: empty, it would be
     the current directory (``pool import "$WHEEL"`` with WHEEL unset would import it
     whole), and ``~`` is no home directory here (an argparse type)."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("empty name (an unset variable?), which would be "
-                                         "the current directory")
-    return directory(text)
+    return _named(text, "empty name (an unset variable?), which would be the current "
+                        "directory")
 
 
 def path(text: str) -> Path:
     """:func:`nonblank` as a :class:`~pathlib.Path` (an argparse type)."""
     return Path(nonblank(text))
+
+
+def _named(text: str, empty: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(empty)
+    if text.startswith("~"):  # the shell leaves it after "--pool=": a directory named ~
+        raise argparse.ArgumentTypeError(
+            f"{text!r} starts with '~', which only a shell expands (not after '='); "
+            "write the absolute path")
+    return text

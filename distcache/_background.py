@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from distcache._log import get_logger
 from distcache.comm import tell_others
-from distcache.errors import CollectiveTimeout, ConfigError, DistcacheError
+from distcache.errors import CollectiveTimeout, DistcacheError
 
 if TYPE_CHECKING:
     from distcache.comm import Communicator
@@ -145,20 +145,19 @@ class Background:
 
 
 def _seconds(timeout: object) -> float | None:
-    """A wait's ``timeout`` in seconds: 0 polls, ``inf`` (or more than the longest
-    setting, :data:`~distcache.config.MAX_SECONDS`) waits as ``None`` does.
+    """A wait's ``timeout`` in seconds, as :func:`~distcache.config.check_seconds`
+    takes one, but 0 polls and ``inf`` (or more than the longest setting) waits as
+    ``None`` does.
 
     Raises:
         ConfigError: not a number, or NaN, or below 0.
     """
-    from distcache.config import MAX_SECONDS
+    from distcache.config import MAX_SECONDS, check_seconds
 
-    if (not isinstance(timeout, int | float) or isinstance(timeout, bool)
-            or not timeout >= 0):  # NaN too
-        raise ConfigError(f"wait's timeout={timeout!r:.40} is not a number of seconds from 0 "
-                          "up (None or inf: until the start-up is over)", variable="timeout",
-                          value=repr(timeout)[:40])
-    return None if timeout > MAX_SECONDS else float(timeout)
+    if isinstance(timeout, int | float) and not isinstance(timeout, bool) and (
+            timeout == 0 or timeout > MAX_SECONDS):
+        return None if timeout else 0.0
+    return check_seconds(timeout, what="wait's timeout", text=False)
 
 
 #: The background start-ups of this process, for :func:`_cancel_at_exit`.

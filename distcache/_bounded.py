@@ -9,6 +9,8 @@ import os
 import stat
 from pathlib import Path
 
+from distcache._proc import ancestors, name
+
 
 def _read_at_most(path: Path, limit: int) -> bytes:
     """The bytes of ``path``; ``OSError`` (``EFBIG``) past ``limit``. A regular file says
@@ -96,14 +98,12 @@ def _giver(opened: os.stat_result) -> str | None:
     the same one), or from torchrun's agent with more than one worker on this node;
     else ``None``."""
     same = (opened.st_dev, opened.st_ino)
-    pid = os.getpid()
-    for _ in range(16):
-        parent = _parent(pid)
-        if parent is None:
+    for pid in ancestors()[:16]:
+        if pid == 1:
             return None
-        pid, name = parent
-        if name in _DAEMONS:
-            why, size = _DAEMONS[name]
+        daemon = _DAEMONS.get(name(pid) or "")
+        if daemon is not None:
+            why, size = daemon
             return why if size is None or _more_than_one(os.environ.get(size)) else None
         try:
             theirs = os.stat(f"/proc/{pid}/fd/0")
@@ -116,21 +116,6 @@ def _giver(opened: os.stat_result) -> str | None:
             return ("torchrun's workers on this node share it (each would read part of "
                     "the manifest, or none)")
     return None
-
-
-def _parent(pid: int) -> tuple[int, str] | None:
-    """Process ``pid``'s parent and its name (``/proc/PID/comm``); ``None`` past init or
-    where ``/proc`` cannot say."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        parent = int(fields[1])
-        if parent <= 1:
-            return None
-        with open(f"/proc/{parent}/comm", "rb") as f:
-            return parent, f.read().decode(errors="replace").strip()
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def _more_than_one(value: str | None) -> bool:

@@ -53,8 +53,7 @@ def checked(what: str, comm: Any, pool: Any, *, origin: Any = None, state: Any =
                               variable="state", value=repr(state)[:80])
         return [] if artifacts is None else _artifacts(what, artifacts)
     except ConfigError as exc:
-        if comm is not None and hasattr(comm, "announce"):
-            tell_others(comm, exc)  # they would wait for this rank until their timeout
+        tell_others(comm, exc)  # they would wait for this rank until their timeout
         raise
 
 

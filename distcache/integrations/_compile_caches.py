@@ -47,6 +47,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from distcache._log import get_logger
+from distcache._proc import ancestors, stat_fields
 
 if TYPE_CHECKING:
     from distcache.jit import Family
@@ -57,9 +58,6 @@ log = get_logger(__name__)
 #: The owner's name in its environment, for the processes it starts:
 #: ``<host> <pid> <start time> <digest>``.
 OWNER_VARIABLE = "DISTCACHE_JIT_OWNER"
-#: How many parents :func:`ancestors` follows.
-MAX_DEPTH = 64
-
 _lock = threading.Lock()
 # pid -> the families this process started (and, when it owns them, publishes).
 _started: dict[int, list[dict[str, Any]]] = {}
@@ -146,40 +144,11 @@ def _start(source: str, role: str, names: tuple[str, ...],
     return summaries
 
 
-def _stat(pid: int) -> list[str] | None:
-    """The fields of ``/proc/PID/stat`` after the command name (which may hold spaces
-    and parentheses): state, ppid, ...; None where there is none to read."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
-            return stat.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
 def started(pid: int) -> str | None:
     """When ``pid`` started (clock ticks after boot, ``/proc``): with the pid, one
     process, never another that reuses the pid later."""
-    fields = _stat(pid)
+    fields = stat_fields(pid)
     return fields[19] if fields is not None and len(fields) > 19 else None
-
-
-def ancestors(pid: int | None = None) -> list[int]:
-    """The parent, grandparent ... of ``pid`` (default: this process), from ``/proc``;
-    empty where there is none to read."""
-    found: list[int] = []
-    here = os.getpid() if pid is None else pid
-    for _ in range(MAX_DEPTH):
-        fields = _stat(here)
-        try:
-            here = int(fields[1]) if fields is not None else 0
-        except (ValueError, IndexError):
-            break
-        if here <= 0:
-            break
-        found.append(here)
-        if here == 1:
-            break
-    return found
 
 
 def inherited_owner(digest: str, environ: Mapping[str, str] | None = None) -> int | None:

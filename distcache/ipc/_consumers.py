@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 
+from distcache._proc import stat_fields
 from distcache.errors import IpcError
 from distcache.ipc._layout import ABSENT, LEFT, MAPPED, ControlWords, Layout
 
@@ -41,13 +42,8 @@ def process_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            # "pid (comm) S ...": the state follows the last ')'.
-            state = stat.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in (b"Z", b"X")
+    fields = stat_fields(pid)
+    return not fields or fields[0] not in ("Z", "X")  # unreadable: taken for alive
 
 
 class ConsumerTable:

@@ -95,7 +95,8 @@ def read_object(fanout: str, name: str, path: str, stamp_after: float | None,
                 ) -> tuple[bytes, os.stat_result, bool, os.stat_result | None] | None:
     """The bytes (not yet verified, unless past :data:`LARGE_FILE`) and ``fstat`` of
     the object ``name`` (:func:`open_object`), whether the file was unchanged while
-    they were read (its ``fstat`` after the read is the one before), and its ``fstat``
+    they were read (looked at only given ``known``: its ``fstat`` after the read is the
+    one before), and its ``fstat``
     after a recency stamp (``None``: not stamped; its mtime is refreshed when older
     than ``stamp_after`` seconds), or None when absent; a file ``known`` holds
     (verified, unchanged) is read without the chunked hash. NotAnObject or PoolError
@@ -110,8 +111,9 @@ def read_object(fanout: str, name: str, path: str, stamp_after: float | None,
             raise NotAnObject(f"fails verification ({st.st_size} bytes, hashed in chunks)", st)
         data = read_fd(fd, st.st_size)
         # Written in place meanwhile (root, or the owner after a chmod), the bytes read
-        # are not those of the file verified: its times tell, and it is hashed.
-        unchanged = witness(os.fstat(fd)) == witness(st)
+        # are not those of the file verified: its times tell, and it is hashed. (Bytes
+        # not trusted are hashed anyway: no second look.)
+        unchanged = known is not None and witness(os.fstat(fd)) == witness(st)
         stamped = None
         if stamp_after is not None and time.time() - st.st_mtime > stamp_after:
             # Another user's object may refuse: recency falls back to publish time.
